@@ -90,6 +90,8 @@ def _items(spec: HeadsLike) -> list:
         return [spec]
     if isinstance(spec, (tuple, list)) and len(spec) == 2 and all(isinstance(x, int) for x in spec):
         return [tuple(spec)]
+    if not isinstance(spec, Iterable):
+        return [spec]  # parse_heads reports it as unreadable (a one-line error, not a TypeError)
     items: list = []
     for s in spec:
         items.extend(_items(s) if isinstance(s, str) else [s])

@@ -1,0 +1,229 @@
+"""Builders for tiny checkpoints written to disk in seconds, with fixed seeds and no network.
+
+>>> folder = tiny_gpt2(tmp / "gpt2")                 # doctest: +SKIP  config + safetensors + tokenizer
+>>> folder = tiny_llama_gqa(tmp / "llama")           # doctest: +SKIP  4 query heads, 2 KV heads, rotary
+>>> path = tiny_gguf(tmp / "llama.gguf", folder)     # doctest: +SKIP  the same Llama as an F32 GGUF
+
+Every checkpoint carries a REAL byte-level BPE tokenizer trained on ``qkcircuits.natural_text()``
+(400 tokens, ``<|endoftext|>`` = id 0 as BOS/EOS), so text maps to many distinct ids; REFERENCE.md's
+empty-tokenizer trap is asserted against (``len(tokenizer) > 1``). Weights are HF's random init with
+every norm weight and bias perturbed, so LayerNorm folding and biases are exercised, not identities.
+
+The ``*_dir`` helpers cache one copy per test session (keyed by name) under a session tmp dir, so
+several test modules share one build. Sizes: each checkpoint is < 200 kB.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable, Dict
+
+import numpy as np
+import torch
+
+VOCAB = 400
+SPECIAL = "<|endoftext|>"
+N_CTX = 64
+LLAMA_THETA = 500.0   # not TL's default 10000: a hand-rebuilt rotary that ignores the HF config fails
+SEED = 0
+
+
+def bpe_tokenizer(vocab_size: int = VOCAB):
+    """A GPT-2-style byte-level BPE tokenizer trained on the packaged natural text (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPT2TokenizerFast
+
+    from qkcircuits import natural_text
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[SPECIAL], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([natural_text()], trainer)
+    fast = GPT2TokenizerFast(tokenizer_object=tok, bos_token=SPECIAL, eos_token=SPECIAL, unk_token=SPECIAL)
+    assert len(fast) == vocab_size > 1, "empty tokenizer (REFERENCE.md trap)"
+    assert len(set(fast("attention heads move information")["input_ids"])) > 1
+    return fast
+
+
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    """Make norm weights != 1 and biases != 0 so folding and biases are really tested."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or ".ln_" in name:
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+
+
+def tiny_gpt2(folder: Path, *, tokenizer=None) -> Path:
+    """GPT-2: 2 layers, 4 heads x 8, d_model 32, n_ctx 64, vocab 400, learned positions, biases."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = tokenizer if tokenizer is not None else bpe_tokenizer()
+    cfg = GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=N_CTX, vocab_size=len(tok), initializer_range=0.2,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(SEED)
+    model = GPT2LMHeadModel(cfg).eval()
+    _perturb(model, SEED)
+    return _save(folder, model, tok)
+
+
+def tiny_llama_gqa(folder: Path, *, tokenizer=None) -> Path:
+    """Llama: 2 layers, 4 query heads, 2 KV heads, d_head 8, rotary theta 500, RMSNorm, untied."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tokenizer if tokenizer is not None else bpe_tokenizer()
+    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      intermediate_size=64, max_position_embeddings=N_CTX, vocab_size=len(tok),
+                      initializer_range=0.2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": LLAMA_THETA},
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(SEED + 1)
+    model = LlamaForCausalLM(cfg).eval()
+    _perturb(model, SEED + 1)
+    return _save(folder, model, tok)
+
+
+def tiny_unsupported(folder: Path) -> Path:
+    """A causal LM architecture TransformerLens has no adapter for (BigBird), saved like any checkpoint."""
+    from transformers import BigBirdConfig, BigBirdForCausalLM
+
+    tok = bpe_tokenizer()
+    cfg = BigBirdConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=N_CTX, attention_type="original_full",
+                        is_decoder=True)
+    torch.manual_seed(SEED)
+    return _save(folder, BigBirdForCausalLM(cfg).eval(), tok)
+
+
+def one_id_tokenizer(vocab=("[UNK]",)):
+    """A tokenizer whose every input maps to the same id: ``vocab`` only, everything else is [UNK]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+def _save(folder: Path, model, tok) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+    return folder
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of q/k rows (transformers' GGUF loader undoes it)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tiny_gguf(path: Path, llama_folder: Path) -> Path:
+    """Write the Llama in ``llama_folder`` as an F32 GGUF (llama.cpp tensor names, gpt2 BPE tokenizer metadata).
+
+    Mirrors llama.cpp's convert_hf_to_gguf: q/k rows permuted, vocab/merges/token types from the
+    tokenizer, BOS/EOS ids. transformers' ``gguf_file=`` loader must give back the same weights.
+    """
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(llama_folder)
+    tok = AutoTokenizer.from_pretrained(llama_folder)
+    sd = {k: v.float().numpy() for k, v in load_file(str(Path(llama_folder) / "model.safetensors")).items()}
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama-gqa")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    # Tokenizer: byte-level BPE, exactly as llama.cpp writes a GPT-2-style vocabulary.
+    vocab = tok.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    assert [vocab[t] for t in tokens] == list(range(len(tokens))) == list(range(cfg.vocab_size))
+    special = set(tok.all_special_tokens)
+    merges = [" ".join(m) if not isinstance(m, str) else m
+              for m in __import__("json").loads(tok.backend_tokenizer.to_str())["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_add_bos_token(False)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+                 "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(cfg.num_hidden_layers):
+        for hf, gg in per_layer.items():
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
+    assert set(names) == set(sd), set(sd) ^ set(names)
+    for hf, gg in names.items():
+        arr = sd[hf]
+        if ".attn_q." in gg:
+            arr = _llama_cpp_permute(arr, cfg.num_attention_heads)
+        elif ".attn_k." in gg:
+            arr = _llama_cpp_permute(arr, cfg.num_key_value_heads)
+        w.add_tensor(gg, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def truncated_copy(src: Path, dst: Path, keep: float = 0.6) -> Path:
+    """The first ``keep`` share of ``src``'s bytes: a download cut off mid-way."""
+    data = Path(src).read_bytes()
+    Path(dst).write_bytes(data[: int(len(data) * keep)])
+    return Path(dst)
+
+
+# ---- one build per test session, shared by every module that imports these ----------------------
+
+_BUILT: Dict[str, Path] = {}
+
+
+def _once(key: str, tmp_path_factory, build: Callable[[Path], Path]) -> Path:
+    if key not in _BUILT or not _BUILT[key].exists():
+        _BUILT[key] = build(tmp_path_factory.mktemp(key))
+    return _BUILT[key]
+
+
+def gpt2_dir(tmp_path_factory) -> Path:
+    return _once("gpt2", tmp_path_factory, lambda d: tiny_gpt2(d))
+
+
+def llama_dir(tmp_path_factory) -> Path:
+    return _once("llama", tmp_path_factory, lambda d: tiny_llama_gqa(d))
+
+
+def gguf_path(tmp_path_factory) -> Path:
+    return _once("gguf", tmp_path_factory, lambda d: tiny_gguf(d / "tiny-llama.F32.gguf", llama_dir(tmp_path_factory)))
+
+
+def hf_model(folder: Path):
+    """transformers' own model for ``folder`` (float32, eval): the reference the bridge is compared with."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def copy_folder(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return Path(dst)
