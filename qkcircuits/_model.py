@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -168,6 +169,11 @@ def _boot(name: str, dev, dtype, device_map, label: str, **kwargs: Any) -> Trans
                               f".gguf file") from e
     except (ValueError, KeyError, NotImplementedError, RuntimeError, AttributeError) as e:
         msg = _first_line(e)
+        # TL's message lists every supported architecture first and the checkpoint's own last:
+        # keep the part that names the bad value (the full list would be cut off mid-way).
+        found = re.search(r"Config architectures: (\[.*?\]), Model type: (\S+)", str(e))
+        if found:
+            msg = f"architecture {found.group(1)} (model type {found.group(2)}) is not supported"
         if "architecture" in msg.lower() or "not supported" in msg.lower() or isinstance(e, (KeyError, NotImplementedError)):
             raise QKCircuitsError(f"TransformerLens cannot wrap {label!r}: {msg}; use a causal LM architecture that "
                                   f"transformer_lens.supported_models lists (GPT-2, Llama, Gemma, Qwen, Pythia ...)") from e

@@ -227,3 +227,19 @@ def hf_model(folder: Path):
 def copy_folder(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return Path(dst)
+
+
+_SMOLLM2_HF: list = []
+
+
+def smollm2_hf():
+    """transformers' own SmolLM2-135M from the cached GGUF (float32, eval), one per session (~13 s)."""
+    if not _SMOLLM2_HF:
+        from transformers import AutoModelForCausalLM
+
+        from qkcircuits._fetch import smollm2_gguf
+
+        path = smollm2_gguf(quiet=True)
+        _SMOLLM2_HF.append(AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                dtype=torch.float32).eval())
+    return _SMOLLM2_HF[0]
