@@ -9,6 +9,7 @@ The public API is re-exported here explicitly; the modules behind it are private
 """
 
 from ._capture import Activations, capture, edit, has_rotary, hook_name, stream
+from ._diagnose import HeadDiagnostics, diagnose, qk_statistics
 from ._errors import QKCircuitsError
 from ._heads import Head, all_heads, kv_head, model_heads, n_kv_heads, parse_heads
 from ._model import load, pick_device
@@ -21,3 +22,4 @@ __all__ = [
     "all_heads", "capture", "edit", "has_rotary", "hook_name", "kv_head", "load", "model_heads", "n_kv_heads",
     "natural_text", "parse_heads", "pick_device", "repeated_tokens", "stream", "text_tokens", "token_pool",
 ]
+__all__ += ["HeadDiagnostics", "diagnose", "qk_statistics"]
