@@ -1,0 +1,257 @@
+"""Positions in the QK circuit: learned absolute (W_pos QK W_posᵀ) and rotary (QK at a relative offset).
+
+>>> spec = rotary_spec(model)                 # doctest: +SKIP   the model's own frequencies and pairing
+>>> spec.describe()                           # doctest: +SKIP   {'style': 'halves', 'base': 100000.0, ...}
+>>> M = qk_at_offset(model, "3.1", 1)         # doctest: +SKIP   W_Q R(1) W_Kᵀ: query at i, key at i-1
+>>> scores = offset_scores(model, 3, x)       # doctest: +SKIP   x_i · QK(i−j) · x_jᵀ · scale, [head, q, k]
+
+Rotary embeddings rotate q at position i and k at position j by angles i·ω and j·ω per pair of
+coordinates, so q_i·k_j = q R(i−j) kᵀ: the score depends on positions only through the offset
+Δ = i − j (≥ 0 under causal masking; the issue's "QK(j−i)" is the same matrix named by the key's
+displacement). QK(Δ) = W_Q R(Δ) W_Kᵀ. ``R`` is built from the model's own frequencies (the HF
+rotary module's ``inv_freq`` and ``attention_scaling``, or the TL-native rotary's), never from
+``cfg.rotary_base`` (which is wrong for SmolLM2: 10000 vs the true 100000), and its pairing is
+detected by rotating the model's own layer-0 queries: ``halves`` (HF ``rotate_half``: coordinate
+k pairs with k + rotary_dim/2) or ``pairs`` (adjacent 2k, 2k+1: the TL-native model, GPT-J).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+from transformer_lens.FactoredMatrix import FactoredMatrix
+
+from ._capture import capture, has_rotary
+from ._circuits import _head, attn_scale, embed_rows, layer_weights, normalize_rows
+from ._errors import QKCircuitsError
+from ._heads import HeadsLike
+
+STYLES = ("halves", "pairs")
+
+
+@dataclass
+class RotarySpec:
+    """Rotary frequencies ``omega`` [rotary_dim/2] (radians per position), pairing ``style``,
+    ``rotary_dim`` of ``d_head`` rotated, ``scaling`` (HF ``attention_scaling`` on cos/sin)."""
+
+    omega: Tensor
+    style: str
+    rotary_dim: int
+    d_head: int
+    scaling: float = 1.0
+    base: Optional[float] = None
+    source: str = ""
+    verified_error: Optional[float] = None
+    caveats: List[str] = field(default_factory=list)
+
+    def describe(self) -> Dict[str, object]:
+        return {"style": self.style, "rotary_dim": self.rotary_dim, "base": self.base, "scaling": self.scaling,
+                "source": self.source, "verified_error": self.verified_error}
+
+
+def _pair_index(spec: RotarySpec):
+    half = spec.rotary_dim // 2
+    k = torch.arange(half)
+    return (k, k + half) if spec.style == "halves" else (2 * k, 2 * k + 1)
+
+
+def rotation(spec: RotarySpec, positions: Iterable[int], relative: bool = False
+             ) -> Float[Tensor, "n d_head d_head"]:
+    """Row-vector rotary matrices: ``rot(x, p) = x @ R[p]``; with ``relative=True``, R(Δ) with
+    q_i·k_j = q R(i−j) kᵀ (scaling² on the rotated coordinates, identity on pass-through ones)."""
+    pos = torch.as_tensor(list(positions), dtype=torch.float64)
+    omega = spec.omega.to(torch.float64)
+    ang = pos[:, None] * omega[None]                         # [n, half]
+    c, s = ang.cos(), ang.sin()
+    gain = spec.scaling ** 2 if relative else spec.scaling
+    R = torch.eye(spec.d_head, dtype=torch.float64).repeat(len(pos), 1, 1)
+    a, b = _pair_index(spec)
+    R[:, a, a], R[:, b, b] = c * gain, c * gain
+    # x'_a = x_a c − x_b s ; x'_b = x_b c + x_a s   (row vector: x' = x R)
+    R[:, b, a], R[:, a, b] = -s * gain, s * gain
+    return R.to(spec.omega.dtype)
+
+
+def _hf_rotary_modules(model) -> List[torch.nn.Module]:
+    seen, mods = set(), []
+    for _, mod in model.original_model.named_modules():
+        inv = getattr(mod, "inv_freq", None)
+        if isinstance(inv, Tensor) and inv.data_ptr() not in seen:
+            seen.add(inv.data_ptr())
+            mods.append(mod)
+    return mods
+
+
+def rotary_spec(model, base: Optional[float] = None, verify: bool = True) -> RotarySpec:
+    """The model's own rotary settings; ``base`` replaces the frequencies with base^(−2k/rotary_dim)
+    (e.g. to show that a wrong base breaks the identity). ``verify`` rotates layer-0 queries of a
+    short sequence and compares with the model's own ``hook_rot_q`` (one partial forward)."""
+    if not has_rotary(model):
+        raise QKCircuitsError(f"this model has positional embedding type "
+                              f"{getattr(model.cfg, 'positional_embedding_type', 'standard')!r}, not rotary; use "
+                              f"qk() (and positional_qk() for learned positions)")
+    d_head, caveats = int(model.cfg.d_head), []
+    native = getattr(model.original_model, "rotary", None)
+    if native is not None and hasattr(native, "cos_cached"):
+        from transformer_lens.model_bridge.sources.native.model import _resolve_rope_scaling
+        rd = int(native.rotary_dim)
+        eff_base, pos_scale, inv = _resolve_rope_scaling(model.cfg, rd)
+        spec = RotarySpec(inv.float() / float(pos_scale), "pairs", rd, d_head, 1.0, float(eff_base), "TL-native rotary")
+    else:
+        mods = _hf_rotary_modules(model)
+        if not mods:
+            raise QKCircuitsError("cannot find the rotary module (no inv_freq buffer) in this model; offset circuits "
+                                  "need the model's own rotary frequencies")
+        if len(mods) > 1:
+            caveats.append(f"{len(mods)} rotary settings (e.g. per layer type); offsets use the first")
+        mod = mods[0]
+        inv = mod.inv_freq.detach().float().cpu()
+        rope = getattr(model.original_model.config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        style = "pairs" if getattr(model.cfg, "rotary_adjacent_pairs", False) else "halves"
+        spec = RotarySpec(inv, style, 2 * inv.numel(), d_head, float(getattr(mod, "attention_scaling", 1.0) or 1.0),
+                          float(theta) if theta else None, f"HF {type(getattr(mod, 'original_component', mod)).__name__}")
+    spec.caveats = caveats
+    if verify:
+        _detect_style(model, spec)
+    if base is not None:
+        if not base > 1:
+            raise QKCircuitsError(f"rotary base must be > 1, got {base!r}")
+        k = torch.arange(0, spec.rotary_dim, 2, dtype=torch.float64)
+        spec.omega = (1.0 / float(base) ** (k / spec.rotary_dim)).float()
+        spec.base, spec.source, spec.verified_error = float(base), f"override base {base:g}", None
+    return spec
+
+
+def _detect_style(model, spec: RotarySpec, n_pos: int = 12) -> None:
+    """Pick the pairing that reproduces the model's own ``hook_rot_q`` from ``hook_q``; flag a miss."""
+    n = min(n_pos, int(model.cfg.n_ctx))
+    toks = (torch.arange(n) * 7 + 3) % int(model.cfg.d_vocab)
+    acts = capture(model, toks[None], ["q", "rot_q"], layers=[0])
+    q, rq = acts["q", 0][0].float().cpu(), acts["rot_q", 0][0].float().cpu()      # [pos, head, d_head]
+    errs = {}
+    for style in STYLES:
+        trial = RotarySpec(spec.omega, style, spec.rotary_dim, spec.d_head, spec.scaling)
+        R = rotation(trial, range(n))                                             # [pos, d, d]
+        errs[style] = float((torch.einsum("phd,pde->phe", q, R) - rq).abs().max() / rq.abs().max().clamp_min(1e-12))
+    best = min(errs, key=errs.get)
+    spec.style, spec.verified_error = best, errs[best]
+    if errs[best] > 1e-4:
+        spec.caveats.append(f"the rebuilt rotary does not reproduce the model's own rotated queries (relative error "
+                            f"{errs[best]:.2g}); offset circuits may be wrong")
+
+
+def qk_at_offset(model, head: HeadsLike, offset: int, *, spec: Optional[RotarySpec] = None,
+                 affine: bool = False) -> FactoredMatrix:
+    """QK(Δ) = W_Q R(Δ) W_Kᵀ [d_model, d_model] for query position i and key position j = i − Δ.
+
+    Score = x_i · QK(Δ) · x_jᵀ · ``attn_scale(model, layer)``. ``affine=True`` gives the form on
+    [x, 1] with b_Q/b_K (which are rotated with q/k). Memory: two [d_model(+1), d_head] factors.
+    """
+    h = _head(model, head)
+    spec = spec or rotary_spec(model)
+    w = layer_weights(model, h.layer)
+    Q, K = w.W_Q[h.head], w.W_K[h.head]
+    if affine:
+        Q, K = torch.cat([Q, w.b_Q[h.head][None]], 0), torch.cat([K, w.b_K[h.head][None]], 0)
+    R = rotation(spec, [int(offset)], relative=True)[0].to(Q.dtype).to(Q.device)
+    return FactoredMatrix(Q @ R, K.T)
+
+
+def offset_scores(model, layer: int, x: Float[Tensor, "pos d_model"], *, spec: Optional[RotarySpec] = None,
+                  heads: Optional[Sequence[int]] = None, affine: bool = True) -> Float[Tensor, "head pos pos"]:
+    """Scores every (i, j ≤ i) from residual rows ``x`` through the circuits: x_i·QK(i−j)·x_jᵀ·scale.
+
+    Rotary models use ``qk_at_offset``; others the (affine) QK. Entries j > i are NaN.
+    Memory: one [pos, pos] grid per head.
+    """
+    x = x.detach()
+    p = x.shape[0]
+    heads = list(range(model.cfg.n_heads)) if heads is None else list(heads)
+    scale = attn_scale(model, layer)
+    rotary = has_rotary(model)
+    spec = spec or (rotary_spec(model) if rotary else None)
+    xa = torch.cat([x, torch.ones(p, 1, dtype=x.dtype, device=x.device)], 1) if affine else x
+    out = torch.full((len(heads), p, p), float("nan"), dtype=x.dtype, device=x.device)
+    from ._circuits import qk, qk_affine
+    with torch.no_grad():
+        for n, hd in enumerate(heads):
+            head = (layer, hd)
+            for d in (range(p) if rotary else [None]):
+                M = qk_at_offset(model, head, d, spec=spec, affine=affine) if rotary else \
+                    (qk_affine if affine else qk)(model, head)
+                left, right = xa @ M.A, (M.B @ xa.T).T                           # [p, d_head] each
+                if d is None:
+                    out[n] = torch.tril(left @ right.T) + torch.triu(out[n], 1)
+                else:
+                    i = torch.arange(d, p)
+                    out[n, i, i - d] = (left[i] * right[i - d]).sum(-1)
+    return out * scale
+
+
+def positional_qk(model, head: HeadsLike, normalize: bool = False) -> FactoredMatrix:
+    """Learned absolute positions: W_pos QK W_posᵀ [n_ctx, n_ctx] (rows query positions, columns key positions).
+
+    ``normalize`` treats each W_pos row as a whole residual (an approximation: the model normalises
+    W_E[t] + W_pos[p] together).
+    """
+    if getattr(model.cfg, "positional_embedding_type", "standard") not in ("standard", "shortformer"):
+        raise QKCircuitsError(f"positional_qk needs learned absolute positions; this model has "
+                              f"{model.cfg.positional_embedding_type!r} (use qk_at_offset for rotary models)")
+    h = _head(model, head)
+    w = layer_weights(model, h.layer)
+    P = model.W_pos.detach()
+    if normalize:
+        P = normalize_rows(model, P, "ln1", h.layer)
+    with torch.no_grad():
+        return FactoredMatrix(P @ w.W_Q[h.head], (P @ w.W_K[h.head]).T)
+
+
+@dataclass
+class OffsetProfile:
+    """Per-head score against offset: ``mean_score[Δ]`` = scale · q̄ R(Δ) k̄ᵀ for the mean query/key of
+    the rows used, and ``norm[Δ]`` = scale · ‖QK(Δ)‖_F; ``settings`` says which rows and rotary."""
+
+    head: str
+    offsets: Tensor
+    mean_score: Tensor
+    norm: Tensor
+    settings: Dict[str, object]
+
+    def summary(self) -> Dict[str, object]:
+        i = int(self.mean_score.argmax())
+        return {"head": self.head, "preferred_offset": int(self.offsets[i]), "score_at_preferred": float(self.mean_score[i]),
+                "score_at_0": float(self.mean_score[0]), "score_range": float(self.mean_score.max() - self.mean_score.min()),
+                "offsets": [int(self.offsets[0]), int(self.offsets[-1])]}
+
+
+def offset_profile(model, head: HeadsLike, offsets: Iterable[int] = range(0, 65),
+                   x: Optional[Float[Tensor, "n d_model"]] = None, *, spec: Optional[RotarySpec] = None) -> OffsetProfile:
+    """How much a rotary head's score depends on the offset alone, for content ``x``.
+
+    ``x``: residual rows feeding the head's layer (``attn_input_hook``); default every token's
+    normalised embedding (exact input only at layer 0). Memory: [n_offsets, d_head, d_head].
+    """
+    h = _head(model, head)
+    spec = spec or rotary_spec(model)
+    w = layer_weights(model, h.layer)
+    rows = embed_rows(model, h.layer) if x is None else x.detach()
+    offs = list(offsets)
+    if not offs or min(offs) < 0:
+        raise QKCircuitsError(f"offsets must be a non-empty list of integers >= 0, got {offs[:5]}")
+    scale = attn_scale(model, h.layer)
+    with torch.no_grad():
+        qbar = (rows @ w.W_Q[h.head]).mean(0) + w.b_Q[h.head]
+        kbar = (rows @ w.W_K[h.head]).mean(0) + w.b_K[h.head]
+        R = rotation(spec, offs, relative=True).to(qbar.dtype)                        # [n, d, d]
+        mean = torch.einsum("d,nde,e->n", qbar, R, kbar) * scale
+        # ‖W_Q R W_Kᵀ‖_F = ‖R_q R R_kᵀ‖_F with W = Q·R_w (QR): computed on the d_head side only
+        Rq, Rk = torch.linalg.qr(w.W_Q[h.head])[1], torch.linalg.qr(w.W_K[h.head])[1]
+        norm = torch.linalg.matrix_norm(Rq @ R @ Rk.T, "fro") * abs(scale)
+    settings = {"rotary": spec.describe(), "rows": "normalised token embeddings" if x is None else f"{rows.shape[0]} given rows",
+                "attn_scale": scale}
+    return OffsetProfile(str(h), torch.tensor(offs), mean.cpu(), norm.cpu(), settings)
