@@ -155,7 +155,7 @@ def capture(model, tokens, names: Sequence[str] = ("q", "k", "v", "pattern"),
             layers: Optional[Iterable[int]] = None) -> Activations:
     """Run one forward pass and keep ``names`` for ``layers`` (all layers by default).
 
-    Stops the forward after the last requested layer. Memory: every requested tensor of every
+    Stops the forward once the last requested tensor exists. Memory: every requested tensor of every
     requested layer (patterns are [batch, n_heads, pos, pos] each); use ``stream`` for long scans.
     """
     names = _resolve_names(model, names)
@@ -168,7 +168,7 @@ def capture(model, tokens, names: Sequence[str] = ("q", "k", "v", "pattern"),
         return fn
 
     hooks = [(hook_name(n, l), keep(n, l)) for l in layers for n in names]
-    _run(model, _as_tokens(model, tokens), hooks, stop_after=max(layers))
+    _run(model, _as_tokens(model, tokens), hooks, stop_after=max(layers), names_per_layer=len(names))
     return acts
 
 
@@ -195,15 +195,40 @@ def stream(model, tokens, reducer: Callable[[int, Dict[str, Tensor]], object], n
         return fn
 
     hooks = [(hook_name(n, l), collect(n, l)) for l in layers for n in names]
-    _run(model, _as_tokens(model, tokens), list(extra_hooks) + hooks, stop_after=max(layers))
+    _run(model, _as_tokens(model, tokens), hooks, stop_after=max(layers), names_per_layer=len(names),
+         extra_hooks=extra_hooks)
     return results
 
 
-def _run(model, tokens: Tensor, hooks: list, stop_after: Optional[int] = None):
-    """Forward with hooks, no grad; stop after block ``stop_after`` when it is not the last."""
-    stop = stop_after + 1 if stop_after is not None and stop_after + 1 < model.cfg.n_layers else None
-    with torch.no_grad():
-        return model.run_with_hooks(tokens, fwd_hooks=hooks, stop_at_layer=stop)
+class _Stop(Exception):
+    """Raised from a hook once every requested tensor exists: the rest of the forward is wasted work."""
+
+
+def _run(model, tokens: Tensor, hooks: list, stop_after: Optional[int] = None, names_per_layer: int = 0,
+         extra_hooks: Sequence = ()):
+    """Forward with hooks and no grad that ends as soon as the last requested hook of ``stop_after`` fired.
+
+    ``names_per_layer`` hooks are expected on layer ``stop_after``; after the last of them fires the
+    pass is abandoned (skipping that block's MLP, later blocks and the unembedding).
+    """
+    if stop_after is not None and names_per_layer:
+        prefix, fired = f"blocks.{stop_after}.", []
+
+        def wrap(fn):
+            def hooked(t, hook):
+                out = fn(t, hook)
+                fired.append(hook.name)
+                if len(fired) == names_per_layer:
+                    raise _Stop
+                return out
+            return hooked
+
+        hooks = [(n, wrap(f)) if n.startswith(prefix) else (n, f) for n, f in hooks]
+    try:
+        with torch.no_grad():
+            return model.run_with_hooks(tokens, fwd_hooks=list(extra_hooks) + hooks)
+    except _Stop:
+        return None
 
 
 Replacement = Union[float, Tensor, Callable[[Tensor, Head], Tensor]]

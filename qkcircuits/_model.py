@@ -31,6 +31,7 @@ from ._errors import QKCircuitsError
 from ._fetch import SMOLLM2_HUB_NAME, smollm2_gguf
 
 ALIASES = {"smollm2-135m": "smollm2-135m", "smollm2": "smollm2-135m"}
+TOY = "toy-induction"
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "model*.safetensors")
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -85,8 +86,9 @@ def load(
     """Load ``spec`` as a ``TransformerBridge`` in eval mode.
 
     ``spec`` is a hub name, a local Hugging Face folder, a local ``.gguf`` file, the alias
-    ``"smollm2-135m"``, or an already-built bridge (returned unchanged: its processing and
-    device are the caller's). ``device_map="auto"`` spreads a model over several GPUs through
+    ``"smollm2-135m"``, ``"toy-induction"`` (the hand-built 2-layer model of
+    ``qkcircuits.fixtures``, no download), or an already-built bridge (returned unchanged: its
+    processing and device are the caller's). ``device_map="auto"`` spreads a model over several GPUs through
     transformers (then ``device`` is ignored). Memory: one copy of the weights on ``device``
     (GGUF files are dequantized on the CPU first, then moved).
     """
@@ -97,6 +99,10 @@ def load(
     torch_dtype = _resolve_dtype(dtype)
     dev = None if device_map is not None else pick_device(device, verbose=verbose)
     text = os.fspath(spec)
+    if text.lower() == TOY:
+        from .fixtures import hand_built_induction_model
+
+        return hand_built_induction_model(device=str(dev or "cpu"))  # no LayerNorm: nothing to fold
     if text.lower() in ALIASES:
         path = smollm2_gguf(quiet=not verbose)
         bridge = _load_gguf(path, dev, torch_dtype, device_map, model_name=SMOLLM2_HUB_NAME)
@@ -106,7 +112,7 @@ def load(
             bridge = _load_local(path, dev, torch_dtype, device_map)
         elif _looks_like_path(text):
             raise QKCircuitsError(f"model path {text!r} does not exist; pass an existing Hugging Face folder, a .gguf "
-                                  f"file, a hub name such as 'gpt2', or 'smollm2-135m'")
+                                  f"file, a hub name such as 'gpt2', 'smollm2-135m' or 'toy-induction'")
         else:
             bridge = _load_hub(text, dev, torch_dtype, device_map)
     _check_tokenizer(bridge, text)

@@ -29,7 +29,7 @@ INDUCTION_HEAD = (1, 0)
 UNUSED_HEADS = ((0, 1), (1, 1))
 
 
-def hand_built_induction_model(d_vocab: int = 32, n_ctx: int = 64, margin: float = 30.0, bos_token_id: int = 0,
+def hand_built_induction_model(d_vocab: int = 32, n_ctx: int = 128, margin: float = 30.0, bos_token_id: int = 0,
                                device: str = "cpu") -> TransformerBridge:
     """An exact previous-token head (0.0) feeding an exact induction head (1.0); see the module docstring.
 
