@@ -1,0 +1,157 @@
+"""Q-, K- and V-composition between every earlier head's OV and every later head, random baseline removed.
+
+>>> comp = composition_scores(model, "K")          # doctest: +SKIP
+>>> comp.scores.shape                              # doctest: +SKIP   [L, H, L, H]: [earlier layer, head, later layer, head]
+>>> k_composition_partners(model, ["1.0"])         # doctest: +SKIP   {Head(1, 0): [(Head(0, 0), 0.93), ...]}
+
+Score (Elhage et al. 2021): ‖W_OV · W_X‖_F / (‖W_OV‖_F ‖W_X‖_F) with, in TL's row-vector form,
+W_X = QK (Q-composition: the earlier head writes what the later head's query reads),
+QKᵀ (K-composition: ... its key reads) or OV (V-composition). ``scores`` subtract ``baseline``,
+the mean of that ratio for Gaussian random factors of the same shapes (one number per
+(d_model, d_head): every head pair has the same shapes), estimated by Monte Carlo with a fixed
+seed. Pairs that are not earlier → later are NaN.
+
+Computed on the d_head side: with A = Q_A R_A (QR), ‖A B C D‖_F = ‖R_A B C R_Dᵀ‖_F for Dᵀ = Q_D R_D,
+so every pair costs one [d_head, d_model] × [d_model, d_head] product. Memory: per later layer
+[earlier heads, n_heads, d_head, d_head].
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from ._circuits import is_folded, layer_weights
+from ._errors import QKCircuitsError
+from ._heads import Head, HeadsLike, model_heads
+
+MODES = ("Q", "K", "V")
+
+
+@dataclass
+class CompositionScores:
+    """``scores`` = ``raw`` − ``baseline`` [L, H, L, H] (earlier, later; NaN where not earlier → later)."""
+
+    mode: str
+    scores: Tensor
+    raw: Tensor
+    baseline: float
+    settings: Dict[str, object] = field(default_factory=dict)
+
+    def partners(self, head: Head, top: int = 3, min_score: float = 0.0) -> List[Tuple[Head, float]]:
+        """The earlier heads ``head`` composes with most (above ``min_score``), strongest first."""
+        col = self.scores[:, :, head.layer, head.head].flatten()
+        order = torch.argsort(torch.nan_to_num(col, nan=float("-inf")), descending=True)
+        H = self.scores.shape[1]
+        out = []
+        for i in order[:top].tolist():
+            v = float(col[i])
+            if v == v and v > min_score:
+                out.append((Head(i // H, i % H), v))
+        return out
+
+    def to_json(self) -> str:
+        def clean(t: Tensor):
+            return [[[[None if v != v else round(v, 6) for v in row] for row in m] for m in lay] for lay in t.tolist()]
+        return json.dumps({"mode": self.mode, "baseline": self.baseline, "settings": self.settings,
+                           "scores": clean(self.scores), "raw": clean(self.raw)})
+
+    @classmethod
+    def from_json(cls, text: str) -> "CompositionScores":
+        d = json.loads(text)
+
+        def tensor(x):
+            return torch.tensor([[[[float("nan") if v is None else v for v in row] for row in m] for m in lay]
+                                 for lay in x])
+        return cls(d["mode"], tensor(d["scores"]), tensor(d["raw"]), float(d["baseline"]), d["settings"])
+
+
+def _left_cores(W_V: Tensor, W_O: Tensor) -> Tuple[Tensor, Tensor]:
+    """OV = W_V W_O → core R_V W_O [.., d_head, d_model] and its Frobenius norm."""
+    R = torch.linalg.qr(W_V)[1]
+    core = R @ W_O
+    return core, torch.linalg.matrix_norm(core)
+
+
+def _right_cores(C: Tensor, D: Tensor) -> Tuple[Tensor, Tensor]:
+    """X = C D ([d_model, d_head] × [d_head, d_model]) → core C R_Dᵀ [.., d_model, d_head] and ‖X‖_F."""
+    R = torch.linalg.qr(D.transpose(-1, -2))[1]
+    core = C @ R.transpose(-1, -2)
+    return core, torch.linalg.matrix_norm(core)
+
+
+def _right_factors(w, mode: str) -> Tuple[Tensor, Tensor]:
+    if mode == "Q":
+        return w.W_Q, w.W_K.transpose(-1, -2)          # QK   = W_Q · W_Kᵀ
+    if mode == "K":
+        return w.W_K, w.W_Q.transpose(-1, -2)          # QKᵀ  = W_K · W_Qᵀ
+    return w.W_V, w.W_O                                # OV
+
+
+def _ratio(lc: Tensor, ln: Tensor, rc: Tensor, rn: Tensor) -> Tensor:
+    """[N, d_head, d_model] × [M, d_model, d_head] → [N, M] of ‖product‖ / (‖left‖ ‖right‖); 0 where a norm is 0."""
+    num = torch.linalg.matrix_norm(torch.einsum("nij,mjk->nmik", lc, rc))
+    den = ln[:, None] * rn[None, :]
+    return torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))
+
+
+def composition_baseline(d_model: int, d_head: int, n_samples: int = 200, seed: int = 0) -> float:
+    """Mean composition ratio of independent Gaussian factors of these shapes (Monte Carlo, ``seed``).
+
+    The ratio is invariant to the factors' scale and the same for Q, K and V composition shapes.
+    """
+    g = torch.Generator().manual_seed(int(seed))
+    shape_l = (n_samples, d_model, d_head)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float64)
+    lc, ln = _left_cores(rnd(*shape_l), rnd(n_samples, d_head, d_model))
+    rc, rn = _right_cores(rnd(*shape_l), rnd(n_samples, d_head, d_model))
+    num = torch.linalg.matrix_norm(lc @ rc)      # pair sample i with sample i: independent draws
+    return float((num / (ln * rn)).mean())
+
+
+def composition_scores(model, mode: str = "K", *, baseline: bool = True, n_samples: int = 200, seed: int = 0
+                       ) -> CompositionScores:
+    """``mode``-composition [L, H, L, H] of every earlier head's OV with every later head (see module docs).
+
+    Memory: all layers' d_head-side cores ([L·H, d_head, d_model] twice) plus one later layer's
+    [earlier heads, n_heads, d_head, d_head] products.
+    """
+    mode = str(mode).upper()
+    if mode not in MODES:
+        raise QKCircuitsError(f"composition mode must be one of Q, K, V; got {mode!r}")
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    lcs, lns, rcs, rns = [], [], [], []
+    with torch.no_grad():
+        for layer in range(L):
+            w = layer_weights(model, layer)
+            lc, ln = _left_cores(w.W_V.double(), w.W_O.double())
+            C, D = _right_factors(w, mode)
+            rc, rn = _right_cores(C.double(), D.double())
+            lcs.append(lc), lns.append(ln), rcs.append(rc), rns.append(rn)
+        raw = torch.full((L, H, L, H), float("nan"), dtype=torch.float64)
+        for later in range(1, L):
+            lc, ln = torch.cat(lcs[:later]), torch.cat(lns[:later])
+            raw[:later, :, later, :] = _ratio(lc, ln, rcs[later], rns[later]).reshape(later, H, H)
+    base = composition_baseline(int(model.cfg.d_model), int(model.cfg.d_head), n_samples, seed) if baseline else 0.0
+    settings = {"model": str(getattr(model.cfg, "model_name", "model")), "fold_ln": is_folded(model),
+                "baseline_samples": n_samples if baseline else 0, "seed": seed,
+                "convention": "scores[earlier layer, earlier head, later layer, later head]"}
+    return CompositionScores(mode, (raw - base).float(), raw.float(), base, settings)
+
+
+def k_composition_partners(model, heads: HeadsLike, top: int = 3, min_score: float = 0.0,
+                           scores: Optional[CompositionScores] = None) -> Dict[Head, List[Tuple[Head, float]]]:
+    """For each head in ``heads`` (e.g. the induction heads a scan found), the earlier heads whose OV
+    its key side reads most: up to ``top`` (head, baseline-subtracted K-composition) above ``min_score``."""
+    heads = model_heads(model, heads)
+    comp = scores if scores is not None else composition_scores(model, "K")
+    if comp.mode != "K":
+        raise QKCircuitsError(f"k_composition_partners needs K-composition scores, got mode {comp.mode!r}")
+    return {h: comp.partners(h, top, min_score) for h in heads}
