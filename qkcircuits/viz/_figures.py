@@ -1,0 +1,125 @@
+"""Plotly figures of the views, returned as JSON-ready dicts (``{"data": [...], "layout": {...}}``).
+
+>>> fig = score_grid(scores["induction"], "induction")        # doctest: +SKIP
+>>> plotly.io.from_json(json.dumps(fig)).show()              # doctest: +SKIP
+
+The report embeds these dicts and draws them with ``Plotly.newPlot``; the app returns the same dicts
+from its JSON endpoints, so both views show identical figures. Figures use the empty ``"none"``
+template (plotly's default template adds ~6 kB to every figure). Hover text gives exact values and
+token strings; token axes use indices with tick labels, because plotly merges equal category names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Dict, List, Optional, Sequence
+
+import plotly.graph_objects as go
+from torch import Tensor
+
+DIGITS = 5   # significant digits kept in the figures (hover shows 4 decimals)
+
+
+def _r(x) -> Optional[float]:
+    x = float(x)
+    if math.isnan(x) or math.isinf(x):
+        return None
+    return float(f"{x:.{DIGITS}g}")
+
+
+def _grid(t: Tensor) -> List[List[Optional[float]]]:
+    return [[_r(v) for v in row] for row in t.tolist()]
+
+
+def show_token(s: str) -> str:
+    """A token as an axis label: leading/trailing spaces as '␣', newlines as '⏎'."""
+    return s.replace("\n", "⏎").replace(" ", "␣") if s.strip() != s or "\n" in s else s
+
+
+def _fig(fig: go.Figure) -> Dict:
+    return json.loads(fig.to_json())
+
+
+def _layout(title: str, **kw) -> Dict:
+    base = dict(template="none", title=dict(text=title, font=dict(size=14)), margin=dict(l=60, r=20, t=40, b=50),
+                font=dict(size=11))
+    base.update(kw)
+    return base
+
+
+def score_grid(values: Tensor, name: str, description: str = "", colorscale: str = "Blues",
+               zmid: Optional[float] = None) -> Dict:
+    """Layer × head heatmap of one per-head score; a click reports (layer, head) as (y, x)."""
+    L, H = values.shape
+    text = [[f"{layer}.{head}" for head in range(H)] for layer in range(L)]
+    hm = go.Heatmap(z=_grid(values), x=list(range(H)), y=list(range(L)), text=text, colorscale=colorscale,
+                    zmid=zmid, xgap=1, ygap=1, colorbar=dict(thickness=10),
+                    hovertemplate=f"head %{{text}}<br>{name} = %{{z:.4f}}<extra></extra>")
+    height = max(220, min(900, 60 + 18 * L))
+    fig = go.Figure(hm, layout=_layout(name, height=height, width=max(240, 110 + 26 * H),
+                                       xaxis=dict(title="head", dtick=1), yaxis=dict(title="layer", autorange="reversed",
+                                                                                      dtick=1 if L <= 16 else 5)))
+    out = _fig(fig)
+    out["meta"] = {"name": name, "description": description}
+    return out
+
+
+def qk_heatmap(matrix: Tensor, labels: Sequence[str], head: str) -> Dict:
+    """Query token (rows) × key token (columns) pre-softmax score of the head's direct-path QK circuit."""
+    n = len(labels)
+    shown = [show_token(s) for s in labels]
+    custom = [[[json.dumps(labels[i]), json.dumps(labels[j])] for j in range(n)] for i in range(n)]
+    hm = go.Heatmap(z=_grid(matrix), x=list(range(n)), y=list(range(n)), customdata=custom, colorscale="RdBu",
+                    reversescale=True, zmid=0, colorbar=dict(thickness=10),
+                    hovertemplate="query %{customdata[0]}<br>key %{customdata[1]}<br>score %{z:.4f}<extra></extra>")
+    side = max(320, min(720, 90 + 16 * n))
+    fig = go.Figure(hm, layout=_layout(
+        f"{head} QK over tokens (pre-softmax score, direct path)", height=side, width=side + 80,
+        xaxis=dict(title="key token", tickvals=list(range(n)), ticktext=shown, tickangle=-60),
+        yaxis=dict(title="query token", tickvals=list(range(n)), ticktext=shown, autorange="reversed")))
+    return _fig(fig)
+
+
+def ov_table(values: Tensor, out_ids: Tensor, src_labels: Sequence[str], out_labels: Sequence[Sequence[str]],
+             src_ids: Sequence[int], head: str) -> Dict:
+    """Source token (rows) → its top-k output tokens (columns by rank), cell colour = logit raised, text = token."""
+    n, k = values.shape
+    text = [[show_token(s) for s in row] for row in out_labels]
+    custom = [[[json.dumps(src_labels[i]), json.dumps(out_labels[i][r]), "yes" if int(out_ids[i, r]) == int(src_ids[i])
+                else "no"] for r in range(k)] for i in range(n)]
+    hm = go.Heatmap(z=_grid(values), x=[f"#{r + 1}" for r in range(k)], y=list(range(n)), text=text,
+                    texttemplate="%{text}", customdata=custom, colorscale="Greens", colorbar=dict(thickness=10),
+                    hovertemplate="source %{customdata[0]} → output %{customdata[1]}<br>logit %{z:.4f}"
+                                  "<br>copies itself: %{customdata[2]}<extra></extra>")
+    fig = go.Figure(hm, layout=_layout(
+        f"{head} OV: source token → top output tokens (direct-path logits)", height=max(320, min(900, 90 + 18 * n)),
+        width=120 + 95 * k, xaxis=dict(title="rank", side="top"),
+        yaxis=dict(title="source token", tickvals=list(range(n)), ticktext=[show_token(s) for s in src_labels],
+                   autorange="reversed")))
+    return _fig(fig)
+
+
+def profile_line(offsets: Sequence[int], score: Sequence[float], label: str, head: str) -> Dict:
+    """Score against query−key offset Δ (positional or rotary QK profile)."""
+    line = go.Scatter(x=list(offsets), y=[_r(v) for v in score], mode="lines+markers", marker=dict(size=4),
+                      hovertemplate="offset Δ = %{x}<br>score %{y:.4f}<extra></extra>")
+    fig = go.Figure(line, layout=_layout(f"{head} QK by offset", height=300, width=520,
+                                         xaxis=dict(title="offset Δ = query pos − key pos"),
+                                         yaxis=dict(title="score"),
+                                         annotations=[dict(text=label, showarrow=False, xref="paper", yref="paper",
+                                                           x=0, y=1.0, xanchor="left", yanchor="bottom",
+                                                           font=dict(size=9))]))
+    return _fig(fig)
+
+
+def partners_bar(partners: Sequence[Sequence], head: str) -> Dict:
+    """Earlier heads ranked by K-composition with this head (baseline-subtracted)."""
+    names = [str(p[0]) for p in partners][::-1]
+    vals = [_r(p[1]) for p in partners][::-1]
+    bar = go.Bar(x=vals, y=names, orientation="h",
+                 hovertemplate="earlier head %{y}<br>K-composition %{x:.4f}<extra></extra>")
+    fig = go.Figure(bar, layout=_layout(f"{head} K-composition partners", height=max(200, 80 + 26 * len(names)),
+                                        width=420, xaxis=dict(title="score − random baseline"),
+                                        yaxis=dict(type="category")))
+    return _fig(fig)

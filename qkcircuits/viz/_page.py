@@ -1,0 +1,237 @@
+"""The one page both views use: HTML skeleton, CSS and the viewer script, plus the bundled JS libraries.
+
+The viewer script reads its data from ``window.QK_SOURCE``: ``{"mode": "static", ...}`` (the report: grids
+and per-head panels embedded) or ``{"mode": "server"}`` (the app: ``/api/info`` and ``/api/head``).
+Token strings reach the DOM only through ``textContent`` (never ``innerHTML``), and embedded JSON has
+``</`` escaped, so a token such as ``</script>`` cannot break out of the page.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+
+def plotly_js_path() -> Path:
+    """plotly.js as shipped in the installed plotly package (~4.8 MB, no network)."""
+    import plotly
+
+    return Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+
+
+def circuitsvis_js_path() -> Path:
+    """circuitsvis's browser bundle (``dist/cdn/iife.js``, ~1.3 MB) from the installed package."""
+    import circuitsvis
+
+    return Path(circuitsvis.__file__).parent / "dist" / "cdn" / "iife.js"
+
+
+@lru_cache(maxsize=2)
+def script_text(which: str) -> str:
+    """The library's JS made safe to inline: ``</script`` escaped, the source-map comment removed
+    (a browser with devtools open would otherwise try to fetch ``iife.js.map``)."""
+    path = plotly_js_path() if which == "plotly" else circuitsvis_js_path()
+    text = path.read_text(encoding="utf-8")
+    lines = text.rstrip().splitlines()
+    if lines and lines[-1].startswith("//# sourceMappingURL"):
+        text = "\n".join(lines[:-1])
+    return text.replace("</script", "<\\/script")
+
+
+def embed_json(obj) -> str:
+    """JSON for a ``<script>`` block (``</`` escaped; NaN is not valid JSON and must be None already)."""
+    return json.dumps(obj, allow_nan=False, separators=(",", ":")).replace("</", "<\\/")
+
+
+CSS = """
+body { font-family: system-ui, sans-serif; margin: 16px; color: #222; }
+h1 { font-size: 20px; margin: 0 0 4px; } h2 { font-size: 17px; margin: 18px 0 6px; }
+.muted { color: #666; font-size: 12px; }
+#grids { display: flex; flex-wrap: wrap; gap: 8px; }
+.grid-box { border: 1px solid #ddd; padding: 2px; }
+.figs { display: flex; flex-wrap: wrap; gap: 10px; align-items: flex-start; }
+.fig { border: 1px solid #eee; min-width: 200px; min-height: 60px; }
+#info table { border-collapse: collapse; font-size: 13px; } #info td { padding: 1px 8px; border-bottom: 1px solid #eee; }
+#error { color: #b00; font-weight: bold; white-space: pre-wrap; }
+#controls input[type=text], #controls textarea { width: 560px; font-family: monospace; }
+.flag { background: #fdd; padding: 0 4px; margin-right: 4px; border-radius: 3px; }
+"""
+
+VIEWER_JS = r"""
+(function () {
+  const SRC = window.QK_SOURCE;
+  const PLOT_CONFIG = {displaylogo: false, responsive: false, showLink: false, showSendToCloud: false,
+                       showEditInChartStudio: false, modeBarButtonsToRemove: ['sendDataToCloud']};
+  let widgetCount = 0;
+  const $ = (id) => document.getElementById(id);
+  function text(el, s) { el.textContent = s; return el; }
+  function mk(tag, s) { const e = document.createElement(tag); if (s !== undefined) e.textContent = s; return e; }
+  function showError(msg) { text($('error'), msg || ''); }
+
+  async function getJSON(url, body) {
+    const opts = body === undefined ? {} : {method: 'POST', headers: {'Content-Type': 'application/json'},
+                                           body: JSON.stringify(body)};
+    const r = await fetch(url, opts);
+    const data = await r.json();
+    if (!r.ok) throw new Error(data.error || ('HTTP ' + r.status));
+    return data;
+  }
+
+  function drawGrids(grids) {
+    const box = $('grids');
+    box.replaceChildren();
+    for (const g of grids) {
+      const d = mk('div'); d.className = 'grid-box'; d.id = 'grid-' + g.key; d.dataset.key = g.key;
+      box.appendChild(d);
+      Plotly.newPlot(d, g.figure.data, g.figure.layout, PLOT_CONFIG);
+      d.on('plotly_click', (ev) => { const p = ev.points[0]; select(p.y + '.' + p.x); });
+    }
+  }
+
+  function highlight(layer, head) {
+    for (const d of document.querySelectorAll('.grid-box')) {
+      Plotly.relayout(d, {shapes: [{type: 'rect', x0: head - 0.5, x1: head + 0.5, y0: layer - 0.5, y1: layer + 0.5,
+                                    line: {color: '#000', width: 2}}]});
+    }
+  }
+
+  function fmt(v) { return v === null || v === undefined ? 'n/a' : (typeof v === 'number' ? v.toFixed(4) : String(v)); }
+
+  function drawInfo(p) {
+    const info = p.info || {}, box = $('info');
+    box.replaceChildren();
+    const t = mk('table');
+    const row = (k, v) => { const tr = mk('tr'); tr.appendChild(mk('td', k)); tr.appendChild(mk('td', v)); t.appendChild(tr); };
+    if (info.labels) row('labels', info.labels.length ? info.labels.join(', ') : 'none');
+    for (const [k, v] of Object.entries(info.scores || {})) row(k, fmt(v));
+    row('eigenvalue copying (W_E OV W_U)', fmt(info.eigen_copying));
+    if (info.ablation) row('ablation effect (' + info.ablation.method + ', ' + info.ablation.metric + ')', fmt(info.ablation.effect));
+    if (info.flags) row('diagnostics flags', info.flags.length ? info.flags.join(', ') : 'none');
+    for (const [k, v] of Object.entries(info.diagnostics || {})) row(k, fmt(v));
+    box.appendChild(t);
+    for (const n of p.notes || []) box.appendChild(mk('div', n)).className = 'muted';
+  }
+
+  function drawFig(id, fig, missing) {
+    const d = $(id);
+    Plotly.purge(d);
+    d.replaceChildren();
+    if (!fig) { d.appendChild(mk('div', missing)).className = 'muted'; return; }
+    Plotly.newPlot(d, fig.data, fig.layout, PLOT_CONFIG);
+  }
+
+  function drawAttention(att) {
+    const box = $('attn');
+    box.replaceChildren();
+    if (!att) { box.appendChild(mk('div', 'no prompt given')).className = 'muted'; return; }
+    const w = mk('div'); w.id = 'attn-widget-' + (++widgetCount); w.className = 'cv-widget';
+    box.appendChild(w);
+    CircuitsVis.render(w.id, CircuitsVis.AttentionHeads, att);
+  }
+
+  function drawPanel(p) {
+    text($('head-title'), 'Head ' + p.head);
+    document.body.dataset.shownHead = p.head;
+    $('missing').replaceChildren();
+    drawInfo(p);
+    drawFig('fig-qk', p.figures.qk, '');
+    drawFig('fig-ov', p.figures.ov, '');
+    drawFig('fig-pos', p.figures.pos, 'no positional profile (see notes)');
+    drawFig('fig-comp', p.figures.comp, 'no K-composition partners (layer 0)');
+    drawAttention(p.attention);
+    highlight(p.layer, p.index);
+    const sel = $('head-select'); if (sel && sel.value !== p.head) sel.value = p.head;
+  }
+
+  async function select(key) {
+    showError('');
+    if (SRC.mode === 'static') {
+      const p = SRC.panels[key];
+      if (p) return drawPanel(p);
+      text($('head-title'), 'Head ' + key);
+      document.body.dataset.shownHead = key;
+      for (const id of ['fig-qk', 'fig-ov', 'fig-pos', 'fig-comp']) { Plotly.purge($(id)); $(id).replaceChildren(); }
+      $('info').replaceChildren(); $('attn').replaceChildren();
+      text($('missing'), 'Head ' + key + ' was not precomputed for this report (' + SRC.left_out +
+           '). Rerun: qkcircuits report MODEL --heads ' + key);
+      const [l, h] = key.split('.').map(Number); highlight(l, h);
+      return;
+    }
+    try {
+      const body = {head: key, tokens: $('tokens').value, prompt: $('prompt').value};
+      $('status').textContent = 'computing ' + key + ' ...';
+      const p = await getJSON('api/head', body);
+      drawPanel(p);
+      $('status').textContent = '';
+    } catch (e) { $('status').textContent = ''; showError(e.message); }
+  }
+
+  function fillSelect(keys) {
+    const sel = $('head-select');
+    sel.replaceChildren();
+    for (const k of keys) { const o = mk('option', k); o.value = k; sel.appendChild(o); }
+    sel.addEventListener('change', () => select(sel.value));
+  }
+
+  async function start() {
+    try {
+      let meta = SRC;
+      if (SRC.mode === 'server') {
+        meta = await getJSON('api/info');
+        $('tokens').value = meta.default_tokens;
+        $('prompt').value = meta.default_prompt;
+        $('go').addEventListener('click', () => select($('head-select').value));
+      }
+      text($('model'), meta.title);
+      text($('summary'), meta.summary);
+      drawGrids(meta.grids);
+      fillSelect(meta.heads);
+      if (meta.heads.length) await select(meta.first || meta.heads[0]);
+      document.body.dataset.ready = '1';
+    } catch (e) { showError(e.message); document.body.dataset.ready = 'error'; }
+  }
+  start();
+})();
+"""
+
+BODY = """
+<h1 id="model"></h1>
+<div id="summary" class="muted"></div>
+<div id="error"></div>
+<h2>Heads (click a cell to show that head)</h2>
+<div id="grids"></div>
+<div id="controls">{controls}</div>
+<h2 id="head-title"></h2>
+<div id="missing" class="muted"></div>
+<div id="info"></div>
+<div class="figs">
+  <div class="fig" id="fig-qk"></div><div class="fig" id="fig-ov"></div>
+</div>
+<div class="figs">
+  <div class="fig" id="fig-pos"></div><div class="fig" id="fig-comp"></div>
+</div>
+<h2>Attention pattern on the prompt</h2>
+<div id="attn"></div>
+"""
+
+STATIC_CONTROLS = 'show head: <select id="head-select"></select>'
+SERVER_CONTROLS = """
+<p>head: <select id="head-select"></select> <button id="go">show</button> <span id="status" class="muted"></span></p>
+<p>tokens (comma-separated, each one token; e.g. " the, of, cat" or "#3, #5"):<br>
+<input type="text" id="tokens" maxlength="4000"></p>
+<p>prompt:<br><textarea id="prompt" rows="3" maxlength="20000"></textarea></p>
+"""
+
+
+def page(title: str, source_js: str, scripts: str, server: bool) -> str:
+    """The full HTML page: ``scripts`` loads plotly + circuitsvis (inlined or served), ``source_js`` sets
+    ``window.QK_SOURCE``."""
+    body = BODY.replace("{controls}", SERVER_CONTROLS if server else STATIC_CONTROLS)
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{_esc(title)}</title><style>{CSS}</style>\n{scripts}\n</head><body>{body}\n"
+            f"<script>{source_js}</script>\n<script>{VIEWER_JS}</script>\n</body></html>\n")
+
+
+def _esc(s: str) -> str:
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")

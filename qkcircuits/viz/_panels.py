@@ -1,0 +1,233 @@
+"""What the report and the app show for one head, as plain JSON-ready data (no HTML, no plotly here).
+
+>>> ctx = ViewContext(model)                                  # doctest: +SKIP   per-model caches
+>>> ids = token_set(model)                                    # doctest: +SKIP   a readable set of common tokens
+>>> qk_grid(ctx, Head(1, 0), ids)                             # doctest: +SKIP   [n, n] token-to-token QK scores
+>>> ov_top(ctx, Head(1, 0), ids, k=5)                         # doctest: +SKIP   source token -> top output tokens
+>>> attention(ctx, [Head(1, 0)], prompt_ids(model, None))     # doctest: +SKIP   {Head: [q, k] pattern}
+
+Every number is computed from a few rows of the circuits, never a vocab × vocab matrix:
+QK over a token set is E_n[ids] W_Q (E_n[ids] W_K)ᵀ · scale; the OV view is E_n[ids] W_V W_O U
+([n, vocab]); the positional profile is the learned-position QK (W_pos) or the rotary offset
+profile of ``qkcircuits._rotary``; K-composition partners come from ``composition_scores``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from .._capture import capture, has_rotary
+from .._circuits import attn_scale, embed_rows, layer_weights, unembed_cols
+from .._errors import QKCircuitsError
+from .._heads import Head, model_heads
+
+# Common English tokens that make a QK heatmap readable (those that are one token in the model's vocabulary).
+COMMON_WORDS = (" the", " of", " and", " to", " a", " in", " is", " that", " it", " for", " was", " on", " with",
+                " he", " she", " they", " his", " her", " at", " by", " from", " not", " this", " are", ",", ".",
+                " The", " I", " you", " Mr", " cat", " dog", " Paris", " France", " John", " Mary")
+# Names a repeat so that induction heads light up on real text: the second "Mr and Mrs Dursley ..." is predictable.
+DEFAULT_PROMPT = ("Mr and Mrs Dursley, of number four, Privet Drive, were proud to say that they were perfectly "
+                  "normal. Mr and Mrs Dursley, of number four, Privet Drive, were proud to say that they were "
+                  "perfectly normal.")
+MAX_TOKENS = 64          # token-set size (heatmap side)
+MAX_PROMPT = 256         # prompt length in tokens for attention patterns
+MAX_OFFSET = 64          # positional profile: offsets 0..MAX_OFFSET
+
+
+def _tok(model):
+    return getattr(model, "tokenizer", None)
+
+
+def token_strings(model, ids: Sequence[int]) -> List[str]:
+    """Each id as text (``decode([id])``), or ``"#id"`` for models without a tokenizer."""
+    tok = _tok(model)
+    if tok is None:
+        return [f"#{int(i)}" for i in ids]
+    return [tok.decode([int(i)]) for i in ids]
+
+
+def _check_id(model, i: int, what: str) -> int:
+    V = int(model.cfg.d_vocab)
+    if not 0 <= i < V:
+        raise QKCircuitsError(f"{what} {i} is outside the vocabulary 0-{V - 1}")
+    return i
+
+
+def token_set(model, tokens: Optional[Sequence[str]] = None) -> List[int]:
+    """Token ids for the QK/OV views: ``tokens`` (each a single token's text, or ``#id`` / a bare id), or
+    by default the ``COMMON_WORDS`` that are single tokens (models without a tokenizer: ids 0..min(V, 32)-1)."""
+    tok = _tok(model)
+    if tokens is None or len(tokens) == 0:
+        if tok is None:
+            return list(range(min(int(model.cfg.d_vocab), 32)))
+        ids = []
+        for w in COMMON_WORDS:
+            enc = tok.encode(w, add_special_tokens=False)
+            if len(enc) == 1 and enc[0] not in ids:
+                ids.append(int(enc[0]))
+        return ids
+    if len(tokens) > MAX_TOKENS:
+        raise QKCircuitsError(f"{len(tokens)} tokens given; at most {MAX_TOKENS} fit a readable heatmap")
+    ids = []
+    for t in tokens:
+        if not isinstance(t, str):
+            raise QKCircuitsError(f"tokens must be strings (text of one token, or #id), got {t!r}")
+        s = t[1:] if t.startswith("#") else t
+        if s.strip().isdigit() and (t.startswith("#") or tok is None):
+            ids.append(_check_id(model, int(s), "token id"))
+            continue
+        if tok is None:
+            raise QKCircuitsError(f"this model has no tokenizer: give token ids such as '#3' or '3', not {t!r}")
+        enc = tok.encode(t, add_special_tokens=False)
+        if len(enc) != 1:
+            raise QKCircuitsError(f"{t!r} is {len(enc)} tokens ({token_strings(model, enc)}); give text that is exactly "
+                                  f"one token (mind the leading space, e.g. ' the'), or '#id'")
+        ids.append(int(enc[0]))
+    return ids
+
+
+def prompt_ids(model, prompt: Optional[str]) -> List[int]:
+    """Token ids of ``prompt`` led by BOS; models without a tokenizer take space-separated ids.
+
+    Default: ``DEFAULT_PROMPT`` (a sentence said twice), or for models without a tokenizer BOS + a
+    fixed 12-token sequence twice, so induction and previous-token heads show their pattern.
+    """
+    from .._sequences import bos_id
+
+    tok, bos = _tok(model), bos_id(model)
+    if prompt is None:
+        if tok is None:
+            V = int(model.cfg.d_vocab)
+            body = [(7 * i + 3) % (V - 1) + 1 for i in range(min(12, V - 1))]
+            return [bos] + body + body
+        prompt = DEFAULT_PROMPT
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise QKCircuitsError("the prompt is empty; give some text (or token ids for a model without a tokenizer)")
+    if tok is None:
+        try:
+            ids = [int(x) for x in prompt.replace(",", " ").split()]
+        except ValueError:
+            raise QKCircuitsError("this model has no tokenizer: give the prompt as space-separated token ids, "
+                                  f"e.g. '0 5 9 5', not {prompt[:40]!r}") from None
+        ids = [_check_id(model, i, "prompt token id") for i in ids]
+        body = ids
+    else:
+        body = tok.encode(prompt, add_special_tokens=False)
+    ids = [bos] + list(body) if not body or body[0] != bos else list(body)
+    limit = min(MAX_PROMPT, int(model.cfg.n_ctx))
+    if len(ids) > limit:
+        raise QKCircuitsError(f"the prompt is {len(ids)} tokens (with BOS); at most {limit} are shown")
+    return ids
+
+
+class ViewContext:
+    """Per-model caches for the views: normalised embedding rows, unembedding, layer weights, and the
+    weight-only scores (eigenvalue copying, K-composition) computed on first use.
+
+    Memory: one [d_model, vocab] unembedding view plus, per layer used, its attention weights.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self._U: Optional[Tensor] = None
+        self._weights: Dict[int, object] = {}
+        self._eigen: Optional[Tensor] = None
+        self._kcomp = None
+
+    def weights(self, layer: int):
+        if layer not in self._weights:
+            self._weights[layer] = layer_weights(self.model, layer)
+        return self._weights[layer]
+
+    def embed(self, layer: int, ids: Sequence[int]) -> Tensor:
+        with torch.no_grad():
+            E = self.model.W_E.detach()[torch.as_tensor(list(ids), device=self.model.W_E.device)]
+            from .._circuits import normalize_rows
+            return normalize_rows(self.model, E, "ln1", layer)
+
+    def unembed(self) -> Tensor:
+        if self._U is None:
+            self._U = unembed_cols(self.model)
+        return self._U
+
+    def eigen_copying(self) -> Tensor:
+        """Elhage's eigenvalue copying score of W_E OV W_U for every head ([layer, head])."""
+        if self._eigen is None:
+            from .._copying import copying_scores
+            full = self.model.W_E.shape[0] == self.model.W_U.shape[-1]
+            self._eigen = copying_scores(self.model, full=full)
+        return self._eigen
+
+    def k_composition(self):
+        if self._kcomp is None:
+            from .._composition import composition_scores
+            self._kcomp = composition_scores(self.model, "K")
+        return self._kcomp
+
+
+def qk_grid(ctx: ViewContext, head: Head, ids: Sequence[int]) -> Float[Tensor, "query key"]:
+    """Token-to-token pre-softmax score (direct path, no position): E_n[q] W_Q W_Kᵀ E_n[k]ᵀ · scale (+ biases)."""
+    w = ctx.weights(head.layer)
+    E = ctx.embed(head.layer, ids)
+    with torch.no_grad():
+        q = E @ w.W_Q[head.head] + w.b_Q[head.head]
+        k = E @ w.W_K[head.head] + w.b_K[head.head]
+        return (q @ k.T * attn_scale(ctx.model, head.layer)).float().cpu()
+
+
+def ov_top(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5) -> Tuple[Tensor, Tensor]:
+    """For each source token, the ``k`` output tokens whose logits its OV write raises most:
+    (values [n, k], ids [n, k]) of E_n[ids] W_V W_O U. Memory: one [n, vocab] block."""
+    w = ctx.weights(head.layer)
+    E = ctx.embed(head.layer, ids)
+    with torch.no_grad():
+        rows = ((E @ w.W_V[head.head]) @ w.W_O[head.head]) @ ctx.unembed()
+        vals, idx = rows.topk(min(int(k), rows.shape[-1]), dim=-1)
+    return vals.float().cpu(), idx.cpu()
+
+
+def positional_profile(ctx: ViewContext, head: Head, max_offset: int = MAX_OFFSET) -> Optional[Dict[str, object]]:
+    """Score against offset Δ = i − j (query i, key j), or None when the QK circuit has no position in it.
+
+    Learned positions: mean over queries i of W_pos[i] QK W_pos[i−Δ]ᵀ · scale, over the first
+    min(n_ctx, 2·max_offset) positions. Rotary: ``offset_profile`` (mean token query/key rotated by Δ).
+    """
+    model = ctx.model
+    n = min(int(model.cfg.n_ctx), 2 * max_offset + 1)
+    offs = list(range(min(max_offset, n - 1) + 1))
+    if has_rotary(model):
+        from .._rotary import offset_profile
+        prof = offset_profile(model, head, offs)
+        return {"kind": "rotary", "offsets": offs, "score": prof.mean_score.tolist(),
+                "label": "rotary offset profile: mean token query · R(Δ) · mean token key"}
+    if getattr(model, "W_pos", None) is None or str(model.cfg.positional_embedding_type) not in ("standard", "shortformer"):
+        return None
+    w = ctx.weights(head.layer)
+    with torch.no_grad():
+        P = model.W_pos.detach()[:n]
+        M = (P @ w.W_Q[head.head]) @ (P @ w.W_K[head.head]).T * attn_scale(model, head.layer)
+        score = [float(torch.diagonal(M, -d).mean()) for d in offs]
+    return {"kind": "learned", "offsets": offs, "score": score,
+            "label": f"learned positions: mean over queries of W_pos[i]·QK·W_pos[i−Δ] (first {n} positions)"}
+
+
+def k_partners(ctx: ViewContext, head: Head, top: int = 5) -> List[Tuple[str, float]]:
+    """Earlier heads whose OV output this head's key side reads most (K-composition, random baseline removed)."""
+    if head.layer == 0:
+        return []
+    return [(str(h), v) for h, v in ctx.k_composition().partners(head, top, -math.inf)]
+
+
+def attention(ctx: ViewContext, heads: Sequence[Head], ids: Sequence[int]) -> Dict[Head, Tensor]:
+    """Attention pattern [q, k] of each head on one prompt (one forward, stopped after the last layer needed)."""
+    heads = model_heads(ctx.model, list(heads))
+    if not heads:
+        return {}
+    layers = sorted({h.layer for h in heads})
+    acts = capture(ctx.model, torch.tensor([list(ids)]), ["pattern"], layers=layers)
+    return {h: acts["pattern", h.layer][0, h.head].float().cpu() for h in heads}

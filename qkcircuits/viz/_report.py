@@ -1,0 +1,105 @@
+"""One self-contained HTML report: score grids, per-head QK/OV/positional/composition views, attention patterns.
+
+>>> html = report_html(model, scores=qk.scan(model))          # doctest: +SKIP
+>>> write_report("report.html", html)                         # doctest: +SKIP
+
+The file works with no network: plotly.js and circuitsvis's bundle are inlined once each (~6.1 MB
+together), every figure is data drawn by ``Plotly.newPlot``, every attention widget is drawn by
+``CircuitsVis.render``. Per-head panels are precomputed only for a bounded set of heads (the top
+``per_score`` of every grid plus ``heads``); the report says which were left out.
+Memory: the model plus, for the chosen heads, one [n_tokens, vocab] OV block at a time and one
+forward pass's attention patterns on the prompt.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .._errors import QKCircuitsError
+from .._heads import Head, model_heads
+from ._page import embed_json, page, script_text
+from ._panels import ViewContext, attention, prompt_ids, token_set
+from ._views import grids, panel
+
+MAX_HEADS = 60
+
+
+def pick_heads(grid_values: Dict[str, torch.Tensor], per_score: int, extra: Sequence[Head] = (),
+               max_heads: int = MAX_HEADS) -> List[Head]:
+    """``extra`` first, then the top ``per_score`` heads of each grid (by value; by |value| for signed
+    grids), without repeats, at most ``max_heads`` besides ``extra``."""
+    out = list(dict.fromkeys(extra))
+    picked = 0
+    for name, t in grid_values.items():
+        key = t.abs() if float(t.nan_to_num(0).min()) < 0 else t
+        flat = key.nan_to_num(-math.inf).flatten()
+        for i in flat.topk(min(per_score, flat.numel())).indices.tolist():
+            h = Head(i // t.shape[1], i % t.shape[1])
+            if h not in out and picked < max_heads:
+                out.append(h)
+                picked += 1
+    return out
+
+
+def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=None, tokens: Optional[Sequence[str]] = None,
+                prompt: Optional[str] = None, per_score: int = 3, k: int = 5, title: Optional[str] = None,
+                progress: bool = True) -> str:
+    """The report as one HTML string (see module docs). ``scores``: HeadScores (e.g. ``qk.scan(model)``);
+    ``effects``: HeadEffects from ``sweep``; ``diagnostics``: HeadDiagnostics; ``heads``: extra heads to
+    precompute; ``tokens``: the token set of the QK/OV views; ``prompt``: text for the attention patterns."""
+    from .._model import model_name
+
+    if per_score < 0 or k < 1:
+        raise QKCircuitsError(f"per_score must be >= 0 and k >= 1, got {per_score} and {k}")
+    L, H = int(model.cfg.n_layers), int(model.cfg.n_heads)
+    shapes = {"scores": scores and (scores.n_layers, scores.n_heads), "effects": effects and tuple(effects.effects.shape),
+              "diagnostics": diagnostics and (diagnostics.n_layers, diagnostics.n_heads)}
+    for name, shape in shapes.items():
+        if shape and tuple(shape) != (L, H):
+            raise QKCircuitsError(f"the {name} are for {shape[0]} layers x {shape[1]} heads, but the model has {L} x {H}")
+    ctx = ViewContext(model)
+    ids = token_set(model, tokens)
+    pids = prompt_ids(model, prompt)
+    grid_list = grids(model, ctx, scores, effects, diagnostics)
+    values = {g["key"]: _grid_tensor(g) for g in grid_list}
+    extra = model_heads(model, heads) if heads else []
+    chosen = pick_heads(values, per_score, extra)
+    if not chosen:
+        raise QKCircuitsError("no heads to show: give per_score >= 1 or some heads")
+    patterns = attention(ctx, chosen, pids)
+    panels = {}
+    for h in tqdm(chosen, desc="report", unit="head", disable=not progress, leave=False):
+        panels[str(h)] = panel(ctx, h, ids, pids, patterns[h], scores=scores, effects=effects,
+                               diagnostics=diagnostics, k=k)
+    total = L * H
+    left_out = (f"panels precomputed for {len(chosen)} of {total} heads: the top {per_score} of every grid"
+                + (", plus the heads asked for with --heads" if extra else "")
+                + ("; the other heads were left out to keep the file small" if len(chosen) < total else ""))
+    name = title or model_name(model)
+    first = str(extra[0] if extra else chosen[0])
+    if not extra and scores is not None and "induction" in scores.scores and per_score > 0:
+        first = str(scores.top(1, "induction")[0][0])   # open on the strongest induction head
+    data = {"mode": "static", "title": f"qkcircuits report: {name}",
+            "summary": (f"{L} layers x {H} heads; QK/OV token set: {len(ids)} tokens; prompt: {len(pids)} tokens. "
+                        f"{left_out}. Weights-only views (QK, OV, offsets, composition) use the direct path from the "
+                        f"token embeddings."),
+            "left_out": left_out, "grids": grid_list, "heads": list(panels), "first": first, "panels": panels}
+    scripts = (f"<script>{script_text('plotly')}</script>\n"
+               f"<script>{script_text('circuitsvis')}</script>")
+    return page(data["title"], f"window.QK_SOURCE = {embed_json(data)};", scripts, server=False)
+
+
+def _grid_tensor(g: Dict) -> torch.Tensor:
+    z = g["figure"]["data"][0]["z"]
+    return torch.tensor([[math.nan if v is None else v for v in row] for row in z], dtype=torch.float32)
+
+
+def write_report(path: str, html: str) -> None:
+    """Write the report atomically (the whole file or nothing)."""
+    from ..cli._common import write_atomic
+
+    write_atomic(str(path), html)
