@@ -8,6 +8,12 @@
 The public API is re-exported here explicitly; the modules behind it are private.
 """
 
+from ._circuits import (Circuit, LayerWeights, all_ov, all_qk, attn_input_hook, attn_scale, circuit, circuit_caveats,
+                        embed_rows, full_ov, full_qk, layer_weights, ov, ov_affine, qk, qk_affine, top_tokens, unembed_cols)
+from ._composition import CompositionScores, composition_baseline, composition_scores, k_composition_partners
+from ._copying import copying_accuracy, copying_scores, eigen_copying
+from ._rotary import (OffsetProfile, RotarySpec, offset_profile, offset_scores, positional_qk, qk_at_offset, rotary_spec,
+                      rotation)
 from ._capture import Activations, capture, edit, has_rotary, hook_name, stream
 from ._diagnose import HeadDiagnostics, diagnose, qk_statistics
 from ._errors import QKCircuitsError
@@ -23,3 +29,8 @@ __all__ = [
     "natural_text", "parse_heads", "pick_device", "repeated_tokens", "stream", "text_tokens", "token_pool",
 ]
 __all__ += ["HeadDiagnostics", "diagnose", "qk_statistics"]
+__all__ += ["Circuit", "CompositionScores", "LayerWeights", "OffsetProfile", "RotarySpec", "all_ov", "all_qk", "attn_input_hook",
+            "attn_scale", "circuit", "circuit_caveats", "composition_baseline", "composition_scores", "copying_accuracy",
+            "copying_scores", "eigen_copying", "embed_rows", "full_ov", "full_qk", "k_composition_partners", "layer_weights",
+            "offset_profile", "offset_scores", "ov", "ov_affine", "positional_qk", "qk", "qk_affine", "qk_at_offset",
+            "rotary_spec", "rotation", "top_tokens", "unembed_cols"]

@@ -130,9 +130,21 @@ def rotary_spec(model, base: Optional[float] = None, verify: bool = True) -> Rot
 def _detect_style(model, spec: RotarySpec, n_pos: int = 12) -> None:
     """Pick the pairing that reproduces the model's own ``hook_rot_q`` from ``hook_q``; flag a miss."""
     n = min(n_pos, int(model.cfg.n_ctx))
-    toks = (torch.arange(n) * 7 + 3) % int(model.cfg.d_vocab)
-    acts = capture(model, toks[None], ["q", "rot_q"], layers=[0])
-    q, rq = acts["q", 0][0].float().cpu(), acts["rot_q", 0][0].float().cpu()      # [pos, head, d_head]
+    native = getattr(model.original_model, "rotary", None)
+    if native is not None and hasattr(native, "apply_rope"):
+        # TL-native attention does not fire hook_rot_q: ask its rotary module to rotate a probe
+        probe = torch.randn(1, 1, n, spec.d_head, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            rq = native.apply_rope(probe.to(native.cos_cached.device), probe.to(native.cos_cached.device))[0]
+        q, rq = probe[0].transpose(0, 1).float(), rq[0].transpose(0, 1).float().cpu()   # [pos, 1, d_head]
+    else:
+        toks = (torch.arange(n) * 7 + 3) % int(model.cfg.d_vocab)
+        acts = capture(model, toks[None], ["q", "rot_q"], layers=[0])
+        if ("rot_q", 0) not in acts.tensors:
+            spec.caveats.append(f"the model does not expose its rotated queries; pairing {spec.style!r} assumed, "
+                                f"not verified")
+            return
+        q, rq = acts["q", 0][0].float().cpu(), acts["rot_q", 0][0].float().cpu()      # [pos, head, d_head]
     errs = {}
     for style in STYLES:
         trial = RotarySpec(spec.omega, style, spec.rotary_dim, spec.d_head, spec.scaling)

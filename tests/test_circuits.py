@@ -1,0 +1,324 @@
+"""Circuits against ground truth: hand-built heads, HF weights of tiny checkpoints, the models' own scores."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import _tiny
+import pytest
+import torch
+from transformer_lens.config import TransformerBridgeConfig
+from transformer_lens.model_bridge import TransformerBridge
+
+import qkcircuits as qk
+from qkcircuits import QKCircuitsError
+
+
+def _native(seed=1, **kw):
+    cfg = dict(d_model=64, d_head=16, n_layers=4, n_ctx=16, n_heads=4, d_vocab=50, attn_only=True,
+               normalization_type=None, positional_embedding_type="standard", act_fn="relu", seed=seed, model_name="r")
+    cfg.update(kw)
+    return TransformerBridge.boot_native(TransformerBridgeConfig(**cfg), device="cpu").eval()
+
+
+def _forward(model, tokens, layer):
+    names = {qk.attn_input_hook(model, layer), f"blocks.{layer}.attn.hook_attn_scores",
+             f"blocks.{layer}.attn.hook_pattern", f"blocks.{layer}.attn.hook_q", f"blocks.{layer}.attn.hook_k"}
+    if qk.has_rotary(model):
+        names |= {f"blocks.{layer}.attn.hook_rot_q", f"blocks.{layer}.attn.hook_rot_k"}
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+    return cache
+
+
+def _causal(p):
+    return torch.tril(torch.ones(p, p, dtype=torch.bool))
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory):
+    return _tiny.gpt2_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def gpt2(gpt2_folder):
+    return qk.load(str(gpt2_folder), device="cpu", verbose=False)
+
+
+@pytest.fixture(scope="module")
+def gpt2_raw(gpt2_folder):
+    return qk.load(str(gpt2_folder), device="cpu", fold_ln=False, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return qk.load(str(_tiny.llama_dir(tmp_path_factory)), device="cpu", verbose=False)
+
+
+# ------------------------------------------------------------------------------- weight products
+
+def test_qk_ov_equal_hf_weight_products_gpt2(gpt2_raw, gpt2_folder):
+    hf = _tiny.hf_model(gpt2_folder)
+    d, H = hf.config.n_embd, hf.config.n_head
+    dh = d // H
+    for layer in range(2):
+        W, b = hf.transformer.h[layer].attn.c_attn.weight, hf.transformer.h[layer].attn.c_attn.bias   # x W + b
+        Wo = hf.transformer.h[layer].attn.c_proj.weight
+        for h in range(H):
+            sl = slice(h * dh, (h + 1) * dh)
+            Wq, Wk, Wv = W[:, sl], W[:, d:][:, sl], W[:, 2 * d:][:, sl]
+            torch.testing.assert_close(qk.qk(gpt2_raw, (layer, h)).AB, Wq @ Wk.T, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(qk.ov(gpt2_raw, (layer, h)).AB, Wv @ Wo[sl], atol=1e-5, rtol=1e-5)
+            aff = qk.qk_affine(gpt2_raw, (layer, h)).AB
+            bq, bk = b[sl], b[d:][sl]
+            torch.testing.assert_close(aff[-1, -1], bq @ bk, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(aff[:-1, -1], Wq @ bk, atol=1e-5, rtol=1e-5)
+
+
+def test_qk_ov_gqa_use_their_own_kv_head_llama(tmp_path_factory):
+    folder = _tiny.llama_dir(tmp_path_factory)
+    raw = qk.load(str(folder), device="cpu", fold_ln=False, verbose=False)
+    hf = _tiny.hf_model(folder)
+    attn = hf.model.layers[1].self_attn
+    dh, group = 8, 2
+    for h in range(4):
+        kv = slice((h // group) * dh, (h // group + 1) * dh)
+        Wq, Wk = attn.q_proj.weight[h * dh:(h + 1) * dh].T, attn.k_proj.weight[kv].T
+        Wv, Wo = attn.v_proj.weight[kv].T, attn.o_proj.weight[:, h * dh:(h + 1) * dh].T
+        torch.testing.assert_close(qk.qk(raw, (1, h)).AB, Wq @ Wk.T, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(qk.ov(raw, (1, h)).AB, Wv @ Wo, atol=1e-5, rtol=1e-5)
+    allqk = qk.all_qk(raw)
+    assert allqk.A.shape == (2, 4, 32, 8)
+    torch.testing.assert_close(allqk[1, 3].AB, qk.qk(raw, "1.3").AB)
+
+
+def test_qk_ov_hand_built_match_construction(hand_built):
+    a1 = hand_built.original_model.layers[1].attn
+    d_head = hand_built.cfg.d_head
+    s = slice(0, d_head)
+    torch.testing.assert_close(qk.qk(hand_built, "1.0").AB, a1.q.weight[s].T @ a1.k.weight[s])
+    torch.testing.assert_close(qk.ov(hand_built, "1.0").AB, a1.v.weight[s].T @ a1.o.weight[:, s].T)
+
+
+# ---------------------------------------------------------------------- bilinear identity vs model
+
+@pytest.mark.parametrize("fixture", ["gpt2", "gpt2_raw"])
+def test_bilinear_form_reproduces_scores_gpt2(fixture, request):
+    model = request.getfixturevalue(fixture)
+    tokens = torch.randint(0, model.cfg.d_vocab, (1, 24), generator=torch.Generator().manual_seed(0))
+    mask = _causal(24)
+    for layer in range(2):
+        c = _forward(model, tokens, layer)
+        x = c[qk.attn_input_hook(model, layer)][0]
+        ours = qk.offset_scores(model, layer, x)
+        ref = c[f"blocks.{layer}.attn.hook_attn_scores"][0]
+        torch.testing.assert_close(ours[:, mask], ref[:, mask], atol=1e-4, rtol=1e-4)
+        qref = torch.einsum("qhd,khd->hqk", c[f"blocks.{layer}.attn.hook_q"][0], c[f"blocks.{layer}.attn.hook_k"][0])
+        torch.testing.assert_close(ours[:, mask], (qref * qk.attn_scale(model, layer))[:, mask], atol=1e-4, rtol=1e-4)
+        pat = torch.softmax(ours.masked_fill(~mask, float("-inf")), -1)
+        torch.testing.assert_close(pat, c[f"blocks.{layer}.attn.hook_pattern"][0], atol=1e-5, rtol=1e-4)
+        # the biases are perturbed: leaving them out must break the identity (the test can fail)
+        plain = qk.offset_scores(model, layer, x, affine=False)
+        assert (plain - ref)[:, mask].abs().max() > 1e-2
+
+
+def test_bilinear_form_reproduces_scores_hand_built(hand_built):
+    """Native model: hook_attn_scores carries the pattern (TL quirk), so compare with q·kᵀ·scale and the pattern."""
+    tokens = torch.tensor([[0, 5, 9, 3, 7, 5, 9, 3, 7, 11]])
+    mask = _causal(10)
+    for layer in range(2):
+        c = _forward(hand_built, tokens, layer)
+        ours = qk.offset_scores(hand_built, layer, c[qk.attn_input_hook(hand_built, layer)][0])
+        qref = torch.einsum("qhd,khd->hqk", c[f"blocks.{layer}.attn.hook_q"][0], c[f"blocks.{layer}.attn.hook_k"][0])
+        torch.testing.assert_close(ours[:, mask], (qref * qk.attn_scale(hand_built, layer))[:, mask], atol=1e-3, rtol=1e-5)
+        pat = torch.softmax(ours.masked_fill(~mask, float("-inf")), -1)
+        torch.testing.assert_close(pat, c[f"blocks.{layer}.attn.hook_pattern"][0], atol=1e-5, rtol=1e-4)
+
+
+def test_rotary_offset_identity_tiny_llama_and_wrong_base_fails(llama):
+    spec = qk.rotary_spec(llama)
+    assert spec.style == "halves" and spec.verified_error < 1e-5 and not spec.caveats
+    assert spec.base == _tiny.LLAMA_THETA and llama.cfg.rotary_base != _tiny.LLAMA_THETA
+    tokens = torch.randint(0, llama.cfg.d_vocab, (1, 40), generator=torch.Generator().manual_seed(1))
+    mask = _causal(40)
+    for layer in range(2):
+        c = _forward(llama, tokens, layer)
+        x, ref = c[qk.attn_input_hook(llama, layer)][0], c[f"blocks.{layer}.attn.hook_attn_scores"][0]
+        ours = qk.offset_scores(llama, layer, x, spec=spec)
+        torch.testing.assert_close(ours[:, mask], ref[:, mask], atol=1e-4, rtol=1e-4)
+        wrong = qk.offset_scores(llama, layer, x, spec=qk.rotary_spec(llama, base=10000.0))
+        assert (wrong - ref)[:, mask].abs().max() > 0.05
+
+
+def test_rotary_native_adjacent_pairs_detected():
+    m = _native(positional_embedding_type="rotary", n_layers=2, rotary_dim=16)
+    spec = qk.rotary_spec(m)
+    assert spec.style == "pairs" and spec.verified_error < 1e-5
+    tokens = torch.arange(12)[None] * 3 % 50
+    c = _forward(m, tokens, 1)
+    ours = qk.offset_scores(m, 1, c[qk.attn_input_hook(m, 1)][0], spec=spec)
+    # the native attention fires no hook_rot_q: rotate hook_q/hook_k with the model's own rotary module
+    q, k = c["blocks.1.attn.hook_q"].transpose(1, 2), c["blocks.1.attn.hook_k"].transpose(1, 2)
+    rq, rk = m.original_model.rotary.apply_rope(q, k)
+    ref = (rq[0] @ rk[0].transpose(-1, -2))
+    mask = _causal(12)
+    torch.testing.assert_close(ours[:, mask], (ref * qk.attn_scale(m, 1))[:, mask], atol=1e-4, rtol=1e-4)
+    pat = torch.softmax(ours.masked_fill(~mask, float("-inf")), -1)
+    torch.testing.assert_close(pat, c["blocks.1.attn.hook_pattern"][0], atol=1e-5, rtol=1e-4)
+    halves = qk.RotarySpec(spec.omega, "halves", spec.rotary_dim, spec.d_head)
+    assert (qk.offset_scores(m, 1, c[qk.attn_input_hook(m, 1)][0], spec=halves) - ours)[:, mask].abs().max() > 1e-2
+
+
+def test_normalised_embedding_is_layer0_input(llama):
+    tokens = torch.tensor([[3, 17, 250, 3, 99]])
+    c = _forward(llama, tokens, 0)
+    torch.testing.assert_close(qk.embed_rows(llama, 0)[tokens[0]], c[qk.attn_input_hook(llama, 0)][0],
+                               atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------- token circuits
+
+def test_full_ov_rows_top_tokens_and_copying_accuracy_match_brute_force(gpt2_raw):
+    model = gpt2_raw
+    E, U = qk.embed_rows(model, 1), qk.unembed_cols(model)
+    full = qk.full_ov(model, "1.2")
+    dense = E @ qk.ov(model, "1.2").AB @ U                                         # 400 x 400: fine here
+    torch.testing.assert_close(full.AB, dense, atol=1e-4, rtol=1e-4)
+    vals, idx = qk.top_tokens(full, 7, k=5)
+    torch.testing.assert_close(vals, dense[7].topk(5).values, atol=1e-4, rtol=1e-4)
+    assert idx.tolist() == dense[7].topk(5).indices.tolist()
+    _, cidx = qk.top_tokens(full, 11, k=3, dim="col")
+    assert cidx.tolist() == dense[:, 11].topk(3).indices.tolist()
+    expect = (dense.argmax(-1) == torch.arange(dense.shape[0])).float().mean()
+    got = qk.copying_accuracy(model, "1.2", max_bytes=4 * 400 * 37)               # 37-row chunks
+    assert float(got) == pytest.approx(float(expect))
+    fq = qk.full_qk(model, "0.1")
+    torch.testing.assert_close(fq.AB[5, 9], qk.embed_rows(model, 0)[5] @ qk.qk(model, "0.1").AB @ qk.embed_rows(model, 0)[9],
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fixture", ["gpt2", "gpt2_raw"])
+def test_eigen_copying_from_small_side_equals_vocab_side(fixture, request):
+    model = request.getfixturevalue(fixture)
+    scores = qk.copying_scores(model)
+    ov_scores = qk.copying_scores(model, full=False)
+    for layer, h in [(0, 0), (1, 3)]:
+        dense = (qk.full_ov(model, (layer, h)).AB).double()                       # 400 x 400
+        assert float(scores[layer, h]) == pytest.approx(float(qk.eigen_copying(torch.linalg.eigvals(dense))), abs=1e-4)
+        dov = qk.ov(model, (layer, h)).AB.double()
+        assert float(ov_scores[layer, h]) == pytest.approx(float(qk.eigen_copying(torch.linalg.eigvals(dov))), abs=1e-4)
+
+
+def _copy_model(sign_per_head):
+    """Layer-0 heads whose full OV is sign·I: orthonormal embeddings E, W_U = Eᵀ, OV = sign·EᵀE."""
+    V, d, dh = 24, 48, 24
+    m = _native(seed=3, d_model=d, d_head=dh, n_layers=1, n_heads=len(sign_per_head), d_vocab=V)
+    g = torch.Generator().manual_seed(0)
+    E = torch.linalg.qr(torch.randn(d, V, generator=g))[0].T                     # [V, d], orthonormal rows
+    M = torch.randn(dh, dh, generator=g) + 3 * torch.eye(dh)
+    nat = m.original_model
+    with torch.no_grad():
+        nat.tok_embed.weight.copy_(E)
+        nat.head.weight.copy_(E)                                                  # logits = x Eᵀ
+        a = nat.layers[0].attn
+        for h, sign in enumerate(sign_per_head):
+            s = slice(h * dh, (h + 1) * dh)
+            a.v.weight[s] = (E.T @ M).T                                           # W_V = Eᵀ M
+            a.o.weight[:, s] = (sign * torch.linalg.inv(M) @ E).T                 # W_O = ±M⁻¹ E
+    return m
+
+
+def test_copying_scores_copier_and_anti_copier():
+    m = _copy_model([1.0, -1.0])
+    full, ovs = qk.copying_scores(m), qk.copying_scores(m, full=False)
+    assert full[0, 0] == pytest.approx(1.0, abs=1e-4) and full[0, 1] == pytest.approx(-1.0, abs=1e-4)
+    assert ovs[0, 0] == pytest.approx(1.0, abs=1e-4) and ovs[0, 1] == pytest.approx(-1.0, abs=1e-4)
+    acc = qk.copying_accuracy(m, progress=False)
+    assert acc[0, 0] == 1.0 and acc[0, 1] == 0.0
+
+
+def test_copying_scores_hand_built(hand_built):
+    s = qk.copying_scores(hand_built)
+    # 1.0 copies every token except BOS, which the unembedding maps to -margin: (V-2)/V
+    V = hand_built.cfg.d_vocab
+    assert float(s[1, 0]) == pytest.approx((V - 2) / V, abs=1e-4)
+    assert float(s[0, 1]) == 0.0 and float(s[1, 1]) == 0.0                      # write nothing
+
+
+# ------------------------------------------------------------------------------------- composition
+
+@pytest.mark.parametrize("mode", ["Q", "K", "V"])
+def test_random_model_composition_averages_zero_after_baseline(mode):
+    comp = qk.composition_scores(_native(seed=5), mode)
+    assert 0.05 < comp.baseline < 0.5
+    assert abs(float(comp.scores.nanmean())) < 0.05 * comp.baseline
+    assert float(comp.raw.nanmean()) == pytest.approx(comp.baseline, rel=0.05)
+    assert torch.isnan(comp.scores[1, :, 0, :]).all() and torch.isnan(comp.scores[2, :, 2, :]).all()
+
+
+def test_hand_built_k_composition_stands_out(hand_built):
+    comp = qk.composition_scores(hand_built, "K")
+    target = float(comp.scores[0, 0, 1, 0])
+    others = comp.scores.clone()
+    others[0, 0, 1, 0] = float("nan")
+    assert target > 0.1 and target > float(others.nan_to_num(nan=-1.0).max()) + 0.1
+    assert qk.k_composition_partners(hand_built, ["1.0"], scores=comp) == {qk.Head(1, 0): [(qk.Head(0, 0), target)]}
+    back = qk.CompositionScores.from_json(comp.to_json())
+    torch.testing.assert_close(back.scores, comp.scores, equal_nan=True, atol=1e-6, rtol=0)
+    assert back.mode == "K" and back.baseline == comp.baseline
+
+
+# ------------------------------------------------------------------------------ positions, caveats
+
+def test_positional_qk_gpt2(gpt2):
+    P = gpt2.W_pos
+    M = qk.positional_qk(gpt2, "0.1")
+    torch.testing.assert_close(M.AB[10, 4], P[10] @ qk.qk(gpt2, "0.1").AB @ P[4], atol=1e-4, rtol=1e-4)
+    with pytest.raises(QKCircuitsError, match="learned absolute"):
+        qk.positional_qk(_native(positional_embedding_type="rotary", n_layers=1, rotary_dim=16), "0.0")
+
+
+def test_offset_profile_matches_direct_form(llama):
+    prof = qk.offset_profile(llama, "1.2", offsets=range(0, 9))
+    spec = qk.rotary_spec(llama)
+    w, E, s = qk.layer_weights(llama, 1), qk.embed_rows(llama, 1), qk.attn_scale(llama, 1)
+    qbar, kbar = (E @ w.W_Q[2]).mean(0), (E @ w.W_K[2]).mean(0)
+    for d in (0, 3, 8):
+        M = qk.qk_at_offset(llama, "1.2", d, spec=spec)
+        assert float(prof.norm[d]) == pytest.approx(float(M.AB.norm()) * s, rel=1e-4)
+        R = qk.rotation(spec, [d], relative=True)[0]
+        assert float(prof.mean_score[d]) == pytest.approx(float(qbar @ R @ kbar) * s, rel=1e-4, abs=1e-5)
+    assert set(prof.summary()) >= {"preferred_offset", "score_range"}
+
+
+def test_soft_capped_model_is_flagged_not_silently_wrong():
+    m = _native(seed=2, n_layers=1, attn_scores_soft_cap=5.0)
+    cav = qk.circuit_caveats(m)
+    assert any("soft-capped" in c for c in cav)
+    with pytest.warns(UserWarning, match="soft-capped"):
+        res = qk.circuit(m, "0.0", "qk")
+    assert not res.exact and res.caveats == cav
+    assert qk.circuit_caveats(_native(seed=2, n_layers=1)) == []
+
+
+def test_circuit_result_carries_settings(llama, hand_built):
+    res = qk.circuit(llama, "1.1", "qk_offset", offset=2)
+    assert res.exact and res.settings["offset"] == 2 and res.settings["rotary"]["style"] == "halves"
+    torch.testing.assert_close(res.matrix.AB, qk.qk_at_offset(llama, "1.1", 2).AB)
+    assert qk.circuit(hand_built, "1.0", "full_ov").matrix.shape == (32, 32)
+
+
+def test_bad_input_errors(hand_built, llama):
+    with pytest.raises(QKCircuitsError, match="out of range"):
+        qk.qk(hand_built, "2.0")
+    with pytest.raises(QKCircuitsError, match="not rotary"):
+        qk.rotary_spec(hand_built)
+    with pytest.raises(QKCircuitsError, match="Q, K, V"):
+        qk.composition_scores(hand_built, "X")
+    with pytest.raises(QKCircuitsError, match="row index"):
+        qk.top_tokens(qk.full_ov(hand_built, "1.0"), 99)
+    with pytest.raises(QKCircuitsError, match="unknown circuit kind"):
+        qk.circuit(hand_built, "1.0", "nope")
+    with pytest.raises(QKCircuitsError, match="rotary base"):
+        qk.rotary_spec(llama, base=0.5)
