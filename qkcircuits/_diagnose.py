@@ -197,6 +197,23 @@ def attention_scale(model, layer: int) -> Tuple[float, str, Optional[float]]:
     return 1.0, "model.cfg.use_attn_scale=False", cap
 
 
+def _qk_source(model):
+    """(q hook, k hook, rotary or None): the hooks holding the q and k the model multiplies.
+
+    Rotary bridges of Hugging Face models fire ``hook_rot_q``/``hook_rot_k``. TransformerLens
+    native modules declare those hooks but never fire them, so there the pre-rotary q/k are read
+    and rotated with the module's own ``rotary.apply_rope`` (``pattern_err`` checks the result).
+    """
+    if not has_rotary(model):
+        return "q", "k", None
+    comp = getattr(model.blocks[0].attn, "original_component", None)
+    if getattr(comp, "accepts_pattern_fn", False) and getattr(comp, "rotary", None) is not None:
+        def rope(layer: int):
+            return model.blocks[layer].attn.original_component.rotary.apply_rope
+        return "q", "k", rope
+    return "rot_q", "rot_k", None
+
+
 def _perturbed(tokens: Tensor, n: int, start: int, pool_ids: Tensor, seed: int) -> Tensor:
     """Copies of the first ``n`` rows with every token from ``start`` on replaced by a different one."""
     g = torch.Generator().manual_seed(seed + 1)
@@ -245,9 +262,12 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
                                   f"integer, got {val!r}")
     thr = check_thresholds(thresholds)
     n_ctx = int(model.cfg.n_ctx)
-    # Defaults fit the context: 128 text tokens + BOS, 2 x 40 repeated tokens + BOS (shorter on small models).
+    pool = token_pool(model)
+    # Defaults fit the context: 128 text tokens + BOS, 2 x 40 repeated tokens + BOS (shorter on small
+    # models, and no longer than the token pool so a segment never repeats a token: a repeat would
+    # split even an exact induction head's attention and blur its entropy).
     seq_len = min(128, n_ctx - 1) if seq_len is None else seq_len
-    seg_len = min(40, (n_ctx - 1) // 2) if seg_len is None else seg_len
+    seg_len = min(40, (n_ctx - 1) // 2, len(pool.ids)) if seg_len is None else seg_len
     if tokens is None:
         if prompt_sets is None:
             prompt_sets = (["text"] if getattr(model, "tokenizer", None) is not None else []) + ["repeated"]
@@ -256,8 +276,7 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
         raise QKCircuitsError("no prompt sets given; use 'text' and/or 'repeated'")
     L, H, d_head = model.cfg.n_layers, model.cfg.n_heads, int(model.cfg.d_head)
     layer_list = _check_layers(model, layers)
-    rot = has_rotary(model)
-    qn, kn = ("rot_q", "rot_k") if rot else ("q", "k")
+    qn, kn, rope = _qk_source(model)
     scales = {layer: attention_scale(model, layer) for layer in layer_list}
 
     per_set: Dict[str, Dict[int, Dict[str, Tensor]]] = {}
@@ -265,7 +284,6 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
     measured_scale: Dict[int, float] = {}
     scores_real: Dict[int, bool] = {}
     bar = tqdm(total=len(tokens) * len(layer_list), desc="diagnose", disable=not progress, leave=False)
-    pool = token_pool(model)
     set_names = list(tokens)
     for si, set_name in enumerate(set_names):
         toks = torch.as_tensor(tokens[set_name])
@@ -279,6 +297,8 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
         def reducer(layer: int, t: Dict[str, Tensor]) -> Dict[str, Tensor]:
             scale, _, cap = scales[layer]
             q, k, pat, sc = t[qn], t[kn], t["pattern"], t["scores"]
+            if rope is not None:
+                q, k = (x.transpose(1, 2) for x in rope(layer)(q.transpose(1, 2), k.transpose(1, 2)))
             comp = getattr(model.blocks[layer].attn, "original_component", None)
             real = not getattr(comp, "accepts_pattern_fn", False) and not torch.equal(sc, pat)
             scores_real[layer] = real
@@ -302,6 +322,10 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
             return sums
 
         per_set[set_name] = stream(model, toks, reducer, names, layers=layer_list)
+        missing = [layer for layer in layer_list if layer not in per_set[set_name]]
+        if missing:
+            raise QKCircuitsError(f"the hooks {', '.join(names)} did not all fire on layers {missing}: this "
+                                  f"model does not expose the q/k it multiplies, so its heads cannot be diagnosed")
     bar.close()
 
     def grid(values: Dict[int, Dict[str, Tensor]]) -> Dict[str, Tensor]:
@@ -331,7 +355,9 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
         "prompt_sets": {s: {"n_seqs": int(torch.as_tensor(tokens[s]).shape[0]),
                             "seq_len": int(torch.as_tensor(tokens[s]).shape[1])} for s in set_names},
         "seed": seed, "seg_len": seg_len, "n_perturb": n_perturb, "thresholds": thr,
-        "layers": layer_list, "qk_hooks": [qn, kn],
+        "layers": layer_list,
+        "qk_hooks": [qn, kn] + (["rotary applied from the native module: hook_rot_q/k never fire there"]
+                                if rope is not None else []),
         "scale_source": sorted(sources), "softcap": caps[0] if len(caps) == 1 else (caps or None),
         "scores_hook": ("real scores" if all(scores_real.values()) else
                         "carries the pattern on some layers: scores rebuilt from q·k, scale and soft-cap"),
