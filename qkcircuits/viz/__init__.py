@@ -5,6 +5,7 @@
 >>> create_app(model).run(port=8050)                                     # doctest: +SKIP   (or `qkcircuits serve`)
 """
 
+from ._app import create_app
 from ._report import pick_heads, report_html, write_report
 
-__all__ = ["pick_heads", "report_html", "write_report"]
+__all__ = ["create_app", "pick_heads", "report_html", "write_report"]

@@ -1,0 +1,79 @@
+"""``qkcircuits report MODEL -o report.html``: one self-contained HTML file (works offline)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .._errors import QKCircuitsError
+from ._common import add_model_args, load_model, non_negative_int, positive_int
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("report", help="write a self-contained HTML report of the heads (no network needed)",
+                       description="Write one HTML file with the layer x head score grids and, for the top heads, "
+                                   "QK/OV heatmaps, the positional/rotary QK profile, K-composition partners and "
+                                   "attention patterns. All JavaScript is inlined: it opens offline.")
+    add_model_args(p)
+    p.add_argument("-o", "--output", required=True, metavar="PATH", help="the HTML file to write")
+    p.add_argument("--tokens", nargs="+", metavar="TOKEN",
+                   help="token set of the QK/OV views: each the text of one token (e.g. ' the') or #id "
+                        "(default: common English words that are single tokens; ids 0-31 without a tokenizer)")
+    p.add_argument("--prompt", help="text for the attention patterns (space-separated ids for a model without a "
+                                    "tokenizer; default: a sentence said twice)")
+    p.add_argument("--scores", metavar="JSON", help="scores from `qkcircuits scan --json` (default: run a scan)")
+    p.add_argument("--ablation", metavar="JSON", help="per-head effects from `qkcircuits ablate --sweep --json`")
+    p.add_argument("--diagnostics", metavar="JSON", help="flags from `qkcircuits diagnose --json`")
+    p.add_argument("--heads", help="heads to include besides the top ones, e.g. '5.1,L6H9'")
+    p.add_argument("--per-score", type=non_negative_int, default=3, help="top heads per grid to precompute (default 3)")
+    p.add_argument("--top-k", type=positive_int, default=5, help="output tokens per source token in the OV view")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _read(path: str, what: str) -> str:
+    p = Path(path)
+    if not p.is_file():
+        raise QKCircuitsError(f"no {what} JSON file at {path!r}")
+    return p.read_text(encoding="utf-8")
+
+
+def load_inputs(args):
+    """(scores, effects, diagnostics) from the JSON files named in ``args`` (None where not given)."""
+    from .._diagnose_result import HeadDiagnostics
+    from .._results import HeadScores
+    from .._sweep import HeadEffects
+
+    scores = HeadScores.from_json(_read(args.scores, "scores")) if getattr(args, "scores", None) else None
+    effects = diagnostics = None
+    if getattr(args, "ablation", None):
+        try:
+            effects = HeadEffects.from_json(_read(args.ablation, "ablation"))
+        except (ValueError, KeyError, TypeError) as e:
+            raise QKCircuitsError(f"{args.ablation!r} is not a sweep JSON from `qkcircuits ablate --sweep --json` "
+                                  f"({type(e).__name__}: {e})") from None
+    if getattr(args, "diagnostics", None):
+        diagnostics = HeadDiagnostics.from_json(_read(args.diagnostics, "diagnostics"))
+    return scores, effects, diagnostics
+
+
+def run(args: argparse.Namespace) -> int:
+    from .._detect import scan
+    from ..viz import report_html, write_report
+
+    out = Path(args.output)
+    if not out.parent.exists():
+        raise QKCircuitsError(f"cannot write {args.output!r}: folder {str(out.parent)!r} does not exist")
+    scores, effects, diagnostics = load_inputs(args)
+    model = load_model(args)
+    if scores is None:
+        # eigen_copying comes from the report's own weight-only pass
+        scores = scan(model, eigen_copying=False, progress=not args.quiet)
+        scores.model = args.model
+    html = report_html(model, scores=scores, effects=effects, diagnostics=diagnostics, heads=args.heads,
+                       tokens=args.tokens, prompt=args.prompt, per_score=args.per_score, k=args.top_k,
+                       title=args.model, progress=not args.quiet)
+    write_report(args.output, html)
+    print(f"wrote {args.output} ({len(html.encode('utf-8')) / 2 ** 20:.1f} MiB)", file=sys.stderr)
+    return 0

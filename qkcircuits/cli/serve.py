@@ -1,0 +1,53 @@
+"""``qkcircuits serve MODEL [--port P] [--host 127.0.0.1]``: the local web app (Flask, served by werkzeug)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .._errors import QKCircuitsError
+from ._common import add_model_args, load_model, positive_int
+from .report import load_inputs
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="local web app: pick a head, see its QK/OV heatmaps and attention patterns",
+                       description="Serve a local web app (bound to 127.0.0.1 by default) that computes a head's QK/OV "
+                                   "heatmaps and attention pattern on demand. Works offline.")
+    add_model_args(p)
+    p.add_argument("--port", type=positive_int, default=8050, help="port (default 8050)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--scores", metavar="JSON", help="scores from `qkcircuits scan --json` (default: run a scan)")
+    p.add_argument("--no-scan", action="store_true", help="do not scan at start-up (grids show eigenvalue copying only)")
+    p.add_argument("--ablation", metavar="JSON", help="per-head effects from `qkcircuits ablate --sweep --json`")
+    p.add_argument("--diagnostics", metavar="JSON", help="flags from `qkcircuits diagnose --json`")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from werkzeug.serving import make_server
+
+    from .._detect import scan
+    from ..viz import create_app
+
+    if args.port > 65535:
+        raise QKCircuitsError(f"port {args.port} is out of range 1-65535")
+    scores, effects, diagnostics = load_inputs(args)
+    model = load_model(args)
+    if scores is None and not args.no_scan:
+        scores = scan(model, eigen_copying=False)
+    app = create_app(model, scores=scores, effects=effects, diagnostics=diagnostics, title=args.model)
+    try:
+        server = make_server(args.host, args.port, app, threaded=True)
+    except OSError as e:
+        raise QKCircuitsError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); try another --port") from None
+    if args.host not in LOOPBACK:
+        print(f"warning: listening on {args.host}: other machines can reach this app", file=sys.stderr)
+    print(f"serving {args.model} on http://{args.host}:{server.port}/  (Ctrl-C stops)", file=sys.stderr)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+    return 0
