@@ -260,13 +260,17 @@ def test_bad_spec_type():
 
 # ---- the command line: exit code 2, one error line, no traceback ----------------------------------------
 
-def _cli(*args, env_extra=None):
+def _need_scan():
     import importlib.util
 
     from qkcircuits.cli import COMMANDS
 
     if "scan" not in COMMANDS or importlib.util.find_spec("qkcircuits.cli.scan") is None:
         pytest.skip("the scan command (the lead's) does not exist yet in qkcircuits.cli")
+
+
+def _cli(*args, env_extra=None):
+    _need_scan()
     env = dict(os.environ, HF_HUB_OFFLINE="1", **(env_extra or {}))
     # the console script's entry point (qkcircuits.cli is a package without __main__, so no `-m`)
     code = "import sys; from qkcircuits.cli import main; sys.exit(main())"
@@ -274,17 +278,24 @@ def _cli(*args, env_extra=None):
                           env=env, timeout=120)
 
 
-def test_cli_errors_exit_2_without_traceback(tmp_path, gguf_file):
+def test_cli_errors_exit_2_without_traceback(tmp_path, gguf_file, capsys, monkeypatch):
+    from qkcircuits.cli import main
+
+    _need_scan()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     junk = tmp_path / "junk"
     junk.mkdir()
     cut = _tiny.truncated_copy(gguf_file, tmp_path / "cut.gguf", 0.5)
-    cases = {"gpt2": "HF_HUB_OFFLINE is set", str(tmp_path / "nope"): "does not exist",
-             str(junk): "not a Hugging Face checkpoint", str(cut): "truncated or corrupt"}
-    for spec, expect in cases.items():
-        proc = _cli(spec, "--device", "cpu")
-        assert proc.returncode == 2, (spec, proc.stderr[-2000:])
-        assert "Traceback" not in proc.stderr
-        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and expect in errors[0], proc.stderr[-2000:]
-    proc = _cli(str(junk), "--device", "gpu0")
-    assert proc.returncode == 2 and "unknown device 'gpu0'" in proc.stderr and "Traceback" not in proc.stderr
+    cases = [(["gpt2"], "HF_HUB_OFFLINE is set"), ([str(tmp_path / "nope")], "does not exist"),
+             ([str(junk)], "not a Hugging Face checkpoint"), ([str(junk), "--device", "gpu0"], "unknown device 'gpu0'")]
+    for args, expect in cases:                                    # in-process: one import, fast
+        capsys.readouterr()
+        assert main(["scan", *args]) == 2, args
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and expect in errors[0] and "Traceback" not in err, err
+    proc = _cli(str(cut), "--device", "cpu")                      # and once as a real process
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "truncated or corrupt" in errors[0], proc.stderr[-2000:]
