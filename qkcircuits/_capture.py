@@ -167,8 +167,11 @@ def capture(model, tokens, names: Sequence[str] = ("q", "k", "v", "pattern"),
             acts.tensors[(name, layer)] = t.detach()
         return fn
 
-    hooks = [(hook_name(n, l), keep(n, l)) for l in layers for n in names]
-    _run(model, _as_tokens(model, tokens), hooks, stop_after=max(layers), names_per_layer=len(names))
+    fixer = _ScoresFixer(model, layers) if "scores" in names else None
+    hooks = [(hook_name(n, l), fixer.wrap(keep(n, l), l) if n == "scores" and fixer else keep(n, l))
+             for l in layers for n in names]
+    _run(model, _as_tokens(model, tokens), hooks, stop_after=max(layers), names_per_layer=len(names),
+         extra_hooks=fixer.hooks if fixer else ())
     return acts
 
 
@@ -194,10 +197,71 @@ def stream(model, tokens, reducer: Callable[[int, Dict[str, Tensor]], object], n
                 pending.clear()
         return fn
 
-    hooks = [(hook_name(n, l), collect(n, l)) for l in layers for n in names]
+    fixer = _ScoresFixer(model, layers) if "scores" in names else None
+    hooks = [(hook_name(n, l), fixer.wrap(collect(n, l), l) if n == "scores" and fixer else collect(n, l))
+             for l in layers for n in names]
     _run(model, _as_tokens(model, tokens), hooks, stop_after=max(layers), names_per_layer=len(names),
-         extra_hooks=extra_hooks)
+         extra_hooks=list(extra_hooks) + (fixer.hooks if fixer else []))
     return results
+
+
+class _ScoresFixer:
+    """Give ``scores`` hooks pre-softmax scores even where TransformerLens passes the pattern.
+
+    TL's generic attention path (``boot_native`` models, e.g. ``fixtures.hand_built_induction_model``)
+    fires ``hook_attn_scores`` with the softmaxed pattern. There the scores are rebuilt from this
+    layer's (rotary) q and k, q·kᵀ/attn_scale with future keys masked, and accepted only if their
+    softmax reproduces the pattern. Memory: one layer's q and k, dropped once its scores fired.
+    """
+
+    def __init__(self, model, layers: Sequence[int]):
+        cfg = model.cfg
+        self.model, self.n_heads = model, cfg.n_heads
+        rot = has_rotary(model)
+        self.qk_names = ("rot_q", "rot_k") if rot else ("q", "k")
+        if not getattr(cfg, "use_attn_scale", True):
+            self.scale = 1.0
+        else:
+            attn_scale = float(getattr(cfg, "attn_scale", -1.0) or -1.0)
+            self.scale = attn_scale if attn_scale > 0 else float(cfg.d_head) ** 0.5
+        self.held: Dict[Tuple[str, int], Tensor] = {}
+        self.hooks = [(hook_name(n, l), self._hold(n, l)) for l in layers for n in self.qk_names]
+
+    def _hold(self, name: str, layer: int):
+        def fn(t: Tensor, hook) -> None:
+            for key in [key for key in self.held if key[1] != layer]:
+                del self.held[key]                  # never hold more than the current layer's q and k
+            self.held[(name, layer)] = t.detach()
+        return fn
+
+    def wrap(self, fn, layer: int):
+        def fixed(t: Tensor, hook):
+            q = self.held.pop((self.qk_names[0], layer), None)
+            k = self.held.pop((self.qk_names[1], layer), None)
+            if q is not None and k is not None and self._is_pattern(t):
+                t = self._rebuild(q, k, t, layer)
+            return fn(t, hook)
+        return fixed
+
+    @staticmethod
+    def _is_pattern(t: Tensor) -> bool:
+        # Real scores are masked with a huge negative value above the diagonal; a pattern holds
+        # probabilities there (zeros) and its rows sum to 1.
+        future = torch.ones(t.shape[-2:], dtype=torch.bool, device=t.device).triu(1)
+        return bool((t >= 0).all() and (t[..., future] == 0).all()
+                    and torch.allclose(t.sum(-1), torch.ones((), dtype=t.dtype, device=t.device), atol=1e-3))
+
+    def _rebuild(self, q: Tensor, k: Tensor, pattern: Tensor, layer: int) -> Tensor:
+        k = expand_kv(k, self.n_heads)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / self.scale
+        p_q, p_k = scores.shape[-2:]
+        future = torch.ones(p_q, p_k, dtype=torch.bool, device=scores.device).triu(p_k - p_q + 1)
+        scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
+        if not torch.allclose(scores.softmax(-1), pattern, atol=1e-4):
+            raise QKCircuitsError(f"layer {layer}: this model's hook_attn_scores carries the attention pattern and "
+                                  f"q·k/{self.scale:.3g} does not reproduce it, so pre-softmax scores are unavailable; "
+                                  f"capture 'pattern' (or 'q'/'k') instead")
+        return scores.to(pattern.dtype)
 
 
 class _Stop(Exception):

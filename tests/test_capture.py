@@ -168,8 +168,6 @@ def test_scores_pattern_and_z_equal_hand_attention(which, gpt2, llama):
         assert acts.head("pattern", L, 1).shape == (1, p, p)
 
 
-@pytest.mark.xfail(strict=True, reason="TL 4.3 fires hook_attn_scores with the softmaxed pattern on boot_native "
-                   "models and capture() passes it on; remove this mark once capture rebuilds scores there")
 def test_hand_built_scores_are_scores_not_the_pattern(hand_built):
     """boot_native models fire hook_attn_scores with the pattern (a TL bug); capture must still give scores."""
     tokens = torch.tensor([[0, 5, 6, 7, 8, 5, 6, 7, 8]])
@@ -182,9 +180,13 @@ def test_hand_built_scores_are_scores_not_the_pattern(hand_built):
                                    atol=1e-3, rtol=1e-5)
         torch.testing.assert_close(acts["pattern", L], want.masked_fill(future, float("-inf")).softmax(-1),
                                    atol=1e-5, rtol=0)
+        assert (acts["scores", L][..., future] < -1e30).all()
     # the hand-built previous-token head: margin 30 between i-1 and everything else
     s = acts["scores", 0][0, 0]
     assert (s[3, 2] - s[3, 1]).item() == pytest.approx(30.0, abs=1e-3)
+    streamed = stream(hand_built, tokens, lambda layer, t: t["scores"].clone(), ["scores"])
+    assert all(torch.equal(streamed[L], acts["scores", L]) for L in range(2))
+    assert n_hooks(hand_built) == 0
 
 
 @pytest.mark.smollm2
