@@ -178,7 +178,8 @@ def scan(model, *, n_seqs: int = 8, seq_len: int = 40, seed: int = 0, bos: Optio
 
             def reduce_text(layer: int, t: Dict[str, Tensor]) -> Dict[str, Tensor]:
                 bar.update(1)
-                return {f"{k}_text": mask_score(t["pattern"], tmasks[k], exclude_bos) for k in ("previous_token", "duplicate_token")}
+                return {f"{k}_text": mask_score(t["pattern"], tmasks[k], exclude_bos)
+                        for k in ("previous_token", "duplicate_token")}
 
             txt = stream(model, ttoks, reduce_text, ["pattern"])
     bar.close()
@@ -190,7 +191,7 @@ def scan(model, *, n_seqs: int = 8, seq_len: int = 40, seed: int = 0, bos: Optio
     for name in ("previous_token_text", "duplicate_token_text") if text else ():
         scores[name] = torch.stack([txt[layer][name] for layer in range(L)]).float().cpu()
     if eigen_copying:
-        from ._circuits import copying_scores
+        from ._copying import copying_scores
 
         scores["eigen_copying"] = copying_scores(model, full=True).float().cpu()
     ordered = {k: scores[k] for k in SCORE_NAMES + ("previous_token_text", "duplicate_token_text") if k in scores}
@@ -208,16 +209,21 @@ def scan(model, *, n_seqs: int = 8, seq_len: int = 40, seed: int = 0, bos: Optio
 
 def confirm_induction(model, scores: HeadScores, *, k: int = 5, n_draws: int = 10, seed: int = 0, pool=None,
                       n_seqs: int = 8, seq_len: int = 40) -> Dict[str, object]:
-    """Causal check: loss rise on the repeated half when the top-``k`` induction heads are zero-ablated,
-    against ``n_draws`` sets of ``k`` random heads (see ``qkcircuits.compare_to_random``)."""
+    """Causal check: rise of the repeated-half loss when the top-``k`` induction heads are zero-ablated
+    together, against ``n_draws`` sets of ``k`` random other heads (``qkcircuits.compare_to_random``).
+
+    Returns plain data (JSON-ready): heads, baseline, effect, random_effects, random_heads, seed.
+    """
     from ._ablate import compare_to_random
-    from ._metrics import induction_loss
 
     _checked_int("k", k)
     toks = repeated_tokens(model, n_seqs, seq_len, 2, seed=seed + 2, pool=pool or token_pool(model))
     heads = [h for h, _ in scores.top(k, "induction")]
-    cmp = compare_to_random(model, heads, toks, induction_loss(seq_len), n_draws=n_draws, seed=seed)
-    return cmp.to_dict() if hasattr(cmp, "to_dict") else dict(cmp)
+    cmp = compare_to_random(model, heads, toks, "induction-loss", n_draws=n_draws, seed=seed)
+    return {"heads": [str(h) for h in cmp.heads], "metric": cmp.metric, "method": cmp.method,
+            "baseline": cmp.baseline, "effect": cmp.effect, "random_effects": [float(x) for x in cmp.random_effects],
+            "random_heads": [[str(h) for h in hs] for hs in cmp.random_heads], "seed": seed, "n_seqs": n_seqs,
+            "seq_len": seq_len}
 
 
 def _settings(model, **kw) -> Dict[str, object]:

@@ -1,0 +1,222 @@
+"""Detectors against heads known by construction, a trained toy model, TransformerLens and SmolLM2."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import qkcircuits as qk
+from qkcircuits._detect import mask_score, target_masks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _trainer():
+    spec = importlib.util.spec_from_file_location("train_toy_induction", ROOT / "scripts/train_toy_induction.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return _trainer().load_trained(ROOT / "tests/fixtures/toy_induction")
+
+
+# --- exact masks ---------------------------------------------------------------------------------
+
+def test_masks_mark_exactly_the_arena_targets():
+    toks = torch.tensor([[0, 5, 6, 7, 5, 6, 7]])          # [BOS] + R + R, L = 3
+    m = target_masks(toks, seg_len=3)
+    ind = {(q, k) for q, k in m["induction"][0].nonzero().tolist()}
+    assert ind == {(4, 2), (5, 3), (6, 4)}                  # i -> i - L + 1
+    dup = {(q, k) for q, k in m["duplicate_token"][0].nonzero().tolist()}
+    assert dup == {(4, 1), (5, 2), (6, 3)}                  # i -> i - L
+    prev = {(q, k) for q, k in m["previous_token"][0].nonzero().tolist()}
+    assert prev == {(i, i - 1) for i in range(2, 7)}        # BOS never a target
+
+
+def test_mask_score_counts_every_earlier_copy_so_a_perfect_head_scores_one():
+    # a token repeated inside R: a perfect induction head splits attention between both targets
+    toks = torch.tensor([[0, 5, 6, 5, 8, 5, 6, 5, 8]])
+    m = target_masks(toks, seg_len=4)["induction"]
+    pattern = m.float() / m.float().sum(-1, keepdim=True).clamp_min(1)
+    pattern[0, :5, 0] = 1.0                                  # rows without targets sit on BOS
+    assert torch.allclose(mask_score(pattern[:, None], m), torch.ones(1))
+
+
+# --- hand-built heads (issue: >= 0.99 on their own score, every other head <= 0.05) --------------
+
+def test_hand_built_heads_score_one_and_the_rest_near_zero(hand_built):
+    s = qk.scan(hand_built, n_seqs=4, seq_len=20, prefix_len=10, eigen_copying=False, progress=False)
+    own = {"induction": (1, 0), "prefix_matching": (1, 0), "previous_token": (0, 0)}
+    for name, (layer, head) in own.items():
+        t = s[name]
+        assert t[layer, head] >= 0.99, (name, t)
+        others = torch.cat([t.flatten()[: layer * 2 + head], t.flatten()[layer * 2 + head + 1:]])
+        assert others.max() <= 0.05, (name, t)
+    assert s["duplicate_token"].max() <= 0.05
+    assert s["copying"][1, 0] > 0.99                        # 1.0 writes the attended token to the logits
+    assert s.heads_labelled("induction") == [qk.Head(1, 0)]
+    assert s.heads_labelled("previous-token") == [qk.Head(0, 0)]
+
+
+def test_scores_do_not_depend_on_sequence_length(hand_built):
+    short = qk.scan(hand_built, n_seqs=2, seq_len=8, prefix_len=6, eigen_copying=False, copying=False,
+                    progress=False)
+    long = qk.scan(hand_built, n_seqs=2, seq_len=31, prefix_len=25, eigen_copying=False, copying=False,
+                   progress=False)
+    for name in ("induction", "previous_token", "prefix_matching"):
+        assert torch.allclose(short[name], long[name], atol=1e-3), name
+
+
+def test_agrees_with_transformer_lens_detect_head_on_the_hand_built_model(hand_built):
+    from transformer_lens.head_detector import detect_head
+
+    toks = qk.repeated_tokens(hand_built, 1, 20, seed=3)
+    ours = qk.scan(hand_built, n_seqs=1, seq_len=20, seed=3, prefix_len=10, eigen_copying=False, copying=False,
+                   exclude_bos=True, progress=False)
+    _, cache = hand_built.run_with_cache(toks[0], remove_batch_dim=True)
+    for name, pattern in (("previous_token", "previous_token_head"), ("induction", "induction_head")):
+        theirs = _detect_head_on_tokens(hand_built, toks[0], pattern, cache, detect_head)
+        # TL's 'mul' score with exclude_bos is the share of non-BOS attention on target: 1.0 for these heads
+        assert torch.allclose(theirs[ours[name] > 0.5], torch.ones(1), atol=1e-3), (name, theirs)
+        assert set(map(tuple, (theirs > 0.5).nonzero().tolist())) == set(map(tuple, (ours[name] > 0.5).nonzero().tolist()))
+
+
+def _detect_head_on_tokens(model, toks, pattern, cache, detect_head):
+    """detect_head takes strings; feed it our exact token ids (same prompts for both sides)."""
+    original = model.to_tokens
+    model.to_tokens = lambda *a, **k: toks[None]
+    try:
+        return detect_head(model, "ids", pattern, cache=cache, exclude_bos=True)
+    finally:
+        model.to_tokens = original
+
+
+# --- a trained toy model ----------------------------------------------------------------------------
+
+def test_trained_toy_model_has_a_previous_token_head_feeding_induction_heads(trained):
+    s = qk.scan(trained, n_seqs=8, seq_len=12, prefix_len=8, eigen_copying=False, progress=False)
+    prev = s["previous_token"][0]
+    assert prev.max() > 0.8, prev                           # layer 0 holds a clean previous-token head
+    assert s["induction"][1].max() > 0.8, s["induction"]    # layer 1 holds induction heads
+    assert s["induction"][0].max() < 0.3                    # no induction without composition in layer 0
+    # Causal: ablating the heads labelled previous-token collapses the induction scores. This model
+    # spreads the job over several layer-0 heads (0.0, 0.2, 0.3 score 0.57-0.88), so ablate all of them;
+    # ablating the one unlabelled layer-0 head is the control.
+    prev_heads = s.heads_labelled("previous-token")
+    assert prev_heads and all(h.layer == 0 for h in prev_heads)
+    with qk.edit(trained, "z", prev_heads, 0.0):
+        ablated = qk.scan(trained, n_seqs=8, seq_len=12, prefix_len=8, eigen_copying=False, copying=False,
+                          progress=False)
+    assert ablated["induction"][1].max() < 0.2, ablated["induction"]
+    control = [h for h in qk.all_heads(1, 4) if h not in prev_heads]
+    with qk.edit(trained, "z", control, 0.0):
+        kept = qk.scan(trained, n_seqs=8, seq_len=12, prefix_len=8, eigen_copying=False, copying=False,
+                       progress=False)
+    assert kept["induction"][1].max() > 0.8, kept["induction"]
+
+
+# --- results as data --------------------------------------------------------------------------------
+
+def test_head_scores_round_trip_json_and_frame(hand_built, tmp_path):
+    s = qk.scan(hand_built, n_seqs=2, seq_len=10, prefix_len=6, eigen_copying=False, progress=False)
+    path = tmp_path / "s.json"
+    s.to_json(path)
+    back = qk.HeadScores.from_json(path)
+    assert back.model == s.model and back.settings == s.settings
+    for name in s.scores:
+        assert torch.allclose(back[name], s[name], atol=1e-6)
+    frame = s.to_frame()
+    assert len(frame) == 4 and frame.loc[(frame["layer"] == 1) & (frame["head"] == 0), "labels"].item() == "induction"
+    assert s.top(1, "induction") == [(qk.Head(1, 0), pytest.approx(float(s["induction"][1, 0])))]
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(n_seqs=0), "n_seqs must be an integer >= 1"),
+    (dict(seed=-1), "seed must be a non-negative integer"),
+    (dict(seed="x"), "seed must be a non-negative integer"),
+    (dict(seq_len=200), "exceeds the model's context"),
+])
+def test_bad_scan_input_gives_one_line_errors(hand_built, kwargs, fragment):
+    with pytest.raises(qk.QKCircuitsError, match=fragment) as e:
+        qk.scan(hand_built, eigen_copying=False, progress=False, **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_top_zero_is_refused(hand_built):
+    s = qk.scan(hand_built, n_seqs=1, seq_len=6, prefix_len=4, eigen_copying=False, progress=False)
+    with pytest.raises(qk.QKCircuitsError, match="k >= 1"):
+        s.top(0)
+
+
+def test_cli_scan_table_json_and_errors(tmp_path):
+    out = tmp_path / "scan.json"
+    cmd = [sys.executable, "-m", "qkcircuits", "scan", "toy-induction", "--quiet", "--top", "2", "--json", str(out),
+           "--seq-len", "20"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "top 2 induction heads" in r.stdout and "1.0" in r.stdout
+    data = qk.HeadScores.from_json(out)
+    assert set(data.scores) >= {"induction", "prefix_matching", "previous_token", "duplicate_token", "copying",
+                                "eigen_copying"}
+    assert data.scores["induction"][1, 0] > 0.99
+    for bad, fragment in ((["--top", "0"], "positive integer"), (["--seed", "-3"], "non-negative"),
+                          (["--seq-len", "500"], "exceeds the model's context")):
+        r = subprocess.run(cmd[:5] + bad, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2, (bad, r.stderr)
+        assert fragment in r.stderr and "Traceback" not in r.stderr
+
+
+# --- SmolLM2 ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol_scores(smollm2):
+    return qk.scan(smollm2, text=True, progress=False)
+
+
+@pytest.mark.smollm2
+def test_smollm2_top_induction_heads_matter_causally(smollm2, smol_scores):
+    conf = qk._detect.confirm_induction(smollm2, smol_scores, k=5, n_draws=8, seed=0, n_seqs=4, seq_len=30)
+    rnd = conf["random_effects"]
+    assert conf["effect"] > 3 * max(rnd), conf               # far more than any of 8 random 5-head sets
+    assert conf["effect"] > 0.5                               # nats on the repeated half
+
+
+@pytest.mark.smollm2
+def test_smollm2_previous_token_heads_also_attend_to_i_minus_1_on_text(smol_scores):
+    for head, score in smol_scores.top(3, "previous_token"):
+        assert score > 0.5
+        assert smol_scores["previous_token_text"][head.layer, head.head] > 0.4, head
+
+
+@pytest.mark.smollm2
+def test_smollm2_ranking_agrees_with_transformer_lens_detect_head(smollm2):
+    from transformer_lens.head_detector import detect_head
+
+    ours = qk.scan(smollm2, n_seqs=2, seq_len=40, exclude_bos=True, copying=False, eigen_copying=False,
+                   progress=False)
+    toks = qk.repeated_tokens(smollm2, 2, 40, seed=0)
+    for name, pattern in (("previous_token", "previous_token_head"), ("induction", "induction_head")):
+        theirs = torch.stack([
+            _detect_head_on_tokens(smollm2, toks[i], pattern, smollm2.run_with_cache(toks[i:i + 1],
+                                   remove_batch_dim=True)[1], detect_head) for i in range(2)]).mean(0)
+        rho = _spearman(ours[name].flatten(), theirs.flatten())
+        assert rho > 0.9, (name, rho)
+        top_ours = {h for h, _ in ours.top(5, name)}
+        flat = theirs.flatten().topk(5).indices.tolist()
+        top_theirs = {qk.Head(i // smollm2.cfg.n_heads, i % smollm2.cfg.n_heads) for i in flat}
+        assert len(top_ours & top_theirs) >= 4, (name, top_ours, top_theirs)
+
+
+def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    ra, rb = a.argsort().argsort().float(), b.argsort().argsort().float()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / math.sqrt(float((ra ** 2).sum() * (rb ** 2).sum())))
