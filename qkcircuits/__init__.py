@@ -8,6 +8,8 @@
 The public API is re-exported here explicitly; the modules behind it are private.
 """
 
+from ._ablate import METHODS as ABLATION_METHODS, GroupEffect, RandomComparison, ablate, compare_to_random, group_effect
+from ._attribution import attribution
 from ._circuits import (Circuit, LayerWeights, all_ov, all_qk, attn_input_hook, attn_scale, circuit, circuit_caveats,
                         embed_rows, full_ov, full_qk, layer_weights, ov, ov_affine, qk, qk_affine, top_tokens, unembed_cols)
 from ._composition import CompositionScores, composition_baseline, composition_scores, k_composition_partners
@@ -18,8 +20,10 @@ from ._capture import Activations, capture, edit, has_rotary, hook_name, stream
 from ._diagnose import HeadDiagnostics, diagnose, qk_statistics
 from ._errors import QKCircuitsError
 from ._heads import Head, all_heads, kv_head, model_heads, n_kv_heads, parse_heads
+from ._metrics import Metric, as_metric, induction_loss, logit_diff, text_loss
 from ._model import load, pick_device
 from ._sequences import natural_text, repeated_tokens, text_tokens, token_pool
+from ._sweep import HeadEffects, sweep
 
 __version__ = "0.1.0"
 
@@ -29,6 +33,8 @@ __all__ = [
     "natural_text", "parse_heads", "pick_device", "repeated_tokens", "stream", "text_tokens", "token_pool",
 ]
 __all__ += ["HeadDiagnostics", "diagnose", "qk_statistics"]
+__all__ += ["ABLATION_METHODS", "GroupEffect", "HeadEffects", "Metric", "RandomComparison", "ablate", "as_metric", "attribution",
+            "compare_to_random", "group_effect", "induction_loss", "logit_diff", "sweep", "text_loss"]
 __all__ += ["Circuit", "CompositionScores", "LayerWeights", "OffsetProfile", "RotarySpec", "all_ov", "all_qk", "attn_input_hook",
             "attn_scale", "circuit", "circuit_caveats", "composition_baseline", "composition_scores", "copying_accuracy",
             "copying_scores", "eigen_copying", "embed_rows", "full_ov", "full_qk", "k_composition_partners", "layer_weights",
