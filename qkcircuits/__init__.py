@@ -18,19 +18,21 @@ from ._rotary import (OffsetProfile, RotarySpec, offset_profile, offset_scores, 
                       rotation)
 from ._capture import Activations, capture, edit, has_rotary, hook_name, stream
 from ._diagnose import HeadDiagnostics, diagnose, qk_statistics
+from ._detect import THRESHOLDS, confirm_induction, mask_score, scan, target_masks
 from ._errors import QKCircuitsError
 from ._heads import Head, all_heads, kv_head, model_heads, n_kv_heads, parse_heads
 from ._metrics import Metric, as_metric, induction_loss, logit_diff, text_loss
 from ._model import load, pick_device
+from ._results import HeadScores
 from ._sequences import natural_text, repeated_tokens, text_tokens, token_pool
 from ._sweep import HeadEffects, sweep
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Activations", "Head", "QKCircuitsError",
-    "all_heads", "capture", "edit", "has_rotary", "hook_name", "kv_head", "load", "model_heads", "n_kv_heads",
-    "natural_text", "parse_heads", "pick_device", "repeated_tokens", "stream", "text_tokens", "token_pool",
+    "Activations", "Head", "HeadScores", "QKCircuitsError", "THRESHOLDS",
+    "all_heads", "capture", "confirm_induction", "edit", "has_rotary", "hook_name", "kv_head", "load", "mask_score", "model_heads", "n_kv_heads",
+    "natural_text", "parse_heads", "pick_device", "repeated_tokens", "scan", "stream", "target_masks", "text_tokens", "token_pool",
 ]
 __all__ += ["HeadDiagnostics", "diagnose", "qk_statistics"]
 __all__ += ["ABLATION_METHODS", "GroupEffect", "HeadEffects", "Metric", "RandomComparison", "ablate", "as_metric", "attribution",

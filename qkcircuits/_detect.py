@@ -116,13 +116,15 @@ def _checked_int(name: str, value, least: int = 1) -> int:
     return value
 
 
-def scan(model, *, n_seqs: int = 8, seq_len: int = 40, seed: int = 0, bos: Optional[int] = None,
-         prefix_seqs: int = 10, prefix_len: int = 25, text: bool = False, copying: bool = True,
+def scan(model, *, n_seqs: int = 8, seq_len: Optional[int] = None, seed: int = 0, bos: Optional[int] = None,
+         prefix_seqs: int = 10, prefix_len: Optional[int] = None, text: bool = False, copying: bool = True,
          eigen_copying: bool = True, exclude_bos: bool = False, confirm_top: int = 0,
          progress: bool = True) -> HeadScores:
     """Score every head of ``model``; see the module docstring for the scores.
 
     Passes: [BOS]+R+R (``n_seqs`` × R of ``seq_len``), [BOS]+R×4 (``prefix_seqs`` × ``prefix_len``),
+    ``seq_len`` defaulting to 40 and ``prefix_len`` to 25 (Olsson), each capped by the context and by
+    the token pool, so that R is drawn without repeats where the vocabulary allows;
     and with ``text=True`` natural text (adds ``previous_token_text`` and ``duplicate_token_text``).
     ``exclude_bos`` renormalises attention away from BOS before scoring (as TransformerLens's
     ``detect_head`` does); the default counts attention parked on BOS as attention not on target.
@@ -132,11 +134,13 @@ def scan(model, *, n_seqs: int = 8, seq_len: int = 40, seed: int = 0, bos: Optio
     """
     check_seed(seed)
     _checked_int("n_seqs", n_seqs)
-    _checked_int("seq_len", seq_len, 2)
     _checked_int("prefix_seqs", prefix_seqs)
-    _checked_int("prefix_len", prefix_len, 2)
     L, H = model.cfg.n_layers, model.cfg.n_heads
     pool = token_pool(model, bos=bos)
+    room = len(pool.ids)
+    seq_len = _checked_int("seq_len", seq_len, 2) if seq_len is not None else min(40, room, (model.cfg.n_ctx - 1) // 2)
+    prefix_len = (_checked_int("prefix_len", prefix_len, 2) if prefix_len is not None
+                  else min(25, room, (model.cfg.n_ctx - 1) // 4))
     passes = 2 + int(text)
     bar = tqdm(total=passes * L, desc="scan", unit="layer", disable=not progress, file=sys.stderr, leave=False)
 
@@ -217,7 +221,9 @@ def confirm_induction(model, scores: HeadScores, *, k: int = 5, n_draws: int = 1
     from ._ablate import compare_to_random
 
     _checked_int("k", k)
-    toks = repeated_tokens(model, n_seqs, seq_len, 2, seed=seed + 2, pool=pool or token_pool(model))
+    pool = pool or token_pool(model)
+    seq_len = min(seq_len, len(pool.ids))          # keep R free of repeats, as the scan does
+    toks = repeated_tokens(model, n_seqs, seq_len, 2, seed=seed + 2, pool=pool)
     heads = [h for h, _ in scores.top(k, "induction")]
     cmp = compare_to_random(model, heads, toks, "induction-loss", n_draws=n_draws, seed=seed)
     return {"heads": [str(h) for h in cmp.heads], "metric": cmp.metric, "method": cmp.method,

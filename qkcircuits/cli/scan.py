@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
                                    "duplicate-token-like heads.")
     add_model_args(p)
     p.add_argument("--n-seqs", type=positive_int, default=8, help="sequences of [BOS]+R+R (default 8)")
-    p.add_argument("--seq-len", type=positive_int, default=40, help="length of the random segment R (default 40)")
+    p.add_argument("--seq-len", type=positive_int, default=None,
+                   help="length of the random segment R (default 40, capped by the context and vocabulary)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the prompt sets (default 0)")
     p.add_argument("--top", type=positive_int, default=5, help="heads to list per score (default 5)")
     p.add_argument("--text", action="store_true", help="also score previous/duplicate-token heads on natural text")
