@@ -38,7 +38,7 @@ from ._errors import QKCircuitsError
 from ._sequences import check_seed, repeated_tokens, text_tokens, token_pool
 
 # Sums that combine by max instead of addition.
-_MAX_KEYS = ("pattern_err", "future_weight")
+_MAX_KEYS = ("pattern_err", "scores_err", "future_weight")
 _PERTURB = ("perturb_change", "perturb_input_change")
 
 
@@ -66,7 +66,8 @@ def head_sums(q: Float[Tensor, "batch pos head d"], k: Float[Tensor, "batch pos 
     dev = q.device
     causal = torch.ones(p, p, dtype=torch.bool, device=dev).tril()
     raw = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float())
-    model_scores = _softcap(raw * scale, softcap) if scores is None else scores.float()
+    rebuilt = _softcap(raw * scale, softcap)
+    model_scores = rebuilt if scores is None else scores.float()
     recomputed = _masked_softmax(model_scores, causal)
     pat = recomputed if pattern is None else pattern.float()
 
@@ -89,7 +90,8 @@ def head_sums(q: Float[Tensor, "batch pos head d"], k: Float[Tensor, "batch pos 
         x64 = x.double()
         out[f"w{name}"] = torch.full((h,), b * float(w.sum()), dtype=torch.float64, device=dev)
         out[f"m{name}"] = torch.einsum("bihd,i->hd", x64, w)
-        out[f"M{name}"] = torch.einsum("bihd,bihe,i->hde", x64, x64, w)
+        xs = (x64 * w.sqrt()[None, :, None, None]).permute(2, 0, 1, 3).reshape(h, b * p, d)
+        out[f"M{name}"] = xs.transpose(1, 2) @ xs                # Σ w x xᵀ as one batched matmul per head
 
     # Row statistics on rows i >= 1 (row 0 has a single key: entropy 0, weight 1, no information).
     rows = slice(1, p)
@@ -107,6 +109,8 @@ def head_sums(q: Float[Tensor, "batch pos head d"], k: Float[Tensor, "batch pos 
     out["s_sink"] = pat[:, :, rows, 0].double().sum((0, 2))
     out["future_weight"] = future_weight(pat)
     out["pattern_err"] = (recomputed - pat).abs().amax((0, 2, 3)).double()
+    # Where the model's scores come from a hook, check that q, k and the scale read rebuild them.
+    out["scores_err"] = (rebuilt - model_scores).masked_fill(~causal, 0.0).abs().amax((0, 2, 3)).double()
     return out
 
 
@@ -139,6 +143,7 @@ def finish_sums(s: Dict[str, Tensor], d_head: int) -> Dict[str, Float[Tensor, "h
     dq, dk = M_q.diagonal(dim1=1, dim2=2), M_k.diagonal(dim1=1, dim2=2)
     out["q_var"] = (dq - mu_q.square()).mean(-1)
     out["k_var"] = (dk - mu_k.square()).mean(-1)
+    out["pred_var_zero_mean"] = ((dq - mu_q.square()) * (dk - mu_k.square())).sum(-1)
     out["pred_var_components"] = (dq * dk - (mu_q * mu_k).square()).sum(-1)
     out["pred_var_indep"] = torch.einsum("hde,hed->h", M_q, M_k) - (mu_q * mu_k).sum(-1).square()
     out["indep_ratio"] = out["qk_var"] / out["pred_var_indep"]
@@ -154,6 +159,7 @@ def finish_sums(s: Dict[str, Tensor], d_head: int) -> Dict[str, Float[Tensor, "h
     out["entropy_frac_unscaled"] = s["s_frac_u"] / n
     out["max_weight_unscaled"] = s["s_max_u"] / n
     out["pattern_err"] = s["pattern_err"]
+    out["scores_err"] = s["scores_err"]
     out["future_weight"] = s["future_weight"]
     return out
 
