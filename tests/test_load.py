@@ -48,12 +48,12 @@ def _ids(tokenizer, text=TEXT):
 def test_hf_folder_logits_equal_transformers(which, gpt2_dir, llama_dir):
     folder = {"gpt2": gpt2_dir, "llama": llama_dir}[which]
     hf = _tiny.hf_model(folder)
-    ref = copy.deepcopy(hf)          # booting rewires an HF model in place; qk.load builds its own anyway
+    ref = copy.deepcopy(hf)          # a pristine copy: booting rewires an HF model in place
     raw = qk.load(folder, device="cpu", fold_ln=False, verbose=False)
     folded = qk.load(str(folder), device="cpu", verbose=False)
-    assert len(raw.tokenizer) == _tiny.VOCAB > 1
+    assert len(raw.tokenizer) == _tiny.VOCAB > 1 and raw.tokenizer.bos_token_id == 0
     tokens = raw.to_tokens(TEXT)
-    assert torch.equal(tokens, _ids(hf_tok := raw.tokenizer)) and hf_tok.bos_token_id == 0
+    assert torch.equal(tokens, _ids(raw.tokenizer))              # BOS + the text's own ids
     assert len(set(tokens[0].tolist())) > 10                      # a real tokenizer, not one id
     with torch.no_grad():
         want = ref(tokens).logits
