@@ -38,7 +38,7 @@ def _check_square_vocab(model) -> None:
 def copying_scores(model, full: bool = True, normalize: bool = True) -> Float[Tensor, "layer head"]:
     """Eigenvalue copying score of every head's OV circuit (``full=False``) or of W_E OV W_U (``full=True``).
 
-    Memory: one [d_vocab, d_model] normalised W_E and one [d_model, d_model] G = U·E (float64), then
+    Memory: one [d_vocab, d_model] normalised W_E and one [d_model, d_model] G = U·E (float32 product, eigenproblems in float64), then
     [n_heads, d_head, d_head] per layer. Time: one vocab·d_model² product, then tiny eigenproblems.
     """
     L, H = model.cfg.n_layers, model.cfg.n_heads
@@ -47,9 +47,9 @@ def copying_scores(model, full: bool = True, normalize: bool = True) -> Float[Te
     if full:
         _check_square_vocab(model)
         with torch.no_grad():
-            U = unembed_cols(model, normalize).double()
+            U = unembed_cols(model, normalize)
             if is_folded(model) or not normalize or _norm_kind(model) is None:
-                G = U @ embed_rows(model, 0, normalize).double()                   # same for every layer
+                G = (U @ embed_rows(model, 0, normalize)).double()                 # same for every layer
     for layer in range(L):
         w = layer_weights(model, layer)
         with torch.no_grad():
@@ -57,7 +57,7 @@ def copying_scores(model, full: bool = True, normalize: bool = True) -> Float[Te
             if not full:
                 core = O @ V                                                      # eig(V O) = eig(O V)
             else:
-                G_l = G if G is not None else U @ embed_rows(model, layer, normalize).double()
+                G_l = G if G is not None else (U @ embed_rows(model, layer, normalize)).double()
                 core = O @ G_l @ V                                                # [H, d_head, d_head]
             out[layer] = eigen_copying(torch.linalg.eigvals(core))
     return out

@@ -166,12 +166,14 @@ def qk_at_offset(model, head: HeadsLike, offset: int, *, spec: Optional[RotarySp
     """
     h = _head(model, head)
     spec = spec or rotary_spec(model)
-    w = layer_weights(model, h.layer)
-    Q, K = w.W_Q[h.head], w.W_K[h.head]
+    return _qk_offset(layer_weights(model, h.layer), h.head, rotation(spec, [int(offset)], relative=True)[0], affine)
+
+
+def _qk_offset(w, head: int, R: Tensor, affine: bool) -> FactoredMatrix:
+    Q, K = w.W_Q[head], w.W_K[head]
     if affine:
-        Q, K = torch.cat([Q, w.b_Q[h.head][None]], 0), torch.cat([K, w.b_K[h.head][None]], 0)
-    R = rotation(spec, [int(offset)], relative=True)[0].to(Q.dtype).to(Q.device)
-    return FactoredMatrix(Q @ R, K.T)
+        Q, K = torch.cat([Q, w.b_Q[head][None]], 0), torch.cat([K, w.b_K[head][None]], 0)
+    return FactoredMatrix(Q @ R.to(Q.dtype).to(Q.device), K.T)
 
 
 def offset_scores(model, layer: int, x: Float[Tensor, "pos d_model"], *, spec: Optional[RotarySpec] = None,
@@ -189,13 +191,14 @@ def offset_scores(model, layer: int, x: Float[Tensor, "pos d_model"], *, spec: O
     spec = spec or (rotary_spec(model) if rotary else None)
     xa = torch.cat([x, torch.ones(p, 1, dtype=x.dtype, device=x.device)], 1) if affine else x
     out = torch.full((len(heads), p, p), float("nan"), dtype=x.dtype, device=x.device)
-    from ._circuits import qk, qk_affine
+    w = layer_weights(model, layer)                                  # read once; every offset reuses it
+    Rs = rotation(spec, range(p), relative=True) if rotary else None
+    eye = torch.eye(w.W_Q.shape[-1], dtype=w.W_Q.dtype)
     with torch.no_grad():
         for n, hd in enumerate(heads):
-            head = (layer, hd)
             for d in (range(p) if rotary else [None]):
-                M = qk_at_offset(model, head, d, spec=spec, affine=affine) if rotary else \
-                    (qk_affine if affine else qk)(model, head)
+                # the same FactoredMatrix qk_at_offset / qk_affine / qk return
+                M = _qk_offset(w, hd, Rs[d] if rotary else eye, affine)
                 left, right = xa @ M.A, (M.B @ xa.T).T                           # [p, d_head] each
                 if d is None:
                     out[n] = torch.tril(left @ right.T) + torch.triu(out[n], 1)

@@ -147,6 +147,10 @@ def test_rotary_offset_identity_tiny_llama_and_wrong_base_fails(llama):
         x, ref = c[qk.attn_input_hook(llama, layer)][0], c[f"blocks.{layer}.attn.hook_attn_scores"][0]
         ours = qk.offset_scores(llama, layer, x, spec=spec)
         torch.testing.assert_close(ours[:, mask], ref[:, mask], atol=1e-4, rtol=1e-4)
+        for h, i, j in [(1, 30, 29), (3, 39, 2)]:                      # the public circuit, entry by entry
+            M = qk.qk_at_offset(llama, (layer, h), i - j, affine=True)
+            s = torch.cat([x[i], torch.ones(1)]) @ M.AB @ torch.cat([x[j], torch.ones(1)]) * qk.attn_scale(llama, layer)
+            assert float(s) == pytest.approx(float(ref[h, i, j]), abs=1e-4)
         wrong = qk.offset_scores(llama, layer, x, spec=qk.rotary_spec(llama, base=10000.0))
         assert (wrong - ref)[:, mask].abs().max() > 0.05
 
