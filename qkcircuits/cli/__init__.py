@@ -14,7 +14,7 @@ from typing import List, Optional
 from .._errors import QKCircuitsError
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ["scan", "diagnose", "report", "serve"]
+COMMANDS = ["scan", "ablate", "diagnose", "report", "serve"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,68 @@
+"""``qkcircuits ablate MODEL --heads 5.1,5.5``: the metric with heads ablated; ``--sweep``: every head alone."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .._errors import QKCircuitsError
+from ._common import add_model_args, load_model, non_negative_int, positive_int, write_atomic
+
+METRICS = ("induction-loss", "text-loss")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("ablate", help="ablate heads (zero/mean/resample) and measure the loss change; --sweep: all",
+                       description="Ablate attention heads at hook_z (the head's output before W_O) and print the "
+                                   "baseline, the ablated value and the change of the metric.")
+    add_model_args(p)
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--heads", help="heads ablated together, e.g. 5.1,5.5 or L5H1 or 5.*")
+    what.add_argument("--sweep", action="store_true", help="ablate every head alone and list the largest effects")
+    p.add_argument("--method", choices=("zero", "mean", "resample"), default="zero",
+                   help="zero; mean over the prompts (per position); resample from the prompts rolled by one row")
+    p.add_argument("--metric", choices=METRICS, default="induction-loss",
+                   help="induction-loss: loss on the repeated half of [BOS]+R+R; text-loss: loss on packaged text")
+    p.add_argument("--n-seqs", type=positive_int, default=8, help="prompts (default 8)")
+    p.add_argument("--seq-len", type=positive_int, default=40,
+                   help="length of R (induction-loss) or of each text row (text-loss), default 40")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random prompts (default 0)")
+    p.add_argument("--top", type=positive_int, default=10, help="heads listed after --sweep (default 10)")
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .._ablate import group_effect
+    from .._heads import model_heads
+    from .._metrics import as_metric, default_tokens
+    from .._sweep import sweep
+
+    model = load_model(args)
+    metric = as_metric(args.metric, model)
+    heads = model_heads(model, args.heads) if args.heads is not None else None   # bad heads fail before any forward
+    tokens = default_tokens(model, metric, n_seqs=args.n_seqs, seq_len=args.seq_len, seed=args.seed)
+    if args.method == "resample" and tokens.shape[0] < 2:
+        raise QKCircuitsError("--method resample takes each prompt's z from another prompt: use --n-seqs 2 or more")
+    out = {"model": args.model, "method": args.method, "metric": metric.name, "n_seqs": int(tokens.shape[0]),
+           "n_positions": int(tokens.shape[1]), "seed": args.seed}
+    if args.sweep:
+        res = sweep(model, tokens, metric, args.method, progress=not args.quiet)
+        out.update(baseline=res.baseline, reference=res.reference, per_position=res.per_position,
+                   effects=[[float(v) for v in row] for row in res.effects.tolist()])
+        print(f"{args.model}: {metric.name} baseline {res.baseline:.4f} over {tokens.shape[0]} prompts x "
+              f"{tokens.shape[1]} tokens; {args.method} ablation of each head alone, largest effects:")
+        for head, value in res.top(args.top):
+            print(f"  {str(head):<8}{value:+.4f}")
+    else:
+        g = group_effect(model, heads, tokens, metric, args.method)
+        out.update(heads=[str(h) for h in g.heads], baseline=g.baseline, ablated=g.ablated, effect=g.effect)
+        print(f"{args.model}: {metric.name} over {tokens.shape[0]} prompts x {tokens.shape[1]} tokens, "
+              f"{args.method} ablation of {', '.join(str(h) for h in g.heads)}")
+        print(f"  baseline {g.baseline:.4f}   ablated {g.ablated:.4f}   change {g.effect:+.4f}")
+    if args.json:
+        write_atomic(args.json, json.dumps(out, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
