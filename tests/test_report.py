@@ -1,0 +1,170 @@
+"""The offline HTML report: self-contained (JS inlined once, no network URLs) and showing the right numbers.
+
+Ground truth: the hand-built fixture (0.0 is an exact previous-token head, 1.0 an exact induction head that
+copies via its OV circuit), the circuits module's own full QK/OV (a second implementation), and, on
+SmolLM2, the model's own layer-0 scores q·k at offset 0, where rotary is the identity.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+import qkcircuits as qk
+from qkcircuits.cli import main
+from qkcircuits.viz import report_html
+from qkcircuits.viz._page import circuitsvis_js_path, plotly_js_path, script_text
+from qkcircuits.viz._panels import ViewContext, ov_top, prompt_ids, qk_grid, token_set
+from qkcircuits.fixtures import INDUCTION_HEAD, PREV_TOKEN_HEAD
+
+
+def source_data(html: str) -> dict:
+    m = re.search(r"window\.QK_SOURCE = (\{.*?\});</script>", html, re.S)
+    assert m, "no embedded data"
+    return json.loads(m.group(1).replace("<\\/", "</"))
+
+
+@pytest.fixture(scope="module")
+def toy_scores(hand_built):
+    return qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
+
+
+@pytest.fixture(scope="module")
+def toy_html(hand_built, toy_scores):
+    return report_html(hand_built, scores=toy_scores, progress=False)
+
+
+def test_js_inlined_once_and_no_network_urls(toy_html):
+    plotly_head = plotly_js_path().read_text(encoding="utf-8")[:300]
+    cv_head = circuitsvis_js_path().read_text(encoding="utf-8")[:300]
+    assert toy_html.count(plotly_head) == 1
+    assert toy_html.count(cv_head) == 1
+    assert toy_html.count("</script>") == 4          # plotly, circuitsvis, data, viewer: nothing per widget
+    # Outside the two library bundles (which hold URLs as inert strings, e.g. plotly's default topojsonURL for
+    # geo maps) the page names no URL at all; the browser test proves that no request leaves the page.
+    rest = toy_html.replace(script_text("plotly"), "").replace(script_text("circuitsvis"), "")
+    assert "http://" not in rest and "https://" not in rest and "//cdn" not in rest
+    assert "sourceMappingURL" not in toy_html
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", rest)
+
+
+def test_panels_match_the_fixture(hand_built, toy_html):
+    data = source_data(toy_html)
+    panels = data["panels"]
+    ind, prev = "%d.%d" % INDUCTION_HEAD, "%d.%d" % PREV_TOKEN_HEAD
+    assert {ind, prev} <= set(panels) and data["first"] == ind
+    # OV of the induction head: every non-BOS source token's top output is itself (the fixture copies).
+    ov = panels[ind]["figures"]["ov"]["data"][0]
+    copies = [row[0][2] for row in ov["customdata"]]
+    assert copies[1:] == ["yes"] * (len(copies) - 1)
+    # Previous-token head: its positional QK profile peaks at offset 1.
+    pos = panels[prev]["figures"]["pos"]["data"][0]
+    assert pos["x"][max(range(len(pos["y"])), key=lambda i: pos["y"][i])] == 1
+    # K-composition: the induction head's key reads the previous-token head first.
+    comp = panels[ind]["figures"]["comp"]["data"][0]
+    assert comp["y"][-1] == prev                    # bars are drawn bottom-up: the strongest is last
+    assert panels[prev]["figures"]["comp"] is None   # layer 0 has no earlier heads
+    # Attention on the default prompt ([BOS] + R + R, |R| = 12): second-copy queries attend to i - 11.
+    att = torch.tensor(panels[ind]["attention"]["attention"][0])
+    q = torch.arange(13, 25)
+    assert torch.equal(att[q].argmax(-1), q - 11)
+    assert float(att[q, q - 11].min()) > 0.99
+    assert panels[ind]["info"]["labels"] == ["induction"]
+    assert abs(panels[ind]["info"]["scores"]["induction"] - 1.0) < 1e-3
+
+
+def test_views_agree_with_circuits_module(hand_built):
+    ctx, ids = ViewContext(hand_built), token_set(hand_built)
+    for head in qk.all_heads(2, 2):
+        full = qk.full_qk(hand_built, head)
+        ref = full.A[ids] @ full.B[:, ids] * qk.attn_scale(hand_built, head.layer)
+        torch.testing.assert_close(qk_grid(ctx, head, ids), ref, rtol=1e-5, atol=1e-5)
+        vals, out = ov_top(ctx, head, ids, 3)
+        full_ov = qk.full_ov(hand_built, head)
+        for n, t in enumerate(ids):
+            v, i = qk.top_tokens(full_ov, t, 3)
+            torch.testing.assert_close(vals[n], v, rtol=1e-5, atol=1e-5)
+
+
+def test_left_out_heads_are_stated(hand_built, toy_scores):
+    data = source_data(report_html(hand_built, scores=toy_scores, per_score=0, heads="1.1", progress=False))
+    assert data["heads"] == ["1.1"]
+    assert "1 of 4 heads" in data["left_out"] and "left out" in data["left_out"]
+
+
+def test_ablation_and_diagnostics_shown(hand_built, toy_scores, tmp_path):
+    toks = qk.repeated_tokens(hand_built, 4, 12, 2, seed=0)
+    eff = qk.sweep(hand_built, toks, "induction-loss", progress=False)
+    diag = qk.diagnose(hand_built, progress=False)
+    data = source_data(report_html(hand_built, scores=toy_scores, effects=eff, diagnostics=diag, progress=False))
+    keys = [g["key"] for g in data["grids"]]
+    assert "ablation" in keys and "flags" in keys
+    info = data["panels"]["1.0"]["info"]
+    assert info["ablation"]["effect"] == pytest.approx(float(eff.effects[1, 0]), abs=1e-5)
+    assert info["ablation"]["effect"] > 1.0          # removing the induction head costs the repeated half
+    assert info["flags"] == [k for k, v in diag.flags().items() if bool(v[1, 0])]
+
+
+def test_bad_input_is_one_line_error(hand_built, toy_scores):
+    with pytest.raises(qk.QKCircuitsError, match="no tokenizer"):
+        report_html(hand_built, tokens=["cat"], progress=False)
+    with pytest.raises(qk.QKCircuitsError, match="outside the vocabulary"):
+        report_html(hand_built, tokens=["#99"], progress=False)
+    with pytest.raises(qk.QKCircuitsError, match="at most"):
+        report_html(hand_built, prompt=" ".join(["3"] * 300), progress=False)
+    with pytest.raises(qk.QKCircuitsError, match="out of range|layers"):
+        report_html(hand_built, heads="5.0", progress=False)
+    other = qk.HeadScores("x", 3, 2, {"induction": torch.zeros(3, 2)})
+    with pytest.raises(qk.QKCircuitsError, match="3 layers x 2 heads"):
+        report_html(hand_built, scores=other, progress=False)
+
+
+def test_cli_report(tmp_path, toy_scores, capsys):
+    scores = tmp_path / "scan.json"
+    toy_scores.to_json(scores)
+    out = tmp_path / "r.html"
+    assert main(["report", "toy-induction", "-o", str(out), "--scores", str(scores), "--heads", "1.1",
+                 "--prompt", "0 4 5 6 4 5 6", "--tokens", "#1", "#2", "#3", "--quiet"]) == 0
+    data = source_data(out.read_text(encoding="utf-8"))
+    assert "1.1" in data["panels"] and data["first"] == "1.1"
+    assert data["panels"]["1.0"]["attention"]["tokens"] == ["#0", "#4", "#5", "#6", "#4", "#5", "#6"]
+    assert len(data["panels"]["1.0"]["figures"]["qk"]["data"][0]["z"]) == 3
+    # Bad input: exit 2, one error line, nothing written.
+    bad = tmp_path / "bad.html"
+    for argv in (["--heads", "7.0"], ["--scores", str(tmp_path / "missing.json")], ["--tokens", "cat"]):
+        capsys.readouterr()
+        assert main(["report", "toy-induction", "-o", str(bad), "--quiet"] + argv) == 2
+        err = capsys.readouterr().err
+        lines = [x for x in err.splitlines() if not x.startswith("qkcircuits: using device")]
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
+        assert not bad.exists()
+    assert main(["report", "toy-induction", "-o", str(tmp_path / "no" / "r.html"), "--quiet"]) == 2
+
+
+@pytest.mark.smollm2
+def test_smollm2_report(smollm2):
+    model = smollm2
+    html = report_html(model, heads="0.3", per_score=2, progress=False)
+    size = len(html.encode("utf-8"))
+    assert size < 8 * 2 ** 20, f"report is {size / 2 ** 20:.1f} MiB"
+    data = source_data(html)
+    assert data["first"] == "0.3" and "0.3" in data["panels"]
+    p = data["panels"]["0.3"]
+    labels = [t for t in p["figures"]["qk"]["layout"]["yaxis"]["ticktext"]]
+    assert "␣the" in labels and len(labels) >= 20
+    assert p["figures"]["pos"] is not None and p["figures"]["comp"] is None
+    # Layer-0 QK diagonal == the model's own score at offset 0 (rotary is the identity there).
+    ids = token_set(model)
+    acts = qk.capture(model, torch.tensor([ids]), ["rot_q", "rot_k"], layers=[0])
+    own = (acts.head("rot_q", 0, 3)[0] * acts.head("rot_k", 0, 3)[0]).sum(-1) * qk.attn_scale(model, 0)
+    z = torch.tensor(p["figures"]["qk"]["data"][0]["z"])
+    torch.testing.assert_close(z.diagonal(), own.float(), rtol=1e-3, atol=1e-3)
+    # Attention on the default prompt: it is the model's own pattern, rows sum to 1.
+    att = torch.tensor(p["attention"]["attention"][0])
+    n = len(prompt_ids(model, None))
+    assert att.shape == (n, n) and torch.allclose(att.sum(-1), torch.ones(n), atol=2e-3)
+    ref = qk.capture(model, torch.tensor([prompt_ids(model, None)]), ["pattern"], layers=[0])["pattern", 0][0, 3]
+    torch.testing.assert_close(att, ref.float(), atol=6e-5, rtol=0)
