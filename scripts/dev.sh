@@ -36,6 +36,11 @@ case "$cmd" in
     ;;
   test)
     setup
+    # The browser tests (tests/test_browser.py) drive Debian's chromium; they fail, not skip, without it.
+    if ! command -v chromium >/dev/null 2>&1; then
+      SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+      $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q chromium
+    fi
     export HF_HUB_OFFLINE=1
     "$VENV/bin/python" -m pytest -q "$@"
     ;;
