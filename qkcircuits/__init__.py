@@ -12,7 +12,8 @@ from ._ablate import METHODS as ABLATION_METHODS, GroupEffect, RandomComparison,
 from ._attribution import attribution
 from ._circuits import (Circuit, LayerWeights, all_ov, all_qk, attn_input_hook, attn_scale, circuit, circuit_caveats,
                         embed_rows, full_ov, full_qk, layer_weights, ov, ov_affine, qk, qk_affine, top_tokens, unembed_cols)
-from ._composition import CompositionScores, composition_baseline, composition_scores, k_composition_partners
+from ._composition import (CompositionScores, composition_baseline, composition_column, composition_scores,
+                           k_composition_partners)
 from ._copying import copying_accuracy, copying_scores, eigen_copying
 from ._rotary import (OffsetProfile, RotarySpec, offset_profile, offset_scores, positional_qk, qk_at_offset, rotary_spec,
                       rotation)
@@ -38,7 +39,7 @@ __all__ += ["HeadDiagnostics", "diagnose", "qk_statistics"]
 __all__ += ["ABLATION_METHODS", "GroupEffect", "HeadEffects", "Metric", "RandomComparison", "ablate", "as_metric", "attribution",
             "compare_to_random", "group_effect", "induction_loss", "logit_diff", "sweep", "text_loss"]
 __all__ += ["Circuit", "CompositionScores", "LayerWeights", "OffsetProfile", "RotarySpec", "all_ov", "all_qk", "attn_input_hook",
-            "attn_scale", "circuit", "circuit_caveats", "composition_baseline", "composition_scores", "copying_accuracy",
+            "attn_scale", "circuit", "circuit_caveats", "composition_baseline", "composition_column", "composition_scores", "copying_accuracy",
             "copying_scores", "eigen_copying", "embed_rows", "full_ov", "full_qk", "k_composition_partners", "layer_weights",
             "offset_profile", "offset_scores", "ov", "ov_affine", "positional_qk", "qk", "qk_affine", "qk_at_offset",
             "rotary_spec", "rotation", "top_tokens", "unembed_cols"]

@@ -326,3 +326,12 @@ def test_bad_input_errors(hand_built, llama):
         qk.circuit(hand_built, "1.0", "nope")
     with pytest.raises(QKCircuitsError, match="rotary base"):
         qk.rotary_spec(llama, base=0.5)
+
+
+def test_composition_column_equals_full_scores(hand_built):
+    r = _native(seed=7)
+    full = qk.composition_scores(r, "Q")
+    torch.testing.assert_close(qk.composition_column(r, "3.2", "Q"), full.scores[:3, :, 3, 2], atol=1e-6, rtol=1e-5)
+    comp = qk.composition_scores(hand_built, "K")
+    assert qk.k_composition_partners(hand_built, ["1.0"]) == qk.k_composition_partners(hand_built, ["1.0"], scores=comp)
+    assert qk.composition_column(hand_built, "0.1").shape == (0, 2)
