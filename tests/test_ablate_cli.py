@@ -48,7 +48,8 @@ def test_ablate_sweep_json_has_a_layers_by_heads_grid(folder, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--heads", "7.0"], "out of range"),
     (["--heads", ""], "no heads"),
-    (["--heads", "1.0", "--method", "resample", "--n-seqs", "1"], "2 or more"),
+    (["--heads", "1.0", "--method", "resample", "--n-seqs", "1", "--seq-len", "8"], "2 or more"),
+    (["--heads", "1.0", "--seq-len", "40"], "exceeds the model's context"),
 ])
 def test_bad_input_exits_2_with_one_line(folder, capsys, argv, message):
     assert main(["ablate", folder, "--device", "cpu", *argv]) == 2
