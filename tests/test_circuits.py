@@ -335,3 +335,30 @@ def test_composition_column_equals_full_scores(hand_built):
     comp = qk.composition_scores(hand_built, "K")
     assert qk.k_composition_partners(hand_built, ["1.0"]) == qk.k_composition_partners(hand_built, ["1.0"], scores=comp)
     assert qk.composition_column(hand_built, "0.1").shape == (0, 2)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+def test_cli_circuits_rotary_and_learned(tmp_path_factory, tmp_path, capsys):
+    from qkcircuits.cli import main
+
+    out = tmp_path / "c.json"
+    assert main(["circuits", str(_tiny.llama_dir(tmp_path_factory)), "--device", "cpu", "--head", "1.2",
+                 "--offsets", "8", "--tokens", "attention heads move information", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "eigen copying" in text and "K-composition partners" in text and "rotary halves base 500" in text
+    import json
+    s = json.loads(out.read_text())
+    assert s["positions"]["kind"] == "rotary" and len(s["positions"]["mean_score"]) == 9
+    assert [p for p, _ in s["k_composition"]["partners"]][0].startswith("0.")
+    assert len(s["full_ov_top"]) == 3
+    assert main(["circuits", str(_tiny.gpt2_dir(tmp_path_factory)), "--device", "cpu", "--head", "L0H1"]) == 0
+    assert "(learned)" in capsys.readouterr().out
+
+
+def test_cli_circuits_bad_head_exits_2(tmp_path_factory, capsys):
+    from qkcircuits.cli import main
+
+    assert main(["circuits", str(_tiny.gpt2_dir(tmp_path_factory)), "--device", "cpu", "--head", "7.0"]) == 2
+    err = capsys.readouterr().err
+    assert "\nerror: head 7.0 is out of range" in err and "Traceback" not in err

@@ -14,7 +14,7 @@ from typing import List, Optional
 from .._errors import QKCircuitsError
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ["scan", "ablate", "diagnose", "report", "serve"]
+COMMANDS = ["scan", "circuits", "ablate", "diagnose", "report", "serve"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,139 @@
+"""``qkcircuits circuits MODEL --head 3.1 [--tokens TEXT] [--json PATH]``: one head's circuits in brief.
+
+    $ qkcircuits circuits smollm2-135m --head 3.1
+    head 3.1 of HuggingFaceTB/SmolLM2-135M-Instruct  (fold_ln True, scale 0.125, rotary halves base 100000)
+    eigen copying: OV 0.412, full OV (W_E·OV·W_U) 0.376  (rank 40 of 270 by full OV)
+    K-composition partners (baseline 0.0416 subtracted): 2.7 0.121, 1.4 0.088, 0.3 0.051
+    offset profile over 0-64 (rows: 64 tokens of natural text): prefers offset 1 (score 2.31; at 0: -0.50; range 3.1)
+
+Prints the eigenvalue copying scores, the earlier heads the head's keys read most (K-composition),
+positions (rotary: the offset profile; learned: the positional QK by offset), and for ``--tokens``
+the output tokens the full OV circuit sends the first tokens to. ``--json`` writes all of it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from .._errors import QKCircuitsError
+from ._common import add_model_args, load_model, positive_int, write_atomic
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("circuits", help="one head's QK/OV circuits: copying, K-composition partners, positions",
+                       description="Summarise one head's circuits: eigenvalue copying score of OV and of the full OV "
+                                   "circuit, top K-composition partners (random baseline subtracted), and its "
+                                   "position preference. Conventions: docs/circuits.md.")
+    add_model_args(p)
+    p.add_argument("--head", required=True, help="the head, e.g. 3.1 or L3H1")
+    p.add_argument("--tokens", default=None,
+                   help="text whose residual rows feed the offset profile and whose first tokens' full-OV outputs are "
+                        "listed (default: natural text when the model has a tokenizer)")
+    p.add_argument("--top", type=positive_int, default=5, help="partners / output tokens to list (default 5)")
+    p.add_argument("--offsets", type=positive_int, default=64, help="largest offset in the profile (default 64)")
+    p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
+    p.set_defaults(func=run)
+
+
+def summarize(model, head, text=None, top: int = 5, max_offset: int = 64) -> dict:
+    """The summary ``run`` prints, as plain data (also what ``--json`` writes)."""
+    from .._capture import has_rotary
+    from .._circuits import attn_input_hook, attn_scale, circuit_caveats, full_ov, is_folded, top_tokens
+    from .._composition import composition_baseline, k_composition_partners
+    from .._copying import copying_scores
+    from .._heads import model_heads
+    from .._rotary import offset_profile, positional_qk, rotary_spec
+
+    h = model_heads(model, head)[0]
+    full, plain = copying_scores(model), copying_scores(model, full=False)
+    rank = int((full.flatten() > full[h.layer, h.head]).sum()) + 1
+    out: dict = {"head": str(h), "model": str(getattr(model.cfg, "model_name", "model")), "fold_ln": is_folded(model),
+                 "attn_scale": attn_scale(model, h.layer), "caveats": circuit_caveats(model),
+                 "copying": {"ov": float(plain[h.layer, h.head]), "full_ov": float(full[h.layer, h.head]),
+                             "full_ov_rank": rank, "n_heads": full.numel()}}
+    partners = k_composition_partners(model, [h], top=top, min_score=float("-inf"))[h]
+    out["k_composition"] = {"baseline": composition_baseline(int(model.cfg.d_model), int(model.cfg.d_head)),
+                            "partners": [[str(p), round(v, 6)] for p, v in partners]}
+    tokens = None
+    if getattr(model, "tokenizer", None) is not None:
+        from .._sequences import text_tokens
+        tokens = text_tokens(model, text, seq_len=min(max_offset + 1, int(model.cfg.n_ctx) - 1), n_seqs=1) \
+            if text is None else model.to_tokens(text)[:, :model.cfg.n_ctx]
+    offs = range(0, max_offset + 1)
+    if has_rotary(model):
+        spec = rotary_spec(model)
+        x, rows = None, "normalised token embeddings"
+        if tokens is not None:
+            name = attn_input_hook(model, h.layer)
+            with torch.no_grad():
+                _, cache = model.run_with_cache(tokens, names_filter=lambda n: n == name,
+                                                stop_at_layer=h.layer + 1)
+            x, rows = cache[name][0], f"{tokens.shape[1]} tokens of {'the given text' if text else 'natural text'}"
+        prof = offset_profile(model, h, offs, x, spec=spec)
+        out["rotary"] = spec.describe()
+        out["positions"] = {"kind": "rotary", "rows": rows, **prof.summary(),
+                            "mean_score": [round(float(v), 5) for v in prof.mean_score]}
+        out["caveats"] = out["caveats"] + list(spec.caveats)
+    elif getattr(model.cfg, "positional_embedding_type", "standard") in ("standard", "shortformer"):
+        P = positional_qk(model, h)
+        n = min(P.ldim, 4 * (max_offset + 1))
+        grid = (P.A[:n] @ P.B[:, :n]) * attn_scale(model, h.layer)
+        by = [float(grid.diagonal(-d).mean()) for d in offs if d < n]
+        best = max(range(len(by)), key=by.__getitem__)
+        out["positions"] = {"kind": "learned", "rows": f"W_pos rows 0-{n - 1}", "preferred_offset": best,
+                            "score_at_preferred": by[best], "score_at_0": by[0], "score_range": max(by) - min(by),
+                            "mean_score": [round(v, 5) for v in by]}
+    if tokens is not None and text is not None:
+        M = full_ov(model, h)
+        tok = model.tokenizer
+        out["full_ov_top"] = []
+        for t in tokens[0, :3].tolist():
+            vals, idx = top_tokens(M, t, k=top)
+            out["full_ov_top"].append({"token": tok.decode([t]), "top": [[tok.decode([i]), round(float(v), 4)]
+                                                                        for v, i in zip(vals.tolist(), idx.tolist())]})
+    return out
+
+
+def format_summary(s: dict) -> str:
+    rot = s.get("rotary")
+    pos = f", rotary {rot['style']} base {rot['base']:g}" if rot and rot.get("base") else ""
+    lines = [f"head {s['head']} of {s['model']}  (fold_ln {s['fold_ln']}, scale {s['attn_scale']:.6g}{pos})"]
+    c = s["copying"]
+    lines.append(f"eigen copying: OV {c['ov']:.3f}, full OV (W_E·OV·W_U) {c['full_ov']:.3f}  "
+                 f"(rank {c['full_ov_rank']} of {c['n_heads']} by full OV)")
+    k = s["k_composition"]
+    parts = ", ".join(f"{p} {v:.3f}" for p, v in k["partners"]) or "none (layer 0)"
+    lines.append(f"K-composition partners (baseline {k['baseline']:.4f} subtracted): {parts}")
+    p = s.get("positions")
+    if p:
+        lines.append(f"offset profile ({p['kind']}) over 0-{len(p['mean_score']) - 1} (rows: {p['rows']}): prefers "
+                     f"offset {p['preferred_offset']} (score {p['score_at_preferred']:.3g}; at 0: "
+                     f"{p['score_at_0']:.3g}; range {p['score_range']:.3g})")
+    for row in s.get("full_ov_top", []):
+        lines.append(f"full OV {row['token']!r} -> " + ", ".join(f"{t!r} {v:.3g}" for t, v in row["top"]))
+    for cav in s["caveats"]:
+        lines.append(f"caveat: {cav}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    if args.json and not Path(args.json).expanduser().resolve().parent.is_dir():
+        raise QKCircuitsError(f"cannot write {args.json!r}: its folder does not exist")
+    model = load_model(args)
+    from .._heads import model_heads
+
+    head = model_heads(model, args.head)
+    if len(head) != 1:
+        raise QKCircuitsError(f"--head names {len(head)} heads ({args.head!r}); give exactly one, e.g. 3.1")
+    if args.tokens is not None and getattr(model, "tokenizer", None) is None:
+        raise QKCircuitsError("--tokens needs a model with a tokenizer; this one has none")
+    s = summarize(model, head[0], args.tokens, args.top, args.offsets)
+    print(format_summary(s))
+    if args.json:
+        write_atomic(str(Path(args.json).expanduser()), json.dumps(s, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
