@@ -181,7 +181,8 @@ def attention_scale(model, layer: int) -> Tuple[float, str, Optional[float]]:
     ``attn_scores_soft_cap``. Falls back to ``model.cfg`` (``attn_scale``) and says so.
     """
     attn = model.blocks[layer].attn
-    comp = getattr(attn, "original_component", None) or attn
+    comp = getattr(attn, "original_component", None)
+    comp = attn if comp is None else comp
     cap = None
     for owner, name in ((comp, "attn_logit_softcapping"), (comp, "attn_scores_soft_cap"),
                         (model.cfg, "attn_scores_soft_cap")):
@@ -293,6 +294,10 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
     set_names = list(tokens)
     for si, set_name in enumerate(set_names):
         toks = torch.as_tensor(tokens[set_name])
+        toks = toks[None] if toks.dim() == 1 else toks
+        if toks.dim() != 2 or toks.shape[1] < 2:
+            raise QKCircuitsError(f"prompt set {set_name!r} must be [batch, pos] token ids with pos >= 2, "
+                                  f"got shape {tuple(toks.shape)}")
         n_clean = toks.shape[0]
         cut = toks.shape[1] // 2
         n_pert = min(n_perturb, n_clean) if si == len(set_names) - 1 and toks.shape[1] >= 4 else 0
@@ -358,8 +363,8 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
         sources[src] = sources.get(src, 0) + 1
     caps = sorted({c for _, _, c in scales.values() if c})
     settings = {
-        "prompt_sets": {s: {"n_seqs": int(torch.as_tensor(tokens[s]).shape[0]),
-                            "seq_len": int(torch.as_tensor(tokens[s]).shape[1])} for s in set_names},
+        "prompt_sets": {s: {"n_seqs": int(shape[0]), "seq_len": int(shape[-1])}
+                        for s, shape in ((s, torch.as_tensor(tokens[s]).shape) for s in set_names)},
         "seed": seed, "seg_len": seg_len, "n_perturb": n_perturb, "thresholds": thr,
         "layers": layer_list,
         "qk_hooks": [qn, kn] + (["rotary applied from the native module: hook_rot_q/k never fire there"]

@@ -94,6 +94,13 @@ class HeadDiagnostics:
     settings: dict = field(default_factory=dict)
     by_set: Dict[str, Dict[str, Tensor]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        for name, t in list(self.measures.items()) + [(f"{s}/{n}", t) for s, ms in self.by_set.items()
+                                                       for n, t in ms.items()]:
+            if tuple(t.shape) != (self.n_layers, self.n_heads):
+                raise QKCircuitsError(f"measure {name!r} has shape {tuple(t.shape)}, expected "
+                                      f"({self.n_layers}, {self.n_heads})")
+
     def __getitem__(self, name: str) -> Float[Tensor, "layer head"]:
         try:
             return self.measures[name]
@@ -106,7 +113,7 @@ class HeadDiagnostics:
 
     def flags(self) -> Dict[str, Bool[Tensor, "layer head"]]:
         """``{flag: bool [n_layers, n_heads]}`` from the measures and ``thresholds`` (NaN never flags)."""
-        t, m = self.thresholds, self.measures
+        t, m = self.thresholds, self                      # self[name]: a clear error for a missing measure
         leak_tol = t["leak_tol"]
         # A head is blamed by the perturbation test only if its own inputs at the earlier positions were
         # unchanged: otherwise the change came from a leak in an earlier layer.

@@ -215,9 +215,16 @@ def test_bad_input(hand_built, kwargs, match):
         qk.diagnose(hand_built, progress=False, **kwargs)
 
 
-def test_unknown_measure():
+def test_bad_results_and_prompts(hand_built):
     with pytest.raises(qk.QKCircuitsError, match="unknown measure"):
         HeadDiagnostics(model="m", n_layers=1, n_heads=1, d_head=1, measures={}, scale=torch.ones(1))["nope"]
+    with pytest.raises(qk.QKCircuitsError, match="shape"):
+        HeadDiagnostics(model="m", n_layers=2, n_heads=2, d_head=1, measures={"sink": torch.zeros(2, 3)},
+                        scale=torch.ones(2))
+    with pytest.raises(qk.QKCircuitsError, match="pos >= 2"):
+        qk.diagnose(hand_built, tokens={"mine": torch.tensor([[0]])}, progress=False)
+    with pytest.raises(qk.QKCircuitsError, match="exceeds the model's context"):
+        qk.diagnose(hand_built, tokens={"mine": torch.ones(1, 200, dtype=torch.long)}, progress=False)
 
 
 def test_cli(hand_built, monkeypatch, tmp_path, capsys):

@@ -1,9 +1,12 @@
 """``qkcircuits diagnose MODEL [--json PATH]``: per-head health, flagged heads first.
 
     $ qkcircuits diagnose smollm2-135m --json diag.json
-    head  flags                      Var(qk)/dk  scaled var  H/Hmax  max w   sink  Σp(1-p)  unscaled  future w
-    0.0   near_uniform                     1.61        1.61   0.919  0.084  0.026    0.949     0.399         0
+    head   flags                        Var(qk)/dk scaled var meas/indep H/Hmax  max w   sink Σp(1-p) unscaled ...
+    0.0    near_uniform                       0.99       0.99       1.25  0.950  0.091  0.043   0.946    0.583
+    18.8   near_one_hot,sink_dominated       61.61      61.61       0.99  0.012  0.979  0.979   0.027    0.002
     ...
+    10 of 270 heads flagged (near_uniform 5, near_one_hot 3, sink_dominated 4, leaking 0).
+    causal mask: OK: no weight on later positions, earlier positions unchanged when later tokens change
 """
 
 from __future__ import annotations
