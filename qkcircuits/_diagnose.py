@@ -2,17 +2,17 @@
 
 >>> import qkcircuits as qk
 >>> model = qk.load("smollm2-135m")                          # doctest: +SKIP
->>> diag = qk.diagnose(model)                                # doctest: +SKIP  one streamed pass per prompt set
->>> diag["qk_var_ratio"].nanmean(1)                          # doctest: +SKIP  Var(q·k)/d_k per layer
->>> diag.flagged()[:3]                                       # doctest: +SKIP  [(Head(0, 2), ['sink_dominated'])...]
+>>> diag = qk.diagnose(model)                                # one streamed pass per prompt set  # doctest: +SKIP
+>>> diag["qk_var_ratio"].nanmean(1)                          # Var(q·k)/d_k per layer  # doctest: +SKIP
+>>> diag.flagged()[:3]                                       # [(Head(layer=0, head=0), ['near_uniform']), ...]  # doctest: +SKIP
 
 The measures work on pure tensors too, e.g. random Gaussian queries and keys:
 
 >>> g = torch.Generator().manual_seed(0)
 >>> q, k = torch.randn(8, 128, 1, 64, generator=g), torch.randn(8, 128, 1, 64, generator=g)
 >>> s = qk_statistics(q, k, scale=64 ** -0.5)
->>> round(float(s["qk_var"][0])), round(float(s["scaled_var"][0]))   # ≈ d_k, ≈ 1 after 1/√d_k
-(64, 1)
+>>> round(float(s["qk_var"][0]) / 64, 1), round(float(s["scaled_var"][0]), 1)   # Var ≈ d_k, ≈ 1 after 1/√d_k
+(1.0, 1.0)
 
 What is measured, per head (``_diagnose_result.MEASURES`` lists every name): the raw q·k of
 the q and k the model really multiplies (post-rotary, K expanded for grouped-query

@@ -1,10 +1,10 @@
 """``HeadDiagnostics``: per-head health measures as [n_layers, n_heads] tensors, flags with stated thresholds.
 
 >>> diag = diagnose(model)                                   # doctest: +SKIP
->>> diag["qk_var_ratio"].shape                                # doctest: +SKIP  [n_layers, n_heads]
->>> diag.flagged()                                            # doctest: +SKIP  [(Head(3, 1), ["sink_dominated", ...]), ...]
->>> diag.to_frame().sort_values("sink", ascending=False)     # doctest: +SKIP  one row per head
->>> HeadDiagnostics.from_json(diag.to_json())                # doctest: +SKIP  round trip
+>>> diag["qk_var_ratio"].shape                                # [n_layers, n_heads]  # doctest: +SKIP
+>>> diag.flagged()                                            # [(Head(layer=0, head=0), ["near_uniform"]), ...]  # doctest: +SKIP
+>>> diag.to_frame().sort_values("sink", ascending=False)     # one row per head  # doctest: +SKIP
+>>> HeadDiagnostics.from_json(diag.to_json())                # round trip  # doctest: +SKIP
 
 Flags (thresholds live in ``settings["thresholds"]`` and docs/diagnostics.md says why):
 
