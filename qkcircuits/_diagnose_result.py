@@ -2,7 +2,7 @@
 
 >>> diag = diagnose(model)                                   # doctest: +SKIP
 >>> diag["qk_var_ratio"].shape                                # [n_layers, n_heads]  # doctest: +SKIP
->>> diag.flagged()                                            # [(Head(layer=0, head=0), ["near_uniform"]), ...]  # doctest: +SKIP
+>>> diag.flagged()                       # [(Head(layer=0, head=0), ["near_uniform"]), ...]  # doctest: +SKIP
 >>> diag.to_frame().sort_values("sink", ascending=False)     # one row per head  # doctest: +SKIP
 >>> HeadDiagnostics.from_json(diag.to_json())                # round trip  # doctest: +SKIP
 

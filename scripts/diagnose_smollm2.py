@@ -23,10 +23,12 @@ import qkcircuits as qk
 
 
 def layer_table(d) -> str:
-    m = lambda name, s=None: (d.by_set[s][name] if s else d[name]).nanmean(1)   # noqa: E731  mean over heads
+    def m(name, s=None):                                   # mean over heads, pooled or one prompt set
+        return (d.by_set[s][name] if s else d[name]).nanmean(1)
+
     rows = ["| layer | scale | Var(q·k)/d_k mean (min–max over heads) | text | repeated | no first key | "
-            "Σ Var(q_d)Var(k_d) / d_k | indep. components / d_k | q ⟂ k / d_k | measured / (q ⟂ k) | Var(q_d) | Var(k_d) | "
-            "scaled var |",
+            "Σ Var(q_d)Var(k_d) / d_k | indep. components / d_k | q ⟂ k / d_k | measured / (q ⟂ k) | "
+            "Var(q_d) | Var(k_d) | scaled var |",
             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     r = d["qk_var_ratio"]
     for L in range(d.n_layers):

@@ -77,8 +77,9 @@ def format_table(diag, all_heads: bool = False) -> str:
     if len(scale):
         lo, hi = float(scale.min()), float(scale.max())
         same = abs(hi - lo) <= 1e-6 * abs(hi)
+        source = ", ".join(diag.settings.get("scale_source", []))
         lines.append(f"scale on q·k: {lo:.6g}" + ("" if same else f" to {hi:.6g}") +
-                     f" (1/sqrt(d_head) = {diag.d_head ** -0.5:.6g}; read from {', '.join(diag.settings.get('scale_source', []))})"
+                     f" (1/sqrt(d_head) = {diag.d_head ** -0.5:.6g}; read from {source})"
                      + (f"; soft-cap {diag.settings['softcap']}" if diag.settings.get("softcap") else ""))
     return "\n".join(lines)
 
