@@ -172,6 +172,7 @@ def capture(model, tokens, names: Sequence[str] = ("q", "k", "v", "pattern"),
              for l in layers for n in names]
     _run(model, _as_tokens(model, tokens), hooks, stop_after=max(layers), names_per_layer=len(names),
          extra_hooks=fixer.hooks if fixer else ())
+    _check_fired([f"{n}@{l}" for l in layers for n in names if (n, l) not in acts.tensors])
     return acts
 
 
@@ -202,7 +203,17 @@ def stream(model, tokens, reducer: Callable[[int, Dict[str, Tensor]], object], n
              for l in layers for n in names]
     _run(model, _as_tokens(model, tokens), hooks, stop_after=max(layers), names_per_layer=len(names),
          extra_hooks=list(extra_hooks) + (fixer.hooks if fixer else []))
+    _check_fired([f"{n}@{l}" for l in layers if l not in results for n in names])
     return results
+
+
+def _check_fired(missing: List[str]) -> None:
+    """A hook point that exists but never fires (e.g. hook_rot_q on TL-native rotary models) must not
+    pass silently as an empty result."""
+    if missing:
+        raise QKCircuitsError(f"the model never fired the hooks for {', '.join(missing[:6])}"
+                              f"{' ...' if len(missing) > 6 else ''}; this bridge does not expose them "
+                              f"(capture 'q'/'k' and rotate them yourself, or use a Hugging Face model)")
 
 
 class _ScoresFixer:

@@ -422,3 +422,19 @@ def test_capture_runs_on_cuda_without_cpu_round_trips(tmp_path_factory, monkeypa
     assert all(t.device.type == "cuda" for t in lacts.tensors.values()) and bool((lacts["z", 1][:, :, 1] == 0).all())
     # the hand-built heads are still exact on the GPU
     assert acts["pattern", 0][0, 0, 3, 2].item() > 0.999 and acts["pattern", 1][0, 0, 5, 2].item() > 0.999
+
+
+def test_hooks_that_never_fire_are_an_error_not_an_empty_result():
+    # TL-native rotary models declare hook_rot_q/hook_rot_k but never call them.
+    from transformer_lens.config import TransformerBridgeConfig
+    from transformer_lens.model_bridge import TransformerBridge
+
+    cfg = TransformerBridgeConfig(d_model=32, d_head=8, n_layers=2, n_ctx=16, n_heads=4, d_vocab=50, attn_only=True,
+                                  positional_embedding_type="rotary", seed=0)
+    model = TransformerBridge.boot_native(cfg)
+    toks = torch.tensor([[1, 2, 3, 4]])
+    with pytest.raises(qk.QKCircuitsError, match="never fired the hooks for rot_q@0, rot_q@1"):
+        qk.capture(model, toks, ["rot_q"])
+    with pytest.raises(qk.QKCircuitsError, match="never fired"):
+        qk.stream(model, toks, lambda layer, t: 0, ["rot_k"])
+    assert qk.capture(model, toks, ["q"])["q", 1].shape == (1, 4, 4, 8)
