@@ -91,7 +91,10 @@ def _bias(attn, name: str) -> Optional[Tensor]:
 
 
 def _head(model, head) -> Head:
-    return model_heads(model, head)[0] if not isinstance(head, Head) else model_heads(model, [head])[0]
+    heads = model_heads(model, [head] if isinstance(head, Head) else head)
+    if len(heads) != 1:
+        raise QKCircuitsError(f"expected one head, got {len(heads)} from {head!r}; name one, e.g. '3.1'")
+    return heads[0]
 
 
 def qk(model, head: HeadsLike) -> FactoredMatrix:
@@ -276,20 +279,65 @@ def embed_rows(model, layer: int = 0, normalize: bool = True) -> Float[Tensor, "
 def unembed_cols(model, normalize: bool = True) -> Float[Tensor, "d_model vocab_out"]:
     """W_U as the head's output reaches it: with raw weights the final norm's weight (and LayerNorm
     centring) applied; the final norm's positive per-position scale is left out (it does not change
-    which token a row ranks first); b_U and the final norm's bias are left out (not the head's doing)."""
+    which token a row ranks first); b_U and the final norm's bias are left out (not the head's doing).
+    Memory: a [d_model, vocab_out] copy unless folded RMSNorm (then W_U itself); see ``unembed_factor``."""
     with torch.no_grad():
-        U = model.W_U.detach()
-        if not normalize or _norm_kind(model) is None:
-            return U
-        kind = _norm_kind(model)
-        if not is_folded(model):
-            orig = getattr(model.ln_final, "original_component", model.ln_final)
-            w = getattr(orig, "weight", None)
-            if w is not None:
-                U = (w.detach() + (1.0 if getattr(model.cfg, "rmsnorm_uses_offset", False) else 0.0))[:, None] * U
-        if kind == "LN":
-            U = U - U.mean(0, keepdim=True)   # centring the input == centring W_U's rows' inputs
+        return _unembed_chunk(model, model.W_U.detach(), normalize)
+
+
+def _unembed_chunk(model, U: Tensor, normalize: bool) -> Tensor:
+    """Apply the final norm's weight / centring to columns ``U`` [d_model, n] (column-local, so chunkable)."""
+    kind = _norm_kind(model)
+    if not normalize or kind is None:
         return U
+    if not is_folded(model):
+        orig = getattr(model.ln_final, "original_component", model.ln_final)
+        w = getattr(orig, "weight", None)
+        if w is not None:
+            U = (w.detach() + (1.0 if getattr(model.cfg, "rmsnorm_uses_offset", False) else 0.0))[:, None] * U
+    if kind == "LN":
+        U = U - U.mean(0, keepdim=True)   # the centred input x C with C symmetric: x C W = x (C W)
+    return U
+
+
+CHUNK_ROWS = 4096   # vocabulary rows normalised at a time: bounds temporaries to 3 · CHUNK_ROWS · d_model floats
+
+
+def embed_factor(model, W: Float[Tensor, "d_model k"], layer: int = 0, normalize: bool = True
+                 ) -> Float[Tensor, "vocab k"]:
+    """``embed_rows(model, layer) @ W`` without holding the normalised embedding (chunks of rows).
+
+    Memory: the [vocab, k] result plus 3 · CHUNK_ROWS · d_model floats.
+    """
+    E = model.W_E.detach()
+    with torch.no_grad():
+        out = torch.empty(E.shape[0], W.shape[-1], dtype=W.dtype, device=W.device)
+        for s in range(0, E.shape[0], CHUNK_ROWS):
+            rows = E[s:s + CHUNK_ROWS]
+            out[s:s + CHUNK_ROWS] = (normalize_rows(model, rows, "ln1", layer) if normalize else rows) @ W
+    return out
+
+
+def unembed_factor(model, W: Float[Tensor, "k d_model"], normalize: bool = True) -> Float[Tensor, "k vocab_out"]:
+    """``W @ unembed_cols(model)`` in column chunks. Memory: the [k, vocab_out] result plus one chunk."""
+    U = model.W_U.detach()
+    with torch.no_grad():
+        out = torch.empty(W.shape[0], U.shape[1], dtype=W.dtype, device=W.device)
+        for s in range(0, U.shape[1], CHUNK_ROWS):
+            out[:, s:s + CHUNK_ROWS] = W @ _unembed_chunk(model, U[:, s:s + CHUNK_ROWS], normalize)
+    return out
+
+
+def unembed_embed(model, layer: int = 0, normalize: bool = True) -> Float[Tensor, "d_model d_model"]:
+    """G = unembed_cols · embed_rows [d_model, d_model], summed over vocabulary chunks (square vocab only)."""
+    E, U = model.W_E.detach(), model.W_U.detach()
+    with torch.no_grad():
+        G = torch.zeros(U.shape[0], E.shape[1], dtype=E.dtype, device=E.device)
+        for s in range(0, E.shape[0], CHUNK_ROWS):
+            rows = E[s:s + CHUNK_ROWS]
+            G += _unembed_chunk(model, U[:, s:s + CHUNK_ROWS], normalize) @ \
+                (normalize_rows(model, rows, "ln1", layer) if normalize else rows)
+    return G
 
 
 def full_qk(model, head: HeadsLike, normalize: bool = True) -> FactoredMatrix:
@@ -299,18 +347,19 @@ def full_qk(model, head: HeadsLike, normalize: bool = True) -> FactoredMatrix:
     """
     h = _head(model, head)
     w = layer_weights(model, h.layer)
-    E = embed_rows(model, h.layer, normalize)
-    with torch.no_grad():
-        return FactoredMatrix(E @ w.W_Q[h.head], (E @ w.W_K[h.head]).T)
+    return FactoredMatrix(embed_factor(model, w.W_Q[h.head], h.layer, normalize),
+                          embed_factor(model, w.W_K[h.head], h.layer, normalize).T)
 
 
 def full_ov(model, head: HeadsLike, normalize: bool = True) -> FactoredMatrix:
-    """Source token to output logits: ``E_n W_V W_O U`` [vocab, vocab_out] as A [vocab, d_head] · B [d_head, vocab_out]."""
+    """Source token to output logits: ``E_n W_V W_O U`` [vocab, vocab_out] as A [vocab, d_head] · B [d_head, vocab_out].
+
+    Memory: the two factors (vocab · d_head each) plus one chunk.
+    """
     h = _head(model, head)
     w = layer_weights(model, h.layer)
-    E, U = embed_rows(model, h.layer, normalize), unembed_cols(model, normalize)
-    with torch.no_grad():
-        return FactoredMatrix(E @ w.W_V[h.head], w.W_O[h.head] @ U)
+    return FactoredMatrix(embed_factor(model, w.W_V[h.head], h.layer, normalize),
+                          unembed_factor(model, w.W_O[h.head], normalize))
 
 
 def top_tokens(matrix: FactoredMatrix, index: int, k: int = 10, dim: str = "row", largest: bool = True
@@ -321,6 +370,8 @@ def top_tokens(matrix: FactoredMatrix, index: int, k: int = 10, dim: str = "row"
     """
     if dim not in ("row", "col"):
         raise QKCircuitsError(f"dim must be 'row' or 'col', got {dim!r}")
+    if matrix.A.ndim != 2:
+        raise QKCircuitsError(f"top_tokens needs one 2-D circuit, got shape {tuple(matrix.shape)}; index one head first")
     n = matrix.ldim if dim == "row" else matrix.rdim
     if not 0 <= int(index) < n:
         raise QKCircuitsError(f"{dim} index {index} is out of range 0-{n - 1}")

@@ -17,7 +17,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ._circuits import _head, _norm_kind, embed_rows, is_folded, layer_weights, unembed_cols
+from ._circuits import _head, _norm_kind, embed_factor, is_folded, layer_weights, unembed_embed, unembed_factor
 from ._errors import QKCircuitsError
 from ._heads import HeadsLike
 
@@ -44,12 +44,11 @@ def copying_scores(model, full: bool = True, normalize: bool = True) -> Float[Te
     L, H = model.cfg.n_layers, model.cfg.n_heads
     out = torch.zeros(L, H)
     G = None
+    per_layer = full and not (is_folded(model) or not normalize or _norm_kind(model) is None)
     if full:
         _check_square_vocab(model)
-        with torch.no_grad():
-            U = unembed_cols(model, normalize)
-            if is_folded(model) or not normalize or _norm_kind(model) is None:
-                G = (U @ embed_rows(model, 0, normalize)).double()                 # same for every layer
+        if not per_layer:
+            G = unembed_embed(model, 0, normalize).double()                       # same for every layer
     for layer in range(L):
         w = layer_weights(model, layer)
         with torch.no_grad():
@@ -57,7 +56,7 @@ def copying_scores(model, full: bool = True, normalize: bool = True) -> Float[Te
             if not full:
                 core = O @ V                                                      # eig(V O) = eig(O V)
             else:
-                G_l = G if G is not None else (U @ embed_rows(model, layer, normalize)).double()
+                G_l = G if G is not None else unembed_embed(model, layer, normalize).double()
                 core = O @ G_l @ V                                                # [H, d_head, d_head]
             out[layer] = eigen_copying(torch.linalg.eigvals(core))
     return out
@@ -69,7 +68,8 @@ def copying_accuracy(model, head: Optional[HeadsLike] = None, *, normalize: bool
 
     ``head=None`` scores every head ([layer, head]); else a 0-d tensor. Rows are done in chunks of
     ``max_bytes // (4 · vocab)`` so the working set is ``max_bytes`` (default 128 MiB) plus the
-    factors A = E_n W_V [vocab, d_head] and B = W_O U [d_head, vocab] (+ one [vocab, d_model] W_E copy).
+    factors A = E_n W_V [vocab, d_head] and B = W_O U [d_head, vocab] (built in chunks of
+    ``CHUNK_ROWS`` vocabulary rows: no normalised [vocab, d_model] copy is held).
     """
     _check_square_vocab(model)
     vocab = model.W_E.shape[0]
@@ -77,17 +77,15 @@ def copying_accuracy(model, head: Optional[HeadsLike] = None, *, normalize: bool
     heads = [_head(model, head)] if head is not None else None
     L, H = model.cfg.n_layers, model.cfg.n_heads
     out = torch.full((L, H), float("nan"))
-    E0 = embed_rows(model, 0, normalize) if (is_folded(model) or not normalize) else None
-    U = unembed_cols(model, normalize)
     todo = [(h.layer, h.head) for h in heads] if heads else [(l, h) for l in range(L) for h in range(H)]
     bar = _tqdm(todo, progress and len(todo) > 1)
     cache_layer, w = None, None
     for layer, h in bar:
         if layer != cache_layer:
             w, cache_layer = layer_weights(model, layer), layer
-            E = E0 if E0 is not None else embed_rows(model, layer, normalize)
         with torch.no_grad():
-            A, B = E @ w.W_V[h], w.W_O[h] @ U
+            A = embed_factor(model, w.W_V[h], layer, normalize)                    # [vocab, d_head]
+            B = unembed_factor(model, w.W_O[h], normalize)                         # [d_head, vocab]
             hits = 0
             for s in range(0, vocab, chunk):
                 rows = A[s:s + chunk] @ B                                         # [chunk, vocab]

@@ -110,8 +110,9 @@ def rotary_spec(model, base: Optional[float] = None, verify: bool = True) -> Rot
             caveats.append(f"{len(mods)} rotary settings (e.g. per layer type); offsets use the first")
         mod = mods[0]
         inv = mod.inv_freq.detach().float().cpu()
-        rope = getattr(model.original_model.config, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        hf_cfg = model.original_model.config
+        rope = getattr(hf_cfg, "rope_parameters", None) or {}
+        theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or getattr(hf_cfg, "rope_theta", None)
         style = "pairs" if getattr(model.cfg, "rotary_adjacent_pairs", False) else "halves"
         spec = RotarySpec(inv, style, 2 * inv.numel(), d_head, float(getattr(mod, "attention_scaling", 1.0) or 1.0),
                           float(theta) if theta else None, f"HF {type(getattr(mod, 'original_component', mod)).__name__}")

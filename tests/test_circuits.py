@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import warnings
-
 import _tiny
 import pytest
 import torch
@@ -183,7 +180,11 @@ def test_normalised_embedding_is_layer0_input(llama):
 
 # ---------------------------------------------------------------------------------- token circuits
 
-def test_full_ov_rows_top_tokens_and_copying_accuracy_match_brute_force(gpt2_raw):
+@pytest.mark.parametrize("chunk_rows", [4096, 37])
+def test_full_ov_rows_top_tokens_and_copying_accuracy_match_brute_force(gpt2_raw, chunk_rows, monkeypatch):
+    import qkcircuits._circuits as circuits
+
+    monkeypatch.setattr(circuits, "CHUNK_ROWS", chunk_rows)          # 37: many vocabulary chunks
     model = gpt2_raw
     E, U = qk.embed_rows(model, 1), qk.unembed_cols(model)
     full = qk.full_ov(model, "1.2")
@@ -203,7 +204,10 @@ def test_full_ov_rows_top_tokens_and_copying_accuracy_match_brute_force(gpt2_raw
 
 
 @pytest.mark.parametrize("fixture", ["gpt2", "gpt2_raw"])
-def test_eigen_copying_from_small_side_equals_vocab_side(fixture, request):
+def test_eigen_copying_from_small_side_equals_vocab_side(fixture, request, monkeypatch):
+    import qkcircuits._circuits as circuits
+
+    monkeypatch.setattr(circuits, "CHUNK_ROWS", 53)
     model = request.getfixturevalue(fixture)
     scores = qk.copying_scores(model)
     ov_scores = qk.copying_scores(model, full=False)
@@ -326,6 +330,10 @@ def test_bad_input_errors(hand_built, llama):
         qk.circuit(hand_built, "1.0", "nope")
     with pytest.raises(QKCircuitsError, match="rotary base"):
         qk.rotary_spec(llama, base=0.5)
+    with pytest.raises(QKCircuitsError, match="expected one head, got 2"):
+        qk.ov(hand_built, "1.*")
+    with pytest.raises(QKCircuitsError, match="2-D"):
+        qk.top_tokens(qk.all_ov(hand_built), 0)
 
 
 def test_composition_column_equals_full_scores(hand_built):
@@ -362,3 +370,27 @@ def test_cli_circuits_bad_head_exits_2(tmp_path_factory, capsys):
     assert main(["circuits", str(_tiny.gpt2_dir(tmp_path_factory)), "--device", "cpu", "--head", "7.0"]) == 2
     err = capsys.readouterr().err
     assert "\nerror: head 7.0 is out of range" in err and "Traceback" not in err
+
+
+def test_qk_norm_model_is_flagged_and_really_leaves_the_bilinear_form(tmp_path):
+    """Qwen3 renormalises q and k per position inside attention: flagged, and the identity does fail there."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = _tiny.bpe_tokenizer()
+    cfg = Qwen3Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      intermediate_size=64, max_position_embeddings=64, vocab_size=len(tok), initializer_range=0.2,
+                      rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    hf = Qwen3ForCausalLM(cfg).eval()
+    _tiny._perturb(hf, 0)
+    model = qk.load(str(_tiny._save(tmp_path / "qwen3", hf, tok)), device="cpu", verbose=False)
+    cav = qk.circuit_caveats(model)
+    assert len(cav) == 1 and "query/key normalisation" in cav[0]
+    with pytest.warns(UserWarning, match="query/key normalisation"):
+        assert not qk.circuit(model, "0.1", "qk_offset", offset=1).exact
+    tokens = torch.randint(0, len(tok), (1, 12), generator=torch.Generator().manual_seed(0))
+    c = _forward(model, tokens, 0)
+    mask = _causal(12)
+    err = (qk.offset_scores(model, 0, c[qk.attn_input_hook(model, 0)][0]) - c["blocks.0.attn.hook_attn_scores"][0])
+    assert err[:, mask].abs().max() > 0.1
