@@ -12,12 +12,14 @@ the mean of that ratio for Gaussian random factors of the same shapes (one numbe
 seed. Pairs that are not earlier → later are NaN.
 
 Computed on the d_head side: ‖A B C D‖_F² = tr(AᵀA · BC · DDᵀ · (BC)ᵀ), so every pair costs one
-[d_head, d_model] × [d_model, d_head] product plus d_head³ work. Memory: per later layer
-[earlier heads, n_heads, d_head, d_head] (twice).
+[d_head, d_model] × [d_model, d_head] product plus d_head³ work. Memory: every head's W_O and
+right factor (float32, 2 · L·H · d_head · d_model) and Gram matrices, plus 3 · 64 · n_heads · d_head²
+doubles per block of 64 earlier heads; the [L, H, L, H] result.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -91,35 +93,43 @@ def _right_factors(w, mode: str) -> Tuple[Tensor, Tensor]:
     return w.W_V, w.W_O                                # OV
 
 
-def _ratio(left, right) -> Tensor:
+def _ratio(left, right, block: int = 64) -> Tensor:
     """[N] left and [M] right heads → [N, M] of ‖OV·X‖_F / (‖OV‖_F ‖X‖_F); 0 where a norm is 0.
 
     ‖A B C D‖_F² = Σ (G_A·Y·G_D) ⊙ Y with Y = B C [d_head, d_head], G_A = AᵀA, G_D = D Dᵀ: no QR and
-    nothing of size d_model² (batched QR was ~50× slower on a shared CPU).
+    nothing of size d_model² (batched QR was ~50× slower on a shared CPU). Left heads go ``block`` at
+    a time, in float64: memory 3 · block · M · d_head² doubles.
     """
     GA, B, ln = left
-    C, GD, rn = right
-    Y = torch.einsum("nij,mjk->nmik", B, C)                                     # [N, M, d_head, d_head]
-    num = (torch.einsum("nij,nmjk,mkl->nmil", GA, Y, GD) * Y).sum((-1, -2)).clamp_min(0).sqrt()
-    den = ln[:, None] * rn[None, :]
+    C, GD, rn = (t.double() for t in right)
+    num = torch.empty(B.shape[0], C.shape[0], dtype=torch.float64)
+    for s in range(0, B.shape[0], block):
+        Y = torch.einsum("nij,mjk->nmik", B[s:s + block].double(), C)              # [n, M, d_head, d_head]
+        T = GA[s:s + block, None].double() @ Y @ GD[None]
+        num[s:s + block] = (T * Y).sum((-1, -2)).clamp_min(0).sqrt()
+    den = ln[:, None].double() * rn[None, :]
     return torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))
 
 
+@functools.lru_cache(maxsize=16)
 def composition_baseline(d_model: int, d_head: int, n_samples: int = 200, seed: int = 0) -> float:
     """Mean composition ratio of independent Gaussian factors of these shapes (Monte Carlo, ``seed``).
 
     The ratio is invariant to the factors' scale and the same for Q, K and V composition shapes.
+    Deterministic, so cached. Memory: 8 samples at a time (4 · 8 · d_model · d_head doubles).
     """
     g = torch.Generator().manual_seed(int(seed))
-    shape_l = (n_samples, d_model, d_head)
+    total = 0.0
+    for s in range(0, int(n_samples), 8):
+        n = min(8, int(n_samples) - s)
 
-    def rnd(*s):
-        return torch.randn(*s, generator=g, dtype=torch.float64)
-    GA, B, ln = _left_cores(rnd(*shape_l), rnd(n_samples, d_head, d_model))
-    C, GD, rn = _right_cores(rnd(*shape_l), rnd(n_samples, d_head, d_model))
-    Y = B @ C                                    # pair sample i with sample i: independent draws
-    num = ((GA @ Y @ GD) * Y).sum((-1, -2)).sqrt()
-    return float((num / (ln * rn)).mean())
+        def rnd(*shape):
+            return torch.randn(*shape, generator=g, dtype=torch.float64)
+        GA, B, ln = _left_cores(rnd(n, d_model, d_head), rnd(n, d_head, d_model))
+        C, GD, rn = _right_cores(rnd(n, d_model, d_head), rnd(n, d_head, d_model))
+        Y = B @ C                                # pair sample i with sample i: independent draws
+        total += float((((GA @ Y @ GD) * Y).sum((-1, -2)).sqrt() / (ln * rn)).sum())
+    return total / int(n_samples)
 
 
 def composition_scores(model, mode: str = "K", *, baseline: bool = True, n_samples: int = 200, seed: int = 0
@@ -137,9 +147,12 @@ def composition_scores(model, mode: str = "K", *, baseline: bool = True, n_sampl
     with torch.no_grad():
         for layer in range(L):
             w = layer_weights(model, layer)
-            lefts.append(_left_cores(w.W_V.double(), w.W_O.double()))
+            # Gram matrices and norms in float64; the [.., d_model] factors stay float32 until used
+            GA, _, ln = _left_cores(w.W_V.double(), w.W_O.double())
+            lefts.append((GA, w.W_O, ln))
             C, D = _right_factors(w, mode)
-            rights.append(_right_cores(C.double(), D.double()))
+            _, GD, rn = _right_cores(C.double(), D.double())
+            rights.append((C, GD, rn))
         raw = torch.full((L, H, L, H), float("nan"), dtype=torch.float64)
         for later in range(1, L):
             left = tuple(torch.cat([lf[i] for lf in lefts[:later]]) for i in range(3))
@@ -166,7 +179,10 @@ def composition_column(model, head: HeadsLike, mode: str = "K", *, baseline: boo
         w = layer_weights(model, h.layer)
         C, D = _right_factors(w, mode)
         right = _right_cores(C[h.head:h.head + 1].double(), D[h.head:h.head + 1].double())
-        lefts = [_left_cores(lw.W_V.double(), lw.W_O.double()) for lw in (layer_weights(model, l) for l in range(h.layer))]
+        lefts = []
+        for lw in (layer_weights(model, l) for l in range(h.layer)):
+            GA, _, ln = _left_cores(lw.W_V.double(), lw.W_O.double())
+            lefts.append((GA, lw.W_O, ln))
         if not lefts:
             return torch.zeros(0, H)
         left = tuple(torch.cat([lf[i] for lf in lefts]) for i in range(3))

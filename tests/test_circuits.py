@@ -394,3 +394,13 @@ def test_qk_norm_model_is_flagged_and_really_leaves_the_bilinear_form(tmp_path):
     mask = _causal(12)
     err = (qk.offset_scores(model, 0, c[qk.attn_input_hook(model, 0)][0]) - c["blocks.0.attn.hook_attn_scores"][0])
     assert err[:, mask].abs().max() > 0.1
+
+
+def test_raw_composition_equals_transformer_lens():
+    r = _native(seed=9)
+    for mode in "QKV":
+        ours = qk.composition_scores(r, mode, baseline=False)
+        tl = r.all_composition_scores(mode)
+        mask = ~torch.isnan(ours.raw)
+        assert int(mask.sum()) == 6 * 16                       # 4 layers x 4 heads: earlier -> later pairs
+        torch.testing.assert_close(ours.raw[mask], tl[mask].float(), atol=1e-5, rtol=1e-4)
