@@ -76,8 +76,7 @@ class Page:
     def check_drawn(self, figs=("fig-qk", "fig-ov", "fig-pos", "fig-comp")):
         """Every grid and every head figure drew its traces; the attention widget drew canvas/SVG."""
         pg = self.page
-        n_grids = pg.locator("#grids .js-plotly-plot").count()
-        assert n_grids >= 3
+        assert pg.locator("#grids .js-plotly-plot").count() >= 1
         drawn = pg.evaluate("""() => [...document.querySelectorAll('#grids .js-plotly-plot')].map(
             d => d.querySelectorAll('.hm image, .heatmaplayer image').length)""")
         assert all(n > 0 for n in drawn), drawn          # plotly draws a heatmap as an <image> in its SVG
@@ -105,6 +104,7 @@ class Page:
         """Click the centre of cell (layer, head) of a score grid (layers run top to bottom)."""
         pg = self.page
         sel = f"#grid-{grid_key} .nsewdrag"
+        pg.locator(f"#grid-{grid_key}").scroll_into_view_if_needed()   # mouse clicks land in the viewport only
         box = pg.locator(sel).first.bounding_box()
         n_layers, n_heads = pg.evaluate(f"""() => {{ const z = document.getElementById('grid-{grid_key}').data[0].z;
             return [z.length, z[0].length]; }}""")
@@ -198,12 +198,14 @@ def test_app_choose_head_and_errors(browser, hand_built):
 
 @pytest.mark.smollm2
 def test_smollm2_report_and_app(browser, smollm2, tmp_path):
-    html = report_html(smollm2, heads="0.3", per_score=2, progress=False)
+    scores = qk.scan(smollm2, n_seqs=2, seq_len=20, prefix_seqs=2, prefix_len=10, eigen_copying=False, progress=False)
+    html = report_html(smollm2, scores=scores, heads="0.3", per_score=2, progress=False)
     path = tmp_path / "smollm2.html"
     write_report(str(path), html)
     p = Page(browser).open(path.as_uri())
     p.check_drawn(("fig-qk", "fig-ov", "fig-pos"))
     assert p.shown() == "0.3"
+    assert p.page.locator("#grids .js-plotly-plot").count() == 6     # 5 attention scores + eigenvalue copying
     if SHOTS:
         p.page.screenshot(path=str(Path(SHOTS) / "report-grids.png"), clip={"x": 0, "y": 0, "width": 1400, "height": 700})
     target = next(h for h in p.page.evaluate("window.QK_SOURCE.heads") if not h.startswith("0."))
@@ -216,7 +218,7 @@ def test_smollm2_report_and_app(browser, smollm2, tmp_path):
         p.page.screenshot(path=str(Path(SHOTS) / "report-head.png"), full_page=True)
     p.done()
 
-    srv = Server(create_app(smollm2))
+    srv = Server(create_app(smollm2, scores=scores))
     try:
         p = Page(browser).open(srv.url)
         p.page.select_option("#head-select", "5.2")
