@@ -43,3 +43,6 @@ __all__ += ["Circuit", "CompositionScores", "LayerWeights", "OffsetProfile", "Ro
             "copying_scores", "eigen_copying", "embed_rows", "full_ov", "full_qk", "k_composition_partners", "layer_weights",
             "offset_profile", "offset_scores", "ov", "ov_affine", "positional_qk", "qk", "qk_affine", "qk_at_offset",
             "rotary_spec", "rotation", "top_tokens", "unembed_cols"]
+
+from .viz import create_app, report_html, write_report  # noqa: E402  (browser views: report and app)
+__all__ += ["create_app", "report_html", "write_report"]
