@@ -100,6 +100,7 @@ def _head(model, head) -> Head:
 def qk(model, head: HeadsLike) -> FactoredMatrix:
     """QK circuit of one head: ``FactoredMatrix(W_Q, W_Kᵀ)``, [d_model, d_model] (papers: W_Qᵀ W_K)."""
     h = _head(model, head)
+    warn_caveats(model, "the QK circuit")
     w = layer_weights(model, h.layer)
     return FactoredMatrix(w.W_Q[h.head], w.W_K[h.head].T)
 
@@ -118,6 +119,7 @@ def qk_affine(model, head: HeadsLike) -> FactoredMatrix:
     (x W_Q b_Kᵀ is constant over keys and cancels in softmax; b_Q W_Kᵀ yᵀ does not.)
     """
     h = _head(model, head)
+    warn_caveats(model, "the QK circuit")
     w = layer_weights(model, h.layer)
     A = torch.cat([w.W_Q[h.head], w.b_Q[h.head][None]], 0)
     B = torch.cat([w.W_K[h.head], w.b_K[h.head][None]], 0)
@@ -133,6 +135,7 @@ def ov_affine(model, head: HeadsLike) -> FactoredMatrix:
 
 def all_qk(model) -> FactoredMatrix:
     """QK of every head: [n_layers, n_heads, d_model, d_model] (GQA-expanded). Memory: the stacked weights."""
+    warn_caveats(model, "the QK circuit")
     ws = [layer_weights(model, layer) for layer in range(model.cfg.n_layers)]
     return FactoredMatrix(torch.stack([w.W_Q for w in ws]), torch.stack([w.W_K for w in ws]).transpose(-1, -2))
 
@@ -254,7 +257,7 @@ def circuit_caveats(model) -> List[str]:
 
 
 def warn_caveats(model, what: str) -> List[str]:
-    """Return ``circuit_caveats(model)`` and warn once per call site when there are any."""
+    """Return ``circuit_caveats(model)`` and warn (UserWarning; Python shows it once per call site) if any."""
     cav = circuit_caveats(model)
     if cav:
         warnings.warn(f"{what} is not the whole attention score on this model: " + "; ".join(cav),
@@ -346,6 +349,7 @@ def full_qk(model, head: HeadsLike, normalize: bool = True) -> FactoredMatrix:
     Rows are query tokens, columns key tokens; biases and positions are left out. Memory: 2 · vocab · d_head.
     """
     h = _head(model, head)
+    warn_caveats(model, "the full QK circuit")
     w = layer_weights(model, h.layer)
     return FactoredMatrix(embed_factor(model, w.W_Q[h.head], h.layer, normalize),
                           embed_factor(model, w.W_K[h.head], h.layer, normalize).T)
@@ -417,7 +421,8 @@ def circuit(model, head: HeadsLike, kind: str = "qk", *, offset: int = 0, normal
     h = _head(model, head)
     settings: Dict[str, object] = {"model": str(getattr(model.cfg, "model_name", "model")), "fold_ln": is_folded(model),
                                    "attn_scale": attn_scale(model, h.layer), "convention": "row-vector (TL)"}
-    caveats = warn_caveats(model, f"the {kind} circuit") if kind.startswith(("qk", "full_qk", "pos")) else []
+    # the QK-side functions below warn; the flag travels with the result
+    caveats = circuit_caveats(model) if kind.startswith(("qk", "full_qk", "pos")) else []
     if kind in ("full_qk", "full_ov"):
         settings["normalize"] = normalize
     if kind == "qk_offset":

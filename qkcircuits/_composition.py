@@ -28,7 +28,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ._circuits import is_folded, layer_weights
+from ._circuits import is_folded, layer_weights, warn_caveats
 from ._errors import QKCircuitsError
 from ._heads import Head, HeadsLike, model_heads
 
@@ -102,13 +102,13 @@ def _ratio(left, right, block: int = 64) -> Tensor:
     """
     GA, B, ln = left
     C, GD, rn = (t.double() for t in right)
-    num = torch.empty(B.shape[0], C.shape[0], dtype=torch.float64)
+    num = torch.empty(B.shape[0], C.shape[0], dtype=torch.float64, device=C.device)
     for s in range(0, B.shape[0], block):
         Y = torch.einsum("nij,mjk->nmik", B[s:s + block].double(), C)              # [n, M, d_head, d_head]
         T = GA[s:s + block, None].double() @ Y @ GD[None]
         num[s:s + block] = (T * Y).sum((-1, -2)).clamp_min(0).sqrt()
     den = ln[:, None].double() * rn[None, :]
-    return torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))
+    return torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num)).cpu()
 
 
 @functools.lru_cache(maxsize=16)
@@ -158,7 +158,8 @@ def composition_scores(model, mode: str = "K", *, baseline: bool = True, n_sampl
             left = tuple(torch.cat([lf[i] for lf in lefts[:later]]) for i in range(3))
             raw[:later, :, later, :] = _ratio(left, rights[later]).reshape(later, H, H)
     base = composition_baseline(int(model.cfg.d_model), int(model.cfg.d_head), n_samples, seed) if baseline else 0.0
-    settings = {"model": str(getattr(model.cfg, "model_name", "model")), "fold_ln": is_folded(model),
+    caveats = warn_caveats(model, f"{mode}-composition with the QK circuit") if mode in ("Q", "K") else []
+    settings = {"model": str(getattr(model.cfg, "model_name", "model")), "fold_ln": is_folded(model), "caveats": caveats,
                 "baseline_samples": n_samples if baseline else 0, "seed": seed,
                 "convention": "scores[earlier layer, earlier head, later layer, later head]"}
     return CompositionScores(mode, (raw - base).float(), raw.float(), base, settings)

@@ -58,7 +58,7 @@ def copying_scores(model, full: bool = True, normalize: bool = True) -> Float[Te
             else:
                 G_l = G if G is not None else unembed_embed(model, layer, normalize).double()
                 core = O @ G_l @ V                                                # [H, d_head, d_head]
-            out[layer] = eigen_copying(torch.linalg.eigvals(core))
+            out[layer] = eigen_copying(torch.linalg.eigvals(core)).cpu()
     return out
 
 

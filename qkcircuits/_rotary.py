@@ -26,7 +26,7 @@ from torch import Tensor
 from transformer_lens.FactoredMatrix import FactoredMatrix
 
 from ._capture import capture, has_rotary
-from ._circuits import _head, attn_scale, embed_rows, layer_weights, normalize_rows
+from ._circuits import _head, attn_scale, embed_rows, layer_weights, normalize_rows, warn_caveats
 from ._errors import QKCircuitsError
 from ._heads import HeadsLike
 
@@ -166,6 +166,7 @@ def qk_at_offset(model, head: HeadsLike, offset: int, *, spec: Optional[RotarySp
     [x, 1] with b_Q/b_K (which are rotated with q/k). Memory: two [d_model(+1), d_head] factors.
     """
     h = _head(model, head)
+    warn_caveats(model, "the QK circuit at an offset")
     spec = spec or rotary_spec(model)
     return _qk_offset(layer_weights(model, h.layer), h.head, rotation(spec, [int(offset)], relative=True)[0], affine)
 
@@ -184,6 +185,7 @@ def offset_scores(model, layer: int, x: Float[Tensor, "pos d_model"], *, spec: O
     Rotary models use ``qk_at_offset``; others the (affine) QK. Entries j > i are NaN.
     Memory: one [pos, pos] grid per head.
     """
+    warn_caveats(model, "the bilinear score")
     x = x.detach()
     p = x.shape[0]
     heads = list(range(model.cfg.n_heads)) if heads is None else list(heads)
@@ -219,6 +221,7 @@ def positional_qk(model, head: HeadsLike, normalize: bool = False) -> FactoredMa
         raise QKCircuitsError(f"positional_qk needs learned absolute positions; this model has "
                               f"{model.cfg.positional_embedding_type!r} (use qk_at_offset for rotary models)")
     h = _head(model, head)
+    warn_caveats(model, "the positional QK circuit")
     w = layer_weights(model, h.layer)
     P = model.W_pos.detach()
     if normalize:
@@ -263,11 +266,12 @@ def offset_profile(model, head: HeadsLike, offsets: Iterable[int] = range(0, 65)
     with torch.no_grad():
         qbar = (rows @ w.W_Q[h.head]).mean(0) + w.b_Q[h.head]
         kbar = (rows @ w.W_K[h.head]).mean(0) + w.b_K[h.head]
-        R = rotation(spec, offs, relative=True).to(qbar.dtype)                        # [n, d, d]
+        R = rotation(spec, offs, relative=True).to(qbar.dtype).to(qbar.device)       # [n, d, d]
         mean = torch.einsum("d,nde,e->n", qbar, R, kbar) * scale
         # ‖W_Q R W_Kᵀ‖_F = ‖R_q R R_kᵀ‖_F with W = Q·R_w (QR): computed on the d_head side only
         Rq, Rk = torch.linalg.qr(w.W_Q[h.head])[1], torch.linalg.qr(w.W_K[h.head])[1]
         norm = torch.linalg.matrix_norm(Rq @ R @ Rk.T, "fro") * abs(scale)
-    settings = {"rotary": spec.describe(), "rows": "normalised token embeddings" if x is None else f"{rows.shape[0]} given rows",
+    settings = {"rotary": spec.describe(), "caveats": warn_caveats(model, "the offset profile") + list(spec.caveats),
+                "rows": "normalised token embeddings" if x is None else f"{rows.shape[0]} given rows",
                 "attn_scale": scale}
     return OffsetProfile(str(h), torch.tensor(offs), mean.cpu(), norm.cpu(), settings)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import _tiny
 import pytest
 import torch
@@ -307,6 +309,14 @@ def test_soft_capped_model_is_flagged_not_silently_wrong():
     with pytest.warns(UserWarning, match="soft-capped"):
         res = qk.circuit(m, "0.0", "qk")
     assert not res.exact and res.caveats == cav
+    with pytest.warns(UserWarning, match="soft-capped"):
+        qk.offset_scores(m, 0, torch.randn(5, 64))
+    with pytest.warns(UserWarning, match="soft-capped"):
+        assert qk.composition_scores(m, "K").settings["caveats"] == cav
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                          # OV-side results are not affected: no warning
+        assert qk.composition_scores(m, "V").settings["caveats"] == []
+        qk.ov(m, "0.0")
     assert qk.circuit_caveats(_native(seed=2, n_layers=1)) == []
 
 
@@ -392,7 +402,9 @@ def test_qk_norm_model_is_flagged_and_really_leaves_the_bilinear_form(tmp_path):
     tokens = torch.randint(0, len(tok), (1, 12), generator=torch.Generator().manual_seed(0))
     c = _forward(model, tokens, 0)
     mask = _causal(12)
-    err = (qk.offset_scores(model, 0, c[qk.attn_input_hook(model, 0)][0]) - c["blocks.0.attn.hook_attn_scores"][0])
+    with pytest.warns(UserWarning, match="query/key normalisation"):
+        ours = qk.offset_scores(model, 0, c[qk.attn_input_hook(model, 0)][0])
+    err = ours - c["blocks.0.attn.hook_attn_scores"][0]
     assert err[:, mask].abs().max() > 0.1
 
 
