@@ -99,7 +99,13 @@ def _grid_tensor(g: Dict) -> torch.Tensor:
 
 
 def write_report(path: str, html: str) -> None:
-    """Write the report atomically (the whole file or nothing)."""
+    """Write the report atomically (the whole file or nothing), readable as a normal new file would be
+    (``write_atomic``'s temporary file is private, 0600; a report is meant to be shared)."""
+    import os
+
     from ..cli._common import write_atomic
 
     write_atomic(str(path), html)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
