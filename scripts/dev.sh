@@ -33,6 +33,10 @@ case "$cmd" in
     setup
     mkdir -p out
     "$VENV/bin/qkcircuits" scan smollm2-135m --text --confirm 5 --json out/smollm2-scan.json --csv out/smollm2-scan.csv "$@"
+    "$VENV/bin/qkcircuits" diagnose smollm2-135m --json out/smollm2-diagnostics.json > out/smollm2-diagnostics.txt
+    "$VENV/bin/qkcircuits" report smollm2-135m --scores out/smollm2-scan.json \
+      --diagnostics out/smollm2-diagnostics.json -o out/smollm2-report.html
+    echo "report: open out/smollm2-report.html in a browser (works offline)"
     ;;
   test)
     setup

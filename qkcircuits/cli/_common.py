@@ -49,7 +49,10 @@ def write_atomic(path: str, text: str) -> None:
     if not target.parent.exists():
         raise QKCircuitsError(f"cannot write {path!r}: folder {str(target.parent)!r} does not exist")
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; results are meant to be shared
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, target)
