@@ -11,7 +11,8 @@ The public API is re-exported here explicitly; the modules behind it are private
 from ._ablate import METHODS as ABLATION_METHODS, GroupEffect, RandomComparison, ablate, compare_to_random, group_effect
 from ._attribution import attribution
 from ._circuits import (Circuit, LayerWeights, all_ov, all_qk, attn_input_hook, attn_scale, circuit, circuit_caveats,
-                        embed_rows, full_ov, full_qk, layer_weights, ov, ov_affine, qk, qk_affine, top_tokens, unembed_cols)
+                        embed_factor, embed_rows, full_ov, full_qk, layer_weights, ov, ov_affine, qk, qk_affine, top_tokens,
+                        unembed_cols, unembed_embed, unembed_factor)
 from ._composition import (CompositionScores, composition_baseline, composition_column, composition_scores,
                            k_composition_partners)
 from ._copying import copying_accuracy, copying_scores, eigen_copying
@@ -42,7 +43,7 @@ __all__ += ["Circuit", "CompositionScores", "LayerWeights", "OffsetProfile", "Ro
             "attn_scale", "circuit", "circuit_caveats", "composition_baseline", "composition_column", "composition_scores", "copying_accuracy",
             "copying_scores", "eigen_copying", "embed_rows", "full_ov", "full_qk", "k_composition_partners", "layer_weights",
             "offset_profile", "offset_scores", "ov", "ov_affine", "positional_qk", "qk", "qk_affine", "qk_at_offset",
-            "rotary_spec", "rotation", "top_tokens", "unembed_cols"]
+            "rotary_spec", "rotation", "top_tokens", "unembed_cols", "embed_factor", "unembed_embed", "unembed_factor"]
 
 from .viz import create_app, report_html, write_report  # noqa: E402  (browser views: report and app)
 __all__ += ["create_app", "report_html", "write_report"]

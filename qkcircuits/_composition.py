@@ -14,7 +14,7 @@ seed. Pairs that are not earlier → later are NaN.
 Computed on the d_head side: ‖A B C D‖_F² = tr(AᵀA · BC · DDᵀ · (BC)ᵀ), so every pair costs one
 [d_head, d_model] × [d_model, d_head] product plus d_head³ work. Memory: every head's W_O and
 right factor (float32, 2 · L·H · d_head · d_model) and Gram matrices, plus 3 · 64 · n_heads · d_head²
-doubles per block of 64 earlier heads; the [L, H, L, H] result.
+doubles per block of 8 earlier heads; the [L, H, L, H] result.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _right_factors(w, mode: str) -> Tuple[Tensor, Tensor]:
     return w.W_V, w.W_O                                # OV
 
 
-def _ratio(left, right, block: int = 64) -> Tensor:
+def _ratio(left, right, block: int = 8) -> Tensor:
     """[N] left and [M] right heads → [N, M] of ‖OV·X‖_F / (‖OV‖_F ‖X‖_F); 0 where a norm is 0.
 
     ‖A B C D‖_F² = Σ (G_A·Y·G_D) ⊙ Y with Y = B C [d_head, d_head], G_A = AᵀA, G_D = D Dᵀ: no QR and

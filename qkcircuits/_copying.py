@@ -87,9 +87,11 @@ def copying_accuracy(model, head: Optional[HeadsLike] = None, *, normalize: bool
             A = embed_factor(model, w.W_V[h], layer, normalize)                    # [vocab, d_head]
             B = unembed_factor(model, w.W_O[h], normalize)                         # [d_head, vocab]
             hits = 0
+            buf = torch.empty(min(chunk, vocab), B.shape[1], dtype=A.dtype, device=A.device)   # the one chunk
             for s in range(0, vocab, chunk):
-                rows = A[s:s + chunk] @ B                                         # [chunk, vocab]
+                rows = torch.mm(A[s:s + chunk], B, out=buf[:min(chunk, vocab - s)])   # [chunk, vocab]
                 hits += int((rows.argmax(-1) == torch.arange(s, s + rows.shape[0], device=rows.device)).sum())
+            del buf, rows
         out[layer, h] = hits / vocab
     return out[heads[0].layer, heads[0].head] if heads else out
 
