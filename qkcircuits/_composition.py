@@ -13,7 +13,7 @@ seed. Pairs that are not earlier → later are NaN.
 
 Computed on the d_head side: ‖A B C D‖_F² = tr(AᵀA · BC · DDᵀ · (BC)ᵀ), so every pair costs one
 [d_head, d_model] × [d_model, d_head] product plus d_head³ work. Memory: every head's W_O and
-right factor (float32, 2 · L·H · d_head · d_model) and Gram matrices, plus 3 · 64 · n_heads · d_head²
+right factor (float32, 2 · L·H · d_head · d_model) and Gram matrices, plus ~3 · 8 · n_heads · d_head²
 doubles per block of 8 earlier heads; the [L, H, L, H] result.
 """
 
