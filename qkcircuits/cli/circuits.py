@@ -1,10 +1,10 @@
 """``qkcircuits circuits MODEL --head 3.1 [--tokens TEXT] [--json PATH]``: one head's circuits in brief.
 
-    $ qkcircuits circuits smollm2-135m --head 3.1
-    head 3.1 of HuggingFaceTB/SmolLM2-135M-Instruct  (fold_ln True, scale 0.125, rotary halves base 100000)
-    eigen copying: OV 0.412, full OV (W_E·OV·W_U) 0.376  (rank 40 of 270 by full OV)
-    K-composition partners (baseline 0.0416 subtracted): 2.7 0.121, 1.4 0.088, 0.3 0.051
-    offset profile over 0-64 (rows: 64 tokens of natural text): prefers offset 1 (score 2.31; at 0: -0.50; range 3.1)
+    $ qkcircuits circuits smollm2-135m --head 29.2
+    head 29.2 of HuggingFaceTB/SmolLM2-135M-Instruct  (fold_ln True, scale 0.125, rotary halves base 100000)
+    eigen copying: OV 0.999, full OV (W_E·OV·W_U) 0.999  (rank 1 of 270 by full OV)
+    K-composition partners (baseline 0.0416 subtracted): 22.4 0.031, 6.4 0.027, 0.2 0.026, 0.0 0.025, 2.4 0.022
+    offset profile (rotary) over 0-64 (rows: 66 tokens of natural text): prefers offset 1 (score 5.53; at 0: 5.49; range 2.6)
 
 Prints the eigenvalue copying scores, the earlier heads the head's keys read most (K-composition),
 positions (rotary: the offset profile; learned: the positional QK by offset), and for ``--tokens``
