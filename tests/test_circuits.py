@@ -416,3 +416,22 @@ def test_raw_composition_equals_transformer_lens():
         mask = ~torch.isnan(ours.raw)
         assert int(mask.sum()) == 6 * 16                       # 4 layers x 4 heads: earlier -> later pairs
         torch.testing.assert_close(ours.raw[mask], tl[mask].float(), atol=1e-5, rtol=1e-4)
+
+
+def test_scale_is_read_from_the_model_gpt2_inverse_layer_idx(tmp_path):
+    """GPT-2 with scale_attn_by_inverse_layer_idx divides layer L's scores by (L+1) as well: read, not assumed."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = _tiny.bpe_tokenizer()
+    cfg = GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=32, vocab_size=len(tok), initializer_range=0.2,
+                     scale_attn_by_inverse_layer_idx=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(cfg).eval()
+    _tiny._perturb(hf, 0)
+    model = qk.load(str(_tiny._save(tmp_path / "gpt2-inv", hf, tok)), device="cpu", verbose=False)
+    assert qk.attn_scale(model, 1) == pytest.approx(8 ** -0.5 / 2)
+    tokens = torch.randint(0, len(tok), (1, 16), generator=torch.Generator().manual_seed(2))
+    c = _forward(model, tokens, 1)
+    mask = _causal(16)
+    ours = qk.offset_scores(model, 1, c[qk.attn_input_hook(model, 1)][0])
+    torch.testing.assert_close(ours[:, mask], c["blocks.1.attn.hook_attn_scores"][0][:, mask], atol=1e-4, rtol=1e-4)
