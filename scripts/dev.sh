@@ -16,12 +16,12 @@ setup() {
   if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
     # Prefer a torch wheel already on this machine (pip's find-links, e.g. a CPU build) over a
     # multi-GB CUDA download from PyPI; fall back to PyPI when there is none.
-    "$VENV/bin/pip" install --quiet --no-index torch 2>/dev/null || "$VENV/bin/pip" install --quiet torch
+    "$VENV/bin/pip" install -qq --no-index torch 2>/dev/null || "$VENV/bin/pip" install -qq torch
   fi
   stamp="$VENV/.qkcircuits-installed"
   want=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    "$VENV/bin/pip" install --quiet -e ".[dev]"
+    "$VENV/bin/pip" install -qq -e ".[dev]"
     echo "$want" > "$stamp"
   fi
 }
