@@ -34,7 +34,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ._capture import stream
-from ._errors import QKCircuitsError
+from ._io import check_int
 from ._model import model_name
 from ._results import HeadScores
 from ._sequences import check_seed, repeated_tokens, text_tokens, token_pool
@@ -110,12 +110,6 @@ def _olsson_copying(pattern: Float[Tensor, "batch head q k"], z: Float[Tensor, "
     return (4 * share - 1).clamp(-1, 1)
 
 
-def _checked_int(name: str, value, least: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise QKCircuitsError(f"{name} must be an integer >= {least}, got {value!r}")
-    return value
-
-
 def scan(model, *, n_seqs: int = 8, seq_len: Optional[int] = None, seed: int = 0, bos: Optional[int] = None,
          prefix_seqs: int = 10, prefix_len: Optional[int] = None, text: bool = False, copying: bool = True,
          eigen_copying: bool = True, exclude_bos: bool = False, confirm_top: int = 0,
@@ -133,13 +127,13 @@ def scan(model, *, n_seqs: int = 8, seq_len: Optional[int] = None, seed: int = 0
     rises in ``extras["confirmation"]``.
     """
     check_seed(seed)
-    _checked_int("n_seqs", n_seqs)
-    _checked_int("prefix_seqs", prefix_seqs)
+    check_int("n_seqs", n_seqs)
+    check_int("prefix_seqs", prefix_seqs)
     L, H = model.cfg.n_layers, model.cfg.n_heads
     pool = token_pool(model, bos=bos)
     room = len(pool.ids)
-    seq_len = _checked_int("seq_len", seq_len, 2) if seq_len is not None else min(40, room, (model.cfg.n_ctx - 1) // 2)
-    prefix_len = (_checked_int("prefix_len", prefix_len, 2) if prefix_len is not None
+    seq_len = check_int("seq_len", seq_len, 2) if seq_len is not None else min(40, room, (model.cfg.n_ctx - 1) // 2)
+    prefix_len = (check_int("prefix_len", prefix_len, 2) if prefix_len is not None
                   else min(25, room, (model.cfg.n_ctx - 1) // 4))
     passes = 2 + int(text)
     bar = tqdm(total=passes * L, desc="scan", unit="layer", disable=not progress, file=sys.stderr, leave=False)
@@ -220,7 +214,7 @@ def confirm_induction(model, scores: HeadScores, *, k: int = 5, n_draws: int = 1
     """
     from ._ablate import compare_to_random
 
-    _checked_int("k", k)
+    check_int("k", k)
     pool = pool or token_pool(model)
     seq_len = min(seq_len, len(pool.ids))          # keep R free of repeats, as the scan does
     toks = repeated_tokens(model, n_seqs, seq_len, 2, seed=seed + 2, pool=pool)

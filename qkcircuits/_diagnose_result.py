@@ -174,7 +174,7 @@ class HeadDiagnostics:
         """JSON text (written atomically to ``path`` when given). NaN is written as ``null``."""
         text = json.dumps(self.to_dict(), indent=indent)
         if path is not None:
-            from .cli._common import write_atomic
+            from ._io import write_atomic
 
             write_atomic(str(path), text)
         return text

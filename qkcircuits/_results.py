@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ._errors import QKCircuitsError
 from ._heads import Head
+from ._io import check_int, json_number
 
 SCHEMA = "qkcircuits.head_scores/1"
 
@@ -54,8 +55,7 @@ class HeadScores:
 
     def top(self, k: int = 5, score: str = "induction") -> List[Tuple[Head, float]]:
         """The ``k`` highest-scoring heads for ``score`` (NaN scores last), best first."""
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise QKCircuitsError(f"top needs k >= 1, got {k!r}")
+        check_int("k", k)
         flat = torch.nan_to_num(self[score].flatten(), nan=-math.inf)
         vals, idx = flat.topk(min(k, flat.numel()))
         return [(Head(int(i) // self.n_heads, int(i) % self.n_heads), float(self[score].flatten()[i]))
@@ -93,7 +93,7 @@ class HeadScores:
             "schema": SCHEMA, "model": self.model, "n_layers": self.n_layers, "n_heads": self.n_heads,
             "settings": self.settings,
             "thresholds": {k: [s, m] for k, (s, m) in self.thresholds.items()},
-            "scores": {name: [[_num(x) for x in row] for row in t.tolist()] for name, t in self.scores.items()},
+            "scores": {name: [[json_number(x) for x in row] for row in t.tolist()] for name, t in self.scores.items()},
             "labels": {str(h): v for h, v in self.labels().items()},
             "extras": self.extras,
         }
@@ -102,7 +102,7 @@ class HeadScores:
         """JSON text (written atomically to ``path`` when given). NaN is written as ``null``."""
         text = json.dumps(self.to_dict(), indent=indent)
         if path is not None:
-            from .cli._common import write_atomic
+            from ._io import write_atomic
 
             write_atomic(str(path), text)
         return text
@@ -127,6 +127,3 @@ class HeadScores:
             raise QKCircuitsError(f"not a qkcircuits scores JSON ({type(e).__name__}: {e}); expected the keys model, "
                                   f"n_layers, n_heads, scores") from None
 
-
-def _num(x: float) -> Optional[float]:
-    return None if math.isnan(x) else round(float(x), 6)

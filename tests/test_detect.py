@@ -153,7 +153,7 @@ def test_bad_scan_input_gives_one_line_errors(hand_built, kwargs, fragment):
 
 def test_top_zero_is_refused(hand_built):
     s = qk.scan(hand_built, n_seqs=1, seq_len=6, prefix_len=4, eigen_copying=False, progress=False)
-    with pytest.raises(qk.QKCircuitsError, match="k >= 1"):
+    with pytest.raises(qk.QKCircuitsError, match="k must be an integer >= 1"):
         s.top(0)
 
 

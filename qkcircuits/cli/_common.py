@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
-from pathlib import Path
 
-from .._errors import QKCircuitsError
+from .._io import check_writable, write_atomic  # noqa: F401  (re-exported for the subcommands)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -41,21 +38,3 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
     return value
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder: whole file or none."""
-    target = Path(path)
-    if not target.parent.exists():
-        raise QKCircuitsError(f"cannot write {path!r}: folder {str(target.parent)!r} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; results are meant to be shared
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
