@@ -78,8 +78,10 @@ def mask_score(pattern: Float[Tensor, "batch head q k"], mask: Bool[Tensor, "bat
                exclude_bos: bool = False) -> Float[Tensor, "head"]:
     """Mean over queries that have targets of the attention mass on those targets.
 
-    ``exclude_bos`` renormalises each query's attention over the keys other than position 0
-    (what TransformerLens's ``detect_head(exclude_bos=True)`` does before scoring).
+    ``exclude_bos`` renormalises each query's attention over the keys other than position 0.
+    (TransformerLens's ``detect_head(exclude_bos=True)`` instead zeroes the BOS column and takes one
+    ratio of sums over all rows, rows without targets included; the two agree on which heads are
+    specialised, not on the values.)
     """
     on_target = torch.einsum("bhqk,bqk->bhq", pattern, mask.to(pattern.dtype))
     if exclude_bos:
@@ -98,7 +100,9 @@ def _olsson_copying(pattern: Float[Tensor, "batch head q k"], z: Float[Tensor, "
     For each query: the head's output z·W_O read through W_U (restricted to the candidate
     tokens: those that occur in the prompt set), mean-subtracted over candidates, ReLU; the
     share of that positive mass on the token the head attends to most. Averaged over queries,
-    then rescaled from [0, 0.5] to [-1, 1] (4·share − 1, clipped), as in the paper.
+    then rescaled from [0, 0.5] to [-1, 1] (4·share − 1, clipped) following the definition in
+    shared/REFERENCE.md ("Olsson copying score"): a share of one half or more already means the
+    attended token gets at least as much positive logit as all other candidates together.
     """
     logits = torch.einsum("bqhd,hdc->bqhc", z, W_OU)
     pos = torch.relu(logits - logits.mean(-1, keepdim=True))
@@ -120,8 +124,8 @@ def scan(model, *, n_seqs: int = 8, seq_len: Optional[int] = None, seed: int = 0
     ``seq_len`` defaulting to 40 and ``prefix_len`` to 25 (Olsson), each capped by the context and by
     the token pool, so that R is drawn without repeats where the vocabulary allows;
     and with ``text=True`` natural text (adds ``previous_token_text`` and ``duplicate_token_text``).
-    ``exclude_bos`` renormalises attention away from BOS before scoring (as TransformerLens's
-    ``detect_head`` does); the default counts attention parked on BOS as attention not on target.
+    ``exclude_bos`` renormalises each query's attention away from BOS before scoring; the default
+    counts attention parked on BOS as attention not on target.
     Memory: one layer's [batch, head, pos, pos] pattern at a time, plus [n_layers, n_heads] scores.
     ``confirm_top=k`` ablates the top-k induction heads and k random heads and stores the loss
     rises in ``extras["confirmation"]``.
@@ -150,7 +154,7 @@ def scan(model, *, n_seqs: int = 8, seq_len: Optional[int] = None, seed: int = 0
         p = t["pattern"]
         out = {name: mask_score(p, m, exclude_bos) for name, m in masks.items()}
         if copying:
-            W_OU = torch.einsum("hdm,mc->hdc", model.W_O[layer], W_U_c)
+            W_OU = torch.einsum("hdm,mc->hdc", model.blocks[layer].attn.W_O, W_U_c)  # not model.W_O: it stacks all layers
             out["copying"] = _olsson_copying(p, t["z"], W_OU, cand_index, queries)
         bar.update(1)
         return out
@@ -188,16 +192,21 @@ def scan(model, *, n_seqs: int = 8, seq_len: Optional[int] = None, seed: int = 0
     scores["prefix_matching"] = torch.stack([pre[layer] for layer in range(L)]).float().cpu()
     for name in ("previous_token_text", "duplicate_token_text") if text else ():
         scores[name] = torch.stack([txt[layer][name] for layer in range(L)]).float().cpu()
+    eigen_full = None
     if eigen_copying:
         from ._copying import copying_scores
 
-        scores["eigen_copying"] = copying_scores(model, full=True).float().cpu()
+        # The full circuit W_E·OV·W_U needs input and output vocabularies to match; else fall back
+        # to the OV circuit alone (recorded in settings["eigen_copying_circuit"]).
+        eigen_full = model.W_E.shape[0] == model.W_U.shape[-1]
+        scores["eigen_copying"] = copying_scores(model, full=eigen_full).float().cpu()
     ordered = {k: scores[k] for k in SCORE_NAMES + ("previous_token_text", "duplicate_token_text") if k in scores}
     result = HeadScores(
         model=model_name(model), n_layers=L, n_heads=H, scores=ordered, thresholds=dict(THRESHOLDS),
         settings=_settings(model, n_seqs=n_seqs, seq_len=seq_len, seed=seed, bos=pool.bos_id,
                            prefix_seqs=prefix_seqs, prefix_len=prefix_len, text=text, exclude_bos=exclude_bos,
-                           pool_size=len(pool.ids)),
+                           pool_size=len(pool.ids),
+                           eigen_copying_circuit=None if eigen_full is None else ("full" if eigen_full else "ov")),
     )
     if confirm_top:
         result.extras["confirmation"] = confirm_induction(model, result, k=confirm_top, seed=seed, pool=pool,

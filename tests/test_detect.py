@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 
 import qkcircuits as qk
 from qkcircuits._detect import mask_score, target_masks
+from qkcircuits._stats import spearman
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,9 +62,26 @@ def test_hand_built_heads_score_one_and_the_rest_near_zero(hand_built):
         others = torch.cat([t.flatten()[: layer * 2 + head], t.flatten()[layer * 2 + head + 1:]])
         assert others.max() <= 0.05, (name, t)
     assert s["duplicate_token"].max() <= 0.05
-    assert s["copying"][1, 0] > 0.99                        # 1.0 writes the attended token to the logits
     assert s.heads_labelled("induction") == [qk.Head(1, 0)]
     assert s.heads_labelled("previous-token") == [qk.Head(0, 0)]
+
+
+def test_olsson_copying_separates_a_copier_from_an_anti_copier():
+    from qkcircuits.fixtures import hand_built_induction_model
+
+    model = hand_built_induction_model()
+    s = qk.scan(model, n_seqs=2, seq_len=20, prefix_len=10, eigen_copying=False, progress=False)
+    # Head 1.0 writes the attended token into the output block: among the candidates only that token's
+    # logit is above the mean, so its share of the positive mass is exactly 1 -> +1.
+    assert s["copying"][1, 0] == pytest.approx(1.0, abs=1e-6)
+    # Heads whose output the unembedding never reads have all-zero direct logits: share 0 -> -1.
+    assert s["copying"][0, 0] == pytest.approx(-1.0) and s["copying"][1, 1] == pytest.approx(-1.0)
+    attn = model.original_model.layers[1].attn
+    with torch.no_grad():
+        attn.o.weight.neg_()                 # the same head now pushes the attended token *down*
+    anti = qk.scan(model, n_seqs=2, seq_len=20, prefix_len=10, eigen_copying=False, progress=False)
+    assert anti["copying"][1, 0] == pytest.approx(-1.0, abs=1e-6)
+    assert anti["induction"][1, 0] > 0.99   # where it looks is unchanged
 
 
 def test_scores_do_not_depend_on_sequence_length(hand_built):
@@ -208,7 +225,7 @@ def test_smollm2_ranking_agrees_with_transformer_lens_detect_head(smollm2):
         theirs = torch.stack([
             _detect_head_on_tokens(smollm2, toks[i], pattern, smollm2.run_with_cache(toks[i:i + 1],
                                    remove_batch_dim=True)[1], detect_head) for i in range(2)]).mean(0)
-        rho = _spearman(ours[name].flatten(), theirs.flatten())
+        rho = spearman(ours[name], theirs)
         assert rho > 0.9, (name, rho)
         top_ours = {h for h, _ in ours.top(5, name)}
         flat = theirs.flatten().topk(5).indices.tolist()
@@ -216,7 +233,35 @@ def test_smollm2_ranking_agrees_with_transformer_lens_detect_head(smollm2):
         assert len(top_ours & top_theirs) >= 4, (name, top_ours, top_theirs)
 
 
-def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    ra, rb = a.argsort().argsort().float(), b.argsort().argsort().float()
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / math.sqrt(float((ra ** 2).sum() * (rb ** 2).sum())))
+
+def test_cli_usage_errors_and_unwritable_outputs_are_one_line_before_any_work(capsys, tmp_path):
+    from qkcircuits.cli import main
+
+    def exit_code(argv):
+        try:
+            return main(argv)
+        except SystemExit as e:                             # argparse exits itself
+            return e.code
+
+    cases = ((["scan", "toy-induction", "--top", "0"], "--top: expected a positive integer, got '0'"),
+             (["scan", "toy-induction", "--json", str(tmp_path / "missing" / "s.json")], "does not exist"),
+             (["scan", "toy-induction", "--csv", str(tmp_path)], "it is a folder"),
+             (["scan"], "the following arguments are required: model"))
+    for argv, fragment in cases:
+        assert exit_code(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert fragment in err and len(err.splitlines()) == 1, (argv, err)
+    assert not list(tmp_path.iterdir())                     # nothing half-written
+
+
+def test_cli_unexpected_failures_are_one_line_exit_1(capsys, monkeypatch):
+    from qkcircuits import cli
+
+    def boom(*a, **k):
+        raise RuntimeError("something deep broke\nsecond line")
+
+    monkeypatch.setattr("qkcircuits._detect.scan", boom)
+    assert cli.main(["scan", "toy-induction", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: unexpected RuntimeError: something deep broke (set QKCIRCUITS_DEBUG=1 for the "
+                       "traceback)")

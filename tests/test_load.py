@@ -260,28 +260,15 @@ def test_bad_spec_type():
 
 # ---- the command line: exit code 2, one error line, no traceback ----------------------------------------
 
-def _need_scan():
-    import importlib.util
-
-    from qkcircuits.cli import COMMANDS
-
-    if "scan" not in COMMANDS or importlib.util.find_spec("qkcircuits.cli.scan") is None:
-        pytest.skip("the scan command (the lead's) does not exist yet in qkcircuits.cli")
-
-
 def _cli(*args, env_extra=None):
-    _need_scan()
     env = dict(os.environ, HF_HUB_OFFLINE="1", **(env_extra or {}))
-    # the console script's entry point (qkcircuits.cli is a package without __main__, so no `-m`)
-    code = "import sys; from qkcircuits.cli import main; sys.exit(main())"
-    return subprocess.run([sys.executable, "-c", code, "scan", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "qkcircuits", "scan", *args], capture_output=True, text=True,
                           env=env, timeout=120)
 
 
 def test_cli_errors_exit_2_without_traceback(tmp_path, gguf_file, capsys, monkeypatch):
     from qkcircuits.cli import main
 
-    _need_scan()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     junk = tmp_path / "junk"
     junk.mkdir()
