@@ -9,14 +9,26 @@ PY=${PYTHON:-python3}
 VENV=.venv
 
 setup() {
-  if [ ! -x "$VENV/bin/python" ]; then
+  if [ ! -x "$VENV/bin/pip" ]; then
     "$PY" -c 'import sys; assert sys.version_info >= (3, 10), "qkcircuits needs Python >= 3.10"'
-    "$PY" -m venv "$VENV"
+    rm -rf "$VENV"   # a half-made venv (e.g. no ensurepip) would make every later run fail
+    if ! "$PY" -m venv "$VENV"; then
+      rm -rf "$VENV"
+      if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-venv
+        "$PY" -m venv "$VENV"
+      else
+        echo "error: '$PY -m venv' failed; install your distribution's python3-venv package" >&2; exit 2
+      fi
+    fi
   fi
   if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
-    # Prefer a torch wheel already on this machine (pip's find-links, e.g. a CPU build) over a
-    # multi-GB CUDA download from PyPI; fall back to PyPI when there is none.
-    "$VENV/bin/pip" install -qq --no-index torch 2>/dev/null || "$VENV/bin/pip" install -qq torch
+    # Prefer a torch wheel already on this machine (pip's find-links, e.g. a CPU build, or the
+    # folder in $TORCH_WHEELS) over a multi-GB CUDA download from PyPI.
+    if ! "$VENV/bin/pip" install -qq --no-index ${TORCH_WHEELS:+--find-links "$TORCH_WHEELS"} torch 2>/dev/null; then
+      echo "qkcircuits: no torch wheel on this machine; installing torch from PyPI (large download)" >&2
+      "$VENV/bin/pip" install --progress-bar on -q torch
+    fi
   fi
   stamp="$VENV/.qkcircuits-installed"
   want=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)
@@ -33,7 +45,8 @@ case "$cmd" in
     setup
     mkdir -p out
     "$VENV/bin/qkcircuits" scan smollm2-135m --text --confirm 5 --json out/smollm2-scan.json --csv out/smollm2-scan.csv "$@"
-    "$VENV/bin/qkcircuits" diagnose smollm2-135m --json out/smollm2-diagnostics.json > out/smollm2-diagnostics.txt
+    "$VENV/bin/qkcircuits" diagnose smollm2-135m --json out/smollm2-diagnostics.json > out/.diagnostics.txt.tmp
+    mv out/.diagnostics.txt.tmp out/smollm2-diagnostics.txt
     "$VENV/bin/qkcircuits" report smollm2-135m --scores out/smollm2-scan.json \
       --diagnostics out/smollm2-diagnostics.json -o out/smollm2-report.html
     echo "report: open out/smollm2-report.html in a browser (works offline)"

@@ -1,0 +1,31 @@
+"""The jaxtyping shape annotations of the core functions are checked at run time here (beartype)."""
+
+import pytest
+import torch
+from beartype import beartype
+from jaxtyping import TypeCheckError, jaxtyped
+
+from qkcircuits._capture import expand_kv
+from qkcircuits._detect import mask_score, target_masks
+
+
+def checked(fn):
+    return jaxtyped(typechecker=beartype)(fn)
+
+
+def test_annotations_accept_the_documented_shapes():
+    toks = torch.tensor([[0, 5, 6, 7, 5, 6, 7]])
+    masks = checked(target_masks)(toks, 3)
+    pattern = torch.rand(1, 4, 7, 7).softmax(-1)
+    assert checked(mask_score)(pattern, masks["induction"]).shape == (4,)
+    assert checked(expand_kv)(torch.rand(2, 7, 3, 8), 9).shape == (2, 7, 9, 8)
+
+
+def test_annotations_reject_mismatched_shapes():
+    masks = target_masks(torch.tensor([[0, 5, 6, 7, 5, 6, 7]]), 3)
+    with pytest.raises(TypeCheckError):                       # pattern's q/k disagree with the mask's
+        checked(mask_score)(torch.rand(1, 4, 6, 6), masks["induction"])
+    with pytest.raises(TypeCheckError):                       # pattern with no head axis
+        checked(mask_score)(torch.rand(1, 7, 7), masks["induction"])
+    with pytest.raises(TypeCheckError):                       # tokens must be [batch, pos]
+        checked(target_masks)(torch.tensor([0, 5, 6, 5, 6]), 2)
