@@ -221,22 +221,25 @@ class _ScoresFixer:
 
     TL's generic attention path (``boot_native`` models, e.g. ``fixtures.hand_built_induction_model``)
     fires ``hook_attn_scores`` with the softmaxed pattern. There the scores are rebuilt from this
-    layer's (rotary) q and k, q·kᵀ/attn_scale with future keys masked, and accepted only if their
-    softmax reproduces the pattern. Memory: one layer's q and k, dropped once its scores fired.
+    layer's q and k as the module forms them: rotated (native rotary never fires ``hook_rot_q/k``,
+    so the pre-rotary q/k are rotated with the module's own rotary), times the module's own scale,
+    soft-capped where the module caps (``_circuits.attention_scale``), future keys masked; accepted
+    only if their softmax reproduces the pattern. Memory: one layer's q and k, dropped once its
+    scores fired.
     """
 
     def __init__(self, model, layers: Sequence[int]):
-        cfg = model.cfg
-        self.model, self.n_heads = model, cfg.n_heads
+        from ._circuits import attention_scale   # lazy: _circuits/_rotary import this module
+        from ._rotary import native_rotary
+
+        self.model, self.n_heads = model, model.cfg.n_heads
         rot = has_rotary(model)
-        self.qk_names = ("rot_q", "rot_k") if rot else ("q", "k")
-        if not getattr(cfg, "use_attn_scale", True):
-            self.scale = 1.0
-        else:
-            attn_scale = float(getattr(cfg, "attn_scale", -1.0) or -1.0)
-            self.scale = attn_scale if attn_scale > 0 else float(cfg.d_head) ** 0.5
+        self.rotary = {l: native_rotary(model, l) for l in layers} if rot else {}
+        self.qk_names = {l: ("q", "k") if not rot or self.rotary[l] is not None else ("rot_q", "rot_k")
+                         for l in layers}
+        self.scale = {l: attention_scale(model, l) for l in layers}     # (factor, source, soft-cap)
         self.held: Dict[Tuple[str, int], Tensor] = {}
-        self.hooks = [(hook_name(n, l), self._hold(n, l)) for l in layers for n in self.qk_names]
+        self.hooks = [(hook_name(n, l), self._hold(n, l)) for l in layers for n in self.qk_names[l]]
 
     def _hold(self, name: str, layer: int):
         def fn(t: Tensor, hook) -> None:
@@ -247,8 +250,8 @@ class _ScoresFixer:
 
     def wrap(self, fn, layer: int):
         def fixed(t: Tensor, hook):
-            q = self.held.pop((self.qk_names[0], layer), None)
-            k = self.held.pop((self.qk_names[1], layer), None)
+            q = self.held.pop((self.qk_names[layer][0], layer), None)
+            k = self.held.pop((self.qk_names[layer][1], layer), None)
             if q is not None and k is not None and self._is_pattern(t):
                 t = self._rebuild(q, k, t, layer)
             return fn(t, hook)
@@ -263,14 +266,21 @@ class _ScoresFixer:
                     and torch.allclose(t.sum(-1), torch.ones((), dtype=t.dtype, device=t.device), atol=1e-3))
 
     def _rebuild(self, q: Tensor, k: Tensor, pattern: Tensor, layer: int) -> Tensor:
+        factor, source, cap = self.scale[layer]
+        if self.rotary.get(layer) is not None:
+            from ._rotary import rotate_native
+            q, k = rotate_native(self.rotary[layer], q, k)
         k = expand_kv(k, self.n_heads)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / self.scale
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * factor
+        if cap:                                      # the module caps before masking (Gemma-2 order)
+            scores = cap * torch.tanh(scores / cap)
         p_q, p_k = scores.shape[-2:]
         future = torch.ones(p_q, p_k, dtype=torch.bool, device=scores.device).triu(p_k - p_q + 1)
         scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
         if not torch.allclose(scores.softmax(-1), pattern, atol=1e-4):
+            how = f"q·k × {factor:.3g} ({source})" + (f", soft-capped at {cap:g}" if cap else "")
             raise QKCircuitsError(f"layer {layer}: this model's hook_attn_scores carries the attention pattern and "
-                                  f"q·k/{self.scale:.3g} does not reproduce it, so pre-softmax scores are unavailable; "
+                                  f"{how} does not reproduce it, so pre-softmax scores are unavailable; "
                                   f"capture 'pattern' (or 'q'/'k') instead")
         return scores.to(pattern.dtype)
 

@@ -27,7 +27,6 @@ weight is folded into W_Q/W_K/W_V); with raw weights it is normalised × weight 
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -148,22 +147,45 @@ def all_ov(model) -> FactoredMatrix:
 
 # ------------------------------------------------------------------------------------- scale, inputs
 
+def attention_scale(model, layer: int) -> Tuple[float, str, Optional[float]]:
+    """(factor applied to raw q·k, where it was read, soft-cap or None) for ``layer``'s attention.
+
+    Reads the attention module itself: Hugging Face modules keep ``scaling`` (1/√d_head for Llama;
+    GPT-2 folds in 1/(layer+1) when configured; Gemma-2 style ``attn_logit_softcapping``),
+    TransformerLens native modules keep the divisor ``scale`` and ``attn_scores_soft_cap``. Falls
+    back to ``model.cfg`` (``attn_scale``, ``use_attn_scale``) and says so. The model's score is
+    ``cap · tanh(factor · q·k / cap)`` with a cap, ``factor · q·k`` without.
+    """
+    attn = model.blocks[int(layer)].attn
+    comp = getattr(attn, "original_component", None)
+    comp = attn if comp is None else comp
+    cap = None
+    for owner, name in ((comp, "attn_logit_softcapping"), (comp, "attn_scores_soft_cap"),
+                        (model.cfg, "attn_scores_soft_cap")):
+        v = getattr(owner, name, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+            cap = float(v)
+            break
+    scaling = getattr(comp, "scaling", None)
+    if isinstance(scaling, (int, float)) and scaling > 0:
+        return float(scaling), f"{type(comp).__name__}.scaling", cap
+    divisor = getattr(comp, "scale", None)
+    if isinstance(divisor, (int, float)) and divisor > 0:
+        return 1.0 / float(divisor), f"1 / {type(comp).__name__}.scale", cap
+    cfg = model.cfg
+    if getattr(cfg, "use_attn_scale", True):
+        a = float(getattr(cfg, "attn_scale", -1.0))
+        d = int(cfg.d_head)
+        return (1.0 / a if a > 0 else d ** -0.5), "model.cfg.attn_scale (assumed; module has no scale)", cap
+    return 1.0, "model.cfg.use_attn_scale=False", cap
+
+
 def attn_scale(model, layer: int) -> float:
     """The multiplier the model applies to q·k before softmax (its own setting, not a guess from d_head).
 
-    HF modules carry ``scaling`` (1/√d_head for Llama; GPT-2 folds in 1/(layer+1) when configured);
-    TL-native attention divides by ``scale``.
+    The factor of ``attention_scale`` (which also says where it was read and the soft-cap, if any).
     """
-    attn = model.blocks[int(layer)].attn
-    orig = getattr(attn, "original_component", None)
-    if orig is not None and isinstance(getattr(orig, "scaling", None), (int, float)):
-        return float(orig.scaling)
-    if orig is not None and isinstance(getattr(orig, "scale", None), (int, float)):
-        return 1.0 / float(orig.scale)
-    cfg = model.cfg
-    div = cfg.attn_scale if getattr(cfg, "use_attn_scale", True) and getattr(cfg, "attn_scale", -1) > 0 \
-        else math.sqrt(cfg.d_head)
-    return 1.0 / float(div)
+    return attention_scale(model, layer)[0]
 
 
 def attn_input_hook(model, layer: int) -> str:

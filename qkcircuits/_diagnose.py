@@ -33,8 +33,10 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ._capture import _check_layers, has_rotary, stream
+from ._circuits import attention_scale
 from ._diagnose_result import HeadDiagnostics, MEASURES, check_thresholds
 from ._errors import QKCircuitsError
+from ._rotary import native_rotary, rotate_native
 from ._sequences import check_seed, repeated_tokens, text_tokens, token_pool
 
 # Sums that combine by max instead of addition.
@@ -173,52 +175,18 @@ def qk_statistics(q: Float[Tensor, "batch pos head d"], k: Float[Tensor, "batch 
     return finish_sums(sums, d)
 
 
-def attention_scale(model, layer: int) -> Tuple[float, str, Optional[float]]:
-    """(factor applied to raw q·k, where it was read, soft-cap or None) for ``layer``'s attention.
-
-    Reads the attention module itself: Hugging Face modules keep ``scaling`` (and Gemma-2 style
-    ``attn_logit_softcapping``), TransformerLens native modules keep the divisor ``scale`` and
-    ``attn_scores_soft_cap``. Falls back to ``model.cfg`` (``attn_scale``) and says so.
-    """
-    attn = model.blocks[layer].attn
-    comp = getattr(attn, "original_component", None)
-    comp = attn if comp is None else comp
-    cap = None
-    for owner, name in ((comp, "attn_logit_softcapping"), (comp, "attn_scores_soft_cap"),
-                        (model.cfg, "attn_scores_soft_cap")):
-        v = getattr(owner, name, None)
-        if isinstance(v, (int, float)) and v > 0:
-            cap = float(v)
-            break
-    scaling = getattr(comp, "scaling", None)
-    if isinstance(scaling, (int, float)) and scaling > 0:
-        return float(scaling), f"{type(comp).__name__}.scaling", cap
-    divisor = getattr(comp, "scale", None)
-    if isinstance(divisor, (int, float)) and divisor > 0:
-        return 1.0 / float(divisor), f"1 / {type(comp).__name__}.scale", cap
-    cfg = model.cfg
-    if getattr(cfg, "use_attn_scale", True):
-        a = float(getattr(cfg, "attn_scale", -1.0))
-        d = int(cfg.d_head)
-        return (1.0 / a if a > 0 else d ** -0.5), "model.cfg.attn_scale (assumed; module has no scale)", cap
-    return 1.0, "model.cfg.use_attn_scale=False", cap
-
-
 def _qk_source(model):
-    """(q hook, k hook, rotary or None): the hooks holding the q and k the model multiplies.
+    """(q hook, k hook, native): the hooks holding the q and k the model multiplies.
 
     Rotary bridges of Hugging Face models fire ``hook_rot_q``/``hook_rot_k``. TransformerLens
-    native modules declare those hooks but never fire them, so there the pre-rotary q/k are read
-    and rotated with the module's own ``rotary.apply_rope`` (``pattern_err`` checks the result).
+    native modules declare those hooks but never fire them, so there (``native`` True) the
+    pre-rotary q/k are read and rotated with ``_rotary.rotate_native`` (``pattern_err`` checks the result).
     """
     if not has_rotary(model):
-        return "q", "k", None
-    comp = getattr(model.blocks[0].attn, "original_component", None)
-    if getattr(comp, "accepts_pattern_fn", False) and getattr(comp, "rotary", None) is not None:
-        def rope(layer: int):
-            return model.blocks[layer].attn.original_component.rotary.apply_rope
-        return "q", "k", rope
-    return "rot_q", "rot_k", None
+        return "q", "k", False
+    if native_rotary(model, 0) is not None:
+        return "q", "k", True
+    return "rot_q", "rot_k", False
 
 
 def _perturbed(tokens: Tensor, n: int, start: int, pool_ids: Tensor, seed: int) -> Tensor:
@@ -308,8 +276,8 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
         def reducer(layer: int, t: Dict[str, Tensor]) -> Dict[str, Tensor]:
             scale, _, cap = scales[layer]
             q, k, pat, sc = t[qn], t[kn], t["pattern"], t["scores"]
-            if rope is not None:
-                q, k = (x.transpose(1, 2) for x in rope(layer)(q.transpose(1, 2), k.transpose(1, 2)))
+            if rope:
+                q, k = rotate_native(native_rotary(model, layer), q, k)
             comp = getattr(model.blocks[layer].attn, "original_component", None)
             real = not getattr(comp, "accepts_pattern_fn", False) and not torch.equal(sc, pat)
             scores_real[layer] = real
@@ -368,7 +336,7 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
         "seed": seed, "seg_len": seg_len, "n_perturb": n_perturb, "thresholds": thr,
         "layers": layer_list,
         "qk_hooks": [qn, kn] + (["rotary applied from the native module: hook_rot_q/k never fire there"]
-                                if rope is not None else []),
+                                if rope else []),
         "scale_source": sorted(sources), "softcap": caps[0] if len(caps) == 1 else (caps or None),
         "scores_hook": ("real scores" if all(scores_real.values()) else
                         "carries the pattern on some layers: scores rebuilt from q·k, scale and soft-cap"),

@@ -128,16 +128,40 @@ def rotary_spec(model, base: Optional[float] = None, verify: bool = True) -> Rot
     return spec
 
 
+def native_rotary(model, layer: int = 0) -> Optional[torch.nn.Module]:
+    """The rotary module of a TransformerLens-native attention layer, or None.
+
+    Native attention rotates q and k inside its forward and declares ``hook_rot_q``/``hook_rot_k``
+    without ever firing them; there the pre-rotary ``hook_q``/``hook_k`` must be rotated with this
+    module (``rotate_native``). Hugging Face bridges fire the rot hooks themselves: None.
+    """
+    comp = getattr(model.blocks[int(layer)].attn, "original_component", None)
+    if getattr(comp, "accepts_pattern_fn", False) and getattr(comp, "rotary", None) is not None:
+        return comp.rotary
+    return None
+
+
+def rotate_native(rotary: torch.nn.Module, q: Float[Tensor, "batch pos head d"], k: Float[Tensor, "batch pos kv d"]
+                  ) -> "tuple[Tensor, Tensor]":
+    """q and k rotated exactly as the native module does (its own ``apply_rope``), in hook layout.
+
+    ``q``/``k`` are [batch, pos, head, d_head] as ``hook_q``/``hook_k`` hold them (k may have fewer,
+    KV, heads); the result is on their device, in their layout. Memory: one copy of each.
+    """
+    dev = rotary.cos_cached.device
+    with torch.no_grad():
+        rq, rk = rotary.apply_rope(q.transpose(1, 2).to(dev), k.transpose(1, 2).to(dev))
+    return rq.transpose(1, 2).to(q.device), rk.transpose(1, 2).to(k.device)
+
+
 def _detect_style(model, spec: RotarySpec, n_pos: int = 12) -> None:
     """Pick the pairing that reproduces the model's own ``hook_rot_q`` from ``hook_q``; flag a miss."""
     n = min(n_pos, int(model.cfg.n_ctx))
-    native = getattr(model.original_model, "rotary", None)
-    if native is not None and hasattr(native, "apply_rope"):
+    native = native_rotary(model, 0)
+    if native is not None:
         # TL-native attention does not fire hook_rot_q: ask its rotary module to rotate a probe
-        probe = torch.randn(1, 1, n, spec.d_head, generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            rq = native.apply_rope(probe.to(native.cos_cached.device), probe.to(native.cos_cached.device))[0]
-        q, rq = probe[0].transpose(0, 1).float(), rq[0].transpose(0, 1).float().cpu()   # [pos, 1, d_head]
+        probe = torch.randn(1, n, 1, spec.d_head, generator=torch.Generator().manual_seed(0))
+        q, rq = probe[0].float(), rotate_native(native, probe, probe)[0][0].float().cpu()   # [pos, 1, d_head]
     else:
         toks = (torch.arange(n) * 7 + 3) % int(model.cfg.d_vocab)
         acts = capture(model, toks[None], ["q", "rot_q"], layers=[0])

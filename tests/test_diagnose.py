@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import qkcircuits as qk
-from qkcircuits._diagnose import attention_scale, head_sums, qk_statistics
+from qkcircuits._circuits import attention_scale
+from qkcircuits._diagnose import head_sums, qk_statistics
 from qkcircuits._diagnose_result import FLAGS, HeadDiagnostics
 
 
@@ -180,6 +181,44 @@ def test_soft_cap_read_from_the_model():
     q, k = (x.transpose(1, 2) for x in rope(acts["q", 0].transpose(1, 2), acts["k", 0].transpose(1, 2)))
     uncapped = head_sums(q, k, scale=scale, pattern=acts["pattern", 0])
     assert float(uncapped["pattern_err"].max()) > 0.05
+
+
+@pytest.mark.parametrize("case", ["cfg_scale_2", "use_attn_scale_false", "module_scale_5", "soft_cap", "rotary_gqa"])
+def test_capture_scores_use_the_modules_scale_and_soft_cap(case):
+    """Native attention fires hook_attn_scores with the pattern; the scores capture rebuilds must softmax back to it.
+
+    Each case failed when the rebuild read cfg only: use_attn_scale=False still divides by √d_head in
+    the native module, a module scale set after boot is not in cfg, a soft-cap was ignored, and native
+    rotary q/k (hook_rot_q/k never fire) were not rotated.
+    """
+    from transformer_lens.config import TransformerBridgeConfig
+    from transformer_lens.model_bridge import TransformerBridge
+
+    extra = {"cfg_scale_2": dict(attn_scale=2.0), "use_attn_scale_false": dict(use_attn_scale=False),
+             "module_scale_5": {}, "soft_cap": dict(attn_scores_soft_cap=2.0),
+             "rotary_gqa": dict(positional_embedding_type="rotary", n_key_value_heads=2)}[case]
+    cfg = dict(d_model=32, d_head=8, n_layers=2, n_ctx=16, n_heads=4, d_vocab=50, attn_only=True,
+               normalization_type=None, positional_embedding_type="standard", act_fn="relu", seed=0, model_name="n")
+    model = TransformerBridge.boot_native(TransformerBridgeConfig(**{**cfg, **extra}), device="cpu").eval()
+    with torch.no_grad():
+        for layer in model.original_model.layers:        # scores of ±10s: a wrong scale or cap shows
+            layer.attn.q.weight.mul_(30.0)
+            layer.attn.k.weight.mul_(30.0)
+            if case == "module_scale_5":
+                layer.attn.scale = 5.0
+    factor, source, cap = attention_scale(model, 1)
+    expect = {"cfg_scale_2": 0.5, "use_attn_scale_false": 8 ** -0.5, "module_scale_5": 0.2, "soft_cap": 8 ** -0.5,
+              "rotary_gqa": 8 ** -0.5}[case]
+    assert factor == pytest.approx(expect) and "scale" in source and cap == (2.0 if case == "soft_cap" else None)
+    toks = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    acts = qk.capture(model, toks, ["scores", "pattern"])
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    for layer in range(2):
+        sc, pat = acts["scores", layer], acts["pattern", layer]
+        assert not torch.allclose(sc.masked_fill(~causal, 0), pat)        # real scores, not the pattern
+        torch.testing.assert_close(sc.masked_fill(~causal, float("-inf")).softmax(-1), pat, atol=1e-5, rtol=0)
+        if case == "soft_cap":
+            assert 1.5 < float(sc[..., causal].abs().max()) <= 2.0                # |2·tanh(x/2)| ≤ 2
 
 
 # ---------------------------------------------------------------- results, errors, command line
