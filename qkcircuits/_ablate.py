@@ -167,8 +167,8 @@ def ablate(model, heads: HeadsLike, method: str = "zero", *, reference=None,
 class Runner:
     """Runs ``tokens`` once clean, then re-runs batched ablations from the layer where they start.
 
-    The clean pass caches ``blocks.L.hook_resid_pre`` for every layer (memory: n_layers × batch ×
-    pos × d_model floats) and the clean logits. ``run(start, hooks, copies)`` stacks ``copies`` of
+    The clean pass caches ``blocks.L.hook_resid_pre`` for the layers ``from_layer..`` that runs may
+    start at (memory: (n_layers − from_layer) × batch × pos × d_model floats) and the clean logits. ``run(start, hooks, copies)`` stacks ``copies`` of
     the batch and runs only blocks ``start..`` : it passes the cached residual with
     ``start_at_layer`` and, where the wrapped model keeps its blocks in one ``ModuleList`` (HF
     models, TL-native models), temporarily drops blocks ``< start`` from that list, because
@@ -177,9 +177,12 @@ class Runner:
     ``start_at_layer`` or to full forwards if the shortcut ever disagrees (``self.mode`` says which).
     """
 
-    def __init__(self, model, tokens: Tokens, *, check: bool = True):
+    def __init__(self, model, tokens: Tokens, *, from_layer: int = 0, check: bool = True):
         self.model, self.tokens = model, tokens
         n = model.cfg.n_layers
+        if not 0 <= from_layer < n:
+            raise QKCircuitsError(f"from_layer must be in 0-{n - 1}, got {from_layer!r}")
+        self.from_layer = from_layer
         self.resid: Dict[int, Tensor] = {}
 
         def keep(layer: int):
@@ -189,14 +192,14 @@ class Runner:
 
         with torch.no_grad():
             self.clean_logits = model.run_with_hooks(
-                tokens, fwd_hooks=[(f"blocks.{L}.hook_resid_pre", keep(L)) for L in range(n)])
+                tokens, fwd_hooks=[(f"blocks.{L}.hook_resid_pre", keep(L)) for L in range(from_layer, n)])
         self._list = _block_list(model)
         self.mode = "sliced" if self._list is not None else "start_at_layer"
         if check:
             self._self_check()
 
     def _self_check(self) -> None:
-        layer = self.model.cfg.n_layers // 2
+        layer = max(self.model.cfg.n_layers // 2, self.from_layer)
         clean = self.clean_logits
         for mode in ("sliced", "start_at_layer", "full"):
             if mode == "sliced" and self._list is None:
@@ -224,6 +227,8 @@ class Runner:
         ``keep``: only the last ``keep`` positions' logits are wanted (and returned).
         """
         model = self.model
+        if start < self.from_layer:      # a caller bug: the residual there was not cached
+            raise ValueError(f"this Runner cached layers {self.from_layer}.. only; cannot start at layer {start}")
         kwargs = {"logits_to_keep": keep} if keep is not None and self.keep_ok else {}
         with torch.no_grad():
             if self.mode == "full" or start == 0 and self.mode != "sliced":
@@ -374,7 +379,7 @@ def compare_to_random(model, heads: HeadsLike, tokens, metric="induction-loss", 
     draws = [sorted(others[int(i)] for i in torch.randperm(len(others), generator=g)[:k]) for _ in range(n_draws)]
     layers = sorted({h.layer for grp in [targets] + draws for h in grp})
     repl = make_replacement(model, method, layers, reference=reference, tokens=tokens, per_position=per_position)
-    runner = Runner(model, tokens)
+    runner = Runner(model, tokens, from_layer=layers[0])
     base = float(metric(runner.clean_logits, tokens))
     bar = _progress(n_draws + 1, "random draws", progress)
     values = run_groups(runner, [targets] + draws, repl, metric, copies_per_forward(model, tokens, max_batch, metric), bar)

@@ -15,7 +15,7 @@ each weight matrix is read once per layer instead of once per head.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Iterable, List, Optional, Tuple
 
 import torch
@@ -26,6 +26,7 @@ from ._ablate import Runner, _prepare, _progress, copies_per_forward, make_repla
 from ._capture import _check_layers
 from ._errors import QKCircuitsError
 from ._heads import Head
+from ._io import json_number
 
 
 @dataclass
@@ -52,22 +53,26 @@ class HeadEffects:
         """The ``k`` heads with the largest effect (``by="abs"``: largest magnitude)."""
         if by not in ("value", "abs"):
             raise QKCircuitsError(f"by must be 'value' or 'abs', got {by!r}")
-        e = self.effects.nan_to_num(nan=-float("inf"))
-        key = e.abs() if by == "abs" else e
-        n_heads = e.shape[1]
+        key = self.effects.abs() if by == "abs" else self.effects
+        # NaN (layers not swept) last: replaced after abs, else -inf would become +inf and rank first.
+        key = torch.where(key.isnan(), torch.full_like(key, -float("inf")), key)
+        n_heads = key.shape[1]
         order = key.flatten().argsort(descending=True)[:k]
         return [(Head(int(i) // n_heads, int(i) % n_heads), float(self.effects.flatten()[i])) for i in order]
 
     def to_json(self) -> str:
+        """JSON text; effects rounded to 6 decimals, NaN (layers not swept) as ``null``."""
         d = asdict(self)
-        d["effects"] = [[None if v != v else float(v) for v in row] for row in self.effects.tolist()]
+        d["effects"] = [[json_number(v) for v in row] for row in self.effects.tolist()]
         return json.dumps(d, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "HeadEffects":
+        """Read ``to_json`` output; keys that are not fields (e.g. the CLI's ``n_seqs``, ``seed``) are ignored."""
         d = json.loads(text)
         d["effects"] = torch.tensor([[float("nan") if v is None else v for v in row] for row in d["effects"]])
-        return cls(**d)
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 def sweep(model, tokens, metric="induction-loss", method: str = "zero", *, reference=None,
@@ -79,8 +84,9 @@ def sweep(model, tokens, metric="induction-loss", method: str = "zero", *, refer
     ``tokens`` and resample uses ``tokens`` rolled by one row). ``max_batch`` caps the sequences
     per forward pass (default: as many copies of the batch as fit 512 MiB of logits).
 
-    Memory: the residual stream entering every layer (n_layers × batch × pos × d_model), the
-    replacement z (mean/resample), and one batched forward's activations and logits.
+    Memory: the residual stream entering each layer from the first swept one on (at most
+    n_layers × batch × pos × d_model), the replacement z (mean/resample), and one batched
+    forward's activations and logits.
     """
     from ._model import model_name
 
@@ -88,7 +94,7 @@ def sweep(model, tokens, metric="induction-loss", method: str = "zero", *, refer
     layers = _check_layers(model, layers)
     n_heads = model.cfg.n_heads
     repl = make_replacement(model, method, layers, reference=reference, tokens=tokens, per_position=per_position)
-    runner = Runner(model, tokens)
+    runner = Runner(model, tokens, from_layer=min(layers))
     baseline = float(metric(runner.clean_logits, tokens))
     copies = copies_per_forward(model, tokens, max_batch, metric)
     effects = torch.full((model.cfg.n_layers, n_heads), float("nan"))

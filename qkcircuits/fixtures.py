@@ -9,7 +9,7 @@ Head 0.0 attends from position i to i-1 and writes the token it read into a "pre
 block of the residual stream; head 1.0 matches the current token against that block, so it
 attends to j where tok[j-1] == tok[i] (the token *after* an earlier copy) and copies it to the
 "output" block that the unembedding reads; with no match it falls back to position 0 (BOS).
-Heads 0.1 and 1.1 attend to themselves and write nothing.
+Heads 0.1 and 1.1 attend to themselves and read the token (non-zero z) but write nothing (W_O = 0).
 
 Residual stream (d_model = 3·V + n_ctx), one-hot blocks::
 
@@ -80,12 +80,15 @@ def hand_built_induction_model(d_vocab: int = 32, n_ctx: int = 128, margin: floa
             a1.o.weight[out + t, s.start + t] = 1.0
         a1.q.bias[spare] = c / 2
         a1.k.weight[spare, pos + 0] = 1.0
-        # Heads 0.1 and 1.1: attend to themselves, write nothing (W_V = W_O = 0).
+        # Heads 0.1 and 1.1: attend to themselves and read the token (W_V copies it into z, so z is
+        # non-zero and an ablation of z really replaces something), but write nothing (W_O = 0).
         for attn in (a0, a1):
             s = head_slice(1)
             for p in range(P):
                 attn.q.weight[s.start + p, pos + p] = c
                 attn.k.weight[s.start + p, pos + p] = 1.0
+            for t in range(V):
+                attn.v.weight[s.start + t, tok + t] = 1.0
         for t in range(V):
             native.head.weight[t, out + t] = margin
         native.head.weight[bos_token_id, out + bos_token_id] = -margin

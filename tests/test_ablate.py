@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -24,11 +25,20 @@ def rep(hand_built):
     return qk.repeated_tokens(hand_built, n_seqs=4, seg_len=20, seed=0)
 
 
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory):
+    return qk.load(str(_tiny.gpt2_dir(tmp_path_factory)), device="cpu", verbose=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return qk.load(str(_tiny.llama_dir(tmp_path_factory)), device="cpu", verbose=False)
+
+
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
-def tiny(request, tmp_path_factory):
+def tiny(request):
     """Tiny HF checkpoints (GPT-2; Llama with GQA and rotary) loaded with LayerNorm folding, like real models."""
-    folder = {"gpt2": _tiny.gpt2_dir, "llama": _tiny.llama_dir}[request.param](tmp_path_factory)
-    return qk.load(str(folder), device="cpu", verbose=False)
+    return request.getfixturevalue(f"tiny_{request.param}")
 
 
 # ---- the hand-built circuit: effects known by construction ---------------------------------------
@@ -50,11 +60,20 @@ def test_ablating_the_previous_token_head_destroys_induction(hand_built, rep):
 @pytest.mark.parametrize("head", ["0.1", "1.1"])
 @pytest.mark.parametrize("method", ["zero", "mean", "resample"])
 def test_ablating_an_unused_head_changes_nothing_exactly(hand_built, rep, head, method):
+    # Heads 0.1 and 1.1 read the token (z = its one-hot, non-zero) but W_O = 0: their z really is
+    # replaced, yet the output cannot change, not even by rounding.
+    L, H = map(int, head.split("."))
     ref = None if method == "zero" else rep.roll(1, 0)
     with torch.no_grad():
         clean = hand_built(rep)
-        with qk.ablate(hand_built, head, method, reference=ref):
+        clean_z = qk.capture(hand_built, rep, ["z"], layers=[L])["z", L][:, :, H]
+        with qk.ablate(hand_built, head, method, reference=ref) as repl:
             ablated = hand_built(rep)
+            z = qk.capture(hand_built, rep, ["z"], layers=[L])["z", L][:, :, H]
+    assert clean_z.abs().sum(-1).min() > 0.99                 # every position carries its token
+    assert (z - clean_z).abs().max() > 0.5                   # the hook fired and changed z
+    want = torch.zeros(()) if method == "zero" else repl.value(L, H, *rep.shape)
+    torch.testing.assert_close(z, want.expand_as(z).to(z.dtype), atol=0, rtol=0)
     assert torch.equal(clean, ablated)
 
 
@@ -147,9 +166,8 @@ def test_sweep_equals_naive_loop_and_transformer_lens_patching(tiny, method):
     assert no_hooks(tiny)
 
 
-def test_sweep_with_text_loss_and_default_references(tiny):
-    if tiny.cfg.n_key_value_heads not in (None, tiny.cfg.n_heads):
-        pytest.skip("one architecture is enough here (the GQA model runs the same code)")
+def test_sweep_with_text_loss_and_default_references(tiny_gpt2):
+    tiny = tiny_gpt2                        # one architecture is enough here (the GQA model runs the same code)
     tokens = qk.text_tokens(tiny, seq_len=12, n_seqs=3)
     metric = qk.as_metric("text-loss", tiny)
     for method, ref in (("mean", tokens), ("resample", tokens.roll(1, 0))):
@@ -220,6 +238,46 @@ def test_bad_input_is_one_line_errors(hand_built, rep):
 def test_results_round_trip_through_json(hand_built, rep):
     res = qk.sweep(hand_built, rep, "induction-loss", layers=[1], progress=False)
     back = qk.HeadEffects.from_json(res.to_json())
-    assert torch.isnan(back.effects[0]).all() and torch.equal(back.effects[1], res.effects[1])
+    assert torch.isnan(back.effects[0]).all()
+    torch.testing.assert_close(back.effects[1], res.effects[1], atol=5e-7, rtol=0)   # 6 decimals
     assert (back.method, back.metric, back.baseline, back.layers) == ("zero", "induction-loss", res.baseline, [1])
     assert back.top(1)[0][0] == qk.Head(1, 0)
+    assert back.top(1, by="abs")[0][0] == qk.Head(1, 0)
+
+
+def test_from_json_ignores_keys_that_are_not_fields(hand_built, rep):
+    res = qk.sweep(hand_built, rep, "induction-loss", layers=[1], progress=False)
+    d = json.loads(res.to_json())
+    d.update(n_seqs=4, seed=0)                                 # what `qkcircuits ablate --sweep --json` adds
+    back = qk.HeadEffects.from_json(json.dumps(d))
+    assert (back.n_prompts, back.layers, back.kind) == (4, [1], "sweep")
+
+
+def test_top_by_magnitude_ranks_unswept_layers_last():
+    nan = float("nan")
+    e = qk.HeadEffects(torch.tensor([[nan, nan], [-3.0, 1.0], [0.5, -0.25]]), 0.0, "m", "zero", "x", layers=[1, 2])
+    by_abs = e.top(6, by="abs")
+    assert [h for h, _ in by_abs[:4]] == [qk.Head(1, 0), qk.Head(1, 1), qk.Head(2, 0), qk.Head(2, 1)]
+    assert [v for _, v in by_abs[:4]] == [-3.0, 1.0, 0.5, -0.25]
+    assert all(math.isnan(v) for _, v in by_abs[4:])
+    assert [h for h, _ in e.top(2)] == [qk.Head(1, 1), qk.Head(2, 0)]
+
+
+def test_runner_caches_only_the_layers_it_may_start_from(tiny_gpt2, monkeypatch):
+    tokens = qk.repeated_tokens(tiny_gpt2, n_seqs=2, seg_len=10, seed=6)
+    runner = Runner(tiny_gpt2, tokens, from_layer=1)
+    assert set(runner.resid) == {1} and runner.mode == "sliced"
+    with pytest.raises(ValueError, match="layer 0"):
+        runner.run(0, [], 1)
+    made = []
+
+    class Spy(Runner):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr("qkcircuits._sweep.Runner", Spy)
+    res = qk.sweep(tiny_gpt2, tokens, "induction-loss", layers=[1], progress=False)
+    assert set(made[0].resid) == {1}
+    torch.testing.assert_close(res.effects[1], naive(tiny_gpt2, tokens, qk.as_metric("induction-loss"), "zero",
+                                                     None)[1], atol=1e-5, rtol=0)

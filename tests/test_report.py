@@ -8,6 +8,7 @@ SmolLM2, the model's own layer-0 scores q·k at offset 0, where rotary is the id
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -142,6 +143,23 @@ def test_cli_report(tmp_path, toy_scores, capsys):
         assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
         assert not bad.exists()
     assert main(["report", "toy-induction", "-o", str(tmp_path / "no" / "r.html"), "--quiet"]) == 2
+
+
+def test_cli_report_reads_the_ablate_sweep_json(tmp_path, toy_scores):
+    sweep = tmp_path / "sweep.json"
+    assert main(["ablate", "toy-induction", "--sweep", "--n-seqs", "2", "--seq-len", "12", "--quiet",
+                 "--json", str(sweep)]) == 0
+    back = qk.HeadEffects.from_json(sweep.read_text(encoding="utf-8"))
+    assert (back.kind, back.n_prompts, back.layers, back.method) == ("sweep", 2, [0, 1], "zero")
+    scores = tmp_path / "scan.json"
+    toy_scores.to_json(scores)
+    out = tmp_path / "r.html"
+    assert main(["report", "toy-induction", "-o", str(out), "--scores", str(scores), "--ablation", str(sweep),
+                 "--per-score", "1", "--quiet"]) == 0
+    data = source_data(out.read_text(encoding="utf-8"))
+    assert "ablation" in [g["key"] for g in data["grids"]]
+    # Without the induction head nothing reaches the output block: uniform over V = 32 tokens.
+    assert data["panels"]["1.0"]["info"]["ablation"]["effect"] == pytest.approx(math.log(32), abs=1e-4)
 
 
 @pytest.mark.smollm2

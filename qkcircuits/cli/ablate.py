@@ -50,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
            "n_positions": int(tokens.shape[1]), "seed": args.seed}
     if args.sweep:
         res = sweep(model, tokens, metric, args.method, progress=not args.quiet)
-        out.update(baseline=res.baseline, reference=res.reference, per_position=res.per_position,
-                   effects=[[float(v) for v in row] for row in res.effects.tolist()])
+        # Every HeadEffects field (so `qkcircuits report --ablation` reads it back) plus the CLI's own keys.
+        out = {**json.loads(res.to_json()), **out}
         print(f"{args.model}: {metric.name} baseline {res.baseline:.4f} over {tokens.shape[0]} prompts x "
               f"{tokens.shape[1]} tokens; {args.method} ablation of each head alone, largest effects:")
         for head, value in res.top(args.top):
