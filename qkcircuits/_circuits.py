@@ -62,12 +62,13 @@ def layer_weights(model, layer: int) -> LayerWeights:
     if not 0 <= int(layer) < n_layers:
         raise QKCircuitsError(f"layer {layer} is out of range: the model has layers 0-{n_layers - 1}")
     attn = model.blocks[int(layer)].attn
-    n_heads = model.cfg.n_heads
-    group = n_heads // n_kv_heads(model)
+    n_heads, n_kv = model.cfg.n_heads, n_kv_heads(model)
+    group = n_heads // n_kv
     with torch.no_grad():
         W_Q, W_K, W_V, W_O = (getattr(attn, n).detach() for n in ("W_Q", "W_K", "W_V", "W_O"))
-        if group > 1:   # HF repeat_kv order: query head h reads KV head h // group
-            W_K, W_V = W_K.repeat_interleave(group, 0), W_V.repeat_interleave(group, 0)
+        # HF repeat_kv order: query head h reads KV head h // group. Expand only what is per KV head:
+        # a bridge that already hands out per-query-head K/V must not be expanded twice.
+        W_K, W_V = (_per_query_head(W, n, n_heads, n_kv, layer) for W, n in ((W_K, "W_K"), (W_V, "W_V")))
         biases, has_bias = [], False
         for name, kv in (("b_Q", False), ("b_K", True), ("b_V", True)):
             b = _bias(attn, name)
@@ -76,10 +77,20 @@ def layer_weights(model, layer: int) -> LayerWeights:
             else:
                 has_bias = True
                 b = b.detach().reshape(-1, W_Q.shape[-1])
-                if kv and group > 1:
-                    b = b.repeat_interleave(group, 0)
+                if kv:
+                    b = _per_query_head(b, name, n_heads, n_kv, layer)
             biases.append(b)
     return LayerWeights(W_Q, W_K, W_V, W_O, *biases, has_bias=has_bias)
+
+
+def _per_query_head(t: Tensor, name: str, n_heads: int, n_kv: int, layer) -> Tensor:
+    """``t`` [kv head, ...] repeated to [head, ...]; returned as is when it is per query head already."""
+    if t.shape[0] == n_heads:
+        return t
+    if t.shape[0] == n_kv:
+        return t.repeat_interleave(n_heads // n_kv, 0)
+    raise QKCircuitsError(f"layer {layer}: {name} has {t.shape[0]} heads; expected {n_kv} (KV heads) or "
+                          f"{n_heads} (query heads)")
 
 
 def _bias(attn, name: str) -> Optional[Tensor]:

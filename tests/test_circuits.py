@@ -92,6 +92,32 @@ def test_qk_ov_gqa_use_their_own_kv_head_llama(tmp_path_factory):
     torch.testing.assert_close(allqk[1, 3].AB, qk.qk(raw, "1.3").AB)
 
 
+def test_layer_weights_expand_kv_once_gqa(llama):
+    """K/V per KV head are repeated to query heads once; a bridge handing out per-query-head K/V is not re-expanded."""
+    from types import SimpleNamespace
+
+    n_heads, n_kv = llama.cfg.n_heads, qk.n_kv_heads(llama)
+    assert (n_heads, n_kv) == (4, 2)
+    attn = llama.blocks[1].attn
+    assert attn.W_K.shape[0] == n_kv                                      # this bridge: per KV head
+    w = qk.layer_weights(llama, 1)
+    for h in range(n_heads):                                              # HF repeat_kv: head h reads KV head h // 2
+        torch.testing.assert_close(w.W_K[h], attn.W_K[h // 2])
+        torch.testing.assert_close(w.W_V[h], attn.W_V[h // 2])
+
+    def fake(W_K, W_V):
+        block = SimpleNamespace(attn=SimpleNamespace(W_Q=attn.W_Q, W_K=W_K, W_V=W_V, W_O=attn.W_O))
+        return SimpleNamespace(cfg=llama.cfg, blocks=[block, block])
+
+    expanded = fake(w.W_K, w.W_V)
+    again = qk.layer_weights(expanded, 1)
+    assert again.W_K.shape == again.W_Q.shape == (4, 32, 8)
+    torch.testing.assert_close(again.W_K, w.W_K)
+    torch.testing.assert_close(again.W_V, w.W_V)
+    with pytest.raises(QKCircuitsError, match=r"W_K has 3 heads; expected 2 \(KV heads\) or 4"):
+        qk.layer_weights(fake(w.W_K[:3], w.W_V), 1)
+
+
 def test_qk_ov_hand_built_match_construction(hand_built):
     a1 = hand_built.original_model.layers[1].attn
     d_head = hand_built.cfg.d_head
