@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 
+import _tiny
 import qkcircuits as qk
 from qkcircuits.cli import main
 from qkcircuits.viz import report_html
@@ -77,17 +78,46 @@ def test_panels_match_the_fixture(hand_built, toy_html):
     assert abs(panels[ind]["info"]["scores"]["induction"] - 1.0) < 1e-3
 
 
-def test_views_agree_with_circuits_module(hand_built):
-    ctx, ids = ViewContext(hand_built), token_set(hand_built)
-    for head in qk.all_heads(2, 2):
-        full = qk.full_qk(hand_built, head)
-        ref = full.A[ids] @ full.B[:, ids] * qk.attn_scale(hand_built, head.layer)
-        torch.testing.assert_close(qk_grid(ctx, head, ids), ref, rtol=1e-5, atol=1e-5)
-        vals, out = ov_top(ctx, head, ids, 3)
-        full_ov = qk.full_ov(hand_built, head)
+def check_views(model, ids, k=3, tol=1e-5):
+    """qk_grid and ov_top against the circuits API's full_qk / full_ov; returns how many ids were untied."""
+    ctx, untied = ViewContext(model), 0
+    for head in qk.all_heads(model.cfg.n_layers, model.cfg.n_heads):
+        full = qk.full_qk(model, head)
+        ref = full.A[ids] @ full.B[:, ids] * qk.attn_scale(model, head.layer)
+        torch.testing.assert_close(qk_grid(ctx, head, ids), ref, rtol=tol, atol=tol)
+        vals, out = ov_top(ctx, head, ids, k)
+        full_ov = qk.full_ov(model, head)
         for n, t in enumerate(ids):
-            v, i = qk.top_tokens(full_ov, t, 3)
-            torch.testing.assert_close(vals[n], v, rtol=1e-5, atol=1e-5)
+            v, i = qk.top_tokens(full_ov, t, k)
+            torch.testing.assert_close(vals[n], v, rtol=tol, atol=tol)
+            row = (full_ov.A[t] @ full_ov.B).float()
+            torch.testing.assert_close(row[out[n]], vals[n], rtol=tol, atol=tol)   # each id has the value shown
+            for r in range(k):
+                if int(((row - v[r]).abs() <= tol).sum()) == 1:          # untied: exactly one right answer
+                    assert int(out[n, r]) == int(i[r]), (head, t, r)
+                    untied += 1
+    return untied
+
+
+def test_views_agree_with_circuits_module(hand_built):
+    untied = check_views(hand_built, token_set(hand_built))
+    assert untied >= 31            # head 1.0's top output for every non-BOS token is that token, nothing tied
+
+
+def test_views_agree_with_circuits_module_on_gpt2_with_biases(tmp_path_factory):
+    # GPT-2 has b_Q/b_K: the QK view must leave them out exactly as full_qk does (one convention).
+    from qkcircuits._circuits import layer_weights
+
+    model = qk.load(str(_tiny.gpt2_dir(tmp_path_factory)), device="cpu", verbose=False)
+    ids = list(range(1, model.cfg.d_vocab, 13))
+    untied = check_views(model, ids, tol=1e-4)
+    assert untied > 0.95 * 3 * len(ids) * model.cfg.n_layers * model.cfg.n_heads    # measured: 738 of 744
+    ctx, head = ViewContext(model), qk.Head(1, 0)
+    w, E = layer_weights(model, 1), ctx.embed(1, ids)
+    with_biases = (E @ w.W_Q[0] + w.b_Q[0]) @ (E @ w.W_K[0] + w.b_K[0]).T * qk.attn_scale(model, 1)
+    assert (with_biases - qk_grid(ctx, head, ids)).abs().max() > 1e-2       # the two conventions differ here
+    fig = report_html(model, heads="1.0", per_score=0, tokens=["#1", "#2"], prompt="the cat sat", progress=False)
+    assert "no biases" in json.dumps(source_data(fig)["panels"]["1.0"]["figures"]["qk"]["layout"]["title"])
 
 
 def test_left_out_heads_are_stated(hand_built, toy_scores):

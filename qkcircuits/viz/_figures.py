@@ -66,7 +66,7 @@ def score_grid(values: Tensor, name: str, description: str = "", colorscale: str
 
 
 def qk_heatmap(matrix: Tensor, labels: Sequence[str], head: str) -> Dict:
-    """Query token (rows) × key token (columns) pre-softmax score of the head's direct-path QK circuit."""
+    """Query token (rows) × key token (columns) pre-softmax score of the head's direct-path QK circuit (no biases)."""
     n = len(labels)
     shown = [show_token(s) for s in labels]
     custom = [[[json.dumps(labels[i]), json.dumps(labels[j])] for j in range(n)] for i in range(n)]
@@ -75,7 +75,7 @@ def qk_heatmap(matrix: Tensor, labels: Sequence[str], head: str) -> Dict:
                     hovertemplate="query %{customdata[0]}<br>key %{customdata[1]}<br>score %{z:.4f}<extra></extra>")
     side = max(320, min(720, 90 + 16 * n))
     fig = go.Figure(hm, layout=_layout(
-        f"{head} QK over tokens (pre-softmax score, direct path)", height=side, width=side + 80,
+        f"{head} QK over tokens (pre-softmax score, direct path, no biases)", height=side, width=side + 80,
         xaxis=dict(title="key token", tickvals=list(range(n)), ticktext=shown, tickangle=-60),
         yaxis=dict(title="query token", tickvals=list(range(n)), ticktext=shown, autorange="reversed")))
     return _fig(fig)

@@ -8,7 +8,7 @@
 
 Every number is computed from a few rows of the circuits, never a vocab × vocab matrix:
 QK over a token set is E_n[ids] W_Q (E_n[ids] W_K)ᵀ · scale; the OV view is E_n[ids] W_V W_O U
-([n, vocab]); the positional profile is the learned-position QK (W_pos) or the rotary offset
+([n, vocab]); like ``full_qk``/``full_ov`` both leave the biases out; the positional profile is the learned-position QK (W_pos) or the rotary offset
 profile of ``qkcircuits._rotary``; K-composition partners come from ``composition_scores``.
 """
 
@@ -171,12 +171,16 @@ class ViewContext:
 
 
 def qk_grid(ctx: ViewContext, head: Head, ids: Sequence[int]) -> Float[Tensor, "query key"]:
-    """Token-to-token pre-softmax score (direct path, no position): E_n[q] W_Q W_Kᵀ E_n[k]ᵀ · scale (+ biases)."""
+    """Token-to-token pre-softmax score (direct path, no position, no biases): E_n[q] W_Q W_Kᵀ E_n[k]ᵀ · scale.
+
+    The rows/columns ``ids`` of ``full_qk(model, head)`` times the attention scale: biases are left
+    out as in the circuits API, so the report shows what the API returns (``qk_affine`` has them).
+    """
     w = ctx.weights(head.layer)
     E = ctx.embed(head.layer, ids)
     with torch.no_grad():
-        q = E @ w.W_Q[head.head] + w.b_Q[head.head]
-        k = E @ w.W_K[head.head] + w.b_K[head.head]
+        q = E @ w.W_Q[head.head]
+        k = E @ w.W_K[head.head]
         return (q @ k.T * attn_scale(ctx.model, head.layer)).float().cpu()
 
 
