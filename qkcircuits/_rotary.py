@@ -199,15 +199,16 @@ def _qk_offset(w, head: int, R: Tensor, affine: bool) -> FactoredMatrix:
     Q, K = w.W_Q[head], w.W_K[head]
     if affine:
         Q, K = torch.cat([Q, w.b_Q[head][None]], 0), torch.cat([K, w.b_K[head][None]], 0)
-    return FactoredMatrix(Q @ R.to(Q.dtype).to(Q.device), K.T)
+    return FactoredMatrix(Q @ R.to(device=Q.device, dtype=Q.dtype), K.T)   # no copy when R is there already
 
 
 def offset_scores(model, layer: int, x: Float[Tensor, "pos d_model"], *, spec: Optional[RotarySpec] = None,
                   heads: Optional[Sequence[int]] = None, affine: bool = True) -> Float[Tensor, "head pos pos"]:
     """Scores every (i, j ≤ i) from residual rows ``x`` through the circuits: x_i·QK(i−j)·x_jᵀ·scale.
 
-    Rotary models use ``qk_at_offset``; others the (affine) QK. Entries j > i are NaN.
-    Memory: one [pos, pos] grid per head.
+    Rotary models use ``qk_at_offset``; others the (affine) QK. Entries j > i are NaN. Computed on
+    the weights' device and dtype; returned on ``x``'s. Memory: one [pos, pos] grid per head plus
+    the pos rotations [pos, d_head, d_head].
     """
     warn_caveats(model, "the bilinear score")
     x = x.detach()
@@ -217,22 +218,27 @@ def offset_scores(model, layer: int, x: Float[Tensor, "pos d_model"], *, spec: O
     rotary = has_rotary(model)
     spec = spec or (rotary_spec(model) if rotary else None)
     xa = torch.cat([x, torch.ones(p, 1, dtype=x.dtype, device=x.device)], 1) if affine else x
-    out = torch.full((len(heads), p, p), float("nan"), dtype=x.dtype, device=x.device)
     w = layer_weights(model, layer)                                  # read once; every offset reuses it
-    Rs = rotation(spec, range(p), relative=True) if rotary else None
-    eye = torch.eye(w.W_Q.shape[-1], dtype=w.W_Q.dtype)
+    dev, dt = w.W_Q.device, w.W_Q.dtype
+    # Rows, every R(Δ) (or the identity), the position index and the result live on the weights'
+    # device, moved there once: nothing crosses devices inside the loops.
+    out = torch.full((len(heads), p, p), float("nan"), dtype=dt, device=dev)
+    Rs = rotation(spec, range(p), relative=True).to(device=dev, dtype=dt) if rotary \
+        else torch.eye(w.W_Q.shape[-1], dtype=dt, device=dev)[None]
+    pos = torch.arange(p, device=dev)
+    x_w = xa.to(device=dev, dtype=dt)
     with torch.no_grad():
         for n, hd in enumerate(heads):
             for d in (range(p) if rotary else [None]):
                 # the same FactoredMatrix qk_at_offset / qk_affine / qk return
-                M = _qk_offset(w, hd, Rs[d] if rotary else eye, affine)
-                left, right = xa @ M.A, (M.B @ xa.T).T                           # [p, d_head] each
+                M = _qk_offset(w, hd, Rs[d or 0], affine)
+                left, right = x_w @ M.A, (M.B @ x_w.T).T                         # [p, d_head] each
                 if d is None:
                     out[n] = torch.tril(left @ right.T) + torch.triu(out[n], 1)
                 else:
-                    i = torch.arange(d, p)
+                    i = pos[d:]
                     out[n, i, i - d] = (left[i] * right[i - d]).sum(-1)
-    return out * scale
+    return (out * scale).to(device=x.device, dtype=x.dtype)
 
 
 def positional_qk(model, head: HeadsLike, normalize: bool = False) -> FactoredMatrix:

@@ -11,6 +11,7 @@ from transformer_lens.config import TransformerBridgeConfig
 from transformer_lens.model_bridge import TransformerBridge
 
 import qkcircuits as qk
+import qkcircuits._rotary as qkcircuits_rotary
 from qkcircuits import QKCircuitsError
 
 
@@ -197,6 +198,42 @@ def test_rotary_native_adjacent_pairs_detected():
     torch.testing.assert_close(pat, c["blocks.1.attn.hook_pattern"][0], atol=1e-5, rtol=1e-4)
     halves = qk.RotarySpec(spec.omega, "halves", spec.rotary_dim, spec.d_head)
     assert (qk.offset_scores(m, 1, c[qk.attn_input_hook(m, 1)][0], spec=halves) - ours)[:, mask].abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+def test_offset_scores_move_rotations_once(rotary):
+    """R(Δ) (or the identity) is converted to the weights' device/dtype once, not per (head, offset).
+
+    Counted as tensor copies on a float64 model fed float32 rows (the same ``.to`` path a GPU model
+    takes): converting inside the loops made 4 heads x 16 offsets = 64 copies. The scores equal the
+    float64 bilinear form of the model's own rotated q/k.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCopies(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    m = _native(positional_embedding_type="rotary" if rotary else "standard", n_layers=2)
+    m.to(torch.float64)
+    spec = qk.rotary_spec(m) if rotary else None
+    tokens = torch.arange(16)[None] * 3 % 50
+    c = _forward(m, tokens, 1)
+    x = c[qk.attn_input_hook(m, 1)][0]
+    with CountCopies() as count:
+        ours = qk.offset_scores(m, 1, x.float(), spec=spec)
+    assert count.n <= 10, count.n                      # a constant few (weights, rows, result), not 64
+    assert ours.dtype == torch.float32 and ours.device == x.device
+    q, k = c["blocks.1.attn.hook_q"], c["blocks.1.attn.hook_k"]
+    if rotary:
+        q, k = qkcircuits_rotary.rotate_native(m.blocks[1].attn.original_component.rotary, q, k)
+    ref = torch.einsum("qhd,khd->hqk", q[0], k[0]) * qk.attn_scale(m, 1)
+    mask = _causal(16)
+    torch.testing.assert_close(ours[:, mask], ref[:, mask].float(), atol=1e-4, rtol=1e-4)
 
 
 def test_normalised_embedding_is_layer0_input(llama):
