@@ -25,23 +25,7 @@ torch.set_num_threads(1)
 
 import qkcircuits as qk  # noqa: E402
 from qkcircuits._ablate import make_replacement  # noqa: E402
-
-
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Spearman rank correlation of two flattened tensors (average ranks for ties)."""
-    def ranks(x):
-        x = x.flatten().double()
-        order = x.argsort()
-        r = torch.empty_like(x)
-        r[order] = torch.arange(len(x), dtype=torch.double)
-        for v in x.unique():                 # average ranks of ties
-            m = x == v
-            if m.sum() > 1:
-                r[m] = r[m].mean()
-        return r
-    ra, rb = ranks(a), ranks(b)
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+from qkcircuits._stats import spearman  # noqa: E402
 
 
 def naive_sweep(model, tokens, metric, method, reference):

@@ -7,6 +7,7 @@ import torch
 
 import qkcircuits as qk
 from qkcircuits._ablate import Runner
+from qkcircuits._stats import spearman
 
 pytestmark = pytest.mark.smollm2
 
@@ -14,13 +15,6 @@ pytestmark = pytest.mark.smollm2
 @pytest.fixture(scope="module")
 def rep(smollm2):
     return qk.repeated_tokens(smollm2, n_seqs=2, seg_len=10, seed=0)
-
-
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    ra = a.flatten().argsort().argsort().double()
-    rb = b.flatten().argsort().argsort().double()
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
 
 
 @pytest.mark.parametrize("method", ["zero", "mean"])

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ import torch
 import _tiny
 import qkcircuits as qk
 from qkcircuits.cli import main
-from qkcircuits.viz import report_html
+from qkcircuits.viz import report_html, write_report
 from qkcircuits.viz._page import circuitsvis_js_path, plotly_js_path, script_text
 from qkcircuits.viz._panels import ViewContext, ov_top, prompt_ids, qk_grid, token_set
 from qkcircuits.fixtures import INDUCTION_HEAD, PREV_TOKEN_HEAD
@@ -190,6 +192,20 @@ def test_cli_report_reads_the_ablate_sweep_json(tmp_path, toy_scores):
     assert "ablation" in [g["key"] for g in data["grids"]]
     # Without the induction head nothing reaches the output block: uniform over V = 32 tokens.
     assert data["panels"]["1.0"]["info"]["ablation"]["effect"] == pytest.approx(math.log(32), abs=1e-4)
+
+
+def test_report_file_has_a_new_files_usual_permissions(tmp_path):
+    path = tmp_path / "r.html"
+    write_report(path, "<html></html>")
+    normal = tmp_path / "normal.txt"
+    normal.write_text("x")                               # what open() gives under this process's umask
+    mode = stat.S_IMODE(path.stat().st_mode)
+    assert mode == stat.S_IMODE(normal.stat().st_mode)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert mode == 0o666 & ~umask and (umask & 0o004 or mode & 0o004)   # world-readable unless the umask says no
+    with pytest.raises(qk.QKCircuitsError, match="does not exist"):
+        write_report(tmp_path / "no" / "r.html", "x")
 
 
 @pytest.mark.smollm2

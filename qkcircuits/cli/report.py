@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from .._errors import QKCircuitsError
-from ._common import add_model_args, load_model, non_negative_int, positive_int
+from ._common import add_model_args, check_writable, load_model, non_negative_int, positive_int
 
 
 def add_parser(sub) -> None:
@@ -62,9 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from .._detect import scan
     from ..viz import report_html, write_report
 
-    out = Path(args.output)
-    if not out.parent.exists():
-        raise QKCircuitsError(f"cannot write {args.output!r}: folder {str(out.parent)!r} does not exist")
+    check_writable(args.output)              # before the scan and the report: minutes of work
     scores, effects, diagnostics = load_inputs(args)
     model = load_model(args)
     if scores is None:

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from .._errors import QKCircuitsError
 from .._heads import Head, model_heads
+from .._io import write_atomic
 from ._page import embed_json, page, script_text
 from ._panels import ViewContext, attention, prompt_ids, token_set
 from ._views import grids, panel
@@ -99,13 +100,6 @@ def _grid_tensor(g: Dict) -> torch.Tensor:
 
 
 def write_report(path: str, html: str) -> None:
-    """Write the report atomically (the whole file or nothing), readable as a normal new file would be
-    (``write_atomic``'s temporary file is private, 0600; a report is meant to be shared)."""
-    import os
-
-    from ..cli._common import write_atomic
-
-    write_atomic(str(path), html)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    """Write the report atomically (the whole file or nothing) with a new file's usual permissions
+    (0666 less the umask: a report is meant to be shared); an unwritable path is a ``QKCircuitsError``."""
+    write_atomic(path, html)

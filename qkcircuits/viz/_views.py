@@ -7,12 +7,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional, Sequence
 
 from torch import Tensor
 
 from .._heads import Head
+from .._io import json_number
 from . import _figures as F
 from ._panels import ViewContext, attention, k_partners, ov_top, positional_profile, qk_grid, token_strings
 
@@ -26,11 +26,6 @@ GRID_DESCRIPTIONS = {
     "copying": "Olsson's copying score of the head's direct-path logits",
     "eigen_copying": "sum(λ)/sum(|λ|) of W_E W_OV W_U (Elhage); +1 copies, −1 anti-copies",
 }
-
-
-def _num(x) -> Optional[float]:
-    x = float(x)
-    return None if math.isnan(x) else round(x, 6)
 
 
 def grids(model, ctx: ViewContext, scores=None, effects=None, diagnostics=None) -> List[Dict]:
@@ -63,16 +58,17 @@ def grids(model, ctx: ViewContext, scores=None, effects=None, diagnostics=None) 
 def head_info(ctx: ViewContext, head: Head, scores=None, effects=None, diagnostics=None) -> Dict:
     """Numbers about one head: its scores and labels, eigenvalue copying, ablation effect, diagnostics flags."""
     l, h = head.layer, head.head
-    info: Dict[str, object] = {"eigen_copying": _num(ctx.eigen_copying()[l, h])}
+    info: Dict[str, object] = {"eigen_copying": json_number(ctx.eigen_copying()[l, h])}
     if scores is not None:
-        info["scores"] = {k: _num(v[l, h]) for k, v in scores.scores.items()}
+        info["scores"] = {k: json_number(v[l, h]) for k, v in scores.scores.items()}
         info["labels"] = scores.labels().get(head, [])
     if effects is not None:
-        info["ablation"] = {"effect": _num(effects.effects[l, h]), "metric": effects.metric, "method": effects.method,
-                            "baseline": _num(effects.baseline)}
+        info["ablation"] = {"effect": json_number(effects.effects[l, h]), "metric": effects.metric,
+                            "method": effects.method, "baseline": json_number(effects.baseline)}
     if diagnostics is not None:
         info["flags"] = [k for k, v in diagnostics.flags().items() if bool(v[l, h])]
-        info["diagnostics"] = {k: _num(diagnostics.measures[k][l, h]) for k in DIAG_MEASURES if k in diagnostics.measures}
+        info["diagnostics"] = {k: json_number(diagnostics.measures[k][l, h]) for k in DIAG_MEASURES
+                               if k in diagnostics.measures}
     return info
 
 
