@@ -38,6 +38,7 @@ from transformer_lens.FactoredMatrix import FactoredMatrix
 
 from ._errors import QKCircuitsError
 from ._heads import Head, HeadsLike, model_heads, n_kv_heads
+from ._model import model_name
 
 
 # ---------------------------------------------------------------------------------------------- weights
@@ -452,7 +453,7 @@ def circuit(model, head: HeadsLike, kind: str = "qk", *, offset: int = 0, normal
     if kind not in KINDS:
         raise QKCircuitsError(f"unknown circuit kind {kind!r}; choose from {', '.join(KINDS)}")
     h = _head(model, head)
-    settings: Dict[str, object] = {"model": str(getattr(model.cfg, "model_name", "model")), "fold_ln": is_folded(model),
+    settings: Dict[str, object] = {"model": model_name(model), "fold_ln": is_folded(model),
                                    "attn_scale": attn_scale(model, h.layer), "convention": "row-vector (TL)"}
     # the QK-side functions below warn; the flag travels with the result
     caveats = circuit_caveats(model) if kind.startswith(("qk", "full_qk", "pos")) else []

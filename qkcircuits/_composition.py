@@ -31,6 +31,8 @@ from torch import Tensor
 from ._circuits import is_folded, layer_weights, warn_caveats
 from ._errors import QKCircuitsError
 from ._heads import Head, HeadsLike, model_heads
+from ._io import json_number
+from ._model import model_name
 
 MODES = ("Q", "K", "V")
 
@@ -59,7 +61,7 @@ class CompositionScores:
 
     def to_json(self) -> str:
         def clean(t: Tensor):
-            return [[[[None if v != v else round(v, 6) for v in row] for row in m] for m in lay] for lay in t.tolist()]
+            return [[[[json_number(v) for v in row] for row in m] for m in lay] for lay in t.tolist()]
         return json.dumps({"mode": self.mode, "baseline": self.baseline, "settings": self.settings,
                            "scores": clean(self.scores), "raw": clean(self.raw)})
 
@@ -159,7 +161,7 @@ def composition_scores(model, mode: str = "K", *, baseline: bool = True, n_sampl
             raw[:later, :, later, :] = _ratio(left, rights[later]).reshape(later, H, H)
     base = composition_baseline(int(model.cfg.d_model), int(model.cfg.d_head), n_samples, seed) if baseline else 0.0
     caveats = warn_caveats(model, f"{mode}-composition with the QK circuit") if mode in ("Q", "K") else []
-    settings = {"model": str(getattr(model.cfg, "model_name", "model")), "fold_ln": is_folded(model), "caveats": caveats,
+    settings = {"model": model_name(model), "fold_ln": is_folded(model), "caveats": caveats,
                 "baseline_samples": n_samples if baseline else 0, "seed": seed,
                 "convention": "scores[earlier layer, earlier head, later layer, later head]"}
     return CompositionScores(mode, (raw - base).float(), raw.float(), base, settings)

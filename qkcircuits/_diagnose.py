@@ -36,6 +36,8 @@ from ._capture import _check_layers, has_rotary, stream
 from ._circuits import attention_scale
 from ._diagnose_result import HeadDiagnostics, MEASURES, check_thresholds
 from ._errors import QKCircuitsError
+from ._io import check_int
+from ._model import model_name
 from ._rotary import native_rotary, rotate_native
 from ._sequences import check_seed, repeated_tokens, text_tokens, token_pool
 
@@ -231,10 +233,8 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
     from tqdm.auto import tqdm
 
     check_seed(seed)
-    for name, val in (("n_seqs", n_seqs), ("n_perturb", n_perturb)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < (1 if name == "n_seqs" else 0):
-            raise QKCircuitsError(f"{name} must be a{' positive' if name == 'n_seqs' else ' non-negative'} "
-                                  f"integer, got {val!r}")
+    check_int("n_seqs", n_seqs)
+    check_int("n_perturb", n_perturb, least=0)
     thr = check_thresholds(thresholds)
     n_ctx = int(model.cfg.n_ctx)
     pool = token_pool(model)
@@ -343,7 +343,7 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
         "scale_measured": {str(k): v for k, v in sorted(measured_scale.items())},
         "versions": _versions(),
     }
-    return HeadDiagnostics(model=str(getattr(model.cfg, "model_name", "model")), n_layers=L, n_heads=H,
+    return HeadDiagnostics(model=model_name(model), n_layers=L, n_heads=H,
                            d_head=d_head, measures=measures, scale=scale, settings=settings, by_set=by_set)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import _tiny
@@ -337,7 +338,11 @@ def test_hand_built_k_composition_stands_out(hand_built):
     others[0, 0, 1, 0] = float("nan")
     assert target > 0.1 and target > float(others.nan_to_num(nan=-1.0).max()) + 0.1
     assert qk.k_composition_partners(hand_built, ["1.0"], scores=comp) == {qk.Head(1, 0): [(qk.Head(0, 0), target)]}
-    back = qk.CompositionScores.from_json(comp.to_json())
+    text = comp.to_json()
+    assert "NaN" not in text                                              # strict JSON: NaN pairs are null
+    raw = json.loads(text)
+    assert raw["scores"][1][0][0][0] is None and raw["settings"]["model"] == hand_built.cfg.model_name
+    back = qk.CompositionScores.from_json(text)
     torch.testing.assert_close(back.scores, comp.scores, equal_nan=True, atol=1e-6, rtol=0)
     assert back.mode == "K" and back.baseline == comp.baseline
 
@@ -388,6 +393,11 @@ def test_circuit_result_carries_settings(llama, hand_built):
     assert res.exact and res.settings["offset"] == 2 and res.settings["rotary"]["style"] == "halves"
     torch.testing.assert_close(res.matrix.AB, qk.qk_at_offset(llama, "1.1", 2).AB)
     assert qk.circuit(hand_built, "1.0", "full_ov").matrix.shape == (32, 32)
+    assert res.settings["model"] == llama.cfg.model_name and llama.cfg.model_name
+    unnamed = _native(n_layers=2)
+    unnamed.cfg.model_name = ""                                         # one naming rule: empty -> "model"
+    assert qk.circuit(unnamed, "0.0").settings["model"] == "model"
+    assert qk.composition_scores(unnamed, "V", baseline=False).settings["model"] == "model"
 
 
 def test_bad_input_errors(hand_built, llama):

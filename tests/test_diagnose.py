@@ -244,6 +244,8 @@ def test_json_round_trip_and_frame(hand_built, tmp_path):
     ({"thresholds": {"sink": 0.5}}, "unknown threshold"),
     ({"thresholds": {"near_uniform": -1}}, "non-negative"),
     ({"n_seqs": 0}, "n_seqs"),
+    ({"n_seqs": True}, "n_seqs must be an integer >= 1"),
+    ({"n_perturb": -1}, "n_perturb must be an integer >= 0"),
     ({"layers": [5]}, "out of range"),
     ({"prompt_sets": ["poetry"]}, "unknown prompt set"),
     ({"prompt_sets": ["text"]}, "tokenizer"),

@@ -46,12 +46,13 @@ def summarize(model, head, text=None, top: int = 5, max_offset: int = 64) -> dic
     from .._composition import composition_baseline, k_composition_partners
     from .._copying import copying_scores
     from .._heads import model_heads
+    from .._model import model_name
     from .._rotary import offset_profile, positional_qk, rotary_spec
 
     h = model_heads(model, head)[0]
     full, plain = copying_scores(model), copying_scores(model, full=False)
     rank = int((full.flatten() > full[h.layer, h.head]).sum()) + 1
-    out: dict = {"head": str(h), "model": str(getattr(model.cfg, "model_name", "model")), "fold_ln": is_folded(model),
+    out: dict = {"head": str(h), "model": model_name(model), "fold_ln": is_folded(model),
                  "attn_scale": attn_scale(model, h.layer), "caveats": circuit_caveats(model),
                  "copying": {"ov": float(plain[h.layer, h.head]), "full_ov": float(full[h.layer, h.head]),
                              "full_ov_rank": rank, "n_heads": full.numel()}}
@@ -125,6 +126,7 @@ def run(args) -> int:
         raise QKCircuitsError(f"cannot write {args.json!r}: its folder does not exist")
     model = load_model(args)
     from .._heads import model_heads
+    from .._model import model_name
 
     head = model_heads(model, args.head)
     if len(head) != 1:
