@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ._circuits import _head, _norm_kind, embed_factor, is_folded, layer_weights, unembed_embed, unembed_factor
 from ._errors import QKCircuitsError
+from ._io import check_int
 from ._heads import HeadsLike
 
 
@@ -67,13 +68,14 @@ def copying_accuracy(model, head: Optional[HeadsLike] = None, *, normalize: bool
     """ARENA's full-OV top-1 copying accuracy: the share of tokens t whose row of E_n·OV·U has its argmax at t.
 
     ``head=None`` scores every head ([layer, head]); else a 0-d tensor. Rows are done in chunks of
-    ``max_bytes // (4 · vocab)`` so the working set is ``max_bytes`` (default 128 MiB) plus the
+    ``max_bytes // (element size · vocab)`` (4 bytes for float32, 8 for float64) so the working set
+    is ``max_bytes`` (default 128 MiB; at least one row) plus the
     factors A = E_n W_V [vocab, d_head] and B = W_O U [d_head, vocab] (built in chunks of
     ``CHUNK_ROWS`` vocabulary rows: no normalised [vocab, d_model] copy is held).
     """
     _check_square_vocab(model)
     vocab = model.W_E.shape[0]
-    chunk = max(1, int(max_bytes) // (4 * vocab))
+    max_bytes = check_int("max_bytes", max_bytes)
     heads = [_head(model, head)] if head is not None else None
     L, H = model.cfg.n_layers, model.cfg.n_heads
     out = torch.full((L, H), float("nan"))
@@ -86,6 +88,7 @@ def copying_accuracy(model, head: Optional[HeadsLike] = None, *, normalize: bool
         with torch.no_grad():
             A = embed_factor(model, w.W_V[h], layer, normalize)                    # [vocab, d_head]
             B = unembed_factor(model, w.W_O[h], normalize)                         # [d_head, vocab]
+            chunk = max(1, max_bytes // (A.element_size() * vocab))                 # rows of the weights' dtype
             hits = 0
             buf = torch.empty(min(chunk, vocab), B.shape[1], dtype=A.dtype, device=A.device)   # the one chunk
             for s in range(0, vocab, chunk):

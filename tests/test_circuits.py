@@ -269,6 +269,31 @@ def test_full_ov_rows_top_tokens_and_copying_accuracy_match_brute_force(gpt2_raw
                                atol=1e-4, rtol=1e-4)
 
 
+def test_copying_accuracy_chunks_by_element_size_float64(gpt2_folder, monkeypatch):
+    """A float64 model's chunks hold max_bytes // (8 · vocab) rows (sized for 4 bytes they were twice the bound)."""
+    model = qk.load(str(gpt2_folder), device="cpu", fold_ln=False, dtype="float64", verbose=False)
+    assert model.W_E.dtype == torch.float64
+    vocab, budget = 400, 8 * 400 * 37                                   # 37 float64 rows, or 74 float32 ones
+    E, U = qk.embed_rows(model, 1), qk.unembed_cols(model)
+    dense = E @ qk.ov(model, "1.2").AB @ U
+    expect = float((dense.argmax(-1) == torch.arange(vocab)).double().mean())
+    rows, mm = [], torch.mm
+
+    def counting_mm(a, b, *, out=None):
+        if out is not None:                                            # the chunk product of copying_accuracy
+            rows.append(a.shape[0])
+            assert out.element_size() * out.numel() <= budget
+        return mm(a, b, out=out) if out is not None else mm(a, b)
+
+    monkeypatch.setattr(torch, "mm", counting_mm)
+    got = qk.copying_accuracy(model, "1.2", max_bytes=budget, progress=False)
+    monkeypatch.undo()
+    assert max(rows) == 37 and sum(rows) == vocab and len(rows) == -(-vocab // 37)
+    assert float(got) == pytest.approx(expect)
+    with pytest.raises(QKCircuitsError, match="max_bytes"):
+        qk.copying_accuracy(model, "1.2", max_bytes=0)
+
+
 @pytest.mark.parametrize("fixture", ["gpt2", "gpt2_raw"])
 def test_eigen_copying_from_small_side_equals_vocab_side(fixture, request, monkeypatch):
     import qkcircuits._circuits as circuits
