@@ -8,11 +8,12 @@ True
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Dict, Optional, Union
 
 from ._errors import QKCircuitsError
 
@@ -64,3 +65,25 @@ def json_number(x) -> Optional[float]:
     """A float for JSON: NaN and infinities become ``null``; others rounded to 6 decimals."""
     x = float(x)
     return None if math.isnan(x) or math.isinf(x) else round(x, 6)
+
+
+def dump_json(data: Dict[str, Any], path: Optional[Union[str, Path]] = None, indent: int = 1) -> str:
+    """JSON text of ``data``, also written atomically to ``path`` when given."""
+    text = json.dumps(data, indent=indent)
+    if path is not None:
+        write_atomic(path, text)
+    return text
+
+
+def load_json(text_or_path: Union[str, Path], what: str) -> Dict[str, Any]:
+    """Parse JSON text, or the file at a path; ``what`` names the expected producer in the error."""
+    text = str(text_or_path)
+    if not text.lstrip().startswith("{"):
+        p = Path(text).expanduser()
+        if not p.is_file():
+            raise QKCircuitsError(f"no JSON file at {text!r}; pass JSON text or the path of {what}")
+        text = p.read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise QKCircuitsError(f"{str(text_or_path)[:80]!r} is not valid JSON ({e}); expected {what}") from None

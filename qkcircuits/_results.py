@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from torch import Tensor
 
 from ._errors import QKCircuitsError
 from ._heads import Head
-from ._io import check_int, json_number
+from ._io import check_int, dump_json, json_number, load_json
 
 SCHEMA = "qkcircuits.head_scores/1"
 
@@ -100,23 +99,12 @@ class HeadScores:
 
     def to_json(self, path: Optional[Union[str, Path]] = None, indent: int = 1) -> str:
         """JSON text (written atomically to ``path`` when given). NaN is written as ``null``."""
-        text = json.dumps(self.to_dict(), indent=indent)
-        if path is not None:
-            from ._io import write_atomic
-
-            write_atomic(str(path), text)
-        return text
+        return dump_json(self.to_dict(), path, indent)
 
     @classmethod
     def from_json(cls, text_or_path: Union[str, Path]) -> "HeadScores":
-        text = str(text_or_path)
-        if not text.lstrip().startswith("{"):
-            p = Path(text)
-            if not p.is_file():
-                raise QKCircuitsError(f"no JSON file at {text!r}; pass JSON text or the path of a scan's --json output")
-            text = p.read_text(encoding="utf-8")
+        d = load_json(text_or_path, "a scan's --json output")
         try:
-            d = json.loads(text)
             scores = {k: torch.tensor([[math.nan if x is None else x for x in row] for row in v], dtype=torch.float32)
                       for k, v in d["scores"].items()}
             return cls(model=d["model"], n_layers=int(d["n_layers"]), n_heads=int(d["n_heads"]), scores=scores,
