@@ -110,7 +110,7 @@ def main() -> None:
     heads = [qk.Head(i // H, i % H) for i in best]
     for bound in (128 * 2 ** 20, 32 * 2 ** 20):
         accs, t, m = timed(lambda: [float(qk.copying_accuracy(model, h, max_bytes=bound)) for h in heads])
-        print(f"full-OV top-1 copying accuracy, bound {bound // 2 ** 20} MiB ({bound // (4 * V)} rows/chunk): "
+        print(f"full-OV top-1 copying accuracy, bound {bound // 2 ** 20} MiB ({bound // (model.W_E.element_size() * V)} rows/chunk): "
               f"{t / len(heads):6.2f} s/head (~{t / len(heads) * L * H / 60:.0f} min for all heads), peak {mib(m)}; "
               f"acc {', '.join(f'{h}={a:.4f}' for h, a in zip(heads, accs))}; dense would hold {V * V * 4 / 2 ** 30:.1f} GiB")
 
