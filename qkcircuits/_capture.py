@@ -134,7 +134,7 @@ def _as_tokens(model, tokens) -> Tensor:
     if isinstance(tokens, str):
         if getattr(model, "tokenizer", None) is None:
             raise QKCircuitsError("this model has no tokenizer; pass token ids as a [batch, pos] tensor")
-        return model.to_tokens(tokens)
+        tokens = model.to_tokens(tokens)
     t = torch.as_tensor(tokens)
     if t.dim() == 1:
         t = t[None]
@@ -142,8 +142,9 @@ def _as_tokens(model, tokens) -> Tensor:
         raise QKCircuitsError(f"tokens must be a non-empty [batch, pos] integer tensor, got shape {tuple(t.shape)}")
     if t.shape[1] > model.cfg.n_ctx:
         raise QKCircuitsError(f"sequence length {t.shape[1]} exceeds the model's context of {model.cfg.n_ctx} tokens")
-    if int(t.max()) >= model.cfg.d_vocab or int(t.min()) < 0:
-        raise QKCircuitsError(f"token id {int(t.max())} is outside the vocabulary 0-{model.cfg.d_vocab - 1}")
+    bad = t[(t < 0) | (t >= model.cfg.d_vocab)]
+    if bad.numel():
+        raise QKCircuitsError(f"token id {int(bad[0])} is outside the vocabulary 0-{model.cfg.d_vocab - 1}")
     return t.to(_device(model))
 
 

@@ -438,3 +438,14 @@ def test_hooks_that_never_fire_are_an_error_not_an_empty_result():
     with pytest.raises(qk.QKCircuitsError, match="never fired"):
         qk.stream(model, toks, lambda layer, t: 0, ["rot_k"])
     assert qk.capture(model, toks, ["q"])["q", 1].shape == (1, 4, 4, 8)
+
+
+def test_token_checks_name_the_bad_value(hand_built):
+    with pytest.raises(QKCircuitsError, match="token id -1 is outside the vocabulary 0-31"):
+        capture(hand_built, torch.tensor([[0, 3, -1]]), ["q"])
+    with pytest.raises(QKCircuitsError, match="token id 32 is outside"):
+        capture(hand_built, torch.tensor([[0, 32, 1]]), ["q"])
+    with pytest.raises(QKCircuitsError, match="exceeds the model's context of 128"):
+        capture(hand_built, torch.zeros(1, 129, dtype=torch.long), ["q"])
+    with pytest.raises(QKCircuitsError, match="no tokenizer"):
+        capture(hand_built, "some text", ["q"])
