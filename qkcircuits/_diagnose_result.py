@@ -16,7 +16,6 @@ Flags (thresholds live in ``settings["thresholds"]`` and docs/diagnostics.md say
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from ._errors import QKCircuitsError
+from ._io import dump_json, load_json
 from ._heads import Head
 
 # What each measure is (units: q·k products are raw dot products of the post-rotary q and k).
@@ -172,29 +172,17 @@ class HeadDiagnostics:
 
     def to_json(self, path: Optional[Union[str, Path]] = None, indent: int = 1) -> str:
         """JSON text (written atomically to ``path`` when given). NaN is written as ``null``."""
-        text = json.dumps(self.to_dict(), indent=indent)
-        if path is not None:
-            from ._io import write_atomic
-
-            write_atomic(str(path), text)
-        return text
+        return dump_json(self.to_dict(), path, indent)
 
     @classmethod
     def from_json(cls, text_or_path: Union[str, Path]) -> "HeadDiagnostics":
         """Read ``to_json`` output: JSON text or the path of a file holding it."""
-        text = str(text_or_path)
-        if not text.lstrip().startswith("{"):
-            p = Path(text)
-            if not p.is_file():
-                raise QKCircuitsError(f"no JSON file at {text!r}; pass JSON text or the path of a diagnose --json "
-                                      f"output")
-            text = p.read_text(encoding="utf-8")
+        d = load_json(text_or_path, "a diagnose --json output")
 
         def tensor(x) -> Tensor:
             return torch.tensor([[math.nan if v is None else v for v in row] for row in x], dtype=torch.float64)
 
         try:
-            d = json.loads(text)
             return cls(model=d["model"], n_layers=int(d["n_layers"]), n_heads=int(d["n_heads"]),
                        d_head=int(d["d_head"]), measures={k: tensor(v) for k, v in d["measures"].items()},
                        scale=torch.tensor([math.nan if v is None else v for v in d["scale"]], dtype=torch.float64),
