@@ -121,5 +121,5 @@ def test_smollm2_app(smollm2):
     p = r.get_json()
     assert p["attention"]["tokens"][0] == "<|im_start|>" and len(p["attention"]["tokens"]) == 9
     assert len(p["figures"]["qk"]["data"][0]["z"]) == 3
-    r = post(client, {"head": "0.3", "tokens": " Dursleyesque"})
+    r = post(client, {"head": "0.3", "tokens": " cartographically"})
     assert r.status_code == 400 and "exactly one token" in r.get_json()["error"]

@@ -30,10 +30,9 @@ from .._heads import Head, model_heads
 COMMON_WORDS = (" the", " of", " and", " to", " a", " in", " is", " that", " it", " for", " was", " on", " with",
                 " he", " she", " they", " his", " her", " at", " by", " from", " not", " this", " are", ",", ".",
                 " The", " I", " you", " Mr", " cat", " dog", " Paris", " France", " John", " Mary")
-# Names a repeat so that induction heads light up on real text: the second "Mr and Mrs Dursley ..." is predictable.
-DEFAULT_PROMPT = ("Mr and Mrs Dursley, of number four, Privet Drive, were proud to say that they were perfectly "
-                  "normal. Mr and Mrs Dursley, of number four, Privet Drive, were proud to say that they were "
-                  "perfectly normal.")
+# A sentence said twice, so that induction heads light up on real text: its second copy is predictable.
+DEFAULT_PROMPT = ("Maria kept the old maps of the coast in the lowest drawer of the library, tied with faded ribbon. "
+                  "Maria kept the old maps of the coast in the lowest drawer of the library, tied with faded ribbon.")
 MAX_TOKENS = 64          # token-set size (heatmap side)
 MAX_PROMPT = 256         # prompt length in tokens for attention patterns
 MAX_OFFSET = 64          # positional profile: offsets 0..MAX_OFFSET
