@@ -8,6 +8,29 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
 
+# The newest torch wheel on this machine that this interpreter can install, or nothing.
+local_torch_wheel() {
+  "$VENV/bin/python" - <<'PY'
+import glob, os, subprocess, sys
+from pip._vendor.packaging.tags import sys_tags
+from pip._vendor.packaging.utils import parse_wheel_filename
+
+dirs = os.environ.get("TORCH_WHEELS", "").split(os.pathsep) + os.environ.get("PIP_FIND_LINKS", "").split()
+config = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+for line in config.splitlines():
+    key, _, value = line.partition("=")
+    if key.endswith("find-links"):
+        dirs += value.strip().strip("'\"").split()
+supported, best = set(sys_tags()), None
+for d in filter(None, dirs):
+    for path in glob.glob(os.path.join(d.replace("file://", ""), "torch-*.whl")):
+        name, version, _, tags = parse_wheel_filename(os.path.basename(path))
+        if name == "torch" and tags & supported and (best is None or version > best[0]):
+            best = (version, path)
+print(best[1] if best else "")
+PY
+}
+
 setup() {
   if [ ! -x "$VENV/bin/pip" ]; then
     "$PY" -c 'import sys; assert sys.version_info >= (3, 10), "qkcircuits needs Python >= 3.10"'
@@ -23,9 +46,13 @@ setup() {
     fi
   fi
   if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
-    # Prefer a torch wheel already on this machine (pip's find-links, e.g. a CPU build, or the
-    # folder in $TORCH_WHEELS) over a multi-GB CUDA download from PyPI.
-    if ! "$VENV/bin/pip" install -qq --no-index ${TORCH_WHEELS:+--find-links "$TORCH_WHEELS"} torch 2>/dev/null; then
+    # Prefer a torch wheel already on this machine (pip's find-links, or the folders in $TORCH_WHEELS)
+    # over a multi-GB CUDA download: install that file by path, its small dependencies from the index.
+    wheel=$(local_torch_wheel)
+    if [ -n "$wheel" ]; then
+      echo "qkcircuits: installing torch from $wheel" >&2
+      "$VENV/bin/pip" install -qq "$wheel"
+    else
       echo "qkcircuits: no torch wheel on this machine; installing torch from PyPI (large download)" >&2
       "$VENV/bin/pip" install --progress-bar on -q torch
     fi
