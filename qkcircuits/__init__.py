@@ -13,7 +13,7 @@ from ._capture import Activations, capture, edit, has_rotary, hook_name, stream
 from ._errors import QKCircuitsError
 from ._heads import Head, all_heads, kv_head, model_heads, n_kv_heads, parse_heads
 from ._model import load, pick_device
-from ._sequences import natural_text, repeated_tokens, text_tokens, token_pool
+from ._sequences import natural_text, repeated_tokens, segment_length, text_tokens, token_pool
 
 # Circuits: weights only.
 from ._circuits import (Circuit, LayerWeights, all_ov, all_qk, attn_input_hook, attn_scale, circuit, circuit_caveats,
@@ -43,7 +43,7 @@ _VIEWS = {"create_app", "report_html", "write_report"}
 __all__ = sorted([
     # foundation
     "Activations", "Head", "QKCircuitsError", "all_heads", "capture", "edit", "has_rotary", "hook_name", "kv_head",
-    "load", "model_heads", "n_kv_heads", "natural_text", "parse_heads", "pick_device", "repeated_tokens", "stream",
+    "load", "model_heads", "n_kv_heads", "natural_text", "parse_heads", "pick_device", "repeated_tokens", "segment_length", "stream",
     "text_tokens", "token_pool",
     # circuits
     "Circuit", "CompositionScores", "LayerWeights", "OffsetProfile", "RotarySpec", "all_ov", "all_qk",

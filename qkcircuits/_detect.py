@@ -37,7 +37,7 @@ from ._capture import stream
 from ._io import check_int
 from ._model import model_name
 from ._results import HeadScores
-from ._sequences import check_seed, repeated_tokens, text_tokens, token_pool
+from ._sequences import check_seed, repeated_tokens, segment_length, text_tokens, token_pool
 
 # label -> (score, minimum). 0.4 is ARENA's cut-off; chance for any of these is ~1/i (uniform
 # attention over i keys), i.e. < 0.05 on the default 81-token prompts: 0.4 is > 8x chance and
@@ -135,10 +135,9 @@ def scan(model, *, n_seqs: int = 8, seq_len: Optional[int] = None, seed: int = 0
     check_int("prefix_seqs", prefix_seqs)
     L, H = model.cfg.n_layers, model.cfg.n_heads
     pool = token_pool(model, bos=bos)
-    room = len(pool.ids)
-    seq_len = check_int("seq_len", seq_len, 2) if seq_len is not None else min(40, room, (model.cfg.n_ctx - 1) // 2)
+    seq_len = check_int("seq_len", seq_len, 2) if seq_len is not None else segment_length(model, 2, 40, pool)
     prefix_len = (check_int("prefix_len", prefix_len, 2) if prefix_len is not None
-                  else min(25, room, (model.cfg.n_ctx - 1) // 4))
+                  else segment_length(model, 4, 25, pool))
     passes = 2 + int(text)
     bar = tqdm(total=passes * L, desc="scan", unit="layer", disable=not progress, file=sys.stderr, leave=False)
 
@@ -225,7 +224,7 @@ def confirm_induction(model, scores: HeadScores, *, k: int = 5, n_draws: int = 1
 
     check_int("k", k)
     pool = pool or token_pool(model)
-    seq_len = min(seq_len, len(pool.ids))          # keep R free of repeats, as the scan does
+    seq_len = min(seq_len, segment_length(model, 2, seq_len, pool))    # keep R free of repeats, as the scan does
     toks = repeated_tokens(model, n_seqs, seq_len, 2, seed=seed + 2, pool=pool)
     heads = [h for h, _ in scores.top(k, "induction")]
     cmp = compare_to_random(model, heads, toks, "induction-loss", n_draws=n_draws, seed=seed)

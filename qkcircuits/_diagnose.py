@@ -39,7 +39,7 @@ from ._errors import QKCircuitsError
 from ._io import check_int
 from ._model import model_name
 from ._rotary import native_rotary, rotate_native
-from ._sequences import check_seed, repeated_tokens, text_tokens, token_pool
+from ._sequences import check_seed, repeated_tokens, segment_length, text_tokens, token_pool
 
 # Sums that combine by max instead of addition.
 _MAX_KEYS = ("pattern_err", "scores_err", "future_weight")
@@ -242,7 +242,7 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
     # models, and no longer than the token pool so a segment never repeats a token: a repeat would
     # split even an exact induction head's attention and blur its entropy).
     seq_len = min(128, n_ctx - 1) if seq_len is None else seq_len
-    seg_len = min(40, (n_ctx - 1) // 2, len(pool.ids)) if seg_len is None else seg_len
+    seg_len = segment_length(model, 2, 40, pool) if seg_len is None else seg_len
     if tokens is None:
         if prompt_sets is None:
             prompt_sets = (["text"] if getattr(model, "tokenizer", None) is not None else []) + ["repeated"]

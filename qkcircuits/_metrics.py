@@ -172,16 +172,17 @@ def _n_positional(fn: Callable) -> int:
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
 
 
-def default_tokens(model, metric: Union[str, Metric], *, n_seqs: int = 8, seq_len: int = 40,
+def default_tokens(model, metric: Union[str, Metric], *, n_seqs: int = 8, seq_len: Optional[int] = None,
                    seed: int = 0) -> Tokens:
-    """Prompts a named metric is defined on: ``[BOS]+R+R`` with ``|R| = seq_len`` for induction-loss,
-    rows of ``seq_len`` tokens of the packaged text for text-loss."""
-    from ._sequences import repeated_tokens, text_tokens
+    """Prompts a named metric is defined on: ``[BOS]+R+R`` with ``|R| = seq_len`` for induction-loss
+    (default ``segment_length``: 40 capped by context and vocabulary), rows of ``seq_len`` (default 40)
+    tokens of the packaged text for text-loss."""
+    from ._sequences import repeated_tokens, segment_length, text_tokens
 
     name = metric.name if isinstance(metric, Metric) else metric
     if name.startswith("induction-loss"):
-        return repeated_tokens(model, n_seqs=n_seqs, seg_len=seq_len, seed=seed)
+        return repeated_tokens(model, n_seqs=n_seqs, seg_len=seq_len or segment_length(model), seed=seed)
     if name == "text-loss":
         as_metric("text-loss", model)                # raises without a tokenizer
-        return text_tokens(model, seq_len=seq_len, n_seqs=n_seqs)
+        return text_tokens(model, seq_len=seq_len or 40, n_seqs=n_seqs)
     raise QKCircuitsError(f"no default prompts for metric {name!r}; pass tokens explicitly")

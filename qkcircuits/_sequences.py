@@ -75,6 +75,17 @@ def token_pool(model, *, bos: Optional[int] = None, exclude: Sequence[int] = ())
     return TokenPool(ids=ids, bos_id=b)
 
 
+def segment_length(model, n_repeats: int = 2, preferred: int = 40, pool: Optional[TokenPool] = None) -> int:
+    """The default length of R: ``preferred``, capped so that [BOS] + R × ``n_repeats`` fits the context
+    and R can be drawn without repeats from the token pool (a repeat splits a perfect head's attention).
+
+    >>> segment_length(qk.load("toy-induction"))     # doctest: +SKIP   31 usable ids in its vocabulary
+    31
+    """
+    pool = pool or token_pool(model)
+    return max(2, min(preferred, len(pool.ids), (model.cfg.n_ctx - 1) // n_repeats))
+
+
 def repeated_tokens(model, n_seqs: int = 8, seg_len: int = 40, n_repeats: int = 2, *, seed: int = 0,
                     bos: Optional[int] = None, prepend_bos: bool = True,
                     pool: Optional[TokenPool] = None) -> Int[Tensor, "n_seqs pos"]:

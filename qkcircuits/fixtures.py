@@ -46,7 +46,7 @@ def hand_built_induction_model(d_vocab: int = 32, n_ctx: int = 128, margin: floa
         normalization_type=None, positional_embedding_type="standard", act_fn="relu", seed=0,
         default_prepend_bos=False, model_name="hand-built-induction",
     )
-    model = TransformerBridge.boot_native(cfg, device=device)
+    model = TransformerBridge.boot_native(cfg, device=device, model_name="hand-built-induction")
     c = margin * math.sqrt(d_head)                          # raw q·k that becomes `margin` after scaling
     native = model.original_model
     with torch.no_grad():

@@ -144,3 +144,16 @@ def test_smollm2_pool_avoids_specials_and_extremes(smollm2):
     for row in seg:
         assert len(set(row.tolist())) == 50
         assert all(t.strip() for t in tok.convert_ids_to_tokens(row.tolist()))
+
+
+def test_default_segment_length_fits_the_context_and_the_token_pool(hand_built):
+    # 32 ids minus BOS: a longer R would repeat tokens and split a perfect head's attention
+    assert qk.segment_length(hand_built) == 31
+    assert qk.segment_length(hand_built, n_repeats=4, preferred=25) == 25
+    assert qk.segment_length(hand_built, n_repeats=4, preferred=40) == 31       # (128-1)//4 = 31 too
+    from qkcircuits._metrics import default_tokens, induction_loss
+
+    toks = default_tokens(hand_built, "induction-loss")
+    assert toks.shape[1] == 1 + 2 * 31
+    assert all(len(set(row[1:32].tolist())) == 31 for row in toks)
+    assert float(induction_loss()(hand_built(toks), toks)) < 1e-3   # the exact induction circuit predicts R

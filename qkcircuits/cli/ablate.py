@@ -25,8 +25,8 @@ def add_parser(sub) -> None:
     p.add_argument("--metric", choices=METRICS, default="induction-loss",
                    help="induction-loss: loss on the repeated half of [BOS]+R+R; text-loss: loss on packaged text")
     p.add_argument("--n-seqs", type=positive_int, default=8, help="prompts (default 8)")
-    p.add_argument("--seq-len", type=positive_int, default=40,
-                   help="length of R (induction-loss) or of each text row (text-loss), default 40")
+    p.add_argument("--seq-len", type=positive_int, default=None,
+                   help="length of R (induction-loss; default 40, capped by context and vocabulary) or of each text row (text-loss, default 40)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random prompts (default 0)")
     p.add_argument("--top", type=positive_int, default=10, help="heads listed after --sweep (default 10)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
