@@ -26,17 +26,7 @@ torch.set_num_threads(1)
 import qkcircuits as qk  # noqa: E402
 from qkcircuits._ablate import make_replacement  # noqa: E402
 from qkcircuits._stats import spearman  # noqa: E402
-
-
-def naive_sweep(model, tokens, metric, method, reference):
-    effects = torch.zeros(model.cfg.n_layers, model.cfg.n_heads)
-    with torch.no_grad():
-        base = float(metric(model(tokens), tokens))
-        for L in range(model.cfg.n_layers):
-            for h in range(model.cfg.n_heads):
-                with qk.ablate(model, [(L, h)], method, reference=reference):
-                    effects[L, h] = float(metric(model(tokens), tokens)) - base
-    return effects
+from qkcircuits._sweep import naive_sweep  # noqa: E402
 
 
 def tl_sweep(model, tokens, metric, method, reference):
@@ -90,7 +80,7 @@ def main() -> int:
                                           progress=False))
     print(f"(times are CPU seconds of this one-thread process; wall seconds in brackets)")
     print(f"sweep        {t_fast:7.1f} s [{WALL[-1]:.0f}]  baseline {fast.baseline:.4f}", flush=True)
-    naive, t_naive = timed(naive_sweep, model, tokens, metric, args.method, reference)
+    naive, t_naive = timed(lambda: naive_sweep(model, tokens, metric, args.method, reference=reference))
     print(f"naive loop   {t_naive:7.1f} s [{WALL[-1]:.0f}]  sweep is {t_naive / t_fast:.2f}x faster; "
           f"max |sweep - naive| = {(fast.effects - naive).abs().max():.2e} nats", flush=True)
     if not args.skip_tl:

@@ -109,3 +109,24 @@ def sweep(model, tokens, metric="induction-loss", method: str = "zero", *, refer
             bar.close()
     return HeadEffects(effects, baseline, model_name(model), method, metric.name, "sweep", int(tokens.shape[0]),
                        int(tokens.shape[1]), per_position, repl.reference, list(layers))
+
+
+def naive_sweep(model, tokens, metric="induction-loss", method: str = "zero", *, reference=None,
+                layers: Optional[Iterable[int]] = None) -> Float[Tensor, "layer head"]:
+    """The reference ``sweep`` must equal: one full ablated forward pass per head, no reuse, no batching.
+
+    Slow on purpose (n_layers × n_heads forwards); tests and benchmarks compare against it. Heads of
+    layers not in ``layers`` are NaN, as in ``sweep``.
+    """
+    from ._ablate import ablate
+
+    tokens, metric = _prepare(model, tokens, metric)
+    layers = _check_layers(model, layers)
+    out = torch.full((model.cfg.n_layers, model.cfg.n_heads), float("nan"))
+    with torch.no_grad():
+        base = float(metric(model(tokens), tokens))
+        for L in layers:
+            for h in range(model.cfg.n_heads):
+                with ablate(model, [(L, h)], method, reference=reference):
+                    out[L, h] = float(metric(model(tokens), tokens)) - base
+    return out

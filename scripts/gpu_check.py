@@ -19,6 +19,7 @@ import time
 import torch
 
 import qkcircuits as qk
+from qkcircuits._sweep import naive_sweep
 
 
 def timed(label, fn, results):
@@ -72,15 +73,8 @@ def main() -> None:
     metric = qk.induction_loss()
     layers = [17, 18] if model.cfg.n_layers > 18 else [0]
     effects = timed("sweep 2 layers", lambda: qk.sweep(model, toks[:4], metric, layers=layers, progress=False), res)
-    naive = []
-    with torch.no_grad():
-        base = float(metric(model(toks[:4]), toks[:4]))
-        for layer in layers:
-            for h in range(model.cfg.n_heads):
-                with qk.ablate(model, f"{layer}.{h}"):
-                    naive.append(float(metric(model(toks[:4]), toks[:4])) - base)
-    fast = torch.stack([effects.effects[layer] for layer in layers]).flatten().cpu()
-    res["checks"]["sweep_vs_naive_max_diff"] = float((fast - torch.tensor(naive)).abs().max())
+    naive = naive_sweep(model, toks[:4], metric, layers=layers)
+    res["checks"]["sweep_vs_naive_max_diff"] = float((effects.effects[layers] - naive[layers]).abs().max())
     if dev.type == "cuda":
         res["checks"]["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated(dev) / 2**20, 1)
     print(json.dumps(res["checks"], indent=1))

@@ -13,6 +13,7 @@ import qkcircuits as qk
 from qkcircuits import QKCircuitsError
 from qkcircuits._ablate import Runner
 from qkcircuits._stats import spearman
+from qkcircuits._sweep import naive_sweep
 
 V = 32  # hand-built vocabulary
 
@@ -119,17 +120,6 @@ def test_attribution_correlates_with_the_sweep_on_a_small_model(tmp_path_factory
 
 # ---- sweep == naive loop == TransformerLens patching ---------------------------------------------
 
-def naive(model, tokens, metric, method, reference):
-    out = torch.zeros(model.cfg.n_layers, model.cfg.n_heads)
-    with torch.no_grad():
-        base = float(metric(model(tokens), tokens))
-        for L in range(model.cfg.n_layers):
-            for h in range(model.cfg.n_heads):
-                with qk.ablate(model, [(L, h)], method, reference=reference):
-                    out[L, h] = float(metric(model(tokens), tokens)) - base
-    return out
-
-
 def tl_patching(model, tokens, metric, method, reference):
     """transformer_lens.patching's per-head helper, patching in replacements built from TL's own cache."""
     from transformer_lens import patching
@@ -158,7 +148,7 @@ def test_sweep_equals_naive_loop_and_transformer_lens_patching(tiny, method):
     runner = Runner(tiny, tokens)
     assert runner.mode == "sliced" and runner.keep_ok        # the fast path is what is being tested
     fast = qk.sweep(tiny, tokens, metric, method, reference=ref, max_batch=4, progress=False)  # 2 heads/forward
-    slow = naive(tiny, tokens, metric, method, ref)
+    slow = naive_sweep(tiny, tokens, metric, method, reference=ref)
     tl = tl_patching(tiny, tokens, metric, method, ref)
     assert slow.abs().max() > 1e-3                           # the comparison is not 0 == 0
     torch.testing.assert_close(fast.effects, slow, atol=1e-5, rtol=0)
@@ -172,7 +162,7 @@ def test_sweep_with_text_loss_and_default_references(tiny_gpt2):
     metric = qk.as_metric("text-loss", tiny)
     for method, ref in (("mean", tokens), ("resample", tokens.roll(1, 0))):
         fast = qk.sweep(tiny, tokens, metric, method, progress=False)          # default reference
-        torch.testing.assert_close(fast.effects, naive(tiny, tokens, metric, method, ref), atol=1e-5, rtol=0)
+        torch.testing.assert_close(fast.effects, naive_sweep(tiny, tokens, metric, method, reference=ref), atol=1e-5, rtol=0)
 
 
 def test_group_effect_and_random_draws_equal_unbatched_group_ablation(tiny):
@@ -279,5 +269,4 @@ def test_runner_caches_only_the_layers_it_may_start_from(tiny_gpt2, monkeypatch)
     monkeypatch.setattr("qkcircuits._sweep.Runner", Spy)
     res = qk.sweep(tiny_gpt2, tokens, "induction-loss", layers=[1], progress=False)
     assert set(made[0].resid) == {1}
-    torch.testing.assert_close(res.effects[1], naive(tiny_gpt2, tokens, qk.as_metric("induction-loss"), "zero",
-                                                     None)[1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(res.effects[1], naive_sweep(tiny_gpt2, tokens, layers=[1])[1], atol=1e-5, rtol=0)
