@@ -26,7 +26,7 @@ Attention to BOS is never renormalised away: a head parked on BOS scores low, wh
 from __future__ import annotations
 
 import sys
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -242,7 +242,3 @@ def _settings(model, **kw) -> Dict[str, object]:
     return {**kw, "fold_ln": bool(getattr(model, "compatibility_mode", False)), "dtype": str(model.W_E.dtype),
             "device": str(model.W_E.device), "qkcircuits": __version__,
             "transformer_lens": getattr(transformer_lens, "__version__", "?"), "torch": torch.__version__}
-
-
-def score_names() -> Sequence[str]:
-    return SCORE_NAMES
