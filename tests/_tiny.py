@@ -3,6 +3,8 @@
 >>> folder = tiny_gpt2(tmp / "gpt2")                 # doctest: +SKIP  config + safetensors + tokenizer
 >>> folder = tiny_llama_gqa(tmp / "llama")           # doctest: +SKIP  4 query heads, 2 KV heads, rotary
 >>> path = tiny_gguf(tmp / "llama.gguf", folder)     # doctest: +SKIP  the same Llama as an F32 GGUF
+>>> folder = tiny_llama_mqa(tmp / "mqa")             # doctest: +SKIP  one KV head for all 4 query heads
+>>> folder = tiny_gemma3(tmp / "gemma3")             # doctest: +SKIP  QK-norm, sliding window, rotary per layer type
 
 Every checkpoint carries a REAL byte-level BPE tokenizer trained on ``qkcircuits.natural_text()``
 (400 tokens, ``<|endoftext|>`` = id 0 as BOS/EOS), so text maps to many distinct ids; REFERENCE.md's
@@ -83,6 +85,48 @@ def tiny_llama_gqa(folder: Path, *, tokenizer=None) -> Path:
     torch.manual_seed(SEED + 1)
     model = LlamaForCausalLM(cfg).eval()
     _perturb(model, SEED + 1)
+    return _save(folder, model, tok)
+
+
+def tiny_llama_mqa(folder: Path, *, tokenizer=None) -> Path:
+    """Llama with ONE KV head (multi-query attention): 4 query heads share every K and V; theta 700."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tokenizer if tokenizer is not None else bpe_tokenizer()
+    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                      intermediate_size=64, max_position_embeddings=N_CTX, vocab_size=len(tok),
+                      initializer_range=0.2, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 700.0},
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(SEED + 3)
+    model = LlamaForCausalLM(cfg).eval()
+    _perturb(model, SEED + 3)
+    return _save(folder, model, tok)
+
+
+GEMMA3_THETAS = {"sliding_attention": 300.0, "full_attention": 5000.0}
+GEMMA3_WINDOW = 6
+
+
+def tiny_gemma3(folder: Path, *, tokenizer=None) -> Path:
+    """Gemma-3 text model: 3 layers (sliding, sliding, full), 4 query heads, 2 KV heads, d_head 8, QK-norm
+    (RMS q_norm/k_norm inside attention), sliding window 6, per-layer-type rotary (thetas 300 / 5000:
+    transformers 5 keeps ``sliding_attention_inv_freq`` and ``full_attention_inv_freq``, no ``inv_freq``),
+    ``query_pre_attn_scalar`` 6 (scale 1/√6, not 1/√d_head), pre- and post-attention norms, tied embeddings."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tok = tokenizer if tokenizer is not None else bpe_tokenizer()
+    cfg = Gemma3TextConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, intermediate_size=64, max_position_embeddings=N_CTX, vocab_size=len(tok),
+                           initializer_range=0.2, rms_norm_eps=1e-6, sliding_window=GEMMA3_WINDOW,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                           rope_parameters={k: {"rope_type": "default", "rope_theta": v}
+                                            for k, v in GEMMA3_THETAS.items()},
+                           query_pre_attn_scalar=6, tie_word_embeddings=True, pad_token_id=tok.bos_token_id,
+                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(SEED + 2)
+    model = Gemma3ForCausalLM(cfg).eval()
+    _perturb(model, SEED + 2)
     return _save(folder, model, tok)
 
 
@@ -211,6 +255,14 @@ def gpt2_dir(tmp_path_factory) -> Path:
 
 def llama_dir(tmp_path_factory) -> Path:
     return _once("llama", tmp_path_factory, lambda d: tiny_llama_gqa(d))
+
+
+def llama_mqa_dir(tmp_path_factory) -> Path:
+    return _once("llama_mqa", tmp_path_factory, lambda d: tiny_llama_mqa(d))
+
+
+def gemma3_dir(tmp_path_factory) -> Path:
+    return _once("gemma3", tmp_path_factory, lambda d: tiny_gemma3(d))
 
 
 def gguf_path(tmp_path_factory) -> Path:

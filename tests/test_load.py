@@ -34,6 +34,16 @@ def llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def mqa_dir(tmp_path_factory):
+    return _tiny.llama_mqa_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    return _tiny.gemma3_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory):
     return _tiny.gguf_path(tmp_path_factory)
 
@@ -44,9 +54,9 @@ def _ids(tokenizer, text=TEXT):
 
 # ---- numerics against transformers ------------------------------------------------------------------
 
-@pytest.mark.parametrize("which", ["gpt2", "llama"])
-def test_hf_folder_logits_equal_transformers(which, gpt2_dir, llama_dir):
-    folder = {"gpt2": gpt2_dir, "llama": llama_dir}[which]
+@pytest.mark.parametrize("which", ["gpt2", "llama", "mqa", "gemma3"])
+def test_hf_folder_logits_equal_transformers(which, gpt2_dir, llama_dir, mqa_dir, gemma3_dir):
+    folder = {"gpt2": gpt2_dir, "llama": llama_dir, "mqa": mqa_dir, "gemma3": gemma3_dir}[which]
     hf = _tiny.hf_model(folder)
     ref = copy.deepcopy(hf)          # a pristine copy: booting rewires an HF model in place
     raw = qk.load(folder, device="cpu", fold_ln=False, verbose=False)
@@ -64,6 +74,14 @@ def test_hf_folder_logits_equal_transformers(which, gpt2_dir, llama_dir):
     torch.testing.assert_close(got_folded.log_softmax(-1), want.log_softmax(-1), atol=1e-4, rtol=0)  # ... not these
     if which == "llama":
         assert raw.cfg.n_heads == 4 and qk.n_kv_heads(raw) == 2 and qk.has_rotary(raw)
+    if which == "mqa":
+        assert raw.cfg.n_heads == 4 and qk.n_kv_heads(raw) == 1 and qk.has_rotary(raw)
+    if which == "gemma3":      # the shape the builder promises: GQA, rotary, QK-norm, a sliding window
+        assert raw.cfg.n_heads == 4 and qk.n_kv_heads(raw) == 2 and qk.has_rotary(raw)
+        hf_attn = ref.model.layers[0].self_attn
+        assert hasattr(hf_attn, "q_norm") and hf_attn.sliding_window == _tiny.GEMMA3_WINDOW
+        assert {n.rsplit(".", 1)[-1] for n, _ in ref.named_buffers() if n.endswith("attention_inv_freq")} == {
+            "sliding_attention_inv_freq", "full_attention_inv_freq"}
 
 
 def test_gguf_round_trip_equals_the_original_llama(gguf_file, llama_dir):
