@@ -28,6 +28,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from ._attention import attention_scale, native_rotary, rotate_native
 from ._errors import QKCircuitsError
 from ._heads import Head, HeadsLike, kv_head, model_heads, n_kv_heads
 
@@ -224,15 +225,12 @@ class _ScoresFixer:
     fires ``hook_attn_scores`` with the softmaxed pattern. There the scores are rebuilt from this
     layer's q and k as the module forms them: rotated (native rotary never fires ``hook_rot_q/k``,
     so the pre-rotary q/k are rotated with the module's own rotary), times the module's own scale,
-    soft-capped where the module caps (``_circuits.attention_scale``), future keys masked; accepted
+    soft-capped where the module caps (``_attention.attention_scale``), future keys masked; accepted
     only if their softmax reproduces the pattern. Memory: one layer's q and k, dropped once its
     scores fired.
     """
 
     def __init__(self, model, layers: Sequence[int]):
-        from ._circuits import attention_scale   # lazy: _circuits/_rotary import this module
-        from ._rotary import native_rotary
-
         self.model, self.n_heads = model, model.cfg.n_heads
         rot = has_rotary(model)
         self.rotary = {l: native_rotary(model, l) for l in layers} if rot else {}
@@ -269,7 +267,6 @@ class _ScoresFixer:
     def _rebuild(self, q: Tensor, k: Tensor, pattern: Tensor, layer: int) -> Tensor:
         factor, source, cap = self.scale[layer]
         if self.rotary.get(layer) is not None:
-            from ._rotary import rotate_native
             q, k = rotate_native(self.rotary[layer], q, k)
         k = expand_kv(k, self.n_heads)
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * factor

@@ -36,6 +36,7 @@ from jaxtyping import Float
 from torch import Tensor
 from transformer_lens.FactoredMatrix import FactoredMatrix
 
+from ._attention import attention_scale, sliding_window  # noqa: F401  (re-exported: the one scale reader)
 from ._errors import QKCircuitsError
 from ._heads import Head, HeadsLike, model_heads, n_kv_heads
 from ._model import model_name
@@ -159,39 +160,6 @@ def all_ov(model) -> FactoredMatrix:
 
 # ------------------------------------------------------------------------------------- scale, inputs
 
-def attention_scale(model, layer: int) -> Tuple[float, str, Optional[float]]:
-    """(factor applied to raw q·k, where it was read, soft-cap or None) for ``layer``'s attention.
-
-    Reads the attention module itself: Hugging Face modules keep ``scaling`` (1/√d_head for Llama;
-    GPT-2 folds in 1/(layer+1) when configured; Gemma-2 style ``attn_logit_softcapping``),
-    TransformerLens native modules keep the divisor ``scale`` and ``attn_scores_soft_cap``. Falls
-    back to ``model.cfg`` (``attn_scale``, ``use_attn_scale``) and says so. The model's score is
-    ``cap · tanh(factor · q·k / cap)`` with a cap, ``factor · q·k`` without.
-    """
-    attn = model.blocks[int(layer)].attn
-    comp = getattr(attn, "original_component", None)
-    comp = attn if comp is None else comp
-    cap = None
-    for owner, name in ((comp, "attn_logit_softcapping"), (comp, "attn_scores_soft_cap"),
-                        (model.cfg, "attn_scores_soft_cap")):
-        v = getattr(owner, name, None)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-            cap = float(v)
-            break
-    scaling = getattr(comp, "scaling", None)
-    if isinstance(scaling, (int, float)) and scaling > 0:
-        return float(scaling), f"{type(comp).__name__}.scaling", cap
-    divisor = getattr(comp, "scale", None)
-    if isinstance(divisor, (int, float)) and divisor > 0:
-        return 1.0 / float(divisor), f"1 / {type(comp).__name__}.scale", cap
-    cfg = model.cfg
-    if getattr(cfg, "use_attn_scale", True):
-        a = float(getattr(cfg, "attn_scale", -1.0))
-        d = int(cfg.d_head)
-        return (1.0 / a if a > 0 else d ** -0.5), "model.cfg.attn_scale (assumed; module has no scale)", cap
-    return 1.0, "model.cfg.use_attn_scale=False", cap
-
-
 def attn_scale(model, layer: int) -> float:
     """The multiplier the model applies to q·k before softmax (its own setting, not a guess from d_head).
 
@@ -264,20 +232,19 @@ def circuit_caveats(model) -> List[str]:
         getattr(orig, n, None) is not None for n in ("q_norm", "k_norm", "q_layernorm", "k_layernorm",
                                                       "query_layernorm", "key_layernorm"))
     if qk_norm:
-        out.append("query/key normalisation inside attention: q and k are renormalised per position, so "
-                   "scores are not x·QK·yᵀ (the circuit is right only up to per-position scales)")
+        out.append("QK-norm: q and k are RMS-normalised per position inside attention, so scores are not x·QK·yᵀ "
+                   "(the circuit is right only up to per-position scales; rotary is applied after the norm)")
     cap = max(float(getattr(cfg, "attn_scores_soft_cap", -1) or -1),
               float(getattr(hf_cfg, "attn_logit_softcapping", None) or -1))
     if cap > 0:
         out.append(f"attention logits are soft-capped (cap·tanh(s/cap), cap={cap:g}): the bilinear form is the "
                    f"pre-cap score")
-    window = getattr(cfg, "window_size", None) if getattr(cfg, "use_local_attn", False) else None
-    if window is None and hf_cfg is not None and getattr(hf_cfg, "sliding_window", None) \
-            and getattr(hf_cfg, "use_sliding_window", True) is not False:
-        window = hf_cfg.sliding_window
-    if window:
-        out.append(f"sliding-window attention (window {window}) on some or all layers: keys further back than "
-                   f"the window are masked whatever the circuit says")
+    windows = {layer: sliding_window(model, layer) for layer in range(int(cfg.n_layers))}
+    sliding = sorted(layer for layer, w in windows.items() if w)
+    if sliding:
+        which = "every layer" if len(sliding) == len(windows) else f"layers {', '.join(map(str, sliding))}"
+        out.append(f"sliding-window attention (window {windows[sliding[0]]}) on {which}: keys further back than the "
+                   f"window are masked whatever the circuit says")
     pet = str(getattr(cfg, "positional_embedding_type", "standard"))
     if pet not in ("standard", "rotary", "shortformer"):
         out.append(f"positional embedding type {pet!r} adds a position bias to the scores that the QK circuit "
@@ -461,7 +428,7 @@ def circuit(model, head: HeadsLike, kind: str = "qk", *, offset: int = 0, normal
         settings["normalize"] = normalize
     if kind == "qk_offset":
         from ._rotary import qk_at_offset, rotary_spec
-        spec = rotary_spec(model, base=rotary_base)
+        spec = rotary_spec(model, base=rotary_base, layer=h.layer)
         settings.update(offset=int(offset), rotary=spec.describe())
         caveats = caveats + list(spec.caveats)
         mat = qk_at_offset(model, h, offset, spec=spec)

@@ -25,7 +25,8 @@ from jaxtyping import Float
 from torch import Tensor
 from transformer_lens.FactoredMatrix import FactoredMatrix
 
-from ._capture import capture, has_rotary
+from ._attention import layer_type, native_rotary, rotate_native, sliding_window  # noqa: F401 (re-exported)
+from ._capture import has_rotary
 from ._circuits import _head, attn_scale, embed_rows, layer_weights, normalize_rows, warn_caveats
 from ._errors import QKCircuitsError
 from ._heads import HeadsLike
@@ -47,10 +48,14 @@ class RotarySpec:
     source: str = ""
     verified_error: Optional[float] = None
     caveats: List[str] = field(default_factory=list)
+    layer: int = 0
+    layer_type: Optional[str] = None
+    window: Optional[int] = None
 
     def describe(self) -> Dict[str, object]:
         return {"style": self.style, "rotary_dim": self.rotary_dim, "base": self.base, "scaling": self.scaling,
-                "source": self.source, "verified_error": self.verified_error}
+                "source": self.source, "verified_error": self.verified_error, "layer": self.layer,
+                "layer_type": self.layer_type, "sliding_window": self.window}
 
 
 def _pair_index(spec: RotarySpec):
@@ -77,23 +82,56 @@ def rotation(spec: RotarySpec, positions: Iterable[int], relative: bool = False
 
 
 def _hf_rotary_modules(model) -> List[torch.nn.Module]:
+    """Modules holding rotary frequencies: an ``inv_freq`` buffer, or per layer type ``<type>_inv_freq``
+    (transformers 5 for models that mix sliding-window and global layers, e.g. Gemma 3)."""
     seen, mods = set(), []
     for _, mod in model.original_model.named_modules():
-        inv = getattr(mod, "inv_freq", None)
-        if isinstance(inv, Tensor) and inv.data_ptr() not in seen:
-            seen.add(inv.data_ptr())
-            mods.append(mod)
+        for name, buf in mod.named_buffers(recurse=False):
+            if (name == "inv_freq" or name.endswith("_inv_freq") and not name.endswith("original_inv_freq")) \
+                    and buf.data_ptr() not in seen:
+                seen.add(buf.data_ptr())
+                if not mods or mods[-1] is not mod:
+                    mods.append(mod)
     return mods
 
 
-def rotary_spec(model, base: Optional[float] = None, verify: bool = True) -> RotarySpec:
-    """The model's own rotary settings; ``base`` replaces the frequencies with base^(−2k/rotary_dim)
-    (e.g. to show that a wrong base breaks the identity). ``verify`` rotates layer-0 queries of a
-    short sequence and compares with the model's own ``hook_rot_q`` (one partial forward)."""
+def _layer_frequencies(model, layer: int):
+    """(inv_freq, attention_scaling, theta, where) of ``layer``'s own rotary (HF models)."""
+    mods = _hf_rotary_modules(model)
+    if not mods:
+        raise QKCircuitsError("cannot find the rotary module (no inv_freq buffer) in this model; offset circuits "
+                              "need the model's own rotary frequencies")
+    hf_cfg = model.original_model.config
+    rope = getattr(hf_cfg, "rope_parameters", None) or {}
+    ltype = layer_type(model, layer)
+    for mod in mods:
+        if ltype is not None and isinstance(getattr(mod, f"{ltype}_inv_freq", None), Tensor):
+            inv = getattr(mod, f"{ltype}_inv_freq")
+            scaling = getattr(mod, f"{ltype}_attention_scaling", 1.0)
+            params = rope.get(ltype) if isinstance(rope, dict) else None
+            theta = params.get("rope_theta") if isinstance(params, dict) else None
+            return inv, scaling, theta, f"{type(mod).__name__}.{ltype}_inv_freq (layer {int(layer)})"
+    for mod in mods:
+        if isinstance(getattr(mod, "inv_freq", None), Tensor):
+            theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or getattr(hf_cfg, "rope_theta", None)
+            return mod.inv_freq, getattr(mod, "attention_scaling", 1.0), theta, f"{type(mod).__name__}.inv_freq"
+    raise QKCircuitsError(f"layer {int(layer)} has attention type {ltype!r} but the rotary module holds no "
+                          f"'{ltype}_inv_freq' (it has per-type frequencies for other types); offset circuits need "
+                          f"this layer's own frequencies")
+
+
+def rotary_spec(model, base: Optional[float] = None, verify: bool = True, layer: int = 0) -> RotarySpec:
+    """The rotary settings of ``layer`` (its own frequencies where the model keeps one set per layer type);
+    ``base`` replaces the frequencies with base^(−2k/rotary_dim) (e.g. to show that a wrong base breaks the
+    identity). ``verify`` rotates the layer's queries of a short sequence and compares them with the
+    model's own ``hook_rot_q`` (one partial forward)."""
     if not has_rotary(model):
         raise QKCircuitsError(f"this model has positional embedding type "
                               f"{getattr(model.cfg, 'positional_embedding_type', 'standard')!r}, not rotary; use "
                               f"qk() (and positional_qk() for learned positions)")
+    n_layers = int(model.cfg.n_layers)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
+        raise QKCircuitsError(f"layer {layer!r} is out of range: the model has layers 0-{n_layers - 1}")
     d_head, caveats = int(model.cfg.d_head), []
     native = getattr(model.original_model, "rotary", None)
     if native is not None and hasattr(native, "cos_cached"):
@@ -102,20 +140,12 @@ def rotary_spec(model, base: Optional[float] = None, verify: bool = True) -> Rot
         eff_base, pos_scale, inv = _resolve_rope_scaling(model.cfg, rd)
         spec = RotarySpec(inv.float() / float(pos_scale), "pairs", rd, d_head, 1.0, float(eff_base), "TL-native rotary")
     else:
-        mods = _hf_rotary_modules(model)
-        if not mods:
-            raise QKCircuitsError("cannot find the rotary module (no inv_freq buffer) in this model; offset circuits "
-                                  "need the model's own rotary frequencies")
-        if len(mods) > 1:
-            caveats.append(f"{len(mods)} rotary settings (e.g. per layer type); offsets use the first")
-        mod = mods[0]
-        inv = mod.inv_freq.detach().float().cpu()
-        hf_cfg = model.original_model.config
-        rope = getattr(hf_cfg, "rope_parameters", None) or {}
-        theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or getattr(hf_cfg, "rope_theta", None)
+        inv, scaling, theta, where = _layer_frequencies(model, layer)
+        inv = inv.detach().float().cpu()
         style = "pairs" if getattr(model.cfg, "rotary_adjacent_pairs", False) else "halves"
-        spec = RotarySpec(inv, style, 2 * inv.numel(), d_head, float(getattr(mod, "attention_scaling", 1.0) or 1.0),
-                          float(theta) if theta else None, f"HF {type(getattr(mod, 'original_component', mod)).__name__}")
+        spec = RotarySpec(inv, style, 2 * inv.numel(), d_head, float(scaling or 1.0),
+                          float(theta) if theta else None, f"HF {where}")
+    spec.layer, spec.layer_type, spec.window = int(layer), layer_type(model, layer), sliding_window(model, layer)
     spec.caveats = caveats
     if verify:
         _detect_style(model, spec)
@@ -128,48 +158,28 @@ def rotary_spec(model, base: Optional[float] = None, verify: bool = True) -> Rot
     return spec
 
 
-def native_rotary(model, layer: int = 0) -> Optional[torch.nn.Module]:
-    """The rotary module of a TransformerLens-native attention layer, or None.
-
-    Native attention rotates q and k inside its forward and declares ``hook_rot_q``/``hook_rot_k``
-    without ever firing them; there the pre-rotary ``hook_q``/``hook_k`` must be rotated with this
-    module (``rotate_native``). Hugging Face bridges fire the rot hooks themselves: None.
-    """
-    comp = getattr(model.blocks[int(layer)].attn, "original_component", None)
-    if getattr(comp, "accepts_pattern_fn", False) and getattr(comp, "rotary", None) is not None:
-        return comp.rotary
-    return None
-
-
-def rotate_native(rotary: torch.nn.Module, q: Float[Tensor, "batch pos head d"], k: Float[Tensor, "batch pos kv d"]
-                  ) -> "tuple[Tensor, Tensor]":
-    """q and k rotated exactly as the native module does (its own ``apply_rope``), in hook layout.
-
-    ``q``/``k`` are [batch, pos, head, d_head] as ``hook_q``/``hook_k`` hold them (k may have fewer,
-    KV, heads); the result is on their device, in their layout. Memory: one copy of each.
-    """
-    dev = rotary.cos_cached.device
-    with torch.no_grad():
-        rq, rk = rotary.apply_rope(q.transpose(1, 2).to(dev), k.transpose(1, 2).to(dev))
-    return rq.transpose(1, 2).to(q.device), rk.transpose(1, 2).to(k.device)
+def _spec_for(model, layer: int, spec: Optional[RotarySpec]) -> RotarySpec:
+    """``spec`` if given (the caller's choice, e.g. a wrong base on purpose), else ``layer``'s own."""
+    return spec if spec is not None else rotary_spec(model, layer=int(layer))
 
 
 def _detect_style(model, spec: RotarySpec, n_pos: int = 12) -> None:
     """Pick the pairing that reproduces the model's own ``hook_rot_q`` from ``hook_q``; flag a miss."""
     n = min(n_pos, int(model.cfg.n_ctx))
-    native = native_rotary(model, 0)
+    n = n + 1 if n == int(model.cfg.n_heads) and n < int(model.cfg.n_ctx) else n   # keep [pos, head] unambiguous
+    layer = spec.layer
+    native = native_rotary(model, layer)
     if native is not None:
         # TL-native attention does not fire hook_rot_q: ask its rotary module to rotate a probe
         probe = torch.randn(1, n, 1, spec.d_head, generator=torch.Generator().manual_seed(0))
         q, rq = probe[0].float(), rotate_native(native, probe, probe)[0][0].float().cpu()   # [pos, 1, d_head]
     else:
         toks = (torch.arange(n) * 7 + 3) % int(model.cfg.d_vocab)
-        acts = capture(model, toks[None], ["q", "rot_q"], layers=[0])
-        if ("rot_q", 0) not in acts.tensors:
+        q, rq = _rotary_probe(model, toks, layer)
+        if rq is None:
             spec.caveats.append(f"the model does not expose its rotated queries; pairing {spec.style!r} assumed, "
                                 f"not verified")
             return
-        q, rq = acts["q", 0][0].float().cpu(), acts["rot_q", 0][0].float().cpu()      # [pos, head, d_head]
     errs = {}
     for style in STYLES:
         trial = RotarySpec(spec.omega, style, spec.rotary_dim, spec.d_head, spec.scaling)
@@ -182,6 +192,29 @@ def _detect_style(model, spec: RotarySpec, n_pos: int = 12) -> None:
                             f"{errs[best]:.2g}); offset circuits may be wrong")
 
 
+def _rotary_probe(model, toks: Tensor, layer: int):
+    """``layer``'s queries just before rotary and the model's own rotated queries, [pos, head, d_head] each.
+
+    With QK-norm (Gemma 3) the rotary input is the normalised query (``hook_q_normed``), not ``hook_q``.
+    """
+    attn = model.blocks[int(layer)].attn
+    pre = "hook_q_normed" if hasattr(attn, "hook_q_normed") else "hook_q"
+    names = {f"blocks.{int(layer)}.attn.{pre}", f"blocks.{int(layer)}.attn.hook_rot_q"}
+    with torch.no_grad():
+        _, cache = model.run_with_cache(toks[None].to(model.W_E.device), names_filter=lambda n: n in names,
+                                        stop_at_layer=int(layer) + 1)
+    got = {k.rsplit(".", 1)[-1]: v for k, v in cache.items()}
+    if "hook_rot_q" not in got or pre not in got:
+        return None, None
+    q = got[pre][0]
+    if q.dim() == 3 and q.shape[0] == model.cfg.n_heads and q.shape[1] == toks.numel():
+        q = q.transpose(0, 1)                                  # some bridges hold [head, pos, d]
+    rq = got["hook_rot_q"][0]
+    if rq.dim() == 3 and rq.shape[0] == model.cfg.n_heads and rq.shape[1] == toks.numel():
+        rq = rq.transpose(0, 1)
+    return q.float().cpu(), rq.float().cpu()
+
+
 def qk_at_offset(model, head: HeadsLike, offset: int, *, spec: Optional[RotarySpec] = None,
                  affine: bool = False) -> FactoredMatrix:
     """QK(Δ) = W_Q R(Δ) W_Kᵀ [d_model, d_model] for query position i and key position j = i − Δ.
@@ -191,7 +224,7 @@ def qk_at_offset(model, head: HeadsLike, offset: int, *, spec: Optional[RotarySp
     """
     h = _head(model, head)
     warn_caveats(model, "the QK circuit at an offset")
-    spec = spec or rotary_spec(model)
+    spec = _spec_for(model, h.layer, spec)
     return _qk_offset(layer_weights(model, h.layer), h.head, rotation(spec, [int(offset)], relative=True)[0], affine)
 
 
@@ -216,7 +249,7 @@ def offset_scores(model, layer: int, x: Float[Tensor, "pos d_model"], *, spec: O
     heads = list(range(model.cfg.n_heads)) if heads is None else list(heads)
     scale = attn_scale(model, layer)
     rotary = has_rotary(model)
-    spec = spec or (rotary_spec(model) if rotary else None)
+    spec = _spec_for(model, layer, spec) if rotary else None
     xa = torch.cat([x, torch.ones(p, 1, dtype=x.dtype, device=x.device)], 1) if affine else x
     w = layer_weights(model, layer)                                  # read once; every offset reuses it
     dev, dt = w.W_Q.device, w.W_Q.dtype
@@ -286,7 +319,7 @@ def offset_profile(model, head: HeadsLike, offsets: Iterable[int] = range(0, 65)
     normalised embedding (exact input only at layer 0). Memory: [n_offsets, d_head, d_head].
     """
     h = _head(model, head)
-    spec = spec or rotary_spec(model)
+    spec = _spec_for(model, h.layer, spec)
     w = layer_weights(model, h.layer)
     rows = embed_rows(model, h.layer) if x is None else x.detach()
     offs = list(offsets)

@@ -494,13 +494,13 @@ def test_qk_norm_model_is_flagged_and_really_leaves_the_bilinear_form(tmp_path):
     _tiny._perturb(hf, 0)
     model = qk.load(str(_tiny._save(tmp_path / "qwen3", hf, tok)), device="cpu", verbose=False)
     cav = qk.circuit_caveats(model)
-    assert len(cav) == 1 and "query/key normalisation" in cav[0]
-    with pytest.warns(UserWarning, match="query/key normalisation"):
+    assert len(cav) == 1 and "QK-norm" in cav[0]
+    with pytest.warns(UserWarning, match="QK-norm"):
         assert not qk.circuit(model, "0.1", "qk_offset", offset=1).exact
     tokens = torch.randint(0, len(tok), (1, 12), generator=torch.Generator().manual_seed(0))
     c = _forward(model, tokens, 0)
     mask = _causal(12)
-    with pytest.warns(UserWarning, match="query/key normalisation"):
+    with pytest.warns(UserWarning, match="QK-norm"):
         ours = qk.offset_scores(model, 0, c[qk.attn_input_hook(model, 0)][0])
     err = ours - c["blocks.0.attn.hook_attn_scores"][0]
     assert err[:, mask].abs().max() > 0.1

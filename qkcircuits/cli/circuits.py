@@ -66,7 +66,7 @@ def summarize(model, head, text=None, top: int = 5, max_offset: int = 64) -> dic
             if text is None else model.to_tokens(text)[:, :model.cfg.n_ctx]
     offs = range(0, max_offset + 1)
     if has_rotary(model):
-        spec = rotary_spec(model)
+        spec = rotary_spec(model, layer=h.layer)
         x, rows = None, "normalised token embeddings"
         if tokens is not None:
             name = attn_input_hook(model, h.layer)
@@ -76,7 +76,7 @@ def summarize(model, head, text=None, top: int = 5, max_offset: int = 64) -> dic
             x, rows = cache[name][0], f"{tokens.shape[1]} tokens of {'the given text' if text else 'natural text'}"
         prof = offset_profile(model, h, offs, x, spec=spec)
         out["rotary"] = spec.describe()
-        out["positions"] = {"kind": "rotary", "rows": rows, **prof.summary(),
+        out["positions"] = {"kind": "rotary", "rows": rows, **prof.summary(), "layer_type": spec.layer_type,
                             "mean_score": [round(float(v), 5) for v in prof.mean_score]}
         out["caveats"] = out["caveats"] + list(spec.caveats)
     elif getattr(model.cfg, "positional_embedding_type", "standard") in ("standard", "shortformer"):
@@ -111,14 +111,24 @@ def format_summary(s: dict) -> str:
     lines.append(f"K-composition partners (baseline {k['baseline']:.4f} subtracted): {parts}")
     p = s.get("positions")
     if p:
-        lines.append(f"offset profile ({p['kind']}) over 0-{len(p['mean_score']) - 1} (rows: {p['rows']}): prefers "
-                     f"offset {p['preferred_offset']} (score {p['score_at_preferred']:.3g}; at 0: "
-                     f"{p['score_at_0']:.3g}; range {p['score_range']:.3g})")
+        head = f"offset profile ({p['kind']}) over 0-{len(p['mean_score']) - 1} (rows: {p['rows']}): "
+        if not _has_preference(p):
+            lines.append(head + f"no positional preference (the score is {p['score_at_0']:.3g} at every offset)")
+        else:
+            lines.append(head + f"prefers offset {p['preferred_offset']} (score {p['score_at_preferred']:.3g}; at 0: "
+                         f"{p['score_at_0']:.3g}; range {p['score_range']:.3g})")
     for row in s.get("full_ov_top", []):
         lines.append(f"full OV {row['token']!r} -> " + ", ".join(f"{t!r} {v:.3g}" for t, v in row["top"]))
     for cav in s["caveats"]:
         lines.append(f"caveat: {cav}")
     return "\n".join(lines)
+
+
+def _has_preference(p: dict) -> bool:
+    """False when the profile is flat (e.g. all zero: a head whose QK circuit is zero), where "prefers
+    offset 0" would only be argmax's tie-break."""
+    scale = max(abs(v) for v in p["mean_score"]) if p["mean_score"] else 0.0
+    return p["score_range"] > 1e-6 * max(scale, 1e-30)
 
 
 def run(args) -> int:
