@@ -19,6 +19,7 @@ from ._sequences import natural_text, repeated_tokens, segment_length, text_toke
 from ._circuits import (Circuit, LayerWeights, all_ov, all_qk, attn_input_hook, attn_scale, circuit, circuit_caveats,
                         embed_factor, embed_rows, full_ov, full_qk, layer_weights, ov, ov_affine, qk, qk_affine,
                         top_tokens, unembed_cols, unembed_embed, unembed_factor)
+from ._contextual import INPUTS, TokenInputs, copying_rank, head_logits, ov_copying, token_inputs
 from ._composition import (CompositionScores, composition_baseline, composition_column, composition_scores,
                            k_composition_partners)
 from ._copying import copying_accuracy, copying_scores, eigen_copying
@@ -29,7 +30,7 @@ from ._rotary import (OffsetProfile, RotarySpec, offset_profile, offset_scores, 
 from ._ablate import METHODS as ABLATION_METHODS
 from ._ablate import GroupEffect, RandomComparison, ablate, compare_to_random, group_effect
 from ._attribution import attribution
-from ._detect import THRESHOLDS, confirm_induction, mask_score, scan, target_masks
+from ._detect import SCORE_NAMES, TEXT_SCORES, THRESHOLDS, confirm_induction, mask_score, scan, target_masks
 from ._diagnose import HeadDiagnostics, diagnose, qk_statistics
 from ._metrics import Metric, as_metric, induction_loss, logit_diff, text_loss
 from ._results import HeadScores
@@ -52,9 +53,10 @@ __all__ = sorted([
     "full_ov", "full_qk", "k_composition_partners", "layer_weights", "offset_profile", "offset_scores", "ov",
     "ov_affine", "positional_qk", "qk", "qk_affine", "qk_at_offset", "rotary_spec", "rotation", "top_tokens",
     "unembed_cols", "unembed_embed", "unembed_factor",
+    "INPUTS", "TokenInputs", "copying_rank", "head_logits", "ov_copying", "token_inputs",
     # analyses
     "ABLATION_METHODS", "GroupEffect", "HeadDiagnostics", "HeadEffects", "HeadScores", "Metric", "RandomComparison",
-    "THRESHOLDS", "ablate", "as_metric", "attribution", "compare_to_random", "confirm_induction", "diagnose",
+    "SCORE_NAMES", "TEXT_SCORES", "THRESHOLDS", "ablate", "as_metric", "attribution", "compare_to_random", "confirm_induction", "diagnose",
     "group_effect", "induction_loss", "logit_diff", "mask_score", "qk_statistics", "scan", "sweep", "target_masks",
     "text_loss",
     # views

@@ -185,12 +185,13 @@ def _norm_kind(model) -> Optional[str]:
     return "LN" if str(t).startswith("LN") else "RMS"
 
 
-def normalize_rows(model, x: Float[Tensor, "n d_model"], which: str = "ln1", layer: int = 0
-                   ) -> Float[Tensor, "n d_model"]:
+def normalize_rows(model, x: Float[Tensor, "n d_model"], which: str = "ln1", layer: int = 0,
+                   bias: bool = True) -> Float[Tensor, "n d_model"]:
     """Apply the model's normalisation to each row as if it were the whole residual at that point.
 
     Under fold_ln only the centring (LayerNorm) and the per-row scale remain; with raw weights the
-    norm's weight (and bias) are applied too. ``which`` is ``"ln1"`` (before attention) or ``"ln_final"``.
+    norm's weight (and, unless ``bias=False``, its bias) are applied too. ``which`` is ``"ln1"``
+    (before attention) or ``"ln_final"``.
     """
     kind = _norm_kind(model)
     if kind is None:
@@ -201,13 +202,13 @@ def normalize_rows(model, x: Float[Tensor, "n d_model"], which: str = "ln1", lay
     x = x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
     if not is_folded(model):
         mod = model.ln_final if which == "ln_final" else model.blocks[int(layer)].ln1
-        x = _affine_norm(model, mod, x)
+        x = _affine_norm(model, mod, x, bias)
     return x
 
 
-def _affine_norm(model, mod, x: Tensor) -> Tensor:
+def _affine_norm(model, mod, x: Tensor, bias: bool = True) -> Tensor:
     orig = getattr(mod, "original_component", mod)
-    w, b = getattr(orig, "weight", None), getattr(orig, "bias", None)
+    w, b = getattr(orig, "weight", None), getattr(orig, "bias", None) if bias else None
     if w is not None:   # Gemma-style RMSNorm multiplies by (1 + weight)
         offset = 1.0 if getattr(model.cfg, "rmsnorm_uses_offset", False) else 0.0
         x = x * (w.detach() + offset)
@@ -332,15 +333,30 @@ def unembed_factor(model, W: Float[Tensor, "k d_model"], normalize: bool = True)
     return out
 
 
-def unembed_embed(model, layer: int = 0, normalize: bool = True) -> Float[Tensor, "d_model d_model"]:
-    """G = unembed_cols · embed_rows [d_model, d_model], summed over vocabulary chunks (square vocab only)."""
+def unembed_embed(model, layer: int = 0, normalize: bool = True, center_vocab: bool = False
+                  ) -> Float[Tensor, "d_model d_model"]:
+    """G = unembed_cols · embed_rows [d_model, d_model], summed over vocabulary chunks (square vocab only).
+
+    ``center_vocab=True`` is the eigenvalue-copying convention, the same in both fold modes: U centred
+    over the vocabulary (U − mean over its columns; softmax ignores it, eigenvalues do not, and
+    ``fold_ln`` applies it) and no norm bias on the embedding rows (``fold_ln`` moves it into b_V,
+    which is in no circuit): G = U E_n − V·ū ēᵀ with ū, ē the mean column of U and row of E_n.
+    """
     E, U = model.W_E.detach(), model.W_U.detach()
     with torch.no_grad():
         G = torch.zeros(U.shape[0], E.shape[1], dtype=E.dtype, device=E.device)
+        u_sum = torch.zeros(U.shape[0], dtype=E.dtype, device=E.device)
+        e_sum = torch.zeros(E.shape[1], dtype=E.dtype, device=E.device)
         for s in range(0, E.shape[0], CHUNK_ROWS):
             rows = E[s:s + CHUNK_ROWS]
-            G += _unembed_chunk(model, U[:, s:s + CHUNK_ROWS], normalize) @ \
-                (normalize_rows(model, rows, "ln1", layer) if normalize else rows)
+            Uc = _unembed_chunk(model, U[:, s:s + CHUNK_ROWS], normalize)
+            En = normalize_rows(model, rows, "ln1", layer, bias=not center_vocab) if normalize else rows
+            G += Uc @ En
+            if center_vocab:
+                u_sum += Uc.sum(1)
+                e_sum += En.sum(0)
+        if center_vocab:
+            G -= torch.outer(u_sum, e_sum) / E.shape[0]
     return G
 
 

@@ -39,6 +39,11 @@ def _check_square_vocab(model) -> None:
 def copying_scores(model, full: bool = True, normalize: bool = True) -> Float[Tensor, "layer head"]:
     """Eigenvalue copying score of every head's OV circuit (``full=False``) or of W_E OV W_U (``full=True``).
 
+    One convention in both fold modes (equal with and without ``fold_ln`` to 1e-4): the ln1 weight sits
+    with W_V (``fold_ln`` folds it there; raw weights apply it to E, the same product), no norm bias,
+    U = W_U through the final norm's weight and centring, centred over the vocabulary
+    (``unembed_embed(..., center_vocab=True)``).
+
     Memory: one [d_vocab, d_model] normalised W_E and one [d_model, d_model] G = U·E (float32 product, eigenproblems in float64), then
     [n_heads, d_head, d_head] per layer. Time: one vocab·d_model² product, then tiny eigenproblems.
     """
@@ -49,18 +54,38 @@ def copying_scores(model, full: bool = True, normalize: bool = True) -> Float[Te
     if full:
         _check_square_vocab(model)
         if not per_layer:
-            G = unembed_embed(model, 0, normalize).double()                       # same for every layer
+            G = unembed_embed(model, 0, normalize, center_vocab=True).double()    # same for every layer
     for layer in range(L):
         w = layer_weights(model, layer)
         with torch.no_grad():
             V, O = w.W_V.double(), w.W_O.double()
+            if not full and normalize:
+                V, O = _fold_convention(model, layer, V, O)
             if not full:
                 core = O @ V                                                      # eig(V O) = eig(O V)
             else:
-                G_l = G if G is not None else unembed_embed(model, layer, normalize).double()
+                G_l = G if G is not None else unembed_embed(model, layer, normalize, center_vocab=True).double()
                 core = O @ G_l @ V                                                # [H, d_head, d_head]
             out[layer] = eigen_copying(torch.linalg.eigvals(core)).cpu()
     return out
+
+
+def _fold_convention(model, layer: int, V: Tensor, O: Tensor) -> "tuple[Tensor, Tensor]":
+    """W_V/W_O as ``fold_ln`` leaves them, from raw weights: the ln1 weight moved into W_V and, for
+    LayerNorm, the centring folded in (W_V centred over its input, W_O over its output). Identity when
+    the model is folded already or has no norm."""
+    kind = _norm_kind(model)
+    if is_folded(model) or kind is None:
+        return V, O
+    orig = getattr(model.blocks[int(layer)].ln1, "original_component", model.blocks[int(layer)].ln1)
+    wt = getattr(orig, "weight", None)
+    if wt is not None:
+        offset = 1.0 if getattr(model.cfg, "rmsnorm_uses_offset", False) else 0.0
+        V = (wt.detach().double() + offset)[None, :, None] * V
+    if kind == "LN":
+        V = V - V.mean(1, keepdim=True)
+        O = O - O.mean(-1, keepdim=True)
+    return V, O
 
 
 def copying_accuracy(model, head: Optional[HeadsLike] = None, *, normalize: bool = True,

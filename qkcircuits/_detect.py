@@ -15,8 +15,9 @@ induction             [BOS] + R + R                       j with tok[j-1] == tok
 prefix_matching       [BOS] + R×4 (Olsson)                same, queries in repeats 2-4
 previous_token        [BOS] + R + R                       j = i-1, for i ≥ 2 (BOS is never a target)
 duplicate_token       [BOS] + R + R                       j < i with tok[j] == tok[i] (2nd R)
-copying (Olsson)      [BOS] + R + R                       see ``_olsson_copying``
-eigen_copying         weights only                        sum(λ)/sum(|λ|) of W_E W_V W_O W_U
+copying (Olsson)      [BOS] + R + R                       see ``olsson_copying`` (0 = chance, +1 copies)
+ov_copying            corpus rows (contextual)            median copying rank, see ``_contextual``
+eigen_copying         weights only                        sum(λ)/sum(|λ|) of W_E W_V W_O W_U (U centred)
 ====================  =================================  ==========================================
 
 Attention to BOS is never renormalised away: a head parked on BOS scores low, which is what
@@ -26,7 +27,8 @@ Attention to BOS is never renormalised away: a head parked on BOS scores low, wh
 from __future__ import annotations
 
 import sys
-from typing import Dict, Optional
+from importlib import metadata
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -34,6 +36,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ._capture import stream
+from ._circuits import _unembed_chunk
+from ._errors import QKCircuitsError
 from ._io import check_int
 from ._model import model_name
 from ._results import HeadScores
@@ -47,7 +51,9 @@ THRESHOLDS = {
     "previous-token": ("previous_token", 0.4),
     "duplicate-token": ("duplicate_token", 0.4),
 }
-SCORE_NAMES = ("induction", "prefix_matching", "previous_token", "duplicate_token", "copying", "eigen_copying")
+SCORE_NAMES = ("induction", "prefix_matching", "previous_token", "duplicate_token", "copying", "ov_copying",
+               "eigen_copying")
+TEXT_SCORES = ("previous_token_text", "duplicate_token_text")
 
 Masks = Dict[str, Bool[Tensor, "batch q k"]]
 
@@ -92,38 +98,89 @@ def mask_score(pattern: Float[Tensor, "batch head q k"], mask: Bool[Tensor, "bat
     return (on_target * has[:, None]).sum((0, 2)) / has.sum()
 
 
-def _olsson_copying(pattern: Float[Tensor, "batch head q k"], z: Float[Tensor, "batch q head d"],
-                    W_OU: Float[Tensor, "head d cand"], cand_index: Int[Tensor, "batch pos"],
-                    queries: Bool[Tensor, "batch q"]) -> Float[Tensor, "head"]:
-    """Olsson et al.'s copying score on the head's direct-path logits.
+def copying_candidates(tokens: Int[Tensor, "batch pos"]) -> "tuple[Tensor, Tensor, Tensor]":
+    """Per sequence, the tokens it could copy: (cand [batch, C] padded with -1, valid [batch, C],
+    index [batch, pos] of each position's token in its own row of ``cand``; position 0 (BOS) maps to 0)."""
+    body = tokens[:, 1:]
+    rows = [torch.unique(r) for r in body]
+    C = max(len(r) for r in rows)
+    cand = torch.full((len(rows), C), -1, dtype=torch.long, device=tokens.device)
+    for b, r in enumerate(rows):
+        cand[b, :len(r)] = r
+    valid = cand >= 0
+    big = torch.where(valid, cand, torch.iinfo(torch.long).max)       # sorted rows, padding last
+    index = torch.searchsorted(big, tokens.contiguous()).clamp(max=C - 1)
+    return cand, valid, index
 
-    For each query: the head's output z·W_O read through W_U (restricted to the candidate
-    tokens: those that occur in the prompt set), mean-subtracted over candidates, ReLU; the
-    share of that positive mass on the token the head attends to most. Averaged over queries,
-    then rescaled from [0, 0.5] to [-1, 1] (4·share − 1, clipped) following the definition in
-    shared/REFERENCE.md ("Olsson copying score"): a share of one half or more already means the
-    attended token gets at least as much positive logit as all other candidates together.
+
+def olsson_copying(pattern: Float[Tensor, "batch head q k"], z: Float[Tensor, "batch q head d"],
+                   W_O: Float[Tensor, "head d d_model"], U_c: Float[Tensor, "batch d_model C"],
+                   valid: Bool[Tensor, "batch C"], cand_index: Int[Tensor, "batch pos"],
+                   queries: Bool[Tensor, "batch q"]) -> Float[Tensor, "head"]:
+    """Olsson et al.'s copying score of the head's direct-path logits, relative to chance.
+
+    For each query i (second copy) of sequence b: logits ℓ = z_i W_O U_c[b] over that sequence's own
+    candidates (the tokens of b; U_c is W_U through the final norm's weight and centring, the same in
+    both fold modes; the per-position scale is positive and cancels), p = ReLU(ℓ − mean ℓ), share
+    s = p[attended] / Σp with the attended token the key the head attends to most (c = 1/n_b when Σp = 0:
+    no preference). Score per query (s − c)/(1 − c), c = 1/n_b: +1 when all positive mass is on the
+    attended token, 0 at chance, −1/(n_b − 1) when the attended token gets none; 0 when the head attends
+    to BOS (it copies nothing). Mean over queries.
     """
-    logits = torch.einsum("bqhd,hdc->bqhc", z, W_OU)
-    pos = torch.relu(logits - logits.mean(-1, keepdim=True))
-    attended = pattern.argmax(-1).transpose(1, 2)                      # [b, q, h] key position
-    target = torch.gather(cand_index, 1, attended.flatten(1)).view_as(attended)    # candidate index
-    share = torch.gather(pos, -1, target[..., None])[..., 0] / pos.sum(-1).clamp_min(1e-12)
-    share = share * (attended != 0)                                    # parked on BOS: copies nothing
-    share = (share * queries[..., None]).sum((0, 1)) / queries.sum()
-    return (4 * share - 1).clamp(-1, 1)
+    out = torch.einsum("bqhd,hdm->bqhm", z, W_O)
+    logits = torch.einsum("bqhm,bmc->bqhc", out, U_c)
+    v = valid[:, None, None, :].to(logits.dtype)
+    n = valid.sum(-1).to(logits.dtype)[:, None, None]                    # [b, 1, 1]
+    mean = (logits * v).sum(-1, keepdim=True) / n[..., None]
+    pos = torch.relu(logits - mean) * v
+    attended = pattern.argmax(-1).transpose(1, 2)                       # [b, q, h] key position
+    target = torch.gather(cand_index, 1, attended.flatten(1)).view_as(attended)
+    total = pos.sum(-1)
+    chance = 1.0 / n
+    share = torch.where(total > 0, torch.gather(pos, -1, target[..., None])[..., 0] / total.clamp_min(1e-30),
+                        chance.expand_as(total))
+    score = (share - chance) / (1 - chance).clamp_min(1e-12)
+    score = score * (attended != 0)                                     # parked on BOS: no evidence either way
+    return (score * queries[..., None]).sum((0, 1)) / queries.sum()
 
 
-def scan(model, *, n_seqs: int = 8, seq_len: Optional[int] = None, seed: int = 0, bos: Optional[int] = None,
-         prefix_seqs: int = 10, prefix_len: Optional[int] = None, text: bool = False, copying: bool = True,
-         eigen_copying: bool = True, exclude_bos: bool = False, confirm_top: int = 0,
-         progress: bool = True) -> HeadScores:
+def _wanted(scores, text: bool, copying: bool, eigen_copying: bool) -> List[str]:
+    """The score names a scan computes, in JSON order; ``scores`` (names or a comma-separated string) wins."""
+    if scores is None:
+        names = [n for n in SCORE_NAMES if (copying or n not in ("copying", "ov_copying"))
+                 and (eigen_copying or n != "eigen_copying")]
+        return names + (list(TEXT_SCORES) if text else [])
+    if isinstance(scores, str):
+        scores = [x.strip() for x in scores.split(",") if x.strip()]
+    names = list(scores)
+    allowed = SCORE_NAMES + TEXT_SCORES
+    for n in names:
+        if n not in allowed:
+            raise QKCircuitsError(f"unknown score {n!r}; choose from {', '.join(allowed)}")
+    if not names:
+        raise QKCircuitsError(f"name at least one score ({', '.join(allowed)})")
+    if text:
+        names += [n for n in TEXT_SCORES if n not in names]
+    return [n for n in allowed if n in names]
+
+
+def scan(model, *, scores: Optional[Sequence[str]] = None, n_seqs: int = 8, seq_len: Optional[int] = None,
+         seed: int = 0, bos: Optional[int] = None, prefix_seqs: int = 10, prefix_len: Optional[int] = None,
+         text: bool = False, copying: bool = True, eigen_copying: bool = True, exclude_bos: bool = False,
+         confirm_top: int = 0, ov_tokens: int = 64, progress: bool = True) -> HeadScores:
     """Score every head of ``model``; see the module docstring for the scores.
 
-    Passes: [BOS]+R+R (``n_seqs`` × R of ``seq_len``), [BOS]+R×4 (``prefix_seqs`` × ``prefix_len``),
-    ``seq_len`` defaulting to 40 and ``prefix_len`` to 25 (Olsson), each capped by the context and by
-    the token pool, so that R is drawn without repeats where the vocabulary allows;
-    and with ``text=True`` natural text (adds ``previous_token_text`` and ``duplicate_token_text``).
+    ``scores``: the names to compute (any of ``SCORE_NAMES`` and ``TEXT_SCORES``, or one comma-separated
+    string); None computes them all (``copying=False`` drops the two copying scores, ``eigen_copying=False``
+    the eigenvalue one, ``text=True`` adds the text scores). Only the passes the names need run:
+    induction/previous_token/duplicate_token alone are ONE streamed pass over [BOS]+R+R that reads
+    only the patterns and stops after the last layer's attention.
+
+    Passes: [BOS]+R+R (``n_seqs`` × R of ``seq_len``: induction, previous/duplicate-token, Olsson
+    ``copying`` from z), [BOS]+R×4 (``prefix_seqs`` × ``prefix_len``: prefix matching), natural text
+    (``*_text``), weights only (``eigen_copying``), contextual rows of ``ov_tokens`` corpus tokens
+    (``ov_copying``). ``seq_len`` defaults to 40 and ``prefix_len`` to 25 (Olsson), each capped by the
+    context and by the token pool, so that R is drawn without repeats where the vocabulary allows.
     ``exclude_bos`` renormalises each query's attention away from BOS before scoring; the default
     counts attention parked on BOS as attention not on target.
     Memory: one layer's [batch, head, pos, pos] pattern at a time, plus [n_layers, n_heads] scores.
@@ -133,47 +190,62 @@ def scan(model, *, n_seqs: int = 8, seq_len: Optional[int] = None, seed: int = 0
     check_seed(seed)
     check_int("n_seqs", n_seqs)
     check_int("prefix_seqs", prefix_seqs)
+    check_int("ov_tokens", ov_tokens)
+    names = _wanted(scores, text, copying, eigen_copying)
     L, H = model.cfg.n_layers, model.cfg.n_heads
     pool = token_pool(model, bos=bos)
     seq_len = check_int("seq_len", seq_len, 2) if seq_len is not None else segment_length(model, 2, 40, pool)
     prefix_len = (check_int("prefix_len", prefix_len, 2) if prefix_len is not None
                   else segment_length(model, 4, 25, pool))
-    passes = 2 + int(text)
+    repeat_names = [n for n in ("induction", "previous_token", "duplicate_token", "copying") if n in names]
+    do_prefix, do_text = "prefix_matching" in names, any(n in names for n in TEXT_SCORES)
+    passes = int(bool(repeat_names)) + int(do_prefix) + int(do_text) + int("ov_copying" in names)
     bar = tqdm(total=passes * L, desc="scan", unit="layer", disable=not progress, file=sys.stderr, leave=False)
-
-    # Pass 1: induction, previous-token, duplicate-token, copying on [BOS] + R + R.
-    toks = repeated_tokens(model, n_seqs, seq_len, 2, seed=seed, pool=pool)
-    masks = target_masks(toks, seq_len)
-    queries = masks["induction"].any(-1)
-    cand = torch.unique(toks[:, 1:])                                   # candidate tokens for copying
-    cand_index = torch.searchsorted(cand, toks).clamp(max=len(cand) - 1)   # BOS (position 0) is masked later
-    W_U_c = model.W_U[:, cand]
-
-    def reduce_repeat(layer: int, t: Dict[str, Tensor]) -> Dict[str, Tensor]:
-        p = t["pattern"]
-        out = {name: mask_score(p, m, exclude_bos) for name, m in masks.items()}
-        if copying:
-            W_OU = torch.einsum("hdm,mc->hdc", model.blocks[layer].attn.W_O, W_U_c)  # not model.W_O: it stacks all layers
-            out["copying"] = _olsson_copying(p, t["z"], W_OU, cand_index, queries)
-        bar.update(1)
-        return out
+    out: Dict[str, Tensor] = {}
+    extra_settings: Dict[str, object] = {}
 
     with torch.no_grad():
-        rep = stream(model, toks, reduce_repeat, ["pattern", "z"] if copying else ["pattern"])
+        if repeat_names:
+            # Pass 1: induction, previous-token, duplicate-token, copying on [BOS] + R + R.
+            toks = repeated_tokens(model, n_seqs, seq_len, 2, seed=seed, pool=pool,
+                                   length_name="seq_len (--seq-len)")
+            masks = {k: m for k, m in target_masks(toks, seq_len).items() if k in names}
+            do_copy = "copying" in names
+            if do_copy:
+                queries = target_masks(toks, seq_len)["induction"].any(-1)
+                cand, valid, cand_index = copying_candidates(toks)
+                U = model.W_U.detach()
+                U_c = _unembed_chunk(model, U[:, cand.clamp_min(0).flatten()], True)       # [d_model, b·C]
+                U_c = U_c.view(U.shape[0], *cand.shape).permute(1, 0, 2)                   # [b, d_model, C]
 
-        # Pass 2: Olsson's prefix matching on [BOS] + R x 4.
-        ptoks = repeated_tokens(model, prefix_seqs, prefix_len, 4, seed=seed + 1, pool=pool)
-        pmask = target_masks(ptoks, prefix_len)["induction"]
+            def reduce_repeat(layer: int, t: Dict[str, Tensor]) -> Dict[str, Tensor]:
+                p = t["pattern"]
+                res = {name: mask_score(p, m, exclude_bos) for name, m in masks.items()}
+                if do_copy:
+                    W_O = model.blocks[layer].attn.W_O.detach()          # not model.W_O: it stacks all layers
+                    res["copying"] = olsson_copying(p, t["z"], W_O, U_c.to(W_O.dtype), valid, cand_index, queries)
+                bar.update(1)
+                return res
 
-        def reduce_prefix(layer: int, t: Dict[str, Tensor]) -> Tensor:
-            bar.update(1)
-            return mask_score(t["pattern"], pmask, exclude_bos)
+            rep = stream(model, toks, reduce_repeat, ["pattern", "z"] if do_copy else ["pattern"])
+            for name in repeat_names:
+                out[name] = torch.stack([rep[layer][name] for layer in range(L)]).float().cpu()
 
-        pre = stream(model, ptoks, reduce_prefix, ["pattern"])
+        if do_prefix:
+            # Pass 2: Olsson's prefix matching on [BOS] + R x 4.
+            ptoks = repeated_tokens(model, prefix_seqs, prefix_len, 4, seed=seed + 1, pool=pool,
+                                    length_name="prefix_len")
+            pmask = target_masks(ptoks, prefix_len)["induction"]
 
-        # Pass 3 (optional): natural text for previous- and duplicate-token heads.
-        txt: Dict[int, Dict[str, Tensor]] = {}
-        if text:
+            def reduce_prefix(layer: int, t: Dict[str, Tensor]) -> Tensor:
+                bar.update(1)
+                return mask_score(t["pattern"], pmask, exclude_bos)
+
+            pre = stream(model, ptoks, reduce_prefix, ["pattern"])
+            out["prefix_matching"] = torch.stack([pre[layer] for layer in range(L)]).float().cpu()
+
+        if do_text:
+            # Pass 3: natural text for previous- and duplicate-token heads.
             ttoks = text_tokens(model, seq_len=min(128, model.cfg.n_ctx - 1), n_seqs=n_seqs, bos=bos)
             tmasks = target_masks(ttoks, 0, first_query=1)
 
@@ -183,29 +255,31 @@ def scan(model, *, n_seqs: int = 8, seq_len: Optional[int] = None, seed: int = 0
                         for k in ("previous_token", "duplicate_token")}
 
             txt = stream(model, ttoks, reduce_text, ["pattern"])
-    bar.close()
+            for name in TEXT_SCORES:
+                out[name] = torch.stack([txt[layer][name] for layer in range(L)]).float().cpu()
 
-    scores: Dict[str, Tensor] = {}
-    for name in ("induction", "previous_token", "duplicate_token") + (("copying",) if copying else ()):
-        scores[name] = torch.stack([rep[layer][name] for layer in range(L)]).float().cpu()
-    scores["prefix_matching"] = torch.stack([pre[layer] for layer in range(L)]).float().cpu()
-    for name in ("previous_token_text", "duplicate_token_text") if text else ():
-        scores[name] = torch.stack([txt[layer][name] for layer in range(L)]).float().cpu()
+    if "ov_copying" in names:
+        from ._contextual import ov_copying
+
+        out["ov_copying"], extra_settings["ov_copying"] = ov_copying(model, n_tokens=ov_tokens, seed=seed)
+        bar.update(L)
+    bar.close()
     eigen_full = None
-    if eigen_copying:
+    if "eigen_copying" in names:
         from ._copying import copying_scores
 
         # The full circuit W_E·OV·W_U needs input and output vocabularies to match; else fall back
         # to the OV circuit alone (recorded in settings["eigen_copying_circuit"]).
         eigen_full = model.W_E.shape[0] == model.W_U.shape[-1]
-        scores["eigen_copying"] = copying_scores(model, full=eigen_full).float().cpu()
-    ordered = {k: scores[k] for k in SCORE_NAMES + ("previous_token_text", "duplicate_token_text") if k in scores}
+        out["eigen_copying"] = copying_scores(model, full=eigen_full).float().cpu()
+    ordered = {k: out[k] for k in names}
     result = HeadScores(
         model=model_name(model), n_layers=L, n_heads=H, scores=ordered, thresholds=dict(THRESHOLDS),
-        settings=_settings(model, n_seqs=n_seqs, seq_len=seq_len, seed=seed, bos=pool.bos_id,
-                           prefix_seqs=prefix_seqs, prefix_len=prefix_len, text=text, exclude_bos=exclude_bos,
+        settings=_settings(model, scores=names, n_seqs=n_seqs, seq_len=seq_len, seed=seed, bos=pool.bos_id,
+                           prefix_seqs=prefix_seqs, prefix_len=prefix_len, text=do_text, exclude_bos=exclude_bos,
                            pool_size=len(pool.ids),
-                           eigen_copying_circuit=None if eigen_full is None else ("full" if eigen_full else "ov")),
+                           eigen_copying_circuit=None if eigen_full is None else ("full" if eigen_full else "ov"),
+                           **extra_settings),
     )
     if confirm_top:
         result.extras["confirmation"] = confirm_induction(model, result, k=confirm_top, seed=seed, pool=pool,
@@ -234,11 +308,18 @@ def confirm_induction(model, scores: HeadScores, *, k: int = 5, n_draws: int = 1
             "seq_len": seq_len}
 
 
-def _settings(model, **kw) -> Dict[str, object]:
-    import transformer_lens
+def _version(dist: str) -> str:
+    """The installed version of ``dist`` (transformer_lens has no ``__version__`` attribute)."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
+
+def _settings(model, **kw) -> Dict[str, object]:
     from . import __version__
 
     return {**kw, "fold_ln": bool(getattr(model, "compatibility_mode", False)), "dtype": str(model.W_E.dtype),
             "device": str(model.W_E.device), "qkcircuits": __version__,
-            "transformer_lens": getattr(transformer_lens, "__version__", "?"), "torch": torch.__version__}
+            "transformer_lens": _version("transformer-lens"), "transformers": _version("transformers"),
+            "torch": torch.__version__}

@@ -209,7 +209,8 @@ def _prompt_sets(model, sets: Sequence[str], n_seqs: int, seq_len: int, seg_len:
         if name == "text":
             out[name] = text_tokens(model, seq_len=seq_len, n_seqs=n_seqs)
         elif name == "repeated":
-            out[name] = repeated_tokens(model, n_seqs=n_seqs, seg_len=seg_len, seed=seed)
+            out[name] = repeated_tokens(model, n_seqs=n_seqs, seg_len=seg_len, seed=seed,
+                                        length_name="seg_len (--seg-len)")
         else:
             raise QKCircuitsError(f"unknown prompt set {name!r}; choose from 'text', 'repeated'")
     return out

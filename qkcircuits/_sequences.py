@@ -88,11 +88,13 @@ def segment_length(model, n_repeats: int = 2, preferred: int = 40, pool: Optiona
 
 def repeated_tokens(model, n_seqs: int = 8, seg_len: int = 40, n_repeats: int = 2, *, seed: int = 0,
                     bos: Optional[int] = None, prepend_bos: bool = True,
-                    pool: Optional[TokenPool] = None) -> Int[Tensor, "n_seqs pos"]:
+                    pool: Optional[TokenPool] = None, length_name: str = "seg_len") -> Int[Tensor, "n_seqs pos"]:
     """``n_seqs`` sequences of ``[BOS] + R × n_repeats`` with R a random segment of ``seg_len`` tokens.
 
     R is drawn without replacement from ``token_pool`` when the pool is large enough (else with
     replacement, which lowers a perfect head's score: see docs/detectors.md). On the model's device.
+    ``length_name`` is how the caller's user names ``seg_len`` (e.g. ``"--seg-len"``) in the error
+    raised when the sequences do not fit the context.
     """
     check_seed(seed)
     for name, val, least in (("n_seqs", n_seqs, 1), ("seg_len", seg_len, 2), ("n_repeats", n_repeats, 2)):
@@ -102,7 +104,7 @@ def repeated_tokens(model, n_seqs: int = 8, seg_len: int = 40, n_repeats: int = 
     total = seg_len * n_repeats + (1 if prepend_bos else 0)
     if total > model.cfg.n_ctx:
         raise QKCircuitsError(f"{n_repeats} x {seg_len} tokens{' + BOS' if prepend_bos else ''} = {total} exceeds "
-                              f"the model's context of {model.cfg.n_ctx}; use a shorter --seq-len")
+                              f"the model's context of {model.cfg.n_ctx}; use a shorter {length_name}")
     g = torch.Generator().manual_seed(seed)
     if len(pool.ids) >= seg_len:
         idx = torch.stack([torch.randperm(len(pool.ids), generator=g)[:seg_len] for _ in range(n_seqs)])

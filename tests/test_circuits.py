@@ -296,17 +296,28 @@ def test_copying_accuracy_chunks_by_element_size_float64(gpt2_folder, monkeypatc
 
 @pytest.mark.parametrize("fixture", ["gpt2", "gpt2_raw"])
 def test_eigen_copying_from_small_side_equals_vocab_side(fixture, request, monkeypatch):
+    """The d_head-side eigenvalues equal those of the dense vocab × vocab circuit in the stated convention:
+    E_n without norm bias, U through the final norm, centred over the vocabulary (M − its row means)."""
     import qkcircuits._circuits as circuits
 
     monkeypatch.setattr(circuits, "CHUNK_ROWS", 53)
     model = request.getfixturevalue(fixture)
     scores = qk.copying_scores(model)
     ov_scores = qk.copying_scores(model, full=False)
+    folded_ov = qk.copying_scores(request.getfixturevalue("gpt2"), full=False)
+    U = qk.unembed_cols(model).double()
     for layer, h in [(0, 0), (1, 3)]:
-        dense = (qk.full_ov(model, (layer, h)).AB).double()                       # 400 x 400
+        E_n = circuits.normalize_rows(model, model.W_E.detach(), "ln1", layer, bias=False).double()
+        w = qk.layer_weights(model, layer)
+        dense = E_n @ w.W_V[h].double() @ w.W_O[h].double() @ U                  # 400 x 400
+        dense = dense - dense.mean(1, keepdim=True)                                    # U centred over the vocab
         assert float(scores[layer, h]) == pytest.approx(float(qk.eigen_copying(torch.linalg.eigvals(dense))), abs=1e-4)
-        dov = qk.ov(model, (layer, h)).AB.double()
-        assert float(ov_scores[layer, h]) == pytest.approx(float(qk.eigen_copying(torch.linalg.eigvals(dov))), abs=1e-4)
+        if fixture == "gpt2":
+            dov = qk.ov(model, (layer, h)).AB.double()
+            assert float(ov_scores[layer, h]) == pytest.approx(float(qk.eigen_copying(torch.linalg.eigvals(dov))),
+                                                               abs=1e-4)
+    # raw weights: the OV score is put in the folded convention (ln1 weight in W_V, LayerNorm centring)
+    assert torch.allclose(ov_scores, folded_ov, atol=1e-4)
 
 
 def _copy_model(sign_per_head):
@@ -339,9 +350,15 @@ def test_copying_scores_copier_and_anti_copier():
 
 def test_copying_scores_hand_built(hand_built):
     s = qk.copying_scores(hand_built)
-    # 1.0 copies every token except BOS, which the unembedding maps to -margin: (V-2)/V
+    # 1.0's full OV is margin·diag(d) with d = +1 for every token but BOS (-1), by construction; the
+    # convention centres U over the vocabulary: M − its row means. Eigenvalues of that dense matrix:
     V = hand_built.cfg.d_vocab
-    assert float(s[1, 0]) == pytest.approx((V - 2) / V, abs=1e-4)
+    d = torch.ones(V, dtype=torch.float64)
+    d[0] = -1
+    M = 30.0 * torch.diag(d)
+    M = M - M.mean(1, keepdim=True)
+    assert float(s[1, 0]) == pytest.approx(float(qk.eigen_copying(torch.linalg.eigvals(M))), abs=1e-4)
+    assert float(s[1, 0]) > 0.9
     assert float(s[0, 1]) == 0.0 and float(s[1, 1]) == 0.0                      # write nothing
 
 

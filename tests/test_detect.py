@@ -66,22 +66,57 @@ def test_hand_built_heads_score_one_and_the_rest_near_zero(hand_built):
     assert s.heads_labelled("previous-token") == [qk.Head(0, 0)]
 
 
-def test_olsson_copying_separates_a_copier_from_an_anti_copier():
+def test_olsson_copying_is_one_for_a_copier_its_floor_for_an_anti_copier_and_zero_at_chance():
     from qkcircuits.fixtures import hand_built_induction_model
 
     model = hand_built_induction_model()
-    s = qk.scan(model, n_seqs=2, seq_len=20, prefix_len=10, eigen_copying=False, progress=False)
-    # Head 1.0 writes the attended token into the output block: among the candidates only that token's
-    # logit is above the mean, so its share of the positive mass is exactly 1 -> +1.
+    s = qk.scan(model, scores=["induction", "copying", "ov_copying"], n_seqs=2, seq_len=20, progress=False)
+    # Head 1.0 writes the attended token into the output block: among that sequence's 20 candidates only
+    # that token's logit is above the mean, so its share of the positive mass is exactly 1 -> +1.
     assert s["copying"][1, 0] == pytest.approx(1.0, abs=1e-6)
-    # Heads whose output the unembedding never reads have all-zero direct logits: share 0 -> -1.
-    assert s["copying"][0, 0] == pytest.approx(-1.0) and s["copying"][1, 1] == pytest.approx(-1.0)
+    assert s["ov_copying"][1, 0] == pytest.approx(1.0, abs=1e-6)       # rank 1 for every source token
+    # Heads whose output the unembedding never reads have all-zero logits: no preference, chance, 0.
+    for layer, head in ((0, 0), (0, 1), (1, 1)):
+        assert s["copying"][layer, head] == 0.0 and s["ov_copying"][layer, head] == 0.0
     attn = model.original_model.layers[1].attn
     with torch.no_grad():
         attn.o.weight.neg_()                 # the same head now pushes the attended token *down*
-    anti = qk.scan(model, n_seqs=2, seq_len=20, prefix_len=10, eigen_copying=False, progress=False)
-    assert anti["copying"][1, 0] == pytest.approx(-1.0, abs=1e-6)
+    anti = qk.scan(model, scores=["induction", "copying", "ov_copying"], n_seqs=2, seq_len=20, progress=False)
+    assert anti["copying"][1, 0] == pytest.approx(-1 / 19, abs=1e-6)    # share 0: the floor -1/(n_candidates - 1)
+    assert anti["ov_copying"][1, 0] == pytest.approx(-1.0, abs=1e-6)    # last of the vocabulary
     assert anti["induction"][1, 0] > 0.99   # where it looks is unchanged
+    # A head that writes random directions: chance, whatever the seed of its W_O.
+    olsson, ranks = [], []
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            used = (attn.o.weight != 0).any(0)
+            attn.o.weight[:, used] = torch.randn(attn.o.weight.shape[0], int(used.sum()), generator=g)
+        r = qk.scan(model, scores=["copying", "ov_copying"], n_seqs=8, seq_len=20, progress=False)
+        olsson.append(float(r["copying"][1, 0]))
+        ranks.append(float(r["ov_copying"][1, 0]))
+    assert max(abs(v) for v in olsson) < 0.05, olsson
+    assert abs(sum(ranks) / len(ranks)) < 0.06 and max(abs(v) for v in ranks) < 0.2, ranks
+
+
+def test_olsson_copying_does_not_depend_on_the_number_of_sequences(trained):
+    """Candidates are per sequence: more sequences add samples, not candidates (the old pooled score fell)."""
+    few = qk.scan(trained, scores=["copying"], n_seqs=2, seq_len=12, progress=False)["copying"]
+    many = qk.scan(trained, scores=["copying"], n_seqs=16, seq_len=12, progress=False)["copying"]
+    top = many[1].topk(2).indices
+    assert (few[1, top] - many[1, top]).abs().max() < 0.1, (few, many)
+    assert many[1].max() > 0.5                                         # its induction heads copy
+
+
+def test_trained_toy_induction_heads_rank_the_source_token_first_with_contextual_inputs(trained):
+    """A 2-layer attention-only model can only predict the repeated token through its layer-1 heads."""
+    from qkcircuits import copying_rank, token_pool
+
+    s = qk.scan(trained, scores=["induction"], n_seqs=8, seq_len=12, progress=False)
+    ids = token_pool(trained).ids.tolist()
+    for h in (int(i) for i in (s["induction"][1] > 0.8).nonzero().flatten()):
+        r = copying_rank(trained, f"1.{h}", ids, input="contextual")
+        assert float((r == 1).float().mean()) >= 0.9, (h, r)
 
 
 def test_scores_do_not_depend_on_sequence_length(hand_built):
