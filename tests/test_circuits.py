@@ -484,7 +484,9 @@ def test_cli_circuits_rotary_and_learned(tmp_path_factory, tmp_path, capsys):
     s = json.loads(out.read_text())
     assert s["positions"]["kind"] == "rotary" and len(s["positions"]["mean_score"]) == 9
     assert [p for p, _ in s["k_composition"]["partners"]][0].startswith("0.")
-    assert len(s["full_ov_top"]) == 3
+    assert len(s["ov_top"]) == 3 and s["token_views"]["input"] == "contextual"      # layer 1: contextual
+    assert all(1 <= row["copying_rank"] <= 400 for row in s["ov_top"])
+    assert "copying rank (contextual inputs)" in text
     assert main(["circuits", str(_tiny.gpt2_dir(tmp_path_factory)), "--device", "cpu", "--head", "L0H1"]) == 0
     assert "(learned)" in capsys.readouterr().out
 

@@ -81,13 +81,14 @@ def test_panels_match_the_fixture(hand_built, toy_html):
 
 
 def check_views(model, ids, k=3, tol=1e-5):
-    """qk_grid and ov_top against the circuits API's full_qk / full_ov; returns how many ids were untied."""
+    """qk_grid and ov_top on direct inputs against the circuits API's full_qk / full_ov; returns how many ids
+    were untied."""
     ctx, untied = ViewContext(model), 0
     for head in qk.all_heads(model.cfg.n_layers, model.cfg.n_heads):
         full = qk.full_qk(model, head)
         ref = full.A[ids] @ full.B[:, ids] * qk.attn_scale(model, head.layer)
-        torch.testing.assert_close(qk_grid(ctx, head, ids), ref, rtol=tol, atol=tol)
-        vals, out = ov_top(ctx, head, ids, k)
+        torch.testing.assert_close(qk_grid(ctx, head, ids, input="direct"), ref, rtol=tol, atol=tol)
+        vals, out = ov_top(ctx, head, ids, k, input="direct")
         full_ov = qk.full_ov(model, head)
         for n, t in enumerate(ids):
             v, i = qk.top_tokens(full_ov, t, k)

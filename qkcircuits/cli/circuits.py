@@ -35,21 +35,25 @@ def add_parser(sub) -> None:
                         "listed (default: natural text when the model has a tokenizer)")
     p.add_argument("--top", type=positive_int, default=5, help="partners / output tokens to list (default 5)")
     p.add_argument("--offsets", type=positive_int, default=64, help="largest offset in the profile (default 64)")
+    p.add_argument("--input", choices=("direct", "effective", "contextual"), default=None,
+                   help="token rows of the OV view and copying rank (default: direct at layer 0, contextual after)")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     p.set_defaults(func=run)
 
 
-def summarize(model, head, text=None, top: int = 5, max_offset: int = 64) -> dict:
+def summarize(model, head, text=None, top: int = 5, max_offset: int = 64, input=None) -> dict:
     """The summary ``run`` prints, as plain data (also what ``--json`` writes)."""
     from .._capture import has_rotary
-    from .._circuits import attn_input_hook, attn_scale, circuit_caveats, full_ov, is_folded, top_tokens
+    from .._circuits import attn_input_hook, attn_scale, circuit_caveats, is_folded
     from .._composition import composition_baseline, k_composition_partners
+    from .._contextual import check_input, copying_tokens, head_logits, mid_rank
     from .._copying import copying_scores
     from .._heads import model_heads
     from .._model import model_name
     from .._rotary import offset_profile, positional_qk, rotary_spec
 
     h = model_heads(model, head)[0]
+    input = check_input(input, h.layer)
     full, plain = copying_scores(model), copying_scores(model, full=False)
     rank = int((full.flatten() > full[h.layer, h.head]).sum()) + 1
     out: dict = {"head": str(h), "model": model_name(model), "fold_ln": is_folded(model),
@@ -88,14 +92,22 @@ def summarize(model, head, text=None, top: int = 5, max_offset: int = 64) -> dic
         out["positions"] = {"kind": "learned", "rows": f"W_pos rows 0-{n - 1}", "preferred_offset": best,
                             "score_at_preferred": by[best], "score_at_0": by[0], "score_range": max(by) - min(by),
                             "mean_score": [round(v, 5) for v in by]}
+    ids, where = copying_tokens(model, 64, 0)
+    logits, used = head_logits(model, h, ids.tolist(), input)
+    ranks = mid_rank(logits, ids)
+    out["token_views"] = {"input": input, "note": used.note, "tokens": where, "n_tokens": len(ids),
+                          "vocabulary": int(logits.shape[-1]), "copying_rank_median": float(ranks.median()),
+                          "top1_share": float((ranks == 1).float().mean())}
     if tokens is not None and text is not None:
-        M = full_ov(model, h)
         tok = model.tokenizer
-        out["full_ov_top"] = []
-        for t in tokens[0, :3].tolist():
-            vals, idx = top_tokens(M, t, k=top)
-            out["full_ov_top"].append({"token": tok.decode([t]), "top": [[tok.decode([i]), round(float(v), 4)]
-                                                                        for v, i in zip(vals.tolist(), idx.tolist())]})
+        first = tokens[0, :3].tolist()
+        logits, _ = head_logits(model, h, first, input)
+        r = mid_rank(logits, torch.tensor(first))
+        out["ov_top"] = []
+        for i, t in enumerate(first):
+            vals, idx = logits[i].topk(top)
+            out["ov_top"].append({"token": tok.decode([t]), "copying_rank": float(r[i]),
+                                  "top": [[tok.decode([j]), round(float(v), 4)] for v, j in zip(vals.tolist(), idx.tolist())]})
     return out
 
 
@@ -117,8 +129,13 @@ def format_summary(s: dict) -> str:
         else:
             lines.append(head + f"prefers offset {p['preferred_offset']} (score {p['score_at_preferred']:.3g}; at 0: "
                          f"{p['score_at_0']:.3g}; range {p['score_range']:.3g})")
-    for row in s.get("full_ov_top", []):
-        lines.append(f"full OV {row['token']!r} -> " + ", ".join(f"{t!r} {v:.3g}" for t, v in row["top"]))
+    tv = s.get("token_views")
+    if tv:
+        lines.append(f"copying rank ({tv['input']} inputs): median {tv['copying_rank_median']:g} of {tv['vocabulary']}, "
+                     f"top-1 for {100 * tv['top1_share']:.0f}% of {tv['n_tokens']} {tv['tokens']}")
+    for row in s.get("ov_top", []):
+        lines.append(f"OV ({tv['input']}) {row['token']!r} (own rank {row['copying_rank']:g}) -> "
+                     + ", ".join(f"{t!r} {v:.3g}" for t, v in row["top"]))
     for cav in s["caveats"]:
         lines.append(f"caveat: {cav}")
     return "\n".join(lines)
@@ -143,7 +160,7 @@ def run(args) -> int:
         raise QKCircuitsError(f"--head names {len(head)} heads ({args.head!r}); give exactly one, e.g. 3.1")
     if args.tokens is not None and getattr(model, "tokenizer", None) is None:
         raise QKCircuitsError("--tokens needs a model with a tokenizer; this one has none")
-    s = summarize(model, head[0], args.tokens, args.top, args.offsets)
+    s = summarize(model, head[0], args.tokens, args.top, args.offsets, args.input)
     print(format_summary(s))
     if args.json:
         write_atomic(str(Path(args.json).expanduser()), json.dumps(s, indent=1))

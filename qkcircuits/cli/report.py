@@ -28,6 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--heads", help="heads to include besides the top ones, e.g. '5.1,L6H9'")
     p.add_argument("--per-score", type=non_negative_int, default=3, help="top heads per grid to precompute (default 3)")
     p.add_argument("--top-k", type=positive_int, default=5, help="output tokens per source token in the OV view")
+    p.add_argument("--input", choices=("direct", "effective", "contextual"), default=None,
+                   help="token rows of the QK/OV views (default: direct at layer 0, contextual after it)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         scores.model = args.model
     html = report_html(model, scores=scores, effects=effects, diagnostics=diagnostics, heads=args.heads,
                        tokens=args.tokens, prompt=args.prompt, per_score=args.per_score, k=args.top_k,
-                       title=args.model, progress=not args.quiet)
+                       title=args.model, input=args.input, progress=not args.quiet)
     write_report(args.output, html)
     print(f"wrote {args.output} ({len(html.encode('utf-8')) / 2 ** 20:.1f} MiB)", file=sys.stderr)
     return 0

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from .._errors import QKCircuitsError
 
 from ._common import add_model_args, load_model, non_negative_int, positive_int, write_atomic
 
@@ -23,6 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("--top", type=positive_int, default=5, help="heads to list per score (default 5)")
     p.add_argument("--text", action="store_true", help="also score previous/duplicate-token heads on natural text")
     p.add_argument("--bos", type=non_negative_int, default=None, help="BOS token id (default: the tokenizer's)")
+    p.add_argument("--scores", default=None, metavar="NAMES",
+                   help="comma-separated scores to compute (default all): induction, prefix_matching, previous_token, "
+                        "duplicate_token, copying, ov_copying, eigen_copying, previous_token_text, duplicate_token_text")
     p.add_argument("--confirm", type=non_negative_int, default=0, metavar="K",
                    help="ablate the top-K induction heads and K random heads and compare the loss rise")
     p.add_argument("--json", metavar="PATH", help="write all scores as JSON")
@@ -32,11 +38,17 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._detect import scan
+    from .._detect import _wanted, scan
 
+    if args.json and args.csv and Path(args.json).expanduser().resolve() == Path(args.csv).expanduser().resolve():
+        raise QKCircuitsError(f"--json and --csv name the same file {args.json!r}; the CSV would replace the JSON: "
+                              f"give two paths")
+    names = _wanted(args.scores, args.text, True, True) if args.scores is not None else None   # bad names before loading
+    if args.confirm and names is not None and "induction" not in names:
+        raise QKCircuitsError("--confirm ablates the top induction heads: add 'induction' to --scores")
     model = load_model(args)
-    scores = scan(model, n_seqs=args.n_seqs, seq_len=args.seq_len, seed=args.seed, bos=args.bos, text=args.text,
-                  confirm_top=args.confirm, progress=not args.quiet)
+    scores = scan(model, scores=names, n_seqs=args.n_seqs, seq_len=args.seq_len, seed=args.seed, bos=args.bos,
+                  text=args.text, confirm_top=args.confirm, progress=not args.quiet)
     scores.model = args.model
     print(format_table(scores, args.top))
     if "confirmation" in scores.extras:
@@ -54,11 +66,12 @@ def format_table(scores, top: int) -> str:
     """The top heads per score side by side, with every score of each listed head."""
     lines = [f"{scores.model}: {scores.n_layers} layers x {scores.n_heads} heads "
              f"(thresholds: {', '.join(f'{k} >= {v[1]}' for k, v in scores.thresholds.items())})"]
-    for name, title in TABLE:
+    shown = [(n, t) for n, t in TABLE if n in scores.scores] or [(n, n) for n in scores.scores]
+    for name, title in shown:
         lines.append("")
         lines.append(f"top {top} {title} heads")
         cols = [c for c in ("induction", "prefix_matching", "previous_token", "duplicate_token", "copying",
-                            "eigen_copying") if c in scores.scores]
+                            "ov_copying", "eigen_copying") if c in scores.scores]
         lines.append("  head    " + "".join(f"{c[:12]:>13}" for c in cols) + "  labels")
         labels = scores.labels()
         for head, _ in scores.top(top, name):

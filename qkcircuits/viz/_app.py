@@ -9,8 +9,9 @@ Routes (nothing else is served; no route takes a path from the user):
 - ``GET /static/plotly.min.js``     plotly.js from the installed plotly package
 - ``GET /static/circuitsvis.js``    circuitsvis's bundle from the installed package
 - ``GET /api/info``                 model, grids, heads, default tokens and prompt
-- ``POST /api/head``                JSON ``{"head": "1.0", "tokens": " the| of" or [...], "prompt": "..."}``
-                                    → the head's panel (same data as a report panel)
+- ``POST /api/head``                JSON ``{"head": "1.0", "tokens": " the| of" or [...], "prompt": "...",
+                                    "input": "direct"|"effective"|"contextual"}`` (input optional: default
+                                    contextual past layer 0) → the head's panel (same data as a report panel)
 
 Bad input (unknown head, too-long prompt, a token that is not one token, malformed JSON) → 400
 ``{"error": one line}``; anything unexpected → 500 ``{"error": "internal error (...)"}``, never a traceback.
@@ -25,6 +26,7 @@ from typing import Optional
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from .._contextual import INPUTS
 from .._errors import QKCircuitsError
 from .._heads import all_heads, model_heads
 from ._page import embed_json, page, script_text
@@ -100,9 +102,13 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
         if not isinstance(body, dict):
             raise QKCircuitsError('the request body must be a JSON object such as {"head": "1.0", "tokens": " the| of", '
                                   '"prompt": "..."}')
-        unknown = set(body) - {"head", "tokens", "prompt"}
+        unknown = set(body) - {"head", "tokens", "prompt", "input"}
         if unknown:
-            raise QKCircuitsError(f"unknown field(s) {', '.join(sorted(unknown))}; accepted: head, tokens, prompt")
+            raise QKCircuitsError(f"unknown field(s) {', '.join(sorted(unknown))}; accepted: head, tokens, prompt, "
+                                  f"input")
+        input = body.get("input")
+        if input is not None and input not in INPUTS:
+            raise QKCircuitsError(f"'input' must be one of {', '.join(INPUTS)}, got {input!r}")
         spec = body.get("head")
         if not isinstance(spec, str) or not spec.strip():
             raise QKCircuitsError(f"'head' must be a string such as '1.0' or 'L1H0', got {spec!r}")
@@ -124,7 +130,8 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
         if len(pids) > max_prompt:
             raise QKCircuitsError(f"the prompt is {len(pids)} tokens (with BOS); at most {max_prompt} are accepted")
         with lock:
-            return jsonify(panel(ctx, head[0], ids, pids, scores=scores, effects=effects, diagnostics=diagnostics))
+            return jsonify(panel(ctx, head[0], ids, pids, scores=scores, effects=effects, diagnostics=diagnostics,
+                                 input=input))
 
     @app.errorhandler(QKCircuitsError)
     def bad_input(e):

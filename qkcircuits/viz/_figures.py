@@ -65,8 +65,9 @@ def score_grid(values: Tensor, name: str, description: str = "", colorscale: str
     return out
 
 
-def qk_heatmap(matrix: Tensor, labels: Sequence[str], head: str) -> Dict:
-    """Query token (rows) × key token (columns) pre-softmax score of the head's direct-path QK circuit (no biases)."""
+def qk_heatmap(matrix: Tensor, labels: Sequence[str], head: str, input: str = "direct") -> Dict:
+    """Query token (rows) × key token (columns) pre-softmax score of the head's QK circuit (no biases) on
+    ``input`` rows (direct, effective or contextual: the title says which)."""
     n = len(labels)
     shown = [show_token(s) for s in labels]
     custom = [[[json.dumps(labels[i]), json.dumps(labels[j])] for j in range(n)] for i in range(n)]
@@ -75,16 +76,21 @@ def qk_heatmap(matrix: Tensor, labels: Sequence[str], head: str) -> Dict:
                     hovertemplate="query %{customdata[0]}<br>key %{customdata[1]}<br>score %{z:.4f}<extra></extra>")
     side = max(320, min(720, 90 + 16 * n))
     fig = go.Figure(hm, layout=_layout(
-        f"{head} QK over tokens (pre-softmax score, direct path, no biases)", height=side, width=side + 80,
+        f"{head} QK over tokens ({input} inputs, pre-softmax, no biases)", height=side, width=side + 80,
         xaxis=dict(title="key token", tickvals=list(range(n)), ticktext=shown, tickangle=-60),
         yaxis=dict(title="query token", tickvals=list(range(n)), ticktext=shown, autorange="reversed")))
     return _fig(fig)
 
 
 def ov_table(values: Tensor, out_ids: Tensor, src_labels: Sequence[str], out_labels: Sequence[Sequence[str]],
-             src_ids: Sequence[int], head: str) -> Dict:
-    """Source token (rows) → its top-k output tokens (columns by rank), cell colour = logit raised, text = token."""
+             src_ids: Sequence[int], head: str, input: str = "direct", ranks: Optional[Sequence[float]] = None) -> Dict:
+    """Source token (rows) → its top-k output tokens (columns by rank), cell colour = logit raised, text = token;
+    ``input`` (direct, effective, contextual) goes in the title; ``ranks`` (the source token's own rank among
+    all output logits) in the row labels as ``token ⟨r⟩``."""
     n, k = values.shape
+    rows = [show_token(s) for s in src_labels]
+    if ranks is not None:
+        rows = [f"{t} ⟨{_rank(r)}⟩" for t, r in zip(rows, ranks)]
     text = [[show_token(s) for s in row] for row in out_labels]
     custom = [[[json.dumps(src_labels[i]), json.dumps(out_labels[i][r]), "yes" if int(out_ids[i, r]) == int(src_ids[i])
                 else "no"] for r in range(k)] for i in range(n)]
@@ -93,11 +99,15 @@ def ov_table(values: Tensor, out_ids: Tensor, src_labels: Sequence[str], out_lab
                     hovertemplate="source %{customdata[0]} → output %{customdata[1]}<br>logit %{z:.4f}"
                                   "<br>copies itself: %{customdata[2]}<extra></extra>")
     fig = go.Figure(hm, layout=_layout(
-        f"{head} OV: source token → top output tokens (direct-path logits)", height=max(320, min(900, 90 + 18 * n)),
-        width=120 + 95 * k, xaxis=dict(title="rank", side="top"),
-        yaxis=dict(title="source token", tickvals=list(range(n)), ticktext=[show_token(s) for s in src_labels],
-                   autorange="reversed")))
+        f"{head} OV: source token → top output tokens ({input} inputs, logits)",
+        height=max(320, min(900, 90 + 18 * n)), width=150 + 95 * k, xaxis=dict(title="rank", side="top"),
+        yaxis=dict(title="source token ⟨its own rank⟩" if ranks is not None else "source token",
+                   tickvals=list(range(n)), ticktext=rows, autorange="reversed")))
     return _fig(fig)
+
+
+def _rank(r: float) -> str:
+    return f"{r:.0f}" if float(r) == int(r) else f"{r:.1f}"
 
 
 def profile_line(offsets: Sequence[int], score: Sequence[float], label: str, head: str) -> Dict:

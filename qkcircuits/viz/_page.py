@@ -107,6 +107,8 @@ VIEWER_JS = r"""
     for (const [k, v] of Object.entries(info.scores || {})) row(k, fmt(v));
     row('eigenvalue copying (W_E OV W_U)', fmt(info.eigen_copying));
     if (info.ablation) row('ablation effect (' + info.ablation.method + ', ' + info.ablation.metric + ')', fmt(info.ablation.effect));
+    if (info.token_views) row('token views: input / median copying rank (of ' + info.token_views.vocabulary + ')',
+                              info.token_views.input + ' / ' + fmt(info.token_views.copying_rank_median));
     if (info.flags) row('diagnostics flags', info.flags.length ? info.flags.join(', ') : 'none');
     for (const [k, v] of Object.entries(info.diagnostics || {})) row(k, fmt(v));
     box.appendChild(t);
@@ -160,6 +162,7 @@ VIEWER_JS = r"""
     }
     try {
       const body = {head: key, tokens: $('tokens').value, prompt: $('prompt').value};
+      if ($('input').value) body.input = $('input').value;
       $('status').textContent = 'computing ' + key + ' ...';
       const p = await getJSON('api/head', body);
       drawPanel(p);
@@ -221,6 +224,9 @@ SERVER_CONTROLS = """
 <p>tokens (comma-separated, each one token; e.g. " the, of, cat" or "#3, #5"):<br>
 <input type="text" id="tokens" maxlength="4000"></p>
 <p>prompt:<br><textarea id="prompt" rows="3" maxlength="20000"></textarea></p>
+<p>QK/OV token inputs: <select id="input"><option value="">default (direct at layer 0, contextual after)</option>
+<option value="direct">direct</option><option value="effective">effective</option>
+<option value="contextual">contextual</option></select></p>
 """
 
 

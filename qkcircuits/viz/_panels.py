@@ -7,9 +7,12 @@
 >>> attention(ctx, [Head(1, 0)], prompt_ids(model, None))     # doctest: +SKIP   {Head: [q, k] pattern}
 
 Every number is computed from a few rows of the circuits, never a vocab × vocab matrix:
-QK over a token set is E_n[ids] W_Q (E_n[ids] W_K)ᵀ · scale; the OV view is E_n[ids] W_V W_O U
-([n, vocab]); like ``full_qk``/``full_ov`` both leave the biases out; the positional profile is the learned-position QK (W_pos) or the rotary offset
-profile of ``qkcircuits._rotary``; K-composition partners come from ``composition_scores``.
+QK over a token set is X[ids] W_Q (X[ids] W_K)ᵀ · scale; the OV view is X[ids] W_V W_O U / s ([n, vocab])
+with the copying rank of each source token; X is what the head's layer reads for each token,
+``input="direct"|"effective"|"contextual"`` (``qkcircuits._contextual``; default contextual past layer 0,
+direct at layer 0). Like ``full_qk``/``full_ov`` both leave the biases out; the positional profile is
+the learned-position QK (W_pos) or the rotary offset profile of ``qkcircuits._rotary``; K-composition
+partners come from ``composition_scores``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import Tensor
 
 from .._capture import capture, has_rotary
 from .._circuits import attn_scale, embed_rows, layer_weights, unembed_cols
+from .._contextual import TokenInputs, check_input, head_logits, mid_rank, token_inputs
 from .._errors import QKCircuitsError
 from .._heads import Head, model_heads
 
@@ -137,6 +141,7 @@ class ViewContext:
         self._weights: Dict[int, object] = {}
         self._eigen: Optional[Tensor] = None
         self._kcomp = None
+        self._inputs: Dict[Tuple[int, Tuple[int, ...], str], TokenInputs] = {}
 
     def weights(self, layer: int):
         if layer not in self._weights:
@@ -148,6 +153,14 @@ class ViewContext:
             E = self.model.W_E.detach()[torch.as_tensor(list(ids), device=self.model.W_E.device)]
             from .._circuits import normalize_rows
             return normalize_rows(self.model, E, "ln1", layer)
+
+    def inputs(self, layer: int, ids: Sequence[int], input: Optional[str] = None) -> TokenInputs:
+        """``token_inputs`` for ``layer`` (cached per layer, token set and input; the default input is
+        contextual past layer 0, direct at layer 0)."""
+        key = (int(layer), tuple(int(i) for i in ids), check_input(input, layer))
+        if key not in self._inputs:
+            self._inputs[key] = token_inputs(self.model, key[0], list(key[1]), key[2])
+        return self._inputs[key]
 
     def unembed(self) -> Tensor:
         if self._U is None:
@@ -169,29 +182,45 @@ class ViewContext:
         return self._kcomp
 
 
-def qk_grid(ctx: ViewContext, head: Head, ids: Sequence[int]) -> Float[Tensor, "query key"]:
-    """Token-to-token pre-softmax score (direct path, no position, no biases): E_n[q] W_Q W_Kᵀ E_n[k]ᵀ · scale.
+INPUT_TITLES = {"direct": "direct inputs (token embeddings)",
+                "effective": "effective inputs (embedding + block 0 on the token)",
+                "contextual": "contextual inputs (mean residual at the layer over a corpus)"}
 
-    The rows/columns ``ids`` of ``full_qk(model, head)`` times the attention scale: biases are left
-    out as in the circuits API, so the report shows what the API returns (``qk_affine`` has them).
-    """
+
+def qk_grid(ctx: ViewContext, head: Head, ids: Sequence[int], input: Optional[str] = None
+            ) -> Float[Tensor, "query key"]:
+    """Token-to-token pre-softmax score (no position, no biases): X[q] W_Q W_Kᵀ X[k]ᵀ · scale, with X the
+    rows the head's layer reads for each token (``input``: direct, effective or contextual; default
+    contextual past layer 0). ``input="direct"`` gives the rows/columns ``ids`` of ``full_qk``."""
     w = ctx.weights(head.layer)
-    E = ctx.embed(head.layer, ids)
+    X = ctx.inputs(head.layer, ids, input).rows
     with torch.no_grad():
-        q = E @ w.W_Q[head.head]
-        k = E @ w.W_K[head.head]
+        q = X.to(w.W_Q.dtype) @ w.W_Q[head.head]
+        k = X.to(w.W_K.dtype) @ w.W_K[head.head]
         return (q @ k.T * attn_scale(ctx.model, head.layer)).float().cpu()
 
 
-def ov_top(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5) -> Tuple[Tensor, Tensor]:
-    """For each source token, the ``k`` output tokens whose logits its OV write raises most:
-    (values [n, k], ids [n, k]) of E_n[ids] W_V W_O U. Memory: one [n, vocab] block."""
-    w = ctx.weights(head.layer)
-    E = ctx.embed(head.layer, ids)
-    with torch.no_grad():
-        rows = ((E @ w.W_V[head.head]) @ w.W_O[head.head]) @ ctx.unembed()
-        vals, idx = rows.topk(min(int(k), rows.shape[-1]), dim=-1)
-    return vals.float().cpu(), idx.cpu()
+def ov_view(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, input: Optional[str] = None
+            ) -> Dict[str, object]:
+    """For each source token: the ``k`` output tokens whose logits the head's write raises most, and the
+    copying rank of the source token itself among all output logits (1 = top; ties share ranks).
+
+    Returns {"values" [n, k], "ids" [n, k], "ranks" [n], "input", "source" (per token), "note"}.
+    Memory: one [n, vocab] block."""
+    x = ctx.inputs(head.layer, ids, input)
+    logits, used = head_logits(ctx.model, head, ids, x.input)
+    ranks = mid_rank(logits, torch.as_tensor(list(ids), dtype=torch.long))
+    vals, idx = logits.topk(min(int(k), logits.shape[-1]), dim=-1)
+    return {"values": vals, "ids": idx, "ranks": ranks, "input": x.input, "source": list(x.source),
+            "note": used.note}
+
+
+def ov_top(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, input: Optional[str] = None
+           ) -> Tuple[Tensor, Tensor]:
+    """(values [n, k], ids [n, k]) of the ``k`` output tokens each source token's OV write raises most
+    (``ov_view`` without the ranks)."""
+    v = ov_view(ctx, head, ids, k, input)
+    return v["values"], v["ids"]
 
 
 def positional_profile(ctx: ViewContext, head: Head, max_offset: int = MAX_OFFSET) -> Optional[Dict[str, object]]:

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from .._contextual import INPUTS
 from .._errors import QKCircuitsError
 from .._heads import Head, model_heads
 from .._io import write_atomic
@@ -48,10 +49,12 @@ def pick_heads(grid_values: Dict[str, torch.Tensor], per_score: int, extra: Sequ
 
 def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=None, tokens: Optional[Sequence[str]] = None,
                 prompt: Optional[str] = None, per_score: int = 3, k: int = 5, title: Optional[str] = None,
-                progress: bool = True) -> str:
+                input: Optional[str] = None, progress: bool = True) -> str:
     """The report as one HTML string (see module docs). ``scores``: HeadScores (e.g. ``qk.scan(model)``);
     ``effects``: HeadEffects from ``sweep``; ``diagnostics``: HeadDiagnostics; ``heads``: extra heads to
-    precompute; ``tokens``: the token set of the QK/OV views; ``prompt``: text for the attention patterns."""
+    precompute; ``tokens``: the token set of the QK/OV views; ``prompt``: text for the attention patterns;
+    ``input``: the token rows of the QK/OV views (direct, effective, contextual; default contextual past
+    layer 0, direct at layer 0)."""
     from .._model import model_name
 
     if per_score < 0 or k < 1:
@@ -62,6 +65,8 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
     for name, shape in shapes.items():
         if shape and tuple(shape) != (L, H):
             raise QKCircuitsError(f"the {name} are for {shape[0]} layers x {shape[1]} heads, but the model has {L} x {H}")
+    if input is not None and input not in INPUTS:
+        raise QKCircuitsError(f"input must be one of {', '.join(INPUTS)}, got {input!r}")
     ctx = ViewContext(model)
     ids = token_set(model, tokens)
     pids = prompt_ids(model, prompt)
@@ -75,7 +80,7 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
     panels = {}
     for h in tqdm(chosen, desc="report", unit="head", disable=not progress, leave=False):
         panels[str(h)] = panel(ctx, h, ids, pids, patterns[h], scores=scores, effects=effects,
-                               diagnostics=diagnostics, k=k)
+                               diagnostics=diagnostics, k=k, input=input)
     total = L * H
     left_out = (f"panels precomputed for {len(chosen)} of {total} heads: the top {per_score} of every grid"
                 + (", plus the heads asked for with --heads" if extra else "")
@@ -86,8 +91,10 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
         first = str(scores.top(1, "induction")[0][0])   # open on the strongest induction head
     data = {"mode": "static", "title": f"qkcircuits report: {name}",
             "summary": (f"{L} layers x {H} heads; QK/OV token set: {len(ids)} tokens; prompt: {len(pids)} tokens. "
-                        f"{left_out}. Weights-only views (QK, OV, offsets, composition) use the direct path from the "
-                        f"token embeddings."),
+                        f"{left_out}. QK/OV token views use "
+                        + (f"{input} inputs" if input else "direct inputs at layer 0 and contextual inputs (the mean "
+                           "residual each layer reads for a token over a packaged English corpus) after it")
+                        + "; each figure's title says which. Offsets and composition come from the weights."),
             "left_out": left_out, "grids": grid_list, "heads": list(panels), "first": first, "panels": panels}
     scripts = (f"<script>{script_text('plotly')}</script>\n"
                f"<script>{script_text('circuitsvis')}</script>")

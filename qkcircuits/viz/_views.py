@@ -14,7 +14,7 @@ from torch import Tensor
 from .._heads import Head
 from .._io import json_number
 from . import _figures as F
-from ._panels import ViewContext, attention, k_partners, ov_top, positional_profile, qk_grid, token_strings
+from ._panels import ViewContext, attention, k_partners, ov_view, positional_profile, qk_grid, token_strings
 
 # Per-head diagnostics shown next to the flags (names of HeadDiagnostics measures).
 DIAG_MEASURES = ("sink", "entropy_frac_mean", "max_weight", "qk_var_ratio")
@@ -23,8 +23,9 @@ GRID_DESCRIPTIONS = {
     "prefix_matching": "Olsson's prefix matching on a sequence repeated 4 times",
     "previous_token": "attention to the previous position",
     "duplicate_token": "attention to earlier copies of the current token",
-    "copying": "Olsson's copying score of the head's direct-path logits",
-    "eigen_copying": "sum(λ)/sum(|λ|) of W_E W_OV W_U (Elhage); +1 copies, −1 anti-copies",
+    "copying": "Olsson's copying score of the head's direct-path logits, candidates per sequence; 0 = chance, +1 copies",
+    "ov_copying": "median rank of the source token in the head's contextual OV logits; 1 = top, 0 = chance, −1 = last",
+    "eigen_copying": "sum(λ)/sum(|λ|) of W_E W_OV W_U, W_U centred over the vocabulary (Elhage); +1 copies, −1 anti",
 }
 
 
@@ -36,7 +37,7 @@ def grids(model, ctx: ViewContext, scores=None, effects=None, diagnostics=None) 
     if "eigen_copying" not in named:
         named["eigen_copying"] = ctx.eigen_copying()
     for name, t in named.items():
-        signed = name in ("eigen_copying",) or float(t.nan_to_num(0).min()) < 0
+        signed = name in ("eigen_copying", "copying", "ov_copying") or float(t.nan_to_num(0).min()) < 0
         fig = F.score_grid(t, name, GRID_DESCRIPTIONS.get(name, ""), "RdBu" if signed else "Blues",
                            0.0 if signed else None)
         if signed:
@@ -73,16 +74,25 @@ def head_info(ctx: ViewContext, head: Head, scores=None, effects=None, diagnosti
 
 
 def panel(ctx: ViewContext, head: Head, ids: Sequence[int], prompt: Optional[Sequence[int]] = None,
-          pattern: Optional[Tensor] = None, *, scores=None, effects=None, diagnostics=None, k: int = 5) -> Dict:
+          pattern: Optional[Tensor] = None, *, scores=None, effects=None, diagnostics=None, k: int = 5,
+          input: Optional[str] = None) -> Dict:
     """Everything shown for one head. ``pattern`` (its [q, k] attention on ``prompt``) is computed when
-    not given; pass ``prompt=None`` to leave attention out."""
+    not given; pass ``prompt=None`` to leave attention out. ``input``: the token rows of the QK and OV
+    views (direct, effective, contextual; default contextual past layer 0)."""
     model, name = ctx.model, str(head)
     labels = token_strings(model, ids)
     notes: List[str] = []
-    figs: Dict[str, Optional[Dict]] = {"qk": F.qk_heatmap(qk_grid(ctx, head, ids), labels, name)}
-    vals, out_ids = ov_top(ctx, head, ids, k)
-    out_labels = [token_strings(model, row) for row in out_ids.tolist()]
-    figs["ov"] = F.ov_table(vals, out_ids, labels, out_labels, ids, name)
+    ov = ov_view(ctx, head, ids, k, input)
+    used = ov["input"]
+    figs: Dict[str, Optional[Dict]] = {"qk": F.qk_heatmap(qk_grid(ctx, head, ids, used), labels, name, used)}
+    out_labels = [token_strings(model, row) for row in ov["ids"].tolist()]
+    ranks = ov["ranks"].tolist()
+    figs["ov"] = F.ov_table(ov["values"], ov["ids"], labels, out_labels, ids, name, used, ranks)
+    notes.append(f"QK/OV token views: {ov['note']}")
+    fell = [lab for lab, src in zip(labels, ov["source"]) if src != used]
+    if fell:
+        notes.append(f"{len(fell)} of {len(labels)} tokens never occur in the corpus and use effective inputs: "
+                     + ", ".join(repr(t) for t in fell[:12]) + (" ..." if len(fell) > 12 else ""))
     prof = positional_profile(ctx, head)
     figs["pos"] = F.profile_line(prof["offsets"], prof["score"], prof["label"], name) if prof else None
     if prof is None:
@@ -98,6 +108,10 @@ def panel(ctx: ViewContext, head: Head, ids: Sequence[int], prompt: Optional[Seq
         att = {"tokens": token_strings(model, prompt),
                "attention": [[[round(float(v), 4) for v in row] for row in pattern.tolist()]],
                "attentionHeadNames": [name]}
-    return {"head": name, "layer": head.layer, "index": head.head,
-            "info": head_info(ctx, head, scores, effects, diagnostics), "figures": figs, "attention": att,
-            "notes": notes}
+    info = head_info(ctx, head, scores, effects, diagnostics)
+    srt = sorted(ranks)
+    info["token_views"] = {"input": used, "copying_rank_median": srt[len(srt) // 2] if srt else None,
+                           "copying_rank": ranks,
+                           "vocabulary": int(model.W_U.shape[-1])}
+    return {"head": name, "layer": head.layer, "index": head.head, "input": used,
+            "info": info, "figures": figs, "attention": att, "notes": notes}
