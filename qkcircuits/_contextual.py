@@ -6,7 +6,9 @@
 >>> copying_rank(model, "18.6", ids)                       # doctest: +SKIP   [n]: rank of each source token itself
 >>> ov_copying(model)                                      # doctest: +SKIP   [layer, head] in [-1, 1], 0 = chance
 
-Inputs (``input=``), each the row ``W_Q``/``W_K``/``W_V`` of layer L read for token t (after L's input norm):
+Inputs (``input=``), each the row ``W_Q``/``W_K``/``W_V`` of layer L read for token t (after L's input norm;
+its bias left out, as ``fold_ln`` moves it into b_Q/b_K/b_V and every circuit leaves biases out, so both
+fold modes give the same rows up to the norm weight that ``fold_ln`` moves into the weights):
 
 - ``direct``: ``ln1_L(W_E[t])``, the embedding as if it were the whole residual (right for layer 0 and
   the papers' pictures).
@@ -164,6 +166,16 @@ def _effective_rows(model, ids: Tensor) -> Tensor:
     return cache[name][:, 0].float()
 
 
+def _ln1_bias(model, layer: int) -> Optional[Tensor]:
+    """The input norm's bias with raw weights (None when folded or absent): left out of the rows, as
+    ``fold_ln`` moves it into b_Q/b_K/b_V, which the circuits leave out; so both fold modes agree."""
+    if is_folded(model):
+        return None
+    mod = model.blocks[int(layer)].ln1
+    b = getattr(getattr(mod, "original_component", mod), "bias", None)
+    return b.detach().float() if isinstance(b, Tensor) else None
+
+
 def token_inputs(model, layer: int, ids: Sequence[int], input: Optional[str] = None) -> TokenInputs:
     """The rows ``layer``'s heads read for tokens ``ids`` (see the module docs for the three inputs).
 
@@ -181,7 +193,7 @@ def token_inputs(model, layer: int, ids: Sequence[int], input: Optional[str] = N
     counts = torch.zeros(n, dtype=torch.long)
     dev, dt = model.W_E.device, model.W_E.dtype
     if input == "direct" or layer == 0 and input == "effective":
-        rows = normalize_rows(model, model.W_E.detach()[idx.to(dev)].float(), "ln1", layer)
+        rows = normalize_rows(model, model.W_E.detach()[idx.to(dev)].float(), "ln1", layer, bias=False)
         why = " (layer 0 reads the embeddings: effective = direct)" if input == "effective" else ""
         return TokenInputs(rows.to(dt), ["direct"] * n if input == "direct" else ["effective"] * n, input, layer,
                            counts, f"direct: the token embeddings through layer {layer}'s input norm{why}")
@@ -197,7 +209,8 @@ def token_inputs(model, layer: int, ids: Sequence[int], input: Optional[str] = N
         counts = c
         if bool(found.any()):
             mean = stats.sums[layer][pos[found]] / c[found, None].float()
-            rows[found.to(dev)] = mean.to(dev)
+            bias = _ln1_bias(model, layer)
+            rows[found.to(dev)] = (mean.to(dev) - bias) if bias is not None else mean.to(dev)
             need = ~found
             for i in found.nonzero().flatten().tolist():
                 source[i] = "contextual"
@@ -207,9 +220,9 @@ def token_inputs(model, layer: int, ids: Sequence[int], input: Optional[str] = N
                                                  if k else ""))
     if bool(need.any()):
         if layer == 0:
-            eff = normalize_rows(model, model.W_E.detach()[idx[need].to(dev)].float(), "ln1", 0)
+            eff = normalize_rows(model, model.W_E.detach()[idx[need].to(dev)].float(), "ln1", 0, bias=False)
         else:
-            eff = normalize_rows(model, _effective_rows(model, idx[need]), "ln1", layer)
+            eff = normalize_rows(model, _effective_rows(model, idx[need]), "ln1", layer, bias=False)
         rows[need.to(dev)] = eff.to(rows.dtype)
         if input == "effective":
             note = (f"effective: residual after block 0 for each token alone (embedding + block 0 on it), through "
@@ -300,22 +313,24 @@ def ov_copying(model, *, n_tokens: int = 64, seed: int = 0, input: str = "contex
     if progress:
         from tqdm.auto import tqdm
         layers = tqdm(layers, desc="ov copying", unit="layer", leave=False)
+    U, _, _ = output_reader(model, input)        # the positive scale changes no rank
+    UT = U.T.contiguous()                       # [vocab, d_model]: row blocks of it multiply fastest
+    U_tgt = UT[ids.to(UT.device)]               # [n, d_model] the source tokens' own columns
     for layer in layers:
         x = token_inputs(model, layer, ids.tolist(), input)
         fallbacks = max(fallbacks, x.fallbacks)
         w = layer_weights(model, layer)
-        U, scale, _ = output_reader(model, x.input)
         with torch.no_grad():
-            o = torch.einsum("nd,hde,hem->hnm", x.rows.to(w.W_V.dtype), w.W_V, w.W_O).reshape(H * len(ids), -1)
-            tgt = ids.repeat(H).to(o.device)
-            own = (o * U[:, tgt].T.to(o.dtype)).sum(-1, keepdim=True)                # [H·n, 1]
+            o = torch.einsum("nd,hde,hem->hnm", x.rows.to(w.W_V.dtype), w.W_V, w.W_O)          # [H, n, d_model]
+            own = (o * U_tgt.to(o.dtype)[None]).sum(-1).reshape(-1, 1)                        # [H·n, 1]
+            o = o.reshape(H * len(ids), -1)
             # the target's own logit comes from a different summation order than its column in the block:
             # values within a relative 1e-5 of it count as ties (exact zeros of a silent head tie exactly)
             tol = own.abs() * 1e-5
             greater = torch.zeros(H * len(ids), device=o.device)
             equal = torch.zeros(H * len(ids), device=o.device)
             for s in range(0, V, chunk):
-                block = o @ U[:, s:s + chunk].to(o.dtype)
+                block = o @ UT[s:s + chunk].T.to(o.dtype)
                 greater += (block > own + tol).sum(-1)
                 equal += ((block - own).abs() <= tol).sum(-1)
             rank = 1 + greater + (equal - 1).clamp_min(0) / 2

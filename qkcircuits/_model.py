@@ -102,7 +102,8 @@ def load(
     if text.lower() == TOY:
         from .fixtures import hand_built_induction_model
 
-        return hand_built_induction_model(device=str(dev or "cpu"))  # no LayerNorm: nothing to fold
+        toy = hand_built_induction_model(device=str(dev or "cpu"))  # no LayerNorm: nothing to fold
+        return toy if torch_dtype == torch.float32 else toy.to(torch_dtype)   # --dtype honoured
     if text.lower() in ALIASES:
         path = smollm2_gguf(quiet=not verbose)
         bridge = _load_gguf(path, dev, torch_dtype, device_map, model_name=SMOLLM2_HUB_NAME)

@@ -1,0 +1,189 @@
+"""Contextual / effective / direct token inputs, copying ranks, ov_copying and the restricted scan, checked
+against the model's own activations (independent forwards), heads known by construction, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+
+import _tiny
+import pytest
+import torch
+
+import qkcircuits as qk
+from qkcircuits import _contextual as C
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama", "mqa", "gemma3"])
+def tiny(request, tmp_path_factory):
+    folder = {"gpt2": _tiny.gpt2_dir, "llama": _tiny.llama_dir, "mqa": _tiny.llama_mqa_dir,
+              "gemma3": _tiny.gemma3_dir}[request.param](tmp_path_factory)
+    return request.param, folder, qk.load(str(folder), device="cpu", verbose=False)
+
+
+def _ln1_out(model, tokens, layer):
+    name = qk.attn_input_hook(model, layer)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=lambda n: n == name)
+    return cache[name]
+
+
+def test_contextual_rows_are_the_mean_input_over_the_corpus_and_absent_tokens_fall_back(tiny):
+    _, _, model = tiny
+    toks = qk.text_tokens(model, seq_len=min(128, model.cfg.n_ctx - 1))
+    body = toks[:, 1:]
+    present = torch.unique(body)[:5].tolist()
+    absent = [t for t in range(model.cfg.d_vocab) if t not in set(body.flatten().tolist())][:2]
+    for layer in range(model.cfg.n_layers):
+        x = C.token_inputs(model, layer, present + absent, "contextual")
+        h = _ln1_out(model, toks, layer)[:, 1:]                              # independent forward, BOS left out
+        for n, t in enumerate(present):
+            ref = h[body == t].mean(0)
+            torch.testing.assert_close(x.rows[n], ref, rtol=1e-4, atol=1e-5)
+            assert x.source[n] == "contextual" and int(x.counts[n]) == int((body == t).sum())
+        assert x.source[len(present):] == ["effective"] * len(absent) and "fell back to effective" in x.note
+        eff = C.token_inputs(model, layer, absent, "effective").rows
+        torch.testing.assert_close(x.rows[len(present):], eff)
+
+
+def test_effective_and_direct_rows_are_what_the_layer_reads_for_a_token_alone(tiny):
+    """A one-token sequence (no BOS): layer 1's own ln1 output is the effective row (the residual after
+    block 0, normalised by layer 1); at layer 0 of a rotary model (no added position) it is the direct row."""
+    name, _, model = tiny
+    ids = [5, 17, 42]
+    eff = C.token_inputs(model, 1, ids, "effective").rows
+    ref = _ln1_out(model, torch.tensor(ids)[:, None], 1)[:, 0]
+    torch.testing.assert_close(eff, ref, rtol=1e-4, atol=1e-5)
+    if name != "gpt2":
+        direct = C.token_inputs(model, 0, ids, "direct").rows
+        torch.testing.assert_close(direct, _ln1_out(model, torch.tensor(ids)[:, None], 0)[:, 0], rtol=1e-4, atol=1e-5)
+    assert C.token_inputs(model, 0, ids, "effective").source == ["effective"] * 3
+
+
+def test_copying_ranks_do_not_depend_on_fold_ln(tiny):
+    _, folder, model = tiny
+    raw = qk.load(str(folder), device="cpu", fold_ln=False, verbose=False)
+    ids = list(range(3, 40))
+    for inp in C.INPUTS:
+        a, b = C.copying_rank(model, "1.2", ids, inp), C.copying_rank(raw, "1.2", ids, inp)
+        assert (a - b).abs().max() <= 1.0, (inp, a, b)                 # at most a float tie resolved differently
+    torch.testing.assert_close(qk.copying_scores(model), qk.copying_scores(raw), atol=1e-4, rtol=0)
+    torch.testing.assert_close(qk.copying_scores(model, full=False), qk.copying_scores(raw, full=False),
+                               atol=1e-4, rtol=0)
+
+
+def test_mid_rank_and_rank_score():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
+    r = C.mid_rank(logits, torch.tensor([0, 1, 0]))
+    assert r.tolist() == [1.0, 2.5, 4.0]                                  # top, all tied = (V+1)/2, last
+    assert C.rank_score(r, 4).tolist() == pytest.approx([1.0, 0.0, -1.0])
+
+
+def test_bad_inputs_are_one_line_errors(hand_built):
+    for call, fragment in ((lambda: C.token_inputs(hand_built, 1, [3], "raw"), "input must be one of"),
+                           (lambda: C.token_inputs(hand_built, 5, [3]), "out of range"),
+                           (lambda: C.token_inputs(hand_built, 1, [999]), "within 0-31"),
+                           (lambda: qk.scan(hand_built, scores=["induction", "copy"]), "unknown score 'copy'")):
+        with pytest.raises(qk.QKCircuitsError, match=fragment) as e:
+            call()
+        assert "\n" not in str(e.value)
+
+
+def test_restricted_scan_is_one_pattern_pass_and_nothing_else(hand_built, monkeypatch):
+    import qkcircuits._contextual
+    import qkcircuits._copying
+    import qkcircuits._detect as detect
+
+    calls = []
+    real = detect.stream
+
+    def counting(model, tokens, reducer, names=("pattern",), **kw):
+        calls.append((tuple(tokens.shape), tuple(names)))
+        return real(model, tokens, reducer, names, **kw)
+
+    def forbidden(*a, **k):
+        raise AssertionError("a restricted scan computed a copying score")
+
+    monkeypatch.setattr(detect, "stream", counting)
+    monkeypatch.setattr(qkcircuits._copying, "copying_scores", forbidden)
+    monkeypatch.setattr(qkcircuits._contextual, "ov_copying", forbidden)
+    s = qk.scan(hand_built, scores="induction,previous_token,duplicate_token", n_seqs=4, seq_len=20, progress=False)
+    assert calls == [((4, 41), ("pattern",))]
+    assert list(s.scores) == ["induction", "previous_token", "duplicate_token"]
+    assert s.settings["scores"] == list(s.scores)
+    assert s["induction"][1, 0] > 0.99 and s["previous_token"][0, 0] > 0.99
+
+
+def test_scan_settings_record_the_installed_transformer_lens(hand_built):
+    s = qk.scan(hand_built, scores=["induction"], n_seqs=1, seq_len=8, progress=False)
+    assert s.settings["transformer_lens"] == metadata.version("transformer-lens") != "?"
+
+
+def test_report_panel_defaults_to_contextual_past_layer_0_and_titles_say_so(tiny):
+    from qkcircuits.viz._panels import ViewContext, token_set
+    from qkcircuits.viz._views import panel
+
+    _, _, model = tiny
+    ctx = ViewContext(model)
+    ids = token_set(model)[:8] or list(range(8))
+    p1 = panel(ctx, qk.Head(1, 0), ids, None, k=3)
+    assert p1["input"] == "contextual"
+    assert "contextual inputs" in p1["figures"]["qk"]["layout"]["title"]["text"]
+    assert "contextual inputs" in p1["figures"]["ov"]["layout"]["title"]["text"]
+    ranks = p1["info"]["token_views"]["copying_rank"]
+    assert len(ranks) == len(ids) and all(1 <= r <= model.cfg.d_vocab for r in ranks)
+    assert all("⟨" in t for t in p1["figures"]["ov"]["layout"]["yaxis"]["ticktext"])
+    p0 = panel(ctx, qk.Head(0, 0), ids, None, k=3)
+    assert p0["input"] == "direct" and "direct inputs" in p0["figures"]["qk"]["layout"]["title"]["text"]
+    pe = panel(ctx, qk.Head(1, 0), ids, None, k=3, input="effective")
+    assert "effective inputs" in pe["figures"]["ov"]["layout"]["title"]["text"]
+
+
+def test_app_accepts_an_input_and_refuses_a_bad_one(hand_built):
+    from qkcircuits.viz import create_app
+
+    client = create_app(hand_built).test_client()
+    r = client.post("/api/head", json={"head": "1.0", "input": "effective"})
+    assert r.status_code == 200 and r.get_json()["input"] == "effective"
+    r = client.post("/api/head", json={"head": "1.0", "input": "bogus"})
+    assert r.status_code == 400 and "input" in r.get_json()["error"]
+
+
+def _cli(*argv):
+    return subprocess.run([sys.executable, "-m", "qkcircuits", *argv], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_scan_scores_and_small_errors(tmp_path):
+    out = tmp_path / "s.json"
+    r = _cli("scan", "toy-induction", "--quiet", "--scores", "induction,previous_token,duplicate_token",
+             "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert list(json.loads(out.read_text())["scores"]) == ["induction", "previous_token", "duplicate_token"]
+    same = tmp_path / "both"
+    r = _cli("scan", "toy-induction", "--quiet", "--json", str(same), "--csv", str(same))
+    assert r.returncode == 2 and "same file" in r.stderr and "Traceback" not in r.stderr
+    assert not same.exists()
+    r = _cli("scan", "toy-induction", "--quiet", "--scores", "induction,nope")
+    assert r.returncode == 2 and "unknown score 'nope'" in r.stderr
+    r = _cli("diagnose", "toy-induction", "--seg-len", "100")
+    assert r.returncode == 2 and "--seg-len" in r.stderr and "--seq-len" not in r.stderr
+    r = _cli("scan", "toy-induction", "--quiet", "--dtype", "float16", "--scores", "induction", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["settings"]["dtype"] == "torch.float16" and data["scores"]["induction"][1][0] > 0.99
+
+
+def test_cli_circuits_says_when_there_is_no_positional_preference():
+    from qkcircuits.cli.circuits import format_summary
+
+    s = {"head": "0.1", "model": "m", "fold_ln": True, "attn_scale": 1.0, "caveats": [],
+         "copying": {"ov": 0.0, "full_ov": 0.0, "full_ov_rank": 1, "n_heads": 4},
+         "k_composition": {"baseline": 0.1, "partners": []},
+         "positions": {"kind": "learned", "rows": "W_pos", "preferred_offset": 0, "score_at_preferred": 0.0,
+                       "score_at_0": 0.0, "score_range": 0.0, "mean_score": [0.0] * 5}}
+    text = format_summary(s)
+    assert "no positional preference" in text and "prefers offset" not in text
+    s["positions"].update(preferred_offset=1, score_at_preferred=2.0, score_range=2.0, mean_score=[0.0, 2.0, 1.0])
+    assert "prefers offset 1" in format_summary(s)
