@@ -47,6 +47,7 @@ from torch import Tensor
 from ._circuits import _head, _norm_kind, attn_input_hook, is_folded, layer_weights, normalize_rows, unembed_cols
 from ._errors import QKCircuitsError
 from ._heads import HeadsLike
+from ._sequences import repeated_tokens, segment_length, text_tokens, token_pool
 
 INPUTS = ("direct", "effective", "contextual")
 CORPUS = "natural_text() (qkcircuits/data/natural_text.txt)"
@@ -106,8 +107,6 @@ def corpus_stats(model) -> _CorpusStats:
     cached = _CACHE.get(model, {})
     if key in cached:
         return cached[key]
-    from ._sequences import repeated_tokens, segment_length, text_tokens
-
     if getattr(model, "tokenizer", None) is not None:
         seq_len = max(2, min(128, int(model.cfg.n_ctx) - 1))
         toks = text_tokens(model, seq_len=seq_len)                    # [rows, 1 + seq_len], BOS first
@@ -284,8 +283,6 @@ def rank_score(rank: Tensor, vocab: int) -> Tensor:
 def copying_tokens(model, n_tokens: int = 64, seed: int = 0) -> Tuple[Tensor, str]:
     """Source tokens for ``ov_copying``: a seeded sample of ``n_tokens`` corpus tokens that are in the
     token pool (no special tokens, no BOS); without a tokenizer, of the pool itself."""
-    from ._sequences import token_pool
-
     pool = token_pool(model)
     stats = corpus_stats(model)
     cands, where = pool.ids, "token pool (no token of it occurs in the corpus: inputs fall back to effective)"

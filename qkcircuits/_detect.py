@@ -35,6 +35,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from . import _contextual
 from ._capture import stream
 from ._circuits import _unembed_chunk
 from ._errors import QKCircuitsError
@@ -259,9 +260,7 @@ def scan(model, *, scores: Optional[Sequence[str]] = None, n_seqs: int = 8, seq_
                 out[name] = torch.stack([txt[layer][name] for layer in range(L)]).float().cpu()
 
     if "ov_copying" in names:
-        from ._contextual import ov_copying
-
-        out["ov_copying"], extra_settings["ov_copying"] = ov_copying(model, n_tokens=ov_tokens, seed=seed)
+        out["ov_copying"], extra_settings["ov_copying"] = _contextual.ov_copying(model, n_tokens=ov_tokens, seed=seed)
         bar.update(L)
     bar.close()
     eigen_full = None
