@@ -36,6 +36,8 @@ from ._results import HeadScores
 from ._sweep import HeadEffects, sweep
 from ._path_effects import PathEffects
 from ._patching import path_patch
+from ._trace import trace_induction
+from ._edges import edge_attribution
 
 __version__ = "0.1.0"
 
@@ -59,7 +61,7 @@ __all__ = sorted([
     "THRESHOLDS", "ablate", "as_metric", "attribution", "compare_to_random", "confirm_induction", "diagnose",
     "group_effect", "induction_loss", "logit_diff", "mask_score", "qk_statistics", "scan", "sweep", "target_masks",
     "text_loss",
-    "PathEffects", "path_patch",
+    "PathEffects", "edge_attribution", "path_patch", "trace_induction",
     # views
     *_VIEWS,
 ])
