@@ -28,7 +28,7 @@ GRID_DESCRIPTIONS = {
 }
 
 
-def grids(model, ctx: ViewContext, scores=None, effects=None, diagnostics=None) -> List[Dict]:
+def grids(model, ctx: ViewContext, scores=None, effects=None, diagnostics=None, trace=None) -> List[Dict]:
     """Layer × head grids: every score of ``scores`` (a HeadScores), eigenvalue copying (computed from the
     weights when the scores lack it), ablation ``effects`` (HeadEffects) and the number of diagnostics flags."""
     out: List[Dict] = []
@@ -52,6 +52,9 @@ def grids(model, ctx: ViewContext, scores=None, effects=None, diagnostics=None) 
         count = sum(f.float() for f in flags.values())
         out.append({"key": "flags", "figure": F.score_grid(count, "diagnostics flags (count)",
                                                            ", ".join(flags), "Reds")})
+    if trace is not None:                     # the circuit graph, drawn and clicked like a grid
+        from ._trace_view import circuit
+        out.append({"key": "circuit", "figure": circuit(trace)})
     return out
 
 
@@ -73,7 +76,8 @@ def head_info(ctx: ViewContext, head: Head, scores=None, effects=None, diagnosti
 
 
 def panel(ctx: ViewContext, head: Head, ids: Sequence[int], prompt: Optional[Sequence[int]] = None,
-          pattern: Optional[Tensor] = None, *, scores=None, effects=None, diagnostics=None, k: int = 5) -> Dict:
+          pattern: Optional[Tensor] = None, *, scores=None, effects=None, diagnostics=None, k: int = 5,
+          trace=None) -> Dict:
     """Everything shown for one head. ``pattern`` (its [q, k] attention on ``prompt``) is computed when
     not given; pass ``prompt=None`` to leave attention out."""
     model, name = ctx.model, str(head)
@@ -91,6 +95,9 @@ def panel(ctx: ViewContext, head: Head, ids: Sequence[int], prompt: Optional[Seq
     figs["comp"] = F.partners_bar(partners, name) if partners else None
     if not partners:
         notes.append("layer 0 reads only the embeddings: no earlier heads to compose with")
+    if trace is not None:                     # "reads from": top path-patching senders per input
+        from ._trace_view import reads_from
+        figs["reads"] = reads_from(trace, head)
     att = None
     if prompt is not None:
         if pattern is None:
