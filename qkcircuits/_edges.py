@@ -10,8 +10,9 @@ is then scored to first order:
 
     m(resid + Δ) − m(resid)  ≈  Σ_{batch, pos, d_model}  g · Δ       (divided like the metric)
 
-so effect ≈ −g·Δ for a score (clean − patched). Without a post-norm, g·Δ = Σ (z' − z)_h · (g W_Oᵀ)_h,
-so no Δ is ever materialised: g is projected once into every sender head's d_head space.
+so effect ≈ −g·Δ for a score (clean − patched). Each sender layer's Δ ([n_heads, batch, pos, d_model])
+is computed once and reused by every receiver layer above it (kept up to ``DELTA_CACHE_BYTES``, 1 GiB,
+then recomputed).
 
 Cost per receiver layer: ONE forward of that layer's attention (batch as given, not one copy per
 sender), one backward through the attention core per receiver metric (q: one for all heads; k and
@@ -80,23 +81,33 @@ def _grad_run(cache, layer: int):
     return resid, proj, leaf, got["pattern"], got["z"]
 
 
-def _sender_terms(model, cache, repl, layer: int, grads: Tensor) -> Tensor:
-    """Σ g·Δ for every head of sender ``layer`` and every stacked gradient: [n_grads, n_heads]."""
+# Δ of every head of a sender layer is reused by every receiver layer above it; keep them up to this budget.
+DELTA_CACHE_BYTES = 1024 * 2**20
+
+
+def _layer_deltas(model, cache, repl, layer: int) -> Tensor:
+    """Every head of sender ``layer``'s exact change to the residual: [n_heads, batch, pos, d_model]."""
     b, p = cache.tokens.shape
     z = cache.z[layer]                                                          # [b, p, H, d_head]
     H = z.shape[2]
     new = torch.stack([repl.value(layer, h, b, p).to(z).expand(b, p, z.shape[-1]) for h in range(H)], 2)
-    dz = new - z
     W_O = model.blocks[layer].attn.W_O.detach()                                 # [H, d_head, d_model]
+    delta = torch.einsum("bphd,hdm->hbpm", new - z, W_O)
     post = post_norm(model, layer)
-    if post is None:
-        return torch.einsum("nbpm,hdm,bphd->nh", grads, W_O, dz)
-    y = cache.attn_out[layer]
-    out = []
-    for h in range(H):
-        delta = post(y + dz[:, :, h] @ W_O[h]) - post(y)
-        out.append(torch.einsum("nbpm,bpm->n", grads, delta))
-    return torch.stack(out, 1)
+    if post is not None:
+        y = cache.attn_out[layer]
+        delta = torch.stack([post(y + delta[h]) - post(y) for h in range(H)])
+    return delta
+
+
+def _vjp(out: Tensor, inp: Tensor, cots: List[Tensor]) -> List[Tensor]:
+    """∂⟨out, cot⟩/∂inp for each cotangent: one batched backward (vmap) where the graph allows, else a loop."""
+    try:
+        (g,) = torch.autograd.grad(out, inp, grad_outputs=torch.stack(cots), retain_graph=True,
+                                   is_grads_batched=True)
+        return [t.detach() for t in g]
+    except RuntimeError:        # an op without a batching rule: one backward per cotangent
+        return [torch.autograd.grad(out, inp, grad_outputs=c, retain_graph=True)[0].detach() for c in cots]
 
 
 def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequence[str] = ("q", "k", "v"),
@@ -107,7 +118,8 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
     ``receivers`` default to every head of layers ≥ 1. ``metric``: None (induction for q/k, direct-logit
     for v), "induction" or "direct-logit" (``"loss"`` and callables need ``path_patch``).
     Memory: ``CleanCache`` as in ``path_patch``; per receiver layer one attention forward's autograd
-    graph over the batch and 3 × n_receiver_heads residual-sized gradients.
+    graph over the batch, 3 × n_receiver_heads residual-sized gradients, and the senders' Δ
+    (n_heads × batch × pos × d_model per sender layer, at most 1 GiB kept).
     """
     from ._model import model_name
 
@@ -134,6 +146,8 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
     by_layer: Dict[int, List[int]] = {}
     for i, r in enumerate(recv):
         by_layer.setdefault(r.layer, []).append(i)
+    deltas: Dict[int, Tensor] = {}
+    held = 0
     for R, idx in sorted(by_layer.items()):
         heads = [recv[i].head for i in idx]
         resid, proj, leaf, pattern, z = _grad_run(cache, R)
@@ -149,6 +163,7 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
             # Query heads of one KV group share k/v: separate their gradients by one backward per member.
             members = [[j for j, h in enumerate(heads) if (h % G if x != "q" else 0) == g]
                        for g in range(G if x != "q" else 1)]
+            cots = []
             for js in members:
                 if not js:
                     continue
@@ -158,16 +173,22 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
                     slot = h if x == "q" else h // G
                     cot = torch.zeros_like(g_in)
                     cot[:, :, slot] = g_in[:, :, slot]
-                    (g_res,) = torch.autograd.grad(proj[x], resid, grad_outputs=cot, retain_graph=True)
-                    grads.append(-m.sign * g_res.detach())
+                    cots.append(cot)
                     rows.append((idx[j], x))
+            grads += [-m.sign * g for g in _vjp(proj[x], resid, cots)]
         stacked = torch.stack(grads)                                             # [n, b, p, d_model]
         del resid, proj, leaf, pattern, z
         with torch.no_grad():
             for Ls in range(R):
                 if snd is not None and not any(s.layer == Ls for s in snd):
                     continue
-                terms = _sender_terms(model, cache, repl, Ls, stacked).float()   # [n, H]
+                delta = deltas.get(Ls)
+                if delta is None:
+                    delta = _layer_deltas(model, cache, repl, Ls)
+                    if held + delta.numel() * delta.element_size() <= DELTA_CACHE_BYTES:
+                        deltas[Ls] = delta
+                        held += delta.numel() * delta.element_size()
+                terms = torch.einsum("nbpm,hbpm->nh", stacked, delta).float()   # [n, H]
                 for n_, (i, x) in enumerate(rows):
                     for h in range(H):
                         if snd is None or Head(Ls, h) in snd:

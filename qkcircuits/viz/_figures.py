@@ -155,11 +155,11 @@ def reads_from_bars(rows: Sequence[Dict], head: str, kind: str = "exact") -> Dic
                 shapes.append(dict(type="line", x0=v, x1=v, y0=names[0], y1=names[-1], yref="y",
                                    line=dict(color=INPUT_COLOURS[x], dash=dash, width=1)))
     fig = go.Figure(traces, layout=_layout(
-        f"{head} reads from ({kind}; effect = harm to the metric; dotted: mean, dashed: p95 of all senders)",
-        height=max(220, 90 + 22 * len(order)), width=560, barmode="overlay", shapes=shapes,
-        xaxis=dict(title="path effect"), yaxis=dict(type="category", categoryorder="array",
-                                                    categoryarray=order[::-1]),
-        legend=dict(orientation="h", y=-0.25)))
+        f"{head} reads from ({kind} path patching)",
+        height=max(240, 110 + 22 * len(order)), width=600, barmode="overlay", shapes=shapes,
+        xaxis=dict(title="effect = harm to the metric (dotted: mean, dashed: p95 over all senders)"),
+        yaxis=dict(type="category", categoryorder="array", categoryarray=order[::-1]),
+        legend=dict(x=1, xanchor="right", y=0, yanchor="bottom")))
     return _fig(fig)
 
 
@@ -174,7 +174,8 @@ def circuit_graph(nodes: Sequence[Dict], edges: Sequence[Dict], n_layers: int, n
         (l0, h0), (l1, h1) = e["src"], e["dst"]
         traces.append(go.Scatter(x=[h0, h1], y=[l0, l1], mode="lines", showlegend=False, hoverinfo="skip",
                                  line=dict(color=INPUT_COLOURS[e["input"]], width=1 + 5 * min(1.0, abs(e["effect"])))))
-        annotations.append(dict(x=(h0 + h1) / 2, y=(l0 + l1) / 2, text=f"{e['input']} {e['effect']:.2f}",
+        # label at 40% of the way from the receiver: edges into one receiver fan out there
+        annotations.append(dict(x=h1 + 0.4 * (h0 - h1), y=l1 + 0.4 * (l0 - l1), text=f"{e['input']} {e['effect']:.2f}",
                                 showarrow=False, font=dict(size=9, color=INPUT_COLOURS[e["input"]]),
                                 bgcolor="rgba(255,255,255,0.7)"))
     by_label: Dict[str, List[Dict]] = {}
@@ -186,10 +187,13 @@ def circuit_graph(nodes: Sequence[Dict], edges: Sequence[Dict], n_layers: int, n
                                  marker=dict(size=14, color=LABEL_COLOURS.get(label, "#7f7f7f"),
                                              line=dict(color="#000", width=1)),
                                  hovertemplate="head %{text}<br>" + label + "<extra></extra>"))
+    # only the layers that hold traced heads (coordinates stay (head, layer), so clicks still name heads)
+    lo = min([n["layer"] for n in nodes], default=0)
+    hi = max([n["layer"] for n in nodes], default=n_layers - 1)
     fig = go.Figure(traces, layout=_layout(
-        title, height=max(300, min(900, 80 + 22 * n_layers)), width=max(420, 140 + 40 * n_heads),
+        title, height=max(320, min(900, 140 + 40 * (hi - lo + 1))), width=max(520, 160 + 70 * n_heads),
         annotations=annotations,
         xaxis=dict(title="head", range=[-0.5, n_heads - 0.5], dtick=1),
-        yaxis=dict(title="layer", range=[n_layers - 0.5, -0.5], dtick=1 if n_layers <= 16 else 5),
+        yaxis=dict(title="layer", range=[hi + 0.5, lo - 0.5], dtick=1 if hi - lo <= 16 else 2),
         legend=dict(orientation="h", y=-0.2)))
     return _fig(fig)

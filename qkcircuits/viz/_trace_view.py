@@ -27,7 +27,7 @@ def reads_from(res: PathEffects, head: Head, k: int = 3) -> Optional[Dict]:
     return F.reads_from_bars(rows, str(head), res.kind) if rows else None
 
 
-def circuit_edges(res: PathEffects, per_input: int = 3) -> List[Dict]:
+def circuit_edges(res: PathEffects, per_input: int = 2) -> List[Dict]:
     """Edges drawn: for every receiver and input, senders whose effect is above the 95th percentile of that
     receiver's senders and above zero (at most ``per_input``)."""
     out = []
@@ -40,14 +40,13 @@ def circuit_edges(res: PathEffects, per_input: int = 3) -> List[Dict]:
     return out
 
 
-def circuit(res: PathEffects, per_input: int = 3) -> Dict:
+def circuit(res: PathEffects, per_input: int = 2) -> Dict:
     """The traced heads (receivers and the senders of the drawn edges) as a graph coloured by scan label."""
     edges = circuit_edges(res, per_input)
     heads = list(dict.fromkeys([Head(*e["src"]) for e in edges] + list(res.receivers)))
     nodes = [{"head": str(h), "layer": h.layer, "index": h.head,
               "label": (res.labels.get(str(h)) or [""])[0]} for h in heads]
-    title = (f"circuit ({res.kind} path patching, {res.method}): edges above each receiver's p95, "
-             f"width = effect")
+    title = f"circuit ({res.kind}, {res.method}): edges above p95, width = effect"
     fig = F.circuit_graph(nodes, edges, res.n_layers, res.n_heads, title)
     fig["meta"] = {"name": "circuit", "description": "path-patching edges sender → receiver input (q/k/v)"}
     return fig
