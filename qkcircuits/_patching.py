@@ -374,12 +374,15 @@ class _Scorer:
 
 @dataclass
 class ShardSums:
-    """Additive results of one shard: ``patched[x]`` [n_receivers, n_layers, n_heads] metric sums (NaN where
-    not a sender), ``clean[x]`` [n_receivers] sums, ``count[x]`` the metric's denominator."""
+    """Additive results of one shard (prompt rows ``rows`` × ``receivers`` × the senders it was given):
+    ``patched[x]`` [n_receivers, n_layers, n_heads] metric sums (NaN where not computed), ``clean[x]``
+    [n_receivers] sums, ``count[x]`` the metric's denominator over these rows."""
 
     patched: Dict[str, Tensor]
     clean: Dict[str, Tensor]
     count: Dict[str, float]
+    receivers: List[Head] = field(default_factory=list)
+    rows: Tuple[int, int] = (0, 0)
 
 
 def _chunk(model, tokens: Tensor) -> int:
@@ -390,12 +393,13 @@ def _chunk(model, tokens: Tensor) -> int:
 
 def patch_shard(model, tokens: Tensor, repl: Replacement, receivers: Sequence[Head],
                 senders: Optional[Sequence[Head]], into: Sequence[str], metric: MetricLike = None,
-                progress=None, chunk: Optional[int] = None) -> ShardSums:
+                progress=None, chunk: Optional[int] = None, rows: Optional[Tuple[int, int]] = None) -> ShardSums:
     """Path-patch one shard of prompts (``tokens``) for a chunk of receivers and senders.
 
     ``repl`` must come from ``references`` over the WHOLE prompt set (sliced to these rows with
     ``shard_replacement`` for resample). Memory: the ``CleanCache`` of this shard plus one chunk of
     ``chunk`` stacked copies of the receiver layer's activations (default: ~256 MiB of patterns).
+    ``rows`` names the prompt rows of the whole set these are (default ``(0, len(tokens))``), for ``combine``.
     """
     L, H = model.cfg.n_layers, model.cfg.n_heads
     metrics = {x: resolve_metric(metric, x) for x in into}
@@ -429,17 +433,39 @@ def patch_shard(model, tokens: Tensor, repl: Replacement, receivers: Sequence[He
                     patched[x][idx, s.layer, s.head] = vals[j]
                 if progress is not None:
                     progress.update(len(part))
-    return ShardSums(patched, clean, count)
+    return ShardSums(patched, clean, count, list(receivers), rows or (0, int(tokens.shape[0])))
 
 
-def combine(shards: Sequence[ShardSums], metrics: Dict[str, _Metric]) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
-    """Effects and clean values from shard sums: mean = Σ sums / Σ counts; effect = sign · (clean − patched)."""
+def combine(shards: Sequence[ShardSums], metrics: Dict[str, _Metric], receivers: Sequence[Head]
+            ) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+    """Effects and clean values of ``receivers`` from shard sums, exactly.
+
+    Shards over the same prompt rows but different receivers/senders are merged by placement (each entry
+    computed once); prompt-row groups are then added: mean = Σ sums / Σ counts, effect = sign · (clean −
+    patched). An entry missing from any row group stays NaN.
+    """
+    groups: Dict[Tuple[int, int], List[ShardSums]] = {}
+    for s in shards:
+        groups.setdefault(s.rows, []).append(s)
+    pos = {r: i for i, r in enumerate(receivers)}
     effects, clean = {}, {}
     for x, m in metrics.items():
-        n = sum(s.count[x] for s in shards)
-        c = sum(s.clean[x] for s in shards) / n
-        pt = sum(s.patched[x] for s in shards) / n
-        effects[x] = m.sign * (c[:, None, None] - pt)
+        tot_p = tot_c = None
+        n = 0.0
+        for parts in groups.values():
+            gp = torch.full((len(receivers),) + tuple(parts[0].patched[x].shape[1:]), float("nan"))
+            gc = torch.full((len(receivers),), float("nan"))
+            for s in parts:
+                for i, r in enumerate(s.receivers):
+                    have = ~s.patched[x][i].isnan()
+                    gp[pos[r]][have] = s.patched[x][i][have]
+                    if not s.clean[x][i].isnan():
+                        gc[pos[r]] = s.clean[x][i]
+            n += parts[0].count[x]
+            tot_p = gp if tot_p is None else tot_p + gp
+            tot_c = gc if tot_c is None else tot_c + gc
+        c = tot_c / n
+        effects[x] = m.sign * (c[:, None, None] - tot_p / n)
         clean[x] = c
     return effects, clean
 
@@ -504,14 +530,14 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
         total = sum(len([s for s in snd if s.layer < R]) if snd is not None else R * H
                     for R in {r.layer for r in recv}) * len(into) * shards
         bar = tqdm(total=total, desc="path patching", unit="sender", leave=False, file=sys.stderr)
-    rows = torch.arange(tokens.shape[0]).chunk(max(1, min(shards, tokens.shape[0])))
+    blocks = [(int(r[0]), int(r[-1]) + 1) for r in torch.arange(tokens.shape[0]).chunk(max(1, min(shards, tokens.shape[0])))]
     try:
-        parts = [patch_shard(model, tokens[r[0]:r[-1] + 1], shard_replacement(repl, slice(int(r[0]), int(r[-1]) + 1)),
-                             recv, snd, into, metric, bar, chunk) for r in rows]
+        parts = [patch_shard(model, tokens[a:b], shard_replacement(repl, slice(a, b)), recv, snd, into, metric, bar,
+                             chunk, rows=(a, b)) for a, b in blocks]
     finally:
         if bar is not None:
             bar.close()
-    effects, clean = combine(parts, metrics)
+    effects, clean = combine(parts, metrics, recv)
     return PathEffects(model=model_name(model), method=method, receivers=recv, into=into,
                        metrics={x: m.name for x, m in metrics.items()}, effects=effects, clean=clean, kind="exact",
                        n_layers=model.cfg.n_layers, n_heads=H,

@@ -229,3 +229,23 @@ def test_bad_inputs_are_one_line_errors(hand_built):
         qk.path_patch(hand_built, "0.0", progress=False)
     with pytest.raises(QKCircuitsError, match="unknown path-patching metric"):
         qk.path_patch(hand_built, "1.0", metric="accuracy", progress=False)
+
+
+def test_shards_over_prompts_receivers_and_senders_combine_exactly(tmp_path_factory):
+    """The split issue 13's backend will use: references once over all prompts, shards of (prompt rows ×
+    receivers × senders) computed independently, then ``combine`` equals one ``path_patch``."""
+    from qkcircuits._patching import combine, patch_shard, resolve_metric, shard_replacement
+
+    model = qk.load(str(_tiny.llama_dir(tmp_path_factory)), device="cpu", verbose=False)
+    toks = qk.repeated_tokens(model, n_seqs=4, seg_len=8, seed=2)
+    recv = [qk.Head(1, 0), qk.Head(1, 3)]
+    whole = qk.path_patch(model, recv, method="resample", tokens=toks, progress=False)
+    repl = references(model, "resample", toks, [0])
+    senders = [qk.Head(0, h) for h in range(4)]
+    parts = [patch_shard(model, toks[a:b], shard_replacement(repl, slice(a, b)), [r], senders[s0:s0 + 2], "qkv",
+                         rows=(a, b))
+             for a, b in ((0, 1), (1, 4)) for r in recv for s0 in (0, 2)]
+    effects, clean = combine(parts, {x: resolve_metric(None, x) for x in "qkv"}, recv)
+    for x in "qkv":
+        assert torch.allclose(effects[x].nan_to_num(), whole.effects[x].nan_to_num(), atol=1e-5), x
+        assert torch.allclose(clean[x], whole.clean[x], atol=1e-5)
