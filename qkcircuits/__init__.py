@@ -35,6 +35,10 @@ from ._diagnose import HeadDiagnostics, diagnose, qk_statistics
 from ._metrics import Metric, as_metric, induction_loss, logit_diff, text_loss
 from ._results import HeadScores
 from ._sweep import HeadEffects, sweep
+from ._path_effects import PathEffects
+from ._patching import path_patch
+from ._trace import trace_induction
+from ._edges import edge_attribution
 
 __version__ = "0.1.0"
 
@@ -59,6 +63,7 @@ __all__ = sorted([
     "SCORE_NAMES", "TEXT_SCORES", "THRESHOLDS", "ablate", "as_metric", "attribution", "compare_to_random", "confirm_induction", "diagnose",
     "group_effect", "induction_loss", "logit_diff", "mask_score", "qk_statistics", "scan", "sweep", "target_masks",
     "text_loss",
+    "PathEffects", "edge_attribution", "path_patch", "trace_induction",
     # views
     *_VIEWS,
 ])

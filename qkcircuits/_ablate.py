@@ -247,6 +247,40 @@ class Runner:
                     setattr(parent, attr, layers)
         return out[:, -keep:] if keep is not None else out
 
+    def run_resid(self, start: int, resid: Tensor, hooks: list, **kwargs) -> Tensor:
+        """Run blocks ``start..`` on a given residual batch ``resid`` [n, pos, d_model] (e.g. the cached
+        residual plus a patch) with ``hooks``; gradient mode is the caller's. In ``full`` mode the tokens
+        are run from the start (repeated to ``n`` rows) and ``blocks.start.hook_resid_pre`` is replaced."""
+        model, n = self.model, resid.shape[0]
+        if self.mode == "full" or start == 0 and self.mode != "sliced":
+            b = self.tokens.shape[0]
+            tokens = self.tokens.repeat(n // b, 1)
+            splice = (f"blocks.{start}.hook_resid_pre", lambda t, hook: resid.to(t.dtype))
+            return model.run_with_hooks(tokens, fwd_hooks=[splice] + list(hooks), **kwargs)
+        if self.mode == "start_at_layer":
+            return model.run_with_hooks(resid, fwd_hooks=hooks, start_at_layer=start, **kwargs)
+        parent, attr = self._list
+        layers = getattr(parent, attr)
+        setattr(parent, attr, torch.nn.ModuleList(list(layers)[start:]))
+        try:
+            return model.run_with_hooks(resid, fwd_hooks=hooks, start_at_layer=start, **kwargs)
+        finally:
+            setattr(parent, attr, layers)
+
+    @classmethod
+    def from_cache(cls, model, tokens: Tokens, resid: Dict[int, Tensor], clean_logits: Tensor, *,
+                   from_layer: int, check: bool = True) -> "Runner":
+        """A Runner built from a clean pass the caller already ran (``resid`` holds ``hook_resid_pre`` of
+        every layer ``from_layer..``), so that pass is not repeated."""
+        self = cls.__new__(cls)
+        self.model, self.tokens, self.from_layer = model, tokens, from_layer
+        self.resid, self.clean_logits = resid, clean_logits
+        self._list = _block_list(model)
+        self.mode = "sliced" if self._list is not None else "start_at_layer"
+        if check:
+            self._self_check()
+        return self
+
 
 def _block_list(model):
     """(parent module, attribute) of the ModuleList inside the wrapped model that holds ``model.blocks``."""

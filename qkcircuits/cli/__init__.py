@@ -19,6 +19,7 @@ from .._io import check_writable
 
 # Subcommand modules, in the order `--help` lists them.
 COMMANDS = ["scan", "circuits", "ablate", "diagnose", "report", "serve"]
+COMMANDS.append("trace")
 # Arguments that name files a subcommand will write.
 OUTPUT_ARGS = ("json", "csv", "output")
 

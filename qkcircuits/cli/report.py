@@ -25,6 +25,8 @@ def add_parser(sub) -> None:
     p.add_argument("--scores", metavar="JSON", help="scores from `qkcircuits scan --json` (default: run a scan)")
     p.add_argument("--ablation", metavar="JSON", help="per-head effects from `qkcircuits ablate --sweep --json`")
     p.add_argument("--diagnostics", metavar="JSON", help="flags from `qkcircuits diagnose --json`")
+    p.add_argument("--trace", metavar="JSON", help="path effects from `qkcircuits trace --json` (circuit graph and "
+                                                   "a 'reads from' panel per traced head)")
     p.add_argument("--heads", help="heads to include besides the top ones, e.g. '5.1,L6H9'")
     p.add_argument("--per-score", type=non_negative_int, default=3, help="top heads per grid to precompute (default 3)")
     p.add_argument("--top-k", type=positive_int, default=5, help="output tokens per source token in the OV view")
@@ -71,9 +73,16 @@ def run(args: argparse.Namespace) -> int:
         # eigen_copying comes from the report's own weight-only pass
         scores = scan(model, eigen_copying=False, progress=not args.quiet)
         scores.model = args.model
+    trace = None
+    if getattr(args, "trace", None):
+        from .._path_effects import PathEffects
+        trace = PathEffects.from_json(_read(args.trace, "trace"))
+        if (trace.n_layers, trace.n_heads) != (model.cfg.n_layers, model.cfg.n_heads):
+            raise QKCircuitsError(f"the trace is for {trace.n_layers} layers x {trace.n_heads} heads, but the model "
+                                  f"has {model.cfg.n_layers} x {model.cfg.n_heads}")
     html = report_html(model, scores=scores, effects=effects, diagnostics=diagnostics, heads=args.heads,
                        tokens=args.tokens, prompt=args.prompt, per_score=args.per_score, k=args.top_k,
-                       title=args.model, input=args.input, progress=not args.quiet)
+                       title=args.model, input=args.input, progress=not args.quiet, trace=trace)
     write_report(args.output, html)
     print(f"wrote {args.output} ({len(html.encode('utf-8')) / 2 ** 20:.1f} MiB)", file=sys.stderr)
     return 0

@@ -47,7 +47,7 @@ def _tokens_field(model, ids) -> str:
 
 
 def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Optional[str] = None,
-               max_prompt: int = MAX_PROMPT) -> Flask:
+               max_prompt: int = MAX_PROMPT, trace=None) -> Flask:
     """The Flask app for ``model``; ``scores``/``effects``/``diagnostics`` add grids and numbers (optional)."""
     from .._model import model_name
 
@@ -71,7 +71,7 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
                     "mode": "server", "title": f"qkcircuits: {name}",
                     "summary": f"{L} layers x {H} heads; computed on demand; prompts up to {max_prompt} tokens"
                                + ("" if has_tok else "; no tokenizer: tokens are #ids and the prompt is space-separated ids"),
-                    "grids": grids(model, ctx, scores, effects, diagnostics), "heads": heads, "first": first,
+                    "grids": grids(model, ctx, scores, effects, diagnostics, trace), "heads": heads, "first": first,
                     "default_tokens": _tokens_field(model, default_ids),
                     "default_prompt": DEFAULT_PROMPT if has_tok else " ".join(map(str, prompt_ids(model, None))),
                 }
@@ -131,7 +131,7 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
             raise QKCircuitsError(f"the prompt is {len(pids)} tokens (with BOS); at most {max_prompt} are accepted")
         with lock:
             return jsonify(panel(ctx, head[0], ids, pids, scores=scores, effects=effects, diagnostics=diagnostics,
-                                 input=input))
+                                 input=input, trace=trace))
 
     @app.errorhandler(QKCircuitsError)
     def bad_input(e):

@@ -133,3 +133,77 @@ def partners_bar(partners: Sequence[Sequence], head: str) -> Dict:
                                         width=420, xaxis=dict(title="score − random baseline"),
                                         yaxis=dict(type="category")))
     return _fig(fig)
+
+
+# ------------------------------------------------------------------------------ path patching (trace)
+
+INPUT_COLOURS = {"q": "#1f77b4", "k": "#d62728", "v": "#2ca02c"}
+LABEL_COLOURS = {"induction": "#d62728", "previous-token": "#1f77b4", "duplicate-token": "#9467bd"}
+
+
+def reads_from_bars(rows: Sequence[Dict], head: str, kind: str = "exact") -> Dict:
+    """Top senders of one receiver per input (q, k, v): horizontal effect bars, one colour per input, with
+    the baseline (mean and p95 over all senders) as a dotted and a dashed line per input.
+
+    ``rows``: [{"input", "sender", "effect", "metric", "mean", "p95"}], best first within an input."""
+    traces, shapes = [], []
+    order = []
+    for x in ("q", "k", "v"):
+        rs = [r for r in rows if r["input"] == x]
+        if not rs:
+            continue
+        names = [f"{x}: {r['sender']}" for r in rs]
+        order += names
+        traces.append(go.Bar(x=[_r(r["effect"]) for r in rs], y=names, orientation="h", name=f"{x} ({rs[0]['metric']})",
+                             marker=dict(color=INPUT_COLOURS[x]),
+                             customdata=[[r["sender"], r["metric"], _r(r["mean"]), _r(r["p95"])] for r in rs],
+                             hovertemplate="sender %{customdata[0]} → " + x + "<br>effect %{x:.4f} (%{customdata[1]})"
+                                           "<br>baseline mean %{customdata[2]}, p95 %{customdata[3]}<extra></extra>"))
+        for key, dash in (("mean", "dot"), ("p95", "dash")):
+            v = _r(rs[0][key])
+            if v is not None:
+                shapes.append(dict(type="line", x0=v, x1=v, y0=names[0], y1=names[-1], yref="y",
+                                   line=dict(color=INPUT_COLOURS[x], dash=dash, width=1)))
+    fig = go.Figure(traces, layout=_layout(
+        f"{head} reads from ({kind} path patching)",
+        height=max(240, 110 + 22 * len(order)), width=600, barmode="overlay", shapes=shapes,
+        xaxis=dict(title="effect = harm to the metric (dotted: mean, dashed: p95 over all senders)"),
+        yaxis=dict(type="category", categoryorder="array", categoryarray=order[::-1]),
+        legend=dict(x=1, xanchor="right", y=0, yanchor="bottom")))
+    return _fig(fig)
+
+
+def circuit_graph(nodes: Sequence[Dict], edges: Sequence[Dict], n_layers: int, n_heads: int, title: str) -> Dict:
+    """Traced heads as a graph at (x = head, y = layer), so a click selects the head like a grid cell.
+
+    ``nodes``: [{"head": "L.H", "layer", "index", "label"}]; ``edges``: [{"src", "dst", "input", "effect"}] with
+    src/dst as (layer, head). Nodes are coloured by their first scan label; edges by input, labelled q/k/v."""
+    traces = []
+    annotations = []
+    for e in edges:
+        (l0, h0), (l1, h1) = e["src"], e["dst"]
+        traces.append(go.Scatter(x=[h0, h1], y=[l0, l1], mode="lines", showlegend=False, hoverinfo="skip",
+                                 line=dict(color=INPUT_COLOURS[e["input"]], width=1 + 5 * min(1.0, abs(e["effect"])))))
+        # label at 40% of the way from the receiver: edges into one receiver fan out there
+        annotations.append(dict(x=h1 + 0.4 * (h0 - h1), y=l1 + 0.4 * (l0 - l1), text=f"{e['input']} {e['effect']:.2f}",
+                                showarrow=False, font=dict(size=9, color=INPUT_COLOURS[e["input"]]),
+                                bgcolor="rgba(255,255,255,0.7)"))
+    by_label: Dict[str, List[Dict]] = {}
+    for n in nodes:
+        by_label.setdefault(n["label"] or "no label", []).append(n)
+    for label, ns in by_label.items():
+        traces.append(go.Scatter(x=[n["index"] for n in ns], y=[n["layer"] for n in ns], mode="markers+text",
+                                 name=label, text=[n["head"] for n in ns], textposition="middle right",
+                                 marker=dict(size=14, color=LABEL_COLOURS.get(label, "#7f7f7f"),
+                                             line=dict(color="#000", width=1)),
+                                 hovertemplate="head %{text}<br>" + label + "<extra></extra>"))
+    # only the layers that hold traced heads (coordinates stay (head, layer), so clicks still name heads)
+    lo = min([n["layer"] for n in nodes], default=0)
+    hi = max([n["layer"] for n in nodes], default=n_layers - 1)
+    fig = go.Figure(traces, layout=_layout(
+        title, height=max(320, min(900, 140 + 40 * (hi - lo + 1))), width=max(520, 160 + 70 * n_heads),
+        annotations=annotations,
+        xaxis=dict(title="head", range=[-0.5, n_heads - 0.5], dtick=1),
+        yaxis=dict(title="layer", range=[hi + 0.5, lo - 0.5], dtick=1 if hi - lo <= 16 else 2),
+        legend=dict(orientation="h", y=-0.2)))
+    return _fig(fig)

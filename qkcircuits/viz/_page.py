@@ -141,6 +141,7 @@ VIEWER_JS = r"""
     drawFig('fig-ov', p.figures.ov, '');
     drawFig('fig-pos', p.figures.pos, 'no positional profile (see notes)');
     drawFig('fig-comp', p.figures.comp, 'no K-composition partners (layer 0)');
+    drawFig('fig-reads', p.figures.reads, '');
     drawAttention(p.attention);
     highlight(p.layer, p.index);
     const sel = $('head-select'); if (sel && sel.value !== p.head) sel.value = p.head;
@@ -153,7 +154,7 @@ VIEWER_JS = r"""
       if (p) return drawPanel(p);
       text($('head-title'), 'Head ' + key);
       document.body.dataset.shownHead = key;
-      for (const id of ['fig-qk', 'fig-ov', 'fig-pos', 'fig-comp']) { Plotly.purge($(id)); $(id).replaceChildren(); }
+      for (const id of ['fig-qk', 'fig-ov', 'fig-pos', 'fig-comp', 'fig-reads']) { Plotly.purge($(id)); $(id).replaceChildren(); }
       $('info').replaceChildren(); $('attn').replaceChildren();
       text($('missing'), 'Head ' + key + ' was not precomputed for this report (' + SRC.left_out +
            '). Rerun: qkcircuits report MODEL --heads ' + key);
@@ -214,6 +215,7 @@ BODY = """
 <div class="figs">
   <div class="fig" id="fig-pos"></div><div class="fig" id="fig-comp"></div>
 </div>
+<div class="figs"><div class="fig" id="fig-reads"></div></div>
 <h2>Attention pattern on the prompt</h2>
 <div id="attn"></div>
 """

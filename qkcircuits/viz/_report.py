@@ -49,7 +49,7 @@ def pick_heads(grid_values: Dict[str, torch.Tensor], per_score: int, extra: Sequ
 
 def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=None, tokens: Optional[Sequence[str]] = None,
                 prompt: Optional[str] = None, per_score: int = 3, k: int = 5, title: Optional[str] = None,
-                input: Optional[str] = None, progress: bool = True) -> str:
+                input: Optional[str] = None, progress: bool = True, trace=None) -> str:
     """The report as one HTML string (see module docs). ``scores``: HeadScores (e.g. ``qk.scan(model)``);
     ``effects``: HeadEffects from ``sweep``; ``diagnostics``: HeadDiagnostics; ``heads``: extra heads to
     precompute; ``tokens``: the token set of the QK/OV views; ``prompt``: text for the attention patterns;
@@ -70,9 +70,11 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
     ctx = ViewContext(model)
     ids = token_set(model, tokens)
     pids = prompt_ids(model, prompt)
-    grid_list = grids(model, ctx, scores, effects, diagnostics)
-    values = {g["key"]: _grid_tensor(g) for g in grid_list}
+    grid_list = grids(model, ctx, scores, effects, diagnostics, trace)
+    values = {g["key"]: _grid_tensor(g) for g in grid_list if g["key"] != "circuit"}
     extra = model_heads(model, heads) if heads else []
+    if trace is not None:                     # every traced receiver gets its panel ("reads from")
+        extra += [h for h in trace.receivers if h not in extra]
     chosen = pick_heads(values, per_score, extra)
     if not chosen:
         raise QKCircuitsError("no heads to show: give per_score >= 1 or some heads")
@@ -80,7 +82,7 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
     panels = {}
     for h in tqdm(chosen, desc="report", unit="head", disable=not progress, leave=False):
         panels[str(h)] = panel(ctx, h, ids, pids, patterns[h], scores=scores, effects=effects,
-                               diagnostics=diagnostics, k=k, input=input)
+                               diagnostics=diagnostics, k=k, input=input, trace=trace)
     total = L * H
     left_out = (f"panels precomputed for {len(chosen)} of {total} heads: the top {per_score} of every grid"
                 + (", plus the heads asked for with --heads" if extra else "")

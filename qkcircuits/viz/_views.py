@@ -29,7 +29,7 @@ GRID_DESCRIPTIONS = {
 }
 
 
-def grids(model, ctx: ViewContext, scores=None, effects=None, diagnostics=None) -> List[Dict]:
+def grids(model, ctx: ViewContext, scores=None, effects=None, diagnostics=None, trace=None) -> List[Dict]:
     """Layer × head grids: every score of ``scores`` (a HeadScores), eigenvalue copying (computed from the
     weights when the scores lack it), ablation ``effects`` (HeadEffects) and the number of diagnostics flags."""
     out: List[Dict] = []
@@ -53,6 +53,9 @@ def grids(model, ctx: ViewContext, scores=None, effects=None, diagnostics=None) 
         count = sum(f.float() for f in flags.values())
         out.append({"key": "flags", "figure": F.score_grid(count, "diagnostics flags (count)",
                                                            ", ".join(flags), "Reds")})
+    if trace is not None:                     # the circuit graph, drawn and clicked like a grid
+        from ._trace_view import circuit
+        out.append({"key": "circuit", "figure": circuit(trace)})
     return out
 
 
@@ -75,7 +78,7 @@ def head_info(ctx: ViewContext, head: Head, scores=None, effects=None, diagnosti
 
 def panel(ctx: ViewContext, head: Head, ids: Sequence[int], prompt: Optional[Sequence[int]] = None,
           pattern: Optional[Tensor] = None, *, scores=None, effects=None, diagnostics=None, k: int = 5,
-          input: Optional[str] = None) -> Dict:
+          input: Optional[str] = None, trace=None) -> Dict:
     """Everything shown for one head. ``pattern`` (its [q, k] attention on ``prompt``) is computed when
     not given; pass ``prompt=None`` to leave attention out. ``input``: the token rows of the QK and OV
     views (direct, effective, contextual; default contextual past layer 0)."""
@@ -101,6 +104,9 @@ def panel(ctx: ViewContext, head: Head, ids: Sequence[int], prompt: Optional[Seq
     figs["comp"] = F.partners_bar(partners, name) if partners else None
     if not partners:
         notes.append("layer 0 reads only the embeddings: no earlier heads to compose with")
+    if trace is not None:                     # "reads from": top path-patching senders per input
+        from ._trace_view import reads_from
+        figs["reads"] = reads_from(trace, head)
     att = None
     if prompt is not None:
         if pattern is None:

@@ -1,0 +1,201 @@
+"""Edge attribution: a gradient estimate of every path-patching edge (sender → receiver's q, k or v).
+
+>>> est = qk.edge_attribution(model, "4.2,5.1")            # doctest: +SKIP   same PathEffects as path_patch
+>>> est.top("4.2", "k", 3)                                 # doctest: +SKIP
+
+For receiver r with metric m and input x ∈ {q, k, v}, let g = ∂m/∂(x-input residual of r), taken on
+the clean run with the other two inputs held clean. Each sender's exact change to the residual, Δ
+(the same Δ as ``path_patch``: (z' − z) W_O, or post(y + ·) − post(y) under a post-attention norm),
+is then scored to first order:
+
+    m(resid + Δ) − m(resid)  ≈  Σ_{batch, pos, d_model}  g · Δ       (divided like the metric)
+
+so effect ≈ −g·Δ for a score (clean − patched). Each sender layer's Δ ([n_heads, batch, pos, d_model])
+is computed once and reused by every receiver layer above it (kept up to ``DELTA_CACHE_BYTES``, 1 GiB,
+then recomputed).
+
+Cost per receiver layer: ONE forward of that layer's attention (batch as given, not one copy per
+sender), one backward through the attention core per receiver metric (q: one for all heads; k and
+v: one per member of a KV group, because query heads of a group share their keys and values), and
+one small backward through the input norm and projection per (receiver head, input). Exact path
+patching instead runs the layer's attention once per sender.
+
+Where the linear estimate is weak:
+- **Saturated softmax**: a receiver attending ~1.0 to its target has a vanishing gradient there; a
+  sender whose removal moves that attention far (the previous-token head of a sharp induction head)
+  is *underestimated*, sometimes badly. This is the main failure and why ``path_patch`` is the truth.
+- **Norms**: the input norm (ln1, and q/k-norm) rescales the whole residual; the gradient sees the
+  rescaling only locally, so large Δ (zero ablation of a big head) bend it. Mean ablation moves less.
+- **Metrics read through the final norm** (direct-logit) are linearised through it as well.
+Check the ranking against ``path_patch`` on the receivers you care about (``benchmarks/bench_patching.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ._capture import _Stop, _as_tokens, hook_name
+from ._errors import QKCircuitsError
+from ._heads import Head, HeadsLike, model_heads, n_kv_heads
+from ._path_effects import INPUTS, PathEffects
+from ._patching import (MetricLike, _check_into, _Scorer, _settings, check_method, clean_pass, default_prompts,
+                        post_norm, references, resolve_metric)
+
+
+def _grad_run(cache, layer: int):
+    """Layer ``layer``'s attention on the clean residual with gradients: returns the residual leaf, each
+    input's graph-connected projection (resid → ln1 → W_x, …) and the leaf the attention read instead,
+    and the pattern and z computed from those leaves."""
+    resid = cache.resid[layer].detach().clone().requires_grad_(True)
+    proj: Dict[str, Tensor] = {}
+    leaf: Dict[str, Tensor] = {}
+    got: Dict[str, Tensor] = {}
+
+    def cut(x: str):
+        def fn(t: Tensor, hook) -> Tensor:
+            proj[x] = t
+            leaf[x] = t.detach().clone().requires_grad_(True)
+            return leaf[x]
+        return fn
+
+    def grab(name: str, last: bool):
+        def fn(t: Tensor, hook) -> None:
+            got[name] = t
+            if last:
+                raise _Stop
+        return fn
+
+    hooks = [(hook_name(x, layer), cut(x)) for x in INPUTS]
+    hooks += [(hook_name("pattern", layer), grab("pattern", False)), (hook_name("z", layer), grab("z", True))]
+    with torch.enable_grad():
+        try:
+            cache.runner.run_resid(layer, resid, hooks)
+        except _Stop:
+            pass
+    if len(proj) < 3 or "z" not in got:
+        raise QKCircuitsError(f"layer {layer}'s attention did not fire hook_q/k/v/pattern/z when run from the "
+                              f"cached residual; edge attribution cannot run on this bridge")
+    return resid, proj, leaf, got["pattern"], got["z"]
+
+
+# Δ of every head of a sender layer is reused by every receiver layer above it; keep them up to this budget.
+DELTA_CACHE_BYTES = 1024 * 2**20
+
+
+def _layer_deltas(model, cache, repl, layer: int) -> Tensor:
+    """Every head of sender ``layer``'s exact change to the residual: [n_heads, batch, pos, d_model]."""
+    b, p = cache.tokens.shape
+    z = cache.z[layer]                                                          # [b, p, H, d_head]
+    H = z.shape[2]
+    new = torch.stack([repl.value(layer, h, b, p).to(z).expand(b, p, z.shape[-1]) for h in range(H)], 2)
+    W_O = model.blocks[layer].attn.W_O.detach()                                 # [H, d_head, d_model]
+    delta = torch.einsum("bphd,hdm->hbpm", new - z, W_O)
+    post = post_norm(model, layer)
+    if post is not None:
+        y = cache.attn_out[layer]
+        delta = torch.stack([post(y + delta[h]) - post(y) for h in range(H)])
+    return delta
+
+
+def _vjp(out: Tensor, inp: Tensor, cots: List[Tensor]) -> List[Tensor]:
+    """∂⟨out, cot⟩/∂inp for each cotangent: one batched backward (vmap) where the graph allows, else a loop."""
+    try:
+        (g,) = torch.autograd.grad(out, inp, grad_outputs=torch.stack(cots), retain_graph=True,
+                                   is_grads_batched=True)
+        return [t.detach() for t in g]
+    except RuntimeError:        # an op without a batching rule: one backward per cotangent
+        return [torch.autograd.grad(out, inp, grad_outputs=c, retain_graph=True)[0].detach() for c in cots]
+
+
+def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequence[str] = ("q", "k", "v"),
+                     metric: MetricLike = None, *, senders: Optional[HeadsLike] = None, method: str = "mean",
+                     tokens=None, per_position: bool = True) -> PathEffects:
+    """First-order estimate of ``path_patch``'s edges (same arguments, same result type, ``kind="attribution"``).
+
+    ``receivers`` default to every head of layers ≥ 1. ``metric``: None (induction for q/k, direct-logit
+    for v), "induction" or "direct-logit" (``"loss"`` and callables need ``path_patch``).
+    Memory: ``CleanCache`` as in ``path_patch``; per receiver layer one attention forward's autograd
+    graph over the batch, 3 × n_receiver_heads residual-sized gradients, and the senders' Δ
+    (n_heads × batch × pos × d_model per sender layer, at most 1 GiB kept).
+    """
+    from ._model import model_name
+
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    recv = model_heads(model, receivers) if receivers is not None else [Head(l, h) for l in range(1, L) for h in range(H)]
+    recv = [r for r in recv if r.layer > 0]
+    if not recv:
+        raise QKCircuitsError("no receivers in layer 1 or later: a layer-0 head reads no earlier head")
+    snd = model_heads(model, senders) if senders is not None else None
+    into = _check_into(into)
+    check_method(method)
+    if metric not in (None, "induction", "direct-logit"):
+        raise QKCircuitsError(f"edge_attribution supports metric None, 'induction' or 'direct-logit', got {metric!r}; "
+                              f"use path_patch for 'loss' or a custom metric")
+    metrics = {x: resolve_metric(metric, x) for x in into}
+    tokens = _as_tokens(model, tokens if tokens is not None else default_prompts(model))
+    sender_layers = sorted({s.layer for s in snd} if snd is not None else set(range(max(r.layer for r in recv))))
+    repl = references(model, method, tokens, sender_layers, per_position)
+    cache = clean_pass(model, tokens, [r.layer for r in recv],
+                       need_final=any(m.name == "direct-logit" for m in metrics.values()))
+    G = H // n_kv_heads(model)
+    effects = {x: torch.full((len(recv), L, H), float("nan")) for x in into}
+    clean = {x: torch.full((len(recv),), float("nan")) for x in into}
+    by_layer: Dict[int, List[int]] = {}
+    for i, r in enumerate(recv):
+        by_layer.setdefault(r.layer, []).append(i)
+    deltas: Dict[int, Tensor] = {}
+    held = 0
+    for R, idx in sorted(by_layer.items()):
+        heads = [recv[i].head for i in idx]
+        resid, proj, leaf, pattern, z = _grad_run(cache, R)
+        rows: List[tuple] = []                    # (receiver index, input) per stacked gradient
+        grads: List[Tensor] = []
+        for x in into:
+            m = metrics[x]
+            scorer = _Scorer(model, cache, R, heads, m)
+            count = scorer.count()
+            with torch.enable_grad():
+                values = scorer.sums(pattern, z, 1)[0] / count                  # [len(heads)] means, in the graph
+            clean[x][idx] = values.detach().float()
+            # Query heads of one KV group share k/v: separate their gradients by one backward per member.
+            members = [[j for j, h in enumerate(heads) if (h % G if x != "q" else 0) == g]
+                       for g in range(G if x != "q" else 1)]
+            cots = []
+            for js in members:
+                if not js:
+                    continue
+                (g_in,) = torch.autograd.grad(values[js].sum(), leaf[x], retain_graph=True)
+                for j in js:
+                    h = heads[j]
+                    slot = h if x == "q" else h // G
+                    cot = torch.zeros_like(g_in)
+                    cot[:, :, slot] = g_in[:, :, slot]
+                    cots.append(cot)
+                    rows.append((idx[j], x))
+            grads += [-m.sign * g for g in _vjp(proj[x], resid, cots)]
+        stacked = torch.stack(grads)                                             # [n, b, p, d_model]
+        del resid, proj, leaf, pattern, z
+        with torch.no_grad():
+            for Ls in range(R):
+                if snd is not None and not any(s.layer == Ls for s in snd):
+                    continue
+                delta = deltas.get(Ls)
+                if delta is None:
+                    delta = _layer_deltas(model, cache, repl, Ls)
+                    if held + delta.numel() * delta.element_size() <= DELTA_CACHE_BYTES:
+                        deltas[Ls] = delta
+                        held += delta.numel() * delta.element_size()
+                terms = torch.einsum("nbpm,hbpm->nh", stacked, delta).float()   # [n, H]
+                for n_, (i, x) in enumerate(rows):
+                    for h in range(H):
+                        if snd is None or Head(Ls, h) in snd:
+                            effects[x][i, Ls, h] = terms[n_, h]
+    n_edges = sum(int((~effects[into[0]][i].isnan()).sum()) for i in range(len(recv)))
+    return PathEffects(model=model_name(model), method=method, receivers=recv, into=into,
+                       metrics={x: m.name for x, m in metrics.items()}, effects=effects, clean=clean,
+                       kind="attribution", n_layers=L, n_heads=H,
+                       settings=_settings(model, tokens, per_position, repl.reference, n_edges,
+                                          len(by_layer)))

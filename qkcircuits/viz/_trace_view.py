@@ -1,0 +1,52 @@
+"""Views of a trace (``PathEffects``): a per-head "reads from" panel and the circuit graph.
+
+>>> fig = reads_from(res, Head(4, 2))          # doctest: +SKIP   top senders per input, with the baseline
+>>> fig = circuit(res)                          # doctest: +SKIP   traced heads as a graph, edges above p95
+
+The report (``report_html(..., trace=res)``) and the app (``create_app(..., trace=res)``) embed both.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+from .._heads import Head
+from .._path_effects import PathEffects
+from . import _figures as F
+
+
+def reads_from(res: PathEffects, head: Head, k: int = 3) -> Optional[Dict]:
+    """The "reads from" figure of ``head`` when it is one of the trace's receivers, else None."""
+    if head not in res.receivers:
+        return None
+    rows = []
+    for x in res.into:
+        b = res.baseline(head, x)
+        for s, e in res.top(head, x, k):
+            rows.append({"input": x, "sender": str(s), "effect": e, "metric": res.metrics[x], **b})
+    return F.reads_from_bars(rows, str(head), res.kind) if rows else None
+
+
+def circuit_edges(res: PathEffects, per_input: int = 2) -> List[Dict]:
+    """Edges drawn: for every receiver and input, senders whose effect is above the 95th percentile of that
+    receiver's senders and above zero (at most ``per_input``)."""
+    out = []
+    for r in res.receivers:
+        for x in res.into:
+            p95 = res.baseline(r, x)["p95"]
+            for s, e in res.top(r, x, per_input):
+                if e > p95 and e > 0:
+                    out.append({"src": (s.layer, s.head), "dst": (r.layer, r.head), "input": x, "effect": e})
+    return out
+
+
+def circuit(res: PathEffects, per_input: int = 2) -> Dict:
+    """The traced heads (receivers and the senders of the drawn edges) as a graph coloured by scan label."""
+    edges = circuit_edges(res, per_input)
+    heads = list(dict.fromkeys([Head(*e["src"]) for e in edges] + list(res.receivers)))
+    nodes = [{"head": str(h), "layer": h.layer, "index": h.head,
+              "label": (res.labels.get(str(h)) or [""])[0]} for h in heads]
+    title = f"circuit ({res.kind}, {res.method}): edges above p95, width = effect"
+    fig = F.circuit_graph(nodes, edges, res.n_layers, res.n_heads, title)
+    fig["meta"] = {"name": "circuit", "description": "path-patching edges sender → receiver input (q/k/v)"}
+    return fig
