@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from jaxtyping import Float
@@ -48,6 +48,8 @@ class HeadEffects:
     per_position: bool = True
     reference: str = "none"
     layers: List[int] = field(default_factory=list)
+    timing: Dict[str, float] = field(default_factory=dict)     # startup_s, load_s, sweep_s (seconds)
+    backend: Dict[str, Any] = field(default_factory=dict)      # {"name": "ray", "workers", "shards", ...}
 
     def top(self, k: int = 10, *, by: str = "value") -> List[Tuple[Head, float]]:
         """The ``k`` heads with the largest effect (``by="abs"``: largest magnitude)."""
@@ -77,7 +79,8 @@ class HeadEffects:
 
 def sweep(model, tokens, metric="induction-loss", method: str = "zero", *, reference=None,
           per_position: bool = True, layers: Optional[Iterable[int]] = None, max_batch: Optional[int] = None,
-          progress: bool = True) -> HeadEffects:
+          progress: bool = True, backend: str = "local", ray_address: Optional[str] = None,
+          workers: Optional[int] = None) -> HeadEffects:
     """Effect of ablating each head of ``layers`` (default all) alone on ``metric`` over ``tokens``.
 
     ``method``/``reference``/``per_position`` as in ``ablate`` (without ``reference``, mean uses
@@ -87,8 +90,26 @@ def sweep(model, tokens, metric="induction-loss", method: str = "zero", *, refer
     Memory: the residual stream entering each layer from the first swept one on (at most
     n_layers × batch × pos × d_model), the replacement z (mean/resample), and one batched
     forward's activations and logits.
+
+    ``backend="ray"``: ``model`` is the model's spec (``"smollm2-135m"``, a path), ``tokens`` a
+    [batch, pos] id tensor; ``workers`` Ray actors each load the model once and sweep shards of
+    (prompts, layers); ``ray_address`` None -> ``$RAY_ADDRESS`` if set, else a local instance
+    (``"local:N"``: a local instance with N workers). Equal to the local sweep to float rounding
+    (docs/scaling.md); ``timing`` gets ``startup_s``, ``load_s``, ``sweep_s``.
     """
+    import time
+
     from ._model import model_name
+
+    if backend == "ray":
+        from ._distributed import ray_sweep
+
+        return ray_sweep(model, tokens, metric, method, reference=reference, per_position=per_position,
+                         layers=layers, max_batch=max_batch, progress=progress, ray_address=ray_address,
+                         workers=workers)
+    if backend != "local":
+        raise QKCircuitsError(f"unknown backend {backend!r}; use 'local' or 'ray'")
+    t0 = time.perf_counter()
 
     tokens, metric = _prepare(model, tokens, metric)
     layers = _check_layers(model, layers)
@@ -108,7 +129,8 @@ def sweep(model, tokens, metric="induction-loss", method: str = "zero", *, refer
         if bar is not None:
             bar.close()
     return HeadEffects(effects, baseline, model_name(model), method, metric.name, "sweep", int(tokens.shape[0]),
-                       int(tokens.shape[1]), per_position, repl.reference, list(layers))
+                       int(tokens.shape[1]), per_position, repl.reference, list(layers),
+                       timing={"sweep_s": round(time.perf_counter() - t0, 3)}, backend={"name": "local"})
 
 
 def naive_sweep(model, tokens, metric="induction-loss", method: str = "zero", *, reference=None,

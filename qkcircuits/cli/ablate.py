@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from .._errors import QKCircuitsError
 from ._common import add_model_args, load_model, non_negative_int, positive_int, write_atomic
@@ -29,6 +30,9 @@ def add_parser(sub) -> None:
                    help="length of R (induction-loss; default 40, capped by context and vocabulary) or of each text row (text-loss, default 40)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random prompts (default 0)")
     p.add_argument("--top", type=positive_int, default=10, help="heads listed after --sweep (default 10)")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS|local:N",
+                   help="--sweep on Ray workers that each load the model: an address (host:port, ray://...), "
+                        "local:N (a local instance with N one-thread workers), or nothing ($RAY_ADDRESS, else local)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -40,7 +44,13 @@ def run(args: argparse.Namespace) -> int:
     from .._metrics import as_metric, default_tokens
     from .._sweep import sweep
 
+    if args.ray is not None:
+        if not args.sweep:
+            raise QKCircuitsError("--ray runs --sweep on Ray workers; add --sweep (or drop --ray for --heads)")
+        return run_ray(args)
+    t0 = time.perf_counter()
     model = load_model(args)
+    load_s = time.perf_counter() - t0
     metric = as_metric(args.metric, model)
     heads = model_heads(model, args.heads) if args.heads is not None else None   # bad heads fail before any forward
     tokens = default_tokens(model, metric, n_seqs=args.n_seqs, seq_len=args.seq_len, seed=args.seed)
@@ -50,19 +60,46 @@ def run(args: argparse.Namespace) -> int:
            "n_positions": int(tokens.shape[1]), "seed": args.seed}
     if args.sweep:
         res = sweep(model, tokens, metric, args.method, progress=not args.quiet)
-        # Every HeadEffects field (so `qkcircuits report --ablation` reads it back) plus the CLI's own keys.
-        out = {**json.loads(res.to_json()), **out}
-        print(f"{args.model}: {metric.name} baseline {res.baseline:.4f} over {tokens.shape[0]} prompts x "
-              f"{tokens.shape[1]} tokens; {args.method} ablation of each head alone, largest effects:")
-        for head, value in res.top(args.top):
-            print(f"  {str(head):<8}{value:+.4f}")
+        res.timing = {"startup_s": 0.0, "load_s": round(load_s, 3), **res.timing}
+        out = _print_sweep(args, res, out)
     else:
         g = group_effect(model, heads, tokens, metric, args.method)
         out.update(heads=[str(h) for h in g.heads], baseline=g.baseline, ablated=g.ablated, effect=g.effect)
         print(f"{args.model}: {metric.name} over {tokens.shape[0]} prompts x {tokens.shape[1]} tokens, "
               f"{args.method} ablation of {', '.join(str(h) for h in g.heads)}")
         print(f"  baseline {g.baseline:.4f}   ablated {g.ablated:.4f}   change {g.effect:+.4f}")
+    _write(args, out)
+    return 0
+
+
+def run_ray(args: argparse.Namespace) -> int:
+    """The sweep on Ray: workers load the model and draw the prompts; this process loads no weights."""
+    from .._distributed import ray_sweep
+
+    load_kwargs = {"device": args.device, "dtype": args.dtype, "fold_ln": not args.no_fold_ln}
+    res = ray_sweep(args.model, {"n_seqs": args.n_seqs, "seq_len": args.seq_len, "seed": args.seed}, args.metric,
+                    args.method, progress=not args.quiet, ray_address=args.ray, load_kwargs=load_kwargs)
+    out = {"model": args.model, "method": args.method, "metric": res.metric, "n_seqs": res.n_prompts,
+           "n_positions": res.n_positions, "seed": args.seed}
+    _write(args, _print_sweep(args, res, out))
+    return 0
+
+
+def _print_sweep(args, res, out: dict) -> dict:
+    """Print the top effects; return every HeadEffects field (so `report --ablation` reads it) + the CLI's keys."""
+    out = {**json.loads(res.to_json()), **out}
+    print(f"{args.model}: {res.metric} baseline {res.baseline:.4f} over {res.n_prompts} prompts x "
+          f"{res.n_positions} tokens; {args.method} ablation of each head alone, largest effects:")
+    for head, value in res.top(args.top):
+        print(f"  {str(head):<8}{value:+.4f}")
+    t = res.timing
+    if res.backend.get("name") == "ray":
+        print(f"  ray: {res.backend['workers']} workers, {res.backend['shards']} shards; start-up {t['startup_s']:.1f} s, "
+              f"load {t['load_s']:.1f} s, sweep {t['sweep_s']:.1f} s", file=sys.stderr)
+    return out
+
+
+def _write(args, out: dict) -> None:
     if args.json:
         write_atomic(args.json, json.dumps(out, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)
-    return 0

@@ -1,0 +1,165 @@
+"""Fold LayerNorm into the weights holding ONE copy of them at a time (``qk.load(..., lean=True)``).
+
+>>> bridge = TransformerBridge.boot_transformers(...)        # doctest: +SKIP
+>>> fold_in_place(bridge)                                    # doctest: +SKIP  == enable_compatibility_mode()
+
+Where the extra copies of ``enable_compatibility_mode()`` live (measured on SmolLM2, fp32, CPU:
+538 MB of weights, see docs/benchmarks.md "Memory"):
+
+1. TransformerLens's weight processing is a chain of pure functions over the whole state dict
+   (``fold_layer_norm``, ``center_writing_weights``, ``center_unembed``, ``fold_value_biases``),
+   and each starts with ``{k: v.clone() ...}``. While one step runs, the model's own parameters,
+   the step's input dict and its output dict are all alive: three copies (peak +1.3 GB).
+2. Untying the embedding from the unembedding (so that centring W_U leaves W_E alone) adds one
+   [vocab, d_model] matrix (113 MB): a real, needed copy.
+3. What is freed is kept by glibc's allocator: tensors under its dynamic mmap threshold (32 MB)
+   come from the heap, and a fragmented heap is not returned to the system, so the process stays
+   ~0.7 GB above what its live tensors need.
+
+What this module changes (the arithmetic is TransformerLens's own, so the weights come out
+bit-identical to ``enable_compatibility_mode()``; tests/test_lean.py checks it on GPT-2-, Llama-GQA-,
+MQA- and Gemma-3-shaped models): the model's parameters are handed over to the processing (their
+storage is released: they point at the meta device until the processed weights are put back), each
+step's defensive clone becomes a view (the processing owns every tensor it sees), and the dict the
+previous step returned is emptied as the next step takes it, so a weight that a step replaces is
+freed at once. Afterwards ``malloc_trim`` gives the freed heap back (glibc only). If the
+processing leaves any parameter unplaced (an architecture whose processed weights do not reach
+every parameter), ``LeanIncomplete`` is raised and ``load`` starts over without the lean path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+from typing import Dict, Iterator
+
+import torch
+from torch import Tensor
+
+# The whole-state-dict steps of transformer_lens.weight_processing.ProcessWeights that clone their input.
+_STEPS = ("fold_layer_norm", "center_writing_weights", "center_unembed", "fold_value_biases",
+          "refactor_factored_attn_matrices")
+
+
+class LeanIncomplete(RuntimeError):
+    """The processed weights did not reach every parameter; the caller reloads without the lean path."""
+
+
+class _Owned(torch.Tensor):
+    """A tensor the weight processing owns outright: its ``clone()`` MOVES the data, no copy.
+
+    ``clone()`` returns a plain tensor on the same storage and empties this one: CPython keeps a
+    call's arguments alive on the caller's stack until the call returns, so the dict a step was
+    given (and every tensor in it) outlives the step; emptied, it holds no memory. Arithmetic on
+    an ``_Owned`` gives ordinary tensors (torch-function dispatch is disabled), so the subclass
+    never leaks past the one ``{k: v.clone()}`` comprehension it exists for.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def clone(self, *args, **kwargs) -> Tensor:  # noqa: D102  (see class docstring)
+        out = torch.Tensor.detach(self)            # a new plain tensor on the same storage
+        torch.Tensor.set_(self)                    # this one lets go of it
+        return out
+
+
+def _owned(state_dict: Dict[str, object]) -> Dict[str, object]:
+    """The dict's tensors moved into ``_Owned`` ones; the dict and the tensors it held are emptied.
+
+    Emptying the given tensors (not only the dict) matters: TransformerLens's processing keeps a
+    reference to some of them in a running frame until it ends, which kept ~0.3 GB of replaced
+    SmolLM2 weights alive.
+    """
+    out: Dict[str, object] = {}
+    for k, v in state_dict.items():
+        if type(v) is torch.Tensor:
+            out[k] = torch.Tensor.detach(v).as_subclass(_Owned)
+            torch.Tensor.set_(v)
+        else:
+            out[k] = v
+    state_dict.clear()
+    return out
+
+
+def _release_parameters(model: torch.nn.Module, state_dict: Dict[str, object]) -> int:
+    """Point every parameter that IS a state-dict entry at the meta device (same shape).
+
+    A parameter the dict only holds slices of (GPT-2's joint q/k/v weight, split by the bridge)
+    keeps its storage: the processing never puts it back, and TransformerLens leaves it as it was.
+    """
+    held = {(v.data_ptr(), tuple(v.shape), v.stride()) for v in state_dict.values() if isinstance(v, Tensor)}
+    n = 0
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or p.device.type == "meta" or (p.data_ptr(), tuple(p.shape), p.stride()) not in held:
+                continue
+            module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                          requires_grad=p.requires_grad)
+            n += 1
+    return n
+
+
+@contextlib.contextmanager
+def _lean_steps(bridge) -> Iterator[None]:
+    from transformer_lens.weight_processing import ProcessWeights
+
+    saved = {name: ProcessWeights.__dict__[name] for name in _STEPS + ("process_weights",)
+             if name in ProcessWeights.__dict__}
+
+    def step(fn):
+        def run(state_dict, *args, **kwargs):
+            return fn(_owned(state_dict), *args, **kwargs)
+        return staticmethod(run)
+
+    def process(fn):
+        def run(state_dict, *args, **kwargs):
+            # The bridge's caller keeps its own reference to this dict; hand the tensors over
+            # and empty it, then release the parameters they came from.
+            mine = _owned(state_dict)
+            _release_parameters(bridge, mine)
+            return fn(_pop(mine), *args, **kwargs)
+        return staticmethod(run)
+
+    try:
+        for name, fn in saved.items():
+            setattr(ProcessWeights, name, process(fn.__func__) if name == "process_weights" else step(fn.__func__))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(ProcessWeights, name, fn)
+
+
+def _pop(d: Dict[str, object]) -> Dict[str, object]:
+    """``d``'s items in a new dict, ``d`` emptied: the caller's frame keeps no reference to the tensors."""
+    out = dict(d)
+    d.clear()
+    return out
+
+
+def fold_in_place(bridge) -> None:
+    """``bridge.enable_compatibility_mode(disable_warnings=True)`` with one copy of the weights at a time.
+
+    Raises ``LeanIncomplete`` (the bridge is then unusable: reload it) if a parameter was left on
+    the meta device.
+    """
+    trim_heap()                                    # what the dequantisation freed, before the peak
+    with _lean_steps(bridge):
+        bridge.enable_compatibility_mode(disable_warnings=True)
+    missing = [n for n, p in bridge.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise LeanIncomplete(f"{len(missing)} parameters were not placed back, e.g. {missing[0]}")
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Return freed heap memory to the system (glibc ``malloc_trim``; a no-op elsewhere)."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        if hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass

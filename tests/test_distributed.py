@@ -1,0 +1,139 @@
+"""Ray backend: the sharded sweep equals the local one, survives a killed worker, fails in one line.
+
+One local Ray instance (2 CPUs, no dashboard) is started for the module and shut down after it.
+Ground truth: the local ``qk.sweep`` on the same model and prompts (itself tested against the
+naive per-head loop in tests/test_ablate.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import pytest
+import torch
+
+import _tiny
+import qkcircuits as qk
+from qkcircuits import QKCircuitsError
+
+ray = pytest.importorskip("ray")
+
+from qkcircuits import _distributed as dist  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = _tiny.llama_dir(tmp_path_factory)
+    return folder, qk.load(folder, device="cpu", verbose=False)
+
+
+def _tokens(model, n=8):
+    return qk.repeated_tokens(model, n_seqs=n, seg_len=10, seed=3)
+
+
+@pytest.mark.parametrize("method", ["mean", "resample"])
+def test_ray_sweep_equals_local_sweep(method, llama, ray_local):
+    folder, model = llama
+    tokens = _tokens(model)
+    local = qk.sweep(model, tokens, "induction-loss", method, progress=False)
+    # prompts cut into 4 chunks of 2 and layers into groups: mean/resample references must come from
+    # the whole prompt set (resample: row i gets row i-1 across chunk borders), not per shard.
+    res = dist.ray_sweep(str(folder), tokens, "induction-loss", method, workers=2, shard_prompts=2, progress=False)
+    assert res.backend["shards"] >= 4 and res.backend["workers"] == 2
+    assert res.effects.abs().max() > 1e-3                                  # not trivially zero
+    torch.testing.assert_close(res.effects, local.effects, atol=1e-5, rtol=0)
+    assert abs(res.baseline - local.baseline) < 1e-5
+    assert set(res.timing) >= {"startup_s", "load_s", "sweep_s"} and all(v >= 0 for v in res.timing.values())
+    assert res.reference == local.reference and res.layers == local.layers
+
+
+def test_killed_worker_shard_reruns_once(llama, ray_local):
+    """SIGKILL a worker process right after a shard is dispatched to it, once some shard has finished."""
+    folder, model = llama
+    tokens = _tokens(model)
+    local = qk.sweep(model, tokens, "induction-loss", "mean", progress=False)
+    state = {"results": [], "killed": None, "retries": 0}
+
+    def on_event(kind, info):
+        if info["job"] != "sweep_shard":
+            return
+        if kind == "result":
+            state["results"].append(info["shard"])
+        elif kind == "retry":
+            state["retries"] += 1
+        elif kind == "dispatch" and state["results"] and state["killed"] is None:
+            state["killed"] = info["pid"]
+            os.kill(info["pid"], signal.SIGKILL)
+
+    res = dist.ray_sweep(str(folder), tokens, "induction-loss", "mean", workers=2, shard_prompts=2,
+                         progress=False, on_event=on_event)
+    assert state["killed"] is not None and state["retries"] == 1 and res.backend["retries"] == 1
+    # every shard's result was recorded exactly once ...
+    assert sorted(state["results"]) == list(range(res.backend["shards"]))
+    # ... and the combined result is the local one
+    torch.testing.assert_close(res.effects, local.effects, atol=1e-5, rtol=0)
+
+
+def test_plan_sweep_covers_every_head_once_and_balances_cost():
+    shards, costs = dist.plan_sweep(100, range(30), 30, 9, n_workers=4, shard_prompts=50)
+    seen = [(r, L) for s in shards for r in range(*s["rows"]) for L in s["layers"]]
+    assert len(seen) == len(set(seen)) == 100 * 30
+    assert len(shards) == 8                                    # 2 prompt chunks x 4 layer groups
+    groups = [s["layers"] for s in shards[:4]]
+    assert all(g == sorted(g) for g in groups)                 # contiguous layer ranges
+    work = [sum(dist.layer_cost(L, 30, 9) for L in g) for g in groups]
+    assert max(work) / min(work) < 1.35                        # equal cost, not equal layer counts
+    assert len(groups[0]) < len(groups[-1])                    # early layers cost more per layer
+
+
+def test_ray_errors_are_one_line(monkeypatch, llama):
+    folder, model = llama
+    tokens = _tokens(model, 2)
+    with pytest.raises(QKCircuitsError, match=r"cannot reach Ray at '127.0.0.1:9'.*ray start --head.*local:N") as e:
+        qk.sweep(str(folder), tokens, backend="ray", ray_address="127.0.0.1:9")
+    assert "\n" not in str(e.value)
+    with pytest.raises(QKCircuitsError, match="not host:port"):
+        qk.sweep(str(folder), tokens, backend="ray", ray_address="nonsense")
+    with pytest.raises(QKCircuitsError, match=r"local:N must be a positive integer"):
+        qk.sweep(str(folder), tokens, backend="ray", ray_address="local:0")
+    with pytest.raises(QKCircuitsError, match="needs the model's spec"):
+        qk.sweep(model, tokens, backend="ray")
+    with pytest.raises(QKCircuitsError, match="unknown backend 'dask'"):
+        qk.sweep(model, tokens, backend="dask")
+    monkeypatch.setitem(sys.modules, "ray", None)            # as if ray were not installed
+    with pytest.raises(QKCircuitsError, match=r"needs the ray package.*pip install 'qkcircuits\[ray\]'"):
+        qk.sweep(str(folder), tokens, backend="ray")
+
+
+def test_ray_address_defaults_to_env(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.1.2.3:6379")
+    assert dist.Target.parse(None).address == "10.1.2.3:6379"
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert dist.Target.parse(None) == dist.Target(None, None)
+    assert dist.Target.parse("local:3") == dist.Target(None, 3)
+
+
+def test_cli_ablate_sweep_ray_equals_local(tmp_path, ray_local, capsys):
+    from qkcircuits.cli import main
+
+    a, b = tmp_path / "local.json", tmp_path / "ray.json"
+    common = ["ablate", "toy-induction", "--sweep", "--n-seqs", "4", "--seq-len", "6", "--quiet", "--method", "mean"]
+    assert main(common + ["--json", str(a)]) == 0
+    assert main(common + ["--ray", "local:2", "--json", str(b)]) == 0
+    la, lb = json.loads(a.read_text()), json.loads(b.read_text())
+    assert lb["backend"]["name"] == "ray" and set(lb["timing"]) >= {"startup_s", "load_s", "sweep_s"}
+    assert lb["effects"] == la["effects"] and lb["baseline"] == la["baseline"]
+    assert max(abs(v) for row in la["effects"] for v in row) > 0.5          # heads 0.0 / 1.0 matter
