@@ -257,6 +257,21 @@ def head_logits(model, head: HeadsLike, ids: Sequence[int], input: Optional[str]
         return (o @ U.to(o.dtype) / scale).float().cpu(), x
 
 
+def token_qk(model, head: HeadsLike, ids: Sequence[int], input: Optional[str] = None
+             ) -> Tuple[Float[Tensor, "query key"], TokenInputs]:
+    """Pre-softmax score between every pair of ``ids`` (rows query, columns key), no position, no biases:
+    X W_Q W_Kᵀ Xᵀ · scale with X the rows of ``input`` (``input="direct"`` = rows/columns of ``full_qk``)."""
+    from ._circuits import attn_scale
+
+    h = _head(model, head)
+    x = token_inputs(model, h.layer, ids, input)
+    w = layer_weights(model, h.layer)
+    with torch.no_grad():
+        X = x.rows.to(w.W_Q.dtype)
+        grid = (X @ w.W_Q[h.head]) @ (X @ w.W_K[h.head]).T * attn_scale(model, h.layer)
+    return grid.float().cpu(), x
+
+
 def mid_rank(logits: Float[Tensor, "n vocab"], target: Int[Tensor, "n"]) -> Float[Tensor, "n"]:
     """1 + #{v: ℓ_v > ℓ_t} + ½ #{v ≠ t: ℓ_v = ℓ_t} per row (ties share the mean of their ranks)."""
     t = logits.gather(-1, target[:, None].to(logits.device))
