@@ -19,7 +19,7 @@ from ._sequences import natural_text, repeated_tokens, segment_length, text_toke
 from ._circuits import (Circuit, LayerWeights, all_ov, all_qk, attn_input_hook, attn_scale, circuit, circuit_caveats,
                         embed_factor, embed_rows, full_ov, full_qk, layer_weights, ov, ov_affine, qk, qk_affine,
                         top_tokens, unembed_cols, unembed_embed, unembed_factor)
-from ._contextual import INPUTS, TokenInputs, copying_rank, head_logits, ov_copying, token_inputs
+from ._contextual import INPUTS, TokenInputs, copying_rank, head_logits, ov_copying, token_inputs, token_qk
 from ._composition import (CompositionScores, composition_baseline, composition_column, composition_scores,
                            k_composition_partners)
 from ._copying import copying_accuracy, copying_scores, eigen_copying
@@ -57,7 +57,7 @@ __all__ = sorted([
     "full_ov", "full_qk", "k_composition_partners", "layer_weights", "offset_profile", "offset_scores", "ov",
     "ov_affine", "positional_qk", "qk", "qk_affine", "qk_at_offset", "rotary_spec", "rotation", "top_tokens",
     "unembed_cols", "unembed_embed", "unembed_factor",
-    "INPUTS", "TokenInputs", "copying_rank", "head_logits", "ov_copying", "token_inputs",
+    "INPUTS", "TokenInputs", "copying_rank", "head_logits", "ov_copying", "token_inputs", "token_qk",
     # analyses
     "ABLATION_METHODS", "GroupEffect", "HeadDiagnostics", "HeadEffects", "HeadScores", "Metric", "RandomComparison",
     "SCORE_NAMES", "TEXT_SCORES", "THRESHOLDS", "ablate", "as_metric", "attribution", "compare_to_random", "confirm_induction", "diagnose",

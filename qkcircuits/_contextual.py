@@ -47,7 +47,7 @@ from torch import Tensor
 from ._circuits import _head, _norm_kind, attn_input_hook, is_folded, layer_weights, normalize_rows, unembed_cols
 from ._errors import QKCircuitsError
 from ._heads import HeadsLike
-from ._sequences import repeated_tokens, segment_length, text_tokens, token_pool
+from ._sequences import bos_id, natural_text, repeated_tokens, segment_length, text_tokens, token_pool
 
 INPUTS = ("direct", "effective", "contextual")
 CORPUS = "natural_text() (qkcircuits/data/natural_text.txt)"
@@ -101,26 +101,35 @@ class _CorpusStats:
 def corpus_stats(model) -> _CorpusStats:
     """Mean residual rows per corpus token at every layer, in one streamed pass (cached per model and
     fold state). The corpus is ``natural_text()``; a model without a tokenizer gets 16 seeded
-    [BOS]+R+R sequences of its token pool instead (what such toy models are made for). Memory: [distinct tokens, d_model] per layer
-    (SmolLM2: ~0.5k tokens × 576 × 30 layers ≈ 35 MB)."""
+    [BOS]+R+R sequences of its token pool instead (what such toy models are made for). The text is cut
+    into rows of 128 tokens (the context allowing), each led by BOS, the last row shorter: every token
+    counts. Memory: [distinct tokens, d_model] per layer (SmolLM2: 334 × 576 × 30 floats ≈ 23 MB)."""
     key = is_folded(model)
     cached = _CACHE.get(model, {})
     if key in cached:
         return cached[key]
+    dev = model.W_E.device
     if getattr(model, "tokenizer", None) is not None:
         seq_len = max(2, min(128, int(model.cfg.n_ctx) - 1))
-        toks = text_tokens(model, seq_len=seq_len)                    # [rows, 1 + seq_len], BOS first
+        text = model.tokenizer(natural_text(), add_special_tokens=False)["input_ids"]
+        full = len(text) // seq_len * seq_len
+        batches = [text_tokens(model, seq_len=seq_len)] if full else []  # [rows, 1 + seq_len], BOS first
+        if len(text) > full:
+            tail = torch.tensor([[bos_id(model)] + text[full:]], dtype=torch.long, device=dev)
+            batches.append(tail)
         corpus = CORPUS
     else:   # no tokenizer, no text: the sequences such models are made for, seeded
         seg = segment_length(model, 2, 40)
-        toks = repeated_tokens(model, 16, seg, 2, seed=0)
+        batches = [repeated_tokens(model, 16, seg, 2, seed=0)]
         corpus = f"16 seeded [BOS]+R+R sequences of the token pool (R of {seg}; the model has no tokenizer)"
-    body = toks[:, 1:]
-    ids, inverse = torch.unique(body.flatten().cpu(), return_inverse=True)
-    inverse = inverse.view(body.shape).to(toks.device)
+    batches = [b[s:s + 8] for b in batches for s in range(0, len(b), 8)]          # 8 rows at a time
+    flat = torch.cat([b[:, 1:].flatten() for b in batches]).cpu()
+    ids, inverse = torch.unique(flat, return_inverse=True)
+    sizes = [b[:, 1:].numel() for b in batches]
+    inverses = [i.to(dev) for i in inverse.split(sizes)]
     current: Dict[str, Tensor] = {}
-    stats = _CorpusStats(ids=ids, counts=torch.bincount(inverse.flatten(), minlength=len(ids)).cpu(),
-                         n_tokens=body.numel(), corpus=corpus)
+    stats = _CorpusStats(ids=ids, counts=torch.bincount(inverse, minlength=len(ids)).cpu(),
+                         n_tokens=flat.numel(), corpus=corpus)
     L = int(model.cfg.n_layers)
     names = {attn_input_hook(model, layer): layer for layer in range(L)}
     final = "ln_final.hook_in"
@@ -144,9 +153,9 @@ def corpus_stats(model) -> _CorpusStats:
     if _norm_kind(model) is not None and final in model.hook_dict:
         hooks.append((final, keep_final))
     with torch.no_grad():
-        for s in range(0, len(toks), 8):                              # 8 rows at a time
-            current["inverse"] = inverse[s:s + 8].flatten()
-            model.run_with_hooks(toks[s:s + 8], fwd_hooks=hooks)
+        for batch, inv in zip(batches, inverses):
+            current["inverse"] = inv
+            model.run_with_hooks(batch, fwd_hooks=hooks)
     stats.sums = {layer: v.cpu() for layer, v in stats.sums.items()}
     if scales:
         stats.final_scale = float(torch.cat(scales).mean())
@@ -255,6 +264,21 @@ def head_logits(model, head: HeadsLike, ids: Sequence[int], input: Optional[str]
     with torch.no_grad():
         o = (x.rows.to(w.W_V.dtype) @ w.W_V[h.head]) @ w.W_O[h.head]
         return (o @ U.to(o.dtype) / scale).float().cpu(), x
+
+
+def token_qk(model, head: HeadsLike, ids: Sequence[int], input: Optional[str] = None
+             ) -> Tuple[Float[Tensor, "query key"], TokenInputs]:
+    """Pre-softmax score between every pair of ``ids`` (rows query, columns key), no position, no biases:
+    X W_Q W_Kᵀ Xᵀ · scale with X the rows of ``input`` (``input="direct"`` = rows/columns of ``full_qk``)."""
+    from ._circuits import attn_scale
+
+    h = _head(model, head)
+    x = token_inputs(model, h.layer, ids, input)
+    w = layer_weights(model, h.layer)
+    with torch.no_grad():
+        X = x.rows.to(w.W_Q.dtype)
+        grid = (X @ w.W_Q[h.head]) @ (X @ w.W_K[h.head]).T * attn_scale(model, h.layer)
+    return grid.float().cpu(), x
 
 
 def mid_rank(logits: Float[Tensor, "n vocab"], target: Int[Tensor, "n"]) -> Float[Tensor, "n"]:

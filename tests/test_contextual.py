@@ -32,13 +32,16 @@ def _ln1_out(model, tokens, layer):
 
 def test_contextual_rows_are_the_mean_input_over_the_corpus_and_absent_tokens_fall_back(tiny):
     _, _, model = tiny
-    toks = qk.text_tokens(model, seq_len=min(128, model.cfg.n_ctx - 1))
-    body = toks[:, 1:]
-    present = torch.unique(body)[:5].tolist()
-    absent = [t for t in range(model.cfg.d_vocab) if t not in set(body.flatten().tolist())][:2]
+    seq = min(128, model.cfg.n_ctx - 1)
+    text = model.tokenizer(qk.natural_text(), add_special_tokens=False)["input_ids"]
+    bos = model.tokenizer.bos_token_id if model.tokenizer.bos_token_id is not None else model.tokenizer.eos_token_id
+    rows = [torch.tensor([[bos] + text[s:s + seq]]) for s in range(0, len(text), seq)]    # every token, BOS first
+    body = torch.cat([r[0, 1:] for r in rows])
+    present = torch.unique(body)[:5].tolist() + [text[-1]]               # the last token: in the short last row
+    absent = [t for t in range(model.cfg.d_vocab) if t not in set(body.tolist())][:2]
     for layer in range(model.cfg.n_layers):
         x = C.token_inputs(model, layer, present + absent, "contextual")
-        h = _ln1_out(model, toks, layer)[:, 1:]                              # independent forward, BOS left out
+        h = torch.cat([_ln1_out(model, r, layer)[0, 1:] for r in rows])    # independent forwards, BOS left out
         for n, t in enumerate(present):
             ref = h[body == t].mean(0)
             torch.testing.assert_close(x.rows[n], ref, rtol=1e-4, atol=1e-5)
@@ -137,6 +140,9 @@ def test_report_panel_defaults_to_contextual_past_layer_0_and_titles_say_so(tiny
     assert all("⟨" in t for t in p1["figures"]["ov"]["layout"]["yaxis"]["ticktext"])
     p0 = panel(ctx, qk.Head(0, 0), ids, None, k=3)
     assert p0["input"] == "direct" and "direct inputs" in p0["figures"]["qk"]["layout"]["title"]["text"]
+    from qkcircuits.viz._panels import qk_grid
+    for inp in C.INPUTS:                                     # the view is the public API's token_qk
+        torch.testing.assert_close(qk_grid(ctx, qk.Head(1, 1), ids, inp), qk.token_qk(model, "1.1", ids, inp)[0])
     pe = panel(ctx, qk.Head(1, 0), ids, None, k=3, input="effective")
     assert "effective inputs" in pe["figures"]["ov"]["layout"]["title"]["text"]
 

@@ -59,10 +59,14 @@ def test_eigen_copying_is_the_same_with_and_without_fold_ln_and_equals_raw_weigh
 
 
 def test_olsson_copying_does_not_depend_on_n_seqs(smollm2, smol_copy):
+    """The pooled-candidate score fell with n_seqs for every head (18.6: -0.88 at 2, -0.97 at 8). Per-sequence
+    candidates: the top induction heads agree within 0.05 and the grid's mean does not move (a systematic
+    shift would; single heads keep the sampling noise of 2 sequences, ~0.08 at most measured)."""
     few = qk.scan(smollm2, scores=["copying"], n_seqs=2, progress=False)["copying"]
     many = smol_copy["copying"]
-    top = many.flatten().topk(10).indices
-    assert (few.flatten()[top] - many.flatten()[top]).abs().max() < 0.05
+    for head, _ in smol_copy.top(5, "induction"):
+        assert abs(float(few[head.layer, head.head] - many[head.layer, head.head])) < 0.05, head
+    assert abs(float(few.mean() - many.mean())) < 0.01
 
 
 def test_copying_grids_rank_heads_instead_of_one_colour(smol_copy):
