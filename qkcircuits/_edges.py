@@ -188,10 +188,11 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
                         deltas[Ls] = delta
                         held += delta.numel() * delta.element_size()
                 terms = (stacked.reshape(len(stacked), -1) @ delta.reshape(len(delta), -1).T).float()   # [n, H]
-                for n_, (i, x) in enumerate(rows):
-                    for h in range(H):
-                        if snd is None or Head(Ls, h) in snd:
-                            effects[x][i, Ls, h] = terms[n_, h]
+                keep = [h for h in range(H) if snd is None or Head(Ls, h) in snd]
+                for x in into:
+                    sel = [n_ for n_, (_, xx) in enumerate(rows) if xx == x]
+                    recv_i = torch.tensor([rows[n_][0] for n_ in sel])
+                    effects[x][recv_i[:, None], Ls, torch.tensor(keep)[None, :]] = terms[sel][:, keep]
     n_edges = sum(int((~effects[into[0]][i].isnan()).sum()) for i in range(len(recv)))
     return PathEffects(model=model_name(model), method=method, receivers=recv, into=into,
                        metrics={x: m.name for x, m in metrics.items()}, effects=effects, clean=clean,

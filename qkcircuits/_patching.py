@@ -113,12 +113,14 @@ def post_norm(model, layer: int):
     return getattr(model.blocks[layer], "ln1_post", None)
 
 
-def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final: bool = False) -> CleanCache:
+def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final: bool = False,
+               need_logits: bool = False) -> CleanCache:
     """Run ``tokens`` once, keep what ``CleanCache`` lists; check that a block adds (a norm of) its
-    attention output to the residual, as the Δ formula assumes."""
+    attention output to the residual, as the Δ formula assumes. The forward stops as soon as the last
+    needed tensor exists: after the highest receiver layer's z, or at the final norm (direct-logit);
+    only ``need_logits`` (the loss metric) runs the unembedding."""
     R_min, R_max = min(receiver_layers), max(receiver_layers)
     n = model.cfg.n_layers
-    check_layer = max(n // 2, R_min)          # the Runner's self-check starts there
     cache = CleanCache(tokens)
     extra: Dict[str, Tensor] = {}
 
@@ -127,8 +129,15 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
             store[key] = t.detach()
         return fn
 
-    hooks = [(f"blocks.{L}.hook_resid_pre", keep(cache.resid, L)) for L in range(R_min, n)]
-    hooks += [(hook_name("z", L), keep(cache.z, L)) for L in range(R_max + 1)]
+    def last(fn):                              # the last tensor needed: abandon the rest of the forward
+        def stop(t: Tensor, hook) -> None:
+            fn(t, hook)
+            raise _Stop
+        return stop
+
+    hooks = [(f"blocks.{L}.hook_resid_pre", keep(cache.resid, L)) for L in sorted(set(receiver_layers))]
+    hooks += [(hook_name("z", L), keep(cache.z, L) if need_final or need_logits or L < R_max
+               else last(keep(cache.z, L))) for L in range(R_max + 1)]
     for R in sorted(set(receiver_layers)):
         hooks += [(hook_name(x, R), keep(cache.inputs, (x, R))) for x in INPUTS]
         hooks.append((hook_name("pattern", R), keep(cache.pattern, R)))
@@ -137,12 +146,16 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
     # Check the residual update of the first block: resid_mid − resid_pre = post(y) (or y).
     hooks += [(f"blocks.0.{n_}", keep(extra, n_)) for n_ in ("hook_resid_pre", "hook_resid_mid", "attn.hook_out")]
     if need_final:
-        hooks.append(("ln_final.hook_in", lambda t, hook: extra.__setitem__("final", t.detach())))
+        grab = keep(extra, "final")
+        hooks.append(("ln_final.hook_in", grab if need_logits else last(grab)))
     have = set(model.hook_dict)            # attention-only models have no resid_mid, some no ln_final hook
     optional = ("blocks.0.hook_resid_mid", "blocks.0.hook_resid_pre", "blocks.0.attn.hook_out", "ln_final.hook_in")
     hooks = [(n_, f) for n_, f in hooks if n_ in have or n_ not in optional]
     with torch.no_grad():
-        cache.logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
+        try:
+            cache.logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
+        except _Stop:
+            pass
     missing = [str(L) for L in range(R_max + 1) if L not in cache.z]
     if missing:
         raise QKCircuitsError(f"the model never fired hook_z of layers {', '.join(missing)}; path patching needs "
@@ -151,8 +164,8 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
         cache.final = extra.get("final")
         if cache.final is None and f"blocks.{n - 1}.hook_resid_post" in have:
             with torch.no_grad():     # no final-norm hook point: the last block's output is what is unembedded
-                cache.final = model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{n - 1}.hook_resid_post",
-                    lambda t, hook: extra.__setitem__("final", t.detach()))]) is not None and extra["final"]
+                model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{n - 1}.hook_resid_post", keep(extra, "final"))])
+            cache.final = extra.get("final")
         if cache.final is None:
             raise QKCircuitsError("this model never fired ln_final.hook_in; the direct-logit metric needs the "
                                   "residual before the final norm (use metric='induction' or 'loss')")
@@ -445,7 +458,8 @@ def patch_shard(model, tokens: Tensor, repl: Optional[Replacement], receivers: S
     L, H = model.cfg.n_layers, model.cfg.n_heads
     metrics = {x: resolve_metric(metric, x) for x in into}
     need_final = any(m.name == "direct-logit" for m in metrics.values())
-    cache = clean_pass(model, tokens, [r.layer for r in receivers], need_final=need_final)
+    cache = clean_pass(model, tokens, [r.layer for r in receivers], need_final=need_final,
+                       need_logits=any(m.needs == "logits" for m in metrics.values()))
     if repl is None:
         repl = replacement_from_cache(cache, method, per_position)
     n_chunk = chunk or _chunk(model, tokens)
@@ -553,7 +567,7 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
     from ._model import model_name
 
     recv = model_heads(model, receivers)
-    if any(r.layer == 0 for r in recv) and senders is None and len(recv) == 1:
+    if all(r.layer == 0 for r in recv):
         raise QKCircuitsError(f"receiver {recv[0]} is in layer 0: no earlier heads can send to it")
     snd = model_heads(model, senders) if senders is not None else None
     into = _check_into(into)
