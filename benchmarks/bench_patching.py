@@ -7,7 +7,9 @@ effect of every earlier head (mean ablation, the default metrics): exact ``qk.pa
 receiver-layer attention run per sender, batched) and ``qk.edge_attribution`` (one attention forward
 + backward per receiver layer). Prints CPU and wall seconds, the ratio, and the agreement: Spearman
 over all edges and over the edges above each receiver's baseline mean, and the share of receivers
-whose top sender is the same.
+whose top sender is the same. Also times ``--naive`` edges (default 6) of the plain per-edge recipe (a
+full forward per edge to get the sender's Δ, one to get the receiver's patched input, one to splice it in:
+what path patching costs without reusing the clean pass or batching) and extrapolates to all edges.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def main() -> None:
     ap.add_argument("--n-seqs", type=int, default=8)
     ap.add_argument("--into", default="k")
     ap.add_argument("--layers", type=int, default=None, help="receivers in layers 1..N-1 (default all)")
+    ap.add_argument("--naive", type=int, default=6, help="edges timed with the plain per-edge recipe")
     args = ap.parse_args()
     model = qk.load(args.model, device="cpu", verbose=False)
     L, H = model.cfg.n_layers, model.cfg.n_heads
@@ -60,6 +63,19 @@ def main() -> None:
         same = sum(est.top(r, x, 1)[0][0] == exact.top(r, x, 1)[0][0] for r in recv) / len(recv)
         print(f"  {x}: Spearman all edges {rho_all:.3f} ({int(keep.sum())}); above baseline {rho_above:.3f} "
               f"({int(above.sum())}); same top sender for {same:.0%} of receivers")
+    n_edges = int((~exact.effects[into[0]].isnan()).sum()) * len(into)
+    if args.naive:
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from test_patching import _induction, _reference_effect
+
+        edges = [(qk.Head(l, 0), qk.Head(top - 1 - l % 3, 3)) for l in range(args.naive)]
+        _, c_n, w_n = timed(lambda: [_reference_effect(model, tokens, s, r, into[0], _induction) for s, r in edges])
+        per = c_n / len(edges)
+        print(f"naive per-edge recipe: {per:.2f} s CPU per edge ({len(edges)} timed) -> {per * n_edges / 3600:.1f} h "
+              f"for all {n_edges} edges (extrapolated): {per * n_edges / c_e:.0f}x path_patch, "
+              f"{per * n_edges / c_a:.0f}x edge_attribution")
     print(f"load after: {open('/proc/loadavg').read().split()[:3]}")
 
 

@@ -42,7 +42,7 @@ from ._errors import QKCircuitsError
 from ._heads import Head, HeadsLike, model_heads, n_kv_heads
 from ._path_effects import INPUTS, PathEffects
 from ._patching import (MetricLike, _check_into, _Scorer, _settings, check_method, clean_pass, default_prompts,
-                        post_norm, references, resolve_metric)
+                        post_norm, replacement_from_cache, resolve_metric)
 
 
 def _grad_run(cache, layer: int):
@@ -136,10 +136,9 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
                               f"use path_patch for 'loss' or a custom metric")
     metrics = {x: resolve_metric(metric, x) for x in into}
     tokens = _as_tokens(model, tokens if tokens is not None else default_prompts(model))
-    sender_layers = sorted({s.layer for s in snd} if snd is not None else set(range(max(r.layer for r in recv))))
-    repl = references(model, method, tokens, sender_layers, per_position)
     cache = clean_pass(model, tokens, [r.layer for r in recv],
                        need_final=any(m.name == "direct-logit" for m in metrics.values()))
+    repl = replacement_from_cache(cache, method, per_position)       # the clean pass's own z: no extra forward
     G = H // n_kv_heads(model)
     effects = {x: torch.full((len(recv), L, H), float("nan")) for x in into}
     clean = {x: torch.full((len(recv),), float("nan")) for x in into}
@@ -188,11 +187,12 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
                     if held + delta.numel() * delta.element_size() <= DELTA_CACHE_BYTES:
                         deltas[Ls] = delta
                         held += delta.numel() * delta.element_size()
-                terms = torch.einsum("nbpm,hbpm->nh", stacked, delta).float()   # [n, H]
-                for n_, (i, x) in enumerate(rows):
-                    for h in range(H):
-                        if snd is None or Head(Ls, h) in snd:
-                            effects[x][i, Ls, h] = terms[n_, h]
+                terms = (stacked.reshape(len(stacked), -1) @ delta.reshape(len(delta), -1).T).float()   # [n, H]
+                keep = [h for h in range(H) if snd is None or Head(Ls, h) in snd]
+                for x in into:
+                    sel = [n_ for n_, (_, xx) in enumerate(rows) if xx == x]
+                    recv_i = torch.tensor([rows[n_][0] for n_ in sel])
+                    effects[x][recv_i[:, None], Ls, torch.tensor(keep)[None, :]] = terms[sel][:, keep]
     n_edges = sum(int((~effects[into[0]][i].isnan()).sum()) for i in range(len(recv)))
     return PathEffects(model=model_name(model), method=method, receivers=recv, into=into,
                        metrics={x: m.name for x, m in metrics.items()}, effects=effects, clean=clean,

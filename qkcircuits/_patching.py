@@ -113,12 +113,14 @@ def post_norm(model, layer: int):
     return getattr(model.blocks[layer], "ln1_post", None)
 
 
-def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final: bool = False) -> CleanCache:
+def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final: bool = False,
+               need_logits: bool = False) -> CleanCache:
     """Run ``tokens`` once, keep what ``CleanCache`` lists; check that a block adds (a norm of) its
-    attention output to the residual, as the Δ formula assumes."""
+    attention output to the residual, as the Δ formula assumes. The forward stops as soon as the last
+    needed tensor exists: after the highest receiver layer's z, or at the final norm (direct-logit);
+    only ``need_logits`` (the loss metric) runs the unembedding."""
     R_min, R_max = min(receiver_layers), max(receiver_layers)
     n = model.cfg.n_layers
-    check_layer = max(n // 2, R_min)          # the Runner's self-check starts there
     cache = CleanCache(tokens)
     extra: Dict[str, Tensor] = {}
 
@@ -127,8 +129,15 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
             store[key] = t.detach()
         return fn
 
-    hooks = [(f"blocks.{L}.hook_resid_pre", keep(cache.resid, L)) for L in range(R_min, n)]
-    hooks += [(hook_name("z", L), keep(cache.z, L)) for L in range(R_max + 1)]
+    def last(fn):                              # the last tensor needed: abandon the rest of the forward
+        def stop(t: Tensor, hook) -> None:
+            fn(t, hook)
+            raise _Stop
+        return stop
+
+    hooks = [(f"blocks.{L}.hook_resid_pre", keep(cache.resid, L)) for L in sorted(set(receiver_layers))]
+    hooks += [(hook_name("z", L), keep(cache.z, L) if need_final or need_logits or L < R_max
+               else last(keep(cache.z, L))) for L in range(R_max + 1)]
     for R in sorted(set(receiver_layers)):
         hooks += [(hook_name(x, R), keep(cache.inputs, (x, R))) for x in INPUTS]
         hooks.append((hook_name("pattern", R), keep(cache.pattern, R)))
@@ -137,12 +146,16 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
     # Check the residual update of the first block: resid_mid − resid_pre = post(y) (or y).
     hooks += [(f"blocks.0.{n_}", keep(extra, n_)) for n_ in ("hook_resid_pre", "hook_resid_mid", "attn.hook_out")]
     if need_final:
-        hooks.append(("ln_final.hook_in", lambda t, hook: extra.__setitem__("final", t.detach())))
+        grab = keep(extra, "final")
+        hooks.append(("ln_final.hook_in", grab if need_logits else last(grab)))
     have = set(model.hook_dict)            # attention-only models have no resid_mid, some no ln_final hook
     optional = ("blocks.0.hook_resid_mid", "blocks.0.hook_resid_pre", "blocks.0.attn.hook_out", "ln_final.hook_in")
     hooks = [(n_, f) for n_, f in hooks if n_ in have or n_ not in optional]
     with torch.no_grad():
-        cache.logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
+        try:
+            cache.logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
+        except _Stop:
+            pass
     missing = [str(L) for L in range(R_max + 1) if L not in cache.z]
     if missing:
         raise QKCircuitsError(f"the model never fired hook_z of layers {', '.join(missing)}; path patching needs "
@@ -151,8 +164,8 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
         cache.final = extra.get("final")
         if cache.final is None and f"blocks.{n - 1}.hook_resid_post" in have:
             with torch.no_grad():     # no final-norm hook point: the last block's output is what is unembedded
-                cache.final = model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{n - 1}.hook_resid_post",
-                    lambda t, hook: extra.__setitem__("final", t.detach()))]) is not None and extra["final"]
+                model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{n - 1}.hook_resid_post", keep(extra, "final"))])
+            cache.final = extra.get("final")
         if cache.final is None:
             raise QKCircuitsError("this model never fired ln_final.hook_in; the direct-logit metric needs the "
                                   "residual before the final norm (use metric='induction' or 'loss')")
@@ -167,8 +180,28 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
                                   f"attention output to the residual (max difference "
                                   f"{float((added - step).abs().max()):.3g}); path patching cannot form a "
                                   f"sender's direct change to the residual on this architecture")
-    cache.runner = Runner.from_cache(model, tokens, cache.resid, cache.logits, from_layer=R_min)
+    cache.runner = Runner.from_cache(model, tokens, cache.resid, cache.logits, from_layer=R_min, check=False)
+    _check_resume(cache, R_min)
     return cache
+
+
+def _check_resume(cache: CleanCache, layer: int) -> None:
+    """Resuming at ``layer`` from the cached residual must reproduce the clean pattern there (what every
+    receiver run relies on); try the Runner's slower modes if the fast one does not."""
+    zero = torch.zeros((1,) + tuple(cache.resid[layer].shape), dtype=cache.resid[layer].dtype,
+                       device=cache.resid[layer].device)
+    for mode in ("sliced", "start_at_layer", "full"):
+        if mode == "sliced" and cache.runner._list is None:
+            continue
+        cache.runner.mode = mode
+        try:
+            pattern, _ = receiver_run(cache, layer, "k", zero, need_z=False)
+        except Exception:          # a bridge without start_at_layer support: try the next, slower mode
+            continue
+        if torch.allclose(pattern, cache.pattern[layer], atol=1e-5, rtol=1e-4):
+            return
+    raise QKCircuitsError(f"re-running layer {layer} from the cached residual does not reproduce its clean attention "
+                          f"pattern on this bridge; path patching needs that")
 
 
 # ------------------------------------------------------------------------------------------ references
@@ -181,6 +214,24 @@ def references(model, method: str, tokens: Tensor, sender_layers: Sequence[int],
     check_method(method)
     layers = sorted(set(sender_layers)) or [0]
     return make_replacement(model, method, layers, tokens=tokens, per_position=per_position)
+
+
+def replacement_from_cache(cache: CleanCache, method: str, per_position: bool = True) -> Replacement:
+    """``references`` for the prompts of ``cache`` themselves, from the z the clean pass already holds
+    (saves the reference forward when the prompt set is not split)."""
+    check_method(method)
+    if method == "zero":
+        return Replacement("zero", per_position, "none")
+    z = {}
+    for L, t in cache.z.items():
+        if method == "mean":
+            z[L] = t.mean(0, keepdim=True) if per_position else t.mean((0, 1), keepdim=True)
+        else:
+            if t.shape[0] < 2:
+                raise QKCircuitsError("resample needs at least 2 prompts (each takes the sender's z from another)")
+            z[L] = t.roll(1, dims=0)
+    label = "the ablated prompts" if method == "mean" else "the ablated prompts rolled by one row"
+    return Replacement(method, per_position, label, z)
 
 
 def shard_replacement(repl: Replacement, rows: slice) -> Replacement:
@@ -391,20 +442,26 @@ def _chunk(model, tokens: Tensor) -> int:
     return max(1, int(CHUNK_BYTES // per_copy))
 
 
-def patch_shard(model, tokens: Tensor, repl: Replacement, receivers: Sequence[Head],
+def patch_shard(model, tokens: Tensor, repl: Optional[Replacement], receivers: Sequence[Head],
                 senders: Optional[Sequence[Head]], into: Sequence[str], metric: MetricLike = None,
-                progress=None, chunk: Optional[int] = None, rows: Optional[Tuple[int, int]] = None) -> ShardSums:
+                progress=None, chunk: Optional[int] = None, rows: Optional[Tuple[int, int]] = None,
+                method: str = "mean", per_position: bool = True) -> ShardSums:
     """Path-patch one shard of prompts (``tokens``) for a chunk of receivers and senders.
 
     ``repl`` must come from ``references`` over the WHOLE prompt set (sliced to these rows with
     ``shard_replacement`` for resample). Memory: the ``CleanCache`` of this shard plus one chunk of
     ``chunk`` stacked copies of the receiver layer's activations (default: ~256 MiB of patterns).
     ``rows`` names the prompt rows of the whole set these are (default ``(0, len(tokens))``), for ``combine``.
+    ``repl=None`` takes the references from this shard's own clean pass (only right when the shard is the
+    whole prompt set: then it saves the reference forward).
     """
     L, H = model.cfg.n_layers, model.cfg.n_heads
     metrics = {x: resolve_metric(metric, x) for x in into}
     need_final = any(m.name == "direct-logit" for m in metrics.values())
-    cache = clean_pass(model, tokens, [r.layer for r in receivers], need_final=need_final)
+    cache = clean_pass(model, tokens, [r.layer for r in receivers], need_final=need_final,
+                       need_logits=any(m.needs == "logits" for m in metrics.values()))
+    if repl is None:
+        repl = replacement_from_cache(cache, method, per_position)
     n_chunk = chunk or _chunk(model, tokens)
     patched = {x: torch.full((len(receivers), L, H), float("nan")) for x in into}
     clean = {x: torch.full((len(receivers),), float("nan")) for x in into}
@@ -510,7 +567,7 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
     from ._model import model_name
 
     recv = model_heads(model, receivers)
-    if any(r.layer == 0 for r in recv) and senders is None and len(recv) == 1:
+    if all(r.layer == 0 for r in recv):
         raise QKCircuitsError(f"receiver {recv[0]} is in layer 0: no earlier heads can send to it")
     snd = model_heads(model, senders) if senders is not None else None
     into = _check_into(into)
@@ -520,7 +577,9 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
         raise QKCircuitsError("resample needs at least 2 prompts (each takes the sender's z from another)")
     metrics = {x: resolve_metric(metric, x) for x in into}
     sender_layers = sorted({s.layer for s in snd} if snd is not None else set(range(max(r.layer for r in recv))))
-    repl = references(model, method, tokens, sender_layers, per_position)
+    n_shards = max(1, min(shards, tokens.shape[0]))
+    # One shard: the references come from its own clean pass (same prompts, no extra forward).
+    repl = references(model, method, tokens, sender_layers, per_position) if n_shards > 1 else None
     H = model.cfg.n_heads
     n_edges = sum(len([s for s in snd if s.layer < r.layer]) if snd is not None else r.layer * H for r in recv)
     n_layers_recv = len({r.layer for r in recv})
@@ -530,10 +589,10 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
         total = sum(len([s for s in snd if s.layer < R]) if snd is not None else R * H
                     for R in {r.layer for r in recv}) * len(into) * shards
         bar = tqdm(total=total, desc="path patching", unit="sender", leave=False, file=sys.stderr)
-    blocks = [(int(r[0]), int(r[-1]) + 1) for r in torch.arange(tokens.shape[0]).chunk(max(1, min(shards, tokens.shape[0])))]
+    blocks = [(int(r[0]), int(r[-1]) + 1) for r in torch.arange(tokens.shape[0]).chunk(n_shards)]
     try:
-        parts = [patch_shard(model, tokens[a:b], shard_replacement(repl, slice(a, b)), recv, snd, into, metric, bar,
-                             chunk, rows=(a, b)) for a, b in blocks]
+        parts = [patch_shard(model, tokens[a:b], repl and shard_replacement(repl, slice(a, b)), recv, snd, into, metric,
+                             bar, chunk, rows=(a, b), method=method, per_position=per_position) for a, b in blocks]
     finally:
         if bar is not None:
             bar.close()
@@ -541,7 +600,12 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
     return PathEffects(model=model_name(model), method=method, receivers=recv, into=into,
                        metrics={x: m.name for x, m in metrics.items()}, effects=effects, clean=clean, kind="exact",
                        n_layers=model.cfg.n_layers, n_heads=H,
-                       settings=_settings(model, tokens, per_position, repl.reference, n_edges, n_layers_recv))
+                       settings=_settings(model, tokens, per_position, _reference_label(method), n_edges,
+                                          n_layers_recv))
+
+
+def _reference_label(method: str) -> str:
+    return {"zero": "none", "mean": "the ablated prompts", "resample": "the ablated prompts rolled by one row"}[method]
 
 
 def _settings(model, tokens: Tensor, per_position: bool, reference: str, n_edges: int, n_layers_recv: int) -> dict:
