@@ -34,6 +34,7 @@ from ._diagnose import HeadDiagnostics, diagnose, qk_statistics
 from ._metrics import Metric, as_metric, induction_loss, logit_diff, text_loss
 from ._results import HeadScores
 from ._sweep import HeadEffects, sweep
+from ._zoo import Zoo, zoo
 
 __version__ = "0.1.0"
 
@@ -56,7 +57,7 @@ __all__ = sorted([
     "ABLATION_METHODS", "GroupEffect", "HeadDiagnostics", "HeadEffects", "HeadScores", "Metric", "RandomComparison",
     "THRESHOLDS", "ablate", "as_metric", "attribution", "compare_to_random", "confirm_induction", "diagnose",
     "group_effect", "induction_loss", "logit_diff", "mask_score", "qk_statistics", "scan", "sweep", "target_masks",
-    "text_loss",
+    "text_loss", "Zoo", "zoo",
     # views
     *_VIEWS,
 ])

@@ -53,6 +53,22 @@ def job(name: str):
     return register
 
 
+def find_job(name: str) -> Callable[..., Any]:
+    """A registered job, or ``"package.module:function"`` (imported in the worker)."""
+    if name in JOBS:
+        return JOBS[name]
+    if ":" in name:
+        import importlib
+
+        module, _, attr = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise QKCircuitsError(f"job {name!r} cannot be imported ({e}); pass 'module:function' of an installed "
+                                  f"module") from None
+    raise QKCircuitsError(f"unknown job {name!r}; registered: {', '.join(sorted(JOBS))}, or pass 'module:function'")
+
+
 def import_ray():
     try:
         import ray
@@ -140,10 +156,12 @@ class Worker:
     def ping(self) -> Dict[str, Any]:
         return {"pid": os.getpid(), "host": socket.gethostname()}
 
-    def load(self, spec: str, load_kwargs: Dict[str, Any]) -> float:
+    def load(self, spec: Optional[str], load_kwargs: Dict[str, Any]) -> float:
         from ._model import load
 
         t0 = time.perf_counter()
+        if spec is None:             # a worker whose jobs load their own models (the zoo)
+            return 0.0
         kwargs = dict(load_kwargs)
         if kwargs.get("device") in (None, "auto"):
             kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
@@ -151,10 +169,8 @@ class Worker:
         return time.perf_counter() - t0
 
     def run(self, name: str, shard: Dict[str, Any], shared: Any) -> Any:
-        if name not in JOBS:
-            raise QKCircuitsError(f"unknown job {name!r}; registered: {', '.join(sorted(JOBS))}")
         with torch.no_grad():
-            return JOBS[name](self.model, shared, **shard)
+            return find_job(name)(self.model, shared, **shard)
 
 
 @dataclass
@@ -167,7 +183,7 @@ class Pool:
     Memory per worker: one copy of the model (``qk.load``) plus the shard's activations.
     """
 
-    spec: str
+    spec: Optional[str]
     workers: Optional[int] = None
     threads: int = 1
     gpus_per_worker: Optional[float] = None
@@ -178,7 +194,11 @@ class Pool:
     timing: Dict[str, float] = field(default_factory=dict)
     retries: int = 0
 
+    max_workers: Optional[int] = None     # never more workers than this (e.g. the number of shards)
+
     def __post_init__(self) -> None:
+        if self.spec is None:
+            return
         if not isinstance(self.spec, (str, os.PathLike)):
             raise QKCircuitsError(f"backend 'ray' needs the model's spec (a name or a path) so that each worker "
                                   f"loads it; got a {type(self.spec).__name__}. Pass e.g. 'smollm2-135m'")
@@ -202,6 +222,7 @@ class Pool:
         per = self.gpus_per_worker if self.gpus_per_worker is not None else (1 if gpus >= 1 else 0)
         if n is None:
             n = int(gpus // per) if per else max(1, int(res.get("CPU", 1) // self.threads))
+        n = min(n, self.max_workers or n)
         if per and n * per > gpus:
             raise QKCircuitsError(f"{n} workers x {per} GPUs need {n * per:g} GPUs; the cluster has {gpus:g}")
         if not per and n * self.threads > res.get("CPU", 0):

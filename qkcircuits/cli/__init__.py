@@ -18,7 +18,7 @@ from .._errors import QKCircuitsError
 from .._io import check_writable
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ["scan", "circuits", "ablate", "diagnose", "report", "serve"]
+COMMANDS = ["scan", "circuits", "ablate", "diagnose", "report", "serve", "zoo"]
 # Arguments that name files a subcommand will write.
 OUTPUT_ARGS = ("json", "csv", "output")
 
