@@ -39,6 +39,7 @@ from ._path_effects import PathEffects
 from ._patching import path_patch
 from ._trace import trace_induction
 from ._edges import edge_attribution
+from ._zoo import Zoo, zoo
 
 __version__ = "0.1.0"
 
@@ -63,7 +64,7 @@ __all__ = sorted([
     "SCORE_NAMES", "TEXT_SCORES", "THRESHOLDS", "ablate", "as_metric", "attribution", "compare_to_random", "confirm_induction", "diagnose",
     "group_effect", "induction_loss", "logit_diff", "mask_score", "qk_statistics", "scan", "sweep", "target_masks",
     "text_loss",
-    "PathEffects", "edge_attribution", "path_patch", "trace_induction",
+    "PathEffects", "edge_attribution", "path_patch", "trace_induction", "Zoo", "zoo",
     # views
     *_VIEWS,
 ])

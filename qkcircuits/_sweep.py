@@ -102,7 +102,7 @@ def sweep(model, tokens, metric="induction-loss", method: str = "zero", *, refer
     from ._model import model_name
 
     if backend == "ray":
-        from ._distributed import ray_sweep
+        from ._ray_sweep import ray_sweep
 
         return ray_sweep(model, tokens, metric, method, reference=reference, per_position=per_position,
                          layers=layers, max_batch=max_batch, progress=progress, ray_address=ray_address,

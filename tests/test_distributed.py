@@ -22,6 +22,7 @@ from qkcircuits import QKCircuitsError
 ray = pytest.importorskip("ray")
 
 from qkcircuits import _distributed as dist  # noqa: E402
+from qkcircuits import _ray_sweep as rsw  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_ray_sweep_equals_local_sweep(method, llama, ray_local):
     local = qk.sweep(model, tokens, "induction-loss", method, progress=False)
     # prompts cut into 4 chunks of 2 and layers into groups: mean/resample references must come from
     # the whole prompt set (resample: row i gets row i-1 across chunk borders), not per shard.
-    res = dist.ray_sweep(str(folder), tokens, "induction-loss", method, workers=2, shard_prompts=2, progress=False)
+    res = rsw.ray_sweep(str(folder), tokens, "induction-loss", method, workers=2, shard_prompts=2, progress=False)
     assert res.backend["shards"] >= 4 and res.backend["workers"] == 2
     assert res.effects.abs().max() > 1e-3                                  # not trivially zero
     torch.testing.assert_close(res.effects, local.effects, atol=1e-5, rtol=0)
@@ -68,7 +69,7 @@ def test_killed_worker_shard_reruns_once(llama, ray_local):
     state = {"results": [], "killed": None, "retries": 0}
 
     def on_event(kind, info):
-        if info["job"] != "sweep_shard":
+        if not info["job"].endswith(":sweep_shard"):
             return
         if kind == "result":
             state["results"].append(info["shard"])
@@ -78,7 +79,7 @@ def test_killed_worker_shard_reruns_once(llama, ray_local):
             state["killed"] = info["pid"]
             os.kill(info["pid"], signal.SIGKILL)
 
-    res = dist.ray_sweep(str(folder), tokens, "induction-loss", "mean", workers=2, shard_prompts=2,
+    res = rsw.ray_sweep(str(folder), tokens, "induction-loss", "mean", workers=2, shard_prompts=2,
                          progress=False, on_event=on_event)
     assert state["killed"] is not None and state["retries"] == 1 and res.backend["retries"] == 1
     # every shard's result was recorded exactly once ...
@@ -88,13 +89,13 @@ def test_killed_worker_shard_reruns_once(llama, ray_local):
 
 
 def test_plan_sweep_covers_every_head_once_and_balances_cost():
-    shards, costs = dist.plan_sweep(100, range(30), 30, 9, n_workers=4, shard_prompts=50)
+    shards, costs = rsw.plan_sweep(100, range(30), 30, 9, n_workers=4, shard_prompts=50)
     seen = [(r, L) for s in shards for r in range(*s["rows"]) for L in s["layers"]]
     assert len(seen) == len(set(seen)) == 100 * 30
     assert len(shards) == 8                                    # 2 prompt chunks x 4 layer groups
     groups = [s["layers"] for s in shards[:4]]
     assert all(g == sorted(g) for g in groups)                 # contiguous layer ranges
-    work = [sum(dist.layer_cost(L, 30, 9) for L in g) for g in groups]
+    work = [sum(rsw.layer_cost(L, 30, 9) for L in g) for g in groups]
     assert max(work) / min(work) < 1.35                        # equal cost, not equal layer counts
     assert len(groups[0]) < len(groups[-1])                    # early layers cost more per layer
 

@@ -18,8 +18,7 @@ from .._errors import QKCircuitsError
 from .._io import check_writable
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ["scan", "circuits", "ablate", "diagnose", "report", "serve"]
-COMMANDS.append("trace")
+COMMANDS = ["scan", "circuits", "ablate", "diagnose", "report", "serve", "trace", "zoo"]
 # Arguments that name files a subcommand will write.
 OUTPUT_ARGS = ("json", "csv", "output")
 

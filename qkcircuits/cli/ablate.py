@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_ray(args: argparse.Namespace) -> int:
     """The sweep on Ray: workers load the model and draw the prompts; this process loads no weights."""
-    from .._distributed import ray_sweep
+    from .._ray_sweep import ray_sweep
 
     load_kwargs = {"device": args.device, "dtype": args.dtype, "fold_ln": not args.no_fold_ln}
     res = ray_sweep(args.model, {"n_seqs": args.n_seqs, "seq_len": args.seq_len, "seed": args.seed}, args.metric,

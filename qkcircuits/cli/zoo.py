@@ -1,0 +1,61 @@
+"""``qkcircuits zoo MODEL [MODEL ...]``: scan every model and compare their induction circuits."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._common import non_negative_int, positive_int, write_atomic
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("zoo", help="scan several models and compare where their induction heads sit",
+                       description="Scan every model (induction and previous-token scores, plus a causal check) "
+                                   "and write one comparison: JSON and a side-by-side HTML figure.")
+    p.add_argument("models", nargs="+", metavar="MODEL",
+                   help="hub names, local Hugging Face folders, .gguf files, 'smollm2-135m', 'toy-induction'")
+    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
+    p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+    p.add_argument("--confirm", type=non_negative_int, default=5, metavar="K",
+                   help="ablate the top-K induction heads together against random K-head sets (default 5; 0: skip)")
+    p.add_argument("--n-seqs", type=positive_int, default=8, help="sequences of [BOS]+R+R per model (default 8)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the prompt sets (default 0)")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS|local:N",
+                   help="one model per Ray worker: an address, local:N, or nothing ($RAY_ADDRESS, else local)")
+    p.add_argument("--json", metavar="PATH", help="write the comparison as JSON")
+    p.add_argument("-o", "--output", metavar="PATH", help="write a self-contained HTML page (works offline)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .._zoo import zoo
+
+    z = zoo(args.models, backend="ray" if args.ray is not None else "local", ray_address=args.ray or None,
+            confirm_top=args.confirm, n_seqs=args.n_seqs, seed=args.seed, progress=not args.quiet,
+            load_kwargs={"device": args.device, "dtype": args.dtype})
+    print(format_zoo(z.models))
+    if args.json:
+        z.to_json(args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.output:
+        from ..viz._zoo import zoo_html
+
+        write_atomic(args.output, zoo_html(z))
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def format_zoo(models) -> str:
+    lines = [f"{'model':<28}{'shape':>8}  {'induction heads (top 3: score @ depth)':<44}{'prev-token (top 2)':<30}"
+             f"causal check"]
+    for m in models:
+        ind = ", ".join(f"{h['head']} {h['score']:.2f}@{h['depth']:.2f}" for h in m["induction"][:3]) or (
+            f"none (best {m['strongest']['induction']['head']} {m['strongest']['induction']['score']:.2f})")
+        prev = ", ".join(f"{h['head']} {h['score']:.2f}@{h['depth']:.2f}" for h in m["previous_token"][:2]) or (
+            f"none (best {m['strongest']['previous_token']['head']})")
+        c = m["confirmation"]
+        conf = "-" if not c else f"{c['effect']:+.2f} vs random max {c['random_max']:+.2f}"
+        shape = f"{m['n_layers']}x{m['n_heads']}"
+        lines.append(f"{m['model'][:27]:<28}{shape:>8}  {ind:<44}{prev:<30}{conf}")
+    return "\n".join(lines)
