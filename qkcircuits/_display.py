@@ -8,11 +8,12 @@ Each result class has two one-line methods that call ``text(self)`` and ``html(s
 dispatch on the class name, so this module imports none of the result modules (no import circles) and
 nothing heavier than torch (no plotly: a repr must not load the plotting stack).
 
-Size bound: a grid draws one 9-px cell per head (``<i>`` with a colour and a hover title, ~50 bytes) for at
+Size bound: a grid draws one 9-px cell per head (``<i>`` with a colour and a hover title, ~53 bytes) for at
 most ``MAX_CELLS`` heads; bigger models show the per-layer maximum instead (one cell per layer, said so);
 at most ``MAX_GRIDS`` grids per result and ``TOP`` heads per table. So one result's HTML stays under
-~``MAX_GRIDS`` × ``MAX_CELLS`` × 50 B ≈ 150 kB whatever the model (tests/test_display.py checks it on an
-80 × 64-head result); a 30 × 9-head scan is ~45 kB. No script, no external resource: plain HTML and CSS.
+``MAX_GRIDS`` × ``MAX_CELLS`` × 53 B + tables ≈ 125 kB whatever the model (tests/test_display.py checks
+130 kB at 768 heads and on an 80 × 64-head result); a 30 × 9-head scan is ~45 kB. No script, no external
+resource: plain HTML and CSS.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor
 
 MAX_CELLS = 768      # heads drawn per grid; above it, one cell per layer (the layer's maximum)
-MAX_GRIDS = 4        # grids per result
+MAX_GRIDS = 3        # grids per result
 TOP = 5              # heads per table row / list
 
 CSS = ("<style>.qk-r{font:12px/1.35 system-ui,sans-serif;color:#222}.qk-r table{border-collapse:collapse;margin:4px 0}"
@@ -50,7 +51,7 @@ def _e(s) -> str:
 def _colour(v: float, lo: float, hi: float, signed: bool) -> str:
     """White → blue (unsigned, lo..hi) or blue ← white → red (signed, centred at 0); NaN light grey."""
     if math.isnan(v):
-        return "#eee"
+        return "#eeeeee"
     if signed:
         m = max(abs(lo), abs(hi)) or 1.0
         a = max(-1.0, min(1.0, v / m))
@@ -77,8 +78,8 @@ def grid(t: Tensor, title: str, signed: Optional[bool] = None) -> str:
     cells = []
     for layer, row in enumerate(t.tolist()):
         for head, v in enumerate(row):
-            name = f"{layer}.{head}" if cols == H else f"layer {layer}"
-            cells.append(f'<i style="background:{_colour(v, lo, hi, signed)}" title="{name} {_f(v)}"></i>')
+            name = f"{layer}.{head}" if cols == H else f"L{layer}"      # L7: layer 7, its maximum
+            cells.append(f'<i style=background:{_colour(v, lo, hi, signed)} title="{name} {_f(v)}"></i>')
     return (f'<div style="display:inline-block;vertical-align:top"><div class="m">{_e(title)}{_e(note)} '
             f'[{_f(lo)} … {_f(hi)}]</div><div class="g" style="grid-template-columns:repeat({cols},9px)">'
             f'{"".join(cells)}</div></div>')
