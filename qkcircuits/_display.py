@@ -125,7 +125,8 @@ def _scores(r) -> Tuple[str, str]:
         if score in r.scores:
             lines.append((label, score, minimum, counts.get(label, 0), top_heads(r.scores[score])))
     text = (f"HeadScores({r.model}: {r.n_layers} layers x {r.n_heads} heads; scores {', '.join(r.scores)}"
-            + "".join(f"; {lab} ({n} heads >= {_f(m)}): {_heads_text(top[:3])}" for lab, _, m, n, top in lines) + ")")
+            + "".join(f"; {lab}: {n} head{'s' * (n != 1)} >= {_f(m)}, top {_heads_text(top[:3])}"
+                      for lab, _, m, n, top in lines) + ")")
     rows = [(lab, f"{s} ≥ {_f(m)}", str(n), _heads_text(top)) for lab, s, m, n, top in lines]
     rows += [("", name, "", _heads_text(top_heads(t))) for name, t in r.scores.items()
              if name not in {s for _, s, _, _, _ in lines}]

@@ -55,7 +55,7 @@ def test_every_result_has_a_short_repr_and_html(results):
 def test_scores_tables_lead_with_the_known_heads(results):
     s = results["HeadScores"]
     text = repr(s)
-    assert "induction (1 heads >= 0.4): 1.0 (1)" in text and "previous-token (1 heads >= 0.4): 0.0 (1)" in text
+    assert "induction: 1 head >= 0.4, top 1.0 (1)" in text and "previous-token: 1 head >= 0.4, top 0.0 (1)" in text
     html = s._repr_html_()
     got = cells(html)
     # one cell per head per grid, in layer-major order, each titled with that head's value (4 significant digits)

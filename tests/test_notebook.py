@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -124,6 +125,24 @@ def browse(browser, page_path: Path, n_plots: int, n_widgets: int, shot: str = "
     assert external == [], f"requests left the machine: {external}"
     assert errors == [], errors
     page.close()
+
+
+def test_script_version(tmp_path):
+    script = ROOT / "scripts" / "find_induction_heads.py"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2")
+    out = subprocess.run([sys.executable, str(script), "--model", "toy-induction", "--figures", str(tmp_path / "f")],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "induction heads (score >= 0.4): 1.0\n" in out.stdout and "previous-token heads: 0.0 (1.000)" in out.stdout
+    assert "1.0 OV: 31 of 32 tokens raise themselves most" in out.stdout      # the fixture copies every non-BOS token
+    names = sorted(p.name for p in (tmp_path / "f").iterdir())
+    assert names == sorted(["scores-induction.html", "scores-previous_token.html", "qk-1.0.html", "ov-1.0.html",
+                            "offsets-0.0.html", "ablation-vs-random.html", "attention.html"])
+    # a hub name without the hub: one line that says what to do, exit 2, no traceback
+    out = subprocess.run([sys.executable, str(script), "--model", "gpt2"], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=600)
+    err = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(err) == 1 and "smollm2-135m" in err[0] and "Traceback" not in out.stderr
 
 
 # plotly figures in the notebook: 2 score grids, QK, OV, offsets, the random baseline; 1 attention widget.
