@@ -178,7 +178,12 @@ def random_baseline(effect: float, random_effects: Sequence[float], heads: Seque
                        line=dict(color="#c0392b", width=3),
                        hovertemplate=f"{', '.join(heads)}<br>effect %{{x:.4f}}<extra></extra>")
     fig = go.Figure([dots, group], layout=_layout(
-        f"ablating {', '.join(heads)} vs {n} random sets of {len(heads)} heads ({method})", height=260, width=560,
+        f"ablating {', '.join(heads)} vs {n} random sets of {len(heads)} head{'s' * (len(heads) != 1)} ({method})",
+        height=260, width=560,
         xaxis=dict(title=f"effect on {metric} (ablated − clean)", zeroline=True),
-        yaxis=dict(visible=False, range=[-0.8, 0.8]), legend=dict(orientation="h", y=-0.35)))
+        yaxis=dict(visible=False, range=[-0.8, 0.95]), showlegend=False,
+        annotations=[dict(x=_r(effect), y=0.7, text="these heads", showarrow=False, yanchor="bottom",
+                          font=dict(color="#c0392b")),
+                     dict(x=0, xref="paper", y=0.95, text="grey: random sets", showarrow=False, xanchor="left",
+                          yanchor="top", font=dict(color="#666"))]))
     return _fig(fig)

@@ -152,14 +152,18 @@ def attention_html(props: Dict, libraries: bool = True) -> str:
     return (library_script("circuitsvis") + "\n" + html) if libraries else html
 
 
-def _display(lib: str, make) -> None:
-    """Show one output in the running kernel, carrying ``lib`` when this page needs it."""
+def _display(lib: str, make, text: str) -> None:
+    """Show one output in the running kernel, carrying ``lib`` when this page needs it; a terminal IPython
+    (no kernel, no HTML) gets ``text``."""
     from IPython.display import display
 
     cell = _cell()
+    if cell is None:
+        display({"text/plain": text}, raw=True)
+        return
     carry = _needs(lib, cell)
-    display({"text/html": make(carry)}, raw=True)
-    if carry and cell is not None:
+    display({"text/html": make(carry), "text/plain": text}, raw=True)
+    if carry:
         _state["sent"][lib] = cell
 
 
@@ -200,13 +204,17 @@ class Figure(go.Figure):
     ``fig.data``, ``fig.layout``, ``fig.show()`` (your renderer), ``fig.write_html(path)`` all work as usual."""
 
     def _ipython_display_(self) -> None:
-        _display("plotly", lambda carry: figure_html(self, carry))
+        _display("plotly", lambda carry: figure_html(self, carry), self._text())
+
+    def _text(self) -> str:
+        kinds = ", ".join(sorted({t.type for t in self.data}))
+        return f"<qkcircuits Figure: {self.layout.title.text or 'untitled'} ({kinds}); fig.show() or fig.save(path)>"
 
     def _repr_html_(self) -> str:           # called by other tools: always self-contained
         return figure_html(self, True)
 
     def _repr_mimebundle_(self, include=None, exclude=None, **kwargs) -> Dict[str, str]:
-        return {"text/html": figure_html(self, True)}
+        return {"text/html": figure_html(self, True), "text/plain": self._text()}
 
     def save(self, path: str) -> None:
         """One self-contained offline HTML file (plotly.js inlined, no MathJax), written atomically."""
@@ -228,7 +236,7 @@ class AttentionView:
                 f"pattern {tuple(self.pattern.shape)})")
 
     def _ipython_display_(self) -> None:
-        _display("circuitsvis", lambda carry: attention_html(self.props, carry))
+        _display("circuitsvis", lambda carry: attention_html(self.props, carry), repr(self))
 
     def _repr_html_(self) -> str:
         return attention_html(self.props, True)
