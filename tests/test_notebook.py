@@ -78,6 +78,7 @@ def check_outputs(nb) -> None:
     results = [h for h in html if 'class="qk-r"' in h]                  # HeadScores and RandomComparison
     assert len(results) == 2 and all("<script" not in h for h in results)
     assert not any("mathjax" in h.lower() for h in figures)
+    return html
 
 
 def browse(browser, page_path: Path, n_plots: int, n_widgets: int, shot: str = ""):
@@ -119,6 +120,15 @@ def browse(browser, page_path: Path, n_plots: int, n_widgets: int, shot: str = "
         if title[0] < bar[2] and bar[0] < title[2] and title[1] < bar[3] and bar[1] < title[3]:
             overlaps.append((i, title, bar))
     assert overlaps == [], overlaps
+    # hover on a score grid cell: the head, this score, every other score and the labels
+    grid = figs.nth(0)
+    grid.scroll_into_view_if_needed()
+    box = page.locator(".qk-plotly").nth(0).locator(".nsewdrag").first.bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.wait_for_function("document.querySelector('.qk-plotly .hoverlayer .hovertext')", timeout=10_000)
+    hover = page.evaluate("document.querySelector('.qk-plotly .hoverlayer .hovertext').textContent")
+    assert re.search(r"head \d+\.\d+", hover) and "induction = " in hover and "previous_token = " in hover \
+        and "labels: " in hover, hover
     if shot and SHOTS:
         page.set_viewport_size({"width": 1200, "height": 900})
         page.screenshot(path=str(Path(SHOTS) / shot), full_page=True)
@@ -176,10 +186,12 @@ def test_notebook_export_draws_offline(toy_export, browser):
 @pytest.mark.browser
 def test_notebook_smollm2(tmp_path, browser):
     nb = execute("smollm2-135m", tmp_path)
-    check_outputs(nb)
+    outputs = check_outputs(nb)
     path = tmp_path / "smollm2.html"
     html = export(nb, path)
-    print(f"\nexported notebook: {len(html) / 1e6:.2f} MB")
+    kinds = ["libraries" if "/* qkcircuits:" in h else "result" if 'class="qk-r"' in h else "figure" for h in outputs]
+    print(f"\nexported notebook: {len(html) / 1e6:.2f} MB; outputs (kB): "
+          + ", ".join(f"{k} {len(h.encode()) / 1e3:.0f}" for k, h in zip(kinds, outputs)))
     browse(browser, path, N_PLOTS, N_WIDGETS, shot="notebook-smollm2.png")
 
 

@@ -34,7 +34,7 @@ import json
 import os
 import sys
 import uuid
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import plotly.graph_objects as go
 
