@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+import qkcircuits as qk
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "docs" / "examples" / "induction_heads.ipynb"
 OFFLINE = ("file://", "data:", "blob:", "about:")
@@ -81,6 +83,24 @@ def check_outputs(nb) -> None:
     return html
 
 
+def title_overlaps(page, selector: str):
+    """Hover each plotly figure matching ``selector`` (its toolbar then shows, top right): the figures whose
+    title box intersects the toolbar's box, as (index, title box, toolbar box)."""
+    figs, out = page.locator(selector), []
+    for i in range(figs.count()):
+        fig = figs.nth(i)
+        fig.scroll_into_view_if_needed()
+        fig.hover()
+        title, bar = page.evaluate("""([sel, i]) => { const d = document.querySelectorAll(sel)[i];
+            const b = (e) => { if (!e) return null; const r = e.getBoundingClientRect();
+                               return r.width ? [r.left, r.top, r.right, r.bottom] : null; };
+            return [b(d.querySelector('.gtitle')), b(d.querySelector('.modebar'))]; }""", [selector, i])
+        assert title is not None and bar is not None, (i, title, bar)
+        if title[0] < bar[2] and bar[0] < title[2] and title[1] < bar[3] and bar[1] < title[3]:
+            out.append((i, title, bar))
+    return out
+
+
 def browse(browser, page_path: Path, n_plots: int, n_widgets: int, shot: str = ""):
     """Open the export with every non-file request blocked; check each figure drew and no title is covered."""
     page = browser.new_page()
@@ -105,21 +125,7 @@ def browse(browser, page_path: Path, n_plots: int, n_widgets: int, shot: str = "
         for (let i = 4; i < d.length; i += 4) if (d[i] !== d[0] || d[i+1] !== d[1] || d[i+2] !== d[2]) return true;
         return false; })""")
     assert nonblank and all(nonblank), nonblank
-    # plotly's toolbar appears on hover in the top-right corner: no title may sit under it
-    overlaps = []
-    for i in range(n_plots):
-        fig = figs.nth(i)
-        fig.scroll_into_view_if_needed()
-        fig.hover()
-        boxes = page.evaluate("""(i) => { const d = document.querySelectorAll('.qk-plotly')[i];
-            const b = (e) => { if (!e) return null; const r = e.getBoundingClientRect();
-                               return r.width ? [r.left, r.top, r.right, r.bottom] : null; };
-            return [b(d.querySelector('.gtitle')), b(d.querySelector('.modebar'))]; }""", i)
-        title, bar = boxes
-        assert title is not None and bar is not None, boxes
-        if title[0] < bar[2] and bar[0] < title[2] and title[1] < bar[3] and bar[1] < title[3]:
-            overlaps.append((i, title, bar))
-    assert overlaps == [], overlaps
+    assert title_overlaps(page, ".qk-plotly") == []
     # hover on a score grid cell: the head, this score, every other score and the labels
     grid = figs.nth(0)
     grid.scroll_into_view_if_needed()
@@ -134,6 +140,22 @@ def browse(browser, page_path: Path, n_plots: int, n_widgets: int, shot: str = "
         page.screenshot(path=str(Path(SHOTS) / shot), full_page=True)
     assert external == [], f"requests left the machine: {external}"
     assert errors == [], errors
+    page.close()
+
+
+@pytest.mark.browser
+def test_report_titles_clear_of_the_toolbar(hand_built, browser, tmp_path):
+    # the report draws the same builders: before the fix every grid title sat under the toolbar on hover
+    from qkcircuits.viz import report_html, write_report
+
+    scores = qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, progress=False)
+    write_report(str(tmp_path / "r.html"), report_html(hand_built, scores=scores, per_score=1, progress=False))
+    page = browser.new_page()
+    page.goto((tmp_path / "r.html").as_uri())
+    page.wait_for_function("document.body.dataset.ready === '1'", timeout=60_000)
+    n = page.locator(".js-plotly-plot").count()
+    assert n >= 9                                   # 6 score grids + QK, OV, offsets (layer 1: + partners)
+    assert title_overlaps(page, ".js-plotly-plot") == []
     page.close()
 
 
