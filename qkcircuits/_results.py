@@ -124,4 +124,3 @@ class HeadScores:
         from ._display import html           # notebooks: top heads per label and a compact grid
 
         return html(self)
-
