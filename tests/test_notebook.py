@@ -101,7 +101,7 @@ def title_overlaps(page, selector: str):
     return out
 
 
-def browse(browser, page_path: Path, n_plots: int, n_widgets: int, shot: str = ""):
+def browse(browser, page_path: Path, n_plots: int, n_widgets: int, shot: str = "", hover_grid: bool = True):
     """Open the export with every non-file request blocked; check each figure drew and no title is covered."""
     page = browser.new_page()
     external, errors = [], []
@@ -126,15 +126,16 @@ def browse(browser, page_path: Path, n_plots: int, n_widgets: int, shot: str = "
         return false; })""")
     assert nonblank and all(nonblank), nonblank
     assert title_overlaps(page, ".qk-plotly") == []
-    # hover on a score grid cell: the head, this score, every other score and the labels
-    grid = figs.nth(0)
-    grid.scroll_into_view_if_needed()
-    box = page.locator(".qk-plotly").nth(0).locator(".nsewdrag").first.bounding_box()
-    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
-    page.wait_for_function("document.querySelector('.qk-plotly .hoverlayer .hovertext')", timeout=10_000)
-    hover = page.evaluate("document.querySelector('.qk-plotly .hoverlayer .hovertext').textContent")
-    assert re.search(r"head \d+\.\d+", hover) and "induction = " in hover and "previous_token = " in hover \
-        and "labels: " in hover, hover
+    if hover_grid:
+        # hover on a score grid cell: the head, this score, every other score and the labels
+        grid = figs.nth(0)
+        grid.scroll_into_view_if_needed()
+        box = page.locator(".qk-plotly").nth(0).locator(".nsewdrag").first.bounding_box()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.wait_for_function("document.querySelector('.qk-plotly .hoverlayer .hovertext')", timeout=10_000)
+        hover = page.evaluate("document.querySelector('.qk-plotly .hoverlayer .hovertext').textContent")
+        assert re.search(r"head \d+\.\d+", hover) and "induction = " in hover and "previous_token = " in hover \
+            and "labels: " in hover, hover
     if shot and SHOTS:
         page.set_viewport_size({"width": 1200, "height": 900})
         page.screenshot(path=str(Path(SHOTS) / shot), full_page=True)
@@ -156,6 +157,38 @@ def test_report_titles_clear_of_the_toolbar(hand_built, browser, tmp_path):
     n = page.locator(".js-plotly-plot").count()
     assert n >= 9                                   # 6 score grids + QK, OV, offsets (layer 1: + partners)
     assert title_overlaps(page, ".js-plotly-plot") == []
+    page.close()
+
+
+AMD = ("<script>window.define = function () { throw new Error('define called'); }; window.define.amd = {};"
+       "window.require = function () { throw new Error('require called'); };</script>")
+
+
+@pytest.mark.browser
+def test_libraries_on_a_page_with_an_amd_loader(hand_built, browser, tmp_path, monkeypatch):
+    # classic Notebook pages carry require.js. plotly.js 2.x (plotly.py 5.x, which pyproject allows) starts with a
+    # UMD header that calls define() when it exists, registering an anonymous module instead of window.Plotly;
+    # plotly.js 4 (installed here) does not. A stand-in define/require that throws: the real bundles still draw,
+    # and a UMD stub of that older header still sets window.Plotly because the wrapper hides define.
+    from qkcircuits import plot
+    from qkcircuits.viz import _notebook as NB
+
+    figs = [plot.offsets(hand_built, "0.0"), plot.ov(hand_built, "1.0")]
+    view = plot.attention(hand_built, None, "1.0")
+    body = AMD + NB.figure_html(figs[0], True) + NB.figure_html(figs[1], False) + NB.attention_html(view.props, True)
+    (tmp_path / "amd.html").write_text(f'<!DOCTYPE html><html><head><meta charset="utf-8"></head><body>{body}</body></html>')
+    browse(browser, tmp_path / "amd.html", 2, 1, hover_grid=False)
+
+    umd = ('(function (root, factory) { if (typeof define === "function" && define.amd) define([], factory); '
+           'else if (typeof module === "object" && module.exports) module.exports = factory(); '
+           'else root.Plotly = factory(); })(self, function () { return {newPlot: function (el) { '
+           'el.textContent = "drawn by the stub"; }}; });')
+    monkeypatch.setattr(NB, "script_text", lambda lib: umd)
+    (tmp_path / "umd.html").write_text(f"<!DOCTYPE html><html><body>{AMD}{NB.figure_html(figs[0], True)}</body></html>")
+    page, errors = browser.new_page(), []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto((tmp_path / "umd.html").as_uri())
+    assert page.inner_text(".qk-plotly") == "drawn by the stub" and errors == [], errors
     page.close()
 
 

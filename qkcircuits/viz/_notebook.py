@@ -105,11 +105,11 @@ def _needs(lib: str, cell) -> bool:
 def library_script(lib: str) -> str:
     """A ``<script>`` defining ``window.<Lib>`` from the installed package, then drawing queued figures.
 
-    ``define``/``module``/``exports`` are hidden from the bundle, so a page with require.js (classic
+    ``define``/``module``/``exports``/``require`` are hidden from the bundle, so a page with require.js (classic
     Notebook) does not turn it into an anonymous AMD module ("Mismatched anonymous define()")."""
     glob = LIBS[lib]
     return (f"<script>/* qkcircuits: {lib} from the installed package */\n"
-            f"(function (define, module, exports) {{\n{script_text(lib)}\n;window.{glob} = {glob};\n}})();\n"
+            f"(function (define, module, exports, require) {{\n{script_text(lib)}\n;window.{glob} = {glob};\n}})();\n"
             f"(window.__qkDraw = window.__qkDraw || []).filter(function (w) {{ return w[0] === '{lib}'; }})"
             f".forEach(function (w) {{ w[1](); }});\n"
             f"window.__qkDraw = window.__qkDraw.filter(function (w) {{ return w[0] !== '{lib}'; }});</script>")
