@@ -98,8 +98,10 @@ def score_grid(values: Tensor, name: str, description: str = "", colorscale: Opt
                     colorbar=dict(thickness=10), hovertemplate=hover + "<extra></extra>")
     height = max(220, min(900, 60 + TOP_MARGIN + 18 * L))
     fig = go.Figure(hm, layout=_layout(name, height=height, width=max(240, 110 + 26 * H),
-                                       xaxis=dict(title="head", dtick=1), yaxis=dict(title="layer", autorange="reversed",
-                                                                                      dtick=1 if L <= 16 else 5)))
+                                       # no zero lines: seen through the 1-px cell gaps they drew dots along head 0 and layer 0
+                                       xaxis=dict(title="head", dtick=1, zeroline=False, showgrid=False),
+                                       yaxis=dict(title="layer", autorange="reversed", dtick=1 if L <= 16 else 5,
+                                                  zeroline=False, showgrid=False)))
     out = _fig(fig)
     out["meta"] = {"name": name, "description": description}
     return out
