@@ -45,6 +45,8 @@ __version__ = "0.1.0"
 
 # Views (plotly, circuitsvis, Flask) load on first use: `import qkcircuits` stays light.
 _VIEWS = {"create_app", "report_html", "write_report"}
+# qk.plot (figures for notebooks) is a submodule, imported on first use for the same reason.
+_LAZY_MODULES = {"plot"}
 
 __all__ = sorted([
     # foundation
@@ -67,6 +69,7 @@ __all__ = sorted([
     "PathEffects", "edge_attribution", "path_patch", "trace_induction", "Zoo", "zoo",
     # views
     *_VIEWS,
+    *_LAZY_MODULES,
 ])
 
 
@@ -75,4 +78,8 @@ def __getattr__(name: str):
         from . import viz
 
         return getattr(viz, name)
+    if name in _LAZY_MODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'qkcircuits' has no attribute {name!r}")

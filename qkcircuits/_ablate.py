@@ -348,6 +348,16 @@ class GroupEffect:
     def effect(self) -> float:
         return self.ablated - self.baseline
 
+    def __repr__(self) -> str:
+        from ._display import text           # short: the model, the shape, the top heads
+
+        return text(self)
+
+    def _repr_html_(self) -> str:
+        from ._display import html           # notebooks: top heads per label and a compact grid
+
+        return html(self)
+
 
 def group_effect(model, heads: HeadsLike, tokens, metric="induction-loss", method: str = "zero", *,
                  reference=None, per_position: bool = True) -> GroupEffect:
@@ -389,6 +399,16 @@ class RandomComparison:
     def ratio_to_random_mean(self) -> float:
         m = float(self.random_effects.mean())
         return self.effect / m if m != 0 else float("inf")
+
+    def __repr__(self) -> str:
+        from ._display import text           # short: the model, the shape, the top heads
+
+        return text(self)
+
+    def _repr_html_(self) -> str:
+        from ._display import html           # notebooks: top heads per label and a compact grid
+
+        return html(self)
 
 
 def compare_to_random(model, heads: HeadsLike, tokens, metric="induction-loss", *, n_draws: int = 20,

@@ -130,6 +130,16 @@ class Activations:
             have = sorted({f"{n}@{l}" for n, l in self.tensors})
             raise QKCircuitsError(f"({name!r}, {layer}) was not captured; captured: {', '.join(have)}") from None
 
+    def __repr__(self) -> str:
+        from ._display import text           # short: the model, the shape, the top heads
+
+        return text(self)
+
+    def _repr_html_(self) -> str:
+        from ._display import html           # notebooks: top heads per label and a compact grid
+
+        return html(self)
+
 
 def _as_tokens(model, tokens) -> Tensor:
     if isinstance(tokens, str):

@@ -422,6 +422,16 @@ class Circuit:
     def exact(self) -> bool:
         return not self.caveats
 
+    def __repr__(self) -> str:
+        from ._display import text           # short: the model, the shape, the top heads
+
+        return text(self)
+
+    def _repr_html_(self) -> str:
+        from ._display import html           # notebooks: top heads per label and a compact grid
+
+        return html(self)
+
 
 KINDS = ("qk", "ov", "qk_affine", "ov_affine", "full_qk", "full_ov", "qk_offset", "pos_qk")
 

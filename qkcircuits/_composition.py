@@ -74,6 +74,16 @@ class CompositionScores:
                                  for lay in x])
         return cls(d["mode"], tensor(d["scores"]), tensor(d["raw"]), float(d["baseline"]), d["settings"])
 
+    def __repr__(self) -> str:
+        from ._display import text           # short: the model, the shape, the top heads
+
+        return text(self)
+
+    def _repr_html_(self) -> str:
+        from ._display import html           # notebooks: top heads per label and a compact grid
+
+        return html(self)
+
 
 def _left_cores(W_V: Tensor, W_O: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """OV = W_V W_O → (Gram W_Vᵀ W_V [.., d_head, d_head], W_O, ‖OV‖_F)."""

@@ -191,3 +191,13 @@ class HeadDiagnostics:
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise QKCircuitsError(f"not a qkcircuits diagnostics JSON ({type(e).__name__}: {e}); expected the keys "
                                   f"model, n_layers, n_heads, d_head, scale, measures") from None
+
+    def __repr__(self) -> str:
+        from ._display import text           # short: the model, the shape, the top heads
+
+        return text(self)
+
+    def _repr_html_(self) -> str:
+        from ._display import html           # notebooks: top heads per label and a compact grid
+
+        return html(self)

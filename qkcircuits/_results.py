@@ -115,3 +115,12 @@ class HeadScores:
             raise QKCircuitsError(f"not a qkcircuits scores JSON ({type(e).__name__}: {e}); expected the keys model, "
                                   f"n_layers, n_heads, scores") from None
 
+    def __repr__(self) -> str:
+        from ._display import text           # short: the model, the shape, the top heads
+
+        return text(self)
+
+    def _repr_html_(self) -> str:
+        from ._display import html           # notebooks: top heads per label and a compact grid
+
+        return html(self)

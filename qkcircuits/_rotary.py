@@ -310,6 +310,16 @@ class OffsetProfile:
                 "score_at_0": float(self.mean_score[0]), "score_range": float(self.mean_score.max() - self.mean_score.min()),
                 "offsets": [int(self.offsets[0]), int(self.offsets[-1])]}
 
+    def __repr__(self) -> str:
+        from ._display import text           # short: the model, the shape, the top heads
+
+        return text(self)
+
+    def _repr_html_(self) -> str:
+        from ._display import html           # notebooks: top heads per label and a compact grid
+
+        return html(self)
+
 
 def offset_profile(model, head: HeadsLike, offsets: Iterable[int] = range(0, 65),
                    x: Optional[Float[Tensor, "n d_model"]] = None, *, spec: Optional[RotarySpec] = None) -> OffsetProfile:

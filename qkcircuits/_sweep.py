@@ -76,6 +76,16 @@ class HeadEffects:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
+    def __repr__(self) -> str:
+        from ._display import text           # short: the model, the shape, the top heads
+
+        return text(self)
+
+    def _repr_html_(self) -> str:
+        from ._display import html           # notebooks: top heads per label and a compact grid
+
+        return html(self)
+
 
 def sweep(model, tokens, metric="induction-loss", method: str = "zero", *, reference=None,
           per_position: bool = True, layers: Optional[Iterable[int]] = None, max_batch: Optional[int] = None,

@@ -41,25 +41,67 @@ def _fig(fig: go.Figure) -> Dict:
     return json.loads(fig.to_json())
 
 
+# plotly's toolbar (modebar) sits in the top ~28 px of a figure, right-aligned, and covers whatever is there
+# on hover; a centred title in the default 40 px top margin sat under it (measured in tests/test_notebook.py:
+# the title's and the toolbar's boxes intersect). The title now starts below the toolbar, left-aligned.
+TOOLBAR_PX = 30
+TOP_MARGIN = 64
+
+
 def _layout(title: str, **kw) -> Dict:
-    base = dict(template="none", title=dict(text=title, font=dict(size=14)), margin=dict(l=60, r=20, t=40, b=50),
-                font=dict(size=11))
+    base = dict(template="none", title=dict(text=title, font=dict(size=14), x=0, xref="container", xanchor="left",
+                                            y=1, yref="container", yanchor="top", pad=dict(t=TOOLBAR_PX, l=8)),
+                margin=dict(l=60, r=20, t=TOP_MARGIN, b=50), font=dict(size=11))
     base.update(kw)
     return base
 
 
-def score_grid(values: Tensor, name: str, description: str = "", colorscale: str = "Blues",
-               zmid: Optional[float] = None) -> Dict:
-    """Layer × head heatmap of one per-head score; a click reports (layer, head) as (y, x)."""
+def is_signed(values: Tensor, name: str = "") -> bool:
+    """A score that can be negative (by definition, or because some value is): drawn on a diverging
+    scale centred at 0, so white means 0 and the two colours mean the two signs."""
+    return name in SIGNED_SCORES or float(values.nan_to_num(0).min()) < 0
+
+
+# Scores that are signed by definition even when a model happens to have no negative head.
+SIGNED_SCORES = ("eigen_copying",)
+
+
+def score_grid(values: Tensor, name: str, description: str = "", colorscale: Optional[str] = None,
+               zmid: Optional[float] = None, *, others: Optional[Dict[str, Tensor]] = None,
+               labels: Optional[Dict[object, List[str]]] = None) -> Dict:
+    """Layer × head heatmap of one per-head score; a click reports (layer, head) as (y, x).
+
+    Hover shows the head, ``name``'s value, every score in ``others`` ({name: [L, H]}) and the head's
+    ``labels`` ({Head or "L.H": [label, ...]}). Signed values (``is_signed``) get the diverging RdBu
+    scale (red positive) centred at 0 unless ``colorscale`` is given.
+    """
     L, H = values.shape
     text = [[f"{layer}.{head}" for head in range(H)] for layer in range(L)]
-    hm = go.Heatmap(z=_grid(values), x=list(range(H)), y=list(range(L)), text=text, colorscale=colorscale,
-                    zmid=zmid, xgap=1, ygap=1, colorbar=dict(thickness=10),
-                    hovertemplate=f"head %{{text}}<br>{name} = %{{z:.4f}}<extra></extra>")
-    height = max(220, min(900, 60 + 18 * L))
+    signed = is_signed(values, name)
+    if colorscale is None:
+        colorscale = "RdBu" if signed else "Blues"
+    if signed and zmid is None:
+        zmid = 0.0
+    rows = {k: v for k, v in (others or {}).items() if k != name and tuple(v.shape) == (L, H)}
+    lab = {str(k): v for k, v in (labels or {}).items()}
+    hover = f"head %{{text}}<br><b>{name} = %{{z:.4f}}</b>"
+    custom = None
+    if rows or labels is not None:
+        grids = [t.tolist() for t in rows.values()]
+        custom = [[[_r(g[layer][head]) for g in grids] + [", ".join(lab.get(f"{layer}.{head}", [])) or "none"]
+                   for head in range(H)] for layer in range(L)]
+        hover += "".join(f"<br>{k} = %{{customdata[{i}]:.4f}}" for i, k in enumerate(rows))
+        if labels is not None:
+            hover += f"<br>labels: %{{customdata[{len(rows)}]}}"
+    hm = go.Heatmap(z=_grid(values), x=list(range(H)), y=list(range(L)), text=text, customdata=custom,
+                    colorscale=colorscale, reversescale=colorscale == "RdBu", zmid=zmid, xgap=1, ygap=1,
+                    colorbar=dict(thickness=10), hovertemplate=hover + "<extra></extra>")
+    height = max(220, min(900, 60 + TOP_MARGIN + 18 * L))
     fig = go.Figure(hm, layout=_layout(name, height=height, width=max(240, 110 + 26 * H),
-                                       xaxis=dict(title="head", dtick=1), yaxis=dict(title="layer", autorange="reversed",
-                                                                                      dtick=1 if L <= 16 else 5)))
+                                       # no zero lines: seen through the 1-px cell gaps they drew dots along head 0 and layer 0
+                                       xaxis=dict(title="head", dtick=1, zeroline=False, showgrid=False),
+                                       yaxis=dict(title="layer", autorange="reversed", dtick=1 if L <= 16 else 5,
+                                                  zeroline=False, showgrid=False)))
     out = _fig(fig)
     out["meta"] = {"name": name, "description": description}
     return out
@@ -74,7 +116,7 @@ def qk_heatmap(matrix: Tensor, labels: Sequence[str], head: str, input: str = "d
     hm = go.Heatmap(z=_grid(matrix), x=list(range(n)), y=list(range(n)), customdata=custom, colorscale="RdBu",
                     reversescale=True, zmid=0, colorbar=dict(thickness=10),
                     hovertemplate="query %{customdata[0]}<br>key %{customdata[1]}<br>score %{z:.4f}<extra></extra>")
-    side = max(320, min(720, 90 + 16 * n))
+    side = max(340, min(740, 114 + 16 * n))
     fig = go.Figure(hm, layout=_layout(
         f"{head} QK over tokens ({input} inputs, pre-softmax, no biases)", height=side, width=side + 80,
         xaxis=dict(title="key token", tickvals=list(range(n)), ticktext=shown, tickangle=-60),
@@ -100,7 +142,8 @@ def ov_table(values: Tensor, out_ids: Tensor, src_labels: Sequence[str], out_lab
                                   "<br>copies itself: %{customdata[2]}<extra></extra>")
     fig = go.Figure(hm, layout=_layout(
         f"{head} OV: source token → top output tokens ({input} inputs, logits)",
-        height=max(320, min(900, 90 + 18 * n)), width=150 + 95 * k, xaxis=dict(title="rank", side="top"),
+        height=max(340, min(940, 130 + 18 * n)), width=150 + 95 * k, xaxis=dict(title="rank", side="top"),
+        margin=dict(l=60, r=20, t=TOP_MARGIN + 40, b=20),
         yaxis=dict(title="source token ⟨its own rank⟩" if ranks is not None else "source token",
                    tickvals=list(range(n)), ticktext=rows, autorange="reversed")))
     return _fig(fig)
@@ -114,7 +157,7 @@ def profile_line(offsets: Sequence[int], score: Sequence[float], label: str, hea
     """Score against query−key offset Δ (positional or rotary QK profile)."""
     line = go.Scatter(x=list(offsets), y=[_r(v) for v in score], mode="lines+markers", marker=dict(size=4),
                       hovertemplate="offset Δ = %{x}<br>score %{y:.4f}<extra></extra>")
-    fig = go.Figure(line, layout=_layout(f"{head} QK by offset", height=300, width=520,
+    fig = go.Figure(line, layout=_layout(f"{head} QK by offset", height=320, width=520,
                                          xaxis=dict(title="offset Δ = query pos − key pos"),
                                          yaxis=dict(title="score"),
                                          annotations=[dict(text=label, showarrow=False, xref="paper", yref="paper",
@@ -129,7 +172,7 @@ def partners_bar(partners: Sequence[Sequence], head: str) -> Dict:
     vals = [_r(p[1]) for p in partners][::-1]
     bar = go.Bar(x=vals, y=names, orientation="h",
                  hovertemplate="earlier head %{y}<br>K-composition %{x:.4f}<extra></extra>")
-    fig = go.Figure(bar, layout=_layout(f"{head} K-composition partners", height=max(200, 80 + 26 * len(names)),
+    fig = go.Figure(bar, layout=_layout(f"{head} K-composition partners", height=max(220, 104 + 26 * len(names)),
                                         width=420, xaxis=dict(title="score − random baseline"),
                                         yaxis=dict(type="category")))
     return _fig(fig)
@@ -206,4 +249,28 @@ def circuit_graph(nodes: Sequence[Dict], edges: Sequence[Dict], n_layers: int, n
         xaxis=dict(title="head", range=[-0.5, n_heads - 0.5], dtick=1),
         yaxis=dict(title="layer", range=[hi + 0.5, lo - 0.5], dtick=1 if hi - lo <= 16 else 2),
         legend=dict(orientation="h", y=-0.2)))
+    return _fig(fig)
+
+
+def random_baseline(effect: float, random_effects: Sequence[float], heads: Sequence[str], metric: str,
+                    method: str) -> Dict:
+    """The effect of ablating ``heads`` together (a vertical line) against ablating as many random other
+    heads (one dot per draw, jittered vertically so equal effects stay visible)."""
+    n = len(random_effects)
+    jitter = [((i * 0.618) % 1.0) - 0.5 for i in range(n)]       # deterministic, evenly spread
+    dots = go.Scatter(x=[_r(v) for v in random_effects], y=jitter, mode="markers", name="random heads",
+                      marker=dict(size=7, color="#888"),
+                      hovertemplate="random draw<br>effect %{x:.4f}<extra></extra>")
+    group = go.Scatter(x=[_r(effect), _r(effect)], y=[-0.7, 0.7], mode="lines", name="these heads",
+                       line=dict(color="#c0392b", width=3),
+                       hovertemplate=f"{', '.join(heads)}<br>effect %{{x:.4f}}<extra></extra>")
+    fig = go.Figure([dots, group], layout=_layout(
+        f"ablating {', '.join(heads)} vs {n} random sets of {len(heads)} head{'s' * (len(heads) != 1)} ({method})",
+        height=260, width=560,
+        xaxis=dict(title=f"effect on {metric} (ablated − clean)", zeroline=True),
+        yaxis=dict(visible=False, range=[-0.8, 0.95]), showlegend=False,
+        annotations=[dict(x=_r(effect), y=0.7, text="these heads", showarrow=False, yanchor="bottom",
+                          font=dict(color="#c0392b")),
+                     dict(x=0, xref="paper", y=0.95, text="grey: random sets", showarrow=False, xanchor="left",
+                          yanchor="top", font=dict(color="#666"))]))
     return _fig(fig)

@@ -1,4 +1,4 @@
-"""Assemble the grids and the per-head panel (data + plotly figure dicts) shared by the report and the app.
+"""The figures of every view, one builder each: the report, the app and `qkcircuits.plot` all call these.
 
 >>> ctx = ViewContext(model)                                                # doctest: +SKIP
 >>> grids(model, ctx, scores=scan_result)                                  # doctest: +SKIP   [{"key", "figure"}, ...]
@@ -29,6 +29,33 @@ GRID_DESCRIPTIONS = {
 }
 
 
+def score_figure(name: str, values: Tensor, scores=None) -> Dict:
+    """One layer × head grid of a score; hover adds every score of ``scores`` (a HeadScores) and the labels."""
+    others = dict(scores.scores) if scores is not None else None
+    labels = scores.labels() if scores is not None else None
+    return F.score_grid(values, name, GRID_DESCRIPTIONS.get(name, ""), others=others, labels=labels)
+
+
+def effects_figure(effects, scores=None) -> Dict:
+    """The ablation effect of each head (HeadEffects), diverging scale centred at 0."""
+    title = f"ablation effect ({effects.method}, {effects.metric})"
+    return F.score_grid(effects.effects, title, f"metric(ablated) − metric(clean), {effects.kind}", "RdBu", 0.0,
+                        others=dict(scores.scores) if scores is not None else None,
+                        labels=scores.labels() if scores is not None else None)
+
+
+def diagnostics_figure(diagnostics, measure: Optional[str] = None, scores=None) -> Dict:
+    """The number of diagnostics flags per head, or one ``measure`` of a HeadDiagnostics; hover adds every
+    flag's measure (entropy, largest weight, sink share, q·k variance ratio)."""
+    others = {k: diagnostics.measures[k] for k in DIAG_MEASURES if k in diagnostics.measures}
+    flags = diagnostics.flags()
+    labels = {h: names for h, names in diagnostics.flagged()}
+    if measure is None:
+        count = sum(f.float() for f in flags.values())
+        return F.score_grid(count, "diagnostics flags (count)", ", ".join(flags), "Reds", others=others, labels=labels)
+    return F.score_grid(diagnostics[measure], measure, "", others=others, labels=labels)
+
+
 def grids(model, ctx: ViewContext, scores=None, effects=None, diagnostics=None, trace=None) -> List[Dict]:
     """Layer × head grids: every score of ``scores`` (a HeadScores), eigenvalue copying (computed from the
     weights when the scores lack it), ablation ``effects`` (HeadEffects) and the number of diagnostics flags."""
@@ -37,26 +64,52 @@ def grids(model, ctx: ViewContext, scores=None, effects=None, diagnostics=None, 
     if "eigen_copying" not in named:
         named["eigen_copying"] = ctx.eigen_copying()
     for name, t in named.items():
-        signed = name in ("eigen_copying", "copying", "ov_copying") or float(t.nan_to_num(0).min()) < 0
-        fig = F.score_grid(t, name, GRID_DESCRIPTIONS.get(name, ""), "RdBu" if signed else "Blues",
-                           0.0 if signed else None)
-        if signed:
-            fig["data"][0]["reversescale"] = True
-        out.append({"key": name, "figure": fig})
+        out.append({"key": name, "figure": score_figure(name, t, scores)})
     if effects is not None:
-        title = f"ablation effect ({effects.method}, {effects.metric})"
-        fig = F.score_grid(effects.effects, title, f"metric(ablated) − metric(clean), {effects.kind}", "RdBu", 0.0)
-        fig["data"][0]["reversescale"] = True
-        out.append({"key": "ablation", "figure": fig})
+        out.append({"key": "ablation", "figure": effects_figure(effects, scores)})
     if diagnostics is not None:
-        flags = diagnostics.flags()
-        count = sum(f.float() for f in flags.values())
-        out.append({"key": "flags", "figure": F.score_grid(count, "diagnostics flags (count)",
-                                                           ", ".join(flags), "Reds")})
+        out.append({"key": "flags", "figure": diagnostics_figure(diagnostics)})
     if trace is not None:                     # the circuit graph, drawn and clicked like a grid
         from ._trace_view import circuit
         out.append({"key": "circuit", "figure": circuit(trace)})
     return out
+
+
+def qk_figure(ctx: ViewContext, head: Head, ids: Sequence[int], input: Optional[str] = None) -> Dict:
+    """The head's QK heatmap over the tokens ``ids`` on ``input`` rows (direct, effective, contextual;
+    default contextual past layer 0); the title names the input used."""
+    used = ctx.inputs(head.layer, ids, input).input
+    return F.qk_heatmap(qk_grid(ctx, head, ids, used), token_strings(ctx.model, ids), str(head), used)
+
+
+def ov_figure(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, input: Optional[str] = None,
+              view: Optional[Dict] = None) -> Dict:
+    """Each token of ``ids`` → the ``k`` output tokens the head's OV raises most, with the source token's own
+    rank among all output logits; ``view`` is a precomputed ``ov_view`` (the panel reuses it for its notes)."""
+    model = ctx.model
+    ov = view if view is not None else ov_view(ctx, head, ids, k, input)
+    out_labels = [token_strings(model, row) for row in ov["ids"].tolist()]
+    return F.ov_table(ov["values"], ov["ids"], token_strings(model, ids), out_labels, ids, str(head), ov["input"],
+                      ov["ranks"].tolist())
+
+
+def offsets_figure(ctx: ViewContext, head: Head) -> Optional[Dict]:
+    """Score against query−key offset, or None when the QK circuit has no position in it."""
+    prof = positional_profile(ctx, head)
+    return F.profile_line(prof["offsets"], prof["score"], prof["label"], str(head)) if prof else None
+
+
+def partners_figure(ctx: ViewContext, head: Head) -> Optional[Dict]:
+    """Earlier heads ranked by K-composition with ``head`` (None in layer 0)."""
+    partners = k_partners(ctx, head)
+    return F.partners_bar(partners, str(head)) if partners else None
+
+
+def attention_props(model, prompt: Sequence[int], patterns: Dict[Head, Tensor]) -> Dict:
+    """circuitsvis ``AttentionHeads`` props: the prompt's tokens and each head's [q, k] pattern (4 decimals)."""
+    return {"tokens": token_strings(model, prompt),
+            "attention": [[[round(float(v), 4) for v in row] for row in p.tolist()] for p in patterns.values()],
+            "attentionHeadNames": [str(h) for h in patterns]}
 
 
 def head_info(ctx: ViewContext, head: Head, scores=None, effects=None, diagnostics=None) -> Dict:
@@ -81,28 +134,22 @@ def panel(ctx: ViewContext, head: Head, ids: Sequence[int], prompt: Optional[Seq
           input: Optional[str] = None, trace=None) -> Dict:
     """Everything shown for one head. ``pattern`` (its [q, k] attention on ``prompt``) is computed when
     not given; pass ``prompt=None`` to leave attention out. ``input``: the token rows of the QK and OV
-    views (direct, effective, contextual; default contextual past layer 0)."""
+    views (direct, effective, contextual; default contextual past layer 0). ``trace``: a PathEffects whose
+    top senders into this head are drawn as "reads from"."""
     model, name = ctx.model, str(head)
     labels = token_strings(model, ids)
-    notes: List[str] = []
     ov = ov_view(ctx, head, ids, k, input)
-    used = ov["input"]
-    figs: Dict[str, Optional[Dict]] = {"qk": F.qk_heatmap(qk_grid(ctx, head, ids, used), labels, name, used)}
-    out_labels = [token_strings(model, row) for row in ov["ids"].tolist()]
-    ranks = ov["ranks"].tolist()
-    figs["ov"] = F.ov_table(ov["values"], ov["ids"], labels, out_labels, ids, name, used, ranks)
-    notes.append(f"QK/OV token views: {ov['note']}")
+    used, ranks = ov["input"], ov["ranks"].tolist()
+    figs: Dict[str, Optional[Dict]] = {"qk": qk_figure(ctx, head, ids, used), "ov": ov_figure(ctx, head, ids, k, view=ov),
+                                       "pos": offsets_figure(ctx, head), "comp": partners_figure(ctx, head)}
+    notes: List[str] = [f"QK/OV token views: {ov['note']}"]
     fell = [lab for lab, src in zip(labels, ov["source"]) if src != used]
     if fell:
         notes.append(f"{len(fell)} of {len(labels)} tokens never occur in the corpus and use effective inputs: "
                      + ", ".join(repr(t) for t in fell[:12]) + (" ..." if len(fell) > 12 else ""))
-    prof = positional_profile(ctx, head)
-    figs["pos"] = F.profile_line(prof["offsets"], prof["score"], prof["label"], name) if prof else None
-    if prof is None:
+    if figs["pos"] is None:
         notes.append("this model has no learned or rotary positions in its QK circuit: no offset profile")
-    partners = k_partners(ctx, head)
-    figs["comp"] = F.partners_bar(partners, name) if partners else None
-    if not partners:
+    if figs["comp"] is None:
         notes.append("layer 0 reads only the embeddings: no earlier heads to compose with")
     if trace is not None:                     # "reads from": top path-patching senders per input
         from ._trace_view import reads_from
@@ -111,13 +158,10 @@ def panel(ctx: ViewContext, head: Head, ids: Sequence[int], prompt: Optional[Seq
     if prompt is not None:
         if pattern is None:
             pattern = attention(ctx, [head], prompt)[head]
-        att = {"tokens": token_strings(model, prompt),
-               "attention": [[[round(float(v), 4) for v in row] for row in pattern.tolist()]],
-               "attentionHeadNames": [name]}
+        att = attention_props(model, prompt, {head: pattern})
     info = head_info(ctx, head, scores, effects, diagnostics)
     srt = sorted(ranks)
     info["token_views"] = {"input": used, "copying_rank_median": srt[len(srt) // 2] if srt else None,
-                           "copying_rank": ranks,
-                           "vocabulary": int(model.W_U.shape[-1])}
+                           "copying_rank": ranks, "vocabulary": int(model.W_U.shape[-1])}
     return {"head": name, "layer": head.layer, "index": head.head, "input": used,
             "info": info, "figures": figs, "attention": att, "notes": notes}

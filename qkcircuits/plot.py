@@ -1,0 +1,158 @@
+"""Figures of results and heads for notebooks and scripts: each call returns a plotly ``go.Figure``.
+
+>>> import qkcircuits as qk
+>>> model = qk.load("toy-induction")
+>>> result = qk.scan(model, progress=False)
+>>> fig = qk.plot.scores(result, "induction")       # layer x head heatmap; z is result["induction"]
+>>> fig.data[0].z[1][0]
+1.0
+>>> qk.plot.attention(model, None, ["0.0", "1.0"])  # doctest: +ELLIPSIS
+AttentionView(heads=0.0, 1.0; 25 tokens; pattern (2, 25, 25))
+
+Every figure comes from the builders the HTML report and the app draw (``viz/_views.py`` on top of
+``viz/_figures.py`` and the numbers of ``viz/_panels.py``): one picture, one source. In a notebook a
+figure draws itself offline (plotly.js and circuitsvis inlined from the installed packages, once per
+page or once per figure: ``setup``, docs/notebooks.md); ``fig.show()`` still uses your plotly renderer
+and ``fig.save(path)`` writes one offline HTML file. Numbers in figures keep 5 significant digits.
+
+Adding a figure is a builder in ``viz/_figures.py`` that returns a JSON-ready dict, then here
+``def name(result): return as_figure(F.builder(...))``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ._errors import QKCircuitsError
+from ._heads import Head, HeadsLike, model_heads
+from .viz import _figures as F
+from .viz import _views as V
+from .viz._notebook import AttentionView, Figure, as_figure, set_bundle, setup
+from .viz._panels import ViewContext, prompt_ids, token_set, token_strings
+from .viz._panels import attention as _patterns
+
+__all__ = ["AttentionView", "Figure", "attention", "diagnostics", "effects", "offsets", "ov", "qk", "scores",
+           "set_bundle", "setup"]
+
+# One ViewContext per model (its caches: layer weights, unembedding, weight-only scores); dropped with the model.
+_contexts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _ctx(model) -> ViewContext:
+    if not hasattr(model, "cfg"):
+        raise QKCircuitsError(f"expected a model from qk.load(...), got {type(model).__name__}")
+    ctx = _contexts.get(model)
+    if ctx is None:
+        ctx = _contexts[model] = ViewContext(model)
+    return ctx
+
+
+def _one_head(model, head) -> Head:
+    heads = model_heads(model, head)
+    if len(heads) != 1:
+        raise QKCircuitsError(f"give exactly one head (e.g. '1.0'), got {len(heads)} from {head!r}")
+    return heads[0]
+
+
+def _tokens(model, tokens) -> list:
+    if isinstance(tokens, str):
+        raise QKCircuitsError(f"tokens must be a list of single-token strings (e.g. [' the', ' cat']) or '#id's, "
+                              f"not one string {tokens!r}")
+    return token_set(model, tokens)
+
+
+def _need(result, kind: type, what: str, hint: str):
+    if not isinstance(result, kind):
+        raise QKCircuitsError(f"{what} draws a {kind.__name__} ({hint}), got {type(result).__name__}")
+
+
+def scores(result, name: str = "induction") -> Figure:
+    """Layer × head heatmap of one score of a ``HeadScores`` (``qk.scan``); hover: the head, every score,
+    its labels. Signed scores use a diverging scale centred at 0."""
+    from ._results import HeadScores
+
+    _need(result, HeadScores, "plot.scores", "from qk.scan(model)")
+    return as_figure(V.score_figure(name, result[name], result))
+
+
+def effects(result, scores=None) -> Figure:
+    """``HeadEffects`` (``qk.sweep``): layer × head heatmap of metric(ablated) − metric(clean), centred at 0
+    (hover adds ``scores``' values and labels when given). ``RandomComparison`` (``qk.compare_to_random``):
+    the group's effect against every random draw."""
+    from ._ablate import RandomComparison
+    from ._sweep import HeadEffects
+
+    if isinstance(result, RandomComparison):
+        return as_figure(F.random_baseline(result.effect, result.random_effects.tolist(),
+                                           [str(h) for h in result.heads], result.metric, result.method))
+    _need(result, HeadEffects, "plot.effects", "from qk.sweep or qk.attribution, or a RandomComparison")
+    return as_figure(V.effects_figure(result, scores))
+
+
+def diagnostics(result, measure: Optional[str] = None) -> Figure:
+    """``HeadDiagnostics`` (``qk.diagnose``): the number of flags per head (hover: the flags and the measures
+    behind them), or one ``measure`` (e.g. ``"sink"``, ``"qk_var_ratio"``)."""
+    from ._diagnose_result import HeadDiagnostics
+
+    _need(result, HeadDiagnostics, "plot.diagnostics", "from qk.diagnose(model)")
+    return as_figure(V.diagnostics_figure(result, measure))
+
+
+def qk(model, head, tokens: Optional[Sequence[str]] = None, **view) -> Figure:
+    """Query token × key token pre-softmax score of one head's QK circuit over ``tokens`` (single-token
+    strings or ``#id``; default: common words). ``view`` goes to the token view (e.g. its ``input=``)."""
+    ctx = _ctx(model)
+    return as_figure(V.qk_figure(ctx, _one_head(model, head), _tokens(model, tokens), **view))
+
+
+def ov(model, head, tokens: Optional[Sequence[str]] = None, k: int = 5, **view) -> Figure:
+    """Each token of ``tokens`` → the ``k`` output tokens whose logits the head's OV circuit raises most
+    (cell text: the token, colour: the logit). ``view`` goes to the token view (e.g. its ``input=``)."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise QKCircuitsError(f"k must be a positive integer, got {k!r}")
+    ctx = _ctx(model)
+    return as_figure(V.ov_figure(ctx, _one_head(model, head), _tokens(model, tokens), k, **view))
+
+
+def offsets(model, head) -> Figure:
+    """One head's QK score against the offset Δ = query position − key position (rotary: mean token query
+    rotated by Δ against the mean token key; learned positions: W_pos QK W_posᵀ along diagonals)."""
+    fig = V.offsets_figure(_ctx(model), _one_head(model, head))
+    if fig is None:
+        raise QKCircuitsError("this model has neither rotary nor learned absolute positions in its QK circuit: "
+                              "there is no offset profile to draw")
+    return as_figure(fig)
+
+
+def attention(model, text_or_ids: Union[str, Sequence[int], torch.Tensor, None], heads: HeadsLike) -> AttentionView:
+    """The attention patterns of ``heads`` on one prompt (one forward pass), drawn by circuitsvis.
+
+    ``text_or_ids``: text (BOS added; models without a tokenizer take space-separated ids), a 1-D list or
+    tensor of token ids (used as given), or None for the default prompt (a sentence said twice).
+    ``.pattern`` [head, query, key] holds the captured weights; ``.save(path)`` writes one offline file.
+    """
+    ctx = _ctx(model)
+    hs = model_heads(model, heads)
+    if not hs:
+        raise QKCircuitsError(f"no heads in {heads!r}; give e.g. '1.0' or ['5.1', '6.9']")
+    if text_or_ids is None or isinstance(text_or_ids, str):
+        ids = prompt_ids(model, text_or_ids)
+    else:
+        t = torch.as_tensor(text_or_ids)
+        if t.dim() == 2 and t.shape[0] == 1:
+            t = t[0]
+        if t.dim() != 1 or t.numel() == 0 or t.dtype.is_floating_point:
+            raise QKCircuitsError(f"token ids must be a non-empty 1-D list or tensor of integers, got shape "
+                                  f"{tuple(t.shape)} ({t.dtype})")
+        n_vocab, n_ctx = int(model.cfg.d_vocab), int(model.cfg.n_ctx)
+        if int(t.min()) < 0 or int(t.max()) >= n_vocab:
+            raise QKCircuitsError(f"token ids must be in 0-{n_vocab - 1}, got {int(t.min())}..{int(t.max())}")
+        if t.numel() > n_ctx:
+            raise QKCircuitsError(f"{t.numel()} token ids given; the model's context holds {n_ctx}")
+        ids = [int(i) for i in t.tolist()]
+    pats = _patterns(ctx, hs, ids)
+    props = V.attention_props(model, ids, pats)
+    return AttentionView(token_strings(model, ids), torch.stack([pats[h] for h in hs]), [str(h) for h in hs], props)
