@@ -109,14 +109,14 @@ def patch_shard(model, tokens: Tensor, repl: Optional[Replacement], receivers: S
             scorer = _Scorer(model, cache, R, heads, m)
             count[x] = scorer.count()
             with torch.no_grad():
-                clean[x][idx] = scorer.clean_sums().float()
+                clean[x][idx] = scorer.clean_sums().float().cpu()
             for c0 in range(0, len(snd), n_chunk):
                 part = snd[c0:c0 + n_chunk]
                 delta = sender_deltas(model, cache, repl, part)
                 with torch.no_grad():
                     pattern, z = receiver_run(cache, R, x, delta, need_z=m.needs != "pattern")
                     vals = (scorer.loss_sums(z, len(part)) if m.needs == "logits"
-                            else scorer.sums(pattern, z, len(part))).float()
+                            else scorer.sums(pattern, z, len(part))).float().cpu()     # results live on the CPU
                 for j, s in enumerate(part):
                     patched[x][idx, s.layer, s.head] = vals[j]
                 if progress is not None:
