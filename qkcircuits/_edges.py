@@ -158,7 +158,7 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
             count = scorer.count()
             with torch.enable_grad():
                 values = scorer.sums(pattern, z, 1)[0] / count                  # [len(heads)] means, in the graph
-            clean[x][idx] = values.detach().float()
+            clean[x][idx] = values.detach().float().cpu()
             # Query heads of one KV group share k/v: separate their gradients by one backward per member.
             members = [[j for j, h in enumerate(heads) if (h % G if x != "q" else 0) == g]
                        for g in range(G if x != "q" else 1)]
@@ -187,7 +187,7 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
                     if held + delta.numel() * delta.element_size() <= DELTA_CACHE_BYTES:
                         deltas[Ls] = delta
                         held += delta.numel() * delta.element_size()
-                terms = (stacked.reshape(len(stacked), -1) @ delta.reshape(len(delta), -1).T).float()   # [n, H]
+                terms = (stacked.reshape(len(stacked), -1) @ delta.reshape(len(delta), -1).T).float().cpu()  # [n, H]
                 keep = [h for h in range(H) if snd is None or Head(Ls, h) in snd]
                 for x in into:
                     sel = [n_ for n_, (_, xx) in enumerate(rows) if xx == x]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import qkcircuits as qk
 from qkcircuits._stats import spearman

@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--attribution", action="store_true",
                    help="estimate the edges by gradients (edge attribution) instead of exact path patching")
     p.add_argument("--top", type=positive_int, default=3, help="induction heads traced without --receivers (3)")
-    p.add_argument("--senders", type=positive_int, default=3, help="senders listed per input (default 3)")
+    p.add_argument("--show", type=positive_int, default=3, help="senders listed per receiver input (default 3)")
     p.add_argument("--json", metavar="PATH", help="write the result (the trace JSON contract)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
     for r in res.receivers:
         for x in res.into:
             print(f"  {res.summary(r, x)}")
-            if args.senders > 1:
-                rest = res.top(r, x, args.senders)[1:]
+            if args.show > 1:
+                rest = res.top(r, x, args.show)[1:]
                 if rest:
                     print("      then " + ", ".join(f"{s} {e:.3f}" for s, e in rest)
                           + f"; p95 {res.baseline(r, x)['p95']:.3f}")
