@@ -2,7 +2,8 @@
 
 >>> x = token_inputs(model, 18, ids)                       # doctest: +SKIP   contextual rows past layer 0
 >>> x.rows.shape, x.source[:3]                             # doctest: +SKIP   [n, d_model], ['contextual', ...]
->>> logits, note = head_logits(model, "18.6", ids)         # doctest: +SKIP   [n, vocab]: its write, read as logits
+>>> logits, x = head_logits(model, "18.6", ids)            # doctest: +SKIP   [n, vocab]: its write, read as logits
+>>> grid, x = token_qk(model, "18.6", ids)                 # doctest: +SKIP   [n, n] QK scores over the tokens
 >>> copying_rank(model, "18.6", ids)                       # doctest: +SKIP   [n]: rank of each source token itself
 >>> ov_copying(model)                                      # doctest: +SKIP   [layer, head] in [-1, 1], 0 = chance
 
@@ -98,15 +99,17 @@ class _CorpusStats:
     corpus: str = CORPUS
 
 
-def corpus_stats(model) -> _CorpusStats:
+def corpus_stats(model, refresh: bool = False) -> _CorpusStats:
     """Mean residual rows per corpus token at every layer, in one streamed pass (cached per model and
     fold state). The corpus is ``natural_text()``; a model without a tokenizer gets 16 seeded
     [BOS]+R+R sequences of its token pool instead (what such toy models are made for). The text is cut
     into rows of 128 tokens (the context allowing), each led by BOS, the last row shorter: every token
-    counts. Memory: [distinct tokens, d_model] per layer (SmolLM2: 334 × 576 × 30 floats ≈ 23 MB)."""
+    counts. Memory: [distinct tokens, d_model] per layer (SmolLM2: 334 × 576 × 30 floats ≈ 23 MB).
+    The cache knows nothing of later edits: pass ``refresh=True`` after changing the weights (hooks
+    active during the first call, e.g. inside ``qk.edit``, are part of what was measured)."""
     key = is_folded(model)
     cached = _CACHE.get(model, {})
-    if key in cached:
+    if key in cached and not refresh:
         return cached[key]
     dev = model.W_E.device
     if getattr(model, "tokenizer", None) is not None:

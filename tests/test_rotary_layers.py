@@ -104,6 +104,10 @@ def test_cli_circuits_prints_each_caveat_on_its_own_line(gemma3):
     assert len(caveats) == 2, r.stdout
     assert any("QK-norm" in line for line in caveats) and any("sliding-window" in line for line in caveats)
     assert "5000" in r.stdout                                          # layer 2's own theta in the header
+    r = subprocess.run([sys.executable, "-m", "qkcircuits", "circuits", str(folder), "--head", "1.0", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "base 300" in r.stdout
+    assert "offset profile (rotary) over 0-5" in r.stdout and "window 6" in r.stdout   # masked offsets left out
 
 
 @pytest.mark.parametrize("which", ["llama", "mqa"])

@@ -71,6 +71,8 @@ def summarize(model, head, text=None, top: int = 5, max_offset: int = 64, input=
     offs = range(0, max_offset + 1)
     if has_rotary(model):
         spec = rotary_spec(model, layer=h.layer)
+        if spec.window:               # keys further back are masked on this layer: no score to profile
+            offs = range(0, min(max_offset, spec.window - 1) + 1)
         x, rows = None, "normalised token embeddings"
         if tokens is not None:
             name = attn_input_hook(model, h.layer)
@@ -80,7 +82,8 @@ def summarize(model, head, text=None, top: int = 5, max_offset: int = 64, input=
             x, rows = cache[name][0], f"{tokens.shape[1]} tokens of {'the given text' if text else 'natural text'}"
         prof = offset_profile(model, h, offs, x, spec=spec)
         out["rotary"] = spec.describe()
-        out["positions"] = {"kind": "rotary", "rows": rows, **prof.summary(), "layer_type": spec.layer_type,
+        out["positions"] = {"kind": "rotary", "rows": rows + (f"; offsets < window {spec.window}" if spec.window else ""),
+                            **prof.summary(), "layer_type": spec.layer_type,
                             "mean_score": [round(float(v), 5) for v in prof.mean_score]}
         out["caveats"] = out["caveats"] + list(spec.caveats)
     elif getattr(model.cfg, "positional_embedding_type", "standard") in ("standard", "shortformer"):

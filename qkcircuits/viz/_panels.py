@@ -233,10 +233,15 @@ def positional_profile(ctx: ViewContext, head: Head, max_offset: int = MAX_OFFSE
     n = min(int(model.cfg.n_ctx), 2 * max_offset + 1)
     offs = list(range(min(max_offset, n - 1) + 1))
     if has_rotary(model):
-        from .._rotary import offset_profile
-        prof = offset_profile(model, head, offs)
+        from .._rotary import offset_profile, rotary_spec
+        spec = rotary_spec(model, layer=head.layer)
+        window = ""
+        if spec.window:               # keys further back are masked on this layer: no score to profile
+            offs = [d for d in offs if d < spec.window]
+            window = f" (sliding window {spec.window}: offsets ≥ {spec.window} are masked)"
+        prof = offset_profile(model, head, offs, spec=spec)
         return {"kind": "rotary", "offsets": offs, "score": prof.mean_score.tolist(),
-                "label": "rotary offset profile: mean token query · R(Δ) · mean token key"}
+                "label": "rotary offset profile: mean token query · R(Δ) · mean token key" + window}
     if getattr(model, "W_pos", None) is None or str(model.cfg.positional_embedding_type) not in ("standard", "shortformer"):
         return None
     w = ctx.weights(head.layer)
