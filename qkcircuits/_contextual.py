@@ -284,12 +284,20 @@ def token_qk(model, head: HeadsLike, ids: Sequence[int], input: Optional[str] = 
     return grid.float().cpu(), x
 
 
+def rank_counts(logits: Float[Tensor, "n m"], own: Float[Tensor, "n 1"], rel: float = 1e-5
+                ) -> Tuple[Tensor, Tensor]:
+    """(#{v: ℓ_v > ℓ_t}, #{v: ℓ_v = ℓ_t}) per row, where "=" is within a relative ``rel`` of the target's
+    own logit ℓ_t: a logit computed in another summation order must not break a tie (exact zeros of a
+    silent head tie exactly). Counts over the columns given, so a vocabulary can be counted in chunks."""
+    tol = own.abs() * rel
+    return (logits > own + tol).sum(-1), ((logits - own).abs() <= tol).sum(-1)
+
+
 def mid_rank(logits: Float[Tensor, "n vocab"], target: Int[Tensor, "n"]) -> Float[Tensor, "n"]:
-    """1 + #{v: ℓ_v > ℓ_t} + ½ #{v ≠ t: ℓ_v = ℓ_t} per row (ties share the mean of their ranks)."""
-    t = logits.gather(-1, target[:, None].to(logits.device))
-    greater = (logits > t).sum(-1).float()
-    equal = (logits == t).sum(-1).float() - 1
-    return (1 + greater + equal / 2).cpu()
+    """1 + #{v: ℓ_v > ℓ_t} + ½ #{v ≠ t: ℓ_v = ℓ_t} per row (ties share the mean of their ranks; "=" as in
+    ``rank_counts``)."""
+    greater, equal = rank_counts(logits, logits.gather(-1, target[:, None].to(logits.device)))
+    return (1 + greater + (equal - 1).clamp_min(0) / 2).float().cpu()
 
 
 def copying_rank(model, head: HeadsLike, ids: Sequence[int], input: Optional[str] = None) -> Float[Tensor, "n"]:
@@ -348,15 +356,14 @@ def ov_copying(model, *, n_tokens: int = 64, seed: int = 0, input: str = "contex
             o = torch.einsum("nd,hde,hem->hnm", x.rows.to(w.W_V.dtype), w.W_V, w.W_O)          # [H, n, d_model]
             own = (o * U_tgt.to(o.dtype)[None]).sum(-1).reshape(-1, 1)                        # [H·n, 1]
             o = o.reshape(H * len(ids), -1)
-            # the target's own logit comes from a different summation order than its column in the block:
-            # values within a relative 1e-5 of it count as ties (exact zeros of a silent head tie exactly)
-            tol = own.abs() * 1e-5
+            # the target's own logit comes from another summation order than its column in the block:
+            # rank_counts treats values within a relative 1e-5 of it as ties, as mid_rank does
             greater = torch.zeros(H * len(ids), device=o.device)
             equal = torch.zeros(H * len(ids), device=o.device)
             for s in range(0, V, chunk):
-                block = o @ UT[s:s + chunk].T.to(o.dtype)
-                greater += (block > own + tol).sum(-1)
-                equal += ((block - own).abs() <= tol).sum(-1)
+                g, e = rank_counts(o @ UT[s:s + chunk].T.to(o.dtype), own)
+                greater += g
+                equal += e
             rank = 1 + greater + (equal - 1).clamp_min(0) / 2
         out[layer] = rank_score(rank.view(H, len(ids)).median(-1).values.cpu(), V)
     settings = {"n_tokens": len(ids), "tokens": where, "input": input, "seed": seed, "fallbacks": fallbacks,

@@ -27,7 +27,6 @@ Attention to BOS is never renormalised away: a head parked on BOS scores low, wh
 from __future__ import annotations
 
 import sys
-from importlib import metadata
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -37,9 +36,9 @@ from tqdm.auto import tqdm
 
 from . import _contextual
 from ._capture import stream
-from ._circuits import _unembed_chunk
+from ._circuits import _unembed_chunk, layer_weights
 from ._errors import QKCircuitsError
-from ._io import check_int
+from ._io import check_int, package_version
 from ._model import model_name
 from ._results import HeadScores
 from ._sequences import check_seed, repeated_tokens, segment_length, text_tokens, token_pool
@@ -122,7 +121,8 @@ def olsson_copying(pattern: Float[Tensor, "batch head q k"], z: Float[Tensor, "b
 
     For each query i (second copy) of sequence b: logits ℓ = z_i W_O U_c[b] over that sequence's own
     candidates (the tokens of b; U_c is W_U through the final norm's weight and centring, the same in
-    both fold modes; the per-position scale is positive and cancels), p = ReLU(ℓ − mean ℓ), share
+    both fold modes; the per-position scale is positive and cancels; ``z`` without the value bias, whose
+    constant part (b_V and, with raw weights, the ln1 bias through W_V) folding moves into b_O), p = ReLU(ℓ − mean ℓ), share
     s = p[attended] / Σp with the attended token the key the head attends to most (c = 1/n_b when Σp = 0:
     no preference). Score per query (s − c)/(1 − c), c = 1/n_b: +1 when all positive mass is on the
     attended token, 0 at chance, −1/(n_b − 1) when the attended token gets none; 0 when the head attends
@@ -223,8 +223,16 @@ def scan(model, *, scores: Optional[Sequence[str]] = None, n_seqs: int = 8, seq_
                 p = t["pattern"]
                 res = {name: mask_score(p, m, exclude_bos) for name, m in masks.items()}
                 if do_copy:
-                    W_O = model.blocks[layer].attn.W_O.detach()          # not model.W_O: it stacks all layers
-                    res["copying"] = olsson_copying(p, t["z"], W_O, U_c.to(W_O.dtype), valid, cand_index, queries)
+                    w = layer_weights(model, layer)                      # this layer's weights only
+                    # attention sums to 1, so z carries the value's constant part whole (b_V, plus the input
+                    # norm's bias through W_V with raw weights): a write that copies nothing and that
+                    # folding moves into b_O. Leave it out in both fold modes.
+                    const = w.b_V
+                    b_ln = _contextual._ln1_bias(model, layer)
+                    if b_ln is not None:
+                        const = const + torch.einsum("m,hmd->hd", b_ln.to(w.W_V.dtype), w.W_V)
+                    z = t["z"] - const.to(t["z"].dtype)
+                    res["copying"] = olsson_copying(p, z, w.W_O, U_c.to(w.W_O.dtype), valid, cand_index, queries)
                 bar.update(1)
                 return res
 
@@ -307,18 +315,10 @@ def confirm_induction(model, scores: HeadScores, *, k: int = 5, n_draws: int = 1
             "seq_len": seq_len}
 
 
-def _version(dist: str) -> str:
-    """The installed version of ``dist`` (transformer_lens has no ``__version__`` attribute)."""
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def _settings(model, **kw) -> Dict[str, object]:
     from . import __version__
 
     return {**kw, "fold_ln": bool(getattr(model, "compatibility_mode", False)), "dtype": str(model.W_E.dtype),
             "device": str(model.W_E.device), "qkcircuits": __version__,
-            "transformer_lens": _version("transformer-lens"), "transformers": _version("transformers"),
+            "transformer_lens": package_version("transformer-lens"), "transformers": package_version("transformers"),
             "torch": torch.__version__}

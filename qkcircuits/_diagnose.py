@@ -349,12 +349,6 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
 
 
 def _versions() -> Dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
+    from ._io import package_version
 
-    out = {"torch": torch.__version__}
-    for dist in ("qkcircuits", "transformer-lens", "transformers"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            out[dist] = "?"
-    return out
+    return {"torch": torch.__version__, **{d: package_version(d) for d in ("qkcircuits", "transformer-lens", "transformers")}}

@@ -87,3 +87,14 @@ def load_json(text_or_path: Union[str, Path], what: str) -> Dict[str, Any]:
         return json.loads(text)
     except ValueError as e:
         raise QKCircuitsError(f"{str(text_or_path)[:80]!r} is not valid JSON ({e}); expected {what}") from None
+
+
+def package_version(dist: str) -> str:
+    """The installed version of distribution ``dist`` (e.g. "transformer-lens", which has no ``__version__``),
+    or "not installed"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"

@@ -218,7 +218,7 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
     if progress:
         from tqdm.auto import tqdm
         total = sum(len([s for s in snd if s.layer < R]) if snd is not None else R * H
-                    for R in {r.layer for r in recv}) * len(into) * shards
+                    for R in {r.layer for r in recv}) * len(into) * n_shards
         bar = tqdm(total=total, desc="path patching", unit="sender", leave=False, file=sys.stderr)
     blocks = [(int(r[0]), int(r[-1]) + 1) for r in torch.arange(tokens.shape[0]).chunk(n_shards)]
     try:
@@ -240,12 +240,11 @@ def _reference_label(method: str) -> str:
 
 
 def _settings(model, tokens: Tensor, per_position: bool, reference: str, n_edges: int, n_layers_recv: int) -> dict:
-    import transformer_lens
-
     from . import __version__
+    from ._io import package_version
 
     return {"n_prompts": int(tokens.shape[0]), "n_positions": int(tokens.shape[1]), "per_position": per_position,
             "reference": reference, "n_edges": n_edges, "receiver_layers": n_layers_recv,
             "fold_ln": bool(getattr(model, "compatibility_mode", False)), "dtype": str(model.W_E.dtype),
-            "qkcircuits": __version__, "transformer_lens": getattr(transformer_lens, "__version__", "?"),
+            "qkcircuits": __version__, "transformer_lens": package_version("transformer-lens"),
             "torch": torch.__version__}

@@ -75,6 +75,11 @@ def test_copying_ranks_do_not_depend_on_fold_ln(tiny):
     torch.testing.assert_close(qk.copying_scores(model), qk.copying_scores(raw), atol=1e-4, rtol=0)
     torch.testing.assert_close(qk.copying_scores(model, full=False), qk.copying_scores(raw, full=False),
                                atol=1e-4, rtol=0)
+    # Olsson copying reads the head's write through the final norm in both fold modes (issue 11)
+    kw = dict(scores=["copying"], n_seqs=2, progress=False)
+    olsson, olsson_raw = qk.scan(model, **kw)["copying"], qk.scan(raw, **kw)["copying"]
+    assert olsson.abs().max() > 1e-3                                   # not trivially zero
+    torch.testing.assert_close(olsson, olsson_raw, atol=1e-4, rtol=0)
 
 
 def test_mid_rank_and_rank_score():

@@ -41,5 +41,5 @@ def test_edge_attribution_agrees_with_exact_path_patching(traced):
         rho = spearman(e[keep], a[keep])
         print(f"{r}: Spearman(attribution, exact) over {int(keep.sum())} edges above baseline = {rho:.3f}; "
               f"over all {len(e)} edges = {spearman(e, a):.3f}")
-        # Goal 0.7 (issue 10); measured figures are in docs/mechanism.md. Assert what holds with margin.
-        assert rho > 0.3, (r, rho)
+        # Goal 0.7 (issue 10); measured 1.00 / 0.92 / 0.82 (docs/mechanism.md), deterministic prompts.
+        assert rho >= 0.7, (r, rho)
