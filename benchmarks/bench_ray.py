@@ -63,6 +63,11 @@ def main() -> int:
           f"{(load_local + t_local) / total:.2f}x; max |ray - local| = {diff:.2e} nats; "
           f"baselines {local.baseline:.6f} / {res.baseline:.6f}")
     print(f"top-5 local {[str(h) for h, _ in local.top(5)]}, ray {[str(h) for h, _ in res.top(5)]}")
+    # Per-shard cost: block passes x prompts (plan_sweep's unit) and the seconds the worker spent.
+    for p in res.backend["plan"]:
+        print(f"  shard rows {p['rows']} layers {p['layers'][0]}-{p['layers'][-1]}: cost {p['cost']:.0f} block-prompt "
+              f"passes, {p['seconds']:.1f} s -> {1e3 * p['seconds'] / p['cost']:.2f} ms per block-prompt pass "
+              f"({tokens.shape[1]} tokens)")
     print(f"load average after: {loadavg()}")
     return 0
 

@@ -344,6 +344,8 @@ def _describe(model, shared) -> Dict[str, Any]:
     from ._model import model_name
 
     return {"name": model_name(model), "n_layers": model.cfg.n_layers, "n_heads": model.cfg.n_heads,
+            "d_model": model.cfg.d_model, "d_vocab": model.cfg.d_vocab,
+            "block_params": sum(p.numel() for p in model.blocks[0].parameters()),
             "dtype": str(model.W_E.dtype), "device": str(model.W_E.device)}
 
 

@@ -138,3 +138,11 @@ def test_cli_ablate_sweep_ray_equals_local(tmp_path, ray_local, capsys):
     assert lb["backend"]["name"] == "ray" and set(lb["timing"]) >= {"startup_s", "load_s", "sweep_s"}
     assert lb["effects"] == la["effects"] and lb["baseline"] == la["baseline"]
     assert max(abs(v) for row in la["effects"] for v in row) > 0.5          # heads 0.0 / 1.0 matter
+
+
+def test_import_qkcircuits_does_not_import_ray():
+    import subprocess
+
+    code = "import sys, qkcircuits; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False"]

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_zoo(models) -> str:
-    lines = [f"{'model':<28}{'shape':>8}  {'induction heads (top 3: score @ depth)':<44}{'prev-token (top 2)':<30}"
+    lines = [f"{'model':<28}{'shape':>8}  {'induction heads (top 3: score@depth)':<48}  {'prev-token (top 2)':<32}  "
              f"causal check"]
     for m in models:
         ind = ", ".join(f"{h['head']} {h['score']:.2f}@{h['depth']:.2f}" for h in m["induction"][:3]) or (
@@ -57,5 +57,5 @@ def format_zoo(models) -> str:
         c = m["confirmation"]
         conf = "-" if not c else f"{c['effect']:+.2f} vs random max {c['random_max']:+.2f}"
         shape = f"{m['n_layers']}x{m['n_heads']}"
-        lines.append(f"{m['model'][:27]:<28}{shape:>8}  {ind:<44}{prev:<30}{conf}")
+        lines.append(f"{m['model'][-27:]:<28}{shape:>8}  {ind:<48}  {prev:<32}  {conf}")
     return "\n".join(lines)
