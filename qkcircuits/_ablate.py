@@ -35,6 +35,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ._capture import _as_tokens, capture, hook_name
+from ._display import Displayed
 from ._errors import QKCircuitsError
 from ._heads import Head, HeadsLike, all_heads, model_heads
 from ._metrics import Metric, as_metric
@@ -334,8 +335,8 @@ def _prepare(model, tokens, metric):
     return tokens, metric
 
 
-@dataclass
-class GroupEffect:
+@dataclass(repr=False)      # the repr comes from Displayed (_display)
+class GroupEffect(Displayed):
     """The metric with a set of heads ablated together: ``effect = ablated - baseline``."""
 
     heads: List[Head]
@@ -348,15 +349,6 @@ class GroupEffect:
     def effect(self) -> float:
         return self.ablated - self.baseline
 
-    def __repr__(self) -> str:
-        from ._display import text           # short: the model, the shape, the top heads
-
-        return text(self)
-
-    def _repr_html_(self) -> str:
-        from ._display import html           # notebooks: top heads per label and a compact grid
-
-        return html(self)
 
 
 def group_effect(model, heads: HeadsLike, tokens, metric="induction-loss", method: str = "zero", *,
@@ -373,8 +365,8 @@ def group_effect(model, heads: HeadsLike, tokens, metric="induction-loss", metho
     return GroupEffect(targets, base, abl, method, metric.name)
 
 
-@dataclass
-class RandomComparison:
+@dataclass(repr=False)      # the repr comes from Displayed (_display)
+class RandomComparison(Displayed):
     """Effect of ablating ``heads`` together versus ablating ``k`` random other heads, ``n_draws`` times.
 
     ``random_effects[i]`` is the effect of ablating ``random_heads[i]`` (``k = len(heads)`` heads
@@ -400,15 +392,6 @@ class RandomComparison:
         m = float(self.random_effects.mean())
         return self.effect / m if m != 0 else float("inf")
 
-    def __repr__(self) -> str:
-        from ._display import text           # short: the model, the shape, the top heads
-
-        return text(self)
-
-    def _repr_html_(self) -> str:
-        from ._display import html           # notebooks: top heads per label and a compact grid
-
-        return html(self)
 
 
 def compare_to_random(model, heads: HeadsLike, tokens, metric="induction-loss", *, n_draws: int = 20,

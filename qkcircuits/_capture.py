@@ -29,6 +29,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ._attention import attention_scale, native_rotary, rotate_native
+from ._display import Displayed
 from ._errors import QKCircuitsError
 from ._heads import Head, HeadsLike, kv_head, model_heads, n_kv_heads
 
@@ -97,8 +98,8 @@ def expand_kv(t: Float[Tensor, "batch pos kv d"], n_heads: int) -> Float[Tensor,
     return t.repeat_interleave(group, dim=2) if group > 1 else t
 
 
-@dataclass
-class Activations:
+@dataclass(repr=False)      # the repr comes from Displayed (_display)
+class Activations(Displayed):
     """What ``capture`` read: ``acts[name, layer]`` per query head; ``acts.kv(name, layer)`` per KV head.
 
     Holds, for each captured layer and name, one tensor of the shape in ``NAMES`` (detached, on
@@ -130,15 +131,6 @@ class Activations:
             have = sorted({f"{n}@{l}" for n, l in self.tensors})
             raise QKCircuitsError(f"({name!r}, {layer}) was not captured; captured: {', '.join(have)}") from None
 
-    def __repr__(self) -> str:
-        from ._display import text           # short: the model, the shape, the top heads
-
-        return text(self)
-
-    def _repr_html_(self) -> str:
-        from ._display import html           # notebooks: top heads per label and a compact grid
-
-        return html(self)
 
 
 def _as_tokens(model, tokens) -> Tensor:

@@ -37,6 +37,7 @@ from torch import Tensor
 from transformer_lens.FactoredMatrix import FactoredMatrix
 
 from ._attention import attention_scale, sliding_window  # noqa: F401  (re-exported: the one scale reader)
+from ._display import Displayed
 from ._errors import QKCircuitsError
 from ._heads import Head, HeadsLike, model_heads, n_kv_heads
 from ._model import model_name
@@ -405,8 +406,8 @@ def top_tokens(matrix: FactoredMatrix, index: int, k: int = 10, dim: str = "row"
 
 # ------------------------------------------------------------------------------------------ results
 
-@dataclass
-class Circuit:
+@dataclass(repr=False)      # the repr comes from Displayed (_display)
+class Circuit(Displayed):
     """A circuit plus what made it: ``matrix`` (FactoredMatrix), ``kind``, ``head``, ``settings``, ``caveats``.
 
     ``exact`` is False when ``caveats`` lists a way the model's scores leave the bilinear form.
@@ -422,15 +423,6 @@ class Circuit:
     def exact(self) -> bool:
         return not self.caveats
 
-    def __repr__(self) -> str:
-        from ._display import text           # short: the model, the shape, the top heads
-
-        return text(self)
-
-    def _repr_html_(self) -> str:
-        from ._display import html           # notebooks: top heads per label and a compact grid
-
-        return html(self)
 
 
 KINDS = ("qk", "ov", "qk_affine", "ov_affine", "full_qk", "full_ov", "qk_offset", "pos_qk")

@@ -29,6 +29,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ._circuits import is_folded, layer_weights, warn_caveats
+from ._display import Displayed
 from ._errors import QKCircuitsError
 from ._heads import Head, HeadsLike, model_heads
 from ._io import json_number
@@ -37,8 +38,8 @@ from ._model import model_name
 MODES = ("Q", "K", "V")
 
 
-@dataclass
-class CompositionScores:
+@dataclass(repr=False)      # the repr comes from Displayed (_display)
+class CompositionScores(Displayed):
     """``scores`` = ``raw`` − ``baseline`` [L, H, L, H] (earlier, later; NaN where not earlier → later)."""
 
     mode: str
@@ -74,15 +75,6 @@ class CompositionScores:
                                  for lay in x])
         return cls(d["mode"], tensor(d["scores"]), tensor(d["raw"]), float(d["baseline"]), d["settings"])
 
-    def __repr__(self) -> str:
-        from ._display import text           # short: the model, the shape, the top heads
-
-        return text(self)
-
-    def _repr_html_(self) -> str:
-        from ._display import html           # notebooks: top heads per label and a compact grid
-
-        return html(self)
 
 
 def _left_cores(W_V: Tensor, W_O: Tensor) -> Tuple[Tensor, Tensor, Tensor]:

@@ -25,9 +25,10 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from ._display import Displayed
 from ._errors import QKCircuitsError
-from ._io import dump_json, load_json
 from ._heads import Head
+from ._io import dump_json, load_json
 
 # What each measure is (units: q·k products are raw dot products of the post-rotary q and k).
 MEASURES: Dict[str, str] = {
@@ -75,8 +76,8 @@ def check_thresholds(thresholds: Optional[Dict[str, float]]) -> Dict[str, float]
     return out
 
 
-@dataclass
-class HeadDiagnostics:
+@dataclass(repr=False)      # the repr comes from Displayed (_display)
+class HeadDiagnostics(Displayed):
     """Head health measures of one model: ``measures[name]`` is [n_layers, n_heads] (NaN for skipped layers).
 
     ``measures`` pools every prompt set; ``by_set[set][name]`` keeps each set's own values
@@ -192,12 +193,3 @@ class HeadDiagnostics:
             raise QKCircuitsError(f"not a qkcircuits diagnostics JSON ({type(e).__name__}: {e}); expected the keys "
                                   f"model, n_layers, n_heads, d_head, scale, measures") from None
 
-    def __repr__(self) -> str:
-        from ._display import text           # short: the model, the shape, the top heads
-
-        return text(self)
-
-    def _repr_html_(self) -> str:
-        from ._display import html           # notebooks: top heads per label and a compact grid
-
-        return html(self)

@@ -4,8 +4,8 @@
 >>> scores                           # doctest: +SKIP   HeadScores(toy-induction: 2 layers x 2 heads; ...)
 >>> display(scores)                  # doctest: +SKIP   in a notebook: tables of top heads, layer x head grids
 
-Each result class has two one-line methods that call ``text(self)`` and ``html(self)``; the functions here
-dispatch on the class name, so this module imports none of the result modules (no import circles) and
+Each result class inherits ``Displayed`` (``__repr__`` = ``text(self)``, ``_repr_html_`` = ``html(self)``);
+the functions here dispatch on the class name, so this module imports none of the result modules (no import circles) and
 nothing heavier than torch (no plotly: a repr must not load the plotting stack).
 
 Size bound: a grid draws one 9-px cell per head (``<i>`` with a colour and a hover title, ~53 bytes) for at
@@ -252,3 +252,13 @@ def text(obj) -> str:
 def html(obj) -> str:
     """The notebook view: tables of the top heads and compact grids (size bound in the module docs)."""
     return RENDER[type(obj).__name__](obj)[1]()
+
+
+class Displayed:
+    """Mixin for result classes: a short ``__repr__`` and the bounded notebook ``_repr_html_`` above."""
+
+    def __repr__(self) -> str:
+        return text(self)
+
+    def _repr_html_(self) -> str:
+        return html(self)

@@ -16,6 +16,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from ._display import Displayed
 from ._errors import QKCircuitsError
 from ._heads import Head
 from ._io import check_int, dump_json, json_number, load_json
@@ -23,8 +24,8 @@ from ._io import check_int, dump_json, json_number, load_json
 SCHEMA = "qkcircuits.head_scores/1"
 
 
-@dataclass
-class HeadScores:
+@dataclass(repr=False)      # the repr comes from Displayed (_display)
+class HeadScores(Displayed):
     """Named per-head scores, each ``Float[Tensor, "layer head"]`` on the CPU.
 
     ``thresholds`` maps a label (e.g. ``"induction"``) to ``(score name, minimum)``; a head gets
@@ -115,12 +116,3 @@ class HeadScores:
             raise QKCircuitsError(f"not a qkcircuits scores JSON ({type(e).__name__}: {e}); expected the keys model, "
                                   f"n_layers, n_heads, scores") from None
 
-    def __repr__(self) -> str:
-        from ._display import text           # short: the model, the shape, the top heads
-
-        return text(self)
-
-    def _repr_html_(self) -> str:
-        from ._display import html           # notebooks: top heads per label and a compact grid
-
-        return html(self)

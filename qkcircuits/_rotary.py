@@ -28,6 +28,7 @@ from transformer_lens.FactoredMatrix import FactoredMatrix
 from ._attention import layer_type, native_rotary, rotate_native, sliding_window  # noqa: F401 (re-exported)
 from ._capture import has_rotary
 from ._circuits import _head, attn_scale, embed_rows, layer_weights, normalize_rows, warn_caveats
+from ._display import Displayed
 from ._errors import QKCircuitsError
 from ._heads import HeadsLike
 
@@ -293,8 +294,8 @@ def positional_qk(model, head: HeadsLike, normalize: bool = False) -> FactoredMa
         return FactoredMatrix(P @ w.W_Q[h.head], (P @ w.W_K[h.head]).T)
 
 
-@dataclass
-class OffsetProfile:
+@dataclass(repr=False)      # the repr comes from Displayed (_display)
+class OffsetProfile(Displayed):
     """Per-head score against offset: ``mean_score[Δ]`` = scale · q̄ R(Δ) k̄ᵀ for the mean query/key of
     the rows used, and ``norm[Δ]`` = scale · ‖QK(Δ)‖_F; ``settings`` says which rows and rotary."""
 
@@ -310,15 +311,6 @@ class OffsetProfile:
                 "score_at_0": float(self.mean_score[0]), "score_range": float(self.mean_score.max() - self.mean_score.min()),
                 "offsets": [int(self.offsets[0]), int(self.offsets[-1])]}
 
-    def __repr__(self) -> str:
-        from ._display import text           # short: the model, the shape, the top heads
-
-        return text(self)
-
-    def _repr_html_(self) -> str:
-        from ._display import html           # notebooks: top heads per label and a compact grid
-
-        return html(self)
 
 
 def offset_profile(model, head: HeadsLike, offsets: Iterable[int] = range(0, 65),

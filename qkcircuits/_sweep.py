@@ -24,13 +24,14 @@ from torch import Tensor
 
 from ._ablate import Runner, _prepare, _progress, copies_per_forward, make_replacement, run_groups
 from ._capture import _check_layers
+from ._display import Displayed
 from ._errors import QKCircuitsError
 from ._heads import Head
 from ._io import json_number
 
 
-@dataclass
-class HeadEffects:
+@dataclass(repr=False)      # the repr comes from Displayed (_display)
+class HeadEffects(Displayed):
     """Per-head effects ``metric(ablated) - metric(clean)`` with the settings that produced them.
 
     ``kind`` is ``"sweep"`` (measured: one ablation per head) or ``"attribution"`` (first-order
@@ -76,15 +77,6 @@ class HeadEffects:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
-    def __repr__(self) -> str:
-        from ._display import text           # short: the model, the shape, the top heads
-
-        return text(self)
-
-    def _repr_html_(self) -> str:
-        from ._display import html           # notebooks: top heads per label and a compact grid
-
-        return html(self)
 
 
 def sweep(model, tokens, metric="induction-loss", method: str = "zero", *, reference=None,
