@@ -102,6 +102,10 @@ def _release_parameters(model: torch.nn.Module, state_dict: Dict[str, object]) -
 
 @contextlib.contextmanager
 def _lean_steps(bridge) -> Iterator[None]:
+    # Patches TransformerLens's ProcessWeights static methods for the duration of one load (not thread-safe:
+    # do not load two models at once in one process). Checked against transformer-lens 4.3 (pyproject pins
+    # <5); a TransformerLens whose steps leave a parameter unplaced trips LeanIncomplete, and ``load`` then
+    # falls back to the plain fold (tests/test_lean.py checks bit-identical weights on four model shapes).
     from transformer_lens.weight_processing import ProcessWeights
 
     saved = {name: ProcessWeights.__dict__[name] for name in _STEPS + ("process_weights",)
