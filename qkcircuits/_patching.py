@@ -65,6 +65,9 @@ class ShardSums:
     count: Dict[str, float]
     receivers: List[Head] = field(default_factory=list)
     rows: Tuple[int, int] = (0, 0)
+    # the receivers' clean induction attention (sums, count): the trace JSON's "clean" whatever ``into`` is
+    attention: Optional[Tensor] = None
+    attention_count: float = 0.0
 
 
 def _chunk(model, tokens: Tensor) -> int:
@@ -97,6 +100,8 @@ def patch_shard(model, tokens: Tensor, repl: Optional[Replacement], receivers: S
     patched = {x: torch.full((len(receivers), L, H), float("nan")) for x in into}
     clean = {x: torch.full((len(receivers),), float("nan")) for x in into}
     count: Dict[str, float] = {}
+    attention = torch.full((len(receivers),), float("nan"))
+    attention_count = 0.0
     by_layer: Dict[int, List[int]] = {}
     for i, r in enumerate(receivers):
         by_layer.setdefault(r.layer, []).append(i)
@@ -104,6 +109,10 @@ def patch_shard(model, tokens: Tensor, repl: Optional[Replacement], receivers: S
         heads = [receivers[i].head for i in idx]
         snd = [s for s in (senders if senders is not None else
                            [Head(l, h) for l in range(R) for h in range(H)]) if s.layer < R]
+        induction = _Scorer(model, cache, R, heads, _Metric("induction", "pattern"))
+        attention_count = induction.count()
+        with torch.no_grad():
+            attention[idx] = induction.clean_sums().float().cpu()
         for x in into:
             m = metrics[x]
             scorer = _Scorer(model, cache, R, heads, m)
@@ -121,7 +130,8 @@ def patch_shard(model, tokens: Tensor, repl: Optional[Replacement], receivers: S
                     patched[x][idx, s.layer, s.head] = vals[j]
                 if progress is not None:
                     progress.update(len(part))
-    return ShardSums(patched, clean, count, list(receivers), rows or (0, int(tokens.shape[0])))
+    return ShardSums(patched, clean, count, list(receivers), rows or (0, int(tokens.shape[0])), attention,
+                     attention_count)
 
 
 def combine(shards: Sequence[ShardSums], metrics: Dict[str, _Metric], receivers: Sequence[Head]
@@ -156,6 +166,26 @@ def combine(shards: Sequence[ShardSums], metrics: Dict[str, _Metric], receivers:
         effects[x] = m.sign * (c[:, None, None] - tot_p / n)
         clean[x] = c
     return effects, clean
+
+
+def combine_attention(shards: Sequence[ShardSums], receivers: Sequence[Head]) -> Tensor:
+    """[n_receivers] each receiver's clean induction attention (mean over the query positions that have a
+    target), exactly from the shards' sums: Σ sums / Σ counts over prompt-row groups."""
+    groups: Dict[Tuple[int, int], List[ShardSums]] = {}
+    for s in shards:
+        groups.setdefault(s.rows, []).append(s)
+    pos = {r: i for i, r in enumerate(receivers)}
+    total = torch.zeros(len(receivers))
+    n = 0.0
+    for parts in groups.values():
+        g = torch.full((len(receivers),), float("nan"))
+        for s in parts:
+            for i, r in enumerate(s.receivers):
+                if s.attention is not None and not s.attention[i].isnan():
+                    g[pos[r]] = s.attention[i]
+        total += g
+        n += parts[0].attention_count
+    return total / n
 
 
 # ------------------------------------------------------------------------------------------ public API
@@ -230,7 +260,7 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
     effects, clean = combine(parts, metrics, recv)
     return PathEffects(model=model_name(model), method=method, receivers=recv, into=into,
                        metrics={x: m.name for x, m in metrics.items()}, effects=effects, clean=clean, kind="exact",
-                       n_layers=model.cfg.n_layers, n_heads=H,
+                       n_layers=model.cfg.n_layers, n_heads=H, clean_attention=combine_attention(parts, recv),
                        settings=_settings(model, tokens, per_position, _reference_label(method), n_edges,
                                           n_layers_recv))
 

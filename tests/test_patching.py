@@ -249,3 +249,16 @@ def test_shards_over_prompts_receivers_and_senders_combine_exactly(tmp_path_fact
     for x in "qkv":
         assert torch.allclose(effects[x].nan_to_num(), whole.effects[x].nan_to_num(), atol=1e-5), x
         assert torch.allclose(clean[x], whole.clean[x], atol=1e-5)
+
+
+def test_json_clean_is_the_receivers_induction_attention_whatever_is_patched(hand_built):
+    """Issue 10's contract: the trace JSON's "clean" is the receiver's clean induction attention, also when
+    only v is patched (v's own metric, the direct logit, is under "clean_metric")."""
+    toks = qk.repeated_tokens(hand_built, n_seqs=4, seg_len=12, seed=0)
+    v = qk.path_patch(hand_built, "1.0", into=("v",), method="zero", tokens=toks, progress=False)
+    d = json.loads(v.to_json())["receivers"]["1.0"]
+    assert d["clean"] == pytest.approx(1.0, abs=1e-3)                  # head 1.0 attends to its target
+    assert d["clean_metric"]["v"] != pytest.approx(d["clean"], abs=1e-2)  # the v metric is another quantity
+    k = qk.path_patch(hand_built, "1.0", into=("k",), method="zero", tokens=toks, progress=False)
+    assert json.loads(k.to_json())["receivers"]["1.0"]["clean"] == pytest.approx(d["clean"], abs=1e-6)
+    assert type(v).from_json(v.to_json()).to_dict()["receivers"]["1.0"]["clean"] == d["clean"]
