@@ -212,7 +212,8 @@ def _metric_label(metric: MetricLike, x: str) -> str:
 
 def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"), senders: Optional[HeadsLike] = None,
                method: str = "mean", tokens=None, metric: MetricLike = None, *, per_position: bool = True,
-               shards: int = 1, chunk: Optional[int] = None, progress: bool = True) -> PathEffects:
+               shards: int = 1, chunk: Optional[int] = None, progress: bool = True, backend: str = "local",
+               ray_address: Optional[str] = None, workers: Optional[int] = None) -> PathEffects:
     """Exact path patching of every sender → (q | k | v of) every receiver; see the module docstring.
 
     ``receivers``/``senders``: heads ("18.6,17.3", [(18, 6)], Head objects); senders default to every
@@ -224,8 +225,21 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
     Memory: ``CleanCache`` (residual per layer from the lowest receiver on, z of every layer up to
     the highest, q/k/v and patterns of receiver layers) plus one chunk of stacked receiver-layer
     activations (``chunk`` copies; default sized to ~256 MiB of patterns).
+
+    ``backend="ray"``: ``model`` is the model's spec (``"smollm2-135m"``, a path) and each Ray worker loads
+    it; shards of (prompt rows, receiver layers) run on the workers with the references computed once
+    over all prompts, combined exactly (``qkcircuits._ray_patching``). ``ray_address``: as for ``sweep``
+    (None: ``$RAY_ADDRESS`` if set, else a local instance; ``"local:N"``); ``workers``: how many.
     """
     from ._model import model_name
+
+    if backend == "ray":
+        from ._ray_patching import ray_path_patch
+
+        return ray_path_patch(model, receivers, into, senders, method, tokens, metric, per_position=per_position,
+                              chunk=chunk, progress=progress, ray_address=ray_address, workers=workers)
+    if backend != "local":
+        raise QKCircuitsError(f"unknown backend {backend!r}; use 'local' or 'ray'")
 
     recv = model_heads(model, receivers)
     if all(r.layer == 0 for r in recv):
