@@ -114,6 +114,12 @@ def test_ray_errors_are_one_line(monkeypatch, llama):
         qk.sweep(model, tokens, backend="ray")
     with pytest.raises(QKCircuitsError, match="unknown backend 'dask'"):
         qk.sweep(model, tokens, backend="dask")
+    with pytest.raises(QKCircuitsError, match="needs the model's spec"):
+        qk.path_patch(model, "1.0", backend="ray")
+    with pytest.raises(QKCircuitsError, match="unknown backend 'dask'"):
+        qk.trace_induction(model, backend="dask")
+    with pytest.raises(QKCircuitsError, match="drop attribution"):
+        qk.trace_induction(str(folder), backend="ray", attribution=True)
     monkeypatch.setitem(sys.modules, "ray", None)            # as if ray were not installed
     with pytest.raises(QKCircuitsError, match=r"needs the ray package.*pip install 'qkcircuits\[ray\]'"):
         qk.sweep(str(folder), tokens, backend="ray")
