@@ -65,6 +65,9 @@ class ShardSums:
     count: Dict[str, float]
     receivers: List[Head] = field(default_factory=list)
     rows: Tuple[int, int] = (0, 0)
+    # the receivers' clean induction attention (sums, count): the trace JSON's "clean" whatever ``into`` is
+    attention: Optional[Tensor] = None
+    attention_count: float = 0.0
 
 
 def _chunk(model, tokens: Tensor) -> int:
@@ -97,6 +100,8 @@ def patch_shard(model, tokens: Tensor, repl: Optional[Replacement], receivers: S
     patched = {x: torch.full((len(receivers), L, H), float("nan")) for x in into}
     clean = {x: torch.full((len(receivers),), float("nan")) for x in into}
     count: Dict[str, float] = {}
+    attention = torch.full((len(receivers),), float("nan"))
+    attention_count = 0.0
     by_layer: Dict[int, List[int]] = {}
     for i, r in enumerate(receivers):
         by_layer.setdefault(r.layer, []).append(i)
@@ -104,6 +109,10 @@ def patch_shard(model, tokens: Tensor, repl: Optional[Replacement], receivers: S
         heads = [receivers[i].head for i in idx]
         snd = [s for s in (senders if senders is not None else
                            [Head(l, h) for l in range(R) for h in range(H)]) if s.layer < R]
+        induction = _Scorer(model, cache, R, heads, _Metric("induction", "pattern"))
+        attention_count = induction.count()
+        with torch.no_grad():
+            attention[idx] = induction.clean_sums().float().cpu()
         for x in into:
             m = metrics[x]
             scorer = _Scorer(model, cache, R, heads, m)
@@ -121,7 +130,8 @@ def patch_shard(model, tokens: Tensor, repl: Optional[Replacement], receivers: S
                     patched[x][idx, s.layer, s.head] = vals[j]
                 if progress is not None:
                     progress.update(len(part))
-    return ShardSums(patched, clean, count, list(receivers), rows or (0, int(tokens.shape[0])))
+    return ShardSums(patched, clean, count, list(receivers), rows or (0, int(tokens.shape[0])), attention,
+                     attention_count)
 
 
 def combine(shards: Sequence[ShardSums], metrics: Dict[str, _Metric], receivers: Sequence[Head]
@@ -158,6 +168,26 @@ def combine(shards: Sequence[ShardSums], metrics: Dict[str, _Metric], receivers:
     return effects, clean
 
 
+def combine_attention(shards: Sequence[ShardSums], receivers: Sequence[Head]) -> Tensor:
+    """[n_receivers] each receiver's clean induction attention (mean over the query positions that have a
+    target), exactly from the shards' sums: Σ sums / Σ counts over prompt-row groups."""
+    groups: Dict[Tuple[int, int], List[ShardSums]] = {}
+    for s in shards:
+        groups.setdefault(s.rows, []).append(s)
+    pos = {r: i for i, r in enumerate(receivers)}
+    total = torch.zeros(len(receivers))
+    n = 0.0
+    for parts in groups.values():
+        g = torch.full((len(receivers),), float("nan"))
+        for s in parts:
+            for i, r in enumerate(s.receivers):
+                if s.attention is not None and not s.attention[i].isnan():
+                    g[pos[r]] = s.attention[i]
+        total += g
+        n += parts[0].attention_count
+    return total / n
+
+
 # ------------------------------------------------------------------------------------------ public API
 
 def default_prompts(model, n_seqs: int = 8, seed: int = 0) -> Int[Tensor, "batch pos"]:
@@ -182,7 +212,8 @@ def _metric_label(metric: MetricLike, x: str) -> str:
 
 def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"), senders: Optional[HeadsLike] = None,
                method: str = "mean", tokens=None, metric: MetricLike = None, *, per_position: bool = True,
-               shards: int = 1, chunk: Optional[int] = None, progress: bool = True) -> PathEffects:
+               shards: int = 1, chunk: Optional[int] = None, progress: bool = True, backend: str = "local",
+               ray_address: Optional[str] = None, workers: Optional[int] = None) -> PathEffects:
     """Exact path patching of every sender → (q | k | v of) every receiver; see the module docstring.
 
     ``receivers``/``senders``: heads ("18.6,17.3", [(18, 6)], Head objects); senders default to every
@@ -194,8 +225,21 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
     Memory: ``CleanCache`` (residual per layer from the lowest receiver on, z of every layer up to
     the highest, q/k/v and patterns of receiver layers) plus one chunk of stacked receiver-layer
     activations (``chunk`` copies; default sized to ~256 MiB of patterns).
+
+    ``backend="ray"``: ``model`` is the model's spec (``"smollm2-135m"``, a path) and each Ray worker loads
+    it; shards of (prompt rows, receiver layers) run on the workers with the references computed once
+    over all prompts, combined exactly (``qkcircuits._ray_patching``). ``ray_address``: as for ``sweep``
+    (None: ``$RAY_ADDRESS`` if set, else a local instance; ``"local:N"``); ``workers``: how many.
     """
     from ._model import model_name
+
+    if backend == "ray":
+        from ._ray_patching import ray_path_patch
+
+        return ray_path_patch(model, receivers, into, senders, method, tokens, metric, per_position=per_position,
+                              chunk=chunk, progress=progress, ray_address=ray_address, workers=workers)
+    if backend != "local":
+        raise QKCircuitsError(f"unknown backend {backend!r}; use 'local' or 'ray'")
 
     recv = model_heads(model, receivers)
     if all(r.layer == 0 for r in recv):
@@ -230,7 +274,7 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
     effects, clean = combine(parts, metrics, recv)
     return PathEffects(model=model_name(model), method=method, receivers=recv, into=into,
                        metrics={x: m.name for x, m in metrics.items()}, effects=effects, clean=clean, kind="exact",
-                       n_layers=model.cfg.n_layers, n_heads=H,
+                       n_layers=model.cfg.n_layers, n_heads=H, clean_attention=combine_attention(parts, recv),
                        settings=_settings(model, tokens, per_position, _reference_label(method), n_edges,
                                           n_layers_recv))
 

@@ -61,6 +61,9 @@ class PathEffects:
     settings: Dict[str, Any] = field(default_factory=dict)
     labels: Dict[str, List[str]] = field(default_factory=dict)
     k_composition_spearman: Dict[str, Optional[float]] = field(default_factory=dict)
+    # [receiver] the receiver's clean induction attention: the JSON's "clean" (issue 10's contract), whatever
+    # ``into`` and ``metrics`` are; None when the producer did not compute it (then an induction-metric input's)
+    clean_attention: Optional[Float[Tensor, "receiver"]] = None
 
     # ------------------------------------------------------------------------------------- access
     def _index(self, receiver) -> int:
@@ -122,8 +125,7 @@ class PathEffects:
         """The JSON contract: ``receivers[r][input]`` maps every sender "layer.head" to its effect."""
         recv: Dict[str, Any] = {}
         for i, r in enumerate(self.receivers):
-            clean_name = "k" if "k" in self.clean else self.into[0]
-            d: Dict[str, Any] = {"clean": json_number(self.clean[clean_name][i])}
+            d: Dict[str, Any] = {"clean": self._clean_attention(i)}
             for x in self.into:
                 d[x] = {str(s): json_number(self.effects[x][i, s.layer, s.head]) for s in self.senders(r)}
             d["baseline"] = {x: {k: json_number(v) for k, v in self.baseline(r, x).items()} for x in self.into}
@@ -135,6 +137,15 @@ class PathEffects:
         return {"schema": SCHEMA, "model": self.model, "method": self.method, "kind": self.kind,
                 "metrics": {x: self.metrics[x] for x in self.into}, "n_layers": self.n_layers,
                 "n_heads": self.n_heads, "receivers": recv, "labels": self.labels, "settings": self.settings}
+
+    def _clean_attention(self, i: int) -> Optional[float]:
+        """Receiver i's clean induction attention, or None when nothing here measured it."""
+        if self.clean_attention is not None:
+            return json_number(self.clean_attention[i])
+        for x in ("k", "q"):
+            if x in self.clean and self.metrics.get(x) == "induction":
+                return json_number(self.clean[x][i])
+        return None
 
     def to_json(self, path: Optional[Union[str, Path]] = None, indent: int = 1) -> str:
         """JSON text (written atomically to ``path`` when given); NaN as ``null``."""
@@ -150,7 +161,9 @@ class PathEffects:
             effects = {x: torch.full((len(receivers), L, H), float("nan")) for x in into}
             clean = {x: torch.full((len(receivers),), float("nan")) for x in into}
             spear: Dict[str, Optional[float]] = {}
+            attn = torch.full((len(receivers),), float("nan"))
             for i, (name, rd) in enumerate(d["receivers"].items()):
+                attn[i] = float("nan") if rd.get("clean") is None else float(rd["clean"])
                 for x in into:
                     for s, v in rd[x].items():
                         h = Head.parse(s)
@@ -162,7 +175,7 @@ class PathEffects:
             return cls(model=d["model"], method=d["method"], receivers=receivers, into=into,
                        metrics=dict(d["metrics"]), effects=effects, clean=clean, kind=d.get("kind", "exact"),
                        n_layers=L, n_heads=H, settings=d.get("settings", {}), labels=d.get("labels", {}),
-                       k_composition_spearman=spear)
+                       k_composition_spearman=spear, clean_attention=attn)
         except (ValueError, KeyError, TypeError, IndexError) as e:
             raise QKCircuitsError(f"not a qkcircuits trace JSON ({type(e).__name__}: {e}); expected the keys model, "
                                   f"method, metrics, n_layers, n_heads, receivers") from None

@@ -49,16 +49,28 @@ def k_composition_spearman(model, res: PathEffects) -> Dict[str, Optional[float]
 
 def trace(model, receivers: Optional[HeadsLike] = None, *, top: int = 3, into: Sequence[str] = ("q", "k", "v"),
           method: str = "mean", attribution: bool = False, scores=None, tokens=None,
-          progress: bool = True) -> PathEffects:
+          progress: bool = True, backend: str = "local", ray_address: Optional[str] = None,
+          workers: Optional[int] = None, load_kwargs: Optional[dict] = None) -> PathEffects:
     """What ``qkcircuits trace`` computes: path effects into ``receivers`` (default: the ``top`` induction
     heads of a scan, layer ≥ 1), with the senders' scan labels and the K-composition agreement.
 
     ``attribution=True`` estimates the edges by ``edge_attribution`` instead of exact path patching.
     ``scores`` (a ``HeadScores``) skips the scan. Memory: as ``path_patch`` (or ``edge_attribution``).
+    ``backend="ray"``: ``model`` is a spec; scan, patching and K-composition run on Ray workers
+    (``qkcircuits._ray_patching.ray_trace``; ``ray_address``/``workers`` as for ``path_patch``).
     """
     from ._patching import path_patch
 
     check_int("top", top)
+    if backend == "ray":
+        from ._ray_patching import ray_trace
+
+        if attribution:
+            raise QKCircuitsError("backend 'ray' runs exact path patching; drop attribution (or use the local backend)")
+        return ray_trace(model, receivers, top=top, into=into, method=method, scores=scores, tokens=tokens,
+                         progress=progress, ray_address=ray_address, workers=workers, load_kwargs=load_kwargs)
+    if backend != "local":
+        raise QKCircuitsError(f"unknown backend {backend!r}; use 'local' or 'ray'")
     if scores is None:
         scores = _scan_for_trace(model, progress)
     if receivers is None:

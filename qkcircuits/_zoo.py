@@ -9,9 +9,10 @@ Per model (``ZOO_KEYS`` are fixed): its induction and previous-token heads (scor
 scan's threshold, 0.4; best first, at most ``max_heads``), each head's relative depth
 ``layer / n_layers``, the strongest head of each kind even below the threshold, the causal check
 (``confirmation``: the repeated-half loss rise when the top-k induction heads are zero-ablated
-together, and the largest rise among k-head random sets), and ``k_sources``: which
-previous-token head feeds each induction head's keys. ``k_sources`` is ``null`` until path
-tracing (issue 10) is merged; the JSON says so under ``notes``.
+together, and the largest rise among k-head random sets), and ``k_sources``: which earlier
+head feeds each listed induction head's keys, by exact path patching into K (``k_sources``):
+``{"18.6": "16.0"}`` = the top K-path sender, kept when its effect is above that receiver's
+95th percentile over all its senders, else ``null`` for that head (and for layer-0 heads).
 
 Memory: one loaded model at a time per process (locally the previous one is released before the
 next loads); with Ray each worker loads the models of the shards it runs, one at a time.
@@ -30,8 +31,9 @@ from ._io import check_int, dump_json, json_number, load_json
 
 SCHEMA = "qkcircuits.zoo/1"
 ZOO_KEYS = ("model", "n_layers", "n_heads", "induction", "previous_token", "confirmation", "k_sources")
-K_SOURCES_NOTE = ("k_sources is null: the previous-token -> induction K-path tracing (issue 10) is not merged "
-                  "into this build yet")
+K_SOURCES_NOTE = ("k_sources: per listed induction head, the earlier head with the largest K-path effect (exact "
+                  "path patching into its keys, mean ablation, the scan's prompts) when that effect is above the "
+                  "receiver's 95th percentile over all senders; null: no sender stands out (or a layer-0 head)")
 
 
 @dataclass
@@ -104,13 +106,43 @@ def scan_one(spec: str, *, load_kwargs: Optional[Dict[str, Any]] = None, confirm
         model = load(spec, verbose=False, **(load_kwargs or {}))
     t1 = time.perf_counter()
     k = min(confirm_top, max(0, (model.cfg.n_layers * model.cfg.n_heads) // 2))
-    scores = scan(model, n_seqs=n_seqs, seed=seed, confirm_top=k, copying=False, eigen_copying=False,
+    # only the scores the zoo reports: one streamed pass over [BOS]+R+R (plus the causal check)
+    scores = scan(model, scores=["induction", "previous_token"], n_seqs=n_seqs, seed=seed, confirm_top=k,
                   progress=False)
     out = summarise(spec, scores, max_heads=max_heads)
-    out["timing_s"] = {"load": round(t1 - t0, 3), "scan": round(time.perf_counter() - t1, 3)}
+    t2 = time.perf_counter()
+    out["k_sources"] = k_sources(model, [h["head"] for h in out["induction"]], n_seqs=n_seqs, seed=seed)
+    out["timing_s"] = {"load": round(t1 - t0, 3), "scan": round(t2 - t1, 3),
+                       "k_sources": round(time.perf_counter() - t2, 3)}
     if own:
         del model
         gc.collect()
+    return out
+
+
+def k_sources(model, heads: Sequence[str], *, n_seqs: int = 8, seed: int = 0) -> Dict[str, Optional[str]]:
+    """For each induction head in ``heads``: the sender with the largest K-path effect (``path_patch`` into
+    "k", mean ablation, every earlier head as sender, on the scan's kind of prompts ``default_prompts``)
+    when that effect is above the receiver's 95th percentile over all its senders, else None (also for a
+    layer-0 head, which reads no earlier head). ``{}`` when ``heads`` is empty.
+
+    >>> k_sources(qk.load("toy-induction"), ["1.0"])     # doctest: +SKIP
+    {'1.0': '0.0'}
+
+    Memory and cost: as ``path_patch`` for these receivers and K only (one attention layer per sender).
+    """
+    from ._heads import Head
+    from ._patching import default_prompts, path_patch
+
+    out: Dict[str, Optional[str]] = {h: None for h in heads}
+    recv = [Head.parse(h) for h in heads if Head.parse(h).layer > 0]
+    if not recv:
+        return out
+    res = path_patch(model, recv, into=("k",), tokens=default_prompts(model, n_seqs, seed), progress=False)
+    for r in recv:
+        top = res.top(r, "k", 1)
+        if top and top[0][1] > res.baseline(r, "k")["p95"]:
+            out[str(r)] = str(top[0][0])
     return out
 
 

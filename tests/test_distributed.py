@@ -114,6 +114,12 @@ def test_ray_errors_are_one_line(monkeypatch, llama):
         qk.sweep(model, tokens, backend="ray")
     with pytest.raises(QKCircuitsError, match="unknown backend 'dask'"):
         qk.sweep(model, tokens, backend="dask")
+    with pytest.raises(QKCircuitsError, match="needs the model's spec"):
+        qk.path_patch(model, "1.0", backend="ray")
+    with pytest.raises(QKCircuitsError, match="unknown backend 'dask'"):
+        qk.trace_induction(model, backend="dask")
+    with pytest.raises(QKCircuitsError, match="drop attribution"):
+        qk.trace_induction(str(folder), backend="ray", attribution=True)
     monkeypatch.setitem(sys.modules, "ray", None)            # as if ray were not installed
     with pytest.raises(QKCircuitsError, match=r"needs the ray package.*pip install 'qkcircuits\[ray\]'"):
         qk.sweep(str(folder), tokens, backend="ray")
@@ -146,3 +152,82 @@ def test_import_qkcircuits_does_not_import_ray():
     code = "import sys, qkcircuits; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False"]
+
+
+# --- path patching on Ray (issue 10's exact path patching, sharded over prompt rows and receiver layers) ----
+
+from qkcircuits import _ray_patching as rpp  # noqa: E402
+
+
+def _assert_same_effects(res, local):
+    assert res.receivers == local.receivers and res.into == local.into and res.metrics == local.metrics
+    for x in local.into:
+        assert torch.equal(res.effects[x].isnan(), local.effects[x].isnan())
+        torch.testing.assert_close(res.effects[x], local.effects[x], atol=1e-5, rtol=0, equal_nan=True)
+        torch.testing.assert_close(res.clean[x], local.clean[x], atol=1e-5, rtol=0)
+    torch.testing.assert_close(res.clean_attention, local.clean_attention, atol=1e-5, rtol=0)
+
+
+def test_ray_path_patch_equals_local_toy_induction_and_gqa(llama, ray_local):
+    """Toy: heads known by training (0.0 feeds 1.0's keys). Tiny GQA Llama, resample: each shard's rows must
+    take row i−1's z from the whole prompt set, across shard borders."""
+    toy = qk.load("toy-induction", verbose=False)
+    toks = qk.repeated_tokens(toy, n_seqs=8, seg_len=8, seed=1)
+    local = qk.path_patch(toy, "1.0,1.1", tokens=toks, progress=False)
+    res = qk.path_patch("toy-induction", "1.0,1.1", tokens=toks, progress=False, backend="ray", workers=2)
+    assert res.settings["backend"]["shards"] == 4 and res.settings["backend"]["workers"] == 2   # 4 row blocks
+    _assert_same_effects(res, local)
+    assert res.top("1.0", "k", 1)[0][0] == qk.Head(0, 0) and local.effects["k"][0, 0, 0] > 0.3
+    assert json.loads(res.to_json())["receivers"]["1.0"]["clean"] > 0.9            # induction attention
+
+    folder, model = llama
+    toks = _tokens(model, 3)
+    local = qk.path_patch(model, "1.0,1.3", method="resample", tokens=toks, progress=False)
+    res = rpp.ray_path_patch(str(folder), "1.0,1.3", method="resample", tokens=toks, progress=False, workers=2)
+    assert res.settings["backend"]["shards"] == 3                                   # 3 rows: one row per shard
+    assert local.effects["k"][:, 0].abs().max() > 1e-4                              # not trivially zero
+    _assert_same_effects(res, local)
+
+
+def test_killed_worker_path_patch_shard_reruns_once(llama, ray_local):
+    folder, model = llama
+    toks = _tokens(model, 4)
+    local = qk.path_patch(model, "1.1", into="k,v", tokens=toks, progress=False)
+    state = {"results": [], "killed": None, "retries": 0}
+
+    def on_event(kind, info):
+        if not info["job"].endswith(":patch_job"):          # prepare runs first, on one worker
+            return
+        if kind == "result":
+            state["results"].append(info["shard"])
+        elif kind == "retry":
+            state["retries"] += 1
+        elif kind == "dispatch" and state["results"] and state["killed"] is None:
+            state["killed"] = info["pid"]
+            os.kill(info["pid"], signal.SIGKILL)
+
+    res = rpp.ray_path_patch(str(folder), "1.1", into="k,v", tokens=toks, progress=False, workers=2,
+                             on_event=on_event)
+    b = res.settings["backend"]
+    assert state["killed"] is not None and state["retries"] == 1 and b["retries"] == 1
+    assert sorted(state["results"]) == list(range(b["shards"]))     # each shard recorded exactly once
+    _assert_same_effects(res, local)
+
+
+def test_cli_trace_ray_equals_local(tmp_path, ray_local):
+    from qkcircuits.cli import main
+
+    a, b = tmp_path / "local.json", tmp_path / "ray.json"
+    common = ["trace", "toy-induction", "--top", "2", "--quiet"]
+    assert main(common + ["--json", str(a)]) == 0
+    assert main(common + ["--ray", "local:2", "--json", str(b)]) == 0
+    la, lb = json.loads(a.read_text()), json.loads(b.read_text())
+    assert lb["settings"]["backend"]["name"] == "ray" and lb["labels"] == la["labels"]
+    assert set(lb["receivers"]) == set(la["receivers"]) == {"1.0", "1.1"}
+    for r, d in la["receivers"].items():
+        for x in "qkv":
+            assert d[x].keys() == lb["receivers"][r][x].keys()
+            assert max(abs(v - lb["receivers"][r][x][s]) for s, v in d[x].items()) < 1e-5
+        assert abs(d["clean"] - lb["receivers"][r]["clean"]) < 1e-5
+        assert d["k_composition_spearman"] == pytest.approx(lb["receivers"][r]["k_composition_spearman"], abs=1e-6)
+    assert la["receivers"]["1.0"]["k"]["0.0"] > 0.3                       # the toy's circuit is found

@@ -95,9 +95,44 @@ def _reference_effect(model, toks, sender, receiver, into, fn):
         model.run_with_hooks(toks, fwd_hooks=[(f"blocks.{R}.attn.hook_{into}", splice),
                                               (f"blocks.{R}.attn.hook_pattern", store(got, "pattern")),
                                               (f"blocks.{R}.attn.hook_z", store(got, "z"))])
+        if fn == "direct-logit":
+            return _reference_direct_logit(model, toks, R, hr, got["z"][:, :, hr])
     clean = fn(got["clean_pattern"][:, hr], got["clean_z"][:, :, hr], toks)
     patched = fn(got["pattern"][:, hr], got["z"][:, :, hr], toks)
     return float(clean - patched)
+
+
+def _reference_direct_logit(model, toks, R, hr, z_new):
+    """The v metric's effect computed plainly: the receiver's patched z spliced into a full forward gives the
+    layer-R residual update with only head hr changed (attention, output projection and post-attention norm
+    as the model computes them); that change is added to the final residual alone (the direct path), and the
+    model's own final norm and unembedding (its logits output) read the correct next token's logit at every
+    query position that has an induction target (the last position has no next token). Effect = mean over
+    those positions of clean − patched logit."""
+    last = model.cfg.n_layers - 1
+    got = {}
+
+    def store(key):
+        def f(t, hook):
+            got[key] = t.detach().clone()
+        return f
+
+    def put_z(t, hook):
+        t = t.clone()
+        t[:, :, hr] = z_new
+        return t
+    with torch.no_grad():
+        logits = model.run_with_hooks(toks, fwd_hooks=[(f"blocks.{R}.hook_resid_mid", store("mid"))])
+        model.run_with_hooks(toks, fwd_hooks=[(f"blocks.{R}.attn.hook_z", put_z),
+                                              (f"blocks.{R}.hook_resid_mid", store("mid_new"))])
+        change = got["mid_new"] - got["mid"]                    # resid_pre is the same in both runs
+        patched = model.run_with_hooks(toks, fwd_hooks=[(f"blocks.{last}.hook_resid_post",
+                                                         lambda t, hook: t + change)])
+    has = target_masks(toks, (toks.shape[1] - 1) // 2)["induction"].any(-1)
+    has[:, -1] = False
+    nxt = toks[:, 1:]
+    pick = lambda lg: lg[:, :-1].gather(-1, nxt[..., None])[..., 0][has[:, :-1]]   # noqa: E731
+    return float((pick(logits) - pick(patched)).double().mean())
 
 
 def _induction(pattern, z, toks):
@@ -129,6 +164,29 @@ def test_path_patch_equals_a_plain_reference_implementation(which, tmp_path_fact
             assert abs(got - ref) < 1e-5 * max(1.0, abs(ref)), (which, r, s, ref, got)
     # The effects are not all ~0 (the comparison could not pass vacuously).
     assert max(float(ind.effects["k"].nan_to_num().abs().max()), float(ind.effects["q"].nan_to_num().abs().max())) > 1e-4
+    assert no_hooks(model)
+
+
+@pytest.mark.parametrize("which", ["gpt2", "gemma3"])
+def test_direct_logit_v_metric_equals_a_plain_reference(which, tmp_path_factory):
+    """The default v metric ("direct-logit") against a plain computation (full forwards, the model's own
+    logits): GPT-2 (pre-norm) and Gemma-3 (post-attention norm on the receiver's layer, QK-norm, GQA)."""
+    folder = {"gpt2": _tiny.gpt2_dir, "gemma3": _tiny.gemma3_dir}[which](tmp_path_factory)
+    model = qk.load(str(folder), device="cpu", verbose=False)
+    toks = qk.repeated_tokens(model, n_seqs=3, seg_len=9, seed=1)
+    last = model.cfg.n_layers - 1
+    recv = [qk.Head(last, 0), qk.Head(last, model.cfg.n_heads - 1)]
+    senders = [qk.Head(0, 1), qk.Head(last - 1, 0)]
+    res = qk.path_patch(model, recv, into="v", senders=senders, tokens=toks, progress=False)
+    assert res.metrics["v"] == "direct-logit"
+    refs = []
+    for i, r in enumerate(recv):
+        for s in senders:
+            ref = _reference_effect(model, toks, s, r, "v", "direct-logit")
+            got = float(res.effects["v"][i, s.layer, s.head])
+            assert abs(got - ref) < 1e-4 * max(1.0, abs(ref)), (which, r, s, ref, got)
+            refs.append(abs(ref))
+    assert max(refs) > 1e-3                                     # not vacuous
     assert no_hooks(model)
 
 
@@ -249,3 +307,16 @@ def test_shards_over_prompts_receivers_and_senders_combine_exactly(tmp_path_fact
     for x in "qkv":
         assert torch.allclose(effects[x].nan_to_num(), whole.effects[x].nan_to_num(), atol=1e-5), x
         assert torch.allclose(clean[x], whole.clean[x], atol=1e-5)
+
+
+def test_json_clean_is_the_receivers_induction_attention_whatever_is_patched(hand_built):
+    """Issue 10's contract: the trace JSON's "clean" is the receiver's clean induction attention, also when
+    only v is patched (v's own metric, the direct logit, is under "clean_metric")."""
+    toks = qk.repeated_tokens(hand_built, n_seqs=4, seg_len=12, seed=0)
+    v = qk.path_patch(hand_built, "1.0", into=("v",), method="zero", tokens=toks, progress=False)
+    d = json.loads(v.to_json())["receivers"]["1.0"]
+    assert d["clean"] == pytest.approx(1.0, abs=1e-3)                  # head 1.0 attends to its target
+    assert d["clean_metric"]["v"] != pytest.approx(d["clean"], abs=1e-2)  # the v metric is another quantity
+    k = qk.path_patch(hand_built, "1.0", into=("k",), method="zero", tokens=toks, progress=False)
+    assert json.loads(k.to_json())["receivers"]["1.0"]["clean"] == pytest.approx(d["clean"], abs=1e-6)
+    assert type(v).from_json(v.to_json()).to_dict()["receivers"]["1.0"]["clean"] == d["clean"]

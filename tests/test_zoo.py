@@ -29,7 +29,7 @@ def _check_hand_built(m):
     assert m["induction"] == [{"head": "1.0", "score": 1.0, "depth": 0.5}]
     assert m["previous_token"] == [{"head": "0.0", "score": 1.0, "depth": 0.0}]
     assert m["confirmation"]["heads"] == ["1.0"] and m["confirmation"]["effect"] > 3.0   # ln(V-1) on the toy
-    assert m["k_sources"] is None
+    assert m["k_sources"] == {"1.0": "0.0"}          # 1.0's keys read the previous-token head 0.0
 
 
 def test_zoo_cli_json_and_offline_page(tmp_path, capsys, llama):
@@ -47,11 +47,12 @@ def test_zoo_cli_json_and_offline_page(tmp_path, capsys, llama):
     assert [(h["head"], h["score"]) for h in other["induction"]] == want
     best, v = scores.top(1, "previous_token")[0]
     assert other["strongest"]["previous_token"] == {"head": str(best), "score": round(v, 6), "depth": best.layer / 2}
-    assert "issue 10" in d["notes"]["k_sources"]
+    assert "95th percentile" in d["notes"]["k_sources"]
+    assert other["k_sources"] == {h["head"]: other["k_sources"][h["head"]] for h in other["induction"]}
     text = page.read_text()
     assert "Plotly.newPlot" in text and "toy-induction" in text and "<script src" not in text   # plotly inlined
     out = capsys.readouterr().out
-    assert "toy-induction" in out and "1.0 1.00@0.50" in out
+    assert "toy-induction" in out and "1.0 1.00@0.50" in out and "toy-induction K sources: 1.0<-0.0" in out
     assert qk.Zoo.from_json(j).to_frame().query("kind == 'induction'").shape[0] == 1 + len(other["induction"])
 
 

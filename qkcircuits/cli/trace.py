@@ -35,21 +35,48 @@ def add_parser(sub) -> None:
     p.add_argument("--top", type=positive_int, default=3, help="induction heads traced without --receivers (3)")
     p.add_argument("--show", type=positive_int, default=3, help="senders listed per receiver input (default 3)")
     p.add_argument("--json", metavar="PATH", help="write the result (the trace JSON contract)")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS|local:N",
+                   help="run the scan and the path patching on Ray workers that each load the model: an address "
+                        "(host:port, ray://...), local:N (a local instance with N one-thread workers), or nothing "
+                        "($RAY_ADDRESS, else local)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._heads import model_heads
+    from .._heads import model_heads, parse_heads
     from .._trace import trace
 
-    model = load_model(args)
-    recv = model_heads(model, args.receivers) if args.receivers is not None else None
-    if recv is not None and any(r.layer == 0 for r in recv):
+    if args.ray is not None:
+        if args.attribution:
+            raise QKCircuitsError("--ray runs exact path patching; drop --attribution (or drop --ray)")
+        # The workers load the model; this process loads no weights (receivers are checked by a worker).
+        recv = args.receivers
+        try:                           # "L.*" needs n_heads, which only a worker knows: it checks those
+            parsed = parse_heads(args.receivers) if args.receivers is not None else []
+        except QKCircuitsError:
+            parsed = []
+        bad = [str(r) for r in parsed if r.layer == 0]
+        if bad:
+            raise QKCircuitsError(f"--receivers: {bad[0]} is in layer 0, which reads no earlier head; name heads of "
+                                  f"layer 1 or later")
+        model = None
+    else:
+        model = load_model(args)
+        recv = model_heads(model, args.receivers) if args.receivers is not None else None
+    if model is not None and recv is not None and any(r.layer == 0 for r in recv):
         raise QKCircuitsError(f"--receivers: {[str(r) for r in recv if r.layer == 0][0]} is in layer 0, which reads "
                               f"no earlier head; name heads of layer 1 or later")
-    res = trace(model, recv, top=args.top, into=args.into, method=args.method, attribution=args.attribution,
-                progress=not args.quiet)
+    if args.ray is not None:
+        load_kwargs = {"device": args.device, "dtype": args.dtype, "fold_ln": not args.no_fold_ln}
+        res = trace(args.model, recv, top=args.top, into=args.into, method=args.method, progress=not args.quiet,
+                    backend="ray", ray_address=args.ray, load_kwargs=load_kwargs)
+        b = res.settings["backend"]
+        print(f"  ray: {b['workers']} workers, {b['shards']} shards; start-up {b['startup_s']:.1f} s, load "
+              f"{b['load_s']:.1f} s, scan {b['scan_s']:.1f} s, path patching {b['patch_s']:.1f} s", file=sys.stderr)
+    else:
+        res = trace(model, recv, top=args.top, into=args.into, method=args.method, attribution=args.attribution,
+                    progress=not args.quiet)
     kind = "edge attribution (gradient estimate)" if res.kind == "attribution" else "exact path patching"
     print(f"{args.model}: {kind}, {args.method} ablation of each sender, over {res.settings.get('n_prompts')} "
           f"prompts x {res.settings.get('n_positions')} tokens; metrics "

@@ -58,4 +58,8 @@ def format_zoo(models) -> str:
         conf = "-" if not c else f"{c['effect']:+.2f} vs random max {c['random_max']:+.2f}"
         shape = f"{m['n_layers']}x{m['n_heads']}"
         lines.append(f"{m['model'][-27:]:<28}{shape:>8}  {ind:<48}  {prev:<32}  {conf}")
+    for m in models:
+        ks = m.get("k_sources")
+        if ks:     # which earlier head each induction head's keys read (None: no sender above the p95)
+            lines.append(f"  {m['model'][-27:]} K sources: " + ", ".join(f"{r}<-{s or '?'}" for r, s in ks.items()))
     return "\n".join(lines)

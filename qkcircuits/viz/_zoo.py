@@ -71,8 +71,9 @@ def zoo_html(zoo) -> str:
         conf = ("—" if not c else f"{c['effect']:+.3f} nats (random sets: max {c['random_max']:+.3f}, mean "
                                   f"{c['random_mean']:+.3f}; heads {', '.join(map(html.escape, c['heads']))})")
         ks = m.get("k_sources")
-        ks_text = "not traced (path tracing not in this build)" if ks is None else (
-            ", ".join(f"{html.escape(k)} ← {html.escape(str(v))}" for k, v in ks.items()) or "none found")
+        ks_text = "not traced" if ks is None else (
+            ", ".join(f"{html.escape(k)} ← {html.escape(str(v) if v else 'no clear source')}" for k, v in ks.items())
+            or "no induction heads")
         rows.append(f"<tr><td><b>{html.escape(m['model'])}</b><br><span class=muted>{m['n_layers']} layers x "
                     f"{m['n_heads']} heads</span></td><td>{_heads(m['induction'])}</td>"
                     f"<td>{_heads(m['previous_token'])}</td><td>{conf}</td><td>{ks_text}</td></tr>")
