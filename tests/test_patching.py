@@ -200,6 +200,21 @@ def test_trained_toy_previous_token_group_dominates_the_k_path(trained):
         assert k > 10 * qv, (r, k, qv)
 
 
+def test_trace_scan_computes_only_what_a_trace_reads_and_agrees_with_the_full_scan(trained):
+    from qkcircuits._detect import THRESHOLDS
+    from qkcircuits._trace import TRACE_SCORES, _scan_for_trace
+
+    assert {score for score, _ in THRESHOLDS.values()} == set(TRACE_SCORES)   # the labels read only these
+    lean = _scan_for_trace(trained, progress=False)
+    full = qk.scan(trained, copying=False, eigen_copying=False, progress=False)
+    assert set(lean.scores) == set(TRACE_SCORES)
+    for name in TRACE_SCORES:
+        torch.testing.assert_close(lean[name], full[name])
+    assert lean.labels() == full.labels() and lean.top(4, "induction") == full.top(4, "induction")
+    res = qk.trace_induction(trained, top=1, into="k", progress=False)
+    assert res.labels == {str(h): v for h, v in full.labels().items()}
+
+
 # --- results as data, sharding, errors ------------------------------------------------------------------
 
 def test_json_contract_round_trip_frame_and_shards(hand_built, tmp_path):
