@@ -155,13 +155,15 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
                                   f"{float((added - step).abs().max()):.3g}); path patching cannot form a "
                                   f"sender's direct change to the residual on this architecture")
     cache.runner = Runner.from_cache(model, tokens, cache.resid, cache.logits, from_layer=R_min, check=False)
-    _check_resume(cache, R_min)
+    _check_resume(cache, R_min, logits=need_logits)
     return cache
 
 
-def _check_resume(cache: CleanCache, layer: int) -> None:
+def _check_resume(cache: CleanCache, layer: int, logits: bool = False) -> None:
     """Resuming at ``layer`` from the cached residual must reproduce the clean pattern there (what every
-    receiver run relies on); try the Runner's slower modes if the fast one does not."""
+    receiver run relies on) and, when the loss metric runs the layers above (``logits``), the clean
+    logits: the fast "sliced" mode renumbers the blocks it keeps, which shifts per-layer attention types
+    (Gemma-3's sliding/global layers) above the resume layer. Try the Runner's slower modes if needed."""
     zero = torch.zeros((1,) + tuple(cache.resid[layer].shape), dtype=cache.resid[layer].dtype,
                        device=cache.resid[layer].device)
     for mode in ("sliced", "start_at_layer", "full"):
@@ -172,10 +174,16 @@ def _check_resume(cache: CleanCache, layer: int) -> None:
             pattern, _ = receiver_run(cache, layer, "k", zero, need_z=False)
         except Exception:          # a bridge without start_at_layer support: try the next, slower mode
             continue
-        if torch.allclose(pattern, cache.pattern[layer], atol=1e-5, rtol=1e-4):
-            return
+        if not torch.allclose(pattern, cache.pattern[layer], atol=1e-5, rtol=1e-4):
+            continue
+        if logits and cache.logits is not None:
+            with torch.no_grad():
+                out = cache.runner.run_resid(layer, cache.resid[layer], [])
+            if not torch.allclose(out, cache.logits, atol=1e-4, rtol=1e-3):
+                continue
+        return
     raise QKCircuitsError(f"re-running layer {layer} from the cached residual does not reproduce its clean attention "
-                          f"pattern on this bridge; path patching needs that")
+                          f"pattern{' and logits' if logits else ''} on this bridge; path patching needs that")
 
 
 # ------------------------------------------------------------------------------------------ references
