@@ -14,6 +14,7 @@ import _tiny
 import qkcircuits as qk
 from qkcircuits import QKCircuitsError
 from qkcircuits._detect import mask_score, target_masks
+from qkcircuits._stats import spearman
 from qkcircuits._patching import clean_pass, receiver_run, references, sender_deltas
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,6 +234,30 @@ def test_json_contract_round_trip_frame_and_shards(hand_built, tmp_path):
     two = qk.path_patch(hand_built, "1.0", method="resample", tokens=toks, shards=2, progress=False)
     for x in "qkv":
         assert torch.allclose(two.effects[x].nan_to_num(), res.effects[x].nan_to_num(), atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["llama", "gemma3"])
+def test_bf16_model_traces_like_float32(which, tmp_path_factory):
+    # bf16 residuals: block 0's resid_mid − resid_pre differs from its attention output by rounding (~eps·|resid|),
+    # which the architecture check once rejected; effects must match float32 to bf16 precision.
+    folder = {"llama": _tiny.llama_dir, "gemma3": _tiny.gemma3_dir}[which](tmp_path_factory)
+    res = {}
+    for dt in (torch.float32, torch.bfloat16):
+        model = qk.load(str(folder), device="cpu", dtype=dt, verbose=False)
+        toks = qk.repeated_tokens(model, n_seqs=4, seg_len=9, seed=1)
+        recv = [qk.Head(model.cfg.n_layers - 1, h) for h in range(4)]
+        res[dt] = (qk.path_patch(model, recv, tokens=toks, progress=False),
+                   qk.edge_attribution(model, recv, tokens=toks, metric="loss"))
+        assert res[dt][0].settings["dtype"] == str(dt)
+    for i in range(2):
+        for x in "qkv":
+            a, b = res[torch.float32][i].effects[x], res[torch.bfloat16][i].effects[x]
+            keep = ~a.isnan()
+            assert torch.equal(keep, ~b.isnan())
+            scale = float(a[keep].abs().max())
+            # random tiny weights: effects are small differences of O(1) numbers, bf16 keeps ~3 digits of those
+            assert scale > 0 and float((a[keep] - b[keep]).abs().max()) < 0.2 * scale, (which, i, x)
+            assert spearman(a[keep], b[keep]) > 0.8, (which, i, x, spearman(a[keep], b[keep]))
 
 
 def test_bad_inputs_are_one_line_errors(hand_built):
