@@ -122,9 +122,17 @@ def _loss_grads(cache, layers: Sequence[int]):
         return fn
 
     R0 = min(layers)
+    metric = induction_loss()
+    keep = metric.keep_last(cache.tokens)            # only the repeat's logits: skips most of the unembedding
+    hooks = [(hook_name("z", L), probe(L)) for L in layers]
     with torch.enable_grad():
-        logits = cache.runner.run_resid(R0, cache.resid[R0], [(hook_name("z", L), probe(L)) for L in layers])
-        loss = induction_loss()(logits, cache.tokens)
+        try:
+            logits = cache.runner.run_resid(R0, cache.resid[R0], hooks, logits_to_keep=keep)
+        except TypeError:                            # a model whose forward takes no logits_to_keep
+            logits = None
+        if logits is None or logits.shape[1] != keep:
+            logits = cache.runner.run_resid(R0, cache.resid[R0], hooks)
+        loss = metric(logits, cache.tokens)
         grads = torch.autograd.grad(loss, [probes[L] for L in layers])
     return {L: g.detach() for L, g in zip(layers, grads)}, float(loss.detach())
 
