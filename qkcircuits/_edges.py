@@ -17,7 +17,10 @@ then recomputed).
 Cost per receiver layer: ONE forward of that layer's attention (batch as given, not one copy per
 sender), one backward through the attention core per receiver metric (q: one for all heads; k and
 v: one per member of a KV group, because query heads of a group share their keys and values), and
-one small backward through the input norm and projection per (receiver head, input). Exact path
+one small backward through the input norm and projection per (receiver head, input). The gradients of
+a block of receiver layers (up to ``GRAD_BLOCK_BYTES``) then meet every sender's Δ in ONE matmul
+[n gradients, b·p·d_model] @ [b·p·d_model, sender heads]. ``metric="loss"`` adds one forward from the
+lowest receiver layer to the logits and one backward for all receivers (``_loss_grads``). Exact path
 patching instead runs the layer's attention once per sender.
 
 Where the linear estimate is weak:
