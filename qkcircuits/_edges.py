@@ -156,8 +156,10 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
     through the layers above, as ``path_patch``; its gradient at every receiver layer's z comes from ONE
     extra forward and backward in all). Callables need ``path_patch``.
     Memory: ``CleanCache`` as in ``path_patch``; per receiver layer one attention forward's autograd
-    graph over the batch, 3 × n_receiver_heads residual-sized gradients, and the senders' Δ
-    (n_heads × batch × pos × d_model per sender layer, at most 1 GiB kept).
+    graph over the batch, 3 × n_receiver_heads residual-sized gradients (waiting in blocks of up to
+    ``GRAD_BLOCK_BYTES``, 256 MiB), and the senders' Δ (n_heads × batch × pos × d_model per sender layer,
+    one matrix of at most ``DELTA_CACHE_BYTES``, 1 GiB, else recomputed per block). ``metric="loss"``:
+    plus the autograd graph of one forward from the lowest receiver layer to the logits.
     """
     from ._model import model_name
 

@@ -111,3 +111,23 @@ def test_edge_attribution_bad_inputs(hand_built):
         qk.edge_attribution(hand_built, "1.0", metric="kl")
     with pytest.raises(QKCircuitsError, match="no receivers in layer 1"):
         qk.edge_attribution(hand_built, "0.0")
+
+
+def test_memory_budgets_change_nothing_but_the_schedule(tmp_path_factory, monkeypatch):
+    # Δ recomputed per block (no room for the Δ matrix) and gradients scored one receiver layer at a time:
+    # the same numbers as the default schedule (one Δ matrix, one matmul for every receiver layer).
+    from qkcircuits import _edges
+
+    model = qk.load(str(_tiny.gemma3_dir(tmp_path_factory)), device="cpu", verbose=False)
+    toks = qk.repeated_tokens(model, n_seqs=3, seg_len=9, seed=1)
+    senders = [qk.Head(0, 1), qk.Head(1, 3)]
+    for snd in (None, senders):
+        ref = qk.edge_attribution(model, tokens=toks, senders=snd)
+        monkeypatch.setattr(_edges, "DELTA_CACHE_BYTES", 0)
+        monkeypatch.setattr(_edges, "GRAD_BLOCK_BYTES", 1)
+        got = qk.edge_attribution(model, tokens=toks, senders=snd)
+        monkeypatch.undo()
+        for x in "qkv":
+            torch.testing.assert_close(got.effects[x], ref.effects[x], equal_nan=True, rtol=1e-5, atol=1e-7)
+            n = int((~ref.effects[x].isnan()).sum())
+            assert n == (8 * 4 + 4 * 4 if snd is None else 4 * 1 + 4 * 2), n   # senders below each receiver
