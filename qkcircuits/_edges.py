@@ -142,7 +142,7 @@ def _loss_grads(cache, layers: Sequence[int]):
 
 # Gradients of several receiver layers are scored against the senders' Δ in ONE matmul (compute-bound
 # instead of one thin, memory-bound product per (receiver layer, sender layer)); up to this many bytes of
-# gradients wait for it.
+# gradients (whole receiver layers, at least one) wait for it.
 GRAD_BLOCK_BYTES = 256 * 2**20
 
 
@@ -207,41 +207,54 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
             filled.add(Ls)
         return D[Ls * H:(Ls + 1) * H]
 
-    pending: List[tuple] = []                       # (receiver layer, rows, stacked gradients)
+    # Gradients go straight into a block buffer [rows, b·p·d_model] (no stack/cat copies); a block holds
+    # whole receiver layers, up to GRAD_BLOCK_BYTES (at least one layer).
+    per_layer = {R: len(idx) * len(into) for R, idx in by_layer.items()}
+    row_bytes = n_flat * like.element_size()
+    buf: Optional[Tensor] = None
+    used = 0
+    pending: List[tuple] = []                       # (receiver layer, rows, first buffer row)
 
     def flush() -> None:
         """Score every waiting gradient against every sender below its layer, and place the effects."""
+        nonlocal used
         if not pending:
             return
         top = max(R for R, _, _ in pending)
-        G = torch.cat([g.reshape(len(g), -1) for _, _, g in pending])            # [n, b·p·d_model]
+        grad_mat = buf[:used]                                                    # [n, b·p·d_model]
         with torch.no_grad():
             if D is not None:
                 for Ls in send_layers:
                     if Ls < top:
                         delta_rows(Ls)
-                terms = (G @ D[:top * H].T).float().cpu().view(len(G), top, H)   # [n, sender layer, head]
+                terms = (grad_mat @ D[:top * H].T).float().cpu().view(used, top, H)   # [n, sender layer, head]
             else:
-                terms = torch.full((len(G), top, H), float("nan"))
+                terms = torch.full((used, top, H), float("nan"))
                 for Ls in send_layers:
                     if Ls < top:
-                        terms[:, Ls] = (G @ delta_rows(Ls).T).float().cpu()
-        n0 = 0
-        for R, rows, g in pending:
-            t = torch.where(keep_mask[:R][None], terms[n0:n0 + len(g), :R], torch.tensor(float("nan")))
-            n0 += len(g)
+                        terms[:, Ls] = (grad_mat @ delta_rows(Ls).T).float().cpu()
+        for R, rows, n0 in pending:
+            t = torch.where(keep_mask[:R][None], terms[n0:n0 + len(rows), :R], torch.tensor(float("nan")))
             for x in into:
                 sel = [k for k, (_, xx) in enumerate(rows) if xx == x]
                 if sel:
                     effects[x][torch.tensor([rows[k][0] for k in sel]), :R] = t[sel]
         pending.clear()
+        used = 0
 
-    waiting = 0
+    layers_left = sorted(by_layer)
     for R, idx in sorted(by_layer.items()):
+        layers_left.remove(R)
+        if buf is None or used + per_layer[R] > len(buf):
+            flush()
+            rows_left = per_layer[R] + sum(per_layer[r] for r in layers_left)
+            n_rows = min(rows_left, max(per_layer[R], GRAD_BLOCK_BYTES // row_bytes))
+            if buf is None or len(buf) < n_rows:
+                buf = torch.empty(n_rows, n_flat, dtype=like.dtype, device=like.device)
         heads = [recv[i].head for i in idx]
         resid, proj, leaf, pattern, z = _grad_run(cache, R)
-        rows: List[tuple] = []                    # (receiver index, input) per stacked gradient
-        grads: List[Tensor] = []
+        rows: List[tuple] = []                    # (receiver index, input) per buffer row
+        first = used
         for x in into:
             m = metrics[x]
             if m.needs == "logits":
@@ -269,14 +282,11 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
                     cot[:, :, slot] = g_in[:, :, slot]
                     cots.append(cot)
                     rows.append((idx[j], x))
-            grads += [-m.sign * g for g in _vjp(proj[x], resid, cots)]
-        stacked = torch.stack(grads)                                             # [n, b, p, d_model]
+            for g in _vjp(proj[x], resid, cots):
+                torch.mul(g.reshape(-1), -m.sign, out=buf[used])
+                used += 1
         del resid, proj, leaf, pattern, z
-        pending.append((R, rows, stacked))
-        waiting += stacked.numel() * stacked.element_size()
-        if waiting >= GRAD_BLOCK_BYTES:
-            flush()
-            waiting = 0
+        pending.append((R, rows, first))
     flush()
     n_edges = sum(int((~effects[into[0]][i].isnan()).sum()) for i in range(len(recv)))
     return PathEffects(model=model_name(model), method=method, receivers=recv, into=into,
