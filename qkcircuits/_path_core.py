@@ -158,35 +158,40 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
                                   f"{float((added - step).abs().max()):.3g}); path patching cannot form a "
                                   f"sender's direct change to the residual on this architecture")
     cache.runner = Runner.from_cache(model, tokens, cache.resid, cache.logits, from_layer=R_min, check=False)
-    _check_resume(cache, R_min, logits=need_logits)
+    _check_resume(cache, sorted(set(receiver_layers)), logits=need_logits)
     return cache
 
 
-def _check_resume(cache: CleanCache, layer: int, logits: bool = False) -> None:
-    """Resuming at ``layer`` from the cached residual must reproduce the clean pattern there (what every
-    receiver run relies on) and, when the loss metric runs the layers above (``logits``), the clean
-    logits: the fast "sliced" mode renumbers the blocks it keeps, which shifts per-layer attention types
-    (Gemma-3's sliding/global layers) above the resume layer. Try the Runner's slower modes if needed."""
-    zero = torch.zeros((1,) + tuple(cache.resid[layer].shape), dtype=cache.resid[layer].dtype,
-                       device=cache.resid[layer].device)
+def _check_resume(cache: CleanCache, layers: Sequence[int], logits: bool = False) -> None:
+    """Resuming at each receiver layer from the cached residual must reproduce the clean pattern there
+    (what every receiver run relies on) and, when the loss metric runs the layers above (``logits``),
+    the clean logits. The fast "sliced" mode renumbers the blocks it keeps, which on Gemma-3 gives a
+    layer the attention type (sliding/global) of another: so every receiver layer is checked, one
+    attention run each, and the Runner's slower modes are tried if needed."""
+    def ok(layer: int) -> bool:
+        zero = torch.zeros((1,) + tuple(cache.resid[layer].shape), dtype=cache.resid[layer].dtype,
+                           device=cache.resid[layer].device)
+        pattern, _ = receiver_run(cache, layer, "k", zero, need_z=False)
+        return torch.allclose(pattern, cache.pattern[layer], atol=1e-5, rtol=1e-4)
+
     for mode in ("sliced", "start_at_layer", "full"):
         if mode == "sliced" and cache.runner._list is None:
             continue
         cache.runner.mode = mode
         try:
-            pattern, _ = receiver_run(cache, layer, "k", zero, need_z=False)
+            if not all(ok(layer) for layer in layers):
+                continue
         except Exception:          # a bridge without start_at_layer support: try the next, slower mode
-            continue
-        if not torch.allclose(pattern, cache.pattern[layer], atol=1e-5, rtol=1e-4):
             continue
         if logits and cache.logits is not None:
             with torch.no_grad():
-                out = cache.runner.run_resid(layer, cache.resid[layer], [])
+                out = cache.runner.run_resid(layers[0], cache.resid[layers[0]], [])
             if not torch.allclose(out, cache.logits, atol=1e-4, rtol=1e-3):
                 continue
         return
-    raise QKCircuitsError(f"re-running layer {layer} from the cached residual does not reproduce its clean attention "
-                          f"pattern{' and logits' if logits else ''} on this bridge; path patching needs that")
+    raise QKCircuitsError(f"re-running layers {', '.join(map(str, layers))} from the cached residual does not "
+                          f"reproduce their clean attention pattern{' and logits' if logits else ''} on this "
+                          f"bridge; path patching needs that")
 
 
 # ------------------------------------------------------------------------------------------ references
