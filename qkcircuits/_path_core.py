@@ -88,7 +88,7 @@ def post_norm(model, layer: int):
 
 
 def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final: bool = False,
-               need_logits: bool = False) -> CleanCache:
+               need_logits: bool = False, check_all: bool = True) -> CleanCache:
     """Run ``tokens`` once, keep what ``CleanCache`` lists; check that a block adds (a norm of) its
     attention output to the residual, as the Δ formula assumes. The forward stops as soon as the last
     needed tensor exists: after the highest receiver layer's z, or at the final norm (direct-logit);
@@ -158,7 +158,10 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
                                   f"{float((added - step).abs().max()):.3g}); path patching cannot form a "
                                   f"sender's direct change to the residual on this architecture")
     cache.runner = Runner.from_cache(model, tokens, cache.resid, cache.logits, from_layer=R_min, check=False)
-    _check_resume(cache, sorted(set(receiver_layers)), logits=need_logits)
+    # every receiver layer (one attention run each), or only the lowest when the caller checks each
+    # layer's own clean run as it goes (edge attribution's _grad_run)
+    layers = sorted(set(receiver_layers))
+    _check_resume(cache, layers if check_all else layers[:1], logits=need_logits)
     return cache
 
 

@@ -31,11 +31,14 @@ def test_edge_attribution_is_the_derivative_of_exact_path_patching(which, tmp_pa
     toks = qk.repeated_tokens(model, n_seqs=3, seg_len=9, seed=1)
     last = model.cfg.n_layers - 1
     recv = [qk.Head(last, 0), qk.Head(last, 1), qk.Head(last, 3)]     # heads 0, 1 share a KV group on GQA
+    recv += [qk.Head(1, 2)] if last > 1 else []                      # Gemma-3: a sliding and a global layer
     senders = [qk.Head(0, 2), qk.Head(last - 1, 1)]
     est = qk.edge_attribution(model, recv, senders=senders, tokens=toks)
     checked = 0
     for i, r in enumerate(recv):
         for s in senders:
+            if s.layer >= r.layer:
+                continue
             for x in "qkv":
                 # Δ is exact (mean ablation) and small changes scale it: the estimate is −(d/dε) m(resid + εΔ).
                 # (For post-norm models Δ itself is the exact norm(y + δ) − norm(y), linear scaling of it is what
