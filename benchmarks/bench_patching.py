@@ -51,6 +51,8 @@ def main() -> None:
           f"prompts {tuple(tokens.shape)}; load {open('/proc/loadavg').read().split()[:3]}")
     est, c_a, w_a = timed(qk.edge_attribution, model, recv, into=into, tokens=tokens)
     print(f"edge_attribution: {c_a:.1f} s CPU, {w_a:.1f} s wall")
+    _, c_l, w_l = timed(qk.edge_attribution, model, recv, into=into, tokens=tokens, metric="loss")
+    print(f"edge_attribution(metric='loss'): {c_l:.1f} s CPU, {w_l:.1f} s wall (one extra forward + backward)")
     exact, c_e, w_e = timed(qk.path_patch, model, recv, into=into, tokens=tokens, progress=False)
     print(f"path_patch (exact): {c_e:.1f} s CPU, {w_e:.1f} s wall")
     print(f"ratio exact / attribution: {c_e / c_a:.1f}x CPU, {w_e / w_a:.1f}x wall")

@@ -237,10 +237,36 @@ def _circuit(r) -> Tuple[str, str]:
     return text, lambda: _box(f"Circuit: {r.kind} of head {r.head}", _table(rows))
 
 
+def _path_effects(r) -> Tuple[str, str]:
+    """A trace: per receiver and input the top senders (effect, baseline); grids of the first receivers' effects."""
+    first = [(x, y) for x, y in ((rc, i) for rc in r.receivers[:3] for i in r.into) if r.top(x, y, 1)]
+    tops = "; ".join(f"{rc}<-{r.top(rc, x, 1)[0][0]} {x} {_f(r.top(rc, x, 1)[0][1], 3)}" for rc, x in first[:6])
+    more = f"; ... {len(r.receivers) - 3} more receivers" if len(r.receivers) > 3 else ""
+    text = (f"PathEffects({r.kind}, {r.model}: {len(r.receivers)} receiver{'s' * (len(r.receivers) != 1)}, "
+            f"into {','.join(r.into)}, {r.method}; top senders: {tops}{more})")
+    shown = r.receivers[:3 * TOP]                       # at most 15 receivers × 3 inputs rows
+    rows = []
+    for rc in shown:
+        for x in r.into:
+            b = r.baseline(rc, x)
+            rows.append((str(rc), x, _f(r.clean_value(rc, x)), _heads_text([(str(h), v) for h, v in r.top(rc, x, 3)]),
+                         f"{_f(b['mean'])} / {_f(b['p95'])}",
+                         ", ".join(r.labels.get(str(r.top(rc, x, 1)[0][0]), [])) if r.top(rc, x, 1) else ""))
+    if len(r.receivers) > len(shown):
+        rows.append((f"… {len(r.receivers) - len(shown)} more receivers", "", "", "", "", ""))
+    x0 = "k" if "k" in r.effects else r.into[0]
+    grids = "".join(grid(r.effects[x0][i], f"{rc} ← senders ({x0})", True)
+                    for i, rc in enumerate(r.receivers[:MAX_GRIDS]))
+    return text, lambda: _box(f"PathEffects ({r.kind}): {r.model}, method {r.method}, {r.n_layers} layers × {r.n_heads} heads",
+                      _table(rows, ("receiver", "input", "clean", "top 3 senders (effect)", "baseline mean / p95",
+                                    "top sender's labels")), grids)
+
+
 RENDER: Dict[str, Callable] = {
     "HeadScores": _scores, "HeadEffects": _effects, "GroupEffect": _group, "RandomComparison": _random,
     "HeadDiagnostics": _diagnostics, "CompositionScores": _composition, "OffsetProfile": _offsets,
     "Activations": _activations, "Circuit": _circuit,
+    "PathEffects": _path_effects,
 }
 
 

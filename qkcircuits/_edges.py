@@ -17,7 +17,10 @@ then recomputed).
 Cost per receiver layer: ONE forward of that layer's attention (batch as given, not one copy per
 sender), one backward through the attention core per receiver metric (q: one for all heads; k and
 v: one per member of a KV group, because query heads of a group share their keys and values), and
-one small backward through the input norm and projection per (receiver head, input). Exact path
+one small backward through the input norm and projection per (receiver head, input). The gradients of
+a block of receiver layers (up to ``GRAD_BLOCK_BYTES``) then meet every sender's Δ in ONE matmul
+[n gradients, b·p·d_model] @ [b·p·d_model, sender heads]. ``metric="loss"`` adds one forward from the
+lowest receiver layer to the logits and one backward for all receivers (``_loss_grads``). Exact path
 patching instead runs the layer's attention once per sender.
 
 Where the linear estimate is weak:
@@ -41,11 +44,12 @@ from ._capture import _Stop, _as_tokens, hook_name
 from ._errors import QKCircuitsError
 from ._heads import Head, HeadsLike, model_heads, n_kv_heads
 from ._path_effects import INPUTS, PathEffects
+from ._path_core import _check_resume
 from ._patching import (MetricLike, _check_into, _Scorer, _settings, check_method, clean_pass, default_prompts,
                         post_norm, replacement_from_cache, resolve_metric)
 
 
-def _grad_run(cache, layer: int):
+def _grad_run(cache, layer: int, retry: bool = True):
     """Layer ``layer``'s attention on the clean residual with gradients: returns the residual leaf, each
     input's graph-connected projection (resid → ln1 → W_x, …) and the leaf the attention read instead,
     and the pattern and z computed from those leaves."""
@@ -78,6 +82,15 @@ def _grad_run(cache, layer: int):
     if len(proj) < 3 or "z" not in got:
         raise QKCircuitsError(f"layer {layer}'s attention did not fire hook_q/k/v/pattern/z when run from the "
                               f"cached residual; edge attribution cannot run on this bridge")
+    # This clean run is the resume check of this layer (clean_pass checked only the lowest): on a mismatch
+    # (Gemma-3's sliding/global layers under the sliced runner) pick a mode that reproduces it and rerun.
+    eps = torch.finfo(cache.pattern[layer].dtype).eps
+    if not torch.allclose(got["pattern"].detach(), cache.pattern[layer], atol=max(1e-5, 4 * eps), rtol=1e-4):
+        if not retry:
+            raise QKCircuitsError(f"re-running layer {layer} from the cached residual does not reproduce its clean "
+                                  f"attention pattern on this bridge; edge attribution needs that")
+        _check_resume(cache, [layer])
+        return _grad_run(cache, layer, retry=False)
     return resid, proj, leaf, got["pattern"], got["z"]
 
 
@@ -101,13 +114,46 @@ def _layer_deltas(model, cache, repl, layer: int) -> Tensor:
 
 
 def _vjp(out: Tensor, inp: Tensor, cots: List[Tensor]) -> List[Tensor]:
-    """∂⟨out, cot⟩/∂inp for each cotangent: one batched backward (vmap) where the graph allows, else a loop."""
-    try:
-        (g,) = torch.autograd.grad(out, inp, grad_outputs=torch.stack(cots), retain_graph=True,
-                                   is_grads_batched=True)
-        return [t.detach() for t in g]
-    except RuntimeError:        # an op without a batching rule: one backward per cotangent
-        return [torch.autograd.grad(out, inp, grad_outputs=c, retain_graph=True)[0].detach() for c in cots]
+    """∂⟨out, cot⟩/∂inp for each cotangent. One backward per cotangent: measured faster on CPU than one
+    batched backward (``is_grads_batched`` runs torch's legacy vmap), and needs no batching rules."""
+    return [torch.autograd.grad(out, inp, grad_outputs=c, retain_graph=True)[0].detach() for c in cots]
+
+
+def _loss_grads(cache, layers: Sequence[int]):
+    """∂(induction loss)/∂z of every layer in ``layers`` (all heads at once), and the clean loss: ONE forward
+    from the lowest of them (clean residual, a zero probe added at each hook_z) and ONE backward. Later
+    layers respond to a probe as they respond to a patched z in ``path_patch``'s loss metric, so the
+    gradient is the derivative of that metric. Memory: the autograd graph of that forward."""
+    from ._metrics import induction_loss
+
+    probes: Dict[int, Tensor] = {}
+
+    def probe(L: int):
+        def fn(t: Tensor, hook) -> Tensor:
+            probes[L] = torch.zeros_like(t, requires_grad=True)
+            return t + probes[L]
+        return fn
+
+    R0 = min(layers)
+    metric = induction_loss()
+    keep = metric.keep_last(cache.tokens)            # only the repeat's logits: skips most of the unembedding
+    hooks = [(hook_name("z", L), probe(L)) for L in layers]
+    with torch.enable_grad():
+        try:
+            logits = cache.runner.run_resid(R0, cache.resid[R0], hooks, logits_to_keep=keep)
+        except TypeError:                            # a model whose forward takes no logits_to_keep
+            logits = None
+        if logits is None or logits.shape[1] != keep:
+            logits = cache.runner.run_resid(R0, cache.resid[R0], hooks)
+        loss = metric(logits, cache.tokens)
+        grads = torch.autograd.grad(loss, [probes[L] for L in layers])
+    return {L: g.detach() for L, g in zip(layers, grads)}, float(loss.detach())
+
+
+# Gradients of several receiver layers are scored against the senders' Δ in ONE matmul (compute-bound
+# instead of one thin, memory-bound product per (receiver layer, sender layer)); up to this many bytes of
+# gradients (whole receiver layers, at least one) wait for it.
+GRAD_BLOCK_BYTES = 256 * 2**20
 
 
 def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequence[str] = ("q", "k", "v"),
@@ -116,10 +162,14 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
     """First-order estimate of ``path_patch``'s edges (same arguments, same result type, ``kind="attribution"``).
 
     ``receivers`` default to every head of layers ≥ 1. ``metric``: None (induction for q/k, direct-logit
-    for v), "induction" or "direct-logit" (``"loss"`` and callables need ``path_patch``).
+    for v), "induction", "direct-logit" or "loss" (the induction loss with the receiver's z patched, run
+    through the layers above, as ``path_patch``; its gradient at every receiver layer's z comes from ONE
+    extra forward and backward in all). Callables need ``path_patch``.
     Memory: ``CleanCache`` as in ``path_patch``; per receiver layer one attention forward's autograd
-    graph over the batch, 3 × n_receiver_heads residual-sized gradients, and the senders' Δ
-    (n_heads × batch × pos × d_model per sender layer, at most 1 GiB kept).
+    graph over the batch, 3 × n_receiver_heads residual-sized gradients (waiting in blocks of up to
+    ``GRAD_BLOCK_BYTES``, 256 MiB), and the senders' Δ (n_heads × batch × pos × d_model per sender layer,
+    one matrix of at most ``DELTA_CACHE_BYTES``, 1 GiB, else recomputed per block). ``metric="loss"``:
+    plus the autograd graph of one forward from the lowest receiver layer to the logits.
     """
     from ._model import model_name
 
@@ -131,34 +181,102 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
     snd = model_heads(model, senders) if senders is not None else None
     into = _check_into(into)
     check_method(method)
-    if metric not in (None, "induction", "direct-logit"):
-        raise QKCircuitsError(f"edge_attribution supports metric None, 'induction' or 'direct-logit', got {metric!r}; "
-                              f"use path_patch for 'loss' or a custom metric")
+    if metric not in (None, "induction", "direct-logit", "loss"):
+        raise QKCircuitsError(f"edge_attribution supports metric None, 'induction', 'direct-logit' or 'loss', got "
+                              f"{metric!r}; use path_patch for a custom metric")
     metrics = {x: resolve_metric(metric, x) for x in into}
     tokens = _as_tokens(model, tokens if tokens is not None else default_prompts(model))
     cache = clean_pass(model, tokens, [r.layer for r in recv],
-                       need_final=any(m.name == "direct-logit" for m in metrics.values()))
+                       need_final=any(m.name == "direct-logit" for m in metrics.values()),
+                       need_logits=any(m.needs == "logits" for m in metrics.values()), check_all=False)
     repl = replacement_from_cache(cache, method, per_position)       # the clean pass's own z: no extra forward
+    if any(m.needs == "logits" for m in metrics.values()):          # loss: one forward + one backward in all
+        loss_grad, clean_loss = _loss_grads(cache, sorted({r.layer for r in recv}))
     G = H // n_kv_heads(model)
     effects = {x: torch.full((len(recv), L, H), float("nan")) for x in into}
     clean = {x: torch.full((len(recv),), float("nan")) for x in into}
     by_layer: Dict[int, List[int]] = {}
     for i, r in enumerate(recv):
         by_layer.setdefault(r.layer, []).append(i)
-    deltas: Dict[int, Tensor] = {}
-    held = 0
+    # Senders' Δ, one row per head of each sender layer, flattened over (batch, pos, d_model): kept in one
+    # matrix when it fits DELTA_CACHE_BYTES (every receiver layer above reuses it), else recomputed.
+    n_flat = tokens.numel() * model.cfg.d_model
+    R_top = max(by_layer)
+    send_layers = [Ls for Ls in range(R_top) if snd is None or any(s.layer == Ls for s in snd)]
+    keep_mask = torch.tensor([[snd is None or Head(Ls, h) in snd for h in range(H)] for Ls in range(L)])
+    like = cache.resid[min(by_layer)]
+    D = torch.zeros(R_top * H, n_flat, dtype=like.dtype, device=like.device) \
+        if R_top * H * n_flat * like.element_size() <= DELTA_CACHE_BYTES else None
+    filled = set()                                                               # sender layers in D
+
+    def delta_rows(Ls: int) -> Tensor:
+        if D is None:
+            return _layer_deltas(model, cache, repl, Ls).reshape(H, -1)
+        if Ls not in filled:
+            D[Ls * H:(Ls + 1) * H] = _layer_deltas(model, cache, repl, Ls).reshape(H, -1)
+            filled.add(Ls)
+        return D[Ls * H:(Ls + 1) * H]
+
+    # Gradients go straight into a block buffer [rows, b·p·d_model] (no stack/cat copies); a block holds
+    # whole receiver layers, up to GRAD_BLOCK_BYTES (at least one layer).
+    per_layer = {R: len(idx) * len(into) for R, idx in by_layer.items()}
+    row_bytes = n_flat * like.element_size()
+    buf: Optional[Tensor] = None
+    used = 0
+    pending: List[tuple] = []                       # (receiver layer, rows, first buffer row)
+
+    def flush() -> None:
+        """Score every waiting gradient against every sender below its layer, and place the effects."""
+        nonlocal used
+        if not pending:
+            return
+        top = max(R for R, _, _ in pending)
+        grad_mat = buf[:used]                                                    # [n, b·p·d_model]
+        with torch.no_grad():
+            if D is not None:
+                for Ls in send_layers:
+                    if Ls < top:
+                        delta_rows(Ls)
+                terms = (grad_mat @ D[:top * H].T).float().cpu().view(used, top, H)   # [n, sender layer, head]
+            else:
+                terms = torch.full((used, top, H), float("nan"))
+                for Ls in send_layers:
+                    if Ls < top:
+                        terms[:, Ls] = (grad_mat @ delta_rows(Ls).T).float().cpu()
+        for R, rows, n0 in pending:
+            t = torch.where(keep_mask[:R][None], terms[n0:n0 + len(rows), :R], torch.tensor(float("nan")))
+            for x in into:
+                sel = [k for k, (_, xx) in enumerate(rows) if xx == x]
+                if sel:
+                    effects[x][torch.tensor([rows[k][0] for k in sel]), :R] = t[sel]
+        pending.clear()
+        used = 0
+
+    layers_left = sorted(by_layer)
     for R, idx in sorted(by_layer.items()):
+        layers_left.remove(R)
+        if buf is None or used + per_layer[R] > len(buf):
+            flush()
+            rows_left = per_layer[R] + sum(per_layer[r] for r in layers_left)
+            n_rows = min(rows_left, max(per_layer[R], GRAD_BLOCK_BYTES // row_bytes))
+            if buf is None or len(buf) < n_rows:
+                buf = torch.empty(n_rows, n_flat, dtype=like.dtype, device=like.device)
         heads = [recv[i].head for i in idx]
         resid, proj, leaf, pattern, z = _grad_run(cache, R)
-        rows: List[tuple] = []                    # (receiver index, input) per stacked gradient
-        grads: List[Tensor] = []
+        rows: List[tuple] = []                    # (receiver index, input) per buffer row
+        first = used
         for x in into:
             m = metrics[x]
-            scorer = _Scorer(model, cache, R, heads, m)
-            count = scorer.count()
-            with torch.enable_grad():
-                values = scorer.sums(pattern, z, 1)[0] / count                  # [len(heads)] means, in the graph
-            clean[x][idx] = values.detach().float().cpu()
+            if m.needs == "logits":
+                # loss ≈ clean + Σ ∂loss/∂z · (z' − z): each head's z against the loss gradient at its z
+                with torch.enable_grad():
+                    values = (z[:, :, heads] * loss_grad[R][:, :, heads]).sum((0, 1, 3))
+                clean[x][idx] = clean_loss
+            else:
+                scorer = _Scorer(model, cache, R, heads, m)
+                with torch.enable_grad():
+                    values = scorer.sums(pattern, z, 1)[0] / scorer.count()     # [len(heads)] means, in the graph
+                clean[x][idx] = values.detach().float().cpu()
             # Query heads of one KV group share k/v: separate their gradients by one backward per member.
             members = [[j for j, h in enumerate(heads) if (h % G if x != "q" else 0) == g]
                        for g in range(G if x != "q" else 1)]
@@ -174,25 +292,12 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
                     cot[:, :, slot] = g_in[:, :, slot]
                     cots.append(cot)
                     rows.append((idx[j], x))
-            grads += [-m.sign * g for g in _vjp(proj[x], resid, cots)]
-        stacked = torch.stack(grads)                                             # [n, b, p, d_model]
+            for g in _vjp(proj[x], resid, cots):
+                torch.mul(g.reshape(-1), -m.sign, out=buf[used])
+                used += 1
         del resid, proj, leaf, pattern, z
-        with torch.no_grad():
-            for Ls in range(R):
-                if snd is not None and not any(s.layer == Ls for s in snd):
-                    continue
-                delta = deltas.get(Ls)
-                if delta is None:
-                    delta = _layer_deltas(model, cache, repl, Ls)
-                    if held + delta.numel() * delta.element_size() <= DELTA_CACHE_BYTES:
-                        deltas[Ls] = delta
-                        held += delta.numel() * delta.element_size()
-                terms = (stacked.reshape(len(stacked), -1) @ delta.reshape(len(delta), -1).T).float().cpu()  # [n, H]
-                keep = [h for h in range(H) if snd is None or Head(Ls, h) in snd]
-                for x in into:
-                    sel = [n_ for n_, (_, xx) in enumerate(rows) if xx == x]
-                    recv_i = torch.tensor([rows[n_][0] for n_ in sel])
-                    effects[x][recv_i[:, None], Ls, torch.tensor(keep)[None, :]] = terms[sel][:, keep]
+        pending.append((R, rows, first))
+    flush()
     n_edges = sum(int((~effects[into[0]][i].isnan()).sum()) for i in range(len(recv)))
     return PathEffects(model=model_name(model), method=method, receivers=recv, into=into,
                        metrics={x: m.name for x, m in metrics.items()}, effects=effects, clean=clean,

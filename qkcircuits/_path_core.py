@@ -88,7 +88,7 @@ def post_norm(model, layer: int):
 
 
 def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final: bool = False,
-               need_logits: bool = False) -> CleanCache:
+               need_logits: bool = False, check_all: bool = True) -> CleanCache:
     """Run ``tokens`` once, keep what ``CleanCache`` lists; check that a block adds (a norm of) its
     attention output to the residual, as the Δ formula assumes. The forward stops as soon as the last
     needed tensor exists: after the highest receiver layer's z, or at the final norm (direct-logit);
@@ -149,33 +149,52 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
             y = extra["attn.hook_out"]
             added = post(y) if post is not None else y
             step = extra["hook_resid_mid"] - extra["hook_resid_pre"]
-        if not torch.allclose(added, step, atol=1e-4, rtol=1e-3):
+        # bf16/fp16 residuals: resid_mid − resid_pre loses ~eps × |resid| to rounding, so the tolerance scales
+        eps = torch.finfo(step.dtype).eps if step.dtype.is_floating_point else 0.0
+        scale = float(extra["hook_resid_mid"].float().abs().max())
+        if not torch.allclose(added.float(), step.float(), atol=max(1e-4, 4 * eps * scale), rtol=max(1e-3, 4 * eps)):
             raise QKCircuitsError(f"block 0 adds something other than {'its post-norm of ' if post else ''}its "
                                   f"attention output to the residual (max difference "
                                   f"{float((added - step).abs().max()):.3g}); path patching cannot form a "
                                   f"sender's direct change to the residual on this architecture")
     cache.runner = Runner.from_cache(model, tokens, cache.resid, cache.logits, from_layer=R_min, check=False)
-    _check_resume(cache, R_min)
+    # every receiver layer (one attention run each), or only the lowest when the caller checks each
+    # layer's own clean run as it goes (edge attribution's _grad_run)
+    layers = sorted(set(receiver_layers))
+    _check_resume(cache, layers if check_all else layers[:1], logits=need_logits)
     return cache
 
 
-def _check_resume(cache: CleanCache, layer: int) -> None:
-    """Resuming at ``layer`` from the cached residual must reproduce the clean pattern there (what every
-    receiver run relies on); try the Runner's slower modes if the fast one does not."""
-    zero = torch.zeros((1,) + tuple(cache.resid[layer].shape), dtype=cache.resid[layer].dtype,
-                       device=cache.resid[layer].device)
+def _check_resume(cache: CleanCache, layers: Sequence[int], logits: bool = False) -> None:
+    """Resuming at each receiver layer from the cached residual must reproduce the clean pattern there
+    (what every receiver run relies on) and, when the loss metric runs the layers above (``logits``),
+    the clean logits. The fast "sliced" mode renumbers the blocks it keeps, which on Gemma-3 gives a
+    layer the attention type (sliding/global) of another: so every receiver layer is checked, one
+    attention run each, and the Runner's slower modes are tried if needed."""
+    def ok(layer: int) -> bool:
+        zero = torch.zeros((1,) + tuple(cache.resid[layer].shape), dtype=cache.resid[layer].dtype,
+                           device=cache.resid[layer].device)
+        pattern, _ = receiver_run(cache, layer, "k", zero, need_z=False)
+        return torch.allclose(pattern, cache.pattern[layer], atol=1e-5, rtol=1e-4)
+
     for mode in ("sliced", "start_at_layer", "full"):
         if mode == "sliced" and cache.runner._list is None:
             continue
         cache.runner.mode = mode
         try:
-            pattern, _ = receiver_run(cache, layer, "k", zero, need_z=False)
+            if not all(ok(layer) for layer in layers):
+                continue
         except Exception:          # a bridge without start_at_layer support: try the next, slower mode
             continue
-        if torch.allclose(pattern, cache.pattern[layer], atol=1e-5, rtol=1e-4):
-            return
-    raise QKCircuitsError(f"re-running layer {layer} from the cached residual does not reproduce its clean attention "
-                          f"pattern on this bridge; path patching needs that")
+        if logits and cache.logits is not None:
+            with torch.no_grad():
+                out = cache.runner.run_resid(layers[0], cache.resid[layers[0]], [])
+            if not torch.allclose(out, cache.logits, atol=1e-4, rtol=1e-3):
+                continue
+        return
+    raise QKCircuitsError(f"re-running layers {', '.join(map(str, layers))} from the cached residual does not "
+                          f"reproduce their clean attention pattern{' and logits' if logits else ''} on this "
+                          f"bridge; path patching needs that")
 
 
 # ------------------------------------------------------------------------------------------ references

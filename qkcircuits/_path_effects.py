@@ -14,7 +14,6 @@ matters": clean − patched for a score, patched − clean for a loss (``higher_
 
 from __future__ import annotations
 
-import html
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,21 +195,11 @@ class PathEffects:
                 f"next sender {nxt:.2f}; baseline mean {b['mean']:.2f})")
 
     def __repr__(self) -> str:
-        tops = "; ".join(f"{r}←{self.top(r, x, 1)[0][0]}({x})" for r in self.receivers[:4]
-                         for x in self.into[:3] if self.top(r, x, 1))
-        more = " ..." if len(self.receivers) > 4 else ""
-        return (f"PathEffects({self.kind}, {self.model}, method={self.method}, {len(self.receivers)} receivers, "
-                f"into={','.join(self.into)}: {tops}{more})")
+        from ._display import text           # short: the kind, the model, each receiver's top sender per input
+
+        return text(self)
 
     def _repr_html_(self) -> str:
-        rows = []
-        for r in self.receivers:
-            for x in self.into:
-                top = self.top(r, x, 3)
-                b = self.baseline(r, x)
-                cells = ", ".join(f"{s} {e:.3f}" for s, e in top)
-                rows.append(f"<tr><td>{r}</td><td>{x}</td><td>{self.clean_value(r, x):.3f}</td>"
-                            f"<td>{html.escape(cells)}</td><td>{b['mean']:.3f} / {b['p95']:.3f}</td></tr>")
-        return (f"<p>{html.escape(self.kind)} path effects, {html.escape(self.model)}, method {html.escape(self.method)}"
-                f"</p><table><tr><th>receiver</th><th>input</th><th>clean</th><th>top senders (effect)</th>"
-                f"<th>baseline mean / p95</th></tr>{''.join(rows)}</table>")
+        from ._display import html           # notebooks: top senders per receiver and input, effect grids
+
+        return html(self)

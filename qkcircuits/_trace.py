@@ -19,12 +19,17 @@ from ._io import check_int
 from ._path_effects import PathEffects
 
 
+# What a trace reads of a scan: the induction ranking (receivers) and the sender labels, whose
+# thresholds (``_detect.THRESHOLDS``) use exactly these three scores. They share ONE streamed pass
+# over [BOS]+R+R that stops after the last layer's attention (no prefix-matching or copying pass).
+TRACE_SCORES = ("induction", "previous_token", "duplicate_token")
+
+
 def _scan_for_trace(model, progress: bool = True):
-    """The scan whose induction ranking and labels a trace reads. One function on purpose: when ``scan``
-    can compute only some scores, compute only induction, previous- and duplicate-token here."""
+    """The scan whose induction ranking and labels a trace reads: only ``TRACE_SCORES``."""
     from ._detect import scan
 
-    return scan(model, copying=False, eigen_copying=False, progress=progress)
+    return scan(model, scores=list(TRACE_SCORES), progress=progress)
 
 
 def k_composition_spearman(model, res: PathEffects) -> Dict[str, Optional[float]]:

@@ -34,8 +34,8 @@ from .viz._notebook import AttentionView, Figure, as_figure, set_bundle, setup
 from .viz._panels import ViewContext, prompt_ids, token_set, token_strings
 from .viz._panels import attention as _patterns
 
-__all__ = ["AttentionView", "Figure", "attention", "diagnostics", "effects", "offsets", "ov", "qk", "scores",
-           "set_bundle", "setup"]
+__all__ = ["AttentionView", "Figure", "attention", "diagnostics", "effects", "offsets", "ov", "qk", "reads_from",
+           "scores", "set_bundle", "setup", "trace"]
 
 # One ViewContext per model (its caches: layer weights, unembedding, weight-only scores); dropped with the model.
 _contexts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -99,6 +99,38 @@ def diagnostics(result, measure: Optional[str] = None) -> Figure:
 
     _need(result, HeadDiagnostics, "plot.diagnostics", "from qk.diagnose(model)")
     return as_figure(V.diagnostics_figure(result, measure))
+
+
+def trace(result, per_input: int = 2) -> Figure:
+    """The circuit graph of a ``PathEffects`` (``qk.trace_induction``, ``qk.path_patch``, ``qk.edge_attribution``):
+    the traced heads at (x = head, y = layer), coloured by scan label, and for each receiver and input (q, k, v)
+    its ``per_input`` largest senders whose effect is above zero and above that receiver's 95th percentile over
+    all its senders (``result.baseline``). Each edge line carries its data in ``meta`` (src, dst, input, effect).
+    The same builder draws the report's and the app's circuit panel."""
+    from ._io import check_int
+    from ._path_effects import PathEffects
+    from .viz._trace_view import circuit
+
+    _need(result, PathEffects, "plot.trace", "from qk.trace_induction, qk.path_patch or qk.edge_attribution")
+    check_int("per_input", per_input)
+    return as_figure(circuit(result, per_input))
+
+
+def reads_from(result, head, k: int = 3) -> Figure:
+    """One receiver of a ``PathEffects``: its ``k`` largest senders per input as bars, with the baseline (mean
+    and 95th percentile over all senders) per input; the report's "reads from" panel."""
+    from ._io import check_int
+    from ._path_effects import PathEffects
+    from .viz._trace_view import reads_from as _reads
+
+    _need(result, PathEffects, "plot.reads_from", "from qk.trace_induction, qk.path_patch or qk.edge_attribution")
+    check_int("k", k)
+    h = Head.parse(head)
+    fig = _reads(result, h, k)
+    if fig is None:
+        raise QKCircuitsError(f"{h} is not a receiver of this trace; receivers: "
+                              f"{', '.join(str(r) for r in result.receivers)}")
+    return as_figure(fig)
 
 
 def qk(model, head, tokens: Optional[Sequence[str]] = None, **view) -> Figure:

@@ -33,6 +33,7 @@ def results(hand_built):
         "OffsetProfile": None,
         "Activations": acts,
         "Circuit": qk.circuit(hand_built, "1.0", "qk"),
+        "PathEffects": qk.trace_induction(hand_built, top=1, progress=False),
     }
 
 
@@ -82,6 +83,27 @@ def test_composition_partners(results):
     comp = results["CompositionScores"]
     # the induction head's key reads the previous-token head: 0.0 -> 1.0 is the strongest K-composition pair
     assert "strongest: 0.0 → 1.0" in repr(comp)
+
+
+def test_path_effects_lead_with_the_known_path(results):
+    res = results["PathEffects"]
+    text = repr(res)
+    e = float(res.effects["k"][0, 0, 0])                 # 0.0 -> 1.0's keys: the circuit, by construction
+    assert text.startswith("PathEffects(exact, ") and f"1.0<-0.0 k {_display._f(e, 3)}" in text, text
+    html = res._repr_html_()
+    assert f"<td>1.0</td><td>k</td><td>{_display._f(res.clean_value('1.0', 'k'))}</td><td>0.0 ({_display._f(e, 3)})" in html
+    assert "<td>previous-token</td>" in html
+    got = dict(cells(html))                                # the grid: receiver 1.0's k effects, NaN past layer 0
+    assert got["0.0"] == pytest.approx(e, rel=1e-3) and math.isnan(got["1.0"])
+    # bounded: 200 receivers on an 80 x 64-head model
+    g = torch.Generator().manual_seed(0)
+    L, H = 80, 64
+    recv = [qk.Head(1 + i % (L - 1), i % H) for i in range(200)]
+    eff = {x: torch.randn(len(recv), L, H, generator=g) for x in "qkv"}
+    big = qk.PathEffects("big", "mean", recv, list("qkv"), {x: "score" for x in "qkv"}, eff,
+                         {x: torch.ones(len(recv)) for x in "qkv"}, n_layers=L, n_heads=H)
+    assert len(repr(big)) < 400 and "197 more receivers" in repr(big)
+    assert len(big._repr_html_()) < BOUND and "185 more receivers" in big._repr_html_()
 
 
 def test_offset_profile(tmp_path_factory):

@@ -31,11 +31,14 @@ def test_edge_attribution_is_the_derivative_of_exact_path_patching(which, tmp_pa
     toks = qk.repeated_tokens(model, n_seqs=3, seg_len=9, seed=1)
     last = model.cfg.n_layers - 1
     recv = [qk.Head(last, 0), qk.Head(last, 1), qk.Head(last, 3)]     # heads 0, 1 share a KV group on GQA
+    recv += [qk.Head(1, 2)] if last > 1 else []                      # Gemma-3: a sliding and a global layer
     senders = [qk.Head(0, 2), qk.Head(last - 1, 1)]
     est = qk.edge_attribution(model, recv, senders=senders, tokens=toks)
     checked = 0
     for i, r in enumerate(recv):
         for s in senders:
+            if s.layer >= r.layer:
+                continue
             for x in "qkv":
                 # Δ is exact (mean ablation) and small changes scale it: the estimate is −(d/dε) m(resid + εΔ).
                 # (For post-norm models Δ itself is the exact norm(y + δ) − norm(y), linear scaling of it is what
@@ -46,6 +49,48 @@ def test_edge_attribution_is_the_derivative_of_exact_path_patching(which, tmp_pa
                 checked += abs(fd) > 1e-4
     assert checked >= 4           # not all ~0: the comparison could not pass vacuously
     assert est.kind == "attribution" and est.metrics == {"q": "induction", "k": "induction", "v": "direct-logit"}
+
+
+def _loss_difference(model, toks, receiver, sender, into, eps):
+    """d/dε of path_patch's loss metric (receiver's z patched, the layers above run) at ε = 0, centrally."""
+    cache = clean_pass(model, toks, [receiver.layer], need_logits=True)
+    delta = sender_deltas(model, cache, references(model, "mean", toks, [sender.layer]), [sender])
+    scorer = _Scorer(model, cache, receiver.layer, [receiver.head], resolve_metric("loss", into))
+    with torch.no_grad():
+        _, z = receiver_run(cache, receiver.layer, into, torch.cat([eps * delta, -eps * delta]))
+        s = scorer.loss_sums(z, 2)[:, 0].double() / scorer.count()
+    return float((s[0] - s[1]) / (2 * eps))
+
+
+@pytest.mark.parametrize("which", ["gpt2", "llama", "gemma3"])
+def test_edge_attribution_loss_is_the_derivative_of_exact_path_patching(which, tmp_path_factory):
+    folder = {"gpt2": _tiny.gpt2_dir, "llama": _tiny.llama_dir, "gemma3": _tiny.gemma3_dir}[which](tmp_path_factory)
+    model = qk.load(str(folder), device="cpu", verbose=False)
+    toks = qk.repeated_tokens(model, n_seqs=3, seg_len=9, seed=1)
+    last = model.cfg.n_layers - 1
+    # receivers in every layer >= 1: one backward serves them all; Gemma's layer-1 receivers feed layer 2
+    recv = [qk.Head(l, h) for l in range(1, last + 1) for h in (0, 1, 3)]
+    senders = [qk.Head(0, 2), qk.Head(0, 1)]
+    est = qk.edge_attribution(model, recv, senders=senders, tokens=toks, metric="loss")
+    exact = qk.path_patch(model, recv, senders=senders, tokens=toks, metric="loss", progress=False)
+    assert est.metrics == {x: "induction-loss" for x in "qkv"}
+    torch.testing.assert_close(est.clean["k"], exact.clean["k"], rtol=1e-4, atol=1e-5)     # the clean loss
+    checked = 0
+    for i, r in enumerate(recv):
+        for s in senders:
+            for x in "qkv":
+                fd = _loss_difference(model, toks, r, s, x, 1e-2)        # loss rises = effect (patched − clean)
+                got = float(est.effects[x][i, s.layer, s.head])
+                assert abs(got - fd) < 2e-3 * max(1.0, abs(fd)) + 1e-4, (which, r, s, x, got, fd)
+                checked += abs(fd) > 1e-4
+    assert checked >= 6           # not all ~0: the comparison could not pass vacuously
+    # path_patch's own loss metric: an unpatched receiver run through the layers above gives the clean loss
+    # (on Gemma-3 resuming at layer 1 by slicing the block list shifted the sliding/global layer types above)
+    cache = clean_pass(model, toks, [1], need_logits=True)
+    scorer = _Scorer(model, cache, 1, [0], resolve_metric("loss", "k"))
+    with torch.no_grad():
+        _, z = receiver_run(cache, 1, "k", torch.zeros(1, *cache.resid[1].shape))
+    torch.testing.assert_close(scorer.loss_sums(z, 1)[0], scorer.clean_sums(), rtol=1e-5, atol=1e-5)
 
 
 def test_edge_attribution_ranks_the_trained_toys_previous_token_heads_first():
@@ -65,7 +110,27 @@ def test_edge_attribution_ranks_the_trained_toys_previous_token_heads_first():
 
 
 def test_edge_attribution_bad_inputs(hand_built):
-    with pytest.raises(QKCircuitsError, match="use path_patch for 'loss'"):
-        qk.edge_attribution(hand_built, "1.0", metric="loss")
+    with pytest.raises(QKCircuitsError, match="'loss', got 'kl'; use path_patch for a custom metric"):
+        qk.edge_attribution(hand_built, "1.0", metric="kl")
     with pytest.raises(QKCircuitsError, match="no receivers in layer 1"):
         qk.edge_attribution(hand_built, "0.0")
+
+
+def test_memory_budgets_change_nothing_but_the_schedule(tmp_path_factory, monkeypatch):
+    # Δ recomputed per block (no room for the Δ matrix) and gradients scored one receiver layer at a time:
+    # the same numbers as the default schedule (one Δ matrix, one matmul for every receiver layer).
+    from qkcircuits import _edges
+
+    model = qk.load(str(_tiny.gemma3_dir(tmp_path_factory)), device="cpu", verbose=False)
+    toks = qk.repeated_tokens(model, n_seqs=3, seg_len=9, seed=1)
+    senders = [qk.Head(0, 1), qk.Head(1, 3)]
+    for snd in (None, senders):
+        ref = qk.edge_attribution(model, tokens=toks, senders=snd)
+        monkeypatch.setattr(_edges, "DELTA_CACHE_BYTES", 0)
+        monkeypatch.setattr(_edges, "GRAD_BLOCK_BYTES", 1)
+        got = qk.edge_attribution(model, tokens=toks, senders=snd)
+        monkeypatch.undo()
+        for x in "qkv":
+            torch.testing.assert_close(got.effects[x], ref.effects[x], equal_nan=True, rtol=1e-5, atol=1e-7)
+            n = int((~ref.effects[x].isnan()).sum())
+            assert n == (8 * 4 + 4 * 4 if snd is None else 4 * 1 + 4 * 2), n   # senders below each receiver

@@ -210,8 +210,9 @@ def test_script_version(tmp_path):
     assert out.returncode == 2 and len(err) == 1 and "smollm2-135m" in err[0] and "Traceback" not in out.stderr
 
 
-# plotly figures in the notebook: 2 score grids, QK, OV, offsets, the random baseline; 1 attention widget.
-N_PLOTS, N_WIDGETS = 6, 1
+# plotly figures in the notebook: 2 score grids, QK, OV, offsets, the random baseline, the traced circuit;
+# 1 attention widget.
+N_PLOTS, N_WIDGETS = 7, 1
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +230,7 @@ def test_notebook_runs_on_toy(toy_export):
     text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
     assert "induction: 1.0 (1.000), " in text                 # the hand-built heads, known by construction
     assert "previous token: 0.0 (1.000), " in text
+    assert "1.0 reads its keys from 0.0 (previous-token; " in text      # the traced circuit, by construction
 
 
 @pytest.mark.browser

@@ -14,6 +14,7 @@ import _tiny
 import qkcircuits as qk
 from qkcircuits import QKCircuitsError
 from qkcircuits._detect import mask_score, target_masks
+from qkcircuits._stats import spearman
 from qkcircuits._patching import clean_pass, receiver_run, references, sender_deltas
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,11 +152,16 @@ def test_path_patch_equals_a_plain_reference_implementation(which, tmp_path_fact
     toks = qk.repeated_tokens(model, n_seqs=3, seg_len=9, seed=1)
     last = model.cfg.n_layers - 1
     recv = [qk.Head(last, 0), qk.Head(last, model.cfg.n_heads - 1)]
+    # Gemma-3: receivers in a sliding (1) and a global (2) layer at once (resuming by slicing the block list
+    # once ran layer 2 as a sliding layer when the lowest receiver layer passed the check)
+    recv += [qk.Head(1, 1)] if last > 1 else []
     senders = [qk.Head(0, 1), qk.Head(last - 1, 0)]
     ind = qk.path_patch(model, recv, into=("q", "k"), senders=senders, tokens=toks, progress=False)
     val = qk.path_patch(model, recv, into="v", senders=senders, tokens=toks, metric=_z_norm, progress=False)
     for i, r in enumerate(recv):
         for s in senders:
+            if s.layer >= r.layer:
+                continue
             for x in ("q", "k"):
                 ref = _reference_effect(model, toks, s, r, x, _induction)
                 assert abs(float(ind.effects[x][i, s.layer, s.head]) - ref) < 1e-5, (which, r, s, x, ref)
@@ -258,6 +264,21 @@ def test_trained_toy_previous_token_group_dominates_the_k_path(trained):
         assert k > 10 * qv, (r, k, qv)
 
 
+def test_trace_scan_computes_only_what_a_trace_reads_and_agrees_with_the_full_scan(trained):
+    from qkcircuits._detect import THRESHOLDS
+    from qkcircuits._trace import TRACE_SCORES, _scan_for_trace
+
+    assert {score for score, _ in THRESHOLDS.values()} == set(TRACE_SCORES)   # the labels read only these
+    lean = _scan_for_trace(trained, progress=False)
+    full = qk.scan(trained, copying=False, eigen_copying=False, progress=False)
+    assert set(lean.scores) == set(TRACE_SCORES)
+    for name in TRACE_SCORES:
+        torch.testing.assert_close(lean[name], full[name])
+    assert lean.labels() == full.labels() and lean.top(4, "induction") == full.top(4, "induction")
+    res = qk.trace_induction(trained, top=1, into="k", progress=False)
+    assert res.labels == {str(h): v for h, v in full.labels().items()}
+
+
 # --- results as data, sharding, errors ------------------------------------------------------------------
 
 def test_json_contract_round_trip_frame_and_shards(hand_built, tmp_path):
@@ -276,6 +297,30 @@ def test_json_contract_round_trip_frame_and_shards(hand_built, tmp_path):
     two = qk.path_patch(hand_built, "1.0", method="resample", tokens=toks, shards=2, progress=False)
     for x in "qkv":
         assert torch.allclose(two.effects[x].nan_to_num(), res.effects[x].nan_to_num(), atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["llama", "gemma3"])
+def test_bf16_model_traces_like_float32(which, tmp_path_factory):
+    # bf16 residuals: block 0's resid_mid − resid_pre differs from its attention output by rounding (~eps·|resid|),
+    # which the architecture check once rejected; effects must match float32 to bf16 precision.
+    folder = {"llama": _tiny.llama_dir, "gemma3": _tiny.gemma3_dir}[which](tmp_path_factory)
+    res = {}
+    for dt in (torch.float32, torch.bfloat16):
+        model = qk.load(str(folder), device="cpu", dtype=dt, verbose=False)
+        toks = qk.repeated_tokens(model, n_seqs=4, seg_len=9, seed=1)
+        recv = [qk.Head(model.cfg.n_layers - 1, h) for h in range(4)]
+        res[dt] = (qk.path_patch(model, recv, tokens=toks, progress=False),
+                   qk.edge_attribution(model, recv, tokens=toks, metric="loss"))
+        assert res[dt][0].settings["dtype"] == str(dt)
+    for i in range(2):
+        for x in "qkv":
+            a, b = res[torch.float32][i].effects[x], res[torch.bfloat16][i].effects[x]
+            keep = ~a.isnan()
+            assert torch.equal(keep, ~b.isnan())
+            scale = float(a[keep].abs().max())
+            # random tiny weights: effects are small differences of O(1) numbers, bf16 keeps ~3 digits of those
+            assert scale > 0 and float((a[keep] - b[keep]).abs().max()) < 0.2 * scale, (which, i, x)
+            assert spearman(a[keep], b[keep]) > 0.8, (which, i, x, spearman(a[keep], b[keep]))
 
 
 def test_bad_inputs_are_one_line_errors(hand_built):

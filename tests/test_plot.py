@@ -215,3 +215,79 @@ def test_import_stays_light_and_plot_is_lazy():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
                                                       os.environ.get("PYTHONPATH", "")]))
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+# --- traces (PathEffects) ---------------------------------------------------------------------------------------
+
+def drawn_edges(fig):
+    """(src, dst, input, effect) of every edge line of a circuit figure (its meta), and its (x, y) endpoints."""
+    out = []
+    for t in fig.data:
+        if t.mode == "lines":
+            m = t.meta
+            (l0, h0), (l1, h1) = map(int, m["src"].split(".")), map(int, m["dst"].split("."))
+            assert list(t.x) == [h0, h1] and list(t.y) == [l0, l1]          # drawn where the heads sit
+            out.append((m["src"], m["dst"], m["input"], m["effect"]))
+    return sorted(out)
+
+
+def expected_edges(res, per_input):
+    """Independent of the builder: per receiver and input, senders above 0 and above the raw 95th percentile of
+    that receiver's non-NaN effects, the ``per_input`` largest."""
+    out = []
+    for i, r in enumerate(res.receivers):
+        for x in res.into:
+            row = res.effects[x][i]
+            vals = row[~row.isnan()].double()
+            p95 = float(torch.quantile(vals, 0.95))
+            cand = sorted(((float(row[l, h]), f"{l}.{h}") for l, h in (~row.isnan()).nonzero().tolist()), reverse=True)
+            out += [(s, str(r), x, float(f"{e:.5g}")) for e, s in cand[:per_input] if e > p95 and e > 0]
+    return sorted(out)
+
+
+def test_trace_graph_is_the_path_effects(hand_built):
+    res = qk.trace_induction(hand_built, top=1, progress=False)
+    fig = plot.trace(res)
+    assert isinstance(fig, plot.Figure)
+    edges = drawn_edges(fig)
+    assert edges == expected_edges(res, 2)
+    assert ("0.0", "1.0", "k") in {e[:3] for e in edges}      # known by construction: previous-token -> induction key
+    nodes = {(n, lab) for t in fig.data if t.mode == "markers+text" for n, lab in zip(t.text, [t.name] * len(t.text))}
+    assert nodes == {("1.0", "induction"), ("0.0", "previous-token")}
+    # a synthetic trace on a wider model: many senders, the p95 cut, per_input, receivers with no edge still drawn
+    g = torch.Generator().manual_seed(0)
+    L, H = 6, 8
+    recv = [qk.Head(5, 1), qk.Head(3, 0), qk.Head(1, 7)]
+    eff = {}
+    for x in "qkv":
+        t = torch.randn(len(recv), L, H, generator=g).abs() * 0.05
+        for i, r in enumerate(recv):
+            t[i, r.layer:] = float("nan")
+        t[0, 2, 3] = 0.9 if x == "k" else t[0, 2, 3]
+        t[1, 0, 1] = 0.7 if x == "k" else t[1, 0, 1]
+        eff[x] = t
+    eff["k"][2, 0] = -0.1                                     # every effect of 1.7's keys negative: no k edge
+    syn = qk.PathEffects("syn", "mean", recv, list("qkv"), {x: "score" for x in "qkv"}, eff,
+                         {x: torch.ones(3) for x in "qkv"}, n_layers=L, n_heads=H, labels={"2.3": ["previous-token"]})
+    for per_input in (1, 2, 3):
+        fig = plot.trace(syn, per_input)
+        edges = drawn_edges(fig)
+        assert edges == expected_edges(syn, per_input) and len(edges) > 0
+        heads = {h for t in fig.data if t.mode == "markers+text" for h in t.text}
+        assert heads == {str(r) for r in recv} | {e[0] for e in edges}
+    assert ("2.3", "5.1", "k", 0.9) in drawn_edges(plot.trace(syn, 1))
+    assert not [e for e in drawn_edges(plot.trace(syn, 3)) if e[1] == "1.7" and e[2] == "k"]
+    # reads_from: the top k senders of one receiver per input, with the baseline
+    bars = plot.reads_from(syn, "5.1", k=2)
+    got = sorted((y, x) for t in bars.data if t.type == "bar" for x, y in zip(t.x, t.y))
+    want = []
+    for x in "qkv":                                             # raw tensor, sorted here (not PathEffects.top)
+        row = syn.effects[x][0]
+        cand = sorted(((float(row[l, h]), f"{l}.{h}") for l in range(5) for h in range(H)), reverse=True)[:2]
+        want += [(f"{x}: {h}", float(f"{v:.5g}")) for v, h in cand]
+    want.sort()
+    assert got == want and ("k: 2.3", 0.9) in got, got
+    with pytest.raises(qk.QKCircuitsError, match="4.0 is not a receiver of this trace; receivers: 5.1, 3.0, 1.7"):
+        plot.reads_from(syn, "4.0")
+    with pytest.raises(qk.QKCircuitsError, match="plot.trace draws a PathEffects"):
+        plot.trace(qk.scan(hand_built, n_seqs=2, seq_len=8, scores=["induction"], progress=False))

@@ -61,3 +61,66 @@ def test_trace_cli_unwritable_json_fails_before_work(tmp_path):
     p = subprocess.run([sys.executable, "-m", "qkcircuits", "trace", "toy-induction", "--json",
                         str(tmp_path / "missing" / "t.json")], capture_output=True, text=True)
     assert p.returncode == 2 and "does not exist" in p.stderr
+
+
+# --- `qkcircuits serve --trace t.json`: the app draws the trace's circuit and reads-from panels -------------------
+
+@pytest.fixture(scope="module")
+def trace_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve") / "t.json"
+    assert cli.main(["trace", "toy-induction", "--quiet", "--top", "1", "--json", str(out)]) == 0
+    return out
+
+
+def test_serve_trace_puts_the_circuit_in_the_app(trace_json, monkeypatch, capsys):
+    import werkzeug.serving
+
+    import qkcircuits as qk
+    from qkcircuits.viz._trace_view import circuit, reads_from
+
+    served = {}
+
+    class Server:                                  # stands in for werkzeug's: keeps the app, returns at once
+        port = 8050
+
+        def serve_forever(self):
+            served["ran"] = True
+
+        def server_close(self):
+            pass
+
+    def make_server(host, port, app, threaded):
+        served.update(host=host, app=app)
+        return Server()
+
+    monkeypatch.setattr(werkzeug.serving, "make_server", make_server)
+    assert cli.main(["serve", "toy-induction", "--trace", str(trace_json), "--no-scan"]) == 0
+    assert served["ran"] and served["host"] == "127.0.0.1"
+    client = served["app"].test_client()
+    trace = qk.PathEffects.from_json(trace_json.read_text())
+    grids = {g["key"]: g["figure"] for g in client.get("/api/info").get_json()["grids"]}
+    assert grids["circuit"]["data"] == circuit(trace)["data"]         # the figure of the file, not recomputed
+    edges = [t["meta"] for t in grids["circuit"]["data"] if t["mode"] == "lines"]
+    assert any(e["src"] == "0.0" and e["dst"] == "1.0" and e["input"] == "k" for e in edges)   # by construction
+    head = client.post("/api/head", json={"head": "1.0"}).get_json()
+    assert head["figures"]["reads"]["data"] == reads_from(trace, qk.Head(1, 0))["data"]
+    assert client.post("/api/head", json={"head": "0.1"}).get_json()["figures"].get("reads") is None
+
+
+@pytest.mark.parametrize("make, msg", [
+    (lambda d, tmp: str(tmp / "missing.json"), "no trace JSON file at"),
+    (lambda d, tmp: (tmp / "s.json").write_text(json.dumps({"schema": 1, "model": "x"})) and str(tmp / "s.json"),
+     "not a qkcircuits trace JSON"),
+    (lambda d, tmp: (tmp / "w.json").write_text(json.dumps(dict(d, n_layers=6, n_heads=8))) and str(tmp / "w.json"),
+     "is for 6 layers x 8 heads, but the model has 2 x 2; trace this model with `qkcircuits trace toy-induction"),
+])
+def test_serve_and_report_bad_trace_are_one_line_errors(trace_json, tmp_path, make, msg):
+    path = make(json.loads(trace_json.read_text()), tmp_path)
+    for cmd in (["serve", "toy-induction", "--no-scan", "--port", "1"],
+                ["report", "toy-induction", "-o", str(tmp_path / "r.html"), "--quiet"]):
+        p = subprocess.run([sys.executable, "-m", "qkcircuits", *cmd, "--trace", path], capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 2, (cmd, p.stderr)
+        err = [line for line in p.stderr.splitlines() if line.startswith("error")]
+        assert len(err) == 1 and msg in err[0], p.stderr
+        assert "Traceback" not in p.stderr and "serving" not in p.stderr and not (tmp_path / "r.html").exists()

@@ -62,24 +62,40 @@ def load_inputs(args):
     return scores, effects, diagnostics
 
 
+def read_trace(args):
+    """The ``PathEffects`` of ``--trace`` (None when not given); one-line error for a missing or foreign file."""
+    if not getattr(args, "trace", None):
+        return None
+    from .._path_effects import PathEffects
+
+    return PathEffects.from_json(_read(args.trace, "trace"))
+
+
+def check_trace(trace, model, args):
+    """``trace`` if it was traced on a model of ``model``'s shape (its receivers and senders are heads here)."""
+    if trace is None:
+        return None
+    L, H = int(model.cfg.n_layers), int(model.cfg.n_heads)
+    if (trace.n_layers, trace.n_heads) != (L, H):
+        raise QKCircuitsError(f"the trace {args.trace!r} is for {trace.n_layers} layers x {trace.n_heads} heads, "
+                              f"but the model has {L} x {H}; trace this model with `qkcircuits trace {args.model} "
+                              f"--json FILE`")
+    return trace
+
+
 def run(args: argparse.Namespace) -> int:
     from .._detect import scan
     from ..viz import report_html, write_report
 
     check_writable(args.output)              # before the scan and the report: minutes of work
     scores, effects, diagnostics = load_inputs(args)
+    trace = read_trace(args)                 # parsed before the model loads: a bad file fails in a second
     model = load_model(args)
     if scores is None:
         # eigen_copying comes from the report's own weight-only pass
         scores = scan(model, eigen_copying=False, progress=not args.quiet)
         scores.model = args.model
-    trace = None
-    if getattr(args, "trace", None):
-        from .._path_effects import PathEffects
-        trace = PathEffects.from_json(_read(args.trace, "trace"))
-        if (trace.n_layers, trace.n_heads) != (model.cfg.n_layers, model.cfg.n_heads):
-            raise QKCircuitsError(f"the trace is for {trace.n_layers} layers x {trace.n_heads} heads, but the model "
-                                  f"has {model.cfg.n_layers} x {model.cfg.n_heads}")
+    trace = check_trace(trace, model, args)
     html = report_html(model, scores=scores, effects=effects, diagnostics=diagnostics, heads=args.heads,
                        tokens=args.tokens, prompt=args.prompt, per_score=args.per_score, k=args.top_k,
                        title=args.model, input=args.input, progress=not args.quiet, trace=trace)

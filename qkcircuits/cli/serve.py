@@ -1,4 +1,4 @@
-"""``qkcircuits serve MODEL [--port P] [--host 127.0.0.1]``: the local web app (Flask, served by werkzeug)."""
+"""``qkcircuits serve MODEL [--port P] [--host 127.0.0.1] [--trace t.json]``: the local web app (Flask, served by werkzeug)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 from .._errors import QKCircuitsError
 from ._common import add_model_args, load_model, positive_int
-from .report import load_inputs
+from .report import check_trace, load_inputs, read_trace
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -23,6 +23,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-scan", action="store_true", help="do not scan at start-up (grids show eigenvalue copying only)")
     p.add_argument("--ablation", metavar="JSON", help="per-head effects from `qkcircuits ablate --sweep --json`")
     p.add_argument("--diagnostics", metavar="JSON", help="flags from `qkcircuits diagnose --json`")
+    p.add_argument("--trace", metavar="JSON", help="path effects from `qkcircuits trace --json` (circuit graph and "
+                                                   "a 'reads from' panel per traced head)")
     p.set_defaults(func=run)
 
 
@@ -35,10 +37,12 @@ def run(args: argparse.Namespace) -> int:
     if args.port > 65535:
         raise QKCircuitsError(f"port {args.port} is out of range 1-65535")
     scores, effects, diagnostics = load_inputs(args)
+    trace = read_trace(args)                 # parsed before the model loads: a bad file fails in a second
     model = load_model(args)
+    trace = check_trace(trace, model, args)  # before the scan and before listening
     if scores is None and not args.no_scan:
         scores = scan(model, eigen_copying=False)
-    app = create_app(model, scores=scores, effects=effects, diagnostics=diagnostics, title=args.model)
+    app = create_app(model, scores=scores, effects=effects, diagnostics=diagnostics, title=args.model, trace=trace)
     try:
         server = make_server(args.host, args.port, app, threaded=True)
     except OSError as e:

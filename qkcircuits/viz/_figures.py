@@ -225,7 +225,10 @@ def circuit_graph(nodes: Sequence[Dict], edges: Sequence[Dict], n_layers: int, n
     annotations = []
     for e in edges:
         (l0, h0), (l1, h1) = e["src"], e["dst"]
+        # meta: the edge as data (sender, receiver, input, effect), so a figure can be checked against its result
         traces.append(go.Scatter(x=[h0, h1], y=[l0, l1], mode="lines", showlegend=False, hoverinfo="skip",
+                                 meta={"src": f"{l0}.{h0}", "dst": f"{l1}.{h1}", "input": e["input"],
+                                       "effect": _r(e["effect"])},
                                  line=dict(color=INPUT_COLOURS[e["input"]], width=1 + 5 * min(1.0, abs(e["effect"])))))
         # label at 40% of the way from the receiver: edges into one receiver fan out there
         annotations.append(dict(x=h1 + 0.4 * (h0 - h1), y=l1 + 0.4 * (l0 - l1), text=f"{e['input']} {e['effect']:.2f}",
