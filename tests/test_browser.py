@@ -198,14 +198,15 @@ def test_app_choose_head_and_errors(browser, hand_built):
 
 @pytest.mark.smollm2
 def test_smollm2_report_and_app(browser, smollm2, tmp_path):
-    scores = qk.scan(smollm2, n_seqs=2, seq_len=20, prefix_seqs=2, prefix_len=10, eigen_copying=False, progress=False)
+    scores = qk.scan(smollm2, n_seqs=2, seq_len=20, prefix_seqs=2, prefix_len=10, eigen_copying=False, ov_tokens=16,
+                     progress=False)
     html = report_html(smollm2, scores=scores, heads="0.3", per_score=2, progress=False)
     path = tmp_path / "smollm2.html"
     write_report(str(path), html)
     p = Page(browser).open(path.as_uri())
     p.check_drawn(("fig-qk", "fig-ov", "fig-pos"))
     assert p.shown() == "0.3"
-    assert p.page.locator("#grids .js-plotly-plot").count() == 6     # 5 attention scores + eigenvalue copying
+    assert p.page.locator("#grids .js-plotly-plot").count() == 7     # 4 attention scores, 2 copying scores + eigenvalue copying
     if SHOTS:
         p.page.screenshot(path=str(Path(SHOTS) / "report-grids.png"), clip={"x": 0, "y": 0, "width": 1400, "height": 700})
     target = next(h for h in p.page.evaluate("window.QK_SOURCE.heads") if not h.startswith("0."))
