@@ -24,9 +24,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
 import qkcircuits as qk  # noqa: E402
-from qkcircuits._ablate import make_replacement  # noqa: E402
-from qkcircuits._stats import spearman  # noqa: E402
-from qkcircuits._sweep import naive_sweep  # noqa: E402
+from qkcircuits._analysis.ablate import make_replacement  # noqa: E402
+from qkcircuits._foundation.stats import spearman  # noqa: E402
+from qkcircuits._analysis.sweep import naive_sweep  # noqa: E402
 
 
 def tl_sweep(model, tokens, metric, method, reference):

@@ -73,7 +73,7 @@ print("RESULT " + json.dumps(out))
 
 def measure(loader: str, model: str, device: str, kwargs: dict) -> dict:
     if loader == "plain" and model == "smollm2-135m":
-        from qkcircuits._fetch import smollm2_gguf
+        from qkcircuits._foundation.fetch import smollm2_gguf
 
         kwargs["gguf"] = str(smollm2_gguf(quiet=True))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}

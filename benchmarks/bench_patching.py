@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
 import qkcircuits as qk  # noqa: E402
-from qkcircuits._stats import spearman  # noqa: E402
+from qkcircuits._foundation.stats import spearman  # noqa: E402
 
 
 def timed(fn, *a, **kw):

@@ -23,7 +23,7 @@ import time
 import torch
 
 import qkcircuits as qk
-from qkcircuits._stats import spearman
+from qkcircuits._foundation.stats import spearman
 
 PATTERNS = {"previous_token": "previous_token_head", "duplicate_token": "duplicate_token_head",
             "induction": "induction_head"}

@@ -9,37 +9,41 @@ The public API is re-exported here explicitly; the modules behind it are private
 """
 
 # Foundation: loading, heads, prompt sets, hooks.
-from ._capture import Activations, capture, edit, has_rotary, hook_name, stream
-from ._errors import QKCircuitsError
-from ._heads import Head, all_heads, kv_head, model_heads, n_kv_heads, parse_heads
-from ._model import load, pick_device
-from ._sequences import natural_text, repeated_tokens, segment_length, text_tokens, token_pool
+from ._foundation.capture import Activations, capture, edit, has_rotary, hook_name, stream
+from ._foundation.errors import QKCircuitsError
+from ._foundation.heads import Head, all_heads, kv_head, model_heads, n_kv_heads, parse_heads
+from ._foundation.model import load, pick_device
+from ._foundation.sequences import natural_text, repeated_tokens, segment_length, text_tokens, token_pool
 
-# Circuits: weights only.
-from ._circuits import (Circuit, LayerWeights, all_ov, all_qk, attn_input_hook, attn_scale, circuit, circuit_caveats,
-                        embed_factor, embed_rows, full_ov, full_qk, layer_weights, ov, ov_affine, qk, qk_affine,
-                        top_tokens, unembed_cols, unembed_embed, unembed_factor)
-from ._contextual import INPUTS, TokenInputs, copying_rank, head_logits, ov_copying, token_inputs, token_qk
-from ._composition import (CompositionScores, composition_baseline, composition_column, composition_scores,
-                           k_composition_partners)
-from ._copying import copying_accuracy, copying_scores, eigen_copying
-from ._rotary import (OffsetProfile, RotarySpec, offset_profile, offset_scores, positional_qk, qk_at_offset,
-                      rotary_spec, rotation)
+# Circuits: weights only (plus one cached corpus pass for the contextual token views).
+from ._weights.circuits import (Circuit, LayerWeights, all_ov, all_qk, attn_input_hook, attn_scale, circuit,
+                                circuit_caveats, embed_factor, embed_rows, full_ov, full_qk, layer_weights, ov,
+                                ov_affine, qk, qk_affine, top_tokens, unembed_cols, unembed_embed, unembed_factor)
+from ._weights.composition import (CompositionScores, composition_baseline, composition_column, composition_scores,
+                                   k_composition_partners)
+from ._weights.contextual import INPUTS, TokenInputs, copying_rank, head_logits, ov_copying, token_inputs, token_qk
+from ._weights.copying import copying_accuracy, copying_scores, eigen_copying
+from ._weights.rotary import (OffsetProfile, RotarySpec, offset_profile, offset_scores, positional_qk, qk_at_offset,
+                              rotary_spec, rotation)
 
 # Analyses: detectors, ablation, diagnostics.
-from ._ablate import METHODS as ABLATION_METHODS
-from ._ablate import GroupEffect, RandomComparison, ablate, compare_to_random, group_effect
-from ._attribution import attribution
-from ._detect import SCORE_NAMES, TEXT_SCORES, THRESHOLDS, confirm_induction, mask_score, scan, target_masks
-from ._diagnose import HeadDiagnostics, diagnose, qk_statistics
-from ._metrics import Metric, as_metric, induction_loss, logit_diff, text_loss
-from ._results import HeadScores
-from ._sweep import HeadEffects, sweep
-from ._path_effects import PathEffects
-from ._patching import path_patch
-from ._trace import trace_induction
-from ._edges import edge_attribution
-from ._zoo import Zoo, zoo
+from ._analysis.ablate import METHODS as ABLATION_METHODS
+from ._analysis.ablate import GroupEffect, RandomComparison, ablate, compare_to_random, group_effect
+from ._analysis.attribution import attribution
+from ._analysis.detect import SCORE_NAMES, TEXT_SCORES, THRESHOLDS, confirm_induction, mask_score, scan, target_masks
+from ._analysis.diagnose import HeadDiagnostics, diagnose, qk_statistics
+from ._analysis.metrics import Metric, as_metric, induction_loss, logit_diff, text_loss
+from ._analysis.results import HeadScores
+from ._analysis.sweep import HeadEffects, sweep
+
+# How heads work together: path patching, edge attribution, the induction trace.
+from ._paths.edges import edge_attribution
+from ._paths.patching import path_patch
+from ._paths.path_effects import PathEffects
+from ._paths.trace import trace_induction
+
+# Many models at once (Ray itself is imported only for backend="ray").
+from ._scale.zoo import Zoo, zoo
 
 __version__ = "0.1.0"
 

@@ -26,8 +26,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ._errors import QKCircuitsError
-from ._heads import Head, HeadsLike, model_heads
+from ._foundation.errors import QKCircuitsError
+from ._foundation.heads import Head, HeadsLike, model_heads
 from .viz import _figures as F
 from .viz import _views as V
 from .viz._notebook import AttentionView, Figure, as_figure, set_bundle, setup
@@ -72,7 +72,7 @@ def _need(result, kind: type, what: str, hint: str):
 def scores(result, name: str = "induction") -> Figure:
     """Layer × head heatmap of one score of a ``HeadScores`` (``qk.scan``); hover: the head, every score,
     its labels. Signed scores use a diverging scale centred at 0."""
-    from ._results import HeadScores
+    from ._analysis.results import HeadScores
 
     _need(result, HeadScores, "plot.scores", "from qk.scan(model)")
     return as_figure(V.score_figure(name, result[name], result))
@@ -82,8 +82,8 @@ def effects(result, scores=None) -> Figure:
     """``HeadEffects`` (``qk.sweep``): layer × head heatmap of metric(ablated) − metric(clean), centred at 0
     (hover adds ``scores``' values and labels when given). ``RandomComparison`` (``qk.compare_to_random``):
     the group's effect against every random draw."""
-    from ._ablate import RandomComparison
-    from ._sweep import HeadEffects
+    from ._analysis.ablate import RandomComparison
+    from ._analysis.sweep import HeadEffects
 
     if isinstance(result, RandomComparison):
         return as_figure(F.random_baseline(result.effect, result.random_effects.tolist(),
@@ -95,7 +95,7 @@ def effects(result, scores=None) -> Figure:
 def diagnostics(result, measure: Optional[str] = None) -> Figure:
     """``HeadDiagnostics`` (``qk.diagnose``): the number of flags per head (hover: the flags and the measures
     behind them), or one ``measure`` (e.g. ``"sink"``, ``"qk_var_ratio"``)."""
-    from ._diagnose_result import HeadDiagnostics
+    from ._analysis.diagnose_result import HeadDiagnostics
 
     _need(result, HeadDiagnostics, "plot.diagnostics", "from qk.diagnose(model)")
     return as_figure(V.diagnostics_figure(result, measure))
@@ -107,8 +107,8 @@ def trace(result, per_input: int = 2) -> Figure:
     its ``per_input`` largest senders whose effect is above zero and above that receiver's 95th percentile over
     all its senders (``result.baseline``). Each edge line carries its data in ``meta`` (src, dst, input, effect).
     The same builder draws the report's and the app's circuit panel."""
-    from ._io import check_int
-    from ._path_effects import PathEffects
+    from ._foundation.io import check_int
+    from ._paths.path_effects import PathEffects
     from .viz._trace_view import circuit
 
     _need(result, PathEffects, "plot.trace", "from qk.trace_induction, qk.path_patch or qk.edge_attribution")
@@ -119,8 +119,8 @@ def trace(result, per_input: int = 2) -> Figure:
 def reads_from(result, head, k: int = 3) -> Figure:
     """One receiver of a ``PathEffects``: its ``k`` largest senders per input as bars, with the baseline (mean
     and 95th percentile over all senders) per input; the report's "reads from" panel."""
-    from ._io import check_int
-    from ._path_effects import PathEffects
+    from ._foundation.io import check_int
+    from ._paths.path_effects import PathEffects
     from .viz._trace_view import reads_from as _reads
 
     _need(result, PathEffects, "plot.reads_from", "from qk.trace_induction, qk.path_patch or qk.edge_attribution")

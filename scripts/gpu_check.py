@@ -19,7 +19,7 @@ import time
 import torch
 
 import qkcircuits as qk
-from qkcircuits._sweep import naive_sweep
+from qkcircuits._analysis.sweep import naive_sweep
 
 
 def timed(label, fn, results):

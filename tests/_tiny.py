@@ -289,7 +289,7 @@ def smollm2_hf():
     if not _SMOLLM2_HF:
         from transformers import AutoModelForCausalLM
 
-        from qkcircuits._fetch import smollm2_gguf
+        from qkcircuits._foundation.fetch import smollm2_gguf
 
         path = smollm2_gguf(quiet=True)
         _SMOLLM2_HF.append(AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,

@@ -11,9 +11,9 @@ import torch
 import _tiny
 import qkcircuits as qk
 from qkcircuits import QKCircuitsError
-from qkcircuits._ablate import Runner
-from qkcircuits._stats import spearman
-from qkcircuits._sweep import naive_sweep
+from qkcircuits._analysis.ablate import Runner
+from qkcircuits._foundation.stats import spearman
+from qkcircuits._analysis.sweep import naive_sweep
 
 V = 32  # hand-built vocabulary
 
@@ -266,7 +266,7 @@ def test_runner_caches_only_the_layers_it_may_start_from(tiny_gpt2, monkeypatch)
             super().__init__(*a, **kw)
             made.append(self)
 
-    monkeypatch.setattr("qkcircuits._sweep.Runner", Spy)
+    monkeypatch.setattr("qkcircuits._analysis.sweep.Runner", Spy)
     res = qk.sweep(tiny_gpt2, tokens, "induction-loss", layers=[1], progress=False)
     assert set(made[0].resid) == {1}
     torch.testing.assert_close(res.effects[1], naive_sweep(tiny_gpt2, tokens, layers=[1])[1], atol=1e-5, rtol=0)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import qkcircuits as qk
-from qkcircuits._ablate import Runner
-from qkcircuits._stats import spearman
-from qkcircuits._sweep import naive_sweep
+from qkcircuits._analysis.ablate import Runner
+from qkcircuits._foundation.stats import spearman
+from qkcircuits._analysis.sweep import naive_sweep
 
 pytestmark = pytest.mark.smollm2
 

@@ -17,7 +17,7 @@ import torch
 import _tiny
 import qkcircuits as qk
 from qkcircuits import Head, QKCircuitsError, capture, edit, stream
-from qkcircuits._capture import expand_kv
+from qkcircuits._foundation.capture import expand_kv
 
 TEXT = "The river town woke slowly in the winter. Before the sun cleared the hills, the baker had lit his ovens."
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import qkcircuits as qk
-from qkcircuits import _contextual as C
+from qkcircuits._weights import contextual as C
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama", "mqa", "gemma3"])
@@ -100,9 +100,9 @@ def test_bad_inputs_are_one_line_errors(hand_built):
 
 
 def test_restricted_scan_is_one_pattern_pass_and_nothing_else(hand_built, monkeypatch):
-    import qkcircuits._contextual
-    import qkcircuits._copying
-    import qkcircuits._detect as detect
+    import qkcircuits._weights.contextual
+    import qkcircuits._weights.copying
+    import qkcircuits._analysis.detect as detect
 
     calls = []
     real = detect.stream
@@ -115,8 +115,8 @@ def test_restricted_scan_is_one_pattern_pass_and_nothing_else(hand_built, monkey
         raise AssertionError("a restricted scan computed a copying score")
 
     monkeypatch.setattr(detect, "stream", counting)
-    monkeypatch.setattr(qkcircuits._copying, "copying_scores", forbidden)
-    monkeypatch.setattr(qkcircuits._contextual, "ov_copying", forbidden)
+    monkeypatch.setattr(qkcircuits._weights.copying, "copying_scores", forbidden)
+    monkeypatch.setattr(qkcircuits._weights.contextual, "ov_copying", forbidden)
     s = qk.scan(hand_built, scores="induction,previous_token,duplicate_token", n_seqs=4, seq_len=20, progress=False)
     assert calls == [((4, 41), ("pattern",))]
     assert list(s.scores) == ["induction", "previous_token", "duplicate_token"]

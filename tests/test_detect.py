@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import qkcircuits as qk
-from qkcircuits._detect import mask_score, target_masks
-from qkcircuits._stats import spearman
+from qkcircuits._analysis.detect import mask_score, target_masks
+from qkcircuits._foundation.stats import spearman
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -295,7 +295,7 @@ def test_cli_unexpected_failures_are_one_line_exit_1(capsys, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("something deep broke\nsecond line")
 
-    monkeypatch.setattr("qkcircuits._detect.scan", boom)
+    monkeypatch.setattr("qkcircuits._analysis.detect.scan", boom)
     assert cli.main(["scan", "toy-induction", "--quiet"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("error: unexpected RuntimeError: something deep broke (set QKCIRCUITS_DEBUG=1 for the "

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import qkcircuits as qk
-from qkcircuits._circuits import attention_scale
-from qkcircuits._diagnose import head_sums, qk_statistics
-from qkcircuits._diagnose_result import FLAGS, HeadDiagnostics
+from qkcircuits._weights.circuits import attention_scale
+from qkcircuits._analysis.diagnose import head_sums, qk_statistics
+from qkcircuits._analysis.diagnose_result import FLAGS, HeadDiagnostics
 
 
 def _tiny_native(*, rotary: bool = True, softcap: float = -1.0, gain: float = 1.0, n_kv: int = 2):

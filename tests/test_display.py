@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import qkcircuits as qk
-from qkcircuits import _display
+from qkcircuits._foundation import display as _display
 
-BOUND = 130_000      # bytes of one result's HTML, any model (qkcircuits/_display.py)
+BOUND = 130_000      # bytes of one result's HTML, any model (qkcircuits/_foundation/display.py)
 
 
 @pytest.fixture(scope="module")

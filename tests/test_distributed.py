@@ -21,8 +21,8 @@ from qkcircuits import QKCircuitsError
 
 ray = pytest.importorskip("ray")
 
-from qkcircuits import _distributed as dist  # noqa: E402
-from qkcircuits import _ray_sweep as rsw  # noqa: E402
+from qkcircuits._scale import distributed as dist  # noqa: E402
+from qkcircuits._scale import ray_sweep as rsw  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_import_qkcircuits_does_not_import_ray():
 
 # --- path patching on Ray (issue 10's exact path patching, sharded over prompt rows and receiver layers) ----
 
-from qkcircuits import _ray_patching as rpp  # noqa: E402
+from qkcircuits._scale import ray_patching as rpp  # noqa: E402
 
 
 def _assert_same_effects(res, local):

@@ -8,7 +8,7 @@ import torch
 import _tiny
 import qkcircuits as qk
 from qkcircuits import QKCircuitsError
-from qkcircuits._patching import _Scorer, clean_pass, receiver_run, references, resolve_metric, sender_deltas
+from qkcircuits._paths.patching import _Scorer, clean_pass, receiver_run, references, resolve_metric, sender_deltas
 
 
 def _finite_difference(model, toks, receiver, sender, into, eps):
@@ -119,7 +119,7 @@ def test_edge_attribution_bad_inputs(hand_built):
 def test_memory_budgets_change_nothing_but_the_schedule(tmp_path_factory, monkeypatch):
     # Δ recomputed per block (no room for the Δ matrix) and gradients scored one receiver layer at a time:
     # the same numbers as the default schedule (one Δ matrix, one matmul for every receiver layer).
-    from qkcircuits import _edges
+    from qkcircuits._paths import edges as _edges
 
     model = qk.load(str(_tiny.gemma3_dir(tmp_path_factory)), device="cpu", verbose=False)
     toks = qk.repeated_tokens(model, n_seqs=3, seg_len=9, seed=1)

@@ -8,7 +8,7 @@ import torch
 import _tiny
 import qkcircuits as qk
 from qkcircuits import Head, QKCircuitsError, kv_head, model_heads, n_kv_heads, parse_heads
-from qkcircuits._capture import expand_kv
+from qkcircuits._foundation.capture import expand_kv
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +99,6 @@ def test_kv_head_matches_transformers_repeat_kv():
 
 
 def test_kv_index_on_a_gqa_model(llama):
-    from qkcircuits._capture import kv_index
+    from qkcircuits._foundation.capture import kv_index
 
     assert [kv_index(llama, h) for h in range(4)] == [0, 0, 1, 1]

@@ -12,7 +12,7 @@ import torch
 
 import _tiny
 import qkcircuits as qk
-from qkcircuits import _lean
+from qkcircuits._foundation import lean as _lean
 
 TEXT = "The river town woke slowly in the winter. Before the sun cleared the hills, the baker had lit his ovens."
 

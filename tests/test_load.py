@@ -199,7 +199,7 @@ def test_hub_name_offline_fails_fast(name, monkeypatch):
 
 
 def test_hub_unreachable_fails_fast(monkeypatch):
-    from qkcircuits import _model
+    from qkcircuits._foundation import model as _model
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(_model, "_hub_reachable", lambda *a, **k: False)
@@ -246,7 +246,7 @@ def test_corrupt_gguf(tmp_path):
 
 @pytest.mark.smollm2
 def test_truncated_smollm2_gguf(tmp_path):
-    from qkcircuits._fetch import smollm2_gguf
+    from qkcircuits._foundation.fetch import smollm2_gguf
 
     src = smollm2_gguf(quiet=True)
     with open(src, "rb") as f:                                      # first 5 MB: header + a few tensors

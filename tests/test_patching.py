@@ -13,9 +13,9 @@ import torch
 import _tiny
 import qkcircuits as qk
 from qkcircuits import QKCircuitsError
-from qkcircuits._detect import mask_score, target_masks
-from qkcircuits._stats import spearman
-from qkcircuits._patching import clean_pass, receiver_run, references, sender_deltas
+from qkcircuits._analysis.detect import mask_score, target_masks
+from qkcircuits._foundation.stats import spearman
+from qkcircuits._paths.patching import clean_pass, receiver_run, references, sender_deltas
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -265,8 +265,8 @@ def test_trained_toy_previous_token_group_dominates_the_k_path(trained):
 
 
 def test_trace_scan_computes_only_what_a_trace_reads_and_agrees_with_the_full_scan(trained):
-    from qkcircuits._detect import THRESHOLDS
-    from qkcircuits._trace import TRACE_SCORES, _scan_for_trace
+    from qkcircuits._analysis.detect import THRESHOLDS
+    from qkcircuits._paths.trace import TRACE_SCORES, _scan_for_trace
 
     assert {score for score, _ in THRESHOLDS.values()} == set(TRACE_SCORES)   # the labels read only these
     lean = _scan_for_trace(trained, progress=False)
@@ -337,7 +337,7 @@ def test_bad_inputs_are_one_line_errors(hand_built):
 def test_shards_over_prompts_receivers_and_senders_combine_exactly(tmp_path_factory):
     """The split issue 13's backend will use: references once over all prompts, shards of (prompt rows ×
     receivers × senders) computed independently, then ``combine`` equals one ``path_patch``."""
-    from qkcircuits._patching import combine, patch_shard, resolve_metric, shard_replacement
+    from qkcircuits._paths.patching import combine, patch_shard, resolve_metric, shard_replacement
 
     model = qk.load(str(_tiny.llama_dir(tmp_path_factory)), device="cpu", verbose=False)
     toks = qk.repeated_tokens(model, n_seqs=4, seg_len=8, seed=2)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import qkcircuits as qk
-from qkcircuits._stats import spearman
-from qkcircuits._trace import _scan_for_trace
+from qkcircuits._foundation.stats import spearman
+from qkcircuits._paths.trace import _scan_for_trace
 
 pytestmark = pytest.mark.smollm2
 

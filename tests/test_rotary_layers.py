@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qkcircuits as qk
-from qkcircuits._rotary import rotation
+from qkcircuits._weights.rotary import rotation
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 import _tiny
 import qkcircuits as qk
 from qkcircuits import QKCircuitsError, repeated_tokens, text_tokens, token_pool
-from qkcircuits._sequences import bos_id, check_seed
+from qkcircuits._foundation.sequences import bos_id, check_seed
 from qkcircuits.fixtures import hand_built_induction_model
 
 
@@ -151,7 +151,7 @@ def test_default_segment_length_fits_the_context_and_the_token_pool(hand_built):
     assert qk.segment_length(hand_built) == 31
     assert qk.segment_length(hand_built, n_repeats=4, preferred=25) == 25
     assert qk.segment_length(hand_built, n_repeats=4, preferred=40) == 31       # (128-1)//4 = 31 too
-    from qkcircuits._metrics import default_tokens, induction_loss
+    from qkcircuits._analysis.metrics import default_tokens, induction_loss
 
     toks = default_tokens(hand_built, "induction-loss")
     assert toks.shape[1] == 1 + 2 * 31

@@ -5,8 +5,8 @@ import torch
 from beartype import beartype
 from jaxtyping import TypeCheckError, jaxtyped
 
-from qkcircuits._capture import expand_kv
-from qkcircuits._detect import mask_score, target_masks
+from qkcircuits._foundation.capture import expand_kv
+from qkcircuits._analysis.detect import mask_score, target_masks
 
 
 def checked(fn):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import qkcircuits as qk
-from qkcircuits._trace import trace
+from qkcircuits._paths.trace import trace
 from qkcircuits.viz import report_html, write_report
 from test_browser import SHOTS, Page, browser  # noqa: F401  (the browser fixture)
 

@@ -13,7 +13,7 @@ import pytest
 import _tiny
 
 import qkcircuits as qk
-from qkcircuits._zoo import ZOO_KEYS
+from qkcircuits._scale.zoo import ZOO_KEYS
 from qkcircuits.cli import main
 
 

@@ -14,8 +14,8 @@ import os
 import sys
 from typing import List, NoReturn, Optional
 
-from .._errors import QKCircuitsError
-from .._io import check_writable
+from .._foundation.errors import QKCircuitsError
+from .._foundation.io import check_writable
 
 # Subcommand modules, in the order `--help` lists them.
 COMMANDS = ["scan", "circuits", "ablate", "diagnose", "report", "serve", "trace", "zoo"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .._io import check_writable, write_atomic  # noqa: F401  (re-exported for the subcommands)
+from .._foundation.io import check_writable, write_atomic  # noqa: F401  (re-exported for the subcommands)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_model(args):
-    from .._model import load
+    from .._foundation.model import load
 
     return load(args.model, device=args.device, dtype=args.dtype, fold_ln=not args.no_fold_ln)
 

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from .._errors import QKCircuitsError
+from .._foundation.errors import QKCircuitsError
 from ._common import add_model_args, load_model, non_negative_int, positive_int, write_atomic
 
 METRICS = ("induction-loss", "text-loss")
@@ -39,10 +39,10 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._ablate import group_effect
-    from .._heads import model_heads
-    from .._metrics import as_metric, default_tokens
-    from .._sweep import sweep
+    from .._analysis.ablate import group_effect
+    from .._foundation.heads import model_heads
+    from .._analysis.metrics import as_metric, default_tokens
+    from .._analysis.sweep import sweep
 
     if args.ray is not None:
         if not args.sweep:
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_ray(args: argparse.Namespace) -> int:
     """The sweep on Ray: workers load the model and draw the prompts; this process loads no weights."""
-    from .._ray_sweep import ray_sweep
+    from .._scale.ray_sweep import ray_sweep
 
     load_kwargs = {"device": args.device, "dtype": args.dtype, "fold_ln": not args.no_fold_ln}
     res = ray_sweep(args.model, {"n_seqs": args.n_seqs, "seq_len": args.seq_len, "seed": args.seed}, args.metric,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .._errors import QKCircuitsError
+from .._foundation.errors import QKCircuitsError
 from ._common import add_model_args, load_model, positive_int, write_atomic
 
 
@@ -43,14 +43,14 @@ def add_parser(sub) -> None:
 
 def summarize(model, head, text=None, top: int = 5, max_offset: int = 64, input=None) -> dict:
     """The summary ``run`` prints, as plain data (also what ``--json`` writes)."""
-    from .._capture import has_rotary
-    from .._circuits import attn_input_hook, attn_scale, circuit_caveats, is_folded
-    from .._composition import composition_baseline, k_composition_partners
-    from .._contextual import check_input, copying_tokens, head_logits, mid_rank
-    from .._copying import copying_scores
-    from .._heads import model_heads
-    from .._model import model_name
-    from .._rotary import offset_profile, positional_qk, rotary_spec
+    from .._foundation.capture import has_rotary
+    from .._weights.circuits import attn_input_hook, attn_scale, circuit_caveats, is_folded
+    from .._weights.composition import composition_baseline, k_composition_partners
+    from .._weights.contextual import check_input, copying_tokens, head_logits, mid_rank
+    from .._weights.copying import copying_scores
+    from .._foundation.heads import model_heads
+    from .._foundation.model import model_name
+    from .._weights.rotary import offset_profile, positional_qk, rotary_spec
 
     h = model_heads(model, head)[0]
     input = check_input(input, h.layer)
@@ -65,7 +65,7 @@ def summarize(model, head, text=None, top: int = 5, max_offset: int = 64, input=
                             "partners": [[str(p), round(v, 6)] for p, v in partners]}
     tokens = None
     if getattr(model, "tokenizer", None) is not None:
-        from .._sequences import text_tokens
+        from .._foundation.sequences import text_tokens
         tokens = text_tokens(model, text, seq_len=min(max_offset + 1, int(model.cfg.n_ctx) - 1), n_seqs=1) \
             if text is None else model.to_tokens(text)[:, :model.cfg.n_ctx]
     offs = range(0, max_offset + 1)
@@ -155,8 +155,8 @@ def run(args) -> int:
     if args.json and not Path(args.json).expanduser().resolve().parent.is_dir():
         raise QKCircuitsError(f"cannot write {args.json!r}: its folder does not exist")
     model = load_model(args)
-    from .._heads import model_heads
-    from .._model import model_name
+    from .._foundation.heads import model_heads
+    from .._foundation.model import model_name
 
     head = model_heads(model, args.head)
     if len(head) != 1:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .._errors import QKCircuitsError
+from .._foundation.errors import QKCircuitsError
 from ._common import add_model_args, load_model, non_negative_int, positive_int, write_atomic
 
 _COLUMNS = [  # (measure, header, format)
@@ -85,13 +85,13 @@ def format_table(diag, all_heads: bool = False) -> str:
 
 
 def _every(diag):
-    from .._heads import all_heads
+    from .._foundation.heads import all_heads
 
     return all_heads(diag.n_layers, diag.n_heads)
 
 
 def run(args) -> int:
-    from .._diagnose import diagnose
+    from .._analysis.diagnose import diagnose
 
     if args.json and not Path(args.json).expanduser().resolve().parent.is_dir():
         raise QKCircuitsError(f"cannot write {args.json!r}: its folder does not exist")

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .._errors import QKCircuitsError
+from .._foundation.errors import QKCircuitsError
 from ._common import add_model_args, check_writable, load_model, non_negative_int, positive_int
 
 
@@ -45,9 +45,9 @@ def _read(path: str, what: str) -> str:
 
 def load_inputs(args):
     """(scores, effects, diagnostics) from the JSON files named in ``args`` (None where not given)."""
-    from .._diagnose_result import HeadDiagnostics
-    from .._results import HeadScores
-    from .._sweep import HeadEffects
+    from .._analysis.diagnose_result import HeadDiagnostics
+    from .._analysis.results import HeadScores
+    from .._analysis.sweep import HeadEffects
 
     scores = HeadScores.from_json(_read(args.scores, "scores")) if getattr(args, "scores", None) else None
     effects = diagnostics = None
@@ -66,7 +66,7 @@ def read_trace(args):
     """The ``PathEffects`` of ``--trace`` (None when not given); one-line error for a missing or foreign file."""
     if not getattr(args, "trace", None):
         return None
-    from .._path_effects import PathEffects
+    from .._paths.path_effects import PathEffects
 
     return PathEffects.from_json(_read(args.trace, "trace"))
 
@@ -84,7 +84,7 @@ def check_trace(trace, model, args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._detect import scan
+    from .._analysis.detect import scan
     from ..viz import report_html, write_report
 
     check_writable(args.output)              # before the scan and the report: minutes of work

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .._errors import QKCircuitsError
+from .._foundation.errors import QKCircuitsError
 
 from ._common import add_model_args, load_model, non_negative_int, positive_int, write_atomic
 
@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._detect import _wanted, scan
+    from .._analysis.detect import _wanted, scan
 
     if args.json and args.csv and Path(args.json).expanduser().resolve() == Path(args.csv).expanduser().resolve():
         raise QKCircuitsError(f"--json and --csv name the same file {args.json!r}; the CSV would replace the JSON: "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .._errors import QKCircuitsError
+from .._foundation.errors import QKCircuitsError
 from ._common import add_model_args, load_model, positive_int
 from .report import check_trace, load_inputs, read_trace
 
@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from werkzeug.serving import make_server
 
-    from .._detect import scan
+    from .._analysis.detect import scan
     from ..viz import create_app
 
     if args.port > 65535:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .._errors import QKCircuitsError
+from .._foundation.errors import QKCircuitsError
 from ._common import add_model_args, load_model, positive_int
 
 INPUT_WORDS = {"q": "queries", "k": "keys", "v": "values"}
@@ -44,8 +44,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._heads import model_heads, parse_heads
-    from .._trace import trace
+    from .._foundation.heads import model_heads, parse_heads
+    from .._paths.trace import trace
 
     if args.ray is not None:
         if args.attribution:

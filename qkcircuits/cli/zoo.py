@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._zoo import zoo
+    from .._scale.zoo import zoo
 
     z = zoo(args.models, backend="ray" if args.ray is not None else "local", ray_address=args.ray or None,
             confirm_top=args.confirm, n_seqs=args.n_seqs, seed=args.seed, progress=not args.quiet,

@@ -26,9 +26,9 @@ from typing import Optional
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from .._contextual import INPUTS
-from .._errors import QKCircuitsError
-from .._heads import all_heads, model_heads
+from .._foundation.errors import QKCircuitsError
+from .._foundation.heads import all_heads, model_heads
+from .._weights.contextual import INPUTS
 from ._page import embed_json, page, script_text
 from ._panels import DEFAULT_PROMPT, MAX_PROMPT, ViewContext, prompt_ids, token_set, token_strings
 from ._views import grids, panel
@@ -49,7 +49,7 @@ def _tokens_field(model, ids) -> str:
 def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Optional[str] = None,
                max_prompt: int = MAX_PROMPT, trace=None) -> Flask:
     """The Flask app for ``model``; ``scores``/``effects``/``diagnostics`` add grids and numbers (optional)."""
-    from .._model import model_name
+    from .._foundation.model import model_name
 
     app = Flask(__name__, static_folder=None)          # no static folder: nothing on disk is reachable by URL
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY

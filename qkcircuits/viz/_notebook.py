@@ -38,8 +38,8 @@ from typing import Dict, Optional, Sequence
 
 import plotly.graph_objects as go
 
-from .._errors import QKCircuitsError
-from .._io import write_atomic
+from .._foundation.errors import QKCircuitsError
+from .._foundation.io import write_atomic
 from ._page import script_text
 
 MODES = ("auto", "page", "figure")

@@ -9,9 +9,9 @@
 Every number is computed from a few rows of the circuits, never a vocab × vocab matrix:
 QK over a token set is X[ids] W_Q (X[ids] W_K)ᵀ · scale; the OV view is X[ids] W_V W_O U / s ([n, vocab])
 with the copying rank of each source token; X is what the head's layer reads for each token,
-``input="direct"|"effective"|"contextual"`` (``qkcircuits._contextual``; default contextual past layer 0,
+``input="direct"|"effective"|"contextual"`` (``qkcircuits._weights.contextual``; default contextual past layer 0,
 direct at layer 0). Like ``full_qk``/``full_ov`` both leave the biases out; the positional profile is
-the learned-position QK (W_pos) or the rotary offset profile of ``qkcircuits._rotary``; K-composition
+the learned-position QK (W_pos) or the rotary offset profile of ``qkcircuits._weights.rotary``; K-composition
 partners come from ``composition_scores``.
 """
 
@@ -24,11 +24,11 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .._capture import capture, has_rotary
-from .._circuits import attn_scale, embed_rows, layer_weights, unembed_cols
-from .._contextual import TokenInputs, check_input, head_logits, mid_rank, token_inputs
-from .._errors import QKCircuitsError
-from .._heads import Head, model_heads
+from .._foundation.capture import capture, has_rotary
+from .._foundation.errors import QKCircuitsError
+from .._foundation.heads import Head, model_heads
+from .._weights.circuits import attn_scale, embed_rows, layer_weights, unembed_cols
+from .._weights.contextual import TokenInputs, check_input, head_logits, mid_rank, token_inputs
 
 # Common English tokens that make a QK heatmap readable (those that are one token in the model's vocabulary).
 COMMON_WORDS = (" the", " of", " and", " to", " a", " in", " is", " that", " it", " for", " was", " on", " with",
@@ -100,7 +100,7 @@ def prompt_ids(model, prompt: Optional[str]) -> List[int]:
     Default: ``DEFAULT_PROMPT`` (a sentence said twice), or for models without a tokenizer BOS + a
     fixed 12-token sequence twice, so induction and previous-token heads show their pattern.
     """
-    from .._sequences import bos_id
+    from .._foundation.sequences import bos_id
 
     tok, bos = _tok(model), bos_id(model)
     if prompt is None:
@@ -151,7 +151,7 @@ class ViewContext:
     def embed(self, layer: int, ids: Sequence[int]) -> Tensor:
         with torch.no_grad():
             E = self.model.W_E.detach()[torch.as_tensor(list(ids), device=self.model.W_E.device)]
-            from .._circuits import normalize_rows
+            from .._weights.circuits import normalize_rows
             return normalize_rows(self.model, E, "ln1", layer)
 
     def inputs(self, layer: int, ids: Sequence[int], input: Optional[str] = None) -> TokenInputs:
@@ -170,14 +170,14 @@ class ViewContext:
     def eigen_copying(self) -> Tensor:
         """Elhage's eigenvalue copying score of W_E OV W_U for every head ([layer, head])."""
         if self._eigen is None:
-            from .._copying import copying_scores
+            from .._weights.copying import copying_scores
             full = self.model.W_E.shape[0] == self.model.W_U.shape[-1]
             self._eigen = copying_scores(self.model, full=full)
         return self._eigen
 
     def k_composition(self):
         if self._kcomp is None:
-            from .._composition import composition_scores
+            from .._weights.composition import composition_scores
             self._kcomp = composition_scores(self.model, "K")
         return self._kcomp
 
@@ -233,7 +233,7 @@ def positional_profile(ctx: ViewContext, head: Head, max_offset: int = MAX_OFFSE
     n = min(int(model.cfg.n_ctx), 2 * max_offset + 1)
     offs = list(range(min(max_offset, n - 1) + 1))
     if has_rotary(model):
-        from .._rotary import offset_profile, rotary_spec
+        from .._weights.rotary import offset_profile, rotary_spec
         spec = rotary_spec(model, layer=head.layer)
         window = ""
         if spec.window:               # keys further back are masked on this layer: no score to profile

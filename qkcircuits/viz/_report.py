@@ -19,10 +19,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .._contextual import INPUTS
-from .._errors import QKCircuitsError
-from .._heads import Head, model_heads
-from .._io import write_atomic
+from .._foundation.errors import QKCircuitsError
+from .._foundation.heads import Head, model_heads
+from .._foundation.io import write_atomic
+from .._weights.contextual import INPUTS
 from ._page import embed_json, page, script_text
 from ._panels import ViewContext, attention, prompt_ids, token_set
 from ._views import grids, panel
@@ -55,7 +55,7 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
     precompute; ``tokens``: the token set of the QK/OV views; ``prompt``: text for the attention patterns;
     ``input``: the token rows of the QK/OV views (direct, effective, contextual; default contextual past
     layer 0, direct at layer 0)."""
-    from .._model import model_name
+    from .._foundation.model import model_name
 
     if per_score < 0 or k < 1:
         raise QKCircuitsError(f"per_score must be >= 0 and k >= 1, got {per_score} and {k}")

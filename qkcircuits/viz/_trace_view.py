@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .._heads import Head
-from .._path_effects import PathEffects
+from .._foundation.heads import Head
+from .._paths.path_effects import PathEffects
 from . import _figures as F
 
 

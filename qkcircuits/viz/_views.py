@@ -11,8 +11,8 @@ from typing import Dict, List, Optional, Sequence
 
 from torch import Tensor
 
-from .._heads import Head
-from .._io import json_number
+from .._foundation.heads import Head
+from .._foundation.io import json_number
 from . import _figures as F
 from ._panels import ViewContext, attention, k_partners, ov_view, positional_profile, qk_grid, token_strings
 

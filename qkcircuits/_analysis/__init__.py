@@ -1,0 +1,1 @@
+"""Analyses: detectors and scan, metrics, ablation, sweep, attribution, diagnostics. Private: the public API is re-exported by ``qkcircuits``."""

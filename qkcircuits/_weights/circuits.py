@@ -1,0 +1,459 @@
+"""Every head as its QK and OV circuit, as ``FactoredMatrix`` (never materialising d_model² or vocab²).
+
+>>> import qkcircuits as qk
+>>> model = qk.load("smollm2-135m")                        # doctest: +SKIP
+>>> qk.qk(model, "3.1")                                    # doctest: +SKIP   W_Q W_Kᵀ   [576, 576], rank 64
+>>> qk.ov(model, "3.1")                                    # doctest: +SKIP   W_V W_O    [576, 576]
+>>> qk.full_ov(model, "3.1")                               # doctest: +SKIP   [49152, 49152] as A:[49152,64] B:[64,49152]
+>>> qk.top_tokens(qk.full_ov(model, "3.1"), 504, k=5)      # doctest: +SKIP   (values, token ids) of one row
+
+Conventions (TransformerLens, row vectors): a residual row x produces q = x W_Q + b_Q and
+k = x W_K + b_K, so the score is x_i W_Q W_Kᵀ x_jᵀ (plus bias terms); QK = W_Q W_Kᵀ is the
+transpose of the papers' column-vector W_Qᵀ W_K, and OV = W_V W_O is the transpose of W_O W_V.
+The score the model applies softmax to is that bilinear form times ``attn_scale(model, layer)``.
+
+Grouped-query attention: query head h reads KV head ``h // (n_heads // n_kv_heads)``; every
+function here expands W_K/W_V (and b_K/b_V) to one slice per query head.
+
+Biases: ``qk``/``ov`` are the bias-free bilinear parts. ``qk_affine``/``ov_affine`` are the exact
+forms on the augmented row [x, 1] (b_Q/b_K/b_V appended as a last row of the factors); bias-free
+models (Llama, SmolLM2) get zero rows, so the affine form equals the plain one there. b_O is not
+per head and is left out of every circuit.
+
+Inputs: W_Q reads ``attn_input_hook(model, layer)`` = ``blocks.L.ln1.hook_out``. With ``fold_ln``
+(the default of ``qk.load``) that is the normalised residual ``ln1.hook_normalized`` (the norm's
+weight is folded into W_Q/W_K/W_V); with raw weights it is normalised × weight (+ bias).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+from transformer_lens.FactoredMatrix import FactoredMatrix
+
+from .._foundation.attention import attention_scale, sliding_window  # noqa: F401  (re-exported: the one scale reader)
+from .._foundation.display import Displayed
+from .._foundation.errors import QKCircuitsError
+from .._foundation.heads import Head, HeadsLike, model_heads, n_kv_heads
+from .._foundation.model import model_name
+
+
+# ---------------------------------------------------------------------------------------------- weights
+
+@dataclass
+class LayerWeights:
+    """One layer's attention weights, K/V expanded to query heads (GQA), biases zero where absent."""
+
+    W_Q: Float[Tensor, "head d_model d_head"]
+    W_K: Float[Tensor, "head d_model d_head"]
+    W_V: Float[Tensor, "head d_model d_head"]
+    W_O: Float[Tensor, "head d_head d_model"]
+    b_Q: Float[Tensor, "head d_head"]
+    b_K: Float[Tensor, "head d_head"]
+    b_V: Float[Tensor, "head d_head"]
+    has_bias: bool
+
+
+def layer_weights(model, layer: int) -> LayerWeights:
+    """Detached weights of ``layer``. Memory: 4 · n_heads · d_model · d_head floats."""
+    n_layers = model.cfg.n_layers
+    if not 0 <= int(layer) < n_layers:
+        raise QKCircuitsError(f"layer {layer} is out of range: the model has layers 0-{n_layers - 1}")
+    attn = model.blocks[int(layer)].attn
+    n_heads, n_kv = model.cfg.n_heads, n_kv_heads(model)
+    group = n_heads // n_kv
+    with torch.no_grad():
+        W_Q, W_K, W_V, W_O = (getattr(attn, n).detach() for n in ("W_Q", "W_K", "W_V", "W_O"))
+        # HF repeat_kv order: query head h reads KV head h // group. Expand only what is per KV head:
+        # a bridge that already hands out per-query-head K/V must not be expanded twice.
+        W_K, W_V = (_per_query_head(W, n, n_heads, n_kv, layer) for W, n in ((W_K, "W_K"), (W_V, "W_V")))
+        biases, has_bias = [], False
+        for name, kv in (("b_Q", False), ("b_K", True), ("b_V", True)):
+            b = _bias(attn, name)
+            if b is None:
+                b = torch.zeros(n_heads, W_Q.shape[-1], dtype=W_Q.dtype, device=W_Q.device)
+            else:
+                has_bias = True
+                b = b.detach().reshape(-1, W_Q.shape[-1])
+                if kv:
+                    b = _per_query_head(b, name, n_heads, n_kv, layer)
+            biases.append(b)
+    return LayerWeights(W_Q, W_K, W_V, W_O, *biases, has_bias=has_bias)
+
+
+def _per_query_head(t: Tensor, name: str, n_heads: int, n_kv: int, layer) -> Tensor:
+    """``t`` [kv head, ...] repeated to [head, ...]; returned as is when it is per query head already."""
+    if t.shape[0] == n_heads:
+        return t
+    if t.shape[0] == n_kv:
+        return t.repeat_interleave(n_heads // n_kv, 0)
+    raise QKCircuitsError(f"layer {layer}: {name} has {t.shape[0]} heads; expected {n_kv} (KV heads) or "
+                          f"{n_heads} (query heads)")
+
+
+def _bias(attn, name: str) -> Optional[Tensor]:
+    try:
+        return getattr(attn, name)
+    except Exception:  # bias-free bridges raise (AttributeError/RuntimeError/...) instead of returning None
+        return None
+
+
+def _head(model, head) -> Head:
+    heads = model_heads(model, [head] if isinstance(head, Head) else head)
+    if len(heads) != 1:
+        raise QKCircuitsError(f"expected one head, got {len(heads)} from {head!r}; name one, e.g. '3.1'")
+    return heads[0]
+
+
+def qk(model, head: HeadsLike) -> FactoredMatrix:
+    """QK circuit of one head: ``FactoredMatrix(W_Q, W_Kᵀ)``, [d_model, d_model] (papers: W_Qᵀ W_K)."""
+    h = _head(model, head)
+    warn_caveats(model, "the QK circuit")
+    w = layer_weights(model, h.layer)
+    return FactoredMatrix(w.W_Q[h.head], w.W_K[h.head].T)
+
+
+def ov(model, head: HeadsLike) -> FactoredMatrix:
+    """OV circuit of one head: ``FactoredMatrix(W_V, W_O)``, [d_model, d_model] (papers: W_O W_V)."""
+    h = _head(model, head)
+    w = layer_weights(model, h.layer)
+    return FactoredMatrix(w.W_V[h.head], w.W_O[h.head])
+
+
+def qk_affine(model, head: HeadsLike) -> FactoredMatrix:
+    """Exact pre-rotary score form on [x, 1]: [x_i, 1] · M · [x_j, 1]ᵀ = q_i · k_j, M [d_model+1, d_model+1].
+
+    M = [[W_Q], [b_Q]] · [[W_K], [b_K]]ᵀ: the four terms x W_Q W_Kᵀ yᵀ + x W_Q b_Kᵀ + b_Q W_Kᵀ yᵀ + b_Q b_Kᵀ.
+    (x W_Q b_Kᵀ is constant over keys and cancels in softmax; b_Q W_Kᵀ yᵀ does not.)
+    """
+    h = _head(model, head)
+    warn_caveats(model, "the QK circuit")
+    w = layer_weights(model, h.layer)
+    A = torch.cat([w.W_Q[h.head], w.b_Q[h.head][None]], 0)
+    B = torch.cat([w.W_K[h.head], w.b_K[h.head][None]], 0)
+    return FactoredMatrix(A, B.T)
+
+
+def ov_affine(model, head: HeadsLike) -> FactoredMatrix:
+    """Exact per-head write on [x, 1]: [x, 1] · M = x W_V W_O + b_V W_O, M [d_model+1, d_model] (b_O excluded)."""
+    h = _head(model, head)
+    w = layer_weights(model, h.layer)
+    return FactoredMatrix(torch.cat([w.W_V[h.head], w.b_V[h.head][None]], 0), w.W_O[h.head])
+
+
+def all_qk(model) -> FactoredMatrix:
+    """QK of every head: [n_layers, n_heads, d_model, d_model] (GQA-expanded). Memory: the stacked weights."""
+    warn_caveats(model, "the QK circuit")
+    ws = [layer_weights(model, layer) for layer in range(model.cfg.n_layers)]
+    return FactoredMatrix(torch.stack([w.W_Q for w in ws]), torch.stack([w.W_K for w in ws]).transpose(-1, -2))
+
+
+def all_ov(model) -> FactoredMatrix:
+    """OV of every head: [n_layers, n_heads, d_model, d_model] (GQA-expanded)."""
+    ws = [layer_weights(model, layer) for layer in range(model.cfg.n_layers)]
+    return FactoredMatrix(torch.stack([w.W_V for w in ws]), torch.stack([w.W_O for w in ws]))
+
+
+# ------------------------------------------------------------------------------------- scale, inputs
+
+def attn_scale(model, layer: int) -> float:
+    """The multiplier the model applies to q·k before softmax (its own setting, not a guess from d_head).
+
+    The factor of ``attention_scale`` (which also says where it was read and the soft-cap, if any).
+    """
+    return attention_scale(model, layer)[0]
+
+
+def attn_input_hook(model, layer: int) -> str:
+    """Hook holding the rows W_Q/W_K/W_V read (``ln1.hook_out``; == ``ln1.hook_normalized`` under fold_ln)."""
+    return f"blocks.{int(layer)}.ln1.hook_out"
+
+
+def is_folded(model) -> bool:
+    """Whether normalisation weights are folded into the attention weights (``qk.load(fold_ln=True)``)."""
+    return bool(getattr(model, "compatibility_mode", False))
+
+
+def _norm_kind(model) -> Optional[str]:
+    t = getattr(model.cfg, "normalization_type", None)
+    if t is None:
+        return None
+    return "LN" if str(t).startswith("LN") else "RMS"
+
+
+def normalize_rows(model, x: Float[Tensor, "n d_model"], which: str = "ln1", layer: int = 0,
+                   bias: bool = True) -> Float[Tensor, "n d_model"]:
+    """Apply the model's normalisation to each row as if it were the whole residual at that point.
+
+    Under fold_ln only the centring (LayerNorm) and the per-row scale remain; with raw weights the
+    norm's weight (and, unless ``bias=False``, its bias) are applied too. ``which`` is ``"ln1"``
+    (before attention) or ``"ln_final"``.
+    """
+    kind = _norm_kind(model)
+    if kind is None:
+        return x
+    eps = float(getattr(model.cfg, "eps", 1e-5))
+    if kind == "LN":
+        x = x - x.mean(-1, keepdim=True)
+    x = x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    if not is_folded(model):
+        mod = model.ln_final if which == "ln_final" else model.blocks[int(layer)].ln1
+        x = _affine_norm(model, mod, x, bias)
+    return x
+
+
+def _affine_norm(model, mod, x: Tensor, bias: bool = True) -> Tensor:
+    orig = getattr(mod, "original_component", mod)
+    w, b = getattr(orig, "weight", None), getattr(orig, "bias", None) if bias else None
+    if w is not None:   # Gemma-style RMSNorm multiplies by (1 + weight)
+        offset = 1.0 if getattr(model.cfg, "rmsnorm_uses_offset", False) else 0.0
+        x = x * (w.detach() + offset)
+    if b is not None:
+        x = x + b.detach()
+    return x
+
+
+# ---------------------------------------------------------------------------------------- caveats
+
+def circuit_caveats(model) -> List[str]:
+    """Ways in which the bilinear form is *not* the whole attention score of this model.
+
+    Checked: query/key normalisation inside attention, attention-logit soft-capping, sliding-window
+    (local) attention, ALiBi/relative position biases, rotary settings that depend on the sequence
+    length. An empty list means the score is exactly (bilinear form) × ``attn_scale``.
+    """
+    cfg, out = model.cfg, []
+    hf_cfg = getattr(getattr(model, "original_model", None), "config", None)
+    orig = getattr(model.blocks[0].attn, "original_component", None)
+    qk_norm = bool(getattr(cfg, "use_qk_norm", False)) or any(
+        getattr(orig, n, None) is not None for n in ("q_norm", "k_norm", "q_layernorm", "k_layernorm",
+                                                      "query_layernorm", "key_layernorm"))
+    if qk_norm:
+        out.append("QK-norm: q and k are RMS-normalised per position inside attention, so scores are not x·QK·yᵀ "
+                   "(the circuit is right only up to per-position scales; rotary is applied after the norm)")
+    cap = max(float(getattr(cfg, "attn_scores_soft_cap", -1) or -1),
+              float(getattr(hf_cfg, "attn_logit_softcapping", None) or -1))
+    if cap > 0:
+        out.append(f"attention logits are soft-capped (cap·tanh(s/cap), cap={cap:g}): the bilinear form is the "
+                   f"pre-cap score")
+    windows = {layer: sliding_window(model, layer) for layer in range(int(cfg.n_layers))}
+    sliding = sorted(layer for layer, w in windows.items() if w)
+    if sliding:
+        which = "every layer" if len(sliding) == len(windows) else f"layers {', '.join(map(str, sliding))}"
+        out.append(f"sliding-window attention (window {windows[sliding[0]]}) on {which}: keys further back than the "
+                   f"window are masked whatever the circuit says")
+    pet = str(getattr(cfg, "positional_embedding_type", "standard"))
+    if pet not in ("standard", "rotary", "shortformer"):
+        out.append(f"positional embedding type {pet!r} adds a position bias to the scores that the QK circuit "
+                   f"does not contain")
+    rope = getattr(cfg, "rope_parameters", None) or getattr(hf_cfg, "rope_parameters", None) or {}
+    rtype = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+    if rtype in ("dynamic", "longrope"):
+        out.append(f"rotary type {rtype!r} changes its frequencies with the sequence length: offset circuits "
+                   f"use the short-context frequencies")
+    return out
+
+
+def warn_caveats(model, what: str) -> List[str]:
+    """Return ``circuit_caveats(model)`` and warn (UserWarning; Python shows it once per call site) if any."""
+    cav = circuit_caveats(model)
+    if cav:
+        warnings.warn(f"{what} is not the whole attention score on this model: " + "; ".join(cav),
+                      UserWarning, stacklevel=3)
+    return cav
+
+
+# ------------------------------------------------------------------------------------ token circuits
+
+def embed_rows(model, layer: int = 0, normalize: bool = True) -> Float[Tensor, "vocab d_model"]:
+    """W_E with each row normalised as the input of ``layer``'s attention would be (see module docs).
+
+    Exact for the direct path when a token's embedding is the whole residual (layer 0 of a rotary
+    model); with learned positions (GPT-2) the position is left out, an approximation.
+    Memory: one [d_vocab, d_model] copy.
+    """
+    with torch.no_grad():
+        E = model.W_E.detach()
+        return normalize_rows(model, E, "ln1", layer) if normalize else E
+
+
+def unembed_cols(model, normalize: bool = True) -> Float[Tensor, "d_model vocab_out"]:
+    """W_U as the head's output reaches it: with raw weights the final norm's weight (and LayerNorm
+    centring) applied; the final norm's positive per-position scale is left out (it does not change
+    which token a row ranks first); b_U and the final norm's bias are left out (not the head's doing).
+    Memory: a [d_model, vocab_out] copy unless folded RMSNorm (then W_U itself); see ``unembed_factor``."""
+    with torch.no_grad():
+        return _unembed_chunk(model, model.W_U.detach(), normalize)
+
+
+def _unembed_chunk(model, U: Tensor, normalize: bool) -> Tensor:
+    """Apply the final norm's weight / centring to columns ``U`` [d_model, n] (column-local, so chunkable)."""
+    kind = _norm_kind(model)
+    if not normalize or kind is None:
+        return U
+    if not is_folded(model):
+        orig = getattr(model.ln_final, "original_component", model.ln_final)
+        w = getattr(orig, "weight", None)
+        if w is not None:
+            U = (w.detach() + (1.0 if getattr(model.cfg, "rmsnorm_uses_offset", False) else 0.0))[:, None] * U
+    if kind == "LN":
+        U = U - U.mean(0, keepdim=True)   # the centred input x C with C symmetric: x C W = x (C W)
+    return U
+
+
+CHUNK_ROWS = 4096   # vocabulary rows normalised at a time: bounds temporaries to 3 · CHUNK_ROWS · d_model floats
+
+
+def embed_factor(model, W: Float[Tensor, "d_model k"], layer: int = 0, normalize: bool = True
+                 ) -> Float[Tensor, "vocab k"]:
+    """``embed_rows(model, layer) @ W`` without holding the normalised embedding (chunks of rows).
+
+    Memory: the [vocab, k] result plus 3 · CHUNK_ROWS · d_model floats.
+    """
+    E = model.W_E.detach()
+    with torch.no_grad():
+        out = torch.empty(E.shape[0], W.shape[-1], dtype=W.dtype, device=W.device)
+        for s in range(0, E.shape[0], CHUNK_ROWS):
+            rows = E[s:s + CHUNK_ROWS]
+            out[s:s + CHUNK_ROWS] = (normalize_rows(model, rows, "ln1", layer) if normalize else rows) @ W
+    return out
+
+
+def unembed_factor(model, W: Float[Tensor, "k d_model"], normalize: bool = True) -> Float[Tensor, "k vocab_out"]:
+    """``W @ unembed_cols(model)`` in column chunks. Memory: the [k, vocab_out] result plus one chunk."""
+    U = model.W_U.detach()
+    with torch.no_grad():
+        out = torch.empty(W.shape[0], U.shape[1], dtype=W.dtype, device=W.device)
+        for s in range(0, U.shape[1], CHUNK_ROWS):
+            out[:, s:s + CHUNK_ROWS] = W @ _unembed_chunk(model, U[:, s:s + CHUNK_ROWS], normalize)
+    return out
+
+
+def unembed_embed(model, layer: int = 0, normalize: bool = True, center_vocab: bool = False
+                  ) -> Float[Tensor, "d_model d_model"]:
+    """G = unembed_cols · embed_rows [d_model, d_model], summed over vocabulary chunks (square vocab only).
+
+    ``center_vocab=True`` is the eigenvalue-copying convention, the same in both fold modes: U centred
+    over the vocabulary (U − mean over its columns; softmax ignores it, eigenvalues do not, and
+    ``fold_ln`` applies it) and no norm bias on the embedding rows (``fold_ln`` moves it into b_V,
+    which is in no circuit): G = U E_n − V·ū ēᵀ with ū, ē the mean column of U and row of E_n.
+    """
+    E, U = model.W_E.detach(), model.W_U.detach()
+    with torch.no_grad():
+        G = torch.zeros(U.shape[0], E.shape[1], dtype=E.dtype, device=E.device)
+        u_sum = torch.zeros(U.shape[0], dtype=E.dtype, device=E.device)
+        e_sum = torch.zeros(E.shape[1], dtype=E.dtype, device=E.device)
+        for s in range(0, E.shape[0], CHUNK_ROWS):
+            rows = E[s:s + CHUNK_ROWS]
+            Uc = _unembed_chunk(model, U[:, s:s + CHUNK_ROWS], normalize)
+            En = normalize_rows(model, rows, "ln1", layer, bias=not center_vocab) if normalize else rows
+            G += Uc @ En
+            if center_vocab:
+                u_sum += Uc.sum(1)
+                e_sum += En.sum(0)
+        if center_vocab:
+            G -= torch.outer(u_sum, e_sum) / E.shape[0]
+    return G
+
+
+def full_qk(model, head: HeadsLike, normalize: bool = True) -> FactoredMatrix:
+    """Token-to-token QK: ``E_n W_Q W_Kᵀ E_nᵀ`` [vocab, vocab] as A [vocab, d_head] · B [d_head, vocab].
+
+    Rows are query tokens, columns key tokens; biases and positions are left out. Memory: 2 · vocab · d_head.
+    """
+    h = _head(model, head)
+    warn_caveats(model, "the full QK circuit")
+    w = layer_weights(model, h.layer)
+    return FactoredMatrix(embed_factor(model, w.W_Q[h.head], h.layer, normalize),
+                          embed_factor(model, w.W_K[h.head], h.layer, normalize).T)
+
+
+def full_ov(model, head: HeadsLike, normalize: bool = True) -> FactoredMatrix:
+    """Source token to output logits: ``E_n W_V W_O U`` [vocab, vocab_out] as A [vocab, d_head] · B [d_head, vocab_out].
+
+    Memory: the two factors (vocab · d_head each) plus one chunk.
+    """
+    h = _head(model, head)
+    w = layer_weights(model, h.layer)
+    return FactoredMatrix(embed_factor(model, w.W_V[h.head], h.layer, normalize),
+                          unembed_factor(model, w.W_O[h.head], normalize))
+
+
+def top_tokens(matrix: FactoredMatrix, index: int, k: int = 10, dim: str = "row", largest: bool = True
+               ) -> Tuple[Tensor, Tensor]:
+    """Top-``k`` (values, indices) of one row (``dim="row"``) or column of a 2-D FactoredMatrix.
+
+    Computes only that row/column: A[index] @ B (or A @ B[:, index]); memory one vocab vector.
+    """
+    if dim not in ("row", "col"):
+        raise QKCircuitsError(f"dim must be 'row' or 'col', got {dim!r}")
+    if matrix.A.ndim != 2:
+        raise QKCircuitsError(f"top_tokens needs one 2-D circuit, got shape {tuple(matrix.shape)}; index one head first")
+    n = matrix.ldim if dim == "row" else matrix.rdim
+    if not 0 <= int(index) < n:
+        raise QKCircuitsError(f"{dim} index {index} is out of range 0-{n - 1}")
+    if not 1 <= int(k) <= (matrix.rdim if dim == "row" else matrix.ldim):
+        raise QKCircuitsError(f"k must be between 1 and the {dim} length, got {k}")
+    with torch.no_grad():
+        vec = matrix.A[int(index)] @ matrix.B if dim == "row" else matrix.A @ matrix.B[:, int(index)]
+        return vec.topk(int(k), largest=largest)
+
+
+# ------------------------------------------------------------------------------------------ results
+
+@dataclass(repr=False)      # the repr comes from Displayed (_foundation.display)
+class Circuit(Displayed):
+    """A circuit plus what made it: ``matrix`` (FactoredMatrix), ``kind``, ``head``, ``settings``, ``caveats``.
+
+    ``exact`` is False when ``caveats`` lists a way the model's scores leave the bilinear form.
+    """
+
+    matrix: FactoredMatrix
+    kind: str
+    head: Head
+    settings: Dict[str, object] = field(default_factory=dict)
+    caveats: List[str] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        return not self.caveats
+
+
+
+KINDS = ("qk", "ov", "qk_affine", "ov_affine", "full_qk", "full_ov", "qk_offset", "pos_qk")
+
+
+def circuit(model, head: HeadsLike, kind: str = "qk", *, offset: int = 0, normalize: bool = True,
+            rotary_base: Optional[float] = None) -> Circuit:
+    """Any circuit of one head as a ``Circuit`` (warns when the model leaves the bilinear form).
+
+    ``kind``: qk, ov, qk_affine, ov_affine, full_qk, full_ov, qk_offset (rotary, ``offset`` = i − j),
+    pos_qk (learned positions).
+    """
+    if kind not in KINDS:
+        raise QKCircuitsError(f"unknown circuit kind {kind!r}; choose from {', '.join(KINDS)}")
+    h = _head(model, head)
+    settings: Dict[str, object] = {"model": model_name(model), "fold_ln": is_folded(model),
+                                   "attn_scale": attn_scale(model, h.layer), "convention": "row-vector (TL)"}
+    # the QK-side functions below warn; the flag travels with the result
+    caveats = circuit_caveats(model) if kind.startswith(("qk", "full_qk", "pos")) else []
+    if kind in ("full_qk", "full_ov"):
+        settings["normalize"] = normalize
+    if kind == "qk_offset":
+        from .rotary import qk_at_offset, rotary_spec
+        spec = rotary_spec(model, base=rotary_base, layer=h.layer)
+        settings.update(offset=int(offset), rotary=spec.describe())
+        caveats = caveats + list(spec.caveats)
+        mat = qk_at_offset(model, h, offset, spec=spec)
+    elif kind == "pos_qk":
+        from .rotary import positional_qk
+        mat = positional_qk(model, h)
+    else:
+        fn = {"qk": qk, "ov": ov, "qk_affine": qk_affine, "ov_affine": ov_affine}.get(kind)
+        mat = fn(model, h) if fn else (full_qk if kind == "full_qk" else full_ov)(model, h, normalize)
+    return Circuit(mat, kind, h, settings, caveats)

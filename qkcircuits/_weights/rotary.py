@@ -1,0 +1,342 @@
+"""Positions in the QK circuit: learned absolute (W_pos QK W_posᵀ) and rotary (QK at a relative offset).
+
+>>> spec = rotary_spec(model)                 # doctest: +SKIP   the model's own frequencies and pairing
+>>> spec.describe()                           # doctest: +SKIP   {'style': 'halves', 'base': 100000.0, ...}
+>>> M = qk_at_offset(model, "3.1", 1)         # doctest: +SKIP   W_Q R(1) W_Kᵀ: query at i, key at i-1
+>>> scores = offset_scores(model, 3, x)       # doctest: +SKIP   x_i · QK(i−j) · x_jᵀ · scale, [head, q, k]
+
+Rotary embeddings rotate q at position i and k at position j by angles i·ω and j·ω per pair of
+coordinates, so q_i·k_j = q R(i−j) kᵀ: the score depends on positions only through the offset
+Δ = i − j (≥ 0 under causal masking; the issue's "QK(j−i)" is the same matrix named by the key's
+displacement). QK(Δ) = W_Q R(Δ) W_Kᵀ. ``R`` is built from the model's own frequencies (the HF
+rotary module's ``inv_freq`` and ``attention_scaling``, or the TL-native rotary's), never from
+``cfg.rotary_base`` (which is wrong for SmolLM2: 10000 vs the true 100000), and its pairing is
+detected by rotating the model's own layer-0 queries: ``halves`` (HF ``rotate_half``: coordinate
+k pairs with k + rotary_dim/2) or ``pairs`` (adjacent 2k, 2k+1: the TL-native model, GPT-J).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+from transformer_lens.FactoredMatrix import FactoredMatrix
+
+from .._foundation.attention import layer_type, native_rotary, rotate_native, sliding_window  # noqa: F401 (re-exported)
+from .._foundation.capture import has_rotary
+from .._foundation.display import Displayed
+from .._foundation.errors import QKCircuitsError
+from .._foundation.heads import HeadsLike
+from .circuits import _head, attn_scale, embed_rows, layer_weights, normalize_rows, warn_caveats
+
+STYLES = ("halves", "pairs")
+
+
+@dataclass
+class RotarySpec:
+    """Rotary frequencies ``omega`` [rotary_dim/2] (radians per position), pairing ``style``,
+    ``rotary_dim`` of ``d_head`` rotated, ``scaling`` (HF ``attention_scaling`` on cos/sin)."""
+
+    omega: Tensor
+    style: str
+    rotary_dim: int
+    d_head: int
+    scaling: float = 1.0
+    base: Optional[float] = None
+    source: str = ""
+    verified_error: Optional[float] = None
+    caveats: List[str] = field(default_factory=list)
+    layer: int = 0
+    layer_type: Optional[str] = None
+    window: Optional[int] = None
+
+    def describe(self) -> Dict[str, object]:
+        return {"style": self.style, "rotary_dim": self.rotary_dim, "base": self.base, "scaling": self.scaling,
+                "source": self.source, "verified_error": self.verified_error, "layer": self.layer,
+                "layer_type": self.layer_type, "sliding_window": self.window}
+
+
+def _pair_index(spec: RotarySpec):
+    half = spec.rotary_dim // 2
+    k = torch.arange(half)
+    return (k, k + half) if spec.style == "halves" else (2 * k, 2 * k + 1)
+
+
+def rotation(spec: RotarySpec, positions: Iterable[int], relative: bool = False
+             ) -> Float[Tensor, "n d_head d_head"]:
+    """Row-vector rotary matrices: ``rot(x, p) = x @ R[p]``; with ``relative=True``, R(Δ) with
+    q_i·k_j = q R(i−j) kᵀ (scaling² on the rotated coordinates, identity on pass-through ones)."""
+    pos = torch.as_tensor(list(positions), dtype=torch.float64)
+    omega = spec.omega.to(torch.float64)
+    ang = pos[:, None] * omega[None]                         # [n, half]
+    c, s = ang.cos(), ang.sin()
+    gain = spec.scaling ** 2 if relative else spec.scaling
+    R = torch.eye(spec.d_head, dtype=torch.float64).repeat(len(pos), 1, 1)
+    a, b = _pair_index(spec)
+    R[:, a, a], R[:, b, b] = c * gain, c * gain
+    # x'_a = x_a c − x_b s ; x'_b = x_b c + x_a s   (row vector: x' = x R)
+    R[:, b, a], R[:, a, b] = -s * gain, s * gain
+    return R.to(spec.omega.dtype)
+
+
+def _hf_rotary_modules(model) -> List[torch.nn.Module]:
+    """Modules holding rotary frequencies: an ``inv_freq`` buffer, or per layer type ``<type>_inv_freq``
+    (transformers 5 for models that mix sliding-window and global layers, e.g. Gemma 3)."""
+    seen, mods = set(), []
+    for _, mod in model.original_model.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if (name == "inv_freq" or name.endswith("_inv_freq") and not name.endswith("original_inv_freq")) \
+                    and buf.data_ptr() not in seen:
+                seen.add(buf.data_ptr())
+                if not mods or mods[-1] is not mod:
+                    mods.append(mod)
+    return mods
+
+
+def _layer_frequencies(model, layer: int):
+    """(inv_freq, attention_scaling, theta, where) of ``layer``'s own rotary (HF models)."""
+    mods = _hf_rotary_modules(model)
+    if not mods:
+        raise QKCircuitsError("cannot find the rotary module (no inv_freq buffer) in this model; offset circuits "
+                              "need the model's own rotary frequencies")
+    hf_cfg = model.original_model.config
+    rope = getattr(hf_cfg, "rope_parameters", None) or {}
+    ltype = layer_type(model, layer)
+    for mod in mods:
+        if ltype is not None and isinstance(getattr(mod, f"{ltype}_inv_freq", None), Tensor):
+            inv = getattr(mod, f"{ltype}_inv_freq")
+            scaling = getattr(mod, f"{ltype}_attention_scaling", 1.0)
+            params = rope.get(ltype) if isinstance(rope, dict) else None
+            theta = params.get("rope_theta") if isinstance(params, dict) else None
+            return inv, scaling, theta, f"{type(mod).__name__}.{ltype}_inv_freq (layer {int(layer)})"
+    for mod in mods:
+        if isinstance(getattr(mod, "inv_freq", None), Tensor):
+            theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or getattr(hf_cfg, "rope_theta", None)
+            return mod.inv_freq, getattr(mod, "attention_scaling", 1.0), theta, f"{type(mod).__name__}.inv_freq"
+    raise QKCircuitsError(f"layer {int(layer)} has attention type {ltype!r} but the rotary module holds no "
+                          f"'{ltype}_inv_freq' (it has per-type frequencies for other types); offset circuits need "
+                          f"this layer's own frequencies")
+
+
+def rotary_spec(model, base: Optional[float] = None, verify: bool = True, layer: int = 0) -> RotarySpec:
+    """The rotary settings of ``layer`` (its own frequencies where the model keeps one set per layer type);
+    ``base`` replaces the frequencies with base^(−2k/rotary_dim) (e.g. to show that a wrong base breaks the
+    identity). ``verify`` rotates the layer's queries of a short sequence and compares them with the
+    model's own ``hook_rot_q`` (one partial forward)."""
+    if not has_rotary(model):
+        raise QKCircuitsError(f"this model has positional embedding type "
+                              f"{getattr(model.cfg, 'positional_embedding_type', 'standard')!r}, not rotary; use "
+                              f"qk() (and positional_qk() for learned positions)")
+    n_layers = int(model.cfg.n_layers)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
+        raise QKCircuitsError(f"layer {layer!r} is out of range: the model has layers 0-{n_layers - 1}")
+    d_head, caveats = int(model.cfg.d_head), []
+    native = getattr(model.original_model, "rotary", None)
+    if native is not None and hasattr(native, "cos_cached"):
+        from transformer_lens.model_bridge.sources.native.model import _resolve_rope_scaling
+        rd = int(native.rotary_dim)
+        eff_base, pos_scale, inv = _resolve_rope_scaling(model.cfg, rd)
+        spec = RotarySpec(inv.float() / float(pos_scale), "pairs", rd, d_head, 1.0, float(eff_base), "TL-native rotary")
+    else:
+        inv, scaling, theta, where = _layer_frequencies(model, layer)
+        inv = inv.detach().float().cpu()
+        style = "pairs" if getattr(model.cfg, "rotary_adjacent_pairs", False) else "halves"
+        spec = RotarySpec(inv, style, 2 * inv.numel(), d_head, float(scaling or 1.0),
+                          float(theta) if theta else None, f"HF {where}")
+    spec.layer, spec.layer_type, spec.window = int(layer), layer_type(model, layer), sliding_window(model, layer)
+    spec.caveats = caveats
+    if verify:
+        _detect_style(model, spec)
+    if base is not None:
+        if not base > 1:
+            raise QKCircuitsError(f"rotary base must be > 1, got {base!r}")
+        k = torch.arange(0, spec.rotary_dim, 2, dtype=torch.float64)
+        spec.omega = (1.0 / float(base) ** (k / spec.rotary_dim)).float()
+        spec.base, spec.source, spec.verified_error = float(base), f"override base {base:g}", None
+    return spec
+
+
+def _spec_for(model, layer: int, spec: Optional[RotarySpec]) -> RotarySpec:
+    """``spec`` if given (the caller's choice, e.g. a wrong base on purpose), else ``layer``'s own."""
+    return spec if spec is not None else rotary_spec(model, layer=int(layer))
+
+
+def _detect_style(model, spec: RotarySpec, n_pos: int = 12) -> None:
+    """Pick the pairing that reproduces the model's own ``hook_rot_q`` from ``hook_q``; flag a miss."""
+    n = min(n_pos, int(model.cfg.n_ctx))
+    n = n + 1 if n == int(model.cfg.n_heads) and n < int(model.cfg.n_ctx) else n   # keep [pos, head] unambiguous
+    layer = spec.layer
+    native = native_rotary(model, layer)
+    if native is not None:
+        # TL-native attention does not fire hook_rot_q: ask its rotary module to rotate a probe
+        probe = torch.randn(1, n, 1, spec.d_head, generator=torch.Generator().manual_seed(0))
+        q, rq = probe[0].float(), rotate_native(native, probe, probe)[0][0].float().cpu()   # [pos, 1, d_head]
+    else:
+        toks = (torch.arange(n) * 7 + 3) % int(model.cfg.d_vocab)
+        q, rq = _rotary_probe(model, toks, layer)
+        if rq is None:
+            spec.caveats.append(f"the model does not expose its rotated queries; pairing {spec.style!r} assumed, "
+                                f"not verified")
+            return
+    errs = {}
+    for style in STYLES:
+        trial = RotarySpec(spec.omega, style, spec.rotary_dim, spec.d_head, spec.scaling)
+        R = rotation(trial, range(n))                                             # [pos, d, d]
+        errs[style] = float((torch.einsum("phd,pde->phe", q, R) - rq).abs().max() / rq.abs().max().clamp_min(1e-12))
+    best = min(errs, key=errs.get)
+    spec.style, spec.verified_error = best, errs[best]
+    if errs[best] > 1e-4:
+        spec.caveats.append(f"the rebuilt rotary does not reproduce the model's own rotated queries (relative error "
+                            f"{errs[best]:.2g}); offset circuits may be wrong")
+
+
+def _rotary_probe(model, toks: Tensor, layer: int):
+    """``layer``'s queries just before rotary and the model's own rotated queries, [pos, head, d_head] each.
+
+    With QK-norm (Gemma 3) the rotary input is the normalised query (``hook_q_normed``), not ``hook_q``.
+    """
+    attn = model.blocks[int(layer)].attn
+    pre = "hook_q_normed" if hasattr(attn, "hook_q_normed") else "hook_q"
+    names = {f"blocks.{int(layer)}.attn.{pre}", f"blocks.{int(layer)}.attn.hook_rot_q"}
+    with torch.no_grad():
+        _, cache = model.run_with_cache(toks[None].to(model.W_E.device), names_filter=lambda n: n in names,
+                                        stop_at_layer=int(layer) + 1)
+    got = {k.rsplit(".", 1)[-1]: v for k, v in cache.items()}
+    if "hook_rot_q" not in got or pre not in got:
+        return None, None
+    q = got[pre][0]
+    if q.dim() == 3 and q.shape[0] == model.cfg.n_heads and q.shape[1] == toks.numel():
+        q = q.transpose(0, 1)                                  # some bridges hold [head, pos, d]
+    rq = got["hook_rot_q"][0]
+    if rq.dim() == 3 and rq.shape[0] == model.cfg.n_heads and rq.shape[1] == toks.numel():
+        rq = rq.transpose(0, 1)
+    return q.float().cpu(), rq.float().cpu()
+
+
+def qk_at_offset(model, head: HeadsLike, offset: int, *, spec: Optional[RotarySpec] = None,
+                 affine: bool = False) -> FactoredMatrix:
+    """QK(Δ) = W_Q R(Δ) W_Kᵀ [d_model, d_model] for query position i and key position j = i − Δ.
+
+    Score = x_i · QK(Δ) · x_jᵀ · ``attn_scale(model, layer)``. ``affine=True`` gives the form on
+    [x, 1] with b_Q/b_K (which are rotated with q/k). Memory: two [d_model(+1), d_head] factors.
+    """
+    h = _head(model, head)
+    warn_caveats(model, "the QK circuit at an offset")
+    spec = _spec_for(model, h.layer, spec)
+    return _qk_offset(layer_weights(model, h.layer), h.head, rotation(spec, [int(offset)], relative=True)[0], affine)
+
+
+def _qk_offset(w, head: int, R: Tensor, affine: bool) -> FactoredMatrix:
+    Q, K = w.W_Q[head], w.W_K[head]
+    if affine:
+        Q, K = torch.cat([Q, w.b_Q[head][None]], 0), torch.cat([K, w.b_K[head][None]], 0)
+    return FactoredMatrix(Q @ R.to(device=Q.device, dtype=Q.dtype), K.T)   # no copy when R is there already
+
+
+def offset_scores(model, layer: int, x: Float[Tensor, "pos d_model"], *, spec: Optional[RotarySpec] = None,
+                  heads: Optional[Sequence[int]] = None, affine: bool = True) -> Float[Tensor, "head pos pos"]:
+    """Scores every (i, j ≤ i) from residual rows ``x`` through the circuits: x_i·QK(i−j)·x_jᵀ·scale.
+
+    Rotary models use ``qk_at_offset``; others the (affine) QK. Entries j > i are NaN. Computed on
+    the weights' device and dtype; returned on ``x``'s. Memory: one [pos, pos] grid per head plus
+    the pos rotations [pos, d_head, d_head].
+    """
+    warn_caveats(model, "the bilinear score")
+    x = x.detach()
+    p = x.shape[0]
+    heads = list(range(model.cfg.n_heads)) if heads is None else list(heads)
+    scale = attn_scale(model, layer)
+    rotary = has_rotary(model)
+    spec = _spec_for(model, layer, spec) if rotary else None
+    xa = torch.cat([x, torch.ones(p, 1, dtype=x.dtype, device=x.device)], 1) if affine else x
+    w = layer_weights(model, layer)                                  # read once; every offset reuses it
+    dev, dt = w.W_Q.device, w.W_Q.dtype
+    # Rows, every R(Δ) (or the identity), the position index and the result live on the weights'
+    # device, moved there once: nothing crosses devices inside the loops.
+    out = torch.full((len(heads), p, p), float("nan"), dtype=dt, device=dev)
+    Rs = rotation(spec, range(p), relative=True).to(device=dev, dtype=dt) if rotary \
+        else torch.eye(w.W_Q.shape[-1], dtype=dt, device=dev)[None]
+    pos = torch.arange(p, device=dev)
+    x_w = xa.to(device=dev, dtype=dt)
+    with torch.no_grad():
+        for n, hd in enumerate(heads):
+            for d in (range(p) if rotary else [None]):
+                # the same FactoredMatrix qk_at_offset / qk_affine / qk return
+                M = _qk_offset(w, hd, Rs[d or 0], affine)
+                left, right = x_w @ M.A, (M.B @ x_w.T).T                         # [p, d_head] each
+                if d is None:
+                    out[n] = torch.tril(left @ right.T) + torch.triu(out[n], 1)
+                else:
+                    i = pos[d:]
+                    out[n, i, i - d] = (left[i] * right[i - d]).sum(-1)
+    return (out * scale).to(device=x.device, dtype=x.dtype)
+
+
+def positional_qk(model, head: HeadsLike, normalize: bool = False) -> FactoredMatrix:
+    """Learned absolute positions: W_pos QK W_posᵀ [n_ctx, n_ctx] (rows query positions, columns key positions).
+
+    ``normalize`` treats each W_pos row as a whole residual (an approximation: the model normalises
+    W_E[t] + W_pos[p] together).
+    """
+    if getattr(model.cfg, "positional_embedding_type", "standard") not in ("standard", "shortformer"):
+        raise QKCircuitsError(f"positional_qk needs learned absolute positions; this model has "
+                              f"{model.cfg.positional_embedding_type!r} (use qk_at_offset for rotary models)")
+    h = _head(model, head)
+    warn_caveats(model, "the positional QK circuit")
+    w = layer_weights(model, h.layer)
+    P = model.W_pos.detach()
+    if normalize:
+        P = normalize_rows(model, P, "ln1", h.layer)
+    with torch.no_grad():
+        return FactoredMatrix(P @ w.W_Q[h.head], (P @ w.W_K[h.head]).T)
+
+
+@dataclass(repr=False)      # the repr comes from Displayed (_foundation.display)
+class OffsetProfile(Displayed):
+    """Per-head score against offset: ``mean_score[Δ]`` = scale · q̄ R(Δ) k̄ᵀ for the mean query/key of
+    the rows used, and ``norm[Δ]`` = scale · ‖QK(Δ)‖_F; ``settings`` says which rows and rotary."""
+
+    head: str
+    offsets: Tensor
+    mean_score: Tensor
+    norm: Tensor
+    settings: Dict[str, object]
+
+    def summary(self) -> Dict[str, object]:
+        i = int(self.mean_score.argmax())
+        return {"head": self.head, "preferred_offset": int(self.offsets[i]), "score_at_preferred": float(self.mean_score[i]),
+                "score_at_0": float(self.mean_score[0]), "score_range": float(self.mean_score.max() - self.mean_score.min()),
+                "offsets": [int(self.offsets[0]), int(self.offsets[-1])]}
+
+
+
+def offset_profile(model, head: HeadsLike, offsets: Iterable[int] = range(0, 65),
+                   x: Optional[Float[Tensor, "n d_model"]] = None, *, spec: Optional[RotarySpec] = None) -> OffsetProfile:
+    """How much a rotary head's score depends on the offset alone, for content ``x``.
+
+    ``x``: residual rows feeding the head's layer (``attn_input_hook``); default every token's
+    normalised embedding (exact input only at layer 0). Memory: [n_offsets, d_head, d_head].
+    """
+    h = _head(model, head)
+    spec = _spec_for(model, h.layer, spec)
+    w = layer_weights(model, h.layer)
+    rows = embed_rows(model, h.layer) if x is None else x.detach()
+    offs = list(offsets)
+    if not offs or min(offs) < 0:
+        raise QKCircuitsError(f"offsets must be a non-empty list of integers >= 0, got {offs[:5]}")
+    scale = attn_scale(model, h.layer)
+    with torch.no_grad():
+        qbar = (rows @ w.W_Q[h.head]).mean(0) + w.b_Q[h.head]
+        kbar = (rows @ w.W_K[h.head]).mean(0) + w.b_K[h.head]
+        R = rotation(spec, offs, relative=True).to(qbar.dtype).to(qbar.device)       # [n, d, d]
+        mean = torch.einsum("d,nde,e->n", qbar, R, kbar) * scale
+        # ‖W_Q R W_Kᵀ‖_F = ‖R_q R R_kᵀ‖_F with W = Q·R_w (QR): computed on the d_head side only
+        Rq, Rk = torch.linalg.qr(w.W_Q[h.head])[1], torch.linalg.qr(w.W_K[h.head])[1]
+        norm = torch.linalg.matrix_norm(Rq @ R @ Rk.T, "fro") * abs(scale)
+    settings = {"rotary": spec.describe(), "caveats": warn_caveats(model, "the offset profile") + list(spec.caveats),
+                "rows": "normalised token embeddings" if x is None else f"{rows.shape[0]} given rows",
+                "attn_scale": scale}
+    return OffsetProfile(str(h), torch.tensor(offs), mean.cpu(), norm.cpu(), settings)
