@@ -210,6 +210,22 @@ def _metric_label(metric: MetricLike, x: str) -> str:
     return resolve_metric(metric, x).name
 
 
+def check_request(model, receivers, senders, into, method: str, tokens):
+    """Validate a path-patching request (shared by the local and the Ray driver): (receivers, senders or
+    None for all earlier heads, inputs, prompt tokens on the model's device, sender layers)."""
+    recv = model_heads(model, receivers)
+    if all(r.layer == 0 for r in recv):
+        raise QKCircuitsError(f"receiver {recv[0]} is in layer 0: no earlier heads can send to it")
+    snd = model_heads(model, senders) if senders is not None else None
+    into = _check_into(into)
+    check_method(method)
+    tokens = _as_tokens(model, tokens if tokens is not None else default_prompts(model))
+    if method == "resample" and tokens.shape[0] < 2:
+        raise QKCircuitsError("resample needs at least 2 prompts (each takes the sender's z from another)")
+    sender_layers = sorted({s.layer for s in snd} if snd is not None else set(range(max(r.layer for r in recv))))
+    return recv, snd, into, tokens, sender_layers
+
+
 def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"), senders: Optional[HeadsLike] = None,
                method: str = "mean", tokens=None, metric: MetricLike = None, *, per_position: bool = True,
                shards: int = 1, chunk: Optional[int] = None, progress: bool = True, backend: str = "local",
@@ -241,17 +257,8 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
     if backend != "local":
         raise QKCircuitsError(f"unknown backend {backend!r}; use 'local' or 'ray'")
 
-    recv = model_heads(model, receivers)
-    if all(r.layer == 0 for r in recv):
-        raise QKCircuitsError(f"receiver {recv[0]} is in layer 0: no earlier heads can send to it")
-    snd = model_heads(model, senders) if senders is not None else None
-    into = _check_into(into)
-    check_method(method)
-    tokens = _as_tokens(model, tokens if tokens is not None else default_prompts(model))
-    if method == "resample" and tokens.shape[0] < 2:
-        raise QKCircuitsError("resample needs at least 2 prompts (each takes the sender's z from another)")
+    recv, snd, into, tokens, sender_layers = check_request(model, receivers, senders, into, method, tokens)
     metrics = {x: resolve_metric(metric, x) for x in into}
-    sender_layers = sorted({s.layer for s in snd} if snd is not None else set(range(max(r.layer for r in recv))))
     n_shards = max(1, min(shards, tokens.shape[0]))
     # One shard: the references come from its own clean pass (same prompts, no extra forward).
     repl = references(model, method, tokens, sender_layers, per_position) if n_shards > 1 else None

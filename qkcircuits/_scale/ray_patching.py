@@ -29,25 +29,13 @@ from .distributed import Pool
 def prepare(model, shared, *, receivers, senders, into, method, per_position) -> Dict[str, Any]:
     """Validate the request on the model, draw the prompts when ``shared`` (the tokens) is None, and compute
     the references over the WHOLE prompt set (CPU tensors)."""
-    from .._analysis.ablate import check_method
-    from .._foundation.capture import _as_tokens
-    from .._foundation.errors import QKCircuitsError
-    from .._foundation.heads import model_heads
     from .._foundation.model import model_name
-    from .._paths.patching import _check_into, _reference_label, _settings, default_prompts, references
+    from .._paths.patching import _reference_label, _settings, check_request, references
 
-    recv = model_heads(model, receivers)
-    if all(r.layer == 0 for r in recv):
-        raise QKCircuitsError(f"receiver {recv[0]} is in layer 0: no earlier heads can send to it")
-    snd = model_heads(model, senders) if senders is not None else None
-    into = _check_into(into)
-    check_method(method)
-    tokens = _as_tokens(model, shared if shared is not None else default_prompts(model)).cpu()
-    if method == "resample" and tokens.shape[0] < 2:
-        raise QKCircuitsError("resample needs at least 2 prompts (each takes the sender's z from another)")
+    recv, snd, into, tokens, sender_layers = check_request(model, receivers, senders, into, method, shared)
     H = model.cfg.n_heads
-    sender_layers = sorted({s.layer for s in snd} if snd is not None else set(range(max(r.layer for r in recv))))
-    repl = references(model, method, tokens.to(model.W_E.device), sender_layers, per_position)
+    repl = references(model, method, tokens, sender_layers, per_position)
+    tokens = tokens.cpu()
     repl.z = {k: v.cpu() for k, v in (repl.z or {}).items()}
     n_edges = sum(len([s for s in snd if s.layer < r.layer]) if snd is not None else r.layer * H for r in recv)
     return {"receivers": recv, "senders": snd, "into": into, "tokens": tokens, "replacement": repl,
