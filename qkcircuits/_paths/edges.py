@@ -44,7 +44,7 @@ from .._foundation.capture import _Stop, _as_tokens, hook_name
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike, model_heads, n_kv_heads
 from .path_effects import INPUTS, PathEffects
-from .path_core import _check_resume
+from .path_core import _check_resume, grab
 from .patching import (MetricLike, _check_into, _Scorer, _settings, check_method, clean_pass, default_prompts,
                         post_norm, replacement_from_cache, resolve_metric)
 
@@ -65,15 +65,8 @@ def _grad_run(cache, layer: int, retry: bool = True):
             return leaf[x]
         return fn
 
-    def grab(name: str, last: bool):
-        def fn(t: Tensor, hook) -> None:
-            got[name] = t
-            if last:
-                raise _Stop
-        return fn
-
     hooks = [(hook_name(x, layer), cut(x)) for x in INPUTS]
-    hooks += [(hook_name("pattern", layer), grab("pattern", False)), (hook_name("z", layer), grab("z", True))]
+    hooks += [(hook_name("pattern", layer), grab(got, "pattern", False)), (hook_name("z", layer), grab(got, "z", True))]
     with torch.enable_grad():
         try:
             cache.runner.run_resid(layer, resid, hooks)

@@ -255,6 +255,15 @@ def sender_deltas(model, cache: CleanCache, repl: Replacement, senders: Sequence
 
 # ------------------------------------------------------------------------------------------ receiver runs
 
+def grab(got: Dict[str, Tensor], name: str, last: bool):
+    """A hook that keeps its tensor in ``got[name]`` and, when ``last``, ends the forward there."""
+    def fn(t: Tensor, hook) -> None:
+        got[name] = t
+        if last:
+            raise _Stop
+    return fn
+
+
 def receiver_run(cache: CleanCache, layer: int, into: str, delta: Float[Tensor, "n batch pos d_model"],
                  heads: Optional[Sequence[int]] = None, need_z: bool = True, grad: bool = False,
                  extra_hooks: Sequence = ()) -> Tuple[Tensor, Optional[Tensor]]:
@@ -290,17 +299,10 @@ def receiver_run(cache: CleanCache, layer: int, into: str, delta: Float[Tensor, 
             return out
         return fn
 
-    def grab(name: str, last: bool):
-        def fn(t: Tensor, hook) -> None:
-            got[name] = t
-            if last:
-                raise _Stop
-        return fn
-
     hooks = [(hook_name(x, layer), splice(x)) for x in INPUTS] + list(extra_hooks)
-    hooks.append((hook_name("pattern", layer), grab("pattern", not need_z)))
+    hooks.append((hook_name("pattern", layer), grab(got, "pattern", not need_z)))
     if need_z:
-        hooks.append((hook_name("z", layer), grab("z", True)))
+        hooks.append((hook_name("z", layer), grab(got, "z", True)))
     with torch.set_grad_enabled(grad):
         try:
             cache.runner.run_resid(layer, resid, hooks)
