@@ -61,15 +61,13 @@ def test_ray_sweep_equals_local_sweep(method, llama, ray_local):
     assert res.reference == local.reference and res.layers == local.layers
 
 
-def test_killed_worker_shard_reruns_once(llama, ray_local):
-    """SIGKILL a worker process right after a shard is dispatched to it, once some shard has finished."""
-    folder, model = llama
-    tokens = _tokens(model)
-    local = qk.sweep(model, tokens, "induction-loss", "mean", progress=False)
+def _killer(job_suffix: str):
+    """(state, on_event): counts results and retries of the jobs ending in ``job_suffix`` and SIGKILLs the
+    worker of the first dispatch after a result (a worker dies mid-run, once)."""
     state = {"results": [], "killed": None, "retries": 0}
 
     def on_event(kind, info):
-        if not info["job"].endswith(":sweep_shard"):
+        if not info["job"].endswith(job_suffix):
             return
         if kind == "result":
             state["results"].append(info["shard"])
@@ -78,6 +76,15 @@ def test_killed_worker_shard_reruns_once(llama, ray_local):
         elif kind == "dispatch" and state["results"] and state["killed"] is None:
             state["killed"] = info["pid"]
             os.kill(info["pid"], signal.SIGKILL)
+    return state, on_event
+
+
+def test_killed_worker_shard_reruns_once(llama, ray_local):
+    """SIGKILL a worker process right after a shard is dispatched to it, once some shard has finished."""
+    folder, model = llama
+    tokens = _tokens(model)
+    local = qk.sweep(model, tokens, "induction-loss", "mean", progress=False)
+    state, on_event = _killer(":sweep_shard")
 
     res = rsw.ray_sweep(str(folder), tokens, "induction-loss", "mean", workers=2, shard_prompts=2,
                          progress=False, on_event=on_event)
@@ -193,18 +200,7 @@ def test_killed_worker_path_patch_shard_reruns_once(llama, ray_local):
     folder, model = llama
     toks = _tokens(model, 4)
     local = qk.path_patch(model, "1.1", into="k,v", tokens=toks, progress=False)
-    state = {"results": [], "killed": None, "retries": 0}
-
-    def on_event(kind, info):
-        if not info["job"].endswith(":patch_job"):          # prepare runs first, on one worker
-            return
-        if kind == "result":
-            state["results"].append(info["shard"])
-        elif kind == "retry":
-            state["retries"] += 1
-        elif kind == "dispatch" and state["results"] and state["killed"] is None:
-            state["killed"] = info["pid"]
-            os.kill(info["pid"], signal.SIGKILL)
+    state, on_event = _killer(":patch_job")          # prepare runs first, on one worker: not counted
 
     res = rpp.ray_path_patch(str(folder), "1.1", into="k,v", tokens=toks, progress=False, workers=2,
                              on_event=on_event)
