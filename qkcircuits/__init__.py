@@ -5,45 +5,10 @@
 >>> scores = qk.scan(model)                             # doctest: +SKIP
 >>> scores.top(5, "induction")                          # doctest: +SKIP
 
-The public API is re-exported here explicitly; the modules behind it are private.
+The public API is re-exported here (imported from ``qkcircuits._api`` on first use, so ``import qkcircuits``
+and ``qkcircuits --help`` stay light); the modules behind it are private.
 """
 
-# Foundation: loading, heads, prompt sets, hooks.
-from ._foundation.capture import Activations, capture, edit, has_rotary, hook_name, stream
-from ._foundation.errors import QKCircuitsError
-from ._foundation.heads import Head, all_heads, kv_head, model_heads, n_kv_heads, parse_heads
-from ._foundation.model import load, pick_device
-from ._foundation.sequences import natural_text, repeated_tokens, segment_length, text_tokens, token_pool
-
-# Circuits: weights only (plus one cached corpus pass for the contextual token views).
-from ._weights.circuits import (Circuit, LayerWeights, all_ov, all_qk, attn_input_hook, attn_scale, circuit,
-                                circuit_caveats, embed_factor, embed_rows, full_ov, full_qk, layer_weights, ov,
-                                ov_affine, qk, qk_affine, top_tokens, unembed_cols, unembed_embed, unembed_factor)
-from ._weights.composition import (CompositionScores, composition_baseline, composition_column, composition_scores,
-                                   k_composition_partners)
-from ._weights.contextual import INPUTS, TokenInputs, copying_rank, head_logits, ov_copying, token_inputs, token_qk
-from ._weights.copying import copying_accuracy, copying_scores, eigen_copying
-from ._weights.rotary import (OffsetProfile, RotarySpec, offset_profile, offset_scores, positional_qk, qk_at_offset,
-                              rotary_spec, rotation)
-
-# Analyses: detectors, ablation, diagnostics.
-from ._analysis.ablate import METHODS as ABLATION_METHODS
-from ._analysis.ablate import GroupEffect, RandomComparison, ablate, compare_to_random, group_effect
-from ._analysis.attribution import attribution
-from ._analysis.detect import SCORE_NAMES, TEXT_SCORES, THRESHOLDS, confirm_induction, mask_score, scan, target_masks
-from ._analysis.diagnose import HeadDiagnostics, diagnose, qk_statistics
-from ._analysis.metrics import Metric, as_metric, induction_loss, logit_diff, text_loss
-from ._analysis.results import HeadScores
-from ._analysis.sweep import HeadEffects, sweep
-
-# How heads work together: path patching, edge attribution, the induction trace.
-from ._paths.edges import edge_attribution
-from ._paths.patching import path_patch
-from ._paths.path_effects import PathEffects
-from ._paths.trace import trace_induction
-
-# Many models at once (Ray itself is imported only for backend="ray").
-from ._scale.zoo import Zoo, zoo
 
 __version__ = "0.1.0"
 
@@ -78,12 +43,28 @@ __all__ = sorted([
 
 
 def __getattr__(name: str):
+    """Public names load on first use (see ``_api``): ``import qkcircuits`` imports no torch."""
+    import importlib
+
     if name in _VIEWS:
         from . import viz
 
         return getattr(viz, name)
     if name in _LAZY_MODULES:
-        import importlib
-
         return importlib.import_module(f".{name}", __name__)
+    if name in __all__:
+        api = importlib.import_module("._api", __name__)
+        globals().update((k, v) for k, v in vars(api).items() if k in __all__)   # later lookups skip this hook
+        if name in globals():
+            return globals()[name]
+    elif name.startswith("_") and not name.startswith("__"):
+        try:                                   # a private subpackage such as qkcircuits._foundation
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
     raise AttributeError(f"module 'qkcircuits' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

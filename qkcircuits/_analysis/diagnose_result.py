@@ -178,7 +178,7 @@ class HeadDiagnostics(Displayed):
     @classmethod
     def from_json(cls, text_or_path: Union[str, Path]) -> "HeadDiagnostics":
         """Read ``to_json`` output: JSON text or the path of a file holding it."""
-        d = load_json(text_or_path, "a diagnose --json output")
+        d = load_json(text_or_path, "a diagnose --json output", schema=SCHEMA)
 
         def tensor(x) -> Tensor:
             return torch.tensor([[math.nan if v is None else v for v in row] for row in x], dtype=torch.float64)
@@ -189,7 +189,7 @@ class HeadDiagnostics(Displayed):
                        scale=torch.tensor([math.nan if v is None else v for v in d["scale"]], dtype=torch.float64),
                        settings=d.get("settings", {}),
                        by_set={s: {k: tensor(v) for k, v in ms.items()} for s, ms in d.get("by_set", {}).items()})
-        except (KeyError, TypeError, ValueError, IndexError) as e:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
             raise QKCircuitsError(f"not a qkcircuits diagnostics JSON ({type(e).__name__}: {e}); expected the keys "
                                   f"model, n_layers, n_heads, d_head, scale, measures") from None
 

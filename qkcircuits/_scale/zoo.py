@@ -53,7 +53,7 @@ class Zoo:
 
     @classmethod
     def from_json(cls, text_or_path: Union[str, Path]) -> "Zoo":
-        d = load_json(text_or_path, "a 'qkcircuits zoo --json' output")
+        d = load_json(text_or_path, "a 'qkcircuits zoo --json' output", schema=SCHEMA)
         if not isinstance(d.get("models"), list):
             raise QKCircuitsError("not a qkcircuits zoo JSON: no 'models' list")
         return cls(d["models"], d.get("settings", {}), d.get("timing", {}))
@@ -164,6 +164,10 @@ def zoo(models: Sequence[str], *, backend: str = "local", ray_address: Optional[
         raise QKCircuitsError("zoo needs a list of one or more model specs, e.g. ['smollm2-135m', 'toy-induction']")
     check_int("n_seqs", n_seqs)
     check_int("confirm_top", confirm_top, 0)
+    from .._foundation.model import check_spec
+
+    for m in models:                     # every spec checked before the first model loads
+        check_spec(m)
     kwargs = dict(load_kwargs=load_kwargs or {}, confirm_top=confirm_top, n_seqs=n_seqs, seed=seed,
                   max_heads=max_heads)
     settings = {"confirm_top": confirm_top, "n_seqs": n_seqs, "seed": seed, "max_heads": max_heads,

@@ -1,9 +1,12 @@
-"""``qkcircuits`` command line: ``scan | circuits | ablate | diagnose | report | serve``.
+"""``qkcircuits`` command line: ``scan | circuits | ablate | diagnose | report | serve | trace | zoo | cache``.
 
-Each subcommand lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> int``.
-Bad input prints one ``error:`` line and exits with code 2, no traceback: argument errors,
-``QKCircuitsError``, and output paths that cannot be written (checked before any model loads).
-An unexpected failure prints one line and exits 1 (``QKCIRCUITS_DEBUG=1`` shows the traceback).
+Each subcommand lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> int``; the
+modules import torch and TransformerLens inside ``run`` only, so ``--help`` and argument errors answer at
+once. Bad input prints one ``error:`` line and exits with code 2, no traceback: argument errors,
+``QKCircuitsError``, and output paths that name an input or cannot be written (``_common.check_paths``,
+before any model loads). An unexpected failure prints one line and exits 1 (``QKCIRCUITS_DEBUG=1`` shows
+the traceback). Ctrl-C prints ``interrupted`` (exit 130) and SIGTERM ``terminated`` (exit 143) at any
+point, start-up included; a file being written is removed, never left half-written.
 """
 
 from __future__ import annotations
@@ -11,23 +14,24 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 from typing import List, NoReturn, Optional
 
 from .._foundation.errors import QKCircuitsError
-from .._foundation.io import check_writable
+from .._foundation.io import Terminated
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ["scan", "circuits", "ablate", "diagnose", "report", "serve", "trace", "zoo"]
-# Arguments that name files a subcommand will write.
-OUTPUT_ARGS = ("json", "csv", "output")
+COMMANDS = ["scan", "circuits", "ablate", "diagnose", "report", "serve", "trace", "zoo", "cache"]
+DEBUG_HINT = "set QKCIRCUITS_DEBUG=1 for the traceback"
 
 
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (the full usage stays behind --help)."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"error: {self.prog}: {message} (see '{self.prog} --help')", file=sys.stderr)
+        print(f"error: {self.prog}: {' '.join(message.split())} (see '{self.prog} --help')", file=sys.stderr)
         sys.exit(2)
 
 
@@ -39,12 +43,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _on_sigterm(signum, frame) -> NoReturn:
+    raise Terminated()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one subcommand; returns the exit code (0 ok, 1 a bug, 2 bad input, 130 Ctrl-C, 143 SIGTERM)."""
+    previous = None
     try:
-        for name in OUTPUT_ARGS:
-            if getattr(args, name, None):
-                check_writable(getattr(args, name))
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        args = build_parser().parse_args(argv)
+        from ._common import check_paths
+
+        check_paths(args)                         # outputs vs inputs, before any work
         return int(args.func(args) or 0)
     except QKCircuitsError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -52,14 +64,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 143
+    except SystemExit as e:                       # argparse: --help (0) or a usage error (2), already printed
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except Exception as e:  # one line, not a traceback, unless asked for
         if os.environ.get("QKCIRCUITS_DEBUG"):
             raise
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        print(f"error: unexpected {type(e).__name__}: {first} (set QKCIRCUITS_DEBUG=1 for the traceback)",
-              file=sys.stderr)
+        first = " ".join((str(e).strip().splitlines() or [""])[0].split())[:300]
+        print(f"error: unexpected {type(e).__name__}: {first} ({DEBUG_HINT})", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def entry() -> NoReturn:  # pragma: no cover  (python -m qkcircuits)
+    sys.exit(main())
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    entry()

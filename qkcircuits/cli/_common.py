@@ -1,17 +1,131 @@
-"""Arguments and helpers shared by the subcommands."""
+"""Arguments and helpers shared by the subcommands, and the one check that no output names an input.
+
+Every file a subcommand reads or writes is declared once, where its argument is added: ``input_arg`` and
+``output_arg`` wrap ``add_argument`` and record the argument's ``dest`` on the parser; ``add_model_args``
+declares the model. ``check_paths(args)`` (called by ``cli.main`` before any work) refuses, with one line
+and exit 2, an output that is one of the inputs (the same file, a hard link to it, a file inside an input
+folder), two outputs of one run that are the same file, and an empty output path. Arguments with the usual
+names (``INPUT_NAMES``/``OUTPUT_NAMES``) are checked even when a command adds them with plain ``add_argument``.
+
+>>> p = argparse.ArgumentParser()
+>>> add_model_args(p)
+>>> _ = output_arg(p, "--json")
+>>> check_paths(p.parse_args([str(tmp / "m.gguf"), "--json", str(tmp / "out.json")]))
+>>> (tmp / "m.gguf").write_text("x")
+1
+>>> check_paths(p.parse_args([str(tmp / "m.gguf"), "--json", str(tmp / "m.gguf")]))
+Traceback (most recent call last):
+...
+qkcircuits._foundation.errors.QKCircuitsError: --json ... is the model file ...; an output must not replace an input: give another path
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
+from typing import Iterator, List, Optional, Tuple
 
+from .._foundation.errors import QKCircuitsError
 from .._foundation.io import check_writable, write_atomic  # noqa: F401  (re-exported for the subcommands)
+
+# Argument names (dest) that always name files read / written, whichever command adds them.
+INPUT_NAMES = ("model", "models", "scores", "ablation", "diagnostics", "trace", "task", "circuit")
+OUTPUT_NAMES = ("json", "csv", "output")
+# Model specs that are not paths but stand for a cached file.
+_CACHED_SPECS = ("smollm2-135m", "smollm2")
+
+
+def _declared(parser: argparse.ArgumentParser, key: str) -> List[str]:
+    names = list(parser.get_default(key) or [])
+    return names
+
+
+def _declare(parser: argparse.ArgumentParser, key: str, dest: str) -> None:
+    names = _declared(parser, key)
+    if dest not in names:
+        parser.set_defaults(**{key: names + [dest]})
+
+
+def input_arg(parser: argparse.ArgumentParser, *flags: str, **kwargs) -> argparse.Action:
+    """``parser.add_argument(*flags, **kwargs)`` for a file the command reads (never to be overwritten)."""
+    action = parser.add_argument(*flags, **kwargs)
+    _declare(parser, "_qk_inputs", action.dest)
+    return action
+
+
+def output_arg(parser: argparse.ArgumentParser, *flags: str, **kwargs) -> argparse.Action:
+    """``parser.add_argument(*flags, **kwargs)`` for a file the command writes."""
+    action = parser.add_argument(*flags, **kwargs)
+    _declare(parser, "_qk_outputs", action.dest)
+    return action
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="hub name, local Hugging Face folder, .gguf file, or 'smollm2-135m'")
+    input_arg(p, "model", help="hub name, local Hugging Face folder, .gguf file, or 'smollm2-135m'")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     p.add_argument("--no-fold-ln", action="store_true", help="keep raw Hugging Face weights (no LayerNorm folding)")
+
+
+def _flag(dest: str) -> str:
+    return dest if dest in ("model", "models") else "--" + dest.replace("_", "-")
+
+
+def _values(args: argparse.Namespace, dest: str) -> Iterator[str]:
+    value = getattr(args, dest, None)
+    for v in (value if isinstance(value, (list, tuple)) else [value]):
+        if v is not None:
+            yield os.fspath(v)
+
+
+def _input_files(dest: str, value: str) -> Iterator[Tuple[str, Path]]:
+    """(what, resolved path) for the files an input value stands for: itself if it exists, the cached GGUF of
+    an alias."""
+    what = "the model file" if dest in ("model", "models") else f"the {_flag(dest)} file"
+    if dest in ("model", "models") and value.lower() in _CACHED_SPECS:
+        from .._foundation.fetch import smollm2_target
+
+        yield "the cached model file", smollm2_target().resolve()
+        return
+    p = Path(value).expanduser()
+    if p.exists():
+        yield (what if p.is_file() else what.replace(" file", " folder")), p.resolve()
+
+
+def _same(a: Path, b: Path) -> bool:
+    if a == b:
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Refuse (``QKCircuitsError``) an output that names an input or another output, or is empty; then check
+    each output can be written. Cheap: nothing is read."""
+    ins = list(dict.fromkeys([*INPUT_NAMES, *(getattr(args, "_qk_inputs", None) or [])]))
+    outs = list(dict.fromkeys([*OUTPUT_NAMES, *(getattr(args, "_qk_outputs", None) or [])]))
+    inputs = [(_flag(d), v, what, p) for d in ins for v in _values(args, d) for what, p in _input_files(d, v)]
+    seen: List[Tuple[str, str, Path]] = []
+    for dest in outs:
+        for value in _values(args, dest):
+            flag = _flag(dest)
+            if not value.strip():
+                raise QKCircuitsError(f"{flag} is empty; give the path of the file to write")
+            out = Path(value).expanduser().resolve()
+            for _, in_value, what, p in inputs:
+                if _same(out, p) or (p.is_dir() and out.exists() and p in out.parents):
+                    where = f"is {what} {in_value!r}" if _same(out, p) else f"is inside {what} {in_value!r}"
+                    raise QKCircuitsError(f"{flag} {value!r} {where}; an output must not replace an input: give "
+                                          f"another path")
+            for o_flag, o_value, o in seen:
+                if _same(out, o):
+                    raise QKCircuitsError(f"{o_flag} {o_value!r} and {flag} {value!r} name the same file; the second "
+                                          f"would replace the first: give two paths")
+            check_writable(value)
+            seen.append((flag, value, out))
 
 
 def load_model(args):

@@ -17,8 +17,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 from .._foundation.errors import QKCircuitsError
 from ._common import add_model_args, load_model, positive_int, write_atomic
 
@@ -43,6 +41,8 @@ def add_parser(sub) -> None:
 
 def summarize(model, head, text=None, top: int = 5, max_offset: int = 64, input=None) -> dict:
     """The summary ``run`` prints, as plain data (also what ``--json`` writes)."""
+    import torch
+
     from .._foundation.capture import has_rotary
     from .._weights.circuits import attn_input_hook, attn_scale, circuit_caveats, is_folded
     from .._weights.composition import composition_baseline, k_composition_partners

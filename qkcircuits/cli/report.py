@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, check_writable, load_model, non_negative_int, positive_int
+from ._common import add_model_args, load_model, non_negative_int, positive_int
 
 
 def add_parser(sub) -> None:
@@ -36,11 +36,21 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _read(path: str, what: str) -> str:
-    p = Path(path)
-    if not p.is_file():
-        raise QKCircuitsError(f"no {what} JSON file at {path!r}")
-    return p.read_text(encoding="utf-8")
+def _read(cls, path: str, flag: str, what: str):
+    """``cls.from_json`` of the file ``path`` (a path, read once, never its content taken as a path); errors are
+    one line naming the file."""
+    from .._foundation.io import load_json
+
+    try:
+        if cls.__name__ == "HeadEffects":        # reads JSON text only: parse the file here, errors named
+            import json
+
+            return cls.from_json(json.dumps(load_json(Path(path), what)))
+        return cls.from_json(Path(path))
+    except QKCircuitsError as e:
+        raise QKCircuitsError(str(e) if repr(path) in str(e) else f"{flag} {path!r}: {e}") from None
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        raise QKCircuitsError(f"{flag} {path!r} is not {what} ({type(e).__name__}: {e})") from None
 
 
 def load_inputs(args):
@@ -49,16 +59,15 @@ def load_inputs(args):
     from .._analysis.results import HeadScores
     from .._analysis.sweep import HeadEffects
 
-    scores = HeadScores.from_json(_read(args.scores, "scores")) if getattr(args, "scores", None) else None
-    effects = diagnostics = None
+    scores = effects = diagnostics = None
+    if getattr(args, "scores", None):
+        scores = _read(HeadScores, args.scores, "--scores", "a scan JSON from `qkcircuits scan --json`")
     if getattr(args, "ablation", None):
-        try:
-            effects = HeadEffects.from_json(_read(args.ablation, "ablation"))
-        except (ValueError, KeyError, TypeError) as e:
-            raise QKCircuitsError(f"{args.ablation!r} is not a sweep JSON from `qkcircuits ablate --sweep --json` "
-                                  f"({type(e).__name__}: {e})") from None
+        effects = _read(HeadEffects, args.ablation, "--ablation",
+                        "a sweep JSON from `qkcircuits ablate --sweep --json`")
     if getattr(args, "diagnostics", None):
-        diagnostics = HeadDiagnostics.from_json(_read(args.diagnostics, "diagnostics"))
+        diagnostics = _read(HeadDiagnostics, args.diagnostics, "--diagnostics",
+                            "a diagnostics JSON from `qkcircuits diagnose --json`")
     return scores, effects, diagnostics
 
 
@@ -68,7 +77,7 @@ def read_trace(args):
         return None
     from .._paths.path_effects import PathEffects
 
-    return PathEffects.from_json(_read(args.trace, "trace"))
+    return _read(PathEffects, args.trace, "--trace", "a trace JSON from `qkcircuits trace --json`")
 
 
 def check_trace(trace, model, args):
@@ -87,7 +96,6 @@ def run(args: argparse.Namespace) -> int:
     from .._analysis.detect import scan
     from ..viz import report_html, write_report
 
-    check_writable(args.output)              # before the scan and the report: minutes of work
     scores, effects, diagnostics = load_inputs(args)
     trace = read_trace(args)                 # parsed before the model loads: a bad file fails in a second
     model = load_model(args)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ._common import non_negative_int, positive_int, write_atomic
+from ._common import input_arg, non_negative_int, positive_int, write_atomic
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("zoo", help="scan several models and compare where their induction heads sit",
                        description="Scan every model (induction and previous-token scores, plus a causal check) "
                                    "and write one comparison: JSON and a side-by-side HTML figure.")
-    p.add_argument("models", nargs="+", metavar="MODEL",
+    input_arg(p, "models", nargs="+", metavar="MODEL",
                    help="hub names, local Hugging Face folders, .gguf files, 'smollm2-135m', 'toy-induction'")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
@@ -29,8 +29,11 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .._foundation.model import check_spec
     from .._scale.zoo import zoo
 
+    for spec in args.models:          # every spec before the first model loads
+        check_spec(spec)
     z = zoo(args.models, backend="ray" if args.ray is not None else "local", ray_address=args.ray or None,
             confirm_top=args.confirm, n_seqs=args.n_seqs, seed=args.seed, progress=not args.quiet,
             load_kwargs={"device": args.device, "dtype": args.dtype})
