@@ -29,10 +29,9 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from werkzeug.serving import make_server
-
     from .._analysis.detect import scan
     from ..viz import create_app
+    from ..viz._app import make_server
 
     if args.port > 65535:
         raise QKCircuitsError(f"port {args.port} is out of range 1-65535")
@@ -42,9 +41,10 @@ def run(args: argparse.Namespace) -> int:
     trace = check_trace(trace, model, args)  # before the scan and before listening
     if scores is None and not args.no_scan:
         scores = scan(model, eigen_copying=False)
-    app = create_app(model, scores=scores, effects=effects, diagnostics=diagnostics, title=args.model, trace=trace)
+    app = create_app(model, scores=scores, effects=effects, diagnostics=diagnostics, title=args.model, trace=trace,
+                     hosts=[args.host])
     try:
-        server = make_server(args.host, args.port, app, threaded=True)
+        server = make_server(args.host, args.port, app)
     except OSError as e:
         raise QKCircuitsError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); try another --port") from None
     if args.host not in LOOPBACK:

@@ -13,15 +13,25 @@ Routes (nothing else is served; no route takes a path from the user):
                                     "input": "direct"|"effective"|"contextual"}`` (input optional: default
                                     contextual past layer 0) → the head's panel (same data as a report panel)
 
-Bad input (unknown head, too-long prompt, a token that is not one token, malformed JSON) → 400
-``{"error": one line}``; anything unexpected → 500 ``{"error": "internal error (...)"}``, never a traceback.
-Computations hold a lock: the model runs one request at a time.
+Bad input (unknown head, too-long prompt, a token that is not one token, malformed JSON: deep nesting, huge
+numbers, wrong types) → 400 ``{"error": one line}``; anything unexpected → 500 ``{"error": "internal error
+(...)"}``, never a traceback. Computations hold a lock: the model runs one request at a time.
+
+Bounded and closed: per-request caches are LRUs (``ViewContext``), so memory stays flat however many token
+sets arrive; a request whose ``Host`` is not this machine (127.0.0.1, localhost, ::1, or the bound address)
+gets 403, which stops DNS rebinding; every answer carries ``X-Content-Type-Options: nosniff``,
+``X-Frame-Options: DENY`` and a Content-Security-Policy that allows the page's own inline scripts (by hash)
+and the two served libraries only; the ``Server`` header names no versions (``make_server``).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
+import re
 import threading
-from typing import Optional
+from typing import Iterable, Optional
 
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
@@ -35,6 +45,73 @@ from ._views import grids, panel
 
 TOKEN_SEPARATOR = "|"
 MAX_BODY = 64 * 1024     # bytes of a request body
+MAX_DEPTH = 8            # nesting of a request body (the API needs 2)
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+_INLINE_SCRIPT = re.compile(r"<script>(.*?)</script>", re.DOTALL)
+
+
+def _csp(html: str) -> str:
+    """A Content-Security-Policy for ``html``: its inline scripts by sha256, scripts from this server, nothing
+    from elsewhere; inline styles (plotly sets them), data: images (plotly's exports)."""
+    hashes = " ".join("'sha256-" + base64.b64encode(hashlib.sha256(s.encode("utf-8")).digest()).decode() + "'"
+                      for s in _INLINE_SCRIPT.findall(html))
+    return (f"default-src 'none'; script-src 'self' {hashes}; style-src 'self' 'unsafe-inline'; img-src 'self' "
+            f"data: blob:; font-src data:; connect-src 'self'; base-uri 'none'; form-action 'none'; "
+            f"frame-ancestors 'none'")
+
+
+def _depth(x, limit: int) -> int:
+    """Nesting depth of parsed JSON, stopping past ``limit``."""
+    if limit < 0 or not isinstance(x, (dict, list)):
+        return 0
+    items = x.values() if isinstance(x, dict) else x
+    return 1 + max((_depth(v, limit - 1) for v in items), default=0)
+
+
+def parse_body(raw: bytes) -> dict:
+    """The request body as a JSON object; one-line ``QKCircuitsError`` (→ 400) for anything else: not UTF-8,
+    not JSON, nested deeper than ``MAX_DEPTH``, numbers out of range, not an object."""
+    try:
+        text = raw.decode("utf-8")
+        body = json.loads(text, parse_constant=_no_constant, parse_int=_small_int, parse_float=_finite_float)
+    except RecursionError:
+        raise QKCircuitsError(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise QKCircuitsError(f"the request body is not valid JSON ({' '.join(str(e).split())[:120]}); send a "
+                              f"JSON object such as {_EXAMPLE}") from None
+    if _depth(body, MAX_DEPTH) > MAX_DEPTH:
+        raise QKCircuitsError(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)")
+    if not isinstance(body, dict):
+        raise QKCircuitsError(f"the request body must be a JSON object such as {_EXAMPLE}")
+    return body
+
+
+_EXAMPLE = '{"head": "1.0", "tokens": " the| of", "prompt": "..."}'
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _small_int(text: str) -> int:
+    if len(text.lstrip("-")) > 18:
+        raise ValueError(f"integer {text[:12]}... has {len(text)} digits")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if x != x or x in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:12]}... is out of range")
+    return x
+
+
+def _host_name(host: str) -> str:
+    """``Host`` header without the port: "127.0.0.1:8050" -> "127.0.0.1", "[::1]:80" -> "::1"."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def _tokens_field(model, ids) -> str:
@@ -47,8 +124,11 @@ def _tokens_field(model, ids) -> str:
 
 
 def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Optional[str] = None,
-               max_prompt: int = MAX_PROMPT, trace=None) -> Flask:
-    """The Flask app for ``model``; ``scores``/``effects``/``diagnostics`` add grids and numbers (optional)."""
+               max_prompt: int = MAX_PROMPT, trace=None, hosts: Optional[Iterable[str]] = None) -> Flask:
+    """The Flask app for ``model``; ``scores``/``effects``/``diagnostics`` add grids and numbers (optional).
+
+    ``hosts``: extra ``Host`` names answered besides the loopback ones (``serve`` adds its bound address).
+    """
     from .._foundation.model import model_name
 
     app = Flask(__name__, static_folder=None)          # no static folder: nothing on disk is reachable by URL
@@ -59,6 +139,22 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
     name = title or model_name(model)
     default_ids = token_set(model)
     state = {}
+    allowed = {*LOOPBACK_HOSTS, *(_host_name(h) for h in (hosts or ()))}
+
+    @app.before_request
+    def check_host():
+        if _host_name(request.host or "") not in allowed:
+            return jsonify(error=f"host {request.host[:60]!r} is not served here; open http://127.0.0.1 or "
+                                 f"http://localhost (the address the app is bound to)"), 403
+        return None
+
+    @app.after_request
+    def security_headers(resp: Response) -> Response:
+        resp.headers["X-Content-Type-Options"] = "nosniff"
+        resp.headers["X-Frame-Options"] = "DENY"
+        resp.headers["Referrer-Policy"] = "no-referrer"
+        resp.headers.setdefault("Content-Security-Policy", "default-src 'none'; frame-ancestors 'none'")
+        return resp
 
     def info():
         if "info" not in state:
@@ -82,7 +178,9 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
         scripts = ('<script src="static/plotly.min.js"></script>\n'
                    '<script src="static/circuitsvis.js"></script>')
         html = page(f"qkcircuits: {name}", f"window.QK_SOURCE = {embed_json({'mode': 'server'})};", scripts, server=True)
-        return Response(html, mimetype="text/html")
+        resp = Response(html, mimetype="text/html")
+        resp.headers["Content-Security-Policy"] = _csp(html)
+        return resp
 
     @app.get("/static/plotly.min.js")
     def plotly_js():
@@ -98,10 +196,7 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
 
     @app.post("/api/head")
     def api_head():
-        body = request.get_json(silent=True)
-        if not isinstance(body, dict):
-            raise QKCircuitsError('the request body must be a JSON object such as {"head": "1.0", "tokens": " the| of", '
-                                  '"prompt": "..."}')
+        body = parse_body(request.get_data(cache=False))
         unknown = set(body) - {"head", "tokens", "prompt", "input"}
         if unknown:
             raise QKCircuitsError(f"unknown field(s) {', '.join(sorted(unknown))}; accepted: head, tokens, prompt, "
@@ -125,8 +220,14 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
             raise QKCircuitsError(f"'prompt' must be a string, got {type(prompt).__name__}")
         if isinstance(prompt, str) and len(prompt) > 20 * max_prompt:
             raise QKCircuitsError(f"the prompt is {len(prompt)} characters; at most {20 * max_prompt} are accepted")
-        ids = token_set(model, tokens)
-        pids = prompt_ids(model, prompt if prompt and prompt.strip() else None)
+        try:
+            ids = token_set(model, tokens)
+            pids = prompt_ids(model, prompt if prompt and prompt.strip() else None)
+        except (ValueError, OverflowError, TypeError, IndexError) as e:   # e.g. a 5,000-digit '#id'
+            if isinstance(e, QKCircuitsError):
+                raise
+            raise QKCircuitsError(f"bad token or prompt ({type(e).__name__}: {' '.join(str(e).split())[:120]})") \
+                from None
         if len(pids) > max_prompt:
             raise QKCircuitsError(f"the prompt is {len(pids)} tokens (with BOS); at most {max_prompt} are accepted")
         with lock:
@@ -147,3 +248,16 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
         return jsonify(error=f"internal error ({type(e).__name__})"), 500
 
     return app
+
+
+def make_server(host: str, port: int, app: Flask):
+    """werkzeug's threaded server for ``app`` whose ``Server`` header is just "qkcircuits" (no Werkzeug or
+    Python version banner)."""
+    from werkzeug.serving import WSGIRequestHandler
+    from werkzeug.serving import make_server as _make_server
+
+    class Handler(WSGIRequestHandler):
+        def version_string(self) -> str:
+            return "qkcircuits"
+
+    return _make_server(host, port, app, threaded=True, request_handler=Handler)

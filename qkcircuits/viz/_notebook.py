@@ -40,7 +40,7 @@ import plotly.graph_objects as go
 
 from .._foundation.errors import QKCircuitsError
 from .._foundation.io import write_atomic
-from ._page import script_text
+from ._page import escape_json_text, script_text
 
 MODES = ("auto", "page", "figure")
 ENV = "QKCIRCUITS_NOTEBOOK_BUNDLE"
@@ -117,7 +117,7 @@ def library_script(lib: str) -> str:
 
 def _json(obj) -> str:
     # '<' only occurs inside JSON strings, where \u003c is the same character: no '</script>' or '<!--'.
-    return obj.replace("<", "\\u003c") if isinstance(obj, str) else json.dumps(obj).replace("<", "\\u003c")
+    return escape_json_text(obj if isinstance(obj, str) else json.dumps(obj))   # also > & U+2028/9
 
 
 def _drawing(lib: str, element_id: str, draw_js: str, data_json: str) -> str:

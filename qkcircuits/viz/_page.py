@@ -2,13 +2,15 @@
 
 The viewer script reads its data from ``window.QK_SOURCE``: ``{"mode": "static", ...}`` (the report: grids
 and per-head panels embedded) or ``{"mode": "server"}`` (the app: ``/api/info`` and ``/api/head``).
-Token strings reach the DOM only through ``textContent`` (never ``innerHTML``), and embedded JSON has
-``</`` escaped, so a token such as ``</script>`` cannot break out of the page.
+Token strings reach the DOM only through ``textContent`` (never ``innerHTML``), and embedded JSON has every
+``<``, ``>``, ``&``, U+2028 and U+2029 escaped (``embed_json``), so no label such as ``</script>`` or
+``<!--<script>`` can break out of the page or stop it rendering.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -29,19 +31,50 @@ def circuitsvis_js_path() -> Path:
 
 @lru_cache(maxsize=2)
 def script_text(which: str) -> str:
-    """The library's JS made safe to inline: ``</script`` escaped, the source-map comment removed
-    (a browser with devtools open would otherwise try to fetch ``iife.js.map``)."""
+    """The library's JS made safe to inline (``inline_js``), the source-map comment removed (a browser with
+    devtools open would otherwise try to fetch ``iife.js.map``)."""
     path = plotly_js_path() if which == "plotly" else circuitsvis_js_path()
     text = path.read_text(encoding="utf-8")
     lines = text.rstrip().splitlines()
     if lines and lines[-1].startswith("//# sourceMappingURL"):
         text = "\n".join(lines[:-1])
-    return text.replace("</script", "<\\/script")
+    return inline_js(text)
+
+
+_JS_BREAKOUTS = re.compile(r"<(/|!--|script)", re.IGNORECASE)
+
+
+def inline_js(code: str) -> str:
+    r"""JavaScript source safe inside ``<script>...</script>``: ``</`` (which could close the element), ``<!--``
+    and ``<script`` (which together switch the HTML parser into the state where ``</script>`` no longer
+    closes it) are written with escapes that mean the same characters inside JS strings and regexes, where
+    they occur in the bundled libraries; U+2028/U+2029 as escapes as well.
+
+    >>> print(inline_js('x = "</script><!--<script>"'))
+    x = "<\/script>\x3c!--\x3cscript>"
+    """
+    def esc(m: "re.Match[str]") -> str:
+        return "<\\/" if m.group(1) == "/" else "\\x3c" + m.group(1)
+
+    return _JS_BREAKOUTS.sub(esc, code).replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
 
 
 def embed_json(obj) -> str:
-    """JSON for a ``<script>`` block (``</`` escaped; NaN is not valid JSON and must be None already)."""
-    return json.dumps(obj, allow_nan=False, separators=(",", ":")).replace("</", "<\\/")
+    r"""JSON for a ``<script>`` block: every ``<``, ``>``, ``&`` and U+2028/U+2029 as a ``\uXXXX`` escape (they
+    only occur inside JSON strings, where the escape is the same character), so no string can close the
+    script, open a comment or end the JavaScript line. NaN is not valid JSON and must be None already.
+
+    >>> print(embed_json({"label": "<!--<script></script>" + chr(0x2028)}))
+    {"label":"\u003c!--\u003cscript\u003e\u003c/script\u003e\u2028"}
+    """
+    text = json.dumps(obj, allow_nan=False, separators=(",", ":"))
+    return escape_json_text(text)
+
+
+def escape_json_text(text: str) -> str:
+    """``embed_json``'s escapes applied to JSON text made elsewhere (e.g. plotly's ``to_json``)."""
+    return (text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+            .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
 
 
 CSS = """
@@ -242,4 +275,11 @@ def page(title: str, source_js: str, scripts: str, server: bool) -> str:
 
 
 def _esc(s: str) -> str:
-    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+    """Text for HTML content or a quoted attribute.
+
+    >>> _esc("<b title='x'>&</b>")
+    '&lt;b title=&#x27;x&#x27;&gt;&amp;&lt;/b&gt;'
+    """
+    import html
+
+    return html.escape(str(s), quote=True)

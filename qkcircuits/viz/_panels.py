@@ -28,6 +28,7 @@ from .._foundation.capture import capture, has_rotary
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, model_heads
 from .._weights.circuits import attn_scale, embed_rows, layer_weights, unembed_cols
+from .._foundation.lru import LRU
 from .._weights.contextual import TokenInputs, check_input, head_logits, mid_rank, token_inputs
 
 # Common English tokens that make a QK heatmap readable (those that are one token in the model's vocabulary).
@@ -128,11 +129,15 @@ def prompt_ids(model, prompt: Optional[str]) -> List[int]:
     return ids
 
 
+INPUTS_CACHE = 64      # token sets x layers x inputs kept by a ViewContext
+
+
 class ViewContext:
     """Per-model caches for the views: normalised embedding rows, unembedding, layer weights, and the
     weight-only scores (eigenvalue copying, K-composition) computed on first use.
 
-    Memory: one [d_model, vocab] unembedding view plus, per layer used, its attention weights.
+    Memory: one [d_model, vocab] unembedding view plus, per layer used, its attention weights, plus at most
+    ``INPUTS_CACHE`` token-input sets (least recently used dropped first).
     """
 
     def __init__(self, model):
@@ -141,7 +146,8 @@ class ViewContext:
         self._weights: Dict[int, object] = {}
         self._eigen: Optional[Tensor] = None
         self._kcomp = None
-        self._inputs: Dict[Tuple[int, Tuple[int, ...], str], TokenInputs] = {}
+        # bounded: a long-running app sees a new token set per request (each entry ~50 kB for 64 tokens)
+        self._inputs = LRU(INPUTS_CACHE)
 
     def weights(self, layer: int):
         if layer not in self._weights:
