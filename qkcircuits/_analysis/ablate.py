@@ -37,6 +37,7 @@ from torch import Tensor
 from .._foundation.capture import _as_tokens, capture, hook_name
 from .._foundation.display import Displayed
 from .._foundation.errors import QKCircuitsError
+from .._foundation.args import check_model, check_tokens
 from .._foundation.heads import Head, HeadsLike, all_heads, model_heads
 from .._foundation.sequences import check_seed
 from .metrics import Metric, as_metric
@@ -151,6 +152,7 @@ def ablate(model, heads: HeadsLike, method: str = "zero", *, reference=None,
     mean is taken per position or over all positions) or ``resample`` (needs ``reference`` tokens
     shaped like the batches you run). Yields the ``Replacement`` used.
     """
+    model = check_model(model)
     targets = model_heads(model, heads)
     check_method(method)
     if method != "zero" and reference is None:
@@ -354,6 +356,7 @@ class GroupEffect(Displayed):
 def group_effect(model, heads: HeadsLike, tokens, metric="induction-loss", method: str = "zero", *,
                  reference=None, per_position: bool = True) -> GroupEffect:
     """Ablate ``heads`` together on ``tokens``; one clean and one ablated forward pass."""
+    model, tokens = check_model(model), check_tokens(tokens)
     targets = model_heads(model, heads)
     tokens, metric = _prepare(model, tokens, metric)
     repl = make_replacement(model, method, [h.layer for h in targets], reference=reference, tokens=tokens,

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from .._foundation.capture import stream
 from .._foundation.errors import QKCircuitsError
+from .._foundation.args import check_model
 from .._foundation.io import check_int, package_version
 from .._foundation.model import model_name
 from .._foundation.sequences import check_seed, repeated_tokens, segment_length, text_tokens, token_pool
@@ -188,6 +189,7 @@ def scan(model, *, scores: Optional[Sequence[str]] = None, n_seqs: int = 8, seq_
     ``confirm_top=k`` ablates the top-k induction heads and k random heads and stores the loss
     rises in ``extras["confirmation"]``.
     """
+    model = check_model(model)
     check_seed(seed)
     check_int("n_seqs", n_seqs)
     check_int("prefix_seqs", prefix_seqs)

@@ -25,6 +25,7 @@ from torch import Tensor
 from .._foundation.capture import _check_layers
 from .._foundation.display import Displayed
 from .._foundation.errors import QKCircuitsError
+from .._foundation.args import check_model, check_tokens
 from .._foundation.heads import Head
 from .._foundation.io import json_number
 from .ablate import Runner, _prepare, _progress, copies_per_forward, make_replacement, run_groups
@@ -99,6 +100,7 @@ def sweep(model, tokens, metric="induction-loss", method: str = "zero", *, refer
     (``"local:N"``: a local instance with N workers). Equal to the local sweep to float rounding
     (docs/scaling.md); ``timing`` gets ``startup_s``, ``load_s``, ``sweep_s``.
     """
+    model, tokens = check_model(model, spec_ok=backend != "local"), check_tokens(tokens)
     import time
 
     from .._foundation.model import model_name

@@ -46,6 +46,7 @@ from torch import Tensor
 from .._analysis.ablate import Replacement, check_method
 from .._foundation.capture import _as_tokens
 from .._foundation.errors import QKCircuitsError
+from .._foundation.args import check_int, check_model, check_tokens
 from .._foundation.heads import Head, HeadsLike, model_heads
 from .path_core import (CHUNK_BYTES, METRIC_NAMES, CleanCache, MetricLike, _Metric, _Scorer, clean_pass,  # noqa: F401
                          post_norm, receiver_run, references, replacement_from_cache, resolve_metric, sender_deltas,
@@ -247,6 +248,8 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
     over all prompts, combined exactly (``qkcircuits._scale.ray_patching``). ``ray_address``: as for ``sweep``
     (None: ``$RAY_ADDRESS`` if set, else a local instance; ``"local:N"``); ``workers``: how many.
     """
+    model, tokens = check_model(model, spec_ok=backend != "local"), check_tokens(tokens)
+    check_int("shards", shards)
     from .._foundation.model import model_name
 
     if backend == "ray":

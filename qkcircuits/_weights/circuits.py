@@ -39,6 +39,7 @@ from transformer_lens.FactoredMatrix import FactoredMatrix
 from .._foundation.attention import attention_scale, sliding_window  # noqa: F401  (re-exported: the one scale reader)
 from .._foundation.display import Displayed
 from .._foundation.errors import QKCircuitsError
+from .._foundation.args import check_integer, check_model
 from .._foundation.heads import Head, HeadsLike, model_heads, n_kv_heads
 from .._foundation.model import model_name
 
@@ -435,6 +436,7 @@ def circuit(model, head: HeadsLike, kind: str = "qk", *, offset: int = 0, normal
     ``kind``: qk, ov, qk_affine, ov_affine, full_qk, full_ov, qk_offset (rotary, ``offset`` = i − j),
     pos_qk (learned positions).
     """
+    model, offset = check_model(model), check_integer("offset", offset)
     if kind not in KINDS:
         raise QKCircuitsError(f"unknown circuit kind {kind!r}; choose from {', '.join(KINDS)}")
     h = _head(model, head)
