@@ -43,16 +43,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_SIGNALLED = {"int": False}
+
+
 def _on_sigterm(signum, frame) -> NoReturn:
     raise Terminated()
+
+
+def _on_sigint(signum, frame) -> NoReturn:
+    # Remember it: a third-party import cut short by Ctrl-C can fail later with another error (seen: a
+    # RecursionError); that failure is still the interruption, not a bug to report.
+    _SIGNALLED["int"] = True
+    raise KeyboardInterrupt
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run one subcommand; returns the exit code (0 ok, 1 a bug, 2 bad input, 130 Ctrl-C, 143 SIGTERM)."""
     previous = None
+    _SIGNALLED["int"] = False
     try:
         if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, _on_sigterm)
+            previous = (signal.signal(signal.SIGTERM, _on_sigterm), signal.signal(signal.SIGINT, _on_sigint))
         args = build_parser().parse_args(argv)
         from ._common import check_paths
 
@@ -70,6 +81,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except SystemExit as e:                       # argparse: --help (0) or a usage error (2), already printed
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except Exception as e:  # one line, not a traceback, unless asked for
+        if _SIGNALLED["int"]:
+            print("interrupted", file=sys.stderr)
+            return 130
         if os.environ.get("QKCIRCUITS_DEBUG"):
             raise
         first = " ".join((str(e).strip().splitlines() or [""])[0].split())[:300]
@@ -77,7 +91,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     finally:
         if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, previous[0])
+            signal.signal(signal.SIGINT, previous[1])
 
 
 def entry() -> NoReturn:  # pragma: no cover  (python -m qkcircuits)
