@@ -4,8 +4,6 @@ against the model's own activations (independent forwards), heads known by const
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from importlib import metadata
 
 import _tiny
@@ -162,26 +160,25 @@ def test_app_accepts_an_input_and_refuses_a_bad_one(hand_built):
     assert r.status_code == 400 and "input" in r.get_json()["error"]
 
 
-def _cli(*argv):
-    return subprocess.run([sys.executable, "-m", "qkcircuits", *argv], capture_output=True, text=True, timeout=300)
+def test_cli_scan_scores_and_small_errors(tmp_path, capsys):
+    from _cli import run
 
-
-def test_cli_scan_scores_and_small_errors(tmp_path):
     out = tmp_path / "s.json"
-    r = _cli("scan", "toy-induction", "--quiet", "--scores", "induction,previous_token,duplicate_token",
-             "--json", str(out))
-    assert r.returncode == 0, r.stderr
+    code, _, err = run(["scan", "toy-induction", "--quiet", "--scores", "induction,previous_token,duplicate_token",
+                        "--json", out], capsys)
+    assert code == 0, err
     assert list(json.loads(out.read_text())["scores"]) == ["induction", "previous_token", "duplicate_token"]
     same = tmp_path / "both"
-    r = _cli("scan", "toy-induction", "--quiet", "--json", str(same), "--csv", str(same))
-    assert r.returncode == 2 and "same file" in r.stderr and "Traceback" not in r.stderr
+    code, _, err = run(["scan", "toy-induction", "--quiet", "--json", same, "--csv", same], capsys)
+    assert code == 2 and "same file" in err and "Traceback" not in err
     assert not same.exists()
-    r = _cli("scan", "toy-induction", "--quiet", "--scores", "induction,nope")
-    assert r.returncode == 2 and "unknown score 'nope'" in r.stderr
-    r = _cli("diagnose", "toy-induction", "--seg-len", "100")
-    assert r.returncode == 2 and "--seg-len" in r.stderr and "--seq-len" not in r.stderr
-    r = _cli("scan", "toy-induction", "--quiet", "--dtype", "float16", "--scores", "induction", "--json", str(out))
-    assert r.returncode == 0, r.stderr
+    code, _, err = run(["scan", "toy-induction", "--quiet", "--scores", "induction,nope"], capsys)
+    assert code == 2 and "unknown score 'nope'" in err
+    code, _, err = run(["diagnose", "toy-induction", "--seg-len", "100"], capsys)
+    assert code == 2 and "--seg-len" in err and "--seq-len" not in err
+    code, _, err = run(["scan", "toy-induction", "--quiet", "--dtype", "float16", "--scores", "induction", "--json",
+                        out], capsys)
+    assert code == 0, err
     data = json.loads(out.read_text())
     assert data["settings"]["dtype"] == "torch.float16" and data["scores"]["induction"][1][0] > 0.99
 

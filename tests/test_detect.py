@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -209,22 +207,23 @@ def test_top_zero_is_refused(hand_built):
         s.top(0)
 
 
-def test_cli_scan_table_json_and_errors(tmp_path):
+def test_cli_scan_table_json_and_errors(tmp_path, capsys):
+    from _cli import run
+
     out = tmp_path / "scan.json"
-    cmd = [sys.executable, "-m", "qkcircuits", "scan", "toy-induction", "--quiet", "--top", "2", "--json", str(out),
-           "--seq-len", "20"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "top 2 induction heads" in r.stdout and "1.0" in r.stdout
+    cmd = ["scan", "toy-induction", "--quiet", "--top", "2", "--json", out, "--seq-len", "20"]
+    code, stdout, err = run(cmd, capsys)
+    assert code == 0, err
+    assert "top 2 induction heads" in stdout and "1.0" in stdout
     data = qk.HeadScores.from_json(out)
     assert set(data.scores) >= {"induction", "prefix_matching", "previous_token", "duplicate_token", "copying",
                                 "eigen_copying"}
     assert data.scores["induction"][1, 0] > 0.99
     for bad, fragment in ((["--top", "0"], "positive integer"), (["--seed", "-3"], "non-negative"),
                           (["--seq-len", "500"], "exceeds the model's context")):
-        r = subprocess.run(cmd[:5] + bad, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 2, (bad, r.stderr)
-        assert fragment in r.stderr and "Traceback" not in r.stderr
+        code, _, err = run(cmd[:3] + bad, capsys)
+        assert code == 2, (bad, err)
+        assert fragment in err and "Traceback" not in err
 
 
 # --- SmolLM2 ------------------------------------------------------------------------------------------

@@ -229,7 +229,7 @@ def test_bad_files_and_checkpoints_are_one_line_exit_2(tmp_path, capsys, monkeyp
         (["report", "toy-induction", "--scores", "v2.json", "-o", "r.html"], "expected 'qkcircuits.head_scores/1'"),
         (["report", "toy-induction", "--scores", "deep.json", "-o", "r.html"], "'deep.json'"),
         (["report", "toy-induction", "--diagnostics", "meas.json", "-o", "r.html"], "'meas.json'"),
-        (["report", "toy-induction", "--scores", "missing.json", "-o", "r.html"], "no JSON file at 'missing.json'"),
+        (["report", "toy-induction", "--scores", "missing.json", "-o", "r.html"], "no scores JSON file at 'missing.json'"),
         (["zoo", "toy-induction", "bin.json"], "is not a .gguf file"),
     ]
     before = snapshot(tmp_path)

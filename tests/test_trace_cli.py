@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
 from qkcircuits import cli
+
+from _cli import errors, run
 
 
 def test_trace_cli_summary_and_json_contract(tmp_path, capsys):
@@ -47,20 +47,18 @@ def test_trace_cli_receivers_method_into_and_attribution(tmp_path, capsys):
     (["--receivers", "7.0"], "layer"),
     (["--method", "median"], "invalid choice"),
 ])
-def test_trace_cli_errors_are_one_line(args, msg, tmp_path):
+def test_trace_cli_errors_are_one_line(args, msg, tmp_path, capsys):
     out = tmp_path / "t.json"
-    p = subprocess.run([sys.executable, "-m", "qkcircuits", "trace", "toy-induction", "--quiet", "--json", str(out),
-                        *args], capture_output=True, text=True)
-    assert p.returncode == 2, p.stderr
-    err = [line for line in p.stderr.splitlines() if line.startswith("error")]
-    assert len(err) == 1 and msg in err[0], p.stderr
-    assert "Traceback" not in p.stderr and not out.exists()
+    code, _, stderr = run(["trace", "toy-induction", "--quiet", "--json", out, *args], capsys)
+    assert code == 2, stderr
+    err = errors(stderr)
+    assert len(err) == 1 and msg in err[0], stderr
+    assert "Traceback" not in stderr and not out.exists()
 
 
-def test_trace_cli_unwritable_json_fails_before_work(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "qkcircuits", "trace", "toy-induction", "--json",
-                        str(tmp_path / "missing" / "t.json")], capture_output=True, text=True)
-    assert p.returncode == 2 and "does not exist" in p.stderr
+def test_trace_cli_unwritable_json_fails_before_work(tmp_path, capsys):
+    code, _, stderr = run(["trace", "toy-induction", "--json", tmp_path / "missing" / "t.json"], capsys)
+    assert code == 2 and "does not exist" in stderr
 
 
 # --- `qkcircuits serve --trace t.json`: the app draws the trace's circuit and reads-from panels -------------------
@@ -73,9 +71,8 @@ def trace_json(tmp_path_factory):
 
 
 def test_serve_trace_puts_the_circuit_in_the_app(trace_json, monkeypatch, capsys):
-    import werkzeug.serving
-
     import qkcircuits as qk
+    import qkcircuits.viz._app
     from qkcircuits.viz._trace_view import circuit, reads_from
 
     served = {}
@@ -89,11 +86,11 @@ def test_serve_trace_puts_the_circuit_in_the_app(trace_json, monkeypatch, capsys
         def server_close(self):
             pass
 
-    def make_server(host, port, app, threaded):
+    def make_server(host, port, app):
         served.update(host=host, app=app)
         return Server()
 
-    monkeypatch.setattr(werkzeug.serving, "make_server", make_server)
+    monkeypatch.setattr(qkcircuits.viz._app, "make_server", make_server)
     assert cli.main(["serve", "toy-induction", "--trace", str(trace_json), "--no-scan"]) == 0
     assert served["ran"] and served["host"] == "127.0.0.1"
     client = served["app"].test_client()
@@ -114,13 +111,12 @@ def test_serve_trace_puts_the_circuit_in_the_app(trace_json, monkeypatch, capsys
     (lambda d, tmp: (tmp / "w.json").write_text(json.dumps(dict(d, n_layers=6, n_heads=8))) and str(tmp / "w.json"),
      "is for 6 layers x 8 heads, but the model has 2 x 2; trace this model with `qkcircuits trace toy-induction"),
 ])
-def test_serve_and_report_bad_trace_are_one_line_errors(trace_json, tmp_path, make, msg):
+def test_serve_and_report_bad_trace_are_one_line_errors(trace_json, tmp_path, make, msg, capsys):
     path = make(json.loads(trace_json.read_text()), tmp_path)
     for cmd in (["serve", "toy-induction", "--no-scan", "--port", "1"],
                 ["report", "toy-induction", "-o", str(tmp_path / "r.html"), "--quiet"]):
-        p = subprocess.run([sys.executable, "-m", "qkcircuits", *cmd, "--trace", path], capture_output=True, text=True,
-                           timeout=300)
-        assert p.returncode == 2, (cmd, p.stderr)
-        err = [line for line in p.stderr.splitlines() if line.startswith("error")]
-        assert len(err) == 1 and msg in err[0], p.stderr
-        assert "Traceback" not in p.stderr and "serving" not in p.stderr and not (tmp_path / "r.html").exists()
+        code, _, stderr = run([*cmd, "--trace", path], capsys)
+        assert code == 2, (cmd, stderr)
+        err = errors(stderr)
+        assert len(err) == 1 and msg in err[0], stderr
+        assert "Traceback" not in stderr and "serving" not in stderr and not (tmp_path / "r.html").exists()

@@ -41,6 +41,9 @@ def _read(cls, path: str, flag: str, what: str):
     one line naming the file."""
     from .._foundation.io import load_json
 
+    if not Path(path).expanduser().is_file():
+        kind = flag.strip("-")
+        raise QKCircuitsError(f"{flag}: no {kind} JSON file at {path!r}; pass the path of {what}")
     try:
         if cls.__name__ == "HeadEffects":        # reads JSON text only: parse the file here, errors named
             import json
