@@ -3,8 +3,6 @@ the model's own rotated q/k and attention scores; and the same code on GPT-2-, L
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import warnings
 
 import _tiny
@@ -95,19 +93,19 @@ def test_offset_circuits_run_per_layer_and_flag_qk_norm(gemma3):
     assert any("QK-norm" in cav for cav in c.caveats) and not c.exact
 
 
-def test_cli_circuits_prints_each_caveat_on_its_own_line(gemma3):
+def test_cli_circuits_prints_each_caveat_on_its_own_line(gemma3, capsys):
+    from _cli import run
+
     folder, _ = gemma3
-    r = subprocess.run([sys.executable, "-m", "qkcircuits", "circuits", str(folder), "--head", "2.0", "--device", "cpu"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    caveats = [line for line in r.stdout.splitlines() if line.startswith("caveat: ")]
-    assert len(caveats) == 2, r.stdout
+    code, out, err = run(["circuits", folder, "--head", "2.0", "--device", "cpu"], capsys)
+    assert code == 0, err
+    caveats = [line for line in out.splitlines() if line.startswith("caveat: ")]
+    assert len(caveats) == 2, out
     assert any("QK-norm" in line for line in caveats) and any("sliding-window" in line for line in caveats)
-    assert "5000" in r.stdout                                          # layer 2's own theta in the header
-    r = subprocess.run([sys.executable, "-m", "qkcircuits", "circuits", str(folder), "--head", "1.0", "--device", "cpu"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "base 300" in r.stdout
-    assert "offset profile (rotary) over 0-5" in r.stdout and "window 6" in r.stdout   # masked offsets left out
+    assert "5000" in out                                               # layer 2's own theta in the header
+    code, out, err = run(["circuits", folder, "--head", "1.0", "--device", "cpu"], capsys)
+    assert code == 0 and "base 300" in out
+    assert "offset profile (rotary) over 0-5" in out and "window 6" in out   # masked offsets left out
 
 
 @pytest.mark.parametrize("which", ["llama", "mqa"])
