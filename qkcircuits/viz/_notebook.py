@@ -2,10 +2,9 @@
 
 >>> from qkcircuits.viz._figures import score_grid
 >>> fig = Figure(score_grid(qk.scan(model, progress=False)["induction"], "induction"))   # a plotly go.Figure
->>> fig                                                              # in Jupyter: drawn inline, no network
-<qkcircuits Figure: induction (heatmap); fig.show() or fig.save(path)>
->>> "Plotly.newPlot" in fig._repr_html_()                            # self-contained text/html
-True
+>>> bundle = fig._repr_mimebundle_()                                 # what Jupyter shows: drawn inline, offline
+>>> "Plotly.newPlot" in bundle["text/html"], bundle["text/plain"]
+(True, '<qkcircuits Figure: induction (heatmap); fig.show() or fig.save(path)>')
 >>> view = qk.plot.attention(model, None, ["1.0"])                   # an AttentionView
 >>> view.save(str(tmp / "attn.html")); (tmp / "attn.html").exists()  # one offline file
 True

@@ -2,7 +2,7 @@
 
 >>> from qkcircuits._foundation.io import write_atomic
 >>> write_atomic(str(tmp / "zoo.html"), zoo_html(qk.zoo(["toy-induction"], progress=False)))
->>> "hand-built-induction" in (tmp / "zoo.html").read_text()
+>>> "toy-induction" in (tmp / "zoo.html").read_text()
 True
 >>> zoo_html(qk.zoo(["smollm2-135m", "toy-induction"]))   # doctest: +SKIP (needs SmolLM2)
 
