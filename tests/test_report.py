@@ -140,6 +140,7 @@ def test_ablation_and_diagnostics_shown(hand_built, toy_scores, tmp_path):
     assert info["ablation"]["effect"] == pytest.approx(float(eff.effects[1, 0]), abs=1e-5)
     assert info["ablation"]["effect"] > 1.0          # removing the induction head costs the repeated half
     assert info["flags"] == [k for k, v in diag.flags().items() if bool(v[1, 0])]
+    assert "near_one_hot" in info["flags"]           # the hand-built induction head attends one-hot, by construction
 
 
 def test_bad_input_is_one_line_error(hand_built, toy_scores):

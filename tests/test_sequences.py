@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import _tiny
+from _typecheck import unchecked
 import qkcircuits as qk
 from qkcircuits import QKCircuitsError, repeated_tokens, text_tokens, token_pool
 from qkcircuits._foundation.sequences import bos_id, check_seed
@@ -92,7 +93,7 @@ def test_exclude_and_pool_override(hand_built):
 @pytest.mark.parametrize("seed", [-1, 1.5, True, "0", None, 2**63])
 def test_bad_seed(seed, hand_built):
     with pytest.raises(QKCircuitsError, match=r"seed must be a non-negative integer, got"):
-        repeated_tokens(hand_built, n_seqs=2, seg_len=4, seed=seed)
+        unchecked(repeated_tokens)(hand_built, n_seqs=2, seg_len=4, seed=seed)     # beneath the type-check hook
     with pytest.raises(QKCircuitsError, match=repr(seed).replace("(", r"\(").replace(".", r"\.")):
         check_seed(seed)
 
@@ -110,7 +111,7 @@ def test_too_long_and_bad_sizes(hand_built):
     for kw, match in [({"n_seqs": 0}, "n_seqs must be an integer >= 1"), ({"seg_len": 1}, "seg_len must be"),
                       ({"n_repeats": 1}, "n_repeats must be an integer >= 2"), ({"seg_len": 4.0}, "got 4.0")]:
         with pytest.raises(QKCircuitsError, match=match):
-            repeated_tokens(hand_built, **{"n_seqs": 2, "seg_len": 4, "seed": 0, **kw})
+            unchecked(repeated_tokens)(hand_built, **{"n_seqs": 2, "seg_len": 4, "seed": 0, **kw})
 
 
 def test_text_tokens(gpt2, hand_built):

@@ -271,10 +271,11 @@ class Runner:
             setattr(parent, attr, layers)
 
     @classmethod
-    def from_cache(cls, model, tokens: Tokens, resid: Dict[int, Tensor], clean_logits: Tensor, *,
+    def from_cache(cls, model, tokens: Tokens, resid: Dict[int, Tensor], clean_logits: Optional[Tensor], *,
                    from_layer: int, check: bool = True) -> "Runner":
         """A Runner built from a clean pass the caller already ran (``resid`` holds ``hook_resid_pre`` of
-        every layer ``from_layer..``), so that pass is not repeated."""
+        every layer ``from_layer..``), so that pass is not repeated.
+        ``clean_logits`` is None when that pass stopped before the unembedding (the caller needs no logits)."""
         self = cls.__new__(cls)
         self.model, self.tokens, self.from_layer = model, tokens, from_layer
         self.resid, self.clean_logits = resid, clean_logits

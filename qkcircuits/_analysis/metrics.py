@@ -25,7 +25,8 @@ from torch import Tensor
 from .._foundation.errors import QKCircuitsError
 
 NAMES = ("induction-loss", "text-loss", "logit-diff")
-Logits = Float[Tensor, "batch pos vocab"]
+# Logits may cover only the last `kept` positions of the tokens (see Metric.keep_last); kept == pos by default.
+Logits = Float[Tensor, "batch kept vocab"]
 Tokens = Int[Tensor, "batch pos"]
 
 
@@ -50,7 +51,7 @@ class Metric:
         return out.reshape(())
 
 
-def next_token_losses(logits: Logits, tokens: Tokens) -> Float[Tensor, "batch k_minus_1"]:
+def next_token_losses(logits: Logits, tokens: Tokens) -> Float[Tensor, "batch kept-1"]:
     """Cross-entropy of predicting ``tokens[:, i+1]`` from ``logits[:, i]`` (log-softmax + gather, float32).
 
     ``logits`` may cover only the last ``k`` positions; the result then covers positions

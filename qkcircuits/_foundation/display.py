@@ -114,7 +114,10 @@ def _box(title: str, *parts: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ per type
 
-def _scores(r) -> Tuple[str, str]:
+# (the one-line text, a thunk that builds the HTML only when a notebook asks for it)
+Rendered = Tuple[str, Callable[[], str]]
+
+def _scores(r) -> Rendered:
     labels = r.labels()
     counts: Dict[str, int] = {}
     for names in labels.values():
@@ -136,7 +139,7 @@ def _scores(r) -> Tuple[str, str]:
                       _table(rows, ("label", "threshold", "heads", f"top {TOP} (score)")), grids)
 
 
-def _effects(r) -> Tuple[str, str]:
+def _effects(r) -> Rendered:
     L, H = r.effects.shape
     top = top_heads(r.effects, by_abs=True)
     text = (f"HeadEffects({r.model}: {L} layers x {H} heads; {r.kind}, {r.method} ablation, {r.metric} "
@@ -146,7 +149,7 @@ def _effects(r) -> Tuple[str, str]:
     return text, lambda: _box(f"HeadEffects: {r.model}", _table(rows), grid(r.effects, "metric(ablated) − metric(clean)", True))
 
 
-def _group(r) -> Tuple[str, str]:
+def _group(r) -> Rendered:
     heads = ", ".join(map(str, r.heads))
     text = (f"GroupEffect(heads {heads}; {r.metric} {_f(r.baseline)} -> {_f(r.ablated)} "
             f"(effect {r.effect:+.4g}); {r.method} ablation)")
@@ -155,7 +158,7 @@ def _group(r) -> Tuple[str, str]:
     return text, lambda: _box("GroupEffect", _table(rows))
 
 
-def _random(r) -> Tuple[str, str]:
+def _random(r) -> Rendered:
     heads = ", ".join(map(str, r.heads))
     re = r.random_effects.float()
     text = (f"RandomComparison(heads {heads}: effect {r.effect:+.4g} on {r.metric}; {re.numel()} random sets of "
@@ -168,7 +171,7 @@ def _random(r) -> Tuple[str, str]:
     return text, lambda: _box("RandomComparison", _table(rows))
 
 
-def _diagnostics(r) -> Tuple[str, str]:
+def _diagnostics(r) -> Rendered:
     flagged = r.flagged()
     by_flag: Dict[str, List[str]] = {}
     for h, names in flagged:
@@ -188,7 +191,7 @@ def _diagnostics(r) -> Tuple[str, str]:
                       _table(rows, ("flag", "heads", f"first {TOP}")), grids)
 
 
-def _composition(r) -> Tuple[str, str]:
+def _composition(r) -> Rendered:
     s = r.scores
     L, H = s.shape[0], s.shape[1]
     flat = torch.nan_to_num(s.flatten(), nan=-math.inf)
@@ -206,7 +209,7 @@ def _composition(r) -> Tuple[str, str]:
                       grid(best, "each head's strongest earlier partner"))
 
 
-def _offsets(r) -> Tuple[str, str]:
+def _offsets(r) -> Rendered:
     sm = r.summary()
     text = (f"OffsetProfile(head {r.head}; offsets {sm['offsets'][0]}..{sm['offsets'][1]}; preferred offset "
             f"{sm['preferred_offset']} (score {_f(sm['score_at_preferred'])}); score at 0 {_f(sm['score_at_0'])})")
@@ -220,7 +223,7 @@ def _offsets(r) -> Tuple[str, str]:
     return text, lambda: _box(f"OffsetProfile: head {r.head}", _table(rows), svg)
 
 
-def _activations(r) -> Tuple[str, str]:
+def _activations(r) -> Rendered:
     items = sorted(r.tensors.items())
     text = ("Activations(" + ", ".join(f"{n}@{l} {list(t.shape)}" for (n, l), t in items[:8])
             + (f", ... {len(items)} in all" if len(items) > 8 else "") + ")")
@@ -228,7 +231,7 @@ def _activations(r) -> Tuple[str, str]:
                                             ("name", "layer", "shape (as stored)", "dtype")))
 
 
-def _circuit(r) -> Tuple[str, str]:
+def _circuit(r) -> Rendered:
     m = r.matrix
     shape = f"[{m.ldim}, {m.rdim}] = [{m.ldim}, {m.mdim}] @ [{m.mdim}, {m.rdim}]"
     text = f"Circuit({r.kind}, head {r.head}; {shape}; {'exact' if r.exact else 'caveats: ' + '; '.join(r.caveats)})"
@@ -237,7 +240,7 @@ def _circuit(r) -> Tuple[str, str]:
     return text, lambda: _box(f"Circuit: {r.kind} of head {r.head}", _table(rows))
 
 
-def _path_effects(r) -> Tuple[str, str]:
+def _path_effects(r) -> Rendered:
     """A trace: per receiver and input the top senders (effect, baseline); grids of the first receivers' effects."""
     first = [(x, y) for x, y in ((rc, i) for rc in r.receivers[:3] for i in r.into) if r.top(x, y, 1)]
     tops = "; ".join(f"{rc}<-{r.top(rc, x, 1)[0][0]} {x} {_f(r.top(rc, x, 1)[0][1], 3)}" for rc, x in first[:6])

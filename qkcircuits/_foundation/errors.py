@@ -2,6 +2,14 @@
 
 Every message is a single line that names the bad value and says what would be
 accepted, so the CLI can print it as ``error: <message>`` and exit with code 2.
+
+>>> try:
+...     qk.parse_heads("5.x")
+... except qk.QKCircuitsError as e:
+...     print(e)
+cannot read a head from '5.x'; use '5.1', 'L5H1', '5.*', '5.0-3' or a comma-separated list of these
+>>> isinstance(qk.QKCircuitsError("x"), ValueError)          # code catching ValueError keeps working
+True
 """
 
 from __future__ import annotations

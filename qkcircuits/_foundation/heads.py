@@ -83,7 +83,7 @@ def parse_heads(spec: HeadsLike, *, n_heads: Optional[int] = None) -> List[Head]
     return unique
 
 
-def _items(spec: HeadsLike) -> list:
+def _items(spec: object) -> list:   # anything: parse_heads names what it cannot read
     if isinstance(spec, str):
         return [s for s in spec.split(",") if s.strip()]
     if isinstance(spec, Head):

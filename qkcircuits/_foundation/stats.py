@@ -1,8 +1,10 @@
 """Rank statistics used to compare head rankings (attribution vs sweep, ours vs TransformerLens).
 
 >>> import torch
->>> spearman(torch.tensor([1., 2., 3.]), torch.tensor([10., 20., 30.]))
+>>> round(spearman(torch.tensor([1., 2., 3.]), torch.tensor([10., 20., 30.])), 6)
 1.0
+>>> round(spearman(torch.tensor([1., 2., 3.]), torch.tensor([3., 2., 1.])), 6)
+-1.0
 """
 
 from __future__ import annotations

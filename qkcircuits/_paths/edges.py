@@ -1,7 +1,11 @@
 """Edge attribution: a gradient estimate of every path-patching edge (sender → receiver's q, k or v).
 
->>> est = qk.edge_attribution(model, "4.2,5.1")            # doctest: +SKIP   same PathEffects as path_patch
->>> est.top("4.2", "k", 3)                                 # doctest: +SKIP
+>>> est = qk.edge_attribution(model, "1.0")                # same PathEffects as path_patch, kind "attribution"
+>>> est.kind, [str(h) for h, _ in est.top("1.0", "k", 1)]  # the previous-token head feeds 1.0's keys
+('attribution', ['0.0'])
+
+(On toy-induction the estimate itself is tiny, ~1e-5 against path patching's exact 1.0: its attention is
+one-hot, so the softmax's gradient is ~0 there; a first-order estimate ranks well only away from saturation.)
 
 For receiver r with metric m and input x ∈ {q, k, v}, let g = ∂m/∂(x-input residual of r), taken on
 the clean run with the other two inputs held clean. Each sender's exact change to the residual, Δ

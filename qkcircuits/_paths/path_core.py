@@ -1,8 +1,10 @@
 """The exact computation behind ``path_patch`` for one receiver layer: clean pass, sender deltas, receiver runs.
 
->>> cache = clean_pass(model, tokens, [5])                          # doctest: +SKIP   one clean forward
->>> delta = sender_deltas(model, cache, references(model, "mean", tokens, [2]), [Head(2, 1)])   # doctest: +SKIP
->>> pattern, z = receiver_run(cache, 5, "k", delta)                 # doctest: +SKIP   only layer 5's attention
+>>> cache = clean_pass(model, tokens, [1])                          # one clean forward, receivers in layer 1
+>>> delta = sender_deltas(model, cache, references(model, "mean", tokens, [0]), [Head(0, 0)])
+>>> pattern, z = receiver_run(cache, 1, "k", delta)                 # only layer 1's attention is re-run
+>>> delta.shape, pattern.shape, z.shape      # [senders, batch, pos, d_model], [batch, head, q, k], z per head
+(torch.Size([1, 2, 11, 224]), torch.Size([2, 2, 11, 11]), torch.Size([2, 11, 2, 129]))
 
 ``_patching`` splits the work over prompt shards and (receiver, sender) chunks and combines it; see its
 docstring for the formulas. Nothing here linearises: the receiver layer is re-run by the model's own modules.

@@ -1,9 +1,12 @@
 """Trace the induction circuit: which earlier heads feed the top induction heads' queries, keys and values.
 
->>> res = qk.trace_induction(model, top=3)            # doctest: +SKIP   scan, then path-patch every earlier head
->>> print(res.summary(res.receivers[0], "k"))          # doctest: +SKIP
-4.2 reads its keys from 3.7 (previous-token; effect 0.61 of the clean 0.88; next sender 0.04; baseline mean 0.00)
->>> res.k_composition_spearman                          # doctest: +SKIP   activations vs weights-only K-composition
+>>> res = qk.trace_induction(model, top=1, progress=False)   # scan, then path-patch every earlier head
+>>> res.receivers, res.labels["0.0"]
+([Head(layer=1, head=0)], ['previous-token'])
+>>> print(res.summary(res.receivers[0], "k"))
+1.0 reads its keys from 0.0 (previous-token; effect 1.00 of the clean 1.00; next sender -0.00; baseline mean 0.50)
+>>> res.k_composition_spearman     # activations vs weights-only K-composition; None: under 3 senders to rank
+{'1.0': None}
 
 The result is a ``PathEffects`` (data first; ``to_json`` is the ``qkcircuits trace --json`` contract)
 with ``labels`` (each sender's scan labels) and ``k_composition_spearman`` filled in.

@@ -1,8 +1,11 @@
 """Views of attention heads in a browser: a self-contained offline HTML report and a local Flask app.
 
->>> from qkcircuits.viz import report_html, write_report, create_app    # doctest: +SKIP
->>> write_report("report.html", report_html(model, scores=qk.scan(model)))   # doctest: +SKIP
->>> create_app(model).run(port=8050)                                     # doctest: +SKIP   (or `qkcircuits serve`)
+>>> from qkcircuits.viz import report_html, write_report, create_app
+>>> write_report(str(tmp / "report.html"), report_html(model, scores=qk.scan(model, progress=False), progress=False))
+>>> (tmp / "report.html").read_text().startswith("<!DOCTYPE html>")
+True
+>>> create_app(model).test_client().get("/").status_code     # serve it with .run(port=8050) or `qkcircuits serve`
+200
 """
 
 from ._app import create_app

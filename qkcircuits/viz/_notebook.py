@@ -1,8 +1,13 @@
 """Figures that draw themselves offline in Jupyter: self-contained ``text/html``, libraries from the installed packages.
 
->>> fig = Figure(score_grid(scores["induction"], "induction"))     # doctest: +SKIP   a plotly go.Figure
->>> fig                                                            # doctest: +SKIP   draws inline, no network
->>> AttentionView(tokens, patterns, ["1.0"]).save("attn.html")     # doctest: +SKIP   one offline file
+>>> from qkcircuits.viz._figures import score_grid
+>>> fig = Figure(score_grid(qk.scan(model, progress=False)["induction"], "induction"))   # a plotly go.Figure
+>>> bundle = fig._repr_mimebundle_()                                 # what Jupyter shows: drawn inline, offline
+>>> "Plotly.newPlot" in bundle["text/html"], bundle["text/plain"]
+(True, '<qkcircuits Figure: induction (heatmap); fig.show() or fig.save(path)>')
+>>> view = qk.plot.attention(model, None, ["1.0"])                   # an AttentionView
+>>> view.save(str(tmp / "attn.html")); (tmp / "attn.html").exists()  # one offline file
+True
 
 Why not plotly's own notebook output (measured with nbclient + ipykernel, plotly 7.1): its default renderer in
 a kernel emits only ``application/vnd.plotly.v1+json``, which an nbconvert HTML export cannot draw; its

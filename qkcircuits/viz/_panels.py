@@ -1,10 +1,14 @@
 """What the report and the app show for one head, as plain JSON-ready data (no HTML, no plotly here).
 
->>> ctx = ViewContext(model)                                  # doctest: +SKIP   per-model caches
->>> ids = token_set(model)                                    # doctest: +SKIP   a readable set of common tokens
->>> qk_grid(ctx, Head(1, 0), ids)                             # doctest: +SKIP   [n, n] token-to-token QK scores
->>> ov_top(ctx, Head(1, 0), ids, k=5)                         # doctest: +SKIP   source token -> top output tokens
->>> attention(ctx, [Head(1, 0)], prompt_ids(model, None))     # doctest: +SKIP   {Head: [q, k] pattern}
+>>> ctx = ViewContext(model)                                  # per-model caches
+>>> ids = token_set(model)                                    # a readable set of common tokens (toy: all 32)
+>>> qk_grid(ctx, Head(1, 0), ids).shape                       # [n, n] token-to-token QK scores
+torch.Size([32, 32])
+>>> values, out_ids = ov_top(ctx, Head(1, 0), ids, k=5)       # source token -> top output tokens
+>>> values.shape, out_ids.shape
+(torch.Size([32, 5]), torch.Size([32, 5]))
+>>> {str(h): p.shape for h, p in attention(ctx, [Head(1, 0)], prompt_ids(model, None)).items()}   # [q, k] pattern
+{'1.0': torch.Size([25, 25])}
 
 Every number is computed from a few rows of the circuits, never a vocab × vocab matrix:
 QK over a token set is X[ids] W_Q (X[ids] W_K)ᵀ · scale; the OV view is X[ids] W_V W_O U / s ([n, vocab])

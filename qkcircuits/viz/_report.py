@@ -1,7 +1,9 @@
 """One self-contained HTML report: score grids, per-head QK/OV/positional/composition views, attention patterns.
 
->>> html = report_html(model, scores=qk.scan(model))          # doctest: +SKIP
->>> write_report("report.html", html)                         # doctest: +SKIP
+>>> html = report_html(model, scores=qk.scan(model, progress=False), progress=False)
+>>> write_report(str(tmp / "report.html"), html)              # atomic; plotly.js and circuitsvis inlined
+>>> 'src="http' in html                                        # no script or image fetched from the network
+False
 
 The file works with no network: plotly.js and circuitsvis's bundle are inlined once each (~6.1 MB
 together), every figure is data drawn by ``Plotly.newPlot``, every attention widget is drawn by

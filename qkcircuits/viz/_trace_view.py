@@ -1,7 +1,12 @@
 """Views of a trace (``PathEffects``): a per-head "reads from" panel and the circuit graph.
 
->>> fig = reads_from(res, Head(4, 2))          # doctest: +SKIP   top senders per input, with the baseline
->>> fig = circuit(res)                          # doctest: +SKIP   traced heads as a graph, edges above p95
+>>> res = qk.trace_induction(model, top=1, progress=False)
+>>> fig = reads_from(res, Head(1, 0))           # top senders per input, with the baseline
+>>> fig["data"][0]["type"]
+'bar'
+>>> fig = circuit(res)                          # traced heads as a graph, edges above p95
+>>> sorted(fig)
+['data', 'layout', 'meta']
 
 The report (``report_html(..., trace=res)``) and the app (``create_app(..., trace=res)``) embed both.
 """

@@ -1,8 +1,11 @@
 """The figures of every view, one builder each: the report, the app and `qkcircuits.plot` all call these.
 
->>> ctx = ViewContext(model)                                                # doctest: +SKIP
->>> grids(model, ctx, scores=scan_result)                                  # doctest: +SKIP   [{"key", "figure"}, ...]
->>> panel(ctx, Head(1, 0), token_set(model), prompt_ids(model, None))     # doctest: +SKIP   one head's views
+>>> from qkcircuits.viz._panels import prompt_ids, token_set
+>>> ctx = ViewContext(model)
+>>> [g["key"] for g in grids(model, ctx, scores=qk.scan(model, progress=False))][:3]    # [{"key", "figure"}, ...]
+['induction', 'prefix_matching', 'previous_token']
+>>> sorted(panel(ctx, Head(1, 0), token_set(model), prompt_ids(model, None)))          # one head's views
+['attention', 'figures', 'head', 'index', 'info', 'input', 'layer', 'notes']
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """The zoo comparison as one self-contained offline HTML page (plotly inlined, no network).
 
->>> write_atomic("zoo.html", zoo_html(qk.zoo(["smollm2-135m", "toy-induction"])))   # doctest: +SKIP
+>>> from qkcircuits._foundation.io import write_atomic
+>>> write_atomic(str(tmp / "zoo.html"), zoo_html(qk.zoo(["toy-induction"], progress=False)))
+>>> "toy-induction" in (tmp / "zoo.html").read_text()
+True
+>>> zoo_html(qk.zoo(["smollm2-135m", "toy-induction"]))   # doctest: +SKIP (needs SmolLM2)
 
 One panel per model, side by side, sharing the y axis: every head's induction score (blue) and
 previous-token score (orange) against its relative depth ``layer / n_layers`` (heads of a layer
