@@ -42,7 +42,8 @@ from ._paths.patching import path_patch
 from ._paths.path_effects import PathEffects
 from ._paths.trace import trace_induction
 
-# Many models at once (Ray itself is imported only for backend="ray").
+# Where analyses run (Ray itself is imported only when a qk.Ray backend runs), and many models at once.
+from ._foundation.backends import Backend, Local, Ray, as_backend
 from ._scale.zoo import Zoo, zoo
 
 __version__ = "0.1.0"
@@ -71,6 +72,7 @@ __all__ = sorted([
     "group_effect", "induction_loss", "logit_diff", "mask_score", "qk_statistics", "scan", "sweep", "target_masks",
     "text_loss",
     "PathEffects", "edge_attribution", "path_patch", "trace_induction", "Zoo", "zoo",
+    "Backend", "Local", "Ray", "as_backend",
     # views
     *_VIEWS,
     *_LAZY_MODULES,
