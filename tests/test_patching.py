@@ -330,7 +330,7 @@ def test_bad_inputs_are_one_line_errors(hand_built):
         qk.path_patch(hand_built, "1.0", method="median", progress=False)
     with pytest.raises(QKCircuitsError, match="no earlier heads"):
         qk.path_patch(hand_built, "0.0", progress=False)
-    with pytest.raises(QKCircuitsError, match="unknown path-patching metric"):
+    with pytest.raises(QKCircuitsError, match="unknown metric .accuracy.; use one of induction-loss"):
         qk.path_patch(hand_built, "1.0", metric="accuracy", progress=False)
 
 

@@ -103,8 +103,10 @@ def as_backend(backend: BackendLike = None, *, address: Optional[str] = None,
     Ray(address='local:3', workers=None, threads=1, load_kwargs={})
     """
     if isinstance(backend, Backend):
-        if (address is not None or workers is not None) and not (
-                isinstance(backend, Ray) and backend.address in (None, address) and backend.workers in (None, workers)):
+        given = address is not None or workers is not None
+        clash = isinstance(backend, Ray) and ((address is not None and backend.address not in (None, address)) or
+                                              (workers is not None and backend.workers not in (None, workers)))
+        if given and (not isinstance(backend, Ray) or clash):
             raise QKCircuitsError(f"ray_address/workers given beside backend={backend!r}; pass them to "
                                   f"qk.Ray(address=..., workers=...) only")
         if isinstance(backend, Ray) and (address is not None or workers is not None):
