@@ -127,7 +127,7 @@ def test_ray_errors_are_one_line(monkeypatch, llama):
         qk.sweep(model, tokens, backend="dask")
     with pytest.raises(QKCircuitsError, match="needs the model's spec"):
         qk.path_patch(bare, "1.0", backend="ray")
-    with pytest.raises(QKCircuitsError, match="ray_address/workers need a Ray backend"):
+    with pytest.raises(QKCircuitsError, match="ray_address/workers given beside backend=Local"):
         qk.sweep(model, tokens, backend=qk.Local(), ray_address="local:2")
     with pytest.raises(QKCircuitsError, match="unknown backend 'dask'"):
         qk.trace_induction(model, backend="dask")

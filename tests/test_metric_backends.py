@@ -133,7 +133,6 @@ def test_wrong_metrics_fail_in_one_line(gpt2, hand_built):
         (lambda: qk.path_patch(model, "1.0", metric=3.5, progress=False), r"not float"),
         (lambda: qk.edge_attribution(model, "1.0", metric="logit-diff"), r"needs its answer tokens"),
         (lambda: qk.Metric("x", len, needs="logitz"), r"needs must be one of logits, pattern, z, got 'logitz'"),
-        (lambda: qk.Metric("x", 5), r"fn must be callable"),
         (lambda: qk.induction_loss()(torch.zeros(1, 3, 5)), r"is called as \(logits, tokens\), got 1 inputs"),
         (lambda: qk.path_patch(model, "1.0", tokens=toks[:, :5], metric="loss", progress=False),
          r"induction-loss needs tokens laid out as"),

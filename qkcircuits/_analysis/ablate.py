@@ -269,7 +269,7 @@ class Runner:
             setattr(parent, attr, layers)
 
     @classmethod
-    def from_cache(cls, model, tokens: Tokens, resid: Dict[int, Tensor], clean_logits: Tensor, *,
+    def from_cache(cls, model, tokens: Tokens, resid: Dict[int, Tensor], clean_logits: Optional[Tensor], *,
                    from_layer: int, check: bool = True) -> "Runner":
         """A Runner built from a clean pass the caller already ran (``resid`` holds ``hook_resid_pre`` of
         every layer ``from_layer..``), so that pass is not repeated."""

@@ -45,7 +45,7 @@ from __future__ import annotations
 import inspect
 import re
 from dataclasses import KW_ONLY, dataclass
-from typing import Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -119,7 +119,7 @@ class Metric:
 
 # ------------------------------------------------------------------------------------------ logits metrics
 
-def next_token_losses(logits: Logits, tokens: Tokens) -> Float[Tensor, "batch k_minus_1"]:
+def next_token_losses(logits: Float[Tensor, "batch kept vocab"], tokens: Tokens) -> Float[Tensor, "batch kept_minus_1"]:
     """Cross-entropy of predicting ``tokens[:, i+1]`` from ``logits[:, i]`` (log-softmax + gather, float32).
 
     ``logits`` may cover only the last ``k`` positions; the result then covers positions
@@ -288,7 +288,7 @@ def _named(name: str, model) -> Metric:
                           f"callable")
 
 
-def as_metric(spec: Union[str, Metric, Callable], model=None, *, accept: Sequence[str] = NEEDS,
+def as_metric(spec: Any, model=None, *, accept: Sequence[str] = NEEDS,
               where: str = "this analysis") -> Metric:
     """The one resolver: a ``Metric`` from a name (``NAMES``, alias ``loss``), a ``Metric`` or a callable.
 

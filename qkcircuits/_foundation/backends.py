@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Dict, Optional, Union
+from typing import Any, Callable, ClassVar, Dict, Optional
 
 from .errors import QKCircuitsError
 from .model import load
@@ -90,7 +90,9 @@ class Ray(Backend):
                     load_kwargs={**load_kwargs, **self.load_kwargs})
 
 
-BackendLike = Union[None, str, Backend]
+# None, "local", "ray", "local:N", a Ray address or a Backend: checked by as_backend (one-line errors; a
+# narrower annotation would let a runtime type checker raise its own error first).
+BackendLike = Any
 
 
 def as_backend(backend: BackendLike = None, *, address: Optional[str] = None,

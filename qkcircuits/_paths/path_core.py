@@ -12,7 +12,7 @@ docstring for the formulas. Nothing here linearises: the receiver layer is re-ru
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from jaxtyping import Float
@@ -25,7 +25,9 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, kv_head, n_kv_heads
 from .path_effects import INPUTS
 
-MetricLike = Union[None, str, Metric, Callable]
+# None (the default per input), a name, a qk.Metric or a callable: checked by as_metric, which fails in one
+# line (a narrower annotation would let a runtime type checker raise its own error first).
+MetricLike = Any
 # Budget for one chunk's stacked patterns (the largest tensor of a receiver-layer run).
 CHUNK_BYTES = 256 * 2**20
 ACCEPT = ("pattern", "z", "logits")      # path patching evaluates every kind of metric
