@@ -39,5 +39,6 @@ from ._paths.patching import path_patch
 from ._paths.path_effects import PathEffects
 from ._paths.trace import trace_induction
 
-# Many models at once (Ray itself is imported only for backend="ray").
+# Where analyses run (Ray itself is imported only when a qk.Ray backend runs), and many models at once.
+from ._foundation.backends import Backend, Local, Ray, as_backend
 from ._scale.zoo import Zoo, zoo

@@ -117,12 +117,18 @@ def test_ray_errors_are_one_line(monkeypatch, llama):
         qk.sweep(str(folder), tokens, backend="ray", ray_address="nonsense")
     with pytest.raises(QKCircuitsError, match=r"local:N must be a positive integer"):
         qk.sweep(str(folder), tokens, backend="ray", ray_address="local:0")
-    with pytest.raises(QKCircuitsError, match="needs the model's spec"):
-        qk.sweep(model, tokens, backend="ray")
+    # a model that qk.load did not load (here: the spec record removed) has nothing a worker can reload
+    bare = qk.load(folder, device="cpu", verbose=False)
+    del bare.qk_load_spec
+    with pytest.raises(QKCircuitsError, match="needs the model's spec.*no reloadable spec") as e:
+        qk.sweep(bare, tokens, backend=qk.Ray(workers=2))
+    assert "\n" not in str(e.value)
     with pytest.raises(QKCircuitsError, match="unknown backend 'dask'"):
         qk.sweep(model, tokens, backend="dask")
     with pytest.raises(QKCircuitsError, match="needs the model's spec"):
-        qk.path_patch(model, "1.0", backend="ray")
+        qk.path_patch(bare, "1.0", backend="ray")
+    with pytest.raises(QKCircuitsError, match="ray_address/workers given beside backend=Local"):
+        qk.sweep(model, tokens, backend=qk.Local(), ray_address="local:2")
     with pytest.raises(QKCircuitsError, match="unknown backend 'dask'"):
         qk.trace_induction(model, backend="dask")
     with pytest.raises(QKCircuitsError, match="drop attribution"):
@@ -130,6 +136,18 @@ def test_ray_errors_are_one_line(monkeypatch, llama):
     monkeypatch.setitem(sys.modules, "ray", None)            # as if ray were not installed
     with pytest.raises(QKCircuitsError, match=r"needs the ray package.*pip install 'qkcircuits\[ray\]'"):
         qk.sweep(str(folder), tokens, backend="ray")
+
+
+def test_a_loaded_model_runs_on_ray_as_its_spec(llama, ray_local):
+    # ``model`` means the same on both backends: the loaded model travels as the spec qk.load recorded.
+    folder, model = llama
+    tokens = _tokens(model, 4)
+    local = qk.sweep(model, tokens, "induction-loss", "mean", progress=False)
+    res = qk.sweep(model, tokens, "induction-loss", "mean", progress=False, backend=qk.Ray(workers=2))
+    assert res.backend["name"] == "ray" and res.backend["workers"] == 2
+    torch.testing.assert_close(res.effects, local.effects, atol=1e-5, rtol=0)
+    spec, kwargs = qk._foundation.backends.spec_for_workers(model)
+    assert spec == os.fspath(folder) and kwargs["fold_ln"] is True
 
 
 def test_ray_address_defaults_to_env(monkeypatch):

@@ -8,7 +8,7 @@ import torch
 import _tiny
 import qkcircuits as qk
 from qkcircuits import QKCircuitsError
-from qkcircuits._paths.patching import _Scorer, clean_pass, receiver_run, references, resolve_metric, sender_deltas
+from qkcircuits._paths.patching import Scorer, clean_pass, receiver_run, references, resolve_metric, sender_deltas
 
 
 def _finite_difference(model, toks, receiver, sender, into, eps):
@@ -17,7 +17,7 @@ def _finite_difference(model, toks, receiver, sender, into, eps):
     repl = references(model, "mean", toks, [sender.layer])
     delta = sender_deltas(model, cache, repl, [sender])
     m = resolve_metric(None, into)
-    scorer = _Scorer(model, cache, receiver.layer, [receiver.head], m)
+    scorer = Scorer(model, cache, receiver.layer, [receiver.head], m)
     with torch.no_grad():
         pattern, z = receiver_run(cache, receiver.layer, into, torch.cat([0 * delta, eps * delta, -eps * delta]))
         s = scorer.sums(pattern, z, 3)[:, 0].double() / scorer.count()
@@ -55,10 +55,10 @@ def _loss_difference(model, toks, receiver, sender, into, eps):
     """d/dε of path_patch's loss metric (receiver's z patched, the layers above run) at ε = 0, centrally."""
     cache = clean_pass(model, toks, [receiver.layer], need_logits=True)
     delta = sender_deltas(model, cache, references(model, "mean", toks, [sender.layer]), [sender])
-    scorer = _Scorer(model, cache, receiver.layer, [receiver.head], resolve_metric("loss", into))
+    scorer = Scorer(model, cache, receiver.layer, [receiver.head], resolve_metric("loss", into))
     with torch.no_grad():
         _, z = receiver_run(cache, receiver.layer, into, torch.cat([eps * delta, -eps * delta]))
-        s = scorer.loss_sums(z, 2)[:, 0].double() / scorer.count()
+        s = scorer.logits_sums(z, 2)[:, 0].double() / scorer.count()
     return float((s[0] - s[1]) / (2 * eps))
 
 
@@ -87,10 +87,10 @@ def test_edge_attribution_loss_is_the_derivative_of_exact_path_patching(which, t
     # path_patch's own loss metric: an unpatched receiver run through the layers above gives the clean loss
     # (on Gemma-3 resuming at layer 1 by slicing the block list shifted the sliding/global layer types above)
     cache = clean_pass(model, toks, [1], need_logits=True)
-    scorer = _Scorer(model, cache, 1, [0], resolve_metric("loss", "k"))
+    scorer = Scorer(model, cache, 1, [0], resolve_metric("loss", "k"))
     with torch.no_grad():
         _, z = receiver_run(cache, 1, "k", torch.zeros(1, *cache.resid[1].shape))
-    torch.testing.assert_close(scorer.loss_sums(z, 1)[0], scorer.clean_sums(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scorer.logits_sums(z, 1)[0], scorer.clean_sums(), rtol=1e-5, atol=1e-5)
 
 
 def test_edge_attribution_ranks_the_trained_toys_previous_token_heads_first():
@@ -110,9 +110,10 @@ def test_edge_attribution_ranks_the_trained_toys_previous_token_heads_first():
 
 
 def test_edge_attribution_bad_inputs(hand_built):
-    with pytest.raises(QKCircuitsError, match="'loss', got 'kl'; use path_patch for a custom metric"):
+    with pytest.raises(QKCircuitsError, match=r"^unknown metric 'kl'; use one of induction-loss") as e:
         qk.edge_attribution(hand_built, "1.0", metric="kl")
-    with pytest.raises(QKCircuitsError, match="no receivers in layer 1"):
+    assert "\n" not in str(e.value)
+    with pytest.raises(QKCircuitsError, match="receiver 0.0 is in layer 0: no earlier heads can send to it"):
         qk.edge_attribution(hand_built, "0.0")
 
 

@@ -266,10 +266,10 @@ def test_trained_toy_previous_token_group_dominates_the_k_path(trained):
 
 def test_trace_scan_computes_only_what_a_trace_reads_and_agrees_with_the_full_scan(trained):
     from qkcircuits._analysis.detect import THRESHOLDS
-    from qkcircuits._paths.trace import TRACE_SCORES, _scan_for_trace
+    from qkcircuits._paths.trace import TRACE_SCORES, scan_for_trace
 
     assert {score for score, _ in THRESHOLDS.values()} == set(TRACE_SCORES)   # the labels read only these
-    lean = _scan_for_trace(trained, progress=False)
+    lean = scan_for_trace(trained, progress=False)
     full = qk.scan(trained, copying=False, eigen_copying=False, progress=False)
     assert set(lean.scores) == set(TRACE_SCORES)
     for name in TRACE_SCORES:
@@ -330,7 +330,7 @@ def test_bad_inputs_are_one_line_errors(hand_built):
         qk.path_patch(hand_built, "1.0", method="median", progress=False)
     with pytest.raises(QKCircuitsError, match="no earlier heads"):
         qk.path_patch(hand_built, "0.0", progress=False)
-    with pytest.raises(QKCircuitsError, match="unknown path-patching metric"):
+    with pytest.raises(QKCircuitsError, match="unknown metric .accuracy.; use one of induction-loss"):
         qk.path_patch(hand_built, "1.0", metric="accuracy", progress=False)
 
 

@@ -6,14 +6,14 @@ import pytest
 
 import qkcircuits as qk
 from qkcircuits._foundation.stats import spearman
-from qkcircuits._paths.trace import _scan_for_trace
+from qkcircuits._paths.trace import scan_for_trace
 
 pytestmark = pytest.mark.smollm2
 
 
 @pytest.fixture(scope="module")
 def traced(smollm2):
-    scores = _scan_for_trace(smollm2, progress=False)
+    scores = scan_for_trace(smollm2, progress=False)
     recv = [h for h, _ in scores.top(3, "induction")]
     exact = qk.path_patch(smollm2, recv, into="k", progress=False)
     est = qk.edge_attribution(smollm2, recv, into="k")

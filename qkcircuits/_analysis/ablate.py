@@ -34,7 +34,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .._foundation.capture import _as_tokens, capture, hook_name
+from .._foundation.capture import as_tokens, capture, hook_name
 from .._foundation.display import Displayed
 from .._foundation.errors import QKCircuitsError
 from .._foundation.args import check_model, check_tokens
@@ -97,7 +97,7 @@ def make_replacement(model, method: str, layers: Sequence[int], *, reference=Non
         if tokens is None:
             raise QKCircuitsError(f"{method} ablation needs reference= tokens (the prompts whose z replaces the "
                                   f"head's)")
-        tokens = _as_tokens(model, tokens)
+        tokens = as_tokens(model, tokens)
         if method == "mean":
             reference, label = tokens, "the ablated prompts"
         else:
@@ -105,7 +105,7 @@ def make_replacement(model, method: str, layers: Sequence[int], *, reference=Non
                 raise QKCircuitsError("resample ablation without reference= needs at least 2 prompts (each takes z "
                                       "from another); pass reference= tokens")
             reference, label = tokens.roll(1, dims=0), "the ablated prompts rolled by one row"
-    reference = _as_tokens(model, reference)
+    reference = as_tokens(model, reference)
     if method == "resample" and tokens is not None and reference.shape != torch.Size(tokens.shape):
         raise QKCircuitsError(f"resample ablation needs reference tokens shaped like the ablated batch "
                               f"{list(tokens.shape)}, got {list(reference.shape)}")
@@ -330,9 +330,11 @@ def run_groups(runner: Runner, groups: Sequence[Sequence[Head]], repl: Replaceme
     return out
 
 
-def _prepare(model, tokens, metric):
-    tokens = _as_tokens(model, tokens)
-    metric = as_metric(metric, model)
+def prepare_metric(model, tokens, metric, where: str = "ablation"):
+    """(tokens on the model's device, the ``Metric``), checked before any forward: ablation analyses
+    evaluate logits metrics only (``as_metric(..., accept=("logits",))``)."""
+    tokens = as_tokens(model, tokens)
+    metric = as_metric(metric, model, accept=("logits",), where=where)
     if metric.check is not None:
         metric.check(tokens)
     return tokens, metric
@@ -340,17 +342,20 @@ def _prepare(model, tokens, metric):
 
 @dataclass(repr=False)      # the repr comes from Displayed (_foundation.display)
 class GroupEffect(Displayed):
-    """The metric with a set of heads ablated together: ``effect = ablated - baseline``."""
+    """The metric with a set of heads ablated together: ``baseline`` and ``ablated`` are the metric's own
+    values; ``effect = sign · (baseline − ablated)`` is positive when the heads matter (a loss: ``ablated −
+    baseline``; a score, ``higher_is_better``: ``baseline − ablated``; see ``metrics``)."""
 
     heads: List[Head]
     baseline: float
     ablated: float
     method: str
     metric: str
+    higher_is_better: bool = False
 
     @property
     def effect(self) -> float:
-        return self.ablated - self.baseline
+        return (self.baseline - self.ablated) if self.higher_is_better else (self.ablated - self.baseline)
 
 
 
@@ -359,20 +364,21 @@ def group_effect(model, heads: HeadsLike, tokens, metric="induction-loss", metho
     """Ablate ``heads`` together on ``tokens``; one clean and one ablated forward pass."""
     model, tokens = check_model(model), check_tokens(tokens)
     targets = model_heads(model, heads)
-    tokens, metric = _prepare(model, tokens, metric)
+    tokens, metric = prepare_metric(model, tokens, metric)
     repl = make_replacement(model, method, [h.layer for h in targets], reference=reference, tokens=tokens,
                             per_position=per_position)
     with torch.no_grad():
         base = float(metric(model(tokens), tokens))
         with model.hooks(fwd_hooks=_ablation_hooks([targets], repl, rows=None)):
             abl = float(metric(model(tokens), tokens))
-    return GroupEffect(targets, base, abl, method, metric.name)
+    return GroupEffect(targets, base, abl, method, metric.name, metric.higher_is_better)
 
 
 @dataclass(repr=False)      # the repr comes from Displayed (_foundation.display)
 class RandomComparison(Displayed):
     """Effect of ablating ``heads`` together versus ablating ``k`` random other heads, ``n_draws`` times.
 
+    Effects follow the metric's sign convention (positive = the heads matter; ``metrics``).
     ``random_effects[i]`` is the effect of ablating ``random_heads[i]`` (``k = len(heads)`` heads
     drawn uniformly without replacement from the heads *not* in ``heads``, with ``seed``).
     ``fraction_at_least`` is the share of draws whose effect is ≥ the group's.
@@ -415,22 +421,23 @@ def compare_to_random(model, heads: HeadsLike, tokens, metric="induction-loss", 
     if k > len(others):
         raise QKCircuitsError(f"cannot draw {k} random heads from the {len(others)} heads outside the group; "
                               f"name fewer heads")
-    tokens, metric = _prepare(model, tokens, metric)
+    tokens, metric = prepare_metric(model, tokens, metric)
     g = torch.Generator().manual_seed(seed)
     draws = [sorted(others[int(i)] for i in torch.randperm(len(others), generator=g)[:k]) for _ in range(n_draws)]
     layers = sorted({h.layer for grp in [targets] + draws for h in grp})
     repl = make_replacement(model, method, layers, reference=reference, tokens=tokens, per_position=per_position)
     runner = Runner(model, tokens, from_layer=layers[0])
     base = float(metric(runner.clean_logits, tokens))
-    bar = _progress(n_draws + 1, "random draws", progress)
+    bar = progress_bar(n_draws + 1, "random draws", progress)
     values = run_groups(runner, [targets] + draws, repl, metric, copies_per_forward(model, tokens, max_batch, metric), bar)
     if bar is not None:
         bar.close()
-    return RandomComparison(targets, base, values[0] - base, torch.tensor(values[1:]) - base, draws, method,
-                            metric.name, seed)
+    return RandomComparison(targets, base, metric.effect(base, values[0]), metric.effect(base, torch.tensor(values[1:])),
+                            draws, method, metric.name, seed)
 
 
-def _progress(total: int, desc: str, enabled):
+def progress_bar(total: int, desc: str, enabled):
+    """A tqdm bar over ``total`` ablations, or None when not ``enabled``."""
     if not enabled:
         return None
     from tqdm.auto import tqdm

@@ -8,6 +8,8 @@ For head (L, h) with clean output ``z`` and ablated output ``z'`` (zero, mean or
 
     metric(z') - metric(z)  ≈  Σ_{batch, pos, d_head}  ∂metric/∂z · (z' - z)
 
+reported with the metric's sign (``effect = −sign · that``: positive = the head matters, as ``sweep``).
+
 One forward pass with gradients, one backward pass (plus one clean forward over the reference
 for mean/resample). The estimate is exact for a metric linear in z and degrades as the
 ablation moves z far from where the gradient was taken (zeroing a large head, or a head whose
@@ -21,8 +23,9 @@ from typing import Dict, Iterable, Optional
 import torch
 from torch import Tensor
 
-from .._foundation.capture import _check_layers, hook_name
-from .ablate import _prepare, make_replacement
+from .._foundation.capture import check_layers, hook_name
+from .._foundation.model import model_name
+from .ablate import make_replacement, prepare_metric
 from .sweep import HeadEffects
 
 
@@ -33,10 +36,8 @@ def attribution(model, tokens, metric="induction-loss", method: str = "zero", *,
     Memory: one forward pass's autograd graph over ``tokens`` plus every layer's z and its gradient
     ([batch, pos, n_heads, d_head] each). Parameters get no ``.grad`` (``torch.autograd.grad``).
     """
-    from .._foundation.model import model_name
-
-    tokens, metric = _prepare(model, tokens, metric)
-    layers = _check_layers(model, layers)
+    tokens, metric = prepare_metric(model, tokens, metric, where="attribution")
+    layers = check_layers(model, layers)
     repl = make_replacement(model, method, layers, reference=reference, tokens=tokens, per_position=per_position)
     zs: Dict[int, Tensor] = {}
 
@@ -63,6 +64,8 @@ def attribution(model, tokens, metric="induction-loss", method: str = "zero", *,
                 continue
             target = torch.stack([repl.value(L, h, b, p).to(z).expand(b, p, z.shape[-1])
                                   for h in range(z.shape[2])], dim=2)
-            effects[L] = ((target - z) * g).sum((0, 1, 3)).float().cpu()
+            # metric(z') − metric(z) ≈ Σ g·(z' − z); effect = −sign · that (positive = the head matters)
+            effects[L] = -metric.sign * ((target - z) * g).sum((0, 1, 3)).float().cpu()
     return HeadEffects(effects, float(value.detach()), model_name(model), method, metric.name, "attribution",
-                       int(b), int(p), per_position, repl.reference, list(layers))
+                       int(b), int(p), per_position, repl.reference, list(layers),
+                       higher_is_better=metric.higher_is_better)

@@ -15,6 +15,7 @@ each weight matrix is read once per layer instead of once per head.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -22,18 +23,23 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .._foundation.capture import _check_layers
+from .._foundation.capture import check_layers
+from .._foundation.backends import BackendLike, as_backend
 from .._foundation.display import Displayed
 from .._foundation.errors import QKCircuitsError
 from .._foundation.args import check_model, check_tokens
 from .._foundation.heads import Head
 from .._foundation.io import json_number
-from .ablate import Runner, _prepare, _progress, copies_per_forward, make_replacement, run_groups
+from .._foundation.model import model_name
+from .metrics import as_metric, default_tokens
+from .ablate import Runner, copies_per_forward, make_replacement, prepare_metric, progress_bar, run_groups
 
 
 @dataclass(repr=False)      # the repr comes from Displayed (_foundation.display)
 class HeadEffects(Displayed):
-    """Per-head effects ``metric(ablated) - metric(clean)`` with the settings that produced them.
+    """Per-head effects with the settings that produced them: ``sign · (metric(clean) − metric(ablated))``,
+    positive = the head matters (a loss: ablated − clean; ``higher_is_better``: clean − ablated; see
+    ``metrics``). ``baseline`` is the metric's own clean value.
 
     ``kind`` is ``"sweep"`` (measured: one ablation per head) or ``"attribution"`` (first-order
     estimate). Layers not swept hold NaN.
@@ -52,6 +58,7 @@ class HeadEffects(Displayed):
     layers: List[int] = field(default_factory=list)
     timing: Dict[str, float] = field(default_factory=dict)     # startup_s, load_s, sweep_s (seconds)
     backend: Dict[str, Any] = field(default_factory=dict)      # {"name": "ray", "workers", "shards", ...}
+    higher_is_better: bool = False                             # the metric's sign convention (effects: + = matters)
 
     def top(self, k: int = 10, *, by: str = "value") -> List[Tuple[Head, float]]:
         """The ``k`` heads with the largest effect (``by="abs"``: largest magnitude)."""
@@ -82,59 +89,67 @@ class HeadEffects(Displayed):
 
 def sweep(model, tokens, metric="induction-loss", method: str = "zero", *, reference=None,
           per_position: bool = True, layers: Optional[Iterable[int]] = None, max_batch: Optional[int] = None,
-          progress: bool = True, backend: str = "local", ray_address: Optional[str] = None,
+          progress: bool = True, backend: BackendLike = None, ray_address: Optional[str] = None,
           workers: Optional[int] = None) -> HeadEffects:
     """Effect of ablating each head of ``layers`` (default all) alone on ``metric`` over ``tokens``.
 
-    ``method``/``reference``/``per_position`` as in ``ablate`` (without ``reference``, mean uses
-    ``tokens`` and resample uses ``tokens`` rolled by one row). ``max_batch`` caps the sequences
-    per forward pass (default: as many copies of the batch as fit 512 MiB of logits).
+    ``model``: a loaded model or a spec (``"toy-induction"``, ``"smollm2-135m"``, a path), on any backend.
+    ``metric``: a logits metric (a name, a ``qk.Metric``, a callable; ``metrics``); effects are positive when
+    the head matters. ``method``/``reference``/``per_position`` as in ``ablate`` (without ``reference``, mean
+    uses ``tokens`` and resample uses ``tokens`` rolled by one row). ``max_batch`` caps the sequences per
+    forward pass (default: as many copies of the batch as fit 512 MiB of logits).
 
     Memory: the residual stream entering each layer from the first swept one on (at most
     n_layers × batch × pos × d_model), the replacement z (mean/resample), and one batched
     forward's activations and logits.
 
-    ``backend="ray"``: ``model`` is the model's spec (``"smollm2-135m"``, a path), ``tokens`` a
-    [batch, pos] id tensor; ``workers`` Ray actors each load the model once and sweep shards of
-    (prompts, layers); ``ray_address`` None -> ``$RAY_ADDRESS`` if set, else a local instance
-    (``"local:N"``: a local instance with N workers). Equal to the local sweep to float rounding
+    ``backend``: ``qk.Local()`` (default) or ``qk.Ray(address=..., workers=...)`` (strings ``"local"``,
+    ``"ray"``, ``"local:N"`` or a Ray address also work; ``ray_address``/``workers`` are the older spelling
+    of ``qk.Ray``'s). On Ray, workers each load the model once (a loaded model travels as its spec) and
+    sweep shards of (prompts, layers); ``tokens`` must be ids. On either backend ``tokens`` may be a dict of
+    ``default_tokens`` arguments (``n_seqs``, ``seq_len``, ``seed``): the metric's default prompts. Equal to the local sweep to float rounding
     (docs/scaling.md); ``timing`` gets ``startup_s``, ``load_s``, ``sweep_s``.
+
+    >>> res = qk.sweep(model, tokens, "induction-loss", progress=False)
+    >>> res.top(1)[0][0], res.effects.shape
+    (Head(layer=1, head=0), torch.Size([2, 2]))
     """
-    model, tokens = check_model(model, spec_ok=backend != "local"), check_tokens(tokens)
-    import time
+    return as_backend(backend, address=ray_address, workers=workers).run(
+        "sweep", model, local=local_sweep, tokens=tokens, metric=metric, method=method, reference=reference,
+        per_position=per_position, layers=layers, max_batch=max_batch, progress=progress)
 
-    from .._foundation.model import model_name
 
-    if backend == "ray":
-        from .._scale.ray_sweep import ray_sweep
-
-        return ray_sweep(model, tokens, metric, method, reference=reference, per_position=per_position,
-                         layers=layers, max_batch=max_batch, progress=progress, ray_address=ray_address,
-                         workers=workers)
-    if backend != "local":
-        raise QKCircuitsError(f"unknown backend {backend!r}; use 'local' or 'ray'")
+def local_sweep(model, tokens, metric="induction-loss", method: str = "zero", *, reference=None,
+                per_position: bool = True, layers: Optional[Iterable[int]] = None, max_batch: Optional[int] = None,
+                progress: bool = True) -> HeadEffects:
+    """``sweep`` in this process on a loaded model (what ``qk.Local`` runs)."""
     t0 = time.perf_counter()
-
-    tokens, metric = _prepare(model, tokens, metric)
-    layers = _check_layers(model, layers)
+    model = check_model(model)
+    if not isinstance(tokens, dict):
+        tokens = check_tokens(tokens)
+    if isinstance(tokens, dict):        # {"n_seqs", "seq_len", "seed"}: the metric's default prompts (as on Ray)
+        tokens = default_tokens(model, as_metric(metric, model), **tokens)
+    tokens, metric = prepare_metric(model, tokens, metric, where="sweep")
+    layers = check_layers(model, layers)
     n_heads = model.cfg.n_heads
     repl = make_replacement(model, method, layers, reference=reference, tokens=tokens, per_position=per_position)
     runner = Runner(model, tokens, from_layer=min(layers))
     baseline = float(metric(runner.clean_logits, tokens))
     copies = copies_per_forward(model, tokens, max_batch, metric)
     effects = torch.full((model.cfg.n_layers, n_heads), float("nan"))
-    bar = _progress(len(layers) * n_heads, "sweep", progress)
+    bar = progress_bar(len(layers) * n_heads, "sweep", progress)
     try:
         for layer in layers:
             groups = [[Head(layer, h)] for h in range(n_heads)]
             values = run_groups(runner, groups, repl, metric, copies, bar)
-            effects[layer] = torch.tensor(values) - baseline
+            effects[layer] = metric.effect(baseline, torch.tensor(values))
     finally:
         if bar is not None:
             bar.close()
     return HeadEffects(effects, baseline, model_name(model), method, metric.name, "sweep", int(tokens.shape[0]),
                        int(tokens.shape[1]), per_position, repl.reference, list(layers),
-                       timing={"sweep_s": round(time.perf_counter() - t0, 3)}, backend={"name": "local"})
+                       timing={"sweep_s": round(time.perf_counter() - t0, 3)}, backend={"name": "local"},
+                       higher_is_better=metric.higher_is_better)
 
 
 def naive_sweep(model, tokens, metric="induction-loss", method: str = "zero", *, reference=None,
@@ -146,13 +161,13 @@ def naive_sweep(model, tokens, metric="induction-loss", method: str = "zero", *,
     """
     from .ablate import ablate
 
-    tokens, metric = _prepare(model, tokens, metric)
-    layers = _check_layers(model, layers)
+    tokens, metric = prepare_metric(model, tokens, metric, where="naive_sweep")
+    layers = check_layers(model, layers)
     out = torch.full((model.cfg.n_layers, model.cfg.n_heads), float("nan"))
     with torch.no_grad():
         base = float(metric(model(tokens), tokens))
         for L in layers:
             for h in range(model.cfg.n_heads):
                 with ablate(model, [(L, h)], method, reference=reference):
-                    out[L, h] = float(metric(model(tokens), tokens)) - base
+                    out[L, h] = metric.effect(base, float(metric(model(tokens), tokens)))
     return out

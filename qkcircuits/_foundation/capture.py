@@ -368,3 +368,10 @@ def edit(model, name: str, heads: HeadsLike, replace: Replacement, *, kv_heads: 
 def kv_index(model, head: int) -> int:
     """The KV head index query head ``head`` of ``model`` reads."""
     return kv_head(head, model.cfg.n_heads, n_kv_heads(model))
+
+
+# Public inside the package (other modules import these, never the underscore names): the token check,
+# the layer-list check, and the exception a hook raises to end a forward early.
+as_tokens = _as_tokens
+check_layers = _check_layers
+StopForward = _Stop

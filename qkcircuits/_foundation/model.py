@@ -105,19 +105,27 @@ def load(
     and 1.31x peak of a plain transformers load, instead of 1.89x / 2.19x); ``lean=False`` calls TransformerLens's
     ``enable_compatibility_mode()`` as is.
     """
-    if fold_ln and lean and not isinstance(spec, TransformerBridge):
+    if isinstance(spec, TransformerBridge):
+        return spec
+    bridge = None
+    if fold_ln and lean:
         from .lean import LeanIncomplete
 
         try:
-            return _load(spec, device=device, dtype=dtype, fold_ln=True, device_map=device_map, verbose=verbose,
-                         lean=True)
+            bridge = _load(spec, device=device, dtype=dtype, fold_ln=True, device_map=device_map, verbose=verbose,
+                           lean=True)
         except LeanIncomplete as e:   # an architecture whose processed weights miss a parameter
             import warnings
 
             warnings.warn(f"qkcircuits: lean LayerNorm folding did not fit this model ({e}); reloading with "
                           f"lean=False (TransformerLens's enable_compatibility_mode, more memory)", stacklevel=2)
-    return _load(spec, device=device, dtype=dtype, fold_ln=fold_ln, device_map=device_map, verbose=verbose,
-                 lean=False)
+    if bridge is None:
+        bridge = _load(spec, device=device, dtype=dtype, fold_ln=fold_ln, device_map=device_map, verbose=verbose,
+                       lean=False)
+    # How to load this model again (what a Ray worker loads when handed the loaded model; backends.model_spec).
+    bridge.qk_load_spec = {"spec": os.fspath(spec), "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+                           "fold_ln": bool(fold_ln)}
+    return bridge
 
 
 def _load(spec: Spec, *, device, dtype, fold_ln: bool, device_map, verbose: bool, lean: bool) -> TransformerBridge:

@@ -44,13 +44,15 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .._foundation.capture import _Stop, _as_tokens, hook_name
+from .._analysis.metrics import Metric
+from .._foundation.capture import StopForward, hook_name
+from .._foundation.model import model_name
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike, model_heads, n_kv_heads
 from .path_effects import INPUTS, PathEffects
-from .path_core import _check_resume, grab
-from .patching import (MetricLike, _check_into, _Scorer, _settings, check_method, clean_pass, default_prompts,
-                        post_norm, replacement_from_cache, resolve_metric)
+from .path_core import Scorer, check_resume, grab, is_direct_logit
+from .patching import (MetricLike, check_into, check_metric_tokens, check_request, clean_pass, patch_settings,
+                       post_norm, replacement_from_cache, resolve_metric)
 
 
 def _grad_run(cache, layer: int, retry: bool = True):
@@ -74,7 +76,7 @@ def _grad_run(cache, layer: int, retry: bool = True):
     with torch.enable_grad():
         try:
             cache.runner.run_resid(layer, resid, hooks)
-        except _Stop:
+        except StopForward:
             pass
     if len(proj) < 3 or "z" not in got:
         raise QKCircuitsError(f"layer {layer}'s attention did not fire hook_q/k/v/pattern/z when run from the "
@@ -86,7 +88,7 @@ def _grad_run(cache, layer: int, retry: bool = True):
         if not retry:
             raise QKCircuitsError(f"re-running layer {layer} from the cached residual does not reproduce its clean "
                                   f"attention pattern on this bridge; edge attribution needs that")
-        _check_resume(cache, [layer])
+        check_resume(cache, [layer])
         return _grad_run(cache, layer, retry=False)
     return resid, proj, leaf, got["pattern"], got["z"]
 
@@ -116,13 +118,11 @@ def _vjp(out: Tensor, inp: Tensor, cots: List[Tensor]) -> List[Tensor]:
     return [torch.autograd.grad(out, inp, grad_outputs=c, retain_graph=True)[0].detach() for c in cots]
 
 
-def _loss_grads(cache, layers: Sequence[int]):
-    """∂(induction loss)/∂z of every layer in ``layers`` (all heads at once), and the clean loss: ONE forward
-    from the lowest of them (clean residual, a zero probe added at each hook_z) and ONE backward. Later
-    layers respond to a probe as they respond to a patched z in ``path_patch``'s loss metric, so the
-    gradient is the derivative of that metric. Memory: the autograd graph of that forward."""
-    from .._analysis.metrics import induction_loss
-
+def _logits_grads(cache, layers: Sequence[int], metric: Metric):
+    """∂metric/∂z of every layer in ``layers`` (all heads at once) for a logits metric, and its clean value:
+    ONE forward from the lowest of them (clean residual, a zero probe added at each hook_z) and ONE backward.
+    Later layers respond to a probe as they respond to a patched z in ``path_patch``'s logits metrics, so
+    the gradient is the derivative of that metric. Memory: the autograd graph of that forward."""
     probes: Dict[int, Tensor] = {}
 
     def probe(L: int):
@@ -132,15 +132,17 @@ def _loss_grads(cache, layers: Sequence[int]):
         return fn
 
     R0 = min(layers)
-    metric = induction_loss()
-    keep = metric.keep_last(cache.tokens)            # only the repeat's logits: skips most of the unembedding
+    # only the logits the metric reads (induction-loss: the repeat's), which skips most of the unembedding
+    keep = metric.keep_last(cache.tokens) if metric.keep_last is not None else None
     hooks = [(hook_name("z", L), probe(L)) for L in layers]
     with torch.enable_grad():
-        try:
-            logits = cache.runner.run_resid(R0, cache.resid[R0], hooks, logits_to_keep=keep)
-        except TypeError:                            # a model whose forward takes no logits_to_keep
-            logits = None
-        if logits is None or logits.shape[1] != keep:
+        logits = None
+        if keep is not None:
+            try:
+                logits = cache.runner.run_resid(R0, cache.resid[R0], hooks, logits_to_keep=keep)
+            except TypeError:                        # a model whose forward takes no logits_to_keep
+                logits = None
+        if logits is None or logits.shape[1] != (keep or logits.shape[1]):
             logits = cache.runner.run_resid(R0, cache.resid[R0], hooks)
         loss = metric(logits, cache.tokens)
         grads = torch.autograd.grad(loss, [probes[L] for L in layers])
@@ -154,47 +156,50 @@ GRAD_BLOCK_BYTES = 256 * 2**20
 
 
 def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequence[str] = ("q", "k", "v"),
-                     metric: MetricLike = None, *, senders: Optional[HeadsLike] = None, method: str = "mean",
-                     tokens=None, per_position: bool = True) -> PathEffects:
-    """First-order estimate of ``path_patch``'s edges (same arguments, same result type, ``kind="attribution"``).
+                     senders: Optional[HeadsLike] = None, method: str = "mean", tokens=None,
+                     metric: MetricLike = None, *, per_position: bool = True) -> PathEffects:
+    """First-order estimate of ``path_patch``'s edges: the same arguments in the same order, the same metrics
+    (``resolve_metric``) and the same result type (``kind="attribution"``).
 
-    ``receivers`` default to every head of layers ≥ 1. ``metric``: None (induction for q/k, direct-logit
-    for v), "induction", "direct-logit" or "loss" (the induction loss with the receiver's z patched, run
-    through the layers above, as ``path_patch``; its gradient at every receiver layer's z comes from ONE
-    extra forward and backward in all). Callables need ``path_patch``.
+    ``receivers`` default to every head of layers ≥ 1; a named layer-0 receiver is kept with an empty sender
+    set (NaN effects, as in ``path_patch``: no head precedes it); only layer-0 receivers fail. ``metric``:
+    as ``path_patch`` (None: induction for q/k, direct-logit for v). A logits metric (``induction-loss``,
+    alias ``loss``) is differentiated at every receiver layer's z by ONE extra forward and backward in all;
+    a receiver callable ``fn(pattern, z, tokens)`` must be differentiable in torch.
     Memory: ``CleanCache`` as in ``path_patch``; per receiver layer one attention forward's autograd
     graph over the batch, 3 × n_receiver_heads residual-sized gradients (waiting in blocks of up to
     ``GRAD_BLOCK_BYTES``, 256 MiB), and the senders' Δ (n_heads × batch × pos × d_model per sender layer,
-    one matrix of at most ``DELTA_CACHE_BYTES``, 1 GiB, else recomputed per block). ``metric="loss"``:
+    one matrix of at most ``DELTA_CACHE_BYTES``, 1 GiB, else recomputed per block). A logits metric:
     plus the autograd graph of one forward from the lowest receiver layer to the logits.
-    """
-    from .._foundation.model import model_name
 
+    >>> est = qk.edge_attribution(model, "1.0", "k")
+    >>> est.kind, est.top("1.0", "k", 1)[0][0]
+    ('attribution', Head(layer=0, head=0))
+    """
     L, H = model.cfg.n_layers, model.cfg.n_heads
-    recv = model_heads(model, receivers) if receivers is not None else [Head(l, h) for l in range(1, L) for h in range(H)]
-    recv = [r for r in recv if r.layer > 0]
-    if not recv:
-        raise QKCircuitsError("no receivers in layer 1 or later: a layer-0 head reads no earlier head")
-    snd = model_heads(model, senders) if senders is not None else None
-    into = _check_into(into)
-    check_method(method)
-    if metric not in (None, "induction", "direct-logit", "loss"):
-        raise QKCircuitsError(f"edge_attribution supports metric None, 'induction', 'direct-logit' or 'loss', got "
-                              f"{metric!r}; use path_patch for a custom metric")
-    metrics = {x: resolve_metric(metric, x) for x in into}
-    tokens = _as_tokens(model, tokens if tokens is not None else default_prompts(model))
+    metrics = {x: resolve_metric(metric, x, where="edge_attribution") for x in check_into(into)}
+    if receivers is None:
+        receivers = [Head(l, h) for l in range(1, L) for h in range(H)]
+    recv, snd, into, tokens, _ = check_request(model, receivers, senders, into, method, tokens)
+    check_metric_tokens(metrics.values(), tokens)
     cache = clean_pass(model, tokens, [r.layer for r in recv],
-                       need_final=any(m.name == "direct-logit" for m in metrics.values()),
+                       need_final=any(is_direct_logit(m) for m in metrics.values()),
                        need_logits=any(m.needs == "logits" for m in metrics.values()), check_all=False)
     repl = replacement_from_cache(cache, method, per_position)       # the clean pass's own z: no extra forward
-    if any(m.needs == "logits" for m in metrics.values()):          # loss: one forward + one backward in all
-        loss_grad, clean_loss = _loss_grads(cache, sorted({r.layer for r in recv}))
+    logits_metrics = {m.name: m for m in metrics.values() if m.needs == "logits"}
+    grad_layers = sorted({r.layer for r in recv if r.layer > 0})
+    logits_grads = {name: _logits_grads(cache, grad_layers, m)      # one forward + one backward each
+                    for name, m in logits_metrics.items()}
     G = H // n_kv_heads(model)
     effects = {x: torch.full((len(recv), L, H), float("nan")) for x in into}
     clean = {x: torch.full((len(recv),), float("nan")) for x in into}
     by_layer: Dict[int, List[int]] = {}
     for i, r in enumerate(recv):
         by_layer.setdefault(r.layer, []).append(i)
+    first = by_layer.pop(0, None)                  # layer-0 receivers: no senders (NaN effects), clean value only
+    if first is not None:
+        for x in into:
+            clean[x][first] = _clean_values(model, cache, 0, [recv[i].head for i in first], metrics[x])
     # Senders' Δ, one row per head of each sender layer, flattened over (batch, pos, d_model): kept in one
     # matrix when it fits DELTA_CACHE_BYTES (every receiver layer above reuses it), else recomputed.
     n_flat = tokens.numel() * model.cfg.d_model
@@ -265,12 +270,13 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
         for x in into:
             m = metrics[x]
             if m.needs == "logits":
-                # loss ≈ clean + Σ ∂loss/∂z · (z' − z): each head's z against the loss gradient at its z
+                # metric ≈ clean + Σ ∂metric/∂z · (z' − z): each head's z against the metric's gradient at its z
+                grad_z, clean_value = logits_grads[m.name]
                 with torch.enable_grad():
-                    values = (z[:, :, heads] * loss_grad[R][:, :, heads]).sum((0, 1, 3))
-                clean[x][idx] = clean_loss
+                    values = (z[:, :, heads] * grad_z[R][:, :, heads]).sum((0, 1, 3))
+                clean[x][idx] = clean_value
             else:
-                scorer = _Scorer(model, cache, R, heads, m)
+                scorer = Scorer(model, cache, R, heads, m)
                 with torch.enable_grad():
                     values = scorer.sums(pattern, z, 1)[0] / scorer.count()     # [len(heads)] means, in the graph
                 clean[x][idx] = values.detach().float().cpu()
@@ -299,5 +305,12 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
     return PathEffects(model=model_name(model), method=method, receivers=recv, into=into,
                        metrics={x: m.name for x, m in metrics.items()}, effects=effects, clean=clean,
                        kind="attribution", n_layers=L, n_heads=H,
-                       settings=_settings(model, tokens, per_position, repl.reference, n_edges,
-                                          len(by_layer)))
+                       settings=patch_settings(model, tokens, per_position, repl.reference, n_edges,
+                                               len({r.layer for r in recv})))
+
+
+def _clean_values(model, cache, layer: int, heads: List[int], metric: Metric) -> Tensor:
+    """[len(heads)] the clean metric of receivers that get no gradient run (layer 0: no senders)."""
+    with torch.no_grad():
+        scorer = Scorer(model, cache, layer, heads, metric)
+        return (scorer.clean_sums() / scorer.count()).float().cpu()

@@ -44,14 +44,19 @@ from jaxtyping import Int
 from torch import Tensor
 
 from .._analysis.ablate import Replacement, check_method
-from .._foundation.capture import _as_tokens
+from .._analysis.metrics import INDUCTION, Metric
+from .._foundation.backends import BackendLike, as_backend
+from .._foundation.capture import as_tokens
 from .._foundation.errors import QKCircuitsError
 from .._foundation.args import check_int, check_model, check_tokens
 from .._foundation.heads import Head, HeadsLike, model_heads
-from .path_core import (CHUNK_BYTES, METRIC_NAMES, CleanCache, MetricLike, _Metric, _Scorer, clean_pass,  # noqa: F401
-                         post_norm, receiver_run, references, replacement_from_cache, resolve_metric, sender_deltas,
-                         shard_replacement)
-from .path_effects import INPUTS, PathEffects, _check_input
+from .._foundation.io import package_version
+from .._foundation.model import model_name
+from .._foundation.sequences import repeated_tokens, segment_length
+from .path_core import (CHUNK_BYTES, CleanCache, MetricLike, Scorer, clean_pass, is_direct_logit,  # noqa: F401
+                        post_norm, receiver_run, references, replacement_from_cache, resolve_metric, sender_deltas,
+                        shard_replacement)
+from .path_effects import INPUTS, PathEffects
 
 # ------------------------------------------------------------------------------------------ shards
 
@@ -92,7 +97,7 @@ def patch_shard(model, tokens: Tensor, repl: Optional[Replacement], receivers: S
     """
     L, H = model.cfg.n_layers, model.cfg.n_heads
     metrics = {x: resolve_metric(metric, x) for x in into}
-    need_final = any(m.name == "direct-logit" for m in metrics.values())
+    need_final = any(is_direct_logit(m) for m in metrics.values())
     cache = clean_pass(model, tokens, [r.layer for r in receivers], need_final=need_final,
                        need_logits=any(m.needs == "logits" for m in metrics.values()))
     if repl is None:
@@ -110,13 +115,13 @@ def patch_shard(model, tokens: Tensor, repl: Optional[Replacement], receivers: S
         heads = [receivers[i].head for i in idx]
         snd = [s for s in (senders if senders is not None else
                            [Head(l, h) for l in range(R) for h in range(H)]) if s.layer < R]
-        induction = _Scorer(model, cache, R, heads, _Metric("induction", "pattern"))
+        induction = Scorer(model, cache, R, heads, INDUCTION)
         attention_count = induction.count()
         with torch.no_grad():
             attention[idx] = induction.clean_sums().float().cpu()
         for x in into:
             m = metrics[x]
-            scorer = _Scorer(model, cache, R, heads, m)
+            scorer = Scorer(model, cache, R, heads, m)
             count[x] = scorer.count()
             with torch.no_grad():
                 clean[x][idx] = scorer.clean_sums().float().cpu()
@@ -125,7 +130,7 @@ def patch_shard(model, tokens: Tensor, repl: Optional[Replacement], receivers: S
                 delta = sender_deltas(model, cache, repl, part)
                 with torch.no_grad():
                     pattern, z = receiver_run(cache, R, x, delta, need_z=m.needs != "pattern")
-                    vals = (scorer.loss_sums(z, len(part)) if m.needs == "logits"
+                    vals = (scorer.logits_sums(z, len(part)) if m.needs == "logits"
                             else scorer.sums(pattern, z, len(part))).float().cpu()     # results live on the CPU
                 for j, s in enumerate(part):
                     patched[x][idx, s.layer, s.head] = vals[j]
@@ -135,13 +140,13 @@ def patch_shard(model, tokens: Tensor, repl: Optional[Replacement], receivers: S
                      attention_count)
 
 
-def combine(shards: Sequence[ShardSums], metrics: Dict[str, _Metric], receivers: Sequence[Head]
+def combine(shards: Sequence[ShardSums], metrics: Dict[str, Metric], receivers: Sequence[Head]
             ) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
     """Effects and clean values of ``receivers`` from shard sums, exactly.
 
     Shards over the same prompt rows but different receivers/senders are merged by placement (each entry
     computed once); prompt-row groups are then added: mean = Σ sums / Σ counts, effect = sign · (clean −
-    patched). An entry missing from any row group stays NaN.
+    patched) (``Metric.effect``: positive = the sender matters). An entry missing from any row group stays NaN.
     """
     groups: Dict[Tuple[int, int], List[ShardSums]] = {}
     for s in shards:
@@ -164,7 +169,7 @@ def combine(shards: Sequence[ShardSums], metrics: Dict[str, _Metric], receivers:
             tot_p = gp if tot_p is None else tot_p + gp
             tot_c = gc if tot_c is None else tot_c + gc
         c = tot_c / n
-        effects[x] = m.sign * (c[:, None, None] - tot_p / n)
+        effects[x] = m.effect(c[:, None, None], tot_p / n)
         clean[x] = c
     return effects, clean
 
@@ -193,34 +198,34 @@ def combine_attention(shards: Sequence[ShardSums], receivers: Sequence[Head]) ->
 
 def default_prompts(model, n_seqs: int = 8, seed: int = 0) -> Int[Tensor, "batch pos"]:
     """The scan's induction prompts: ``n_seqs`` × [BOS] + R + R, R of ``segment_length(model)`` distinct tokens."""
-    from .._foundation.sequences import repeated_tokens, segment_length
-
     return repeated_tokens(model, n_seqs, segment_length(model), 2, seed=seed)
 
 
-def _check_into(into) -> List[str]:
+def check_into(into) -> List[str]:
+    """``into`` ("q,k", ["k"], ...) as the list of inputs in q, k, v order; one line naming a bad one."""
     if isinstance(into, str):
         into = [t for t in into.replace(" ", "").split(",") if t]
-    into = [_check_input(x) for x in into]
+    into = list(into)
+    for x in into:
+        if x not in INPUTS:
+            raise QKCircuitsError(f"unknown receiver input {x!r}; choose from q, k, v")
     if not into:
         raise QKCircuitsError("into names no input; use any of q, k, v")
     return [x for x in INPUTS if x in into]
 
 
-def _metric_label(metric: MetricLike, x: str) -> str:
-    return resolve_metric(metric, x).name
-
-
 def check_request(model, receivers, senders, into, method: str, tokens):
-    """Validate a path-patching request (shared by the local and the Ray driver): (receivers, senders or
-    None for all earlier heads, inputs, prompt tokens on the model's device, sender layers)."""
+    """Validate a path-patching request (shared by ``path_patch``, ``edge_attribution`` and the Ray jobs):
+    (receivers, senders or None for all earlier heads, inputs, prompt tokens on the model's device, sender
+    layers). Layer-0 receivers are kept with an empty sender set (their effects are NaN: no head precedes
+    them); a request whose receivers are ALL in layer 0 fails."""
     recv = model_heads(model, receivers)
     if all(r.layer == 0 for r in recv):
         raise QKCircuitsError(f"receiver {recv[0]} is in layer 0: no earlier heads can send to it")
     snd = model_heads(model, senders) if senders is not None else None
-    into = _check_into(into)
+    into = check_into(into)
     check_method(method)
-    tokens = _as_tokens(model, tokens if tokens is not None else default_prompts(model))
+    tokens = as_tokens(model, tokens if tokens is not None else default_prompts(model))
     if method == "resample" and tokens.shape[0] < 2:
         raise QKCircuitsError("resample needs at least 2 prompts (each takes the sender's z from another)")
     sender_layers = sorted({s.layer for s in snd} if snd is not None else set(range(max(r.layer for r in recv))))
@@ -229,39 +234,47 @@ def check_request(model, receivers, senders, into, method: str, tokens):
 
 def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"), senders: Optional[HeadsLike] = None,
                method: str = "mean", tokens=None, metric: MetricLike = None, *, per_position: bool = True,
-               shards: int = 1, chunk: Optional[int] = None, progress: bool = True, backend: str = "local",
+               shards: int = 1, chunk: Optional[int] = None, progress: bool = True, backend: BackendLike = None,
                ray_address: Optional[str] = None, workers: Optional[int] = None) -> PathEffects:
     """Exact path patching of every sender → (q | k | v of) every receiver; see the module docstring.
 
-    ``receivers``/``senders``: heads ("18.6,17.3", [(18, 6)], Head objects); senders default to every
-    head of an earlier layer than each receiver. ``tokens`` default to ``default_prompts(model)``.
-    ``metric``: None (induction for q/k, direct-logit for v), "induction", "direct-logit", "loss", or
-    ``fn(pattern [b, q, k], z [b, p, d_head], tokens) -> scalar`` (a score: higher = better). ``shards``
+    ``model``: a loaded model or a spec, on any backend. ``receivers``/``senders``: heads ("18.6,17.3",
+    [(18, 6)], Head objects); senders default to every head of an earlier layer than each receiver (a layer-0
+    receiver has none: its row is NaN). ``tokens`` default to ``default_prompts(model)``. ``metric``: None
+    (``induction`` for q/k, ``direct-logit`` for v), any name, ``qk.Metric`` or callable of ``as_metric``:
+    receiver metrics ``fn(pattern [b, q, k], z [b, p, d_head], tokens)`` read the receiver head, logits
+    metrics (``induction-loss``, alias ``loss``; ``qk.induction_loss()``; ``logit-diff:C,W``) run the patched
+    receiver z to the logits. Effects are positive when the sender matters (``Metric.effect``). ``shards``
     splits the prompts into that many row blocks run one after another (same result; less memory).
 
     Memory: ``CleanCache`` (residual per layer from the lowest receiver on, z of every layer up to
     the highest, q/k/v and patterns of receiver layers) plus one chunk of stacked receiver-layer
     activations (``chunk`` copies; default sized to ~256 MiB of patterns).
 
-    ``backend="ray"``: ``model`` is the model's spec (``"smollm2-135m"``, a path) and each Ray worker loads
-    it; shards of (prompt rows, receiver layers) run on the workers with the references computed once
-    over all prompts, combined exactly (``qkcircuits._scale.ray_patching``). ``ray_address``: as for ``sweep``
-    (None: ``$RAY_ADDRESS`` if set, else a local instance; ``"local:N"``); ``workers``: how many.
+    ``backend``: ``qk.Local()`` (default) or ``qk.Ray(address=..., workers=...)`` (or the strings of
+    ``as_backend``; ``ray_address``/``workers`` are the older spelling). On Ray each worker loads the model;
+    shards of (prompt rows, receiver layers) run on the workers with the references computed once over all
+    prompts, combined exactly (``qkcircuits._scale.ray_patching``).
+
+    >>> res = qk.path_patch(model, "1.0", into="k", metric=qk.induction_loss(), progress=False)
+    >>> res.metrics["k"], res.top("1.0", "k", 1)[0][0]
+    ('induction-loss', Head(layer=0, head=0))
     """
-    model, tokens = check_model(model, spec_ok=backend != "local"), check_tokens(tokens)
+    return as_backend(backend, address=ray_address, workers=workers).run(
+        "path_patch", model, local=local_path_patch, receivers=receivers, into=into, senders=senders, method=method,
+        tokens=tokens, metric=metric, per_position=per_position, shards=shards, chunk=chunk, progress=progress)
+
+
+def local_path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"),
+                     senders: Optional[HeadsLike] = None, method: str = "mean", tokens=None, metric: MetricLike = None,
+                     *, per_position: bool = True, shards: int = 1, chunk: Optional[int] = None,
+                     progress: bool = True) -> PathEffects:
+    """``path_patch`` in this process on a loaded model (what ``qk.Local`` runs)."""
+    model, tokens = check_model(model), check_tokens(tokens)
     check_int("shards", shards)
-    from .._foundation.model import model_name
-
-    if backend == "ray":
-        from .._scale.ray_patching import ray_path_patch
-
-        return ray_path_patch(model, receivers, into, senders, method, tokens, metric, per_position=per_position,
-                              chunk=chunk, progress=progress, ray_address=ray_address, workers=workers)
-    if backend != "local":
-        raise QKCircuitsError(f"unknown backend {backend!r}; use 'local' or 'ray'")
-
+    metrics = {x: resolve_metric(metric, x) for x in check_into(into)}     # a bad metric fails before any forward
     recv, snd, into, tokens, sender_layers = check_request(model, receivers, senders, into, method, tokens)
-    metrics = {x: resolve_metric(metric, x) for x in into}
+    check_metric_tokens(metrics.values(), tokens)
     n_shards = max(1, min(shards, tokens.shape[0]))
     # One shard: the references come from its own clean pass (same prompts, no extra forward).
     repl = references(model, method, tokens, sender_layers, per_position) if n_shards > 1 else None
@@ -285,18 +298,25 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
     return PathEffects(model=model_name(model), method=method, receivers=recv, into=into,
                        metrics={x: m.name for x, m in metrics.items()}, effects=effects, clean=clean, kind="exact",
                        n_layers=model.cfg.n_layers, n_heads=H, clean_attention=combine_attention(parts, recv),
-                       settings=_settings(model, tokens, per_position, _reference_label(method), n_edges,
+                       settings=patch_settings(model, tokens, per_position, reference_label(method), n_edges,
                                           n_layers_recv))
 
 
-def _reference_label(method: str) -> str:
+def check_metric_tokens(metrics, tokens: Tensor) -> None:
+    """Each metric's own check of the prompts (``Metric.check``: e.g. induction-loss needs [BOS]+R+R)."""
+    for m in metrics:
+        if m.check is not None:
+            m.check(tokens)
+
+
+def reference_label(method: str) -> str:
+    """What the sender's replacement z was computed from, for the settings."""
     return {"zero": "none", "mean": "the ablated prompts", "resample": "the ablated prompts rolled by one row"}[method]
 
 
-def _settings(model, tokens: Tensor, per_position: bool, reference: str, n_edges: int, n_layers_recv: int) -> dict:
-    from .. import __version__
-    from .._foundation.io import package_version
-
+def patch_settings(model, tokens: Tensor, per_position: bool, reference: str, n_edges: int, n_layers_recv: int) -> dict:
+    """The settings (prompts, reference, versions) a ``PathEffects`` records."""
+    from .. import __version__        # the package's __init__ sets it after importing this module
     return {"n_prompts": int(tokens.shape[0]), "n_positions": int(tokens.shape[1]), "per_position": per_position,
             "reference": reference, "n_edges": n_edges, "receiver_layers": n_layers_recv,
             "fold_ln": bool(getattr(model, "compatibility_mode", False)), "dtype": str(model.W_E.dtype),

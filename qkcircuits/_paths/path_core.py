@@ -14,50 +14,48 @@ docstring for the formulas. Nothing here linearises: the receiver layer is re-ru
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
 from .._analysis.ablate import Replacement, Runner, check_method, make_replacement
-from .._foundation.capture import _Stop, hook_name
+from .._analysis.metrics import Metric, as_metric, direct_logit, induction_attention, induction_mask
+from .._foundation.capture import StopForward, hook_name
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, kv_head, n_kv_heads
 from .path_effects import INPUTS
 
-MetricLike = Union[None, str, Callable]
-METRIC_NAMES = ("induction", "direct-logit", "loss")
+# None (the default per input), a name, a qk.Metric or a callable: checked by as_metric, which fails in one
+# line (a narrower annotation would let a runtime type checker raise its own error first).
+MetricLike = Any
 # Budget for one chunk's stacked patterns (the largest tensor of a receiver-layer run).
 CHUNK_BYTES = 256 * 2**20
+ACCEPT = ("pattern", "z", "logits")      # path patching evaluates every kind of metric
 
 
 # ------------------------------------------------------------------------------------------ metrics
 
-@dataclass
-class _Metric:
-    """A receiver metric as additive sums (so prompt shards combine exactly): value = sum / count."""
+def resolve_metric(metric: MetricLike, into: str, where: str = "path_patch") -> Metric:
+    """The ``Metric`` of input ``into``: ``None`` → ``induction`` (q, k) / ``direct-logit`` (v); else
+    ``as_metric`` (the one resolver: any name, ``qk.Metric`` or callable; ``"loss"`` = ``induction-loss``).
 
-    name: str
-    needs: str                  # "pattern", "z" or "logits"
-    sign: float = 1.0           # +1: effect = clean − patched (a score); −1: patched − clean (a loss)
-    fn: Optional[Callable] = None
-
-
-def resolve_metric(metric: MetricLike, into: str) -> _Metric:
-    """``None`` → induction (q, k) / direct-logit (v); a name; or ``fn(pattern [b,q,k], z [b,p,d_head], tokens)``."""
+    A receiver metric (``needs`` pattern/z) reads the receiver head's pattern/z; a logits metric runs the
+    receiver's patched z through the layers above to the logits (the ARENA recipe)."""
     if metric is None:
         metric = "direct-logit" if into == "v" else "induction"
-    if callable(metric):
-        return _Metric(getattr(metric, "__name__", "custom"), "z", 1.0, metric)
-    if metric == "induction":
-        return _Metric("induction", "pattern")
-    if metric == "direct-logit":
-        return _Metric("direct-logit", "z")
-    if metric == "loss":
-        return _Metric("induction-loss", "logits", -1.0)
-    raise QKCircuitsError(f"unknown path-patching metric {metric!r}; use one of {', '.join(METRIC_NAMES)} or a "
-                          f"callable fn(pattern, z, tokens)")
+    return as_metric(metric, accept=ACCEPT, where=where)
+
+
+def is_induction(metric: Metric) -> bool:
+    """The built-in induction attention (computed here as sums, so prompt shards add up)."""
+    return metric.fn is induction_attention
+
+
+def is_direct_logit(metric: Metric) -> bool:
+    """The built-in direct logit (needs the clean final residual and the unembedding)."""
+    return metric.fn is direct_logit
 
 
 # ------------------------------------------------------------------------------------------ clean pass
@@ -94,7 +92,7 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
     """Run ``tokens`` once, keep what ``CleanCache`` lists; check that a block adds (a norm of) its
     attention output to the residual, as the Δ formula assumes. The forward stops as soon as the last
     needed tensor exists: after the highest receiver layer's z, or at the final norm (direct-logit);
-    only ``need_logits`` (the loss metric) runs the unembedding."""
+    only ``need_logits`` (a logits metric) runs the unembedding."""
     R_min, R_max = min(receiver_layers), max(receiver_layers)
     n = model.cfg.n_layers
     cache = CleanCache(tokens)
@@ -108,7 +106,7 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
     def last(fn):                              # the last tensor needed: abandon the rest of the forward
         def stop(t: Tensor, hook) -> None:
             fn(t, hook)
-            raise _Stop
+            raise StopForward
         return stop
 
     hooks = [(f"blocks.{L}.hook_resid_pre", keep(cache.resid, L)) for L in sorted(set(receiver_layers))]
@@ -130,7 +128,7 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
     with torch.no_grad():
         try:
             cache.logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
-        except _Stop:
+        except StopForward:
             pass
     missing = [str(L) for L in range(R_max + 1) if L not in cache.z]
     if missing:
@@ -163,11 +161,11 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
     # every receiver layer (one attention run each), or only the lowest when the caller checks each
     # layer's own clean run as it goes (edge attribution's _grad_run)
     layers = sorted(set(receiver_layers))
-    _check_resume(cache, layers if check_all else layers[:1], logits=need_logits)
+    check_resume(cache, layers if check_all else layers[:1], logits=need_logits)
     return cache
 
 
-def _check_resume(cache: CleanCache, layers: Sequence[int], logits: bool = False) -> None:
+def check_resume(cache: CleanCache, layers: Sequence[int], logits: bool = False) -> None:
     """Resuming at each receiver layer from the cached residual must reproduce the clean pattern there
     (what every receiver run relies on) and, when the loss metric runs the layers above (``logits``),
     the clean logits. The fast "sliced" mode renumbers the blocks it keeps, which on Gemma-3 gives a
@@ -262,7 +260,7 @@ def grab(got: Dict[str, Tensor], name: str, last: bool):
     def fn(t: Tensor, hook) -> None:
         got[name] = t
         if last:
-            raise _Stop
+            raise StopForward
     return fn
 
 
@@ -308,7 +306,7 @@ def receiver_run(cache: CleanCache, layer: int, into: str, delta: Float[Tensor, 
     with torch.set_grad_enabled(grad):
         try:
             cache.runner.run_resid(layer, resid, hooks)
-        except _Stop:
+        except StopForward:
             pass
     if "pattern" not in got or (need_z and "z" not in got):
         raise QKCircuitsError(f"layer {layer}'s attention never fired hook_pattern/hook_z when run from the cached "
@@ -318,24 +316,20 @@ def receiver_run(cache: CleanCache, layer: int, into: str, delta: Float[Tensor, 
 
 # ------------------------------------------------------------------------------------------ metric sums
 
-def _induction_mask(tokens: Tensor) -> Tensor:
-    from .._analysis.detect import target_masks
-    from .._analysis.metrics import repeat_length
+class Scorer:
+    """Turns a receiver layer's stacked patterns / z into per-copy, per-receiver-head sums (value = sum / count).
 
-    return target_masks(tokens, repeat_length(tokens))["induction"]
+    The built-in ``induction`` and ``direct-logit`` sum over query positions; any other receiver metric
+    ``m(pattern, z, tokens)`` and every logits metric ``m(logits, tokens)`` (means over the batch) are
+    weighted by the prompt rows, so shards of prompts combine exactly."""
 
-
-class _Scorer:
-    """Turns a receiver layer's stacked patterns / z into per-copy, per-receiver-head sums."""
-
-    def __init__(self, model, cache: CleanCache, layer: int, heads: List[int], metric: _Metric):
+    def __init__(self, model, cache: CleanCache, layer: int, heads: List[int], metric: Metric):
         self.model, self.cache, self.layer, self.heads, self.metric = model, cache, layer, heads, metric
         tokens = cache.tokens
-        b, p = tokens.shape
-        if metric.name in ("induction", "direct-logit"):
-            self.mask = _induction_mask(tokens)                                   # [b, q, k]
+        if is_induction(metric) or is_direct_logit(metric):
+            self.mask = induction_mask(tokens)                                    # [b, q, k]
             self.has = self.mask.any(-1)                                          # [b, q]
-        if metric.name == "direct-logit":
+        if is_direct_logit(metric):
             qpos = self.has.clone()
             qpos[:, -1] = False                                                   # no next token
             self.qpos = qpos
@@ -349,11 +343,11 @@ class _Scorer:
             self.o_clean = {h: z[:, h] @ self.W_O[h] for h in heads}
 
     def count(self) -> float:
-        if self.metric.name == "induction":
+        if is_induction(self.metric):
             return float(self.has.sum())
-        if self.metric.name == "direct-logit":
+        if is_direct_logit(self.metric):
             return float(self.qpos.sum())
-        return float(self.cache.tokens.shape[0])        # loss / custom: weighted by prompt rows
+        return float(self.cache.tokens.shape[0])        # logits / custom metrics: weighted by prompt rows
 
     def _logit(self, x: Tensor) -> Tensor:
         lnf = getattr(self.model, "ln_final", None)
@@ -367,14 +361,13 @@ class _Scorer:
         return self.post(rest + o) - self.post(rest)
 
     def sums(self, pattern: Tensor, z: Optional[Tensor], n: int) -> Tensor:
-        """[n, len(heads)] metric sums for n stacked copies."""
+        """[n, len(heads)] metric sums for n stacked copies (in the autograd graph when the inputs are)."""
         b, p = self.cache.tokens.shape
-        name = self.metric.name
-        if name == "induction":
+        if is_induction(self.metric):
             pat = pattern.view(n, b, *pattern.shape[1:])[:, :, self.heads]          # [n, b, h, q, k]
             on = torch.einsum("nbhqk,bqk->nbhq", pat, self.mask.to(pat.dtype))
             return (on * self.has[None, :, None].to(on.dtype)).sum((1, 3))
-        if name == "direct-logit":
+        if is_direct_logit(self.metric):
             zq = z.view(n, b, p, *z.shape[2:])[:, self.qpos]                       # [n, m, H, d_head]
             out = []
             for h in self.heads:
@@ -382,29 +375,26 @@ class _Scorer:
                 new = base + self._contrib(h, zq[:, :, h] @ self.W_O[h])
                 out.append((self._logit(new) - self._logit(base)).sum(-1))
             return torch.stack(out, -1)
-        if self.metric.fn is not None:
-            pat = pattern.view(n, b, *pattern.shape[1:])
-            zz = z.view(n, b, p, *z.shape[2:])
-            return torch.tensor([[float(self.metric.fn(pat[i, :, h], zz[i, :, :, h], self.cache.tokens)) * b
-                                  for h in self.heads] for i in range(n)])
-        raise AssertionError(name)
+        if self.metric.needs == "logits":
+            raise QKCircuitsError(f"metric {self.metric.name!r} reads logits: use logits_sums")
+        pat = pattern.view(n, b, *pattern.shape[1:])
+        zz = z.view(n, b, p, *z.shape[2:]) if z is not None else None
+        rows = [torch.stack([self.metric(pat[i, :, h], None if zz is None else zz[i, :, :, h], self.cache.tokens)
+                             for h in self.heads]) for i in range(n)]
+        return torch.stack(rows).float() * b
 
     def clean_sums(self) -> Tensor:
         """[len(heads)] the clean run's sums."""
         c = self.cache
-        if self.metric.name == "induction":
+        if is_induction(self.metric):
             return self.sums(c.pattern[self.layer], None, 1)[0]
-        if self.metric.name == "direct-logit" or self.metric.fn is not None:
-            return self.sums(c.pattern[self.layer], c.z[self.layer], 1)[0]
-        from .._analysis.metrics import induction_loss
-        return torch.full((len(self.heads),), float(induction_loss()(c.logits, c.tokens)) * c.tokens.shape[0])
+        if self.metric.needs == "logits":
+            return torch.full((len(self.heads),), float(self.metric(c.logits, c.tokens)) * c.tokens.shape[0])
+        return self.sums(c.pattern[self.layer], c.z[self.layer], 1)[0]
 
-    def loss_sums(self, z: Tensor, n: int) -> Tensor:
-        """Induction loss with receiver head h's z replaced by the patched z, forward from its layer (ARENA)."""
-        from .._analysis.metrics import induction_loss
-
+    def logits_sums(self, z: Tensor, n: int) -> Tensor:
+        """A logits metric with receiver head h's z replaced by the patched z, forward from its layer (ARENA)."""
         c, L, b = self.cache, self.layer, self.cache.tokens.shape[0]
-        metric = induction_loss()
         out = torch.empty(n, len(self.heads))
         for j, h in enumerate(self.heads):
             def fn(t: Tensor, hook, h=h) -> Tensor:
@@ -414,5 +404,5 @@ class _Scorer:
             with torch.no_grad():
                 logits = c.runner.run_resid(L, c.resid[L].repeat(n, 1, 1), [(hook_name("z", L), fn)])
             for i in range(n):
-                out[i, j] = float(metric(logits[i * b:(i + 1) * b], c.tokens)) * b
+                out[i, j] = float(self.metric(logits[i * b:(i + 1) * b], c.tokens)) * b
         return out

@@ -14,12 +14,19 @@ with ``labels`` (each sender's scan labels) and ``k_composition_spearman`` fille
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Dict, List, Optional, Sequence
 
+from .._analysis.detect import scan
+from .._foundation.backends import BackendLike, as_backend
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike, model_heads
 from .._foundation.io import check_int
+from .._foundation.stats import spearman
+from .._weights.composition import composition_column
+from .edges import edge_attribution
 from .path_effects import PathEffects
+from .patching import local_path_patch
 
 
 # What a trace reads of a scan: the induction ranking (receivers) and the sender labels, whose
@@ -28,19 +35,14 @@ from .path_effects import PathEffects
 TRACE_SCORES = ("induction", "previous_token", "duplicate_token")
 
 
-def _scan_for_trace(model, progress: bool = True):
+def scan_for_trace(model, progress: bool = True):
     """The scan whose induction ranking and labels a trace reads: only ``TRACE_SCORES``."""
-    from .._analysis.detect import scan
-
     return scan(model, scores=list(TRACE_SCORES), progress=progress)
 
 
 def k_composition_spearman(model, res: PathEffects) -> Dict[str, Optional[float]]:
     """Per receiver: Spearman correlation over its senders between the K-path effects (activations) and
     the weights-only K-composition scores (``composition_column``) of the same (sender, receiver) pairs."""
-    from .._weights.composition import composition_column
-    from .._foundation.stats import spearman
-
     out: Dict[str, Optional[float]] = {}
     if "k" not in res.effects:
         return out
@@ -57,30 +59,32 @@ def k_composition_spearman(model, res: PathEffects) -> Dict[str, Optional[float]
 
 def trace(model, receivers: Optional[HeadsLike] = None, *, top: int = 3, into: Sequence[str] = ("q", "k", "v"),
           method: str = "mean", attribution: bool = False, scores=None, tokens=None,
-          progress: bool = True, backend: str = "local", ray_address: Optional[str] = None,
+          progress: bool = True, backend: BackendLike = None, ray_address: Optional[str] = None,
           workers: Optional[int] = None, load_kwargs: Optional[dict] = None) -> PathEffects:
     """What ``qkcircuits trace`` computes: path effects into ``receivers`` (default: the ``top`` induction
     heads of a scan, layer ≥ 1), with the senders' scan labels and the K-composition agreement.
 
-    ``attribution=True`` estimates the edges by ``edge_attribution`` instead of exact path patching.
-    ``scores`` (a ``HeadScores``) skips the scan. Memory: as ``path_patch`` (or ``edge_attribution``).
-    ``backend="ray"``: ``model`` is a spec; scan, patching and K-composition run on Ray workers
-    (``qkcircuits._scale.ray_patching.ray_trace``; ``ray_address``/``workers`` as for ``path_patch``).
+    ``model``: a loaded model or a spec, on any backend. ``attribution=True`` estimates the edges by
+    ``edge_attribution`` instead of exact path patching. ``scores`` (a ``HeadScores``) skips the scan.
+    Memory: as ``path_patch`` (or ``edge_attribution``). ``backend``: ``qk.Local()`` (default) or
+    ``qk.Ray(...)`` (strings as ``as_backend``; ``ray_address``/``workers`` the older spelling): on Ray the
+    scan, patching and K-composition run on the workers (``qkcircuits._scale.ray_patching.ray_trace``).
+    ``load_kwargs``: ``qk.load`` options used where a spec is loaded.
     """
-    from .patching import path_patch
-
     check_int("top", top)
-    if backend == "ray":
-        from .._scale.ray_patching import ray_trace
+    chosen = as_backend(backend, address=ray_address, workers=workers)
+    if load_kwargs:
+        chosen = replace(chosen, load_kwargs={**getattr(chosen, "load_kwargs", {}), **load_kwargs})
+    return chosen.run("trace", model, local=local_trace, receivers=receivers, top=top, into=into, method=method,
+                      attribution=attribution, scores=scores, tokens=tokens, progress=progress)
 
-        if attribution:
-            raise QKCircuitsError("backend 'ray' runs exact path patching; drop attribution (or use the local backend)")
-        return ray_trace(model, receivers, top=top, into=into, method=method, scores=scores, tokens=tokens,
-                         progress=progress, ray_address=ray_address, workers=workers, load_kwargs=load_kwargs)
-    if backend != "local":
-        raise QKCircuitsError(f"unknown backend {backend!r}; use 'local' or 'ray'")
+
+def local_trace(model, receivers: Optional[HeadsLike] = None, *, top: int = 3, into: Sequence[str] = ("q", "k", "v"),
+                method: str = "mean", attribution: bool = False, scores=None, tokens=None,
+                progress: bool = True) -> PathEffects:
+    """``trace`` in this process on a loaded model (what ``qk.Local`` runs)."""
     if scores is None:
-        scores = _scan_for_trace(model, progress)
+        scores = scan_for_trace(model, progress)
     if receivers is None:
         ranked = [h for h, _ in scores.top(model.cfg.n_layers * model.cfg.n_heads, "induction") if h.layer > 0]
         recv: List[Head] = ranked[:top]
@@ -89,10 +93,9 @@ def trace(model, receivers: Optional[HeadsLike] = None, *, top: int = 3, into: S
     if not recv:
         raise QKCircuitsError("no receivers: the model has one layer, so no head can read an earlier head")
     if attribution:
-        from .edges import edge_attribution
         res = edge_attribution(model, recv, into=into, method=method, tokens=tokens)
     else:
-        res = path_patch(model, recv, into=into, method=method, tokens=tokens, progress=progress)
+        res = local_path_patch(model, recv, into=into, method=method, tokens=tokens, progress=progress)
     res.labels = {str(h): v for h, v in scores.labels().items()}
     res.k_composition_spearman = k_composition_spearman(model, res)
     res.settings["receiver_induction"] = {str(r): float(scores["induction"][r.layer, r.head]) for r in recv}

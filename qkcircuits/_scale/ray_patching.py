@@ -20,8 +20,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .._foundation.heads import Head
+from .._foundation.errors import QKCircuitsError
+from .._foundation.heads import Head, model_heads
+from .._foundation.io import check_int
+from .._foundation.model import model_name
+from .._paths.path_effects import PathEffects
+from .._paths.patching import (check_into, check_request, combine, combine_attention, patch_settings, patch_shard,
+                               reference_label, references, resolve_metric, shard_replacement)
+from .._paths.trace import k_composition_spearman, scan_for_trace
 from .distributed import Pool
+from .ray_sweep import driver_tokens
 
 # ------------------------------------------------------------------------------------------ jobs (run in workers)
 
@@ -29,9 +37,6 @@ from .distributed import Pool
 def prepare(model, shared, *, receivers, senders, into, method, per_position) -> Dict[str, Any]:
     """Validate the request on the model, draw the prompts when ``shared`` (the tokens) is None, and compute
     the references over the WHOLE prompt set (CPU tensors)."""
-    from .._foundation.model import model_name
-    from .._paths.patching import _reference_label, _settings, check_request, references
-
     recv, snd, into, tokens, sender_layers = check_request(model, receivers, senders, into, method, shared)
     H = model.cfg.n_heads
     repl = references(model, method, tokens, sender_layers, per_position)
@@ -40,15 +45,13 @@ def prepare(model, shared, *, receivers, senders, into, method, per_position) ->
     n_edges = sum(len([s for s in snd if s.layer < r.layer]) if snd is not None else r.layer * H for r in recv)
     return {"receivers": recv, "senders": snd, "into": into, "tokens": tokens, "replacement": repl,
             "name": model_name(model), "n_layers": model.cfg.n_layers, "n_heads": H,
-            "settings": _settings(model, tokens, per_position, _reference_label(method), n_edges,
+            "settings": patch_settings(model, tokens, per_position, reference_label(method), n_edges,
                                   len({r.layer for r in recv}))}
 
 
 def patch_job(model, shared, *, rows: Tuple[int, int], receivers: List[Head], senders, into, metric, chunk,
               method, per_position):
     """``patch_shard`` on this worker's model for prompt rows ``rows`` of ``shared["tokens"]`` and ``receivers``."""
-    from .._paths.patching import patch_shard, shard_replacement
-
     t0 = time.perf_counter()
     a, b = rows
     tokens = shared["tokens"][a:b].to(model.W_E.device)
@@ -62,11 +65,7 @@ def patch_job(model, shared, *, rows: Tuple[int, int], receivers: List[Head], se
 def trace_receivers_job(model, shared, *, receivers, top) -> Dict[str, Any]:
     """The trace's scan on this worker (``shared``: a ``HeadScores`` to reuse, or None): receivers (default the
     ``top`` induction heads of layer ≥ 1), the senders' labels and the receivers' induction scores."""
-    from .._foundation.errors import QKCircuitsError
-    from .._foundation.heads import model_heads
-    from .._paths.trace import _scan_for_trace
-
-    scores = shared if shared is not None else _scan_for_trace(model, False)
+    scores = shared if shared is not None else scan_for_trace(model, False)
     if receivers is None:
         ranked = [h for h, _ in scores.top(model.cfg.n_layers * model.cfg.n_heads, "induction") if h.layer > 0]
         recv = ranked[:top]
@@ -81,8 +80,6 @@ def trace_receivers_job(model, shared, *, receivers, top) -> Dict[str, Any]:
 
 def k_composition_job(model, shared) -> Dict[str, Optional[float]]:
     """``k_composition_spearman`` of the result ``shared`` with this worker's weights."""
-    from .._paths.trace import k_composition_spearman
-
     return k_composition_spearman(model, shared)
 
 
@@ -116,27 +113,29 @@ def plan_patching(n_prompts: int, receivers: Sequence[Head], n_heads: int, n_int
 
 
 def ray_path_patch(spec, receivers, into=("q", "k", "v"), senders=None, method: str = "mean", tokens=None,
-                   metric=None, *, per_position: bool = True, chunk: Optional[int] = None, progress: bool = True,
-                   ray_address: Optional[str] = None, workers: Optional[int] = None, threads: int = 1,
-                   load_kwargs: Optional[Dict[str, Any]] = None, on_event=None, pool: Optional[Pool] = None):
-    """``path_patch(..., backend="ray")``: see ``qkcircuits.path_patch``; equal to the local result to float
-    rounding. ``spec`` names the model (each worker loads it); ``tokens`` are ids (or None: the default
-    prompts, drawn by a worker). ``pool``: an open ``Pool`` to reuse (the trace's)."""
-    from .._paths.path_effects import PathEffects
-    from .._paths.patching import combine, combine_attention, resolve_metric
-    from .ray_sweep import _driver_tokens
-
+                   metric=None, *, per_position: bool = True, shards: int = 1, chunk: Optional[int] = None,
+                   progress: bool = True, ray_address: Optional[str] = None, workers: Optional[int] = None,
+                   threads: int = 1, load_kwargs: Optional[Dict[str, Any]] = None, on_event=None,
+                   pool: Optional[Pool] = None):
+    """``path_patch(..., backend=qk.Ray(...))`` (what ``Ray.run("path_patch", ...)`` calls): see
+    ``qkcircuits.path_patch``; equal to the local result to float rounding. ``spec`` names the model (each
+    worker loads it); ``tokens`` are ids (or None: the default prompts, drawn by a worker). ``shards`` is the
+    local backend's memory knob: Ray plans its own shards (``plan_patching``). ``pool``: an open ``Pool`` to
+    reuse (the trace's)."""
+    metrics = {x: resolve_metric(metric, x) for x in check_into(into)}     # a bad metric fails before Ray starts
     if pool is None:
         with Pool(spec, workers=workers, threads=threads, load_kwargs=load_kwargs or {}, address=ray_address,
                   progress=progress, on_event=on_event) as own:
             return ray_path_patch(spec, receivers, into, senders, method, tokens, metric, per_position=per_position,
                                   chunk=chunk, progress=progress, pool=own)
     t0 = time.perf_counter()
-    toks = None if tokens is None else _driver_tokens(tokens)
+    toks = None if tokens is None else driver_tokens(tokens)
     prep = pool.call("qkcircuits._scale.ray_patching:prepare", {"receivers": receivers, "senders": senders, "into": into,
                                                           "method": method, "per_position": per_position}, toks)
     recv, into = prep["receivers"], prep["into"]
-    metrics = {x: resolve_metric(metric, x) for x in into}
+    for m in metrics.values():
+        if m.check is not None:
+            m.check(prep["tokens"])
     shards, costs = plan_patching(prep["tokens"].shape[0], recv, prep["n_heads"], len(into), pool.size)
     jobs = [{**s, "senders": prep["senders"], "into": into, "metric": metric, "chunk": chunk, "method": method,
              "per_position": per_position} for s in shards]
@@ -157,14 +156,15 @@ def ray_path_patch(spec, receivers, into=("q", "k", "v"), senders=None, method: 
                        clean_attention=combine_attention(parts, recv))
 
 
-def ray_trace(spec, receivers=None, *, top: int = 3, into=("q", "k", "v"), method: str = "mean", scores=None,
-              tokens=None, progress: bool = True, ray_address: Optional[str] = None, workers: Optional[int] = None,
-              threads: int = 1, load_kwargs: Optional[Dict[str, Any]] = None, on_event=None):
-    """``trace(..., backend="ray")``: the scan, the path patching and the K-composition agreement on Ray
+def ray_trace(spec, receivers=None, *, top: int = 3, into=("q", "k", "v"), method: str = "mean",
+              attribution: bool = False, scores=None, tokens=None, progress: bool = True,
+              ray_address: Optional[str] = None, workers: Optional[int] = None, threads: int = 1,
+              load_kwargs: Optional[Dict[str, Any]] = None, on_event=None):
+    """``trace(..., backend=qk.Ray(...))``: the scan, the path patching and the K-composition agreement on Ray
     workers of one pool (each loads the model once); the driver loads no weights."""
-    from .._foundation.io import check_int
-
     check_int("top", top)
+    if attribution:
+        raise QKCircuitsError("backend 'ray' runs exact path patching; drop attribution (or use the local backend)")
     with Pool(spec, workers=workers, threads=threads, load_kwargs=load_kwargs or {}, address=ray_address,
               progress=progress, on_event=on_event) as pool:
         t0 = time.perf_counter()

@@ -16,18 +16,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .._analysis.ablate import Runner, check_method, copies_per_forward, prepare_metric, run_groups
+from .._analysis.metrics import as_metric
+from .._analysis.sweep import HeadEffects
 from .._foundation.errors import QKCircuitsError
+from .._foundation.heads import Head
 from .distributed import Pool
 
 def sweep_shard(model, shared, *, rows: Tuple[int, int], layers: List[int], metric, max_batch) -> Dict[str, Any]:
     """Metric on prompt rows ``rows`` clean and with each head of ``layers`` ablated alone."""
     from copy import copy
 
-    from .._analysis.ablate import Runner, _prepare, copies_per_forward, run_groups
-    from .._foundation.heads import Head
-
     t0 = time.perf_counter()
-    tokens, metric = _prepare(model, shared["tokens"][rows[0]:rows[1]], metric)
+    tokens, metric = prepare_metric(model, shared["tokens"][rows[0]:rows[1]], metric, where="sweep")
     tokens = tokens.to(model.W_E.device)
     repl = copy(shared["replacement"])
     if repl.method == "resample":                 # row i of the prompts gets row i of the reference
@@ -112,7 +113,7 @@ def combine_sweep(parts: Sequence[Dict[str, Any]], n_layers: int, n_heads: int) 
     return effects, float(baseline)
 
 
-def _driver_tokens(tokens) -> torch.Tensor:
+def driver_tokens(tokens) -> torch.Tensor:
     """Token ids as a CPU [batch, pos] tensor; the driver has no tokenizer (it loads no model), so no text."""
     if isinstance(tokens, str) or (isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], str)):
         raise QKCircuitsError("backend 'ray' needs token ids, not text (the driver loads no model); make them with "
@@ -130,20 +131,17 @@ def ray_sweep(spec, tokens, metric="induction-loss", method: str = "zero", *, re
               ray_address: Optional[str] = None, workers: Optional[int] = None, threads: int = 1,
               load_kwargs: Optional[Dict[str, Any]] = None, shard_prompts: Optional[int] = None,
               on_event=None):
-    """``sweep(..., backend="ray")``: see ``qkcircuits.sweep``; equal to the local sweep to float rounding.
+    """``sweep(..., backend=qk.Ray(...))`` (what ``Ray.run("sweep", ...)`` calls): see ``qkcircuits.sweep``;
+    equal to the local sweep to float rounding. ``spec`` is a model spec (``Ray`` turns a loaded model into one).
 
     ``tokens`` may be a dict of ``default_tokens`` arguments (``n_seqs``, ``seq_len``, ``seed``): a
     worker then draws the prompts for the metric (the driver has no tokenizer).
     """
-    from .._analysis.ablate import check_method
-    from .._analysis.metrics import as_metric
-    from .._analysis.sweep import HeadEffects
-
     check_method(method)
-    metric_obj = as_metric(metric)
+    metric_obj = as_metric(metric, accept=("logits",), where="sweep")
     make_tokens = isinstance(tokens, dict)         # {"n_seqs", "seq_len", "seed"}: a worker draws them
     if not make_tokens:
-        tokens = _driver_tokens(tokens)
+        tokens = driver_tokens(tokens)
         if metric_obj.check is not None:
             metric_obj.check(tokens)
     t_all = time.perf_counter()
@@ -157,7 +155,7 @@ def ray_sweep(spec, tokens, metric="induction-loss", method: str = "zero", *, re
         if not layers or layers[0] < 0 or layers[-1] >= n_layers:
             raise QKCircuitsError(f"layers must be in 0-{n_layers - 1}, got {layers!r}")
         t0 = time.perf_counter()
-        ref = None if reference is None else _driver_tokens(reference)
+        ref = None if reference is None else driver_tokens(reference)
         repl = pool.call("replacement", {"method": method, "layers": layers, "reference": ref,
                                          "per_position": per_position}, tokens)
         keep = metric_obj.keep_last(tokens) if metric_obj.keep_last is not None else None
@@ -169,9 +167,11 @@ def ray_sweep(spec, tokens, metric="induction-loss", method: str = "zero", *, re
                   "sweep_s": time.perf_counter() - t0}
         workers_used, retries = pool.size, pool.retries
     effects, baseline = combine_sweep(parts, n_layers, n_heads)
+    effects = -metric_obj.sign * effects           # ablated − clean → the metric's sign (+ = the head matters)
     timing["total_s"] = time.perf_counter() - t_all
     res = HeadEffects(effects, baseline, info["name"], method, metric_obj.name, "sweep", int(tokens.shape[0]),
-                      int(tokens.shape[1]), per_position, repl.reference, layers)
+                      int(tokens.shape[1]), per_position, repl.reference, layers,
+                      higher_is_better=metric_obj.higher_is_better)
     res.timing = {k: round(v, 3) for k, v in timing.items()}
     res.backend = {"name": "ray", "workers": workers_used, "threads": threads, "shards": len(shards),
                    "retries": retries,

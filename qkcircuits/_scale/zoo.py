@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+from .._foundation.backends import BackendLike, Local, Ray, as_backend
 from .._foundation.errors import QKCircuitsError
 from .._foundation.io import check_int, dump_json, json_number, load_json
 
@@ -151,15 +152,21 @@ def zoo_job(model, shared, **kwargs) -> Dict[str, Any]:
     return scan_one(**kwargs)
 
 
-def zoo(models: Sequence[str], *, backend: str = "local", ray_address: Optional[str] = None,
+def zoo(models: Sequence[str], *, backend: BackendLike = "local", ray_address: Optional[str] = None,
         workers: Optional[int] = None, confirm_top: int = 5, n_seqs: int = 8, seed: int = 0, max_heads: int = 10,
         load_kwargs: Optional[Dict[str, Any]] = None, progress: bool = True) -> Zoo:
     """Scan every model in ``models`` (specs as for ``qk.load``) and collect one comparison.
 
-    ``backend="ray"``: one model per shard on Ray workers (``ray_address`` as in ``sweep``; at most
+    ``backend``: ``qk.Local()`` (default) or ``qk.Ray(address=..., workers=...)`` (strings as ``qk.as_backend``).
+    On Ray: one model per shard on Ray workers (``ray_address`` as in ``sweep``; at most
     one worker per model), handed out in the given order as workers free up (put the largest
     model first). ``confirm_top``: induction heads ablated together for the causal check (0: none).
     """
+    chosen = as_backend(backend, address=ray_address, workers=workers)
+    if isinstance(chosen, Ray):             # the zoo's Ray job loads a different model per shard
+        backend, ray_address, workers = "ray", chosen.address, chosen.workers
+    elif isinstance(chosen, Local):
+        backend = "local"
     if isinstance(models, str) or not models:
         raise QKCircuitsError("zoo needs a list of one or more model specs, e.g. ['smollm2-135m', 'toy-induction']")
     check_int("n_seqs", n_seqs)

@@ -7,6 +7,7 @@ import json
 import sys
 import time
 
+from .._foundation.backends import Ray
 from .._foundation.errors import QKCircuitsError
 from ._common import add_model_args, load_model, non_negative_int, positive_int, write_atomic
 
@@ -74,15 +75,20 @@ def run(args: argparse.Namespace) -> int:
 
 def run_ray(args: argparse.Namespace) -> int:
     """The sweep on Ray: workers load the model and draw the prompts; this process loads no weights."""
-    from .._scale.ray_sweep import ray_sweep
+    from .._analysis.sweep import sweep
 
-    load_kwargs = {"device": args.device, "dtype": args.dtype, "fold_ln": not args.no_fold_ln}
-    res = ray_sweep(args.model, {"n_seqs": args.n_seqs, "seq_len": args.seq_len, "seed": args.seed}, args.metric,
-                    args.method, progress=not args.quiet, ray_address=args.ray, load_kwargs=load_kwargs)
+    res = sweep(args.model, {"n_seqs": args.n_seqs, "seq_len": args.seq_len, "seed": args.seed}, args.metric,
+                args.method, progress=not args.quiet, backend=ray_backend(args))
     out = {"model": args.model, "method": args.method, "metric": res.metric, "n_seqs": res.n_prompts,
            "n_positions": res.n_positions, "seed": args.seed}
     _write(args, _print_sweep(args, res, out))
     return 0
+
+
+def ray_backend(args: argparse.Namespace) -> Ray:
+    """The ``qk.Ray`` backend of ``--ray [ADDRESS|local:N]`` and the model flags (what each worker loads)."""
+    return Ray(address=args.ray or None,
+               load_kwargs={"device": args.device, "dtype": args.dtype, "fold_ln": not args.no_fold_ln})
 
 
 def _print_sweep(args, res, out: dict) -> dict:

@@ -7,6 +7,7 @@ import sys
 
 from .._foundation.errors import QKCircuitsError
 from ._common import add_model_args, load_model, positive_int
+from .ablate import ray_backend
 
 INPUT_WORDS = {"q": "queries", "k": "keys", "v": "values"}
 
@@ -68,9 +69,8 @@ def run(args: argparse.Namespace) -> int:
         raise QKCircuitsError(f"--receivers: {[str(r) for r in recv if r.layer == 0][0]} is in layer 0, which reads "
                               f"no earlier head; name heads of layer 1 or later")
     if args.ray is not None:
-        load_kwargs = {"device": args.device, "dtype": args.dtype, "fold_ln": not args.no_fold_ln}
         res = trace(args.model, recv, top=args.top, into=args.into, method=args.method, progress=not args.quiet,
-                    backend="ray", ray_address=args.ray, load_kwargs=load_kwargs)
+                    backend=ray_backend(args))
         b = res.settings["backend"]
         print(f"  ray: {b['workers']} workers, {b['shards']} shards; start-up {b['startup_s']:.1f} s, load "
               f"{b['load_s']:.1f} s, scan {b['scan_s']:.1f} s, path patching {b['patch_s']:.1f} s", file=sys.stderr)
