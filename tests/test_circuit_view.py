@@ -1,0 +1,249 @@
+"""The circuit views (``qkcircuits circuit --json`` → graph, faithfulness curve, report section): what each figure
+contains, checked against hand-written circuit files of known structure (a 3-node chain, a graph with the
+embedding, an MLP and both signs), not only that it renders; every bad file is one line naming it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import qkcircuits as qk
+from qkcircuits import plot
+from qkcircuits.cli import main
+from qkcircuits.viz import report_html
+from qkcircuits.viz._circuit_data import load_circuit, parse_node
+from qkcircuits.viz._circuit_view import MAX_WIDTH, NEGATIVE, POSITIVE, circuit_graph, faithfulness_curve
+
+# 0.0 (previous-token) -> k of 1.0 (induction) -> logits: the toy model's known circuit, as a 3-node chain.
+CHAIN = {"schema": "qkcircuits.circuit/1", "model": "toy-induction", "task": "induction", "n_prompts": 8,
+         "metric": "logit-diff", "clean": 3.0, "corrupt": -1.0, "method": "eap-ig", "steps": 5,
+         "curve": {"0": 0.0, "0.1": 0.2, "1": 0.5, "10": 0.95, "100": 1.0}, "cpr": 0.812, "cmd": 0.271,
+         "circuit": {"edges": [["0.0", "1.0", "k", 0.6], ["1.0", "logits", None, -0.3]],
+                     "heads": ["0.0", "1.0"], "node_faithfulness": 0.97},
+         "roles": {"0.0": {"role": "previous-token", "evidence": {"previous_token": 1.0}},
+                   "1.0": {"role": "induction", "evidence": {"induction": 0.99, "direct effect": 0.5}}},
+         "timing": {"scores_s": 1.2}}
+
+# Every node kind, both signs, every input; percents as numbers and as numeric strings.
+WIDE = {"curve": {0.5: 0.4, "2": 0.7, 50: 0.99},
+        "circuit": {"edges": [["embed", "0.1", "q", 0.2], ["embed", "mlp.0", None, 0.1], ["mlp.0", "2.3", "v", -0.4],
+                              ["0.1", "2.3", "k", 0.8], ["2.3", "logits", None, 1.6], ["mlp.0", "logits", None, -0.05]],
+                    "heads": ["0.1", "2.3"]},
+         "roles": {"2.3": {"role": "name mover", "evidence": "END → IO 0.62"}}}
+
+
+def edge_lines(fig):
+    return [t for t in fig.data if t.mode == "lines"]
+
+
+def node_points(fig):
+    """{node name: (x, y, hover)} over the node traces."""
+    out = {}
+    for t in fig.data:
+        if t.mode == "markers+text":
+            for name, x, y, cd in zip(t.text, t.x, t.y, t.customdata):
+                out[name] = (x, y, cd[1], t.name)
+    return out
+
+
+def test_chain_graph_contents():
+    fig = plot.circuit(CHAIN)
+    assert isinstance(fig, plot.Figure)
+    nodes = node_points(fig)
+    assert set(nodes) == {"0.0", "1.0", "logits"}                   # 3 nodes, nothing else
+    # nodes by layer: y = layer, x = head; the logits below the last layer (2 layers here)
+    assert nodes["0.0"][:2] == (0, 0) and nodes["1.0"][:2] == (0, 1) and nodes["logits"][1] == 2
+    lines = edge_lines(fig)
+    got = {(t.meta["sender"], t.meta["receiver"], t.meta["input"], t.meta["score"]) for t in lines}
+    assert got == {("0.0", "1.0", "k", 0.6), ("1.0", "logits", None, -0.3)}
+    for t in lines:                                                 # width ∝ |score|, the largest at MAX_WIDTH
+        assert t.line.width == pytest.approx(MAX_WIDTH * abs(t.meta["score"]) / 0.6)
+        assert t.line.color == (POSITIVE if t.meta["score"] > 0 else NEGATIVE)
+    assert {t.meta["input"]: t.line.dash for t in lines} == {"k": "dash", None: "solid"}
+    # hover: edges give the score and both roles, nodes their role and evidence
+    hover = [t for t in fig.data if t.mode == "markers" and t.name == "edges"][0].text
+    assert any("0.0 → 1.0 (k)" in h and "score 0.6" in h and "0.0: previous-token" in h and "1.0: induction" in h
+               for h in hover), hover
+    assert any("1.0 → logits" in h and "score -0.3" in h for h in hover)
+    assert "role: induction" in nodes["1.0"][2] and "induction 0.99, direct effect 0.5" in nodes["1.0"][2]
+    assert nodes["1.0"][3] == "induction" and nodes["0.0"][3] == "previous-token"   # one legend entry per role
+
+
+def test_wide_graph_every_node_kind_and_sign():
+    fig = plot.circuit(WIDE)
+    nodes = node_points(fig)
+    assert set(nodes) == {"embed", "0.1", "mlp.0", "2.3", "logits"}
+    H = 4                                                           # heads 0-3 named: MLP column at x = 4
+    assert nodes["embed"][1] == -1 and nodes["mlp.0"][:2] == (H, 0.5) and nodes["2.3"][:2] == (3, 2)
+    assert nodes["logits"][1] == 3
+    lines = edge_lines(fig)
+    assert len(lines) == 6
+    widths = {(t.meta["sender"], t.meta["receiver"]): t.line.width for t in lines}
+    assert widths[("2.3", "logits")] == pytest.approx(MAX_WIDTH)
+    assert widths[("0.1", "2.3")] / widths[("mlp.0", "2.3")] == pytest.approx(0.8 / 0.4)
+    assert widths[("embed", "mlp.0")] / widths[("2.3", "logits")] == pytest.approx(0.1 / 1.6)
+    colours = {(t.meta["sender"], t.meta["receiver"]): t.line.color for t in lines}
+    assert [k for k, c in colours.items() if c == NEGATIVE] == [("mlp.0", "2.3"), ("mlp.0", "logits")]
+    assert {t.meta["input"]: t.line.dash for t in lines} == {"q": "solid", None: "solid",
+                                                             "v": "dot", "k": "dash"}
+    # laid out on the model's own grid when given: a 30 x 9 model puts the logits at y = 30
+    big = circuit_graph(load_circuit(WIDE), 30, 9)
+    logits = [t for t in big["data"] if t.get("mode") == "markers+text" and "logits" in t["text"]][0]
+    assert logits["y"][logits["text"].index("logits")] == 30
+
+
+def test_max_edges_keeps_the_largest():
+    fig = plot.circuit(WIDE, max_edges=2)
+    got = sorted((t.meta["sender"], t.meta["receiver"]) for t in edge_lines(fig))
+    assert got == [("0.1", "2.3"), ("2.3", "logits")]
+    assert "top 2 of 6 edges" in fig.layout.title.text
+    assert max(t.line.width for t in edge_lines(fig)) == pytest.approx(MAX_WIDTH)
+
+
+def test_faithfulness_curve():
+    fig = plot.faithfulness(CHAIN)
+    line = fig.data[0]
+    assert list(line.x) == [0.1, 1.0, 10.0, 100.0] and list(line.y) == [0.2, 0.5, 0.95, 1.0]  # 0 % off the log axis
+    assert fig.layout.xaxis.type == "log"
+    assert "CPR 0.812" in fig.layout.title.text and "CMD 0.271" in fig.layout.title.text
+    assert [(s.y0, s.y1, s.line.dash) for s in fig.layout.shapes] == [(0.8, 0.8, "dash")]
+    assert any("f(0 %) = 0.000" in a.text for a in fig.layout.annotations)
+    wide = plot.faithfulness(WIDE)                                  # numbers and numeric strings, sorted
+    assert list(wide.data[0].x) == [0.5, 2.0, 50.0] and list(wide.data[0].y) == [0.4, 0.7, 0.99]
+    assert "CPR" not in wide.layout.title.text                      # not in the file: not invented
+
+
+class _Result:
+    """Stands in for the circuit API's result: anything whose to_dict() is the --json contract."""
+
+    def to_dict(self):
+        return CHAIN
+
+
+def test_sources_agree(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(CHAIN))
+    want = circuit_graph(load_circuit(CHAIN))
+    for src in (path, str(path), json.dumps(CHAIN), _Result()):
+        assert plot.circuit(src).to_plotly_json()["data"] == plot.circuit(CHAIN).to_plotly_json()["data"]
+        assert circuit_graph(load_circuit(src))["data"] == want["data"]
+    assert faithfulness_curve(load_circuit(path))["data"] == faithfulness_curve(load_circuit(CHAIN))["data"]
+
+
+def test_node_names():
+    assert [str(parse_node(s)) for s in ("embed", "3.1", "L3H1", "a3.1", "mlp.3", "m3", "MLP3", "logits")] == \
+        ["embed", "3.1", "3.1", "3.1", "mlp.3", "mlp.3", "mlp.3", "logits"]
+    assert parse_node("3") is None and parse_node(7) is None
+
+
+def _bad(**change):
+    d = json.loads(json.dumps(CHAIN))
+    for key, v in change.items():
+        if key == "edges":
+            d["circuit"]["edges"] = v
+        else:
+            d[key] = v
+    return d
+
+
+BAD = [
+    (_bad(schema="qkcircuits.trace/1"), "schema 'qkcircuits.trace/1' is not a circuit file"),
+    (_bad(schema="qkcircuits.circuit/9"), "has a version this qkcircuits does not read"),
+    (_bad(edges=[["0.0", "1.0", "k"]]), r"circuit.edges\[0\] must be \[sender, receiver, input, score\]"),
+    (_bad(edges=[["0.0", "blob", "k", 1.0]]), r"circuit.edges\[0\] receiver 'blob' is not a node"),
+    (_bad(edges=[["1.0", "0.0", "k", 1.0]]), r"runs 1.0 -> 0.0, which is not forward"),
+    (_bad(edges=[["0.0", "0.1", "k", 1.0]]), r"runs 0.0 -> 0.1, which is not forward"),
+    (_bad(edges=[["logits", "1.0", "k", 1.0]]), "the logits send nothing"),
+    (_bad(edges=[["0.0", "1.0", "k", "big"]]), r"score must be a finite number, got 'big'"),
+    (_bad(edges=[["0.0", "1.0", 3, 1.0]]), r"input must be a string"),
+    (_bad(curve={"150": 1.0}), "curve key '150' is not a percent"),
+    (_bad(curve={"1": "high"}), r"curve\['1'\] must be a finite number"),
+    (_bad(curve=[1, 2]), "curve must be"),
+    (_bad(roles={"1.0": "induction"}), r"roles\['1.0'\] must be"),
+    (_bad(cpr="0.8"), "cpr must be float"),
+    (_bad(n_prompts=True), "n_prompts must be int"),
+    ({"curve": {}}, "no circuit.edges"),
+]
+
+
+@pytest.mark.parametrize("data,message", BAD)
+def test_bad_file_is_one_line_naming_it(tmp_path, data, message):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(qk.QKCircuitsError, match=message) as e:
+        plot.circuit(path)
+    text = str(e.value)
+    assert "\n" not in text and text.startswith(f"{path}: ")
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(qk.QKCircuitsError, match="no circuit JSON file at"):
+        load_circuit(tmp_path / "missing.json")
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(qk.QKCircuitsError, match=r"x.json: not JSON \(.* line 1, column 2\)"):
+        load_circuit(tmp_path / "x.json")
+    (tmp_path / "l.json").write_text("[1, 2]")
+    with pytest.raises(qk.QKCircuitsError, match="l.json: expected a JSON object"):
+        load_circuit(tmp_path / "l.json")
+    with pytest.raises(qk.QKCircuitsError, match="no faithfulness curve"):
+        plot.faithfulness({"circuit": {"edges": []}})
+    with pytest.raises(qk.QKCircuitsError, match="expected a circuit"):
+        plot.circuit(3)
+
+
+def test_graph_checked_against_the_model(hand_built):
+    fig = plot.circuit(CHAIN, model=hand_built)
+    assert len(edge_lines(fig)) == 2
+    with pytest.raises(qk.QKCircuitsError, match="names 2.3, but the model has 2 layers x 2 heads"):
+        plot.circuit(WIDE, model=hand_built)
+
+
+def source_data(html: str) -> dict:
+    m = re.search(r"window\.QK_SOURCE = (\{.*?\});</script>", html, re.S)
+    return json.loads(m.group(1).replace("<\\/", "</"))
+
+
+HOSTILE = "</script><img src=x onerror=alert(1)>"
+
+
+def test_report_section(hand_built):
+    scores = qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
+    d = json.loads(json.dumps(CHAIN))
+    d["roles"]["0.0"]["evidence"] = {"note": HOSTILE}
+    html = report_html(hand_built, scores=scores, per_score=0, circuit=d, progress=False)
+    c = source_data(html)["circuit"]
+    assert c["roles"] == [["0.0", "previous-token", f"note {HOSTILE}"], ["1.0", "induction",
+                                                                         "induction 0.99, direct effect 0.5"]]
+    assert c["edges"] == [["0.0", "1.0", "k", 0.6, "previous-token", "induction"],
+                          ["1.0", "logits", "", -0.3, "induction", ""]]
+    assert c["n_edges"] == 2 and "node faithfulness 0.97" in c["summary"] and "clean 3, corrupt -1" in c["summary"]
+    assert list(c["curve"]["data"][0]["x"]) == [0.1, 1, 10, 100]
+    assert {t["meta"]["sender"] for t in c["graph"]["data"] if t.get("mode") == "lines"} == {"0.0", "1.0"}
+    assert HOSTILE not in html                                      # only its escaped form reaches the page
+    assert set(source_data(html)["panels"]) == {"0.0", "1.0"}       # the circuit's heads get their panels
+    with pytest.raises(qk.QKCircuitsError, match="names 2.3, but the model has 2 layers x 2 heads"):
+        report_html(hand_built, scores=scores, circuit=WIDE, progress=False)
+
+
+def test_cli_report_circuit(tmp_path, capsys):
+    good = tmp_path / "c.json"
+    good.write_text(json.dumps(CHAIN))
+    out = tmp_path / "r.html"
+    assert main(["report", "toy-induction", "-o", str(out), "--circuit", str(good), "--per-score", "1",
+                 "--quiet"]) == 0
+    assert source_data(out.read_text(encoding="utf-8"))["circuit"]["roles"][1][:2] == ["1.0", "induction"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_bad(edges=[["0.0", "blob", "k", 1.0]])))
+    wide = tmp_path / "wide.json"
+    wide.write_text(json.dumps(WIDE))
+    target = tmp_path / "bad.html"
+    for path, message in ((bad, "is not a node"), (tmp_path / "missing.json", "no circuit JSON file"),
+                          (wide, "names 2.3, but the model has 2 layers x 2 heads")):
+        capsys.readouterr()
+        assert main(["report", "toy-induction", "-o", str(target), "--circuit", str(path), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        lines = [x for x in err.splitlines() if not x.startswith("qkcircuits: using device")]
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0] and str(path) in lines[0]
+        assert "Traceback" not in err and not target.exists()
