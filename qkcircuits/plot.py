@@ -147,12 +147,16 @@ def circuit(result, max_edges: int = 300, model=None) -> Figure:
 
     check_int("max_edges", max_edges)
     view = load_circuit(result)
-    L, H = (int(model.cfg.n_layers), int(model.cfg.n_heads)) if model is not None else (None, None)
+    L = H = kv = None
     if model is not None:
+        from ._foundation.heads import n_kv_heads
         from .viz._circuit_data import check_against_model
 
-        check_against_model(view, L, H)
-    return as_figure(circuit_graph(view, L, H, max_edges))
+        if not hasattr(model, "cfg"):
+            raise QKCircuitsError(f"model must come from qk.load(...), got {type(model).__name__}")
+        L, H, kv = int(model.cfg.n_layers), int(model.cfg.n_heads), n_kv_heads(model)
+        check_against_model(view, L, H, kv)
+    return as_figure(circuit_graph(view, L, H, max_edges, n_kv=kv))
 
 
 def faithfulness(result) -> Figure:

@@ -28,8 +28,8 @@ CHAIN = {"schema": "qkcircuits.circuit/1", "model": "toy-induction", "task": "in
 
 # Every node kind, both signs, every input; percents as numbers and as numeric strings.
 WIDE = {"curve": {0.5: 0.4, "2": 0.7, 50: 0.99},
-        "circuit": {"edges": [["embed", "0.1", "q", 0.2], ["embed", "mlp.0", None, 0.1], ["mlp.0", "2.3", "v", -0.4],
-                              ["0.1", "2.3", "k", 0.8], ["2.3", "logits", None, 1.6], ["mlp.0", "logits", None, -0.05]],
+        "circuit": {"edges": [["emb", "0.1", "q", 0.2], ["emb", "mlp0", None, 0.1], ["mlp0", "2.3", "v", -0.4],
+                              ["0.1", "2.3", "k", 0.8], ["2.3", "logits", None, 1.6], ["mlp0", "logits", None, -0.05]],
                     "heads": ["0.1", "2.3"]},
          "roles": {"2.3": {"role": "name mover", "evidence": "END → IO 0.62"}}}
 
@@ -74,18 +74,18 @@ def test_chain_graph_contents():
 def test_wide_graph_every_node_kind_and_sign():
     fig = plot.circuit(WIDE)
     nodes = node_points(fig)
-    assert set(nodes) == {"embed", "0.1", "mlp.0", "2.3", "logits"}
+    assert set(nodes) == {"emb", "0.1", "mlp0", "2.3", "logits"}
     H = 4                                                           # heads 0-3 named: MLP column at x = 4
-    assert nodes["embed"][1] == -1 and nodes["mlp.0"][:2] == (H, 0.5) and nodes["2.3"][:2] == (3, 2)
+    assert nodes["emb"][1] == -1 and nodes["mlp0"][:2] == (H, 0.5) and nodes["2.3"][:2] == (3, 2)
     assert nodes["logits"][1] == 3
     lines = edge_lines(fig)
     assert len(lines) == 6
     widths = {(t.meta["sender"], t.meta["receiver"]): t.line.width for t in lines}
     assert widths[("2.3", "logits")] == pytest.approx(MAX_WIDTH)
-    assert widths[("0.1", "2.3")] / widths[("mlp.0", "2.3")] == pytest.approx(0.8 / 0.4)
-    assert widths[("embed", "mlp.0")] / widths[("2.3", "logits")] == pytest.approx(0.1 / 1.6)
+    assert widths[("0.1", "2.3")] / widths[("mlp0", "2.3")] == pytest.approx(0.8 / 0.4)
+    assert widths[("emb", "mlp0")] / widths[("2.3", "logits")] == pytest.approx(0.1 / 1.6)
     colours = {(t.meta["sender"], t.meta["receiver"]): t.line.color for t in lines}
-    assert [k for k, c in colours.items() if c == NEGATIVE] == [("mlp.0", "2.3"), ("mlp.0", "logits")]
+    assert [k for k, c in colours.items() if c == NEGATIVE] == [("mlp0", "2.3"), ("mlp0", "logits")]
     assert {t.meta["input"]: t.line.dash for t in lines} == {"q": "solid", None: "solid",
                                                              "v": "dot", "k": "dash"}
     # laid out on the model's own grid when given: a 30 x 9 model puts the logits at y = 30
@@ -133,8 +133,9 @@ def test_sources_agree(tmp_path):
 
 
 def test_node_names():
-    assert [str(parse_node(s)) for s in ("embed", "3.1", "L3H1", "a3.1", "mlp.3", "m3", "MLP3", "logits")] == \
-        ["embed", "3.1", "3.1", "3.1", "mlp.3", "mlp.3", "mlp.3", "logits"]
+    names = ("emb", "embed", "3.1", "L3H1", "a3.1", "3.kv1", "mlp3", "mlp.3", "m3", "MLP3", "logits")
+    assert [str(parse_node(s)) for s in names] == \
+        ["emb", "emb", "3.1", "3.1", "3.1", "3.kv1", "mlp3", "mlp3", "mlp3", "mlp3", "logits"]
     assert parse_node("3") is None and parse_node(7) is None
 
 
@@ -247,3 +248,28 @@ def test_cli_report_circuit(tmp_path, capsys):
         lines = [x for x in err.splitlines() if not x.startswith("qkcircuits: using device")]
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0] and str(path) in lines[0]
         assert "Traceback" not in err and not target.exists()
+
+
+# Grouped-query attention as the graph names it: 4 query heads, 2 KV heads; k/v edges end at "L.kvG".
+GQA = {"graph": {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2},
+       "circuit": {"edges": [["emb", "0.3", "q", 0.3], ["0.3", "1.kv1", "k", 0.9], ["mlp0", "1.kv1", "v", -0.2],
+                             ["1.2", "logits", "in", 0.5], ["0.3", "mlp0", "in", 0.1]], "heads": ["0.3", "1.2"]}}
+
+
+def test_gqa_kv_heads():
+    fig = plot.circuit(GQA)
+    nodes = node_points(fig)
+    assert set(nodes) == {"emb", "0.3", "1.kv1", "mlp0", "1.2", "logits"}
+    assert nodes["1.kv1"][:2] == (2.5, 0.75)                        # above query heads 1.2 and 1.3, at their centre
+    assert "shared by query heads 1.2-1.3" in nodes["1.kv1"][2]
+    assert "KV head" in fig.layout.title.text
+    assert nodes["mlp0"][:2] == (4, 0.5) and nodes["logits"][1] == 2
+    hover = [t for t in fig.data if t.mode == "markers" and t.name == "edges"][0].text
+    assert any(h.startswith("1.2 → logits<br>") for h in hover)     # the single input "in" is not named
+    # the model's own counts win over the file's; a KV head the model lacks is one line
+    with pytest.raises(qk.QKCircuitsError, match="names 0.3, but the model has 2 layers x 2 heads"):
+        load_circuit(GQA) and plot.circuit(GQA, model=type("M", (), {"cfg": type("C", (), {
+            "n_layers": 2, "n_heads": 2, "n_key_value_heads": 1})()})())
+    with pytest.raises(qk.QKCircuitsError, match="names 1.kv1, but the model has 2 layers x 4 heads"):
+        plot.circuit(GQA, model=type("M", (), {"cfg": type("C", (), {
+            "n_layers": 2, "n_heads": 4, "n_key_value_heads": 1})()})())

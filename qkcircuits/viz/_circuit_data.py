@@ -3,7 +3,7 @@
 >>> view = load_circuit({"curve": {"0": 0.0, "100": 1.0},
 ...                      "circuit": {"edges": [["embed", "0.0", "q", 0.5], ["0.0", "logits", None, -0.25]]}})
 >>> [str(n) for n in view.nodes()]
-['embed', '0.0', 'logits']
+['emb', '0.0', 'logits']
 >>> view.curve
 [(0.0, 0.0), (100.0, 1.0)]
 >>> load_circuit({"curve": {"ten": 0.5}, "circuit": {"edges": []}})
@@ -16,8 +16,9 @@ The contract (keys kept by the CLI): ``model``, ``task``, ``n_prompts``, ``metri
 input, score], ...], ``heads``, ``node_faithfulness``}, ``roles`` {head: {role, evidence}}, ``timing``.
 Only ``circuit.edges`` is needed to draw the graph and ``curve`` to draw the faithfulness curve; every
 key that is present is type-checked, so a foreign or damaged file fails here in one line naming the file
-and the key, before a model loads. Node names: ``embed``, ``L.H`` (a head, also ``LxHy``), ``mlp.L``,
-``logits`` (a few spellings are accepted: see ``parse_node``).
+and the key, before a model loads. Node names as ``qk.graph`` writes them: ``emb``, ``L.H`` (a head),
+``L.kvG`` (a key-value head under grouped-query attention: the receiver of k/v edges), ``mlpL``, ``logits``
+(a few other spellings are read too: see ``parse_node``).
 Memory: the file's numbers as Python floats (a few per edge).
 """
 
@@ -34,9 +35,10 @@ from .._foundation.errors import QKCircuitsError
 
 SCHEMA = "qkcircuits.circuit"       # "schema": "qkcircuits.circuit/<n>"; versions this reader knows:
 SCHEMA_VERSIONS = (1,)
-KINDS = ("embed", "head", "mlp", "logits")
+KINDS = ("embed", "head", "kv", "mlp", "logits")
 
 _HEAD = re.compile(r"^(?:a|attn\.?|head\.?)?(\d+)\.(\d+)$|^[Ll](\d+)[Hh](\d+)$")
+_KV = re.compile(r"^(\d+)\.kv(\d+)$")
 _MLP = re.compile(r"^(?:mlp|m)\.?(\d+)$", re.I)
 _EMBED = ("embed", "embedding", "emb", "input", "hook_embed", "tokens")
 _LOGITS = ("logits", "logit", "unembed", "output", "out")
@@ -44,7 +46,9 @@ _LOGITS = ("logits", "logit", "unembed", "output", "out")
 
 @dataclass(frozen=True)
 class Node:
-    """One node of the circuit graph: ``kind`` (embed, head, mlp, logits), its ``layer`` and head ``index``."""
+    """One node of the circuit graph: ``kind`` (embed, head, kv, mlp, logits), its ``layer`` and ``index`` (the
+    query head of a head; the key-value head G of ``"L.kvG"``: with grouped-query attention the k and v inputs
+    belong to the KV head, which its group of query heads shares)."""
 
     kind: str
     layer: int = -1
@@ -53,7 +57,9 @@ class Node:
     def __str__(self) -> str:
         if self.kind == "head":
             return f"{self.layer}.{self.index}"
-        return f"mlp.{self.layer}" if self.kind == "mlp" else self.kind
+        if self.kind == "kv":
+            return f"{self.layer}.kv{self.index}"
+        return f"mlp{self.layer}" if self.kind == "mlp" else {"embed": "emb"}.get(self.kind, self.kind)
 
     @property
     def order(self) -> Tuple[float, int]:
@@ -65,7 +71,8 @@ class Node:
 
 
 def parse_node(name: Any) -> Optional[Node]:
-    """A node from its name (``"embed"``, ``"3.1"`` / ``"L3H1"`` / ``"a3.1"``, ``"mlp.3"`` / ``"m3"``,
+    """A node from its name (``"embed"`` / ``"emb"``, ``"3.1"`` / ``"L3H1"`` / ``"a3.1"``, ``"3.kv1"`` (KV head 1
+    of layer 3, a receiver of k/v edges under grouped-query attention), ``"mlp.3"`` / ``"mlp3"`` / ``"m3"``,
     ``"logits"``), or None when ``name`` is not one."""
     if not isinstance(name, str):
         return None
@@ -78,13 +85,17 @@ def parse_node(name: Any) -> Optional[Node]:
     if m:
         a, b = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(3), m.group(4))
         return Node("head", int(a), int(b))
+    m = _KV.match(s)
+    if m:
+        return Node("kv", int(m.group(1)), int(m.group(2)))
     m = _MLP.match(s)
     return Node("mlp", int(m.group(1))) if m else None
 
 
 @dataclass(frozen=True)
 class Edge:
-    """A sender's output into a receiver's ``input`` (q, k, v for a head; None for an MLP or the logits)."""
+    """A sender's output into a receiver's ``input`` (q, k, v for a head or KV head; None or "in" for an MLP or
+    the logits)."""
 
     sender: Node
     receiver: Node
@@ -122,11 +133,23 @@ class CircuitView:
         return str(r.get("role") or "") if isinstance(r, dict) else ""
 
     def shape(self) -> Tuple[int, int]:
-        """(layers, heads) the nodes need at least: 1 + the largest layer and head index named."""
+        """(layers, heads) of the graph: the file's own (``graph``/top-level ``n_layers``, ``n_heads``) or at least
+        1 + the largest layer and head index named."""
         ns = self.nodes()
-        layers = [n.layer for n in ns if n.kind in ("head", "mlp")]
+        layers = [n.layer for n in ns if n.kind in ("head", "kv", "mlp")]
         heads = [n.index for n in ns if n.kind == "head"]
-        return (max(layers, default=-1) + 1, max(heads, default=-1) + 1)
+        need = (max(layers, default=-1) + 1, max(heads, default=-1) + 1)
+        return (max(need[0], self._dim("n_layers")), max(need[1], self._dim("n_heads")))
+
+    def n_kv(self) -> Optional[int]:
+        """Key-value heads per layer, when the file says (``graph.n_kv_heads`` or top-level ``n_kv_heads``)."""
+        return self._dim("n_kv_heads") or None
+
+    def _dim(self, key: str) -> int:
+        g = self.info.get("graph")
+        v = g.get(key) if isinstance(g, dict) else None
+        v = self.info.get(key) if v is None else v
+        return int(v) if _number(v) and float(v) == int(v) and v > 0 else 0
 
 
 def _short(x: Any, n: int = 60) -> str:
@@ -198,8 +221,8 @@ def _edges(raw: Any, name: str) -> List[Edge]:
         for what, n, raw_n in (("sender", sn, s), ("receiver", rn, r)):
             if n is None:
                 raise QKCircuitsError(f"{name}: circuit.edges[{i}] {what} {_short(raw_n)} is not a node "
-                                      f"(embed, L.H, mlp.L or logits)")
-        if sn.kind == "logits" or rn.kind == "embed":
+                                      f"(emb, L.H, L.kvG, mlpL or logits)")
+        if sn.kind in ("logits", "kv") or rn.kind == "embed":
             raise QKCircuitsError(f"{name}: circuit.edges[{i}] runs {sn} -> {rn}: the logits send nothing and the "
                                   f"embedding receives nothing")
         if sn.order[0] >= rn.order[0]:
@@ -285,10 +308,14 @@ def load_circuit(source: Any, *, need: Sequence[str] = ()) -> CircuitView:
     return view
 
 
-def check_against_model(view: CircuitView, n_layers: int, n_heads: int, what: str = "the model") -> None:
-    """One line when the circuit names a head or MLP that ``what`` (n_layers x n_heads) does not have."""
+def check_against_model(view: CircuitView, n_layers: int, n_heads: int, n_kv: Optional[int] = None,
+                        what: str = "the model") -> None:
+    """One line when the circuit names a head, KV head or MLP that ``what`` (n_layers x n_heads, ``n_kv`` KV
+    heads) does not have."""
+    kv = n_kv or n_heads
     for n in view.nodes():
-        if (n.kind in ("head", "mlp") and n.layer >= n_layers) or (n.kind == "head" and n.index >= n_heads):
+        if ((n.kind in ("head", "kv", "mlp") and n.layer >= n_layers) or (n.kind == "head" and n.index >= n_heads)
+                or (n.kind == "kv" and n.index >= kv)):
             raise QKCircuitsError(f"{view.source}: the circuit names {n}, but {what} has {n_layers} layers x "
                                   f"{n_heads} heads (was it found on another model?)")
 

@@ -1,8 +1,12 @@
 """Figures of a circuit found over the whole graph (``qkcircuits circuit``): the graph and the faithfulness curve.
 
->>> view = load_circuit("circuit.json")                 # doctest: +SKIP   (the file of `qkcircuits circuit --json`)
->>> fig = circuit_graph(view)                           # doctest: +SKIP   nodes by layer, width = |score|
->>> fig = faithfulness_curve(view)                      # doctest: +SKIP   f over % of edges, log x, the 0.8 line
+>>> view = load_circuit({"curve": {"1": 0.5, "100": 1.0},      # or the path of `qkcircuits circuit --json`
+...     "circuit": {"edges": [["0.0", "1.0", "k", 0.6], ["1.0", "logits", "in", -0.3]]}})
+>>> fig = circuit_graph(view)                           # nodes by layer, width ∝ |score|, red +, blue −
+>>> [(t["meta"]["sender"], t["line"]["width"], t["line"]["color"]) for t in fig["data"] if t["mode"] == "lines"]
+[('0.0', 8.0, '#d62728'), ('1.0', 4.0, '#1f77b4')]
+>>> faithfulness_curve(view)["layout"]["xaxis"]["type"]  # f over % of edges, the 0.8 line dashed
+'log'
 
 Both are JSON-ready plotly dicts like every builder in ``viz/_figures.py``; the report, ``qk.plot.circuit``
 and ``qk.plot.faithfulness`` draw the same dicts. Layout of the graph: y = layer (layer 0 at the top,
@@ -33,14 +37,18 @@ INPUT_AT = {"q": 0.4, "k": 0.5, "v": 0.6}          # hover marker along the edge
 ROLE_COLOURS = {"name mover": "#2ca02c", "negative name mover": "#9467bd", "s-inhibition": "#ff7f0e",
                 "induction": "#d62728", "previous-token": "#1f77b4", "duplicate-token": "#8c564b",
                 "unclassified": "#7f7f7f"}
-KIND_COLOURS = {"embed": "#444444", "logits": "#444444", "mlp": "#bcbd22", "head": "#c7c7c7"}
+KIND_COLOURS = {"embed": "#444444", "logits": "#444444", "mlp": "#bcbd22", "head": "#c7c7c7", "kv": "#ffffff"}
 FALLBACK = ["#17becf", "#e377c2", "#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5"]
 
 
-def node_xy(n: Node, n_layers: int, n_heads: int) -> tuple:
-    """(x, y) of a node: heads at (head, layer); MLP L at (n_heads, L + 0.5); embed above layer 0 and the
-    logits below the last layer, centred."""
+def node_xy(n: Node, n_layers: int, n_heads: int, group: Optional[int] = None) -> tuple:
+    """(x, y) of a node: heads at (head, layer); KV head G of layer L (grouped-query attention) a quarter layer
+    above its group of ``group`` query heads, at their centre (at x = G when the group size is unknown);
+    MLP L at (n_heads, L + 0.5); embed above layer 0 and the logits below the last layer, centred."""
     mid = (n_heads - 1) / 2
+    if n.kind == "kv":
+        x = n.index * group + (group - 1) / 2 if group else float(n.index)
+        return (float(x), n.layer - 0.25)
     if n.kind == "embed":
         return (mid, -1.0)
     if n.kind == "logits":
@@ -60,10 +68,15 @@ def _role_colour(role: str, seen: Dict[str, str]) -> str:
     return seen[key]
 
 
-def _node_hover(view: CircuitView, n: Node) -> str:
+def _node_hover(view: CircuitView, n: Node, group: Optional[int] = None) -> str:
     r = view.roles.get(str(n))
     role = view.role(n) or ("none" if n.kind == "head" else n.kind)
     text = f"<b>{n}</b><br>role: {role}"
+    if n.kind == "kv":
+        shared = (f"query heads {n.layer}.{n.index * group}-{n.layer}.{(n.index + 1) * group - 1}" if group
+                  else "its group of query heads")
+        text = (f"<b>{n}</b>: key-value head {n.index} of layer {n.layer}<br>its k and v inputs are shared by "
+                f"{shared} (grouped-query attention)")
     if isinstance(r, dict) and r.get("evidence") is not None:
         text += "<br>" + evidence_text(r["evidence"])
     return text
@@ -75,17 +88,20 @@ def drawn_edges(view: CircuitView, max_edges: int = MAX_EDGES) -> List[Edge]:
 
 
 def circuit_graph(view: CircuitView, n_layers: Optional[int] = None, n_heads: Optional[int] = None,
-                  max_edges: int = MAX_EDGES) -> Dict:
-    """The circuit as a graph (module docs). ``n_layers``/``n_heads``: the model's (default: the smallest
-    that holds every node). Each edge line carries its data in ``meta`` (sender, receiver, input, score)."""
+                  max_edges: int = MAX_EDGES, n_kv: Optional[int] = None) -> Dict:
+    """The circuit as a graph (module docs). ``n_layers``/``n_heads``/``n_kv``: the model's (default: the
+    file's ``graph`` counts, else the smallest grid that holds every node). Each edge line carries its data in
+    ``meta`` (sender, receiver, input, score)."""
     need_l, need_h = view.shape()
     L, H = max(n_layers or 0, need_l, 1), max(n_heads or 0, need_h, 1)
+    kv = n_kv or view.n_kv()
+    group = H // kv if kv and H % kv == 0 else None
     edges = drawn_edges(view, max_edges)
     top = max((abs(e.score) for e in edges), default=0.0) or 1.0
     traces = []
     hx, hy, htext = [], [], []
     for e in edges:
-        (x0, y0), (x1, y1) = node_xy(e.sender, L, H), node_xy(e.receiver, L, H)
+        (x0, y0), (x1, y1) = node_xy(e.sender, L, H, group), node_xy(e.receiver, L, H, group)
         colour = POSITIVE if e.score >= 0 else NEGATIVE
         traces.append(go.Scatter(x=[x0, x1], y=[y0, y1], mode="lines", showlegend=False, hoverinfo="skip",
                                  meta={"sender": str(e.sender), "receiver": str(e.receiver), "input": e.input,
@@ -95,7 +111,7 @@ def circuit_graph(view: CircuitView, n_layers: Optional[int] = None, n_heads: Op
         t = INPUT_AT.get(e.input or "", 0.5)
         hx.append(x1 + t * (x0 - x1))
         hy.append(y1 + t * (y0 - y1))
-        into = f" ({e.input})" if e.input else ""
+        into = f" ({e.input})" if e.input and e.input != "in" else ""
         htext.append(f"{e.sender} → {e.receiver}{into}<br>score {e.score:.4g}<br>"
                      f"{e.sender}: {view.role(e.sender) or 'no role'}; {e.receiver}: {view.role(e.receiver) or 'no role'}")
     if edges:
@@ -106,29 +122,33 @@ def circuit_graph(view: CircuitView, n_layers: Optional[int] = None, n_heads: Op
     nodes = sorted(shown, key=lambda n: n.order)
     by_group: Dict[str, List[Node]] = {}
     for n in nodes:
-        group = view.role(n) or {"head": "no role", "mlp": "MLP"}.get(n.kind, "embed / logits")
-        by_group.setdefault(group, []).append(n)
+        name = view.role(n) or {"head": "no role", "mlp": "MLP", "kv": "KV head (k/v of its query heads)"}.get(
+            n.kind, "embed / logits")
+        by_group.setdefault(name, []).append(n)
     seen: Dict[str, str] = {}
-    for group, ns in by_group.items():
-        colour = (KIND_COLOURS[{"no role": "head", "MLP": "mlp"}.get(group, "embed")]
-                  if group in ("no role", "MLP", "embed / logits") else _role_colour(group, seen))
-        xy = [node_xy(n, L, H) for n in ns]
-        traces.append(go.Scatter(x=[p[0] for p in xy], y=[p[1] for p in xy], mode="markers+text", name=group,
+    for name, ns in by_group.items():
+        plain = {"no role": "head", "MLP": "mlp", "embed / logits": "embed", "KV head (k/v of its query heads)": "kv"}
+        colour = KIND_COLOURS[plain[name]] if name in plain else _role_colour(name, seen)
+        xy = [node_xy(n, L, H, group) for n in ns]
+        traces.append(go.Scatter(x=[p[0] for p in xy], y=[p[1] for p in xy], mode="markers+text", name=name,
                                  text=[str(n) for n in ns], textposition="middle right",
-                                 customdata=[[str(n), _node_hover(view, n)] for n in ns],
+                                 customdata=[[str(n), _node_hover(view, n, group)] for n in ns],
                                  marker=dict(size=14, color=colour, line=dict(color="#000", width=1),
-                                             symbol=["square" if n.kind != "head" else "circle" for n in ns]),
+                                             symbol=[{"head": "circle", "kv": "diamond"}.get(n.kind, "square") for n in ns]),
                                  hovertemplate="%{customdata[1]}<extra></extra>"))
     cut = f"top {len(edges)} of {len(view.edges)} edges by |score|" if len(edges) < len(view.edges) \
         else f"{len(edges)} edges"
     method = view.get("method")
     title = (f"circuit{f' ({method})' if method else ''}: {cut}; width = |score|, red +, blue −; "
-             f"q solid, k dashed, v dotted")
+             f"q solid, k dashed, v dotted"
+             + ("; ◇ = KV head (its k/v inputs are shared by its query heads)" if any(
+                 n.kind == "kv" for n in nodes) else ""))
     fig = go.Figure(traces, layout=_layout(
-        title, height=max(360, min(1000, 160 + 36 * (L + 2))), width=max(560, 200 + 60 * (H + 1)),
+        title, height=max(420, min(1100, 230 + 36 * (L + 2))), width=max(560, 200 + 60 * (H + 1)),
         xaxis=dict(title="head (MLP: right column)", range=[-0.7, H + 0.9], dtick=1, zeroline=False),
         yaxis=dict(title="layer", range=[L + 0.6, -1.6], dtick=1 if L <= 16 else 2, zeroline=False),
-        legend=dict(orientation="h", y=-0.12), hovermode="closest"))
+        margin=dict(l=60, r=20, t=64, b=120), legend=dict(orientation="h", y=-0.16, yanchor="top"),
+        hovermode="closest"))
     out = _fig(fig)
     out["meta"] = {"name": "circuit", "description": "edges sender → receiver input, width = |score|, colour = sign",
                    "n_edges": len(view.edges), "n_drawn": len(edges)}
@@ -210,10 +230,10 @@ def summary(view: CircuitView) -> str:
 
 
 def circuit_section(view: CircuitView, n_layers: Optional[int] = None, n_heads: Optional[int] = None,
-                    k: int = 20) -> Dict:
+                    k: int = 20, n_kv: Optional[int] = None) -> Dict:
     """The report's circuit section as data: a summary line, both figures, the roles table and the top ``k``
     edges (every string reaches the page through ``textContent``)."""
     return {"summary": summary(view), "source": view.source,
             "curve": faithfulness_curve(view) if view.info.get("has_curve") else None,
-            "graph": circuit_graph(view, n_layers, n_heads),
+            "graph": circuit_graph(view, n_layers, n_heads, n_kv=n_kv),
             "roles": roles_rows(view), "edges": edge_rows(view, k), "n_edges": len(view.edges)}

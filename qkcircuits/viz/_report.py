@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .._foundation.errors import QKCircuitsError
-from .._foundation.heads import Head, model_heads
+from .._foundation.heads import Head, model_heads, n_kv_heads
 from .._foundation.io import write_atomic
 from .._weights.contextual import INPUTS
 from ._circuit_data import check_against_model, load_circuit, parse_node
@@ -76,7 +76,7 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
     view = None
     if circuit is not None:
         view = load_circuit(circuit)
-        check_against_model(view, L, H)
+        check_against_model(view, L, H, n_kv_heads(model))
     ctx = ViewContext(model)
     ids = token_set(model, tokens)
     pids = prompt_ids(model, prompt)
@@ -111,7 +111,7 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
                         + (f"{input} inputs" if input else "direct inputs at layer 0 and contextual inputs (the mean "
                            "residual each layer reads for a token over a packaged English corpus) after it")
                         + "; each figure's title says which. Offsets and composition come from the weights."),
-            "circuit": circuit_section(view, L, H) if view is not None else None,
+            "circuit": circuit_section(view, L, H, n_kv=n_kv_heads(model)) if view is not None else None,
             "left_out": left_out, "grids": grid_list, "heads": list(panels), "first": first, "panels": panels}
     scripts = (f"<script>{script_text('plotly')}</script>\n"
                f"<script>{script_text('circuitsvis')}</script>")
