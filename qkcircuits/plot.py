@@ -133,9 +133,11 @@ def reads_from(result, head, k: int = 3) -> Figure:
     return as_figure(fig)
 
 
-def circuit(result, max_edges: int = 300, model=None) -> Figure:
+def circuit(result, max_edges: int = 300, model=None, roles=None) -> Figure:
     """The circuit found over the whole graph (``qkcircuits circuit``): ``result`` is the circuit API's result
-    (anything whose ``to_dict()`` is the ``--json`` contract), that JSON as a dict, its path or its text.
+    (``qk.faithfulness(...)``: its chosen circuit; ``scores.circuit(...)``; edge scores: their
+    ``.circuit()``), the ``--json`` file's dict, its path or its text; ``roles``: ``circuit.roles(model,
+    task)`` or {head: {role, evidence}}, shown in the hover and the legend (the file's own roles otherwise).
     Nodes by layer (y = layer, x = head; the embedding on top, the logits at the bottom, each MLP in a column
     right of the heads), edge width proportional to |score|, red for a positive score and blue for a negative
     one, dash = the receiver's input (q solid, k dashed, v dotted). Hover: an edge's midpoint gives
@@ -146,7 +148,7 @@ def circuit(result, max_edges: int = 300, model=None) -> Figure:
     from .viz._circuit_view import circuit_graph, load_circuit
 
     check_int("max_edges", max_edges)
-    view = load_circuit(result)
+    view = load_circuit(result, roles=roles)
     L = H = kv = None
     if model is not None:
         from ._foundation.heads import n_kv_heads
@@ -160,9 +162,9 @@ def circuit(result, max_edges: int = 300, model=None) -> Figure:
 
 
 def faithfulness(result) -> Figure:
-    """The faithfulness curve of a circuit result (or its ``--json`` dict, path or text): f over the percent of
-    edges kept, log x axis, the 0.8 line dashed, CPR and CMD in the title (a point at 0 % is given in a note:
-    a log axis has no 0)."""
+    """The faithfulness curve of ``qk.faithfulness(...)`` (or the ``--json`` file's dict, path or text): f over
+    the percent of edges kept, log x axis, the 0.8 line dashed, the chosen circuit's size dotted, CPR and CMD
+    in the title (a point at 0 % is given in a note: a log axis has no 0; so is an undefined f)."""
     from .viz._circuit_view import faithfulness_curve, load_circuit
 
     return as_figure(faithfulness_curve(load_circuit(result, need=("curve",))))

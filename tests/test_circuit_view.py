@@ -14,7 +14,7 @@ from qkcircuits import plot
 from qkcircuits.cli import main
 from qkcircuits.viz import report_html
 from qkcircuits.viz._circuit_data import load_circuit, parse_node
-from qkcircuits.viz._circuit_view import MAX_WIDTH, NEGATIVE, POSITIVE, circuit_graph, faithfulness_curve
+from qkcircuits.viz._circuit_view import MAX_WIDTH, NEGATIVE, POSITIVE, circuit_graph, faithfulness_curve, summary
 
 # 0.0 (previous-token) -> k of 1.0 (induction) -> logits: the toy model's known circuit, as a 3-node chain.
 CHAIN = {"schema": "qkcircuits.circuit/1", "model": "toy-induction", "task": "induction", "n_prompts": 8,
@@ -273,3 +273,32 @@ def test_gqa_kv_heads():
     with pytest.raises(qk.QKCircuitsError, match="names 1.kv1, but the model has 2 layers x 4 heads"):
         plot.circuit(GQA, model=type("M", (), {"cfg": type("C", (), {
             "n_layers": 2, "n_heads": 4, "n_key_value_heads": 1})()})())
+
+
+def test_the_circuit_apis_own_dicts():
+    # qk.faithfulness(...).to_dict(): its own schema, the chosen size, an undefined f (null) at one size
+    faith = {"schema": "qkcircuits.faithfulness/1", "model": "toy-induction", "clean": 2.0, "corrupt": 0.5,
+             "curve": {"1.0": None, "10.0": 0.9, "100.0": 1.0}, "cpr": 0.9, "cmd": 0.1, "chosen_percent": 10.0,
+             "n_edges": {"1.0": 1, "10.0": 3, "100.0": 33},
+             "circuit": {**CHAIN["circuit"], "percent": 10.0, "n_edges": 2, "mlps": [], "by": "abs"}}
+    fig = plot.faithfulness(faith)
+    assert list(fig.data[0].x) == [10.0, 100.0]                     # the undefined point is left off, and said
+    assert any("f undefined at 1 size" in a.text for a in fig.layout.annotations)
+    assert [s.x0 for s in fig.layout.shapes if s.xref == "x"] == [10.0]   # the circuit's size marked
+    assert "2 edges (chosen at 10 % of the graph's edges, then pruned)" in summary(load_circuit(faith))
+    # scores.circuit(...).to_dict(): the "circuit" part alone; roles given beside it
+    part = {"edges": [["emb", "0.0", "v", 0.2], ["0.0", "1.0", "k", 0.6], ["1.0", "logits", "in", 0.4]],
+            "heads": ["0.0", "1.0"], "n_edges": 3, "percent": None}
+    fig = plot.circuit(part, roles={"1.0": {"role": "induction", "evidence": "attends to the token after"}})
+    nodes = node_points(fig)
+    assert set(nodes) == {"emb", "0.0", "1.0", "logits"} and "role: induction" in nodes["1.0"][2]
+
+    class Roles:
+        def to_dict(self):
+            return {"roles": {"0.0": {"role": "previous-token", "evidence": {"previous_token": 1.0}}}}
+
+    assert "role: previous-token" in node_points(plot.circuit(part, roles=Roles()))["0.0"][2]
+    with pytest.raises(qk.QKCircuitsError, match="holds edge scores, not a circuit"):
+        plot.circuit({"schema": "qkcircuits.edge_scores/1", "scores": []})
+    with pytest.raises(qk.QKCircuitsError, match=r"roles\['1.0'\] must be"):
+        plot.circuit(part, roles={"1.0": "induction"})

@@ -33,8 +33,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .._foundation.errors import QKCircuitsError
 
-SCHEMA = "qkcircuits.circuit"       # "schema": "qkcircuits.circuit/<n>"; versions this reader knows:
-SCHEMA_VERSIONS = (1,)
+SCHEMA = "qkcircuits.circuit"       # the CLI's file; a Faithfulness result's JSON holds a circuit too
+READABLE = {SCHEMA: (1,), "qkcircuits.faithfulness": (1,)}         # schema name: versions this reader knows
 KINDS = ("embed", "head", "kv", "mlp", "logits")
 
 _HEAD = re.compile(r"^(?:a|attn\.?|head\.?)?(\d+)\.(\d+)$|^[Ll](\d+)[Hh](\d+)$")
@@ -109,7 +109,7 @@ class CircuitView:
 
     source: str
     edges: List[Edge]
-    curve: List[Tuple[float, float]]              # (percent of edges, f), sorted by percent
+    curve: List[Tuple[float, float]]              # (percent of edges, f), sorted by percent; f NaN = undefined
     heads: List[str] = field(default_factory=list)
     roles: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     info: Dict[str, Any] = field(default_factory=dict)   # model, task, n_prompts, metric, clean, corrupt, ...
@@ -162,14 +162,18 @@ def _number(x: Any) -> bool:
 
 
 def _read(source: Any) -> Tuple[Dict, str]:
-    """(the JSON object, a name for messages) from a dict, a path, JSON text or a result with ``to_dict``."""
+    """(the JSON object, a name for messages) from a dict, a path, JSON text or a result with ``to_dict``
+    (``Faithfulness``, a circuit; edge scores give their chosen circuit, ``scores.circuit()``)."""
     if isinstance(source, dict):
         return source, "circuit JSON"
-    for method in ("to_circuit_json", "to_dict"):
-        if hasattr(source, method) and not isinstance(source, (str, Path)):
-            data = getattr(source, method)()
-            if isinstance(data, str):
-                data = json.loads(data)
+    if not isinstance(source, (str, Path)):
+        if callable(getattr(source, "circuit", None)) and hasattr(source, "graph"):   # EdgeScores
+            source = source.circuit()
+        if callable(getattr(source, "to_dict", None)):
+            data = source.to_dict()
+            if not isinstance(data, dict):
+                raise QKCircuitsError(f"{type(source).__name__}.to_dict() gave a {type(data).__name__}, not a "
+                                      f"circuit JSON object")
             return data, type(source).__name__
     if isinstance(source, Path) or (isinstance(source, str) and not source.lstrip().startswith("{")):
         name = str(source)
@@ -198,12 +202,15 @@ def _check_schema(data: Dict, name: str) -> None:
     if schema is None:
         return
     base, _, version = str(schema).partition("/")
-    if base != SCHEMA:
+    if base == "qkcircuits.edge_scores":
+        raise QKCircuitsError(f"{name}: holds edge scores, not a circuit: choose one with scores.circuit(...) or "
+                              f"write one with `qkcircuits circuit MODEL --json FILE`")
+    if base not in READABLE:
         raise QKCircuitsError(f"{name}: schema {schema!r} is not a circuit file ({SCHEMA}/1, from `qkcircuits "
                               f"circuit --json`)")
-    if not version.isdigit() or int(version) not in SCHEMA_VERSIONS:
+    if not version.isdigit() or int(version) not in READABLE[base]:
         raise QKCircuitsError(f"{name}: schema {schema!r} has a version this qkcircuits does not read "
-                              f"(reads {', '.join(f'{SCHEMA}/{v}' for v in SCHEMA_VERSIONS)})")
+                              f"(reads {', '.join(f'{b}/{v}' for b, vs in READABLE.items() for v in vs)})")
 
 
 def _edges(raw: Any, name: str) -> List[Edge]:
@@ -252,8 +259,12 @@ def _curve(raw: Any, name: str) -> List[Tuple[float, float]]:
             pct = math.nan
         if not (0.0 <= pct <= 100.0):
             raise QKCircuitsError(f"{name}: curve key {p!r} is not a percent (a number in 0-100)")
+        if f is None:                         # f undefined: m(full) = m(∅), the model does not do the task
+            out.append((pct, math.nan))
+            continue
         if not _number(f):
-            raise QKCircuitsError(f"{name}: curve[{p!r}] must be a finite number (the faithfulness f), got {_short(f)}")
+            raise QKCircuitsError(f"{name}: curve[{p!r}] must be a finite number (the faithfulness f) or null, got "
+                                  f"{_short(f)}")
         out.append((pct, float(f)))
     return sorted(out)
 
@@ -263,11 +274,21 @@ INFO_TYPES = {"model": (str,), "task": (str,), "metric": (str,), "method": (str,
               "cpr": (float, int, type(None)), "cmd": (float, int, type(None)), "timing": (dict,)}
 
 
-def load_circuit(source: Any, *, need: Sequence[str] = ()) -> CircuitView:
-    """Read and check a circuit: a result of the circuit API (anything with ``to_dict()`` giving the JSON
-    contract), the ``--json`` dict, a path to that file, or its text. ``need``: top-level keys that must be
-    present (e.g. ``("curve",)`` for the faithfulness figure). Bad input: one ``QKCircuitsError`` line
+def load_circuit(source: Any, *, need: Sequence[str] = (), roles: Any = None) -> CircuitView:
+    """Read and check a circuit: a result of the circuit API (``qk.faithfulness(...)``, ``scores.circuit(...)``,
+    edge scores, anything whose ``to_dict()`` is the JSON contract or its ``circuit`` part), the ``--json``
+    dict, a path to that file, or its text. ``need``: top-level keys that must be present (e.g. ``("curve",)``
+    for the faithfulness figure). ``roles``: {head: {role, evidence}} (or a result whose ``to_dict()`` gives
+    it, e.g. ``circuit.roles(model, task)``), added to the file's. Bad input: one ``QKCircuitsError`` line
     naming the file and the problem."""
+    if roles is not None:
+        view = load_circuit(source, need=need)
+        extra = roles.to_dict() if callable(getattr(roles, "to_dict", None)) else roles
+        if isinstance(extra, dict) and isinstance(extra.get("roles"), dict):
+            extra = extra["roles"]
+        checked = load_circuit({"circuit": {"edges": []}, "roles": extra})   # the same checks, named "roles"
+        view.roles.update(checked.roles)
+        return view
     if isinstance(source, CircuitView):
         data, name = None, source.source
         view = source
@@ -277,6 +298,8 @@ def load_circuit(source: Any, *, need: Sequence[str] = ()) -> CircuitView:
         view = None
     if view is None:
         circuit = data.get("circuit")
+        if circuit is None and "edges" in data:           # a circuit's own to_dict(): the "circuit" part alone
+            circuit, data = data, {}
         if not isinstance(circuit, dict) or "edges" not in circuit:
             raise QKCircuitsError(f"{name}: no circuit.edges (is it a `qkcircuits circuit --json` file? keys: "
                                   f"{', '.join(sorted(map(str, data))) or 'none'})")

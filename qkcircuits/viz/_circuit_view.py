@@ -20,6 +20,7 @@ score and both nodes' roles; on a node: its role and evidence.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional
 
 import plotly.graph_objects as go
@@ -158,8 +159,9 @@ def circuit_graph(view: CircuitView, n_layers: Optional[int] = None, n_heads: Op
 def faithfulness_curve(view: CircuitView) -> Dict:
     """f against the percent of edges kept (log x axis), the 0.8 line dashed, CPR and CMD in the title.
     A point at 0 % cannot sit on a log axis: it is left off and its f given in a note."""
-    on_axis = [(p, f) for p, f in view.curve if p > 0]
-    zero = [f for p, f in view.curve if p == 0]
+    on_axis = [(p, f) for p, f in view.curve if p > 0 and f == f]
+    zero = [f for p, f in view.curve if p == 0 and f == f]
+    undefined = [p for p, f in view.curve if f != f]
     line = go.Scatter(x=[p for p, _ in on_axis], y=[_r(f) for _, f in on_axis], mode="lines+markers",
                       name="f", marker=dict(size=7), line=dict(color="#2c3e50"),
                       hovertemplate="%{x}% of edges<br>f = %{y:.4f}<extra></extra>")
@@ -174,17 +176,37 @@ def faithfulness_curve(view: CircuitView) -> Dict:
     if zero:
         notes.append(dict(text=f"f(0 %) = {zero[0]:.3f} (not on a log axis)", x=0, xref="paper", y=1.02,
                           yref="paper", xanchor="left", yanchor="bottom", showarrow=False, font=dict(size=9)))
-    ys = [f for _, f in view.curve] + [0.0, 1.0]
+    if undefined:
+        notes.append(dict(text=f"f undefined at {len(undefined)} size(s): m(full) = m(∅), the model does not do the task",
+                          x=1, xref="paper", y=1.02, yref="paper", xanchor="right", yanchor="bottom",
+                          showarrow=False, font=dict(size=9, color="#b00")))
+    ys = [f for _, f in view.curve if f == f] + [0.0, 1.0]
+    shapes = [dict(type="line", x0=0, x1=1, xref="paper", y0=0.8, y1=0.8, yref="y",
+                   line=dict(color="#888", dash="dash", width=1))]
+    chosen = chosen_percent(view)
+    if chosen:                                # the circuit's own size, where the file says it
+        shapes.append(dict(type="line", x0=chosen, x1=chosen, xref="x", y0=0, y1=1, yref="paper",
+                           line=dict(color="#2ca02c", dash="dot", width=1)))
+        notes.append(dict(text=f"circuit: {chosen:g} %", x=math.log10(chosen), xref="x", y=0, yref="paper",
+                          xanchor="left", yanchor="bottom", showarrow=False, font=dict(size=9, color="#2ca02c")))
     fig = go.Figure(line, layout=_layout(
-        title, height=380, width=620, showlegend=False, annotations=notes,
-        shapes=[dict(type="line", x0=0, x1=1, xref="paper", y0=0.8, y1=0.8, yref="y",
-                     line=dict(color="#888", dash="dash", width=1))],
+        title, height=380, width=620, showlegend=False, annotations=notes, shapes=shapes,
         xaxis=dict(title="edges in the circuit (% of all edges, log scale)", type="log"),
         yaxis=dict(title="f", range=[min(ys) - 0.05, max(ys) + 0.05], zeroline=True)))
     out = _fig(fig)
     out["meta"] = {"name": "faithfulness", "description": "f over the grid of circuit sizes",
                    "cpr": cpr, "cmd": cmd}
     return out
+
+
+def chosen_percent(view: CircuitView) -> Optional[float]:
+    """The circuit's size in percent of the graph's edges when the file says (``circuit.percent`` or
+    ``chosen_percent``), else None."""
+    for key in ("circuit.percent", "chosen_percent"):
+        v = view.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 100:
+            return float(v)
+    return None
 
 
 def roles_rows(view: CircuitView) -> List[List[str]]:
@@ -222,7 +244,9 @@ def summary(view: CircuitView) -> str:
     if g("method"):
         bits.append(f"method {g('method')}" + (f" ({g('steps')} steps)" if g("steps") else ""))
     heads = len(view.heads) or len({n for n in view.nodes() if n.kind == "head"})
-    bits.append(f"circuit: {len(view.edges)} edges, {heads} heads")
+    pct = chosen_percent(view)
+    bits.append(f"circuit: {len(view.edges)} edges" + (f" (chosen at {pct:g} % of the graph's edges, then pruned)"
+                                                       if pct else "") + f", {heads} heads")
     nf = g("node_faithfulness")
     if nf is not None:
         bits.append(f"node faithfulness {evidence_text(nf)}")
