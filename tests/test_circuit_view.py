@@ -14,7 +14,7 @@ from qkcircuits import plot
 from qkcircuits.cli import main
 from qkcircuits.viz import report_html
 from qkcircuits.viz._circuit_data import load_circuit, parse_node
-from qkcircuits.viz._circuit_view import MAX_WIDTH, NEGATIVE, POSITIVE, circuit_graph, faithfulness_curve, summary
+from qkcircuits.viz._circuit_view import MAX_WIDTH, MIN_WIDTH, NEGATIVE, POSITIVE, circuit_graph, faithfulness_curve, summary
 
 # 0.0 (previous-token) -> k of 1.0 (induction) -> logits: the toy model's known circuit, as a 3-node chain.
 CHAIN = {"schema": "qkcircuits.circuit/1", "model": "toy-induction", "task": "induction", "n_prompts": 8,
@@ -83,7 +83,9 @@ def test_wide_graph_every_node_kind_and_sign():
     widths = {(t.meta["sender"], t.meta["receiver"]): t.line.width for t in lines}
     assert widths[("2.3", "logits")] == pytest.approx(MAX_WIDTH)
     assert widths[("0.1", "2.3")] / widths[("mlp0", "2.3")] == pytest.approx(0.8 / 0.4)
-    assert widths[("emb", "mlp0")] / widths[("2.3", "logits")] == pytest.approx(0.1 / 1.6)
+    assert widths[("mlp0", "2.3")] == pytest.approx(MAX_WIDTH * 0.4 / 1.6)
+    # below MIN_WIDTH (8 px x 0.1 / 1.6 = 0.5 px) the width is floored: every edge of the circuit stays visible
+    assert widths[("emb", "mlp0")] == widths[("mlp0", "logits")] == MIN_WIDTH
     colours = {(t.meta["sender"], t.meta["receiver"]): t.line.color for t in lines}
     assert [k for k, c in colours.items() if c == NEGATIVE] == [("mlp0", "2.3"), ("mlp0", "logits")]
     assert {t.meta["input"]: t.line.dash for t in lines} == {"q": "solid", None: "solid",

@@ -174,6 +174,10 @@ def _read(source: Any) -> Tuple[Dict, str]:
             if not isinstance(data, dict):
                 raise QKCircuitsError(f"{type(source).__name__}.to_dict() gave a {type(data).__name__}, not a "
                                       f"circuit JSON object")
+            owner = getattr(source, "circuit", source)          # the graph's counts lay the figure out
+            g = getattr(owner, "graph", None)
+            if "graph" not in data and callable(getattr(g, "to_dict", None)):
+                data = {**data, "graph": g.to_dict()}
             return data, type(source).__name__
     if isinstance(source, Path) or (isinstance(source, str) and not source.lstrip().startswith("{")):
         name = str(source)
@@ -299,7 +303,7 @@ def load_circuit(source: Any, *, need: Sequence[str] = (), roles: Any = None) ->
     if view is None:
         circuit = data.get("circuit")
         if circuit is None and "edges" in data:           # a circuit's own to_dict(): the "circuit" part alone
-            circuit, data = data, {}
+            circuit, data = data, {k: data[k] for k in ("graph", "model") if k in data}
         if not isinstance(circuit, dict) or "edges" not in circuit:
             raise QKCircuitsError(f"{name}: no circuit.edges (is it a `qkcircuits circuit --json` file? keys: "
                                   f"{', '.join(sorted(map(str, data))) or 'none'})")

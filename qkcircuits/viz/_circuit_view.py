@@ -28,10 +28,12 @@ import plotly.graph_objects as go
 from ._circuit_data import CircuitView, Edge, Node, evidence_text, load_circuit, parse_node
 from ._figures import _fig, _layout, _r
 
-__all__ = ["circuit_graph", "faithfulness_curve", "load_circuit", "MAX_EDGES", "MAX_WIDTH"]
+__all__ = ["circuit_graph", "edge_width", "faithfulness_curve", "load_circuit", "MAX_EDGES", "MAX_WIDTH", "MIN_WIDTH"]
 
 MAX_EDGES = 300        # edges drawn (the largest |score|); one plotly trace each, so a browser stays quick
 MAX_WIDTH = 8.0        # px, the drawn edge of largest |score|
+MIN_WIDTH = 1.0        # px: an edge of the circuit stays visible however small its score (toy induction: the
+                       # key edge 0.0 -> 1.0 scores 8e-5 under EAP-IG beside 36 for emb -> 1.0 v)
 POSITIVE, NEGATIVE = "#d62728", "#1f77b4"
 INPUT_DASH = {"q": "solid", "k": "dash", "v": "dot"}
 INPUT_AT = {"q": 0.4, "k": 0.5, "v": 0.6}          # hover marker along the edge, so q/k/v edges of a pair differ
@@ -83,6 +85,11 @@ def _node_hover(view: CircuitView, n: Node, group: Optional[int] = None) -> str:
     return text
 
 
+def edge_width(score: float, top: float) -> float:
+    """Line width in px: ``MAX_WIDTH`` × |score| / ``top`` (the largest drawn |score|), at least ``MIN_WIDTH``."""
+    return max(MIN_WIDTH, MAX_WIDTH * abs(score) / top)
+
+
 def drawn_edges(view: CircuitView, max_edges: int = MAX_EDGES) -> List[Edge]:
     """The edges the graph draws: all of them up to ``max_edges``, else the ``max_edges`` of largest |score|."""
     return view.edges if len(view.edges) <= max_edges else view.top_edges(max_edges)
@@ -107,7 +114,7 @@ def circuit_graph(view: CircuitView, n_layers: Optional[int] = None, n_heads: Op
         traces.append(go.Scatter(x=[x0, x1], y=[y0, y1], mode="lines", showlegend=False, hoverinfo="skip",
                                  meta={"sender": str(e.sender), "receiver": str(e.receiver), "input": e.input,
                                        "score": _r(e.score)},
-                                 line=dict(color=colour, width=MAX_WIDTH * abs(e.score) / top,
+                                 line=dict(color=colour, width=edge_width(e.score, top),
                                            dash=INPUT_DASH.get(e.input or "", "solid"))))
         t = INPUT_AT.get(e.input or "", 0.5)
         hx.append(x1 + t * (x0 - x1))
@@ -140,7 +147,7 @@ def circuit_graph(view: CircuitView, n_layers: Optional[int] = None, n_heads: Op
     cut = f"top {len(edges)} of {len(view.edges)} edges by |score|" if len(edges) < len(view.edges) \
         else f"{len(edges)} edges"
     method = view.get("method")
-    title = (f"circuit{f' ({method})' if method else ''}: {cut}; width = |score|, red +, blue −; "
+    title = (f"circuit{f' ({method})' if method else ''}: {cut}; width ∝ |score| (≥ {MIN_WIDTH:g} px), red +, blue −; "
              f"q solid, k dashed, v dotted"
              + ("; ◇ = KV head (its k/v inputs are shared by its query heads)" if any(
                  n.kind == "kv" for n in nodes) else ""))
