@@ -139,8 +139,8 @@ def circuit(result, max_edges: int = 300, model=None, roles=None) -> Figure:
     ``.circuit()``), the ``--json`` file's dict, its path or its text; ``roles``: ``circuit.roles(model,
     task)`` or {head: {role, evidence}}, shown in the hover and the legend (the file's own roles otherwise).
     Nodes by layer (y = layer, x = head; the embedding on top, the logits at the bottom, each MLP in a column
-    right of the heads), edge width proportional to |score| (at least 1 px, so every edge shows), red for a positive score and blue for a negative
-    one, dash = the receiver's input (q solid, k dashed, v dotted). Hover: an edge's midpoint gives
+    right of the heads), edge width proportional to |score| (at least 1 px, so every edge shows), red for a
+    positive score and blue for a negative one, dash = the receiver's input (q solid, k dashed, v dotted). Hover: an edge's midpoint gives
     sender → receiver, input, score and both roles; a node gives its role and evidence. At most
     ``max_edges`` edges are drawn (those of largest |score|; the title says so). ``model``: lay the graph
     out on the model's layers × heads (default: the smallest grid that holds the nodes)."""

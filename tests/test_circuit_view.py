@@ -14,7 +14,8 @@ from qkcircuits import plot
 from qkcircuits.cli import main
 from qkcircuits.viz import report_html
 from qkcircuits.viz._circuit_data import load_circuit, parse_node
-from qkcircuits.viz._circuit_view import MAX_WIDTH, MIN_WIDTH, NEGATIVE, POSITIVE, circuit_graph, faithfulness_curve, summary
+from qkcircuits.viz._circuit_view import (MAX_WIDTH, MIN_WIDTH, NEGATIVE, POSITIVE, circuit_graph, faithfulness_curve,
+                                          summary)
 
 # 0.0 (previous-token) -> k of 1.0 (induction) -> logits: the toy model's known circuit, as a 3-node chain.
 CHAIN = {"schema": "qkcircuits.circuit/1", "model": "toy-induction", "task": "induction", "n_prompts": 8,

@@ -226,7 +226,8 @@ def _edges(raw: Any, name: str) -> List[Edge]:
         if isinstance(e, dict):               # tolerate {"sender", "receiver", "input", "score"} rows
             e = [e.get("sender"), e.get("receiver"), e.get("input"), e.get("score")]
         if not isinstance(e, (list, tuple)) or len(e) != 4:
-            raise QKCircuitsError(f"{name}: circuit.edges[{i}] must be [sender, receiver, input, score], got {_short(e)}")
+            raise QKCircuitsError(f"{name}: circuit.edges[{i}] must be [sender, receiver, input, score], got "
+                                  f"{_short(e)}")
         s, r, x, score = e
         sn, rn = parse_node(s), parse_node(r)
         for what, n, raw_n in (("sender", sn, s), ("receiver", rn, r)):

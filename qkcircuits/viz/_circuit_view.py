@@ -40,6 +40,7 @@ INPUT_AT = {"q": 0.4, "k": 0.5, "v": 0.6}          # hover marker along the edge
 ROLE_COLOURS = {"name mover": "#2ca02c", "negative name mover": "#9467bd", "s-inhibition": "#ff7f0e",
                 "induction": "#d62728", "previous-token": "#1f77b4", "duplicate-token": "#8c564b",
                 "unclassified": "#7f7f7f"}
+SYMBOLS = {"head": "circle", "kv": "diamond"}        # embed, MLPs, logits: squares
 KIND_COLOURS = {"embed": "#444444", "logits": "#444444", "mlp": "#bcbd22", "head": "#c7c7c7", "kv": "#ffffff"}
 FALLBACK = ["#17becf", "#e377c2", "#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5"]
 
@@ -121,7 +122,8 @@ def circuit_graph(view: CircuitView, n_layers: Optional[int] = None, n_heads: Op
         hy.append(y1 + t * (y0 - y1))
         into = f" ({e.input})" if e.input and e.input != "in" else ""
         htext.append(f"{e.sender} → {e.receiver}{into}<br>score {e.score:.4g}<br>"
-                     f"{e.sender}: {view.role(e.sender) or 'no role'}; {e.receiver}: {view.role(e.receiver) or 'no role'}")
+                     f"{e.sender}: {view.role(e.sender) or 'no role'}; "
+                     f"{e.receiver}: {view.role(e.receiver) or 'no role'}")
     if edges:
         traces.append(go.Scatter(x=hx, y=hy, mode="markers", name="edges", showlegend=False, text=htext,
                                  marker=dict(size=7, color="rgba(0,0,0,0.15)"),
@@ -142,20 +144,23 @@ def circuit_graph(view: CircuitView, n_layers: Optional[int] = None, n_heads: Op
                                  text=[str(n) for n in ns], textposition="middle right",
                                  customdata=[[str(n), _node_hover(view, n, group)] for n in ns],
                                  marker=dict(size=14, color=colour, line=dict(color="#000", width=1),
-                                             symbol=[{"head": "circle", "kv": "diamond"}.get(n.kind, "square") for n in ns]),
+                                             symbol=[SYMBOLS.get(n.kind, "square") for n in ns]),
                                  hovertemplate="%{customdata[1]}<extra></extra>"))
     cut = f"top {len(edges)} of {len(view.edges)} edges by |score|" if len(edges) < len(view.edges) \
         else f"{len(edges)} edges"
     method = view.get("method")
-    title = (f"circuit{f' ({method})' if method else ''}: {cut}; width ∝ |score| (≥ {MIN_WIDTH:g} px), red +, blue −; "
+    title = (f"circuit{f' ({method})' if method else ''}: {cut}; width ∝ |score| (≥ {MIN_WIDTH:g} px), "
+             f"red +, blue −; "
              f"q solid, k dashed, v dotted"
              + ("; ◇ = KV head (its k/v inputs are shared by its query heads)" if any(
                  n.kind == "kv" for n in nodes) else ""))
+    ticks = list(range(0, L, 1 if L <= 16 else 2))
     fig = go.Figure(traces, layout=_layout(
         title, height=max(420, min(1100, 230 + 36 * (L + 2))), width=max(560, 200 + 60 * (H + 1)),
         xaxis=dict(title="head (MLP: right column)", range=[-0.7, H + 0.9], dtick=1, zeroline=False),
-        yaxis=dict(title="layer", range=[L + 0.6, -1.6], dtick=1 if L <= 16 else 2, zeroline=False),
-        margin=dict(l=60, r=20, t=64, b=120), legend=dict(orientation="h", y=-0.16, yanchor="top"),
+        yaxis=dict(title="layer", range=[L + 0.6, -1.6], zeroline=False, tickvals=[-1, *ticks, L],
+                   ticktext=["emb", *map(str, ticks), "logits"]),
+        margin=dict(l=60, r=20, t=64, b=130), legend=dict(orientation="h", y=-0.26, yanchor="top"),
         hovermode="closest"))
     out = _fig(fig)
     out["meta"] = {"name": "circuit", "description": "edges sender → receiver input, width = |score|, colour = sign",
@@ -184,7 +189,8 @@ def faithfulness_curve(view: CircuitView) -> Dict:
         notes.append(dict(text=f"f(0 %) = {zero[0]:.3f} (not on a log axis)", x=0, xref="paper", y=1.02,
                           yref="paper", xanchor="left", yanchor="bottom", showarrow=False, font=dict(size=9)))
     if undefined:
-        notes.append(dict(text=f"f undefined at {len(undefined)} size(s): m(full) = m(∅), the model does not do the task",
+        notes.append(dict(text=f"f undefined at {len(undefined)} size(s): m(full) = m(∅), the model does not do "
+                               f"the task",
                           x=1, xref="paper", y=1.02, yref="paper", xanchor="right", yanchor="bottom",
                           showarrow=False, font=dict(size=9, color="#b00")))
     ys = [f for _, f in view.curve if f == f] + [0.0, 1.0]

@@ -176,7 +176,8 @@ VIEWER_JS = r"""
   function table(id, header, rows) {
     const t = mk('table'); t.id = id; t.className = 'rows';
     const hr = mk('tr'); for (const h of header) hr.appendChild(mk('th', h)); t.appendChild(hr);
-    for (const r of rows) { const tr = mk('tr'); for (const v of r) tr.appendChild(mk('td', fmt(v))); t.appendChild(tr); }
+    const num = (v) => typeof v !== 'number' ? fmt(v) : (v === 0 || Math.abs(v) >= 1e-3 ? v.toFixed(4) : v.toExponential(2));
+    for (const r of rows) { const tr = mk('tr'); for (const v of r) tr.appendChild(mk('td', num(v))); t.appendChild(tr); }
     return t;
   }
 
