@@ -68,7 +68,7 @@ def test_chain_graph_contents():
     assert any("0.0 → 1.0 (k)" in h and "score 0.6" in h and "0.0: previous-token" in h and "1.0: induction" in h
                for h in hover), hover
     assert any("1.0 → logits" in h and "score -0.3" in h for h in hover)
-    assert "role: induction" in nodes["1.0"][2] and "induction 0.99, direct effect 0.5" in nodes["1.0"][2]
+    assert "role: induction" in nodes["1.0"][2] and "induction: 0.99<br>direct effect: 0.5" in nodes["1.0"][2]
     assert nodes["1.0"][3] == "induction" and nodes["0.0"][3] == "previous-token"   # one legend entry per role
 
 
@@ -305,3 +305,34 @@ def test_the_circuit_apis_own_dicts():
         plot.circuit({"schema": "qkcircuits.edge_scores/1", "scores": []})
     with pytest.raises(qk.QKCircuitsError, match=r"roles\['1.0'\] must be"):
         plot.circuit(part, roles={"1.0": "induction"})
+
+
+# The shape `qkcircuits circuit --json` writes (cli/circuit.py): extra keys, the graph's counts, roles with
+# nested evidence, an undefined clean metric (null) tolerated.
+CLI = {"schema": "qkcircuits.circuit/1", "model": "m", "task": "ioi", "n_prompts": 4, "metric": "logit-diff",
+       "clean": None, "corrupt": 0.1, "method": "eap", "steps": None, "curve": {"0.1": 0.3, "5": 0.85, "100": 1.0},
+       "cpr": 0.9, "cmd": 0.12, "bos_prepended": False, "chosen_percent": 5.0, "by": "abs", "versions": {"torch": "x"},
+       "graph": {"n_layers": 6, "n_heads": 3, "n_kv_heads": 3, "n_edges": 400},
+       "n_edges_by_percent": {"0.1": 1, "5": 20, "100": 400},
+       "circuit": {"edges": [["emb", "1.2", "k", 0.3], ["1.2", "4.0", "q", -0.2], ["4.0", "logits", "in", 0.9]],
+                   "heads": ["1.2", "4.0"], "mlps": [], "n_edges": 3, "percent": 5.0, "faithfulness": 0.85,
+                   "node_faithfulness": 0.7},
+       "roles": {"4.0": {"role": "name mover", "evidence": {"direct_effect": 0.9, "direct_share": 0.31,
+                                                            "attn_from_END": {"END": 0.1, "IO": 0.62},
+                                                            "feeds_name_movers_q": []}},
+                 "1.2": {"role": "S-inhibition head", "evidence": {"direct_effect": -0.01,
+                                                                   "feeds_name_movers_q": ["4.0"]}}},
+       "timing": {"total_s": 3.0}}
+
+
+def test_the_cli_json():
+    fig = plot.circuit(CLI)
+    nodes = node_points(fig)
+    assert nodes["logits"][1] == 6                                  # the file's graph: 6 layers
+    assert nodes["4.0"][3] == "name mover" and nodes["1.2"][3] == "S-inhibition head"
+    colour = {t.name: t.marker.color for t in fig.data if t.mode == "markers+text"}
+    assert colour["name mover"] == "#2ca02c" and colour["S-inhibition head"] == "#ff7f0e"
+    assert "attn_from_END: END 0.1, IO 0.62" in nodes["4.0"][2] and "feeds_name_movers_q: 4.0" in nodes["1.2"][2]
+    s = summary(load_circuit(CLI))
+    assert "metric logit-diff;" in s and "method eap;" in s and "3 edges (chosen at 5 %" in s
+    assert [x.x0 for x in plot.faithfulness(CLI).layout.shapes if x.xref == "x"] == [5.0]

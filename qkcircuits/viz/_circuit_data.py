@@ -275,7 +275,7 @@ def _curve(raw: Any, name: str) -> List[Tuple[float, float]]:
 
 
 INFO_TYPES = {"model": (str,), "task": (str,), "metric": (str,), "method": (str,), "n_prompts": (int,),
-              "steps": (int, type(None)), "clean": (float, int), "corrupt": (float, int),
+              "steps": (int, type(None)), "clean": (float, int, type(None)), "corrupt": (float, int, type(None)),
               "cpr": (float, int, type(None)), "cmd": (float, int, type(None)), "timing": (dict,)}
 
 

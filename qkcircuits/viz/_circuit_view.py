@@ -37,12 +37,13 @@ MIN_WIDTH = 1.0        # px: an edge of the circuit stays visible however small 
 POSITIVE, NEGATIVE = "#d62728", "#1f77b4"
 INPUT_DASH = {"q": "solid", "k": "dash", "v": "dot"}
 INPUT_AT = {"q": 0.4, "k": 0.5, "v": 0.6}          # hover marker along the edge, so q/k/v edges of a pair differ
-ROLE_COLOURS = {"name mover": "#2ca02c", "negative name mover": "#9467bd", "s-inhibition": "#ff7f0e",
-                "induction": "#d62728", "previous-token": "#1f77b4", "duplicate-token": "#8c564b",
-                "unclassified": "#7f7f7f"}
+# the role names of circuit.roles() (qkcircuits/_tasks/roles.py), lower-cased; short forms for other files
+ROLE_COLOURS = {"name mover": "#2ca02c", "negative name mover": "#9467bd", "s-inhibition head": "#ff7f0e",
+                "induction head": "#d62728", "previous-token head": "#1f77b4", "duplicate-token head": "#8c564b",
+                "direct-logit head": "#e377c2", "feeds the circuit": "#17becf", "unclassified": "#7f7f7f"}
 SYMBOLS = {"head": "circle", "kv": "diamond"}        # embed, MLPs, logits: squares
 KIND_COLOURS = {"embed": "#444444", "logits": "#444444", "mlp": "#bcbd22", "head": "#c7c7c7", "kv": "#ffffff"}
-FALLBACK = ["#17becf", "#e377c2", "#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5"]
+FALLBACK = ["#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5", "#c49c94", "#dbdb8d"]
 
 
 def node_xy(n: Node, n_layers: int, n_heads: int, group: Optional[int] = None) -> tuple:
@@ -65,7 +66,7 @@ def node_xy(n: Node, n_layers: int, n_heads: int, group: Optional[int] = None) -
 def _role_colour(role: str, seen: Dict[str, str]) -> str:
     key = role.lower().strip()
     for name, c in ROLE_COLOURS.items():
-        if key == name or key.rstrip("s") == name:
+        if key in (name, name + "s", name.replace(" head", "")):
             return c
     if key not in seen:
         seen[key] = FALLBACK[len(seen) % len(FALLBACK)]
@@ -81,8 +82,11 @@ def _node_hover(view: CircuitView, n: Node, group: Optional[int] = None) -> str:
                   else "its group of query heads")
         text = (f"<b>{n}</b>: key-value head {n.index} of layer {n.layer}<br>its k and v inputs are shared by "
                 f"{shared} (grouped-query attention)")
-    if isinstance(r, dict) and r.get("evidence") is not None:
-        text += "<br>" + evidence_text(r["evidence"])
+    ev = r.get("evidence") if isinstance(r, dict) else None
+    if isinstance(ev, dict):                  # one line per item: the hover stays narrow
+        text += "".join(f"<br>{k}: {evidence_text(v)}" for k, v in ev.items())
+    elif ev is not None:
+        text += "<br>" + evidence_text(ev)
     return text
 
 
