@@ -160,7 +160,7 @@ def circuit_graph(view: CircuitView, n_layers: Optional[int] = None, n_heads: Op
                  n.kind == "kv" for n in nodes) else ""))
     ticks = list(range(0, L, 1 if L <= 16 else 2))
     fig = go.Figure(traces, layout=_layout(
-        title, height=max(420, min(1100, 230 + 36 * (L + 2))), width=max(560, 200 + 60 * (H + 1)),
+        title, height=max(420, min(1100, 230 + 36 * (L + 2))), width=max(660, 200 + 60 * (H + 1)),
         xaxis=dict(title="head (MLP: right column)", range=[-0.7, H + 0.9], dtick=1, zeroline=False),
         yaxis=dict(title="layer", range=[L + 0.6, -1.6], zeroline=False, tickvals=[-1, *ticks, L],
                    ticktext=["emb", *map(str, ticks), "logits"]),
