@@ -21,6 +21,7 @@ score and both nodes' roles; on a node: its role and evidence.
 from __future__ import annotations
 
 import math
+import os
 from typing import Dict, List, Optional
 
 import plotly.graph_objects as go
@@ -274,7 +275,8 @@ def circuit_section(view: CircuitView, n_layers: Optional[int] = None, n_heads: 
                     k: int = 20, n_kv: Optional[int] = None) -> Dict:
     """The report's circuit section as data: a summary line, both figures, the roles table and the top ``k``
     edges (every string reaches the page through ``textContent``)."""
-    return {"summary": summary(view), "source": view.source,
+    # the file's name, not its folder: a report is meant to be shared
+    return {"summary": summary(view), "source": os.path.basename(view.source),
             "curve": faithfulness_curve(view) if view.info.get("has_curve") else None,
             "graph": circuit_graph(view, n_layers, n_heads, n_kv=n_kv),
             "roles": roles_rows(view), "edges": edge_rows(view, k), "n_edges": len(view.edges)}
