@@ -99,7 +99,9 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
                                diagnostics=diagnostics, k=k, input=input, trace=trace)
     total = L * H
     left_out = (f"panels precomputed for {len(chosen)} of {total} heads: the top {per_score} of every grid"
-                + (", plus the heads asked for with --heads" if extra else "")
+                + (", plus the heads asked for with --heads" if heads else "")
+                + (", the traced heads" if trace is not None else "")
+                + (", the circuit's heads" if view is not None else "")
                 + ("; the other heads were left out to keep the file small" if len(chosen) < total else ""))
     name = title or model_name(model)
     first = str(extra[0] if extra else chosen[0])
