@@ -34,8 +34,8 @@ from .viz._notebook import AttentionView, Figure, as_figure, set_bundle, setup
 from .viz._panels import ViewContext, prompt_ids, token_set, token_strings
 from .viz._panels import attention as _patterns
 
-__all__ = ["AttentionView", "Figure", "attention", "diagnostics", "effects", "offsets", "ov", "qk", "reads_from",
-           "scores", "set_bundle", "setup", "trace"]
+__all__ = ["AttentionView", "Figure", "attention", "circuit", "diagnostics", "effects", "faithfulness", "offsets", "ov",
+           "qk", "reads_from", "scores", "set_bundle", "setup", "trace"]
 
 # One ViewContext per model (its caches: layer weights, unembedding, weight-only scores); dropped with the model.
 _contexts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -131,6 +131,43 @@ def reads_from(result, head, k: int = 3) -> Figure:
         raise QKCircuitsError(f"{h} is not a receiver of this trace; receivers: "
                               f"{', '.join(str(r) for r in result.receivers)}")
     return as_figure(fig)
+
+
+def circuit(result, max_edges: int = 300, model=None, roles=None) -> Figure:
+    """The circuit found over the whole graph (``qkcircuits circuit``): ``result`` is the circuit API's result
+    (``qk.faithfulness(...)``: its chosen circuit; ``scores.circuit(...)``; edge scores: their
+    ``.circuit()``), the ``--json`` file's dict, its path or its text; ``roles``: ``circuit.roles(model,
+    task)`` or {head: {role, evidence}}, shown in the hover and the legend (the file's own roles otherwise).
+    Nodes by layer (y = layer, x = head; the embedding on top, the logits at the bottom, each MLP in a column
+    right of the heads), edge width proportional to |score| (at least 1 px, so every edge shows), red for a
+    positive score and blue for a negative one, dash = the receiver's input (q solid, k dashed, v dotted). Hover: an edge's midpoint gives
+    sender → receiver, input, score and both roles; a node gives its role and evidence. At most
+    ``max_edges`` edges are drawn (those of largest |score|; the title says so). ``model``: lay the graph
+    out on the model's layers × heads (default: the smallest grid that holds the nodes)."""
+    from ._foundation.io import check_int
+    from .viz._circuit_view import circuit_graph, load_circuit
+
+    check_int("max_edges", max_edges)
+    view = load_circuit(result, roles=roles)
+    L = H = kv = None
+    if model is not None:
+        from ._foundation.heads import n_kv_heads
+        from .viz._circuit_data import check_against_model
+
+        if not hasattr(model, "cfg"):
+            raise QKCircuitsError(f"model must come from qk.load(...), got {type(model).__name__}")
+        L, H, kv = int(model.cfg.n_layers), int(model.cfg.n_heads), n_kv_heads(model)
+        check_against_model(view, L, H, kv)
+    return as_figure(circuit_graph(view, L, H, max_edges, n_kv=kv))
+
+
+def faithfulness(result) -> Figure:
+    """The faithfulness curve of ``qk.faithfulness(...)`` (or the ``--json`` file's dict, path or text): f over
+    the percent of edges kept, log x axis, the 0.8 line dashed, the chosen circuit's size dotted, CPR and CMD
+    in the title (a point at 0 % is given in a note: a log axis has no 0; so is an undefined f)."""
+    from .viz._circuit_view import faithfulness_curve, load_circuit
+
+    return as_figure(faithfulness_curve(load_circuit(result, need=("curve",))))
 
 
 def qk(model, head, tokens: Optional[Sequence[str]] = None, **view) -> Figure:

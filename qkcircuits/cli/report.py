@@ -27,6 +27,8 @@ def add_parser(sub) -> None:
     p.add_argument("--diagnostics", metavar="JSON", help="flags from `qkcircuits diagnose --json`")
     p.add_argument("--trace", metavar="JSON", help="path effects from `qkcircuits trace --json` (circuit graph and "
                                                    "a 'reads from' panel per traced head)")
+    p.add_argument("--circuit", metavar="JSON", help="a circuit from `qkcircuits circuit --json` (its faithfulness "
+                                                     "curve, graph, roles and top edges; panels for its heads)")
     p.add_argument("--heads", help="heads to include besides the top ones, e.g. '5.1,L6H9'")
     p.add_argument("--per-score", type=non_negative_int, default=3, help="top heads per grid to precompute (default 3)")
     p.add_argument("--top-k", type=positive_int, default=5, help="output tokens per source token in the OV view")
@@ -95,12 +97,23 @@ def check_trace(trace, model, args):
     return trace
 
 
+def read_circuit(args):
+    """The checked circuit of ``--circuit`` (None when not given): a missing, foreign or damaged file is one line
+    naming it, before the model loads."""
+    if not getattr(args, "circuit", None):
+        return None
+    from ..viz._circuit_data import load_circuit
+
+    return load_circuit(Path(args.circuit))
+
+
 def run(args: argparse.Namespace) -> int:
     from .._analysis.detect import scan
     from ..viz import report_html, write_report
 
     scores, effects, diagnostics = load_inputs(args)
     trace = read_trace(args)                 # parsed before the model loads: a bad file fails in a second
+    circuit = read_circuit(args)
     model = load_model(args)
     if scores is None:
         # eigen_copying comes from the report's own weight-only pass
@@ -109,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     trace = check_trace(trace, model, args)
     html = report_html(model, scores=scores, effects=effects, diagnostics=diagnostics, heads=args.heads,
                        tokens=args.tokens, prompt=args.prompt, per_score=args.per_score, k=args.top_k,
-                       title=args.model, input=args.input, progress=not args.quiet, trace=trace)
+                       title=args.model, input=args.input, progress=not args.quiet, trace=trace,
+                       circuit=circuit)
     write_report(args.output, html)
     print(f"wrote {args.output} ({len(html.encode('utf-8')) / 2 ** 20:.1f} MiB)", file=sys.stderr)
     return 0

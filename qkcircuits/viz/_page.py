@@ -86,6 +86,8 @@ h1 { font-size: 20px; margin: 0 0 4px; } h2 { font-size: 17px; margin: 18px 0 6p
 .figs { display: flex; flex-wrap: wrap; gap: 10px; align-items: flex-start; }
 .fig { border: 1px solid #eee; min-width: 200px; min-height: 60px; }
 #info table { border-collapse: collapse; font-size: 13px; } #info td { padding: 1px 8px; border-bottom: 1px solid #eee; }
+table.rows { border-collapse: collapse; font-size: 13px; } table.rows td, table.rows th { padding: 1px 8px; border-bottom: 1px solid #eee; text-align: left; }
+h3 { font-size: 15px; margin: 12px 0 4px; }
 #error { color: #b00; font-weight: bold; white-space: pre-wrap; }
 #controls input[type=text], #controls textarea { width: 560px; font-family: monospace; }
 .flag { background: #fdd; padding: 0 4px; margin-right: 4px; border-radius: 3px; }
@@ -204,6 +206,38 @@ VIEWER_JS = r"""
     } catch (e) { $('status').textContent = ''; showError(e.message); }
   }
 
+  function table(id, header, rows) {
+    const t = mk('table'); t.id = id; t.className = 'rows';
+    const hr = mk('tr'); for (const h of header) hr.appendChild(mk('th', h)); t.appendChild(hr);
+    const num = (v) => typeof v !== 'number' ? fmt(v) : (v === 0 || Math.abs(v) >= 1e-3 ? v.toFixed(4) : v.toExponential(2));
+    for (const r of rows) { const tr = mk('tr'); for (const v of r) tr.appendChild(mk('td', num(v))); t.appendChild(tr); }
+    return t;
+  }
+
+  // The circuit of `qkcircuits circuit --json` (report --circuit): curve, graph, roles, top edges.
+  function drawCircuit(c) {
+    const box = $('circuit-section');
+    box.replaceChildren();
+    box.appendChild(mk('h2', 'Circuit (' + c.source + ')'));
+    box.appendChild(mk('div', c.summary)).className = 'muted';
+    const figs = mk('div'); figs.className = 'figs'; box.appendChild(figs);
+    for (const [id, fig] of [['circuit-curve', c.curve], ['circuit-graph', c.graph]]) {
+      if (!fig) continue;
+      const d = mk('div'); d.className = 'fig'; d.id = id; figs.appendChild(d);
+      Plotly.newPlot(d, fig.data, fig.layout, PLOT_CONFIG);
+    }
+    $('circuit-graph').on('plotly_click', (ev) => {
+      const cd = ev.points[0].customdata;
+      if (cd && /^\d+\.\d+$/.test(cd[0])) select(cd[0]);
+    });
+    box.appendChild(mk('h3', 'Roles'));
+    box.appendChild(c.roles.length ? table('circuit-roles', ['head', 'role', 'evidence'], c.roles)
+                                   : mk('div', 'no roles in this file'));
+    box.appendChild(mk('h3', 'Top edges by |score| (' + c.edges.length + ' of ' + c.n_edges + ')'));
+    box.appendChild(table('circuit-edges', ['sender', 'receiver', 'input', 'score', 'sender role', 'receiver role'],
+                          c.edges));
+  }
+
   function fillSelect(keys) {
     const sel = $('head-select');
     sel.replaceChildren();
@@ -223,6 +257,7 @@ VIEWER_JS = r"""
       text($('model'), meta.title);
       text($('summary'), meta.summary);
       drawGrids(meta.grids);
+      if (meta.circuit) drawCircuit(meta.circuit);
       fillSelect(meta.heads);
       if (meta.heads.length) await select(meta.first || meta.heads[0]);
       document.body.dataset.ready = '1';
@@ -236,6 +271,7 @@ BODY = """
 <h1 id="model"></h1>
 <div id="summary" class="muted"></div>
 <div id="error"></div>
+<div id="circuit-section"></div>
 <h2>Heads (click a cell to show that head)</h2>
 <div id="grids"></div>
 <div id="controls">{controls}</div>

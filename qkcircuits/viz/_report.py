@@ -22,14 +22,17 @@ import torch
 from tqdm.auto import tqdm
 
 from .._foundation.errors import QKCircuitsError
-from .._foundation.heads import Head, model_heads
+from .._foundation.heads import Head, model_heads, n_kv_heads
 from .._foundation.io import write_atomic
 from .._weights.contextual import INPUTS
+from ._circuit_data import check_against_model, load_circuit, parse_node
+from ._circuit_view import circuit_section
 from ._page import embed_json, page, script_text
 from ._panels import ViewContext, attention, prompt_ids, token_set
 from ._views import grids, panel
 
 MAX_HEADS = 60
+CIRCUIT_HEADS = 12      # heads of a circuit that get a panel (its roles first, then its other heads)
 
 
 def pick_heads(grid_values: Dict[str, torch.Tensor], per_score: int, extra: Sequence[Head] = (),
@@ -51,12 +54,15 @@ def pick_heads(grid_values: Dict[str, torch.Tensor], per_score: int, extra: Sequ
 
 def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=None, tokens: Optional[Sequence[str]] = None,
                 prompt: Optional[str] = None, per_score: int = 3, k: int = 5, title: Optional[str] = None,
-                input: Optional[str] = None, progress: bool = True, trace=None) -> str:
+                input: Optional[str] = None, progress: bool = True, trace=None, circuit=None) -> str:
     """The report as one HTML string (see module docs). ``scores``: HeadScores (e.g. ``qk.scan(model)``);
     ``effects``: HeadEffects from ``sweep``; ``diagnostics``: HeadDiagnostics; ``heads``: extra heads to
     precompute; ``tokens``: the token set of the QK/OV views; ``prompt``: text for the attention patterns;
     ``input``: the token rows of the QK/OV views (direct, effective, contextual; default contextual past
-    layer 0, direct at layer 0)."""
+    layer 0, direct at layer 0); ``trace``: a PathEffects (circuit graph of path patching, "reads from" panels);
+    ``circuit``: a circuit over the whole graph (the circuit API's result, or the ``qkcircuits circuit --json``
+    dict, path or text): a section with its faithfulness curve, graph, roles and top edges, and panels for the
+    heads it names (its roles first, at most ``CIRCUIT_HEADS``)."""
     from .._foundation.model import model_name
 
     if per_score < 0 or k < 1:
@@ -69,6 +75,10 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
             raise QKCircuitsError(f"the {name} are for {shape[0]} layers x {shape[1]} heads, but the model has {L} x {H}")
     if input is not None and input not in INPUTS:
         raise QKCircuitsError(f"input must be one of {', '.join(INPUTS)}, got {input!r}")
+    view = None
+    if circuit is not None:
+        view = load_circuit(circuit)
+        check_against_model(view, L, H, n_kv_heads(model))
     ctx = ViewContext(model)
     ids = token_set(model, tokens)
     pids = prompt_ids(model, prompt)
@@ -77,6 +87,10 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
     extra = model_heads(model, heads) if heads else []
     if trace is not None:                     # every traced receiver gets its panel ("reads from")
         extra += [h for h in trace.receivers if h not in extra]
+    if view is not None:                      # the circuit's heads get panels: role heads first
+        named = [Head(n.layer, n.index) for n in map(parse_node, list(view.roles) + view.heads)
+                 if n is not None and n.kind == "head"]
+        extra += [h for h in dict.fromkeys(named) if h not in extra][:CIRCUIT_HEADS]
     chosen = pick_heads(values, per_score, extra)
     if not chosen:
         raise QKCircuitsError("no heads to show: give per_score >= 1 or some heads")
@@ -87,7 +101,9 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
                                diagnostics=diagnostics, k=k, input=input, trace=trace)
     total = L * H
     left_out = (f"panels precomputed for {len(chosen)} of {total} heads: the top {per_score} of every grid"
-                + (", plus the heads asked for with --heads" if extra else "")
+                + (", plus the heads asked for with --heads" if heads else "")
+                + (", the traced heads" if trace is not None else "")
+                + (", the circuit's heads" if view is not None else "")
                 + ("; the other heads were left out to keep the file small" if len(chosen) < total else ""))
     name = title or model_name(model)
     first = str(extra[0] if extra else chosen[0])
@@ -99,6 +115,7 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
                         + (f"{input} inputs" if input else "direct inputs at layer 0 and contextual inputs (the mean "
                            "residual each layer reads for a token over a packaged English corpus) after it")
                         + "; each figure's title says which. Offsets and composition come from the weights."),
+            "circuit": circuit_section(view, L, H, n_kv=n_kv_heads(model)) if view is not None else None,
             "left_out": left_out, "grids": grid_list, "heads": list(panels), "first": first, "panels": panels}
     scripts = (f"<script>{script_text('plotly')}</script>\n"
                f"<script>{script_text('circuitsvis')}</script>")
