@@ -7,7 +7,10 @@ detect_head takes strings, so it is fed our exact token ids through a to_tokens 
 cached forward per prompt per pattern (3 x n_seqs forwards). Our default scan: one batched forward for
 [BOS]+R+R (induction, previous-token, duplicate-token, Olsson copying), one for [BOS]+R x 4
 (prefix matching), the weight-only eigen copying score and the contextual ov_copying (a corpus pass,
-cached, then n_heads x 64 rows x vocabulary per layer), holding one layer's patterns at a time.
+cached, then n_heads x 64 rows x a 2,048-column vocabulary sample per layer, the rows near a copying
+head's median recounted over the whole vocabulary), holding one layer's patterns at a time.
+--exact also times ov_copying(method="exact") once and prints its agreement with the default estimate.
+Every figure is printed with os.getloadavg() (the machine is shared: trust the ratios).
 The restricted scan (scores=induction,previous_token,duplicate_token: detect_head's three patterns) is
 one pattern-only pass that stops after the last layer's attention; it is also timed against one plain
 forward of the same batch (goal: <= 1.5 forwards, >= 4x faster than detect_head).
@@ -53,6 +56,7 @@ def main() -> None:
     ap.add_argument("--n-seqs", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--exact", action="store_true", help="also time ov_copying(method='exact') once")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = qk.load(args.model, device="cpu", verbose=False)
@@ -74,12 +78,30 @@ def main() -> None:
             t_fwd = min(t_fwd, timed(lambda: model(toks))[1])
     ov, t_ov = timed(lambda: qk.ov_copying(model))
     import os
+    load = lambda: "load %.1f %.1f %.1f" % os.getloadavg()   # noqa: E731
+    parts = {}
+    for name, sc in (("pass 1 ([BOS]+R+R: induction, previous/duplicate-token, copying)",
+                      ["induction", "previous_token", "duplicate_token", "copying"]),
+                     ("pass 2 ([BOS]+R x 4: prefix matching)", ["prefix_matching"]),
+                     ("eigen copying (weights)", ["eigen_copying"]), ("ov_copying (sample)", ["ov_copying"])):
+        parts[name] = min(timed(lambda: qk.scan(model, scores=sc, n_seqs=args.n_seqs, seq_len=args.seq_len,
+                                                progress=False))[1] for _ in range(args.repeats))
     print(f"model {args.model}: {model.cfg.n_layers} layers x {model.cfg.n_heads} heads, {args.n_seqs} seqs of "
           f"2x{args.seq_len}+1 tokens, torch.set_num_threads(1), best of {args.repeats}; loadavg {os.getloadavg()}")
-    print(f"  qkcircuits.scan default (7 scores)    {best['ours']:7.2f} s   (ov_copying alone, corpus cached: {t_ov:.2f} s)")
-    print(f"  TL detect_head x 3 patterns           {best['tl']:7.2f} s")
+    print(f"  qkcircuits.scan default (7 scores)    {best['ours']:7.2f} s   (ov_copying alone, corpus cached: {t_ov:.2f} s)"
+          f"  [{load()}]")
+    print(f"  TL detect_head x 3 patterns           {best['tl']:7.2f} s  [{load()}]")
+    for name, t in parts.items():
+        print(f"    part: {name:<66} {t:6.2f} s  ({t / t_fwd:.2f} plain forwards)")
+    if args.exact:
+        from qkcircuits._foundation.stats import spearman as _sp
+        ex, t_ex = timed(lambda: qk.ov_copying(model, method="exact"))
+        top = lambda s: set(torch.topk(s.flatten(), 10).indices.tolist())   # noqa: E731
+        print(f"  ov_copying exact {t_ex:.2f} s vs sample {t_ov:.2f} s ({t_ex / t_ov:.1f}x) [{load()}]; sample vs exact: "
+              f"Spearman {_sp(ov[0], ex[0]):.4f}, top-10 shared {len(top(ov[0]) & top(ex[0]))}/10, "
+              f"mean |d| {float((ov[0] - ex[0]).abs().mean()):.4f}, max |d| {float((ov[0] - ex[0]).abs().max()):.4f}")
     print(f"  qkcircuits.scan --scores {','.join(three)}  {t_three:5.2f} s  ({best['tl'] / t_three:.2f}x faster than "
-          f"detect_head; {t_three / t_fwd:.2f} plain forwards of {t_fwd:.2f} s)")
+          f"detect_head; {t_three / t_fwd:.2f} plain forwards of {t_fwd:.2f} s)  [{load()}]")
     print(f"  speed ratio default scan (TL / ours)  {best['tl'] / best['ours']:7.2f}x")
     # Activations held at once (RSS cannot show it: the allocator keeps freed pages). Ours: the largest
     # set of tensors a reducer receives (one layer); TL: the cache detect_head builds for each prompt.

@@ -71,11 +71,9 @@ case "$cmd" in
   scan)
     setup
     mkdir -p out
-    "$VENV/bin/qkcircuits" scan smollm2-135m --text --confirm 5 --json out/smollm2-scan.json --csv out/smollm2-scan.csv "$@"
-    "$VENV/bin/qkcircuits" diagnose smollm2-135m --json out/smollm2-diagnostics.json > out/.diagnostics.txt.tmp
-    mv out/.diagnostics.txt.tmp out/smollm2-diagnostics.txt
-    "$VENV/bin/qkcircuits" report smollm2-135m --scores out/smollm2-scan.json \
-      --diagnostics out/smollm2-diagnostics.json -o out/smollm2-report.html
+    # scan (with the causal check), diagnose and report in ONE process: one model load, one corpus pass
+    # (scripts/main_scan.py runs the three qkcircuits commands' own code on the shared model)
+    "$VENV/bin/python" scripts/main_scan.py "$@"
     echo "report: open out/smollm2-report.html in a browser (works offline)"
     ;;
   test)

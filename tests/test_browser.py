@@ -47,6 +47,16 @@ def browser():
     shutil.rmtree(profile, ignore_errors=True)
 
 
+def wait_js(page, expr: str, timeout: int) -> None:
+    """Wait until the JS expression ``expr`` is truthy, polled from here: the app's Content-Security-Policy
+    forbids eval, which playwright's in-page polling (``wait_for_function``) needs."""
+    for _ in range(max(1, timeout // 100)):
+        if page.evaluate(expr):
+            return
+        page.wait_for_timeout(100)
+    raise AssertionError(f"timed out after {timeout} ms waiting for {expr}")
+
+
 class Page:
     """A page whose non-local requests are blocked and recorded, and whose JS errors are kept."""
 
@@ -66,7 +76,7 @@ class Page:
 
     def open(self, url: str):
         self.page.goto(url)
-        self.page.wait_for_function("document.body.dataset.ready", timeout=60_000)
+        wait_js(self.page, "document.body.dataset.ready", timeout=60_000)
         assert self.page.evaluate("document.body.dataset.ready") == "1", self.page.inner_text("#error")
         return self
 
@@ -89,9 +99,8 @@ class Page:
                 '.hm image, .heatmaplayer image, .scatterlayer path.js-line, .barlayer path').length""")
             assert marks > 0, f"{fid} has no drawn trace"
         # circuitsvis: the widget rendered real elements with size (canvas or SVG), not an empty div
-        pg.wait_for_function("document.querySelector('.cv-widget') && "
-                             "document.querySelector('.cv-widget').querySelectorAll('canvas, svg').length > 0",
-                             timeout=30_000)
+        wait_js(pg, "document.querySelector('.cv-widget') && "
+                "document.querySelector('.cv-widget').querySelectorAll('canvas, svg').length > 0", timeout=30_000)
         box = pg.locator(".cv-widget").bounding_box()
         assert box and box["height"] > 100 and box["width"] > 100
         nonblank = pg.evaluate("""() => { const c = document.querySelector('.cv-widget canvas');
@@ -113,7 +122,7 @@ class Page:
         pg.mouse.click(x, y)
 
     def wait_shown(self, head: str):
-        self.page.wait_for_function(f"document.body.dataset.shownHead === '{head}'", timeout=60_000)
+        wait_js(self.page, f"document.body.dataset.shownHead === '{head}'", timeout=60_000)
         assert self.page.inner_text("#head-title") == f"Head {head}"
 
     def done(self):
@@ -181,7 +190,7 @@ def test_app_choose_head_and_errors(browser, hand_built):
         # a bad token gives a readable message, and the shown head stays
         p.page.fill("#tokens", "cat")
         p.page.select_option("#head-select", "1.0")
-        p.page.wait_for_function("document.getElementById('error').textContent.length > 0", timeout=30_000)
+        wait_js(p.page, "document.getElementById('error').textContent.length > 0", timeout=30_000)
         assert "no tokenizer" in p.page.inner_text("#error")
         assert p.shown() == "1.1"
         # fix the input, choose again: the head changes and the error clears

@@ -169,7 +169,7 @@ def _wanted(scores, text: bool, copying: bool, eigen_copying: bool) -> List[str]
 def scan(model, *, scores: Optional[Sequence[str]] = None, n_seqs: int = 8, seq_len: Optional[int] = None,
          seed: int = 0, bos: Optional[int] = None, prefix_seqs: int = 10, prefix_len: Optional[int] = None,
          text: bool = False, copying: bool = True, eigen_copying: bool = True, exclude_bos: bool = False,
-         confirm_top: int = 0, ov_tokens: int = 64, progress: bool = True) -> HeadScores:
+         confirm_top: int = 0, ov_tokens: int = 64, ov_method: str = "sample", progress: bool = True) -> HeadScores:
     """Score every head of ``model``; see the module docstring for the scores.
 
     ``scores``: the names to compute (any of ``SCORE_NAMES`` and ``TEXT_SCORES``, or one comma-separated
@@ -181,7 +181,8 @@ def scan(model, *, scores: Optional[Sequence[str]] = None, n_seqs: int = 8, seq_
     Passes: [BOS]+R+R (``n_seqs`` × R of ``seq_len``: induction, previous/duplicate-token, Olsson
     ``copying`` from z), [BOS]+R×4 (``prefix_seqs`` × ``prefix_len``: prefix matching), natural text
     (``*_text``), weights only (``eigen_copying``), contextual rows of ``ov_tokens`` corpus tokens
-    (``ov_copying``). ``seq_len`` defaults to 40 and ``prefix_len`` to 25 (Olsson), each capped by the
+    (``ov_copying``; ``ov_method="exact"`` counts every rank over the whole vocabulary, the default
+    ``"sample"`` estimates them from a vocabulary sample, see ``qkcircuits.ov_copying``). ``seq_len`` defaults to 40 and ``prefix_len`` to 25 (Olsson), each capped by the
     context and by the token pool, so that R is drawn without repeats where the vocabulary allows.
     ``exclude_bos`` renormalises each query's attention away from BOS before scoring; the default
     counts attention parked on BOS as attention not on target.
@@ -270,7 +271,8 @@ def scan(model, *, scores: Optional[Sequence[str]] = None, n_seqs: int = 8, seq_
                 out[name] = torch.stack([txt[layer][name] for layer in range(L)]).float().cpu()
 
     if "ov_copying" in names:
-        out["ov_copying"], extra_settings["ov_copying"] = _contextual.ov_copying(model, n_tokens=ov_tokens, seed=seed)
+        out["ov_copying"], extra_settings["ov_copying"] = _contextual.ov_copying(model, n_tokens=ov_tokens, seed=seed,
+                                                                                method=ov_method)
         bar.update(L)
     bar.close()
     eigen_full = None

@@ -32,7 +32,7 @@ from .._foundation.heads import Head
 from .._foundation.io import json_number
 from .._foundation.model import model_name
 from .metrics import as_metric, default_tokens
-from .ablate import Runner, copies_per_forward, make_replacement, prepare_metric, progress_bar, run_groups
+from .ablate import Runner, ablate, copies_per_forward, make_replacement, prepare_metric, progress_bar, run_groups
 
 
 @dataclass(repr=False)      # the repr comes from Displayed (_foundation.display)
@@ -159,8 +159,6 @@ def naive_sweep(model, tokens, metric="induction-loss", method: str = "zero", *,
     Slow on purpose (n_layers × n_heads forwards); tests and benchmarks compare against it. Heads of
     layers not in ``layers`` are NaN, as in ``sweep``.
     """
-    from .ablate import ablate
-
     tokens, metric = prepare_metric(model, tokens, metric, where="naive_sweep")
     layers = check_layers(model, layers)
     out = torch.full((model.cfg.n_layers, model.cfg.n_heads), float("nan"))
