@@ -20,9 +20,10 @@ import pytest
 from _pytest.doctest import DoctestItem
 
 # The project writes why an example is skipped on its line: `# doctest: +SKIP (needs SmolLM2)`. The standard
-# parser reads "(needs" as an option and refuses the whole module (ValueError: invalid option); this reads the
-# options up to the first "(" and lets the parenthesised reason (anything to the end of the line) pass.
-doctest.DocTestParser._OPTION_DIRECTIVE_RE = re.compile(r"#\s*doctest:\s*([^\n'\"(]*)(?:\(.*)?$", re.MULTILINE)
+# parser reads every word after "doctest:" as an option and refuses the whole module on "(needs" (ValueError:
+# invalid option). Here the options are the leading run of `+NAME`/`-NAME` words; whatever follows is the reason.
+doctest.DocTestParser._OPTION_DIRECTIVE_RE = re.compile(r"#\s*doctest:\s*((?:[+-][A-Z_]+(?:\s*,\s*|[ \t]+)?)+)",
+                                                        re.MULTILINE)
 
 # `python -m qkcircuits` runs the CLI when imported: not a module for doctest collection.
 collect_ignore = ["qkcircuits/__main__.py"]

@@ -59,8 +59,8 @@ def __getattr__(name: str):
         globals().update((k, v) for k, v in vars(api).items() if k in __all__)   # later lookups skip this hook
         if name in globals():
             return globals()[name]
-    elif name.startswith("_") and not name.startswith("__"):
-        try:                                   # a private subpackage such as qkcircuits._foundation
+    elif not name.startswith("__"):
+        try:                                   # a submodule: qkcircuits._foundation, qkcircuits.fixtures ...
             return importlib.import_module(f".{name}", __name__)
         except ModuleNotFoundError as e:
             if e.name != f"{__name__}.{name}":

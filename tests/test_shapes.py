@@ -29,3 +29,14 @@ def test_annotations_reject_mismatched_shapes():
         checked(mask_score)(torch.rand(1, 7, 7), masks["induction"])
     with pytest.raises(TypeCheckError):                       # tokens must be [batch, pos]
         checked(target_masks)(torch.tensor([0, 5, 6, 5, 6]), 2)
+
+
+def test_the_import_hook_checks_every_package_function_unasked():
+    # tests/conftest.py installs jaxtyping's import hook with beartype: no explicit `checked` needed here
+    import qkcircuits as qk
+
+    masks = target_masks(torch.tensor([[0, 5, 6, 7, 5, 6, 7]]), 3)
+    with pytest.raises(TypeCheckError):                       # a tensor shape
+        mask_score(torch.rand(1, 4, 6, 6), masks["induction"])
+    with pytest.raises(TypeCheckError):                       # a plain type
+        qk.parse_heads(5)
