@@ -30,7 +30,9 @@ from ._weights.rotary import (OffsetProfile, RotarySpec, offset_profile, offset_
 from ._analysis.ablate import METHODS as ABLATION_METHODS
 from ._analysis.ablate import GroupEffect, RandomComparison, ablate, compare_to_random, group_effect
 from ._analysis.attribution import attribution
-from ._analysis.detect import SCORE_NAMES, TEXT_SCORES, THRESHOLDS, confirm_induction, mask_score, scan, target_masks
+from ._analysis.detect import confirm_induction, mask_score, scan
+from ._analysis.detectors import (PROMPT_SETS, Detector, ScanContext, detector, detectors, diagonal_mask,
+                                  register_detector, target_masks, thresholds, unregister_detector)
 from ._analysis.diagnose import HeadDiagnostics, diagnose, qk_statistics
 from ._analysis.metrics import Metric, as_metric, induction_loss, logit_diff, text_loss
 from ._analysis.results import HeadScores
@@ -44,6 +46,9 @@ from ._paths.trace import trace_induction
 
 # Many models at once (Ray itself is imported only for backend="ray").
 from ._scale.zoo import Zoo, zoo
+
+# The one Result base of every result class, and a reader of any result JSON by its schema.
+from ._foundation.result import Result, load_result
 
 __version__ = "0.1.0"
 
@@ -67,7 +72,8 @@ __all__ = sorted([
     "INPUTS", "TokenInputs", "copying_rank", "head_logits", "ov_copying", "token_inputs", "token_qk",
     # analyses
     "ABLATION_METHODS", "GroupEffect", "HeadDiagnostics", "HeadEffects", "HeadScores", "Metric", "RandomComparison",
-    "SCORE_NAMES", "TEXT_SCORES", "THRESHOLDS", "ablate", "as_metric", "attribution", "compare_to_random", "confirm_induction", "diagnose",
+    "Detector", "PROMPT_SETS", "ScanContext", "detector", "detectors", "diagonal_mask", "register_detector",
+    "thresholds", "unregister_detector", "Result", "load_result", "ablate", "as_metric", "attribution", "compare_to_random", "confirm_induction", "diagnose",
     "group_effect", "induction_loss", "logit_diff", "mask_score", "qk_statistics", "scan", "sweep", "target_masks",
     "text_loss",
     "PathEffects", "edge_attribution", "path_patch", "trace_induction", "Zoo", "zoo",
@@ -77,7 +83,14 @@ __all__ = sorted([
 ])
 
 
+_DEPRECATED = {"SCORE_NAMES", "TEXT_SCORES", "THRESHOLDS"}      # read from the detector registry, with a warning
+
+
 def __getattr__(name: str):
+    if name in _DEPRECATED:
+        from ._analysis import detect
+
+        return getattr(detect, name)
     if name in _VIEWS:
         from . import viz
 

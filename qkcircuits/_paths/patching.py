@@ -291,11 +291,8 @@ def _reference_label(method: str) -> str:
 
 
 def _settings(model, tokens: Tensor, per_position: bool, reference: str, n_edges: int, n_layers_recv: int) -> dict:
-    from .. import __version__
-    from .._foundation.io import package_version
+    from .._foundation.result import stamped
 
-    return {"n_prompts": int(tokens.shape[0]), "n_positions": int(tokens.shape[1]), "per_position": per_position,
+    return stamped({"n_prompts": int(tokens.shape[0]), "n_positions": int(tokens.shape[1]), "per_position": per_position,
             "reference": reference, "n_edges": n_edges, "receiver_layers": n_layers_recv,
-            "fold_ln": bool(getattr(model, "compatibility_mode", False)), "dtype": str(model.W_E.dtype),
-            "qkcircuits": __version__, "transformer_lens": package_version("transformer-lens"),
-            "torch": torch.__version__}
+            "fold_ln": bool(getattr(model, "compatibility_mode", False)), "dtype": str(model.W_E.dtype)})

@@ -11,25 +11,27 @@ with ``labels`` (each sender's scan labels) and ``k_composition_spearman`` fille
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
+from .._analysis.detectors import labelled_scores
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike, model_heads
 from .._foundation.io import check_int
 from .path_effects import PathEffects
 
 
-# What a trace reads of a scan: the induction ranking (receivers) and the sender labels, whose
-# thresholds (``_detect.THRESHOLDS``) use exactly these three scores. They share ONE streamed pass
-# over [BOS]+R+R that stops after the last layer's attention (no prefix-matching or copying pass).
-TRACE_SCORES = ("induction", "previous_token", "duplicate_token")
+def trace_scores() -> Tuple[str, ...]:
+    """What a trace reads of a scan: the induction ranking (receivers) and the sender labels, i.e. the
+    labelled detectors of the registry (built in: induction, previous_token, duplicate_token). They share ONE
+    streamed pass over [BOS]+R+R that stops after the last layer's attention (no prefix-matching or copying)."""
+    return tuple(dict.fromkeys(("induction",) + labelled_scores()))
 
 
 def _scan_for_trace(model, progress: bool = True):
-    """The scan whose induction ranking and labels a trace reads: only ``TRACE_SCORES``."""
+    """The scan whose induction ranking and labels a trace reads: only ``trace_scores()``."""
     from .._analysis.detect import scan
 
-    return scan(model, scores=list(TRACE_SCORES), progress=progress)
+    return scan(model, scores=list(trace_scores()), progress=progress)
 
 
 def k_composition_spearman(model, res: PathEffects) -> Dict[str, Optional[float]]:

@@ -26,11 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+from .._analysis.detectors import detector
 from .._foundation.errors import QKCircuitsError
 from .._foundation.io import check_int, dump_json, json_number, load_json
 
 SCHEMA = "qkcircuits.zoo/1"
-ZOO_KEYS = ("model", "n_layers", "n_heads", "induction", "previous_token", "confirmation", "k_sources")
+# The detectors a zoo entry lists heads of (their names are JSON keys; thresholds come from the registry).
+ZOO_DETECTORS = ("induction", "previous_token")
+ZOO_KEYS = ("model", "n_layers", "n_heads", *ZOO_DETECTORS, "confirmation", "k_sources")
 K_SOURCES_NOTE = ("k_sources: per listed induction head, the earlier head with the largest K-path effect (exact "
                   "path patching into its keys, mean ablation, the scan's prompts) when that effect is above the "
                   "receiver's 95th percentile over all senders; null: no sender stands out (or a layer-0 head)")
@@ -63,7 +66,7 @@ class Zoo:
         import pandas as pd
 
         rows = [{"model": m["model"], "kind": kind, **h, "layer": int(h["head"].split(".")[0])}
-                for m in self.models for kind in ("induction", "previous_token") for h in m[kind]]
+                for m in self.models for kind in ZOO_DETECTORS for h in m[kind]]
         return pd.DataFrame(rows, columns=["model", "kind", "head", "layer", "score", "depth"])
 
 
@@ -72,8 +75,8 @@ def summarise(spec: str, scores, *, max_heads: int = 10) -> Dict[str, Any]:
     L, H = scores.n_layers, scores.n_heads
     out: Dict[str, Any] = {"model": spec, "name": scores.model, "n_layers": L, "n_heads": H}
     strongest = {}
-    for kind, (score, minimum) in (("induction", scores.thresholds["induction"]),
-                                   ("previous_token", scores.thresholds["previous-token"])):
+    for kind in ZOO_DETECTORS:
+        score, minimum = kind, detector(kind).threshold
         ranked = scores.top(L * H, score)
         heads = [_head(h, v, L) for h, v in ranked if v >= minimum][:max_heads]
         out[kind] = heads
@@ -86,7 +89,7 @@ def summarise(spec: str, scores, *, max_heads: int = 10) -> Dict[str, Any]:
         "heads": conf["heads"], "n_draws": len(conf["random_effects"]), "baseline": json_number(conf["baseline"])}
     out["k_sources"] = None
     out["scores"] = {k: [[json_number(x) for x in row] for row in scores[k].tolist()]
-                     for k in ("induction", "previous_token")}
+                     for k in ZOO_DETECTORS}
     return out
 
 
@@ -107,7 +110,7 @@ def scan_one(spec: str, *, load_kwargs: Optional[Dict[str, Any]] = None, confirm
     t1 = time.perf_counter()
     k = min(confirm_top, max(0, (model.cfg.n_layers * model.cfg.n_heads) // 2))
     # only the scores the zoo reports: one streamed pass over [BOS]+R+R (plus the causal check)
-    scores = scan(model, scores=["induction", "previous_token"], n_seqs=n_seqs, seed=seed, confirm_top=k,
+    scores = scan(model, scores=list(ZOO_DETECTORS), n_seqs=n_seqs, seed=seed, confirm_top=k,
                   progress=False)
     out = summarise(spec, scores, max_heads=max_heads)
     t2 = time.perf_counter()
@@ -140,7 +143,7 @@ def k_sources(model, heads: Sequence[str], *, n_seqs: int = 8, seed: int = 0) ->
         return out
     res = path_patch(model, recv, into=("k",), tokens=default_prompts(model, n_seqs, seed), progress=False)
     for r in recv:
-        top = res.top(r, "k", 1)
+        top = res.top(1, receiver=r, into="k")
         if top and top[0][1] > res.baseline(r, "k")["p95"]:
             out[str(r)] = str(top[0][0])
     return out
@@ -167,7 +170,7 @@ def zoo(models: Sequence[str], *, backend: str = "local", ray_address: Optional[
     kwargs = dict(load_kwargs=load_kwargs or {}, confirm_top=confirm_top, n_seqs=n_seqs, seed=seed,
                   max_heads=max_heads)
     settings = {"confirm_top": confirm_top, "n_seqs": n_seqs, "seed": seed, "max_heads": max_heads,
-                "thresholds": {"induction": 0.4, "previous_token": 0.4}, "depth": "layer / n_layers",
+                "thresholds": {k: detector(k).threshold for k in ZOO_DETECTORS}, "depth": "layer / n_layers",
                 "backend": backend}
     t0 = time.perf_counter()
     if backend == "ray":
