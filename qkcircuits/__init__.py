@@ -41,7 +41,9 @@ from ._analysis.sweep import HeadEffects, sweep
 # How heads work together: path patching, edge attribution, the induction trace.
 from ._paths.edges import edge_attribution
 from ._paths.patching import path_patch
+from ._paths.path_effects import INPUTS as INTO
 from ._paths.path_effects import PathEffects
+from ._weights.contextual import INPUTS as VIEWS     # the token views ("direct", ...); qk.INPUTS is the old name
 from ._paths.trace import trace_induction
 
 # Many models at once (Ray itself is imported only for backend="ray").
@@ -76,7 +78,7 @@ __all__ = sorted([
     "thresholds", "unregister_detector", "Result", "load_result", "ablate", "as_metric", "attribution", "compare_to_random", "confirm_induction", "diagnose",
     "group_effect", "induction_loss", "logit_diff", "mask_score", "qk_statistics", "scan", "sweep", "target_masks",
     "text_loss",
-    "PathEffects", "edge_attribution", "path_patch", "trace_induction", "Zoo", "zoo",
+    "INTO", "VIEWS", "PathEffects", "edge_attribution", "path_patch", "trace_induction", "Zoo", "zoo",
     # views
     *_VIEWS,
     *_LAZY_MODULES,

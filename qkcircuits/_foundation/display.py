@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import html as _html
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor

@@ -1,6 +1,6 @@
 """Trace the induction circuit: which earlier heads feed the top induction heads' queries, keys and values.
 
->>> res = qk.trace_induction(model, top=3)            # doctest: +SKIP   scan, then path-patch every earlier head
+>>> res = qk.trace_induction(model, k=3)              # doctest: +SKIP   scan, then path-patch every earlier head
 >>> print(res.summary(res.receivers[0], "k"))          # doctest: +SKIP
 4.2 reads its keys from 3.7 (previous-token; effect 0.61 of the clean 0.88; next sender 0.04; baseline mean 0.00)
 >>> res.k_composition_spearman                          # doctest: +SKIP   activations vs weights-only K-composition
@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .._analysis.detectors import labelled_scores
 from .._foundation.errors import QKCircuitsError
+from .._foundation.renamed import renamed
 from .._foundation.heads import Head, HeadsLike, model_heads
 from .._foundation.io import check_int
 from .path_effects import PathEffects
@@ -54,11 +55,12 @@ def k_composition_spearman(model, res: PathEffects) -> Dict[str, Optional[float]
     return out
 
 
-def trace(model, receivers: Optional[HeadsLike] = None, *, top: int = 3, into: Sequence[str] = ("q", "k", "v"),
+@renamed(top="k")
+def trace(model, receivers: Optional[HeadsLike] = None, *, k: int = 3, into: Sequence[str] = ("q", "k", "v"),
           method: str = "mean", attribution: bool = False, scores=None, tokens=None,
           progress: bool = True, backend: str = "local", ray_address: Optional[str] = None,
           workers: Optional[int] = None, load_kwargs: Optional[dict] = None) -> PathEffects:
-    """What ``qkcircuits trace`` computes: path effects into ``receivers`` (default: the ``top`` induction
+    """What ``qkcircuits trace`` computes: path effects into ``receivers`` (default: the ``k`` induction
     heads of a scan, layer ≥ 1), with the senders' scan labels and the K-composition agreement.
 
     ``attribution=True`` estimates the edges by ``edge_attribution`` instead of exact path patching.
@@ -68,7 +70,7 @@ def trace(model, receivers: Optional[HeadsLike] = None, *, top: int = 3, into: S
     """
     from .patching import path_patch
 
-    check_int("top", top)
+    top = check_int("k", k)
     if backend == "ray":
         from .._scale.ray_patching import ray_trace
 
@@ -99,9 +101,10 @@ def trace(model, receivers: Optional[HeadsLike] = None, *, top: int = 3, into: S
     return res
 
 
-def trace_induction(model, top: int = 3, **kwargs) -> PathEffects:
-    """For the ``top`` detected induction heads: the path effect through Q, K and V of every earlier head,
-    ranked (``res.top(r, "k")``), the baseline (``res.baseline(r, "k")``: mean and 95th percentile over
+@renamed(top="k")
+def trace_induction(model, k: int = 3, **kwargs) -> PathEffects:
+    """For the ``k`` detected induction heads: the path effect through Q, K and V of every earlier head,
+    ranked (``res.top(k, receiver=r, into="k")``), the baseline (``res.baseline(r, "k")``: mean and 95th percentile over
     all senders), each sender's scan labels (``res.labels``) and the Spearman agreement of the K-path
     effects with the weights-only K-composition scores (``res.k_composition_spearman``)."""
-    return trace(model, top=top, **kwargs)
+    return trace(model, k=k, **kwargs)

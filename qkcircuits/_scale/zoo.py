@@ -23,12 +23,12 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .._analysis.detectors import detector
 from .._foundation.errors import QKCircuitsError
-from .._foundation.io import check_int, dump_json, json_number, load_json
+from .._foundation.io import check_int, json_number
+from .._foundation.result import Result
 
 SCHEMA = "qkcircuits.zoo/1"
 # The detectors a zoo entry lists heads of (their names are JSON keys; thresholds come from the registry).
@@ -39,9 +39,13 @@ K_SOURCES_NOTE = ("k_sources: per listed induction head, the earlier head with t
                   "receiver's 95th percentile over all senders; null: no sender stands out (or a layer-0 head)")
 
 
-@dataclass
-class Zoo:
+@dataclass(repr=False)      # the repr is _text (Result)
+class Zoo(Result):
     """One summary dict per model (``ZOO_KEYS`` plus ``name``, ``strongest``, ``scores``, ``timing_s``)."""
+
+    SCHEMA = SCHEMA
+    WHAT = "a 'qkcircuits zoo --json' output"
+    KEYS = ("models",)
 
     models: List[Dict[str, Any]]
     settings: Dict[str, Any] = field(default_factory=dict)
@@ -51,15 +55,22 @@ class Zoo:
         return {"schema": SCHEMA, "models": self.models, "settings": self.settings, "timing": self.timing,
                 "notes": {"k_sources": K_SOURCES_NOTE}}
 
-    def to_json(self, path: Optional[Union[str, Path]] = None) -> str:
-        return dump_json(self.to_dict(), path)
-
     @classmethod
-    def from_json(cls, text_or_path: Union[str, Path]) -> "Zoo":
-        d = load_json(text_or_path, "a 'qkcircuits zoo --json' output")
+    def _from_dict(cls, d: Dict[str, Any]) -> "Zoo":
         if not isinstance(d.get("models"), list):
             raise QKCircuitsError("not a qkcircuits zoo JSON: no 'models' list")
         return cls(d["models"], d.get("settings", {}), d.get("timing", {}))
+
+    def top(self, k: int = 5, kind: str = "induction") -> List[Tuple[str, float]]:
+        """The ``k`` highest-scoring listed heads of ``kind`` over all models: ``("model L.H", score)``."""
+        rows = [(f"{m['model']} {h['head']}", float(h["score"])) for m in self.models for h in m.get(kind, [])]
+        return sorted(rows, key=lambda r: -r[1])[:k]
+
+    def _text(self) -> str:
+        parts = [f"{m['model']}: {len(m.get('induction', []))} induction, {len(m.get('previous_token', []))} "
+                 f"previous-token" for m in self.models[:5]]
+        more = f"; ... {len(self.models) - 5} more" if len(self.models) > 5 else ""
+        return f"Zoo({len(self.models)} models; " + "; ".join(parts) + more + ")"
 
     def to_frame(self):
         """One row per (model, head kind, head): model, kind, head, layer, score, depth."""

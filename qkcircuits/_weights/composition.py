@@ -29,6 +29,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .._foundation import display as show
+from .._foundation.renamed import renamed
 from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike, model_heads
@@ -53,13 +54,14 @@ class CompositionScores(Result):
     baseline: float
     settings: Dict[str, object] = field(default_factory=dict)
 
-    def partners(self, head: Head, top: int = 3, min_score: float = 0.0) -> List[Tuple[Head, float]]:
+    @renamed(top="k")
+    def partners(self, head: Head, k: int = 3, min_score: float = 0.0) -> List[Tuple[Head, float]]:
         """The earlier heads ``head`` composes with most (above ``min_score``), strongest first."""
         col = self.scores[:, :, head.layer, head.head].flatten()
         order = torch.argsort(torch.nan_to_num(col, nan=float("-inf")), descending=True)
         H = self.scores.shape[1]
         out = []
-        for i in order[:top].tolist():
+        for i in order[:k].tolist():
             v = float(col[i])
             if v == v and v > min_score:
                 out.append((Head(i // H, i % H), v))
@@ -238,10 +240,11 @@ def composition_column(model, head: HeadsLike, mode: str = "K", *, baseline: boo
     return (raw - base).float()
 
 
-def k_composition_partners(model, heads: HeadsLike, top: int = 3, min_score: float = 0.0,
+@renamed(top="k")
+def k_composition_partners(model, heads: HeadsLike, k: int = 3, min_score: float = 0.0,
                            scores: Optional[CompositionScores] = None) -> Dict[Head, List[Tuple[Head, float]]]:
     """For each head in ``heads`` (e.g. the induction heads a scan found), the earlier heads whose OV
-    its key side reads most: up to ``top`` (head, baseline-subtracted K-composition) above ``min_score``.
+    its key side reads most: up to ``k`` (head, baseline-subtracted K-composition) above ``min_score``.
 
     Without ``scores`` only the needed columns are computed (``composition_column``)."""
     heads = model_heads(model, heads)
@@ -252,6 +255,6 @@ def k_composition_partners(model, heads: HeadsLike, top: int = 3, min_score: flo
     for h in heads:
         col = scores.scores[:h.layer, :, h.layer, h.head] if scores is not None else composition_column(model, h, "K")
         flat = col.flatten()
-        order = torch.argsort(flat, descending=True)[:top].tolist()
+        order = torch.argsort(flat, descending=True)[:k].tolist()
         out[h] = [(Head(i // H, i % H), float(flat[i])) for i in order if float(flat[i]) > min_score]
     return out

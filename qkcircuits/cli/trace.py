@@ -69,13 +69,13 @@ def run(args: argparse.Namespace) -> int:
                               f"no earlier head; name heads of layer 1 or later")
     if args.ray is not None:
         load_kwargs = {"device": args.device, "dtype": args.dtype, "fold_ln": not args.no_fold_ln}
-        res = trace(args.model, recv, top=args.top, into=args.into, method=args.method, progress=not args.quiet,
+        res = trace(args.model, recv, k=args.top, into=args.into, method=args.method, progress=not args.quiet,
                     backend="ray", ray_address=args.ray, load_kwargs=load_kwargs)
         b = res.settings["backend"]
         print(f"  ray: {b['workers']} workers, {b['shards']} shards; start-up {b['startup_s']:.1f} s, load "
               f"{b['load_s']:.1f} s, scan {b['scan_s']:.1f} s, path patching {b['patch_s']:.1f} s", file=sys.stderr)
     else:
-        res = trace(model, recv, top=args.top, into=args.into, method=args.method, attribution=args.attribution,
+        res = trace(model, recv, k=args.top, into=args.into, method=args.method, attribution=args.attribution,
                     progress=not args.quiet)
     kind = "edge attribution (gradient estimate)" if res.kind == "attribution" else "exact path patching"
     print(f"{args.model}: {kind}, {args.method} ablation of each sender, over {res.settings.get('n_prompts')} "
