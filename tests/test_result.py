@@ -108,3 +108,19 @@ def test_scan_old_keyword_and_flag_still_work(hand_built, capsys):
 
     assert main(["scan", "toy-induction", "--quiet", "--scores", "induction", "--seq-len", "12"]) == 0
     assert "--seq-len is deprecated; use --seg-len" in capsys.readouterr().err
+
+
+def test_renamed_public_arguments_warn_and_agree(hand_built):
+    comp = qk.composition_scores(hand_built, "K")
+    with pytest.warns(DeprecationWarning, match=r"partners\(top=...\) is deprecated; use k="):
+        old = comp.partners(qk.Head(1, 0), top=1)
+    assert old == comp.partners(qk.Head(1, 0), k=1) and old[0][0] == qk.Head(0, 0)      # 1.0 reads 0.0's OV
+    with pytest.warns(DeprecationWarning):
+        assert qk.k_composition_partners(hand_built, ["1.0"], top=1) == qk.k_composition_partners(hand_built, ["1.0"], k=1)
+    with pytest.warns(DeprecationWarning, match=r"token_inputs\(input=...\)"):
+        old_rows = qk.token_inputs(hand_built, 0, [1, 2], input="direct").rows
+    torch.testing.assert_close(old_rows, qk.token_inputs(hand_built, 0, [1, 2], view="direct").rows)
+    from qkcircuits._paths.trace import trace
+
+    assert renames(qk.trace_induction) == {"top": "k"} and renames(trace) == {"top": "k"}
+    assert qk.INTO == ("q", "k", "v") and qk.VIEWS == qk.INPUTS == ("direct", "effective", "contextual")

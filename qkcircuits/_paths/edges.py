@@ -1,7 +1,7 @@
 """Edge attribution: a gradient estimate of every path-patching edge (sender → receiver's q, k or v).
 
 >>> est = qk.edge_attribution(model, "4.2,5.1")            # doctest: +SKIP   same PathEffects as path_patch
->>> est.top("4.2", "k", 3)                                 # doctest: +SKIP
+>>> est.top(3, receiver="4.2", into="k")                  # doctest: +SKIP
 
 For receiver r with metric m and input x ∈ {q, k, v}, let g = ∂m/∂(x-input residual of r), taken on
 the clean run with the other two inputs held clean. Each sender's exact change to the residual, Δ
