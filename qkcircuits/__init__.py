@@ -12,6 +12,9 @@ and ``qkcircuits --help`` stay light); the modules behind it are private.
 """
 
 
+# The one Result base of every result class, and a reader of any result JSON by its schema.
+from ._foundation.result import Result, load_result
+
 __version__ = "0.1.0"
 
 # Views (plotly, circuitsvis, Flask) load on first use: `import qkcircuits` stays light.
@@ -34,20 +37,26 @@ __all__ = sorted([
     "INPUTS", "TokenInputs", "copying_rank", "head_logits", "ov_copying", "token_inputs", "token_qk",
     # analyses
     "ABLATION_METHODS", "GroupEffect", "HeadDiagnostics", "HeadEffects", "HeadScores", "Metric", "RandomComparison",
-    "SCORE_NAMES", "TEXT_SCORES", "THRESHOLDS", "ablate", "as_metric", "attribution", "compare_to_random", "confirm_induction", "diagnose",
+    "Detector", "PROMPT_SETS", "ScanContext", "detector", "detectors", "diagonal_mask", "register_detector",
+    "thresholds", "unregister_detector", "Result", "load_result", "ablate", "as_metric", "attribution", "compare_to_random", "confirm_induction", "diagnose",
     "group_effect", "induction_loss", "logit_diff", "mask_score", "qk_statistics", "scan", "sweep", "target_masks",
     "text_loss",
-    "PathEffects", "edge_attribution", "path_patch", "trace_induction", "Zoo", "zoo",
+    "INTO", "VIEWS", "PathEffects", "edge_attribution", "path_patch", "trace_induction", "Zoo", "zoo",
     # views
     *_VIEWS,
     *_LAZY_MODULES,
 ])
 
 
+_DEPRECATED = {"SCORE_NAMES", "TEXT_SCORES", "THRESHOLDS"}      # read from the detector registry, with a warning
+
+
 def __getattr__(name: str):
     """Public names load on first use (see ``_api``): ``import qkcircuits`` imports no torch."""
     import importlib
 
+    if name in _DEPRECATED:
+        return getattr(importlib.import_module("._analysis.detect", __name__), name)
     if name in _VIEWS:
         from . import viz
 

@@ -124,7 +124,7 @@ def test_restricted_scan_is_one_pattern_pass_and_nothing_else(hand_built, monkey
 
 def test_scan_settings_record_the_installed_transformer_lens(hand_built):
     s = qk.scan(hand_built, scores=["induction"], n_seqs=1, seq_len=8, progress=False)
-    assert s.settings["transformer_lens"] == metadata.version("transformer-lens") != "?"
+    assert s.settings["versions"]["transformer_lens"] == metadata.version("transformer-lens") != "?"
 
 
 def test_report_panel_defaults_to_contextual_past_layer_0_and_titles_say_so(tiny):

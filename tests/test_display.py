@@ -33,7 +33,7 @@ def results(hand_built):
         "OffsetProfile": None,
         "Activations": acts,
         "Circuit": qk.circuit(hand_built, "1.0", "qk"),
-        "PathEffects": qk.trace_induction(hand_built, top=1, progress=False),
+        "PathEffects": qk.trace_induction(hand_built, k=1, progress=False),
     }
 
 

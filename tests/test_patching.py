@@ -265,10 +265,10 @@ def test_trained_toy_previous_token_group_dominates_the_k_path(trained):
 
 
 def test_trace_scan_computes_only_what_a_trace_reads_and_agrees_with_the_full_scan(trained):
-    from qkcircuits._analysis.detect import THRESHOLDS
-    from qkcircuits._paths.trace import TRACE_SCORES, scan_for_trace
+    from qkcircuits._paths.trace import scan_for_trace, trace_scores
 
-    assert {score for score, _ in THRESHOLDS.values()} == set(TRACE_SCORES)   # the labels read only these
+    TRACE_SCORES = trace_scores()
+    assert set(TRACE_SCORES) == {s for s, _ in qk.thresholds().values()} | {"induction"}   # labels + the ranking
     lean = scan_for_trace(trained, progress=False)
     full = qk.scan(trained, copying=False, eigen_copying=False, progress=False)
     assert set(lean.scores) == set(TRACE_SCORES)

@@ -28,14 +28,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from .._foundation.capture import as_tokens, capture, hook_name
-from .._foundation.display import Displayed
+from .._foundation import display as show
+from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .._foundation.args import check_model, check_tokens
 from .._foundation.heads import Head, HeadsLike, all_heads, model_heads
@@ -340,11 +341,15 @@ def prepare_metric(model, tokens, metric, where: str = "ablation"):
     return tokens, metric
 
 
-@dataclass(repr=False)      # the repr comes from Displayed (_foundation.display)
-class GroupEffect(Displayed):
+@dataclass(repr=False)      # the repr is _text (Result)
+class GroupEffect(Result):
     """The metric with a set of heads ablated together: ``baseline`` and ``ablated`` are the metric's own
     values; ``effect = sign · (baseline − ablated)`` is positive when the heads matter (a loss: ``ablated −
     baseline``; a score, ``higher_is_better``: ``baseline − ablated``; see ``metrics``)."""
+
+    SCHEMA = "qkcircuits.group_effect/1"
+    WHAT = "a qkcircuits group-effect JSON"
+    KEYS = ("heads", "baseline", "ablated", "method", "metric")
 
     heads: List[Head]
     baseline: float
@@ -352,11 +357,43 @@ class GroupEffect(Displayed):
     method: str
     metric: str
     higher_is_better: bool = False
+    settings: Dict[str, Any] = field(default_factory=dict)      # versions (``settings["versions"]``)
 
     @property
     def effect(self) -> float:
         return (self.baseline - self.ablated) if self.higher_is_better else (self.ablated - self.baseline)
 
+    def top(self, k: int = 5) -> List[Tuple[Head, float]]:
+        """The group's heads (at most ``k``), each with the group's effect (they were ablated together)."""
+        return [(h, self.effect) for h in self.heads[:k]]
+
+    def to_frame(self):
+        import pandas as pd
+
+        return pd.DataFrame([{"layer": h.layer, "head": h.head, "effect": self.effect, "baseline": self.baseline,
+                              "ablated": self.ablated, "metric": self.metric, "method": self.method}
+                             for h in self.heads])
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"heads": [str(h) for h in self.heads], "baseline": self.baseline, "ablated": self.ablated,
+                "effect": self.effect, "method": self.method, "metric": self.metric,
+                "higher_is_better": self.higher_is_better, "settings": self.settings}
+
+    @classmethod
+    def _from_dict(cls, d: Dict[str, Any]) -> "GroupEffect":
+        return cls([Head.parse(h) for h in d["heads"]], float(d["baseline"]), float(d["ablated"]), d["method"],
+                   d["metric"], bool(d.get("higher_is_better", False)), settings=d.get("settings", {}))
+
+    def _text(self) -> str:
+        heads = ", ".join(map(str, self.heads))
+        return (f"GroupEffect(heads {heads}; {self.metric} {show.number(self.baseline)} -> {show.number(self.ablated)} "
+                f"(effect {self.effect:+.4g}); {self.method} ablation)")
+
+    def _html(self) -> str:
+        rows = [("heads", ", ".join(map(str, self.heads))), ("metric", self.metric),
+                ("clean", show.number(self.baseline)), ("ablated", show.number(self.ablated)),
+                ("effect", f"{self.effect:+.4g}"), ("ablation", self.method)]
+        return show.box("GroupEffect", show.table(rows))
 
 
 def group_effect(model, heads: HeadsLike, tokens, metric="induction-loss", method: str = "zero", *,
@@ -374,8 +411,8 @@ def group_effect(model, heads: HeadsLike, tokens, metric="induction-loss", metho
     return GroupEffect(targets, base, abl, method, metric.name, metric.higher_is_better)
 
 
-@dataclass(repr=False)      # the repr comes from Displayed (_foundation.display)
-class RandomComparison(Displayed):
+@dataclass(repr=False)      # the repr is _text (Result)
+class RandomComparison(Result):
     """Effect of ablating ``heads`` together versus ablating ``k`` random other heads, ``n_draws`` times.
 
     Effects follow the metric's sign convention (positive = the heads matter; ``metrics``).
@@ -383,6 +420,10 @@ class RandomComparison(Displayed):
     drawn uniformly without replacement from the heads *not* in ``heads``, with ``seed``).
     ``fraction_at_least`` is the share of draws whose effect is ≥ the group's.
     """
+
+    SCHEMA = "qkcircuits.random_comparison/1"
+    WHAT = "a qkcircuits random-comparison JSON"
+    KEYS = ("heads", "baseline", "effect", "random_effects", "random_heads", "method", "metric", "seed")
 
     heads: List[Head]
     baseline: float
@@ -392,6 +433,7 @@ class RandomComparison(Displayed):
     method: str
     metric: str
     seed: int
+    settings: Dict[str, Any] = field(default_factory=dict)      # versions (``settings["versions"]``)
 
     @property
     def fraction_at_least(self) -> float:
@@ -402,6 +444,48 @@ class RandomComparison(Displayed):
         m = float(self.random_effects.mean())
         return self.effect / m if m != 0 else float("inf")
 
+    def top(self, k: int = 5) -> List[Tuple[List[Head], float]]:
+        """The ``k`` random draws with the largest effect, largest first: ``(heads drawn, effect)``."""
+        order = self.random_effects.float().argsort(descending=True)[:k].tolist()
+        return [(self.random_heads[i], float(self.random_effects[i])) for i in order]
+
+    def to_frame(self):
+        """One row per random draw: its heads ("L.H,L.H"), effect, and whether it reached the group's effect."""
+        import pandas as pd
+
+        return pd.DataFrame([{"draw": i, "heads": ",".join(map(str, hs)), "effect": float(e),
+                              "at_least_group": float(e) >= self.effect}
+                             for i, (hs, e) in enumerate(zip(self.random_heads, self.random_effects.tolist()))])
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"heads": [str(h) for h in self.heads], "baseline": self.baseline, "effect": self.effect,
+                "random_effects": [float(x) for x in self.random_effects.tolist()],
+                "random_heads": [[str(h) for h in hs] for hs in self.random_heads], "method": self.method,
+                "metric": self.metric, "seed": self.seed, "fraction_at_least": self.fraction_at_least,
+                "settings": self.settings}
+
+    @classmethod
+    def _from_dict(cls, d: Dict[str, Any]) -> "RandomComparison":
+        return cls([Head.parse(h) for h in d["heads"]], float(d["baseline"]), float(d["effect"]),
+                   torch.tensor([float(x) for x in d["random_effects"]]),
+                   [[Head.parse(h) for h in hs] for hs in d["random_heads"]], d["method"], d["metric"],
+                   int(d["seed"]), settings=d.get("settings", {}))
+
+    def _text(self) -> str:
+        heads, re = ", ".join(map(str, self.heads)), self.random_effects.float()
+        return (f"RandomComparison(heads {heads}: effect {self.effect:+.4g} on {self.metric}; {re.numel()} random "
+                f"sets of {len(self.heads)}: mean {float(re.mean()):+.4g}, max {float(re.max()):+.4g}; "
+                f"{self.fraction_at_least:.0%} of draws >= the group)")
+
+    def _html(self) -> str:
+        re = self.random_effects.float()
+        rows = [("heads", ", ".join(map(str, self.heads))),
+                ("effect", f"{self.effect:+.4g} ({self.metric}, {self.method} ablation, clean "
+                           f"{show.number(self.baseline)})"),
+                (f"{re.numel()} random sets", f"mean {float(re.mean()):+.4g}, median {float(re.median()):+.4g}, "
+                                              f"max {float(re.max()):+.4g}"),
+                ("draws ≥ the group", f"{self.fraction_at_least:.0%}"), ("seed", str(self.seed))]
+        return show.box("RandomComparison", show.table(rows))
 
 
 def compare_to_random(model, heads: HeadsLike, tokens, metric="induction-loss", *, n_draws: int = 20,

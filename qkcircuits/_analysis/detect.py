@@ -1,8 +1,8 @@
 """Head detectors: induction, prefix matching, previous-token, duplicate-token and copying scores.
 
->>> scores = scan(model)                                   # doctest: +SKIP   one streamed pass per prompt set
->>> scores.top(5, "induction")                             # doctest: +SKIP
->>> scores.heads_labelled("previous-token")                # doctest: +SKIP
+>>> scores = scan(model, progress=False)                    # one streamed pass per prompt set
+>>> scores.top(1, "induction")[0][0], scores.heads_labelled("previous-token")
+(Head(layer=1, head=0), [Head(layer=0, head=0)])
 
 Every attention score is "the share of a query's attention that lands on its targets",
 averaged over queries, with targets found by *token equality* (so a perfect head scores
@@ -21,13 +21,15 @@ eigen_copying         weights only                        sum(λ)/sum(|λ|) of W
 ====================  =================================  ==========================================
 
 Attention to BOS is never renormalised away: a head parked on BOS scores low, which is what
-"does it do the job" asks. See docs/detectors.md for thresholds and failure modes.
+"does it do the job" asks. See docs/detectors.md for thresholds and failure modes. Each score is one
+``Detector`` in the registry (``_analysis/detectors.py``); the built-ins are registered below, and
+``qk.register_detector`` adds more.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -37,48 +39,19 @@ from tqdm.auto import tqdm
 from .._foundation.capture import stream
 from .._foundation.errors import QKCircuitsError
 from .._foundation.args import check_model
-from .._foundation.io import check_int, package_version
+from .._foundation.io import check_int
+from .._foundation.renamed import renamed
+from .._foundation.result import stamped
 from .._foundation.model import model_name
 from .._foundation.sequences import check_seed, repeated_tokens, segment_length, text_tokens, token_pool
 from .._weights import contextual as _contextual
 from .._weights.circuits import _unembed_chunk, layer_weights
+from .._weights.copying import copying_scores
+from .detectors import (PROMPT_SETS, Detector, ScanContext, detector, detectors, duplicate_token_mask, induction_mask,
+                        previous_token_mask, register_detector, select, target_masks, thresholds)
 from .results import HeadScores
 
-# label -> (score, minimum). 0.4 is ARENA's cut-off; chance for any of these is ~1/i (uniform
-# attention over i keys), i.e. < 0.05 on the default 81-token prompts: 0.4 is > 8x chance and
-# well below what real specialised heads reach (GPT-2's induction heads score 0.6-0.95).
-THRESHOLDS = {
-    "induction": ("induction", 0.4),
-    "previous-token": ("previous_token", 0.4),
-    "duplicate-token": ("duplicate_token", 0.4),
-}
-SCORE_NAMES = ("induction", "prefix_matching", "previous_token", "duplicate_token", "copying", "ov_copying",
-               "eigen_copying")
-TEXT_SCORES = ("previous_token_text", "duplicate_token_text")
-
 Masks = Dict[str, Bool[Tensor, "batch q k"]]
-
-
-def target_masks(tokens: Int[Tensor, "batch pos"], seg_len: int, first_query: Optional[int] = None) -> Masks:
-    """Boolean [batch, query, key] masks of each score's targets (queries outside the region are all False).
-
-    ``first_query`` (default ``1 + seg_len``: the first token of the second copy) starts the
-    query region of the induction and duplicate masks; previous-token uses every i ≥ 2.
-    """
-    b, n = tokens.shape
-    first = 1 + seg_len if first_query is None else first_query
-    i = torch.arange(n, device=tokens.device)
-    query_region = (i >= first)[None, :, None]
-    earlier = i[None, :] < i[:, None]                                  # [q, k]: k < q
-    same = tokens[:, :, None] == tokens[:, None, :]                    # tok[q] == tok[k]
-    dup = same & earlier & query_region
-    # induction: key k follows an earlier copy of tok[q]: tok[k-1] == tok[q], k-1 < q, k >= 1
-    shifted = torch.zeros_like(same)
-    shifted[:, :, 1:] = same[:, :, :-1] & earlier[None, :, :-1]
-    ind = shifted & query_region
-    prev = torch.zeros(n, n, dtype=torch.bool, device=tokens.device)
-    prev[i[2:], i[2:] - 1] = True
-    return {"induction": ind, "duplicate_token": dup, "previous_token": prev[None].expand(b, n, n)}
 
 
 def mask_score(pattern: Float[Tensor, "batch head q k"], mask: Bool[Tensor, "batch q k"],
@@ -146,157 +119,190 @@ def olsson_copying(pattern: Float[Tensor, "batch head q k"], z: Float[Tensor, "b
     return (score * queries[..., None]).sum((0, 1)) / queries.sum()
 
 
-def _wanted(scores, text: bool, copying: bool, eigen_copying: bool) -> List[str]:
-    """The score names a scan computes, in JSON order; ``scores`` (names or a comma-separated string) wins."""
-    if scores is None:
-        names = [n for n in SCORE_NAMES if (copying or n not in ("copying", "ov_copying"))
-                 and (eigen_copying or n != "eigen_copying")]
-        return names + (list(TEXT_SCORES) if text else [])
-    if isinstance(scores, str):
-        scores = [x.strip() for x in scores.split(",") if x.strip()]
-    names = list(scores)
-    allowed = SCORE_NAMES + TEXT_SCORES
-    for n in names:
-        if n not in allowed:
-            raise QKCircuitsError(f"unknown score {n!r}; choose from {', '.join(allowed)}")
-    if not names:
-        raise QKCircuitsError(f"name at least one score ({', '.join(allowed)})")
-    if text:
-        names += [n for n in TEXT_SCORES if n not in names]
-    return [n for n in allowed if n in names]
+def copying_reducer(model, tokens: Int[Tensor, "batch pos"], seg_len: int):
+    """Olsson's ``copying`` as a per-layer reduction of [BOS]+R+R's pattern and z (see ``olsson_copying``)."""
+    queries = target_masks(tokens, seg_len)["induction"].any(-1)
+    cand, valid, cand_index = copying_candidates(tokens)
+    U = model.W_U.detach()
+    U_c = _unembed_chunk(model, U[:, cand.clamp_min(0).flatten()], True)       # [d_model, b·C]
+    U_c = U_c.view(U.shape[0], *cand.shape).permute(1, 0, 2)                   # [b, d_model, C]
+
+    def reduce(layer: int, t: Dict[str, Tensor]) -> Tensor:
+        w = layer_weights(model, layer)                      # this layer's weights only
+        # attention sums to 1, so z carries the value's constant part whole (b_V, plus the input norm's bias
+        # through W_V with raw weights): a write that copies nothing and that folding moves into b_O. Leave it
+        # out in both fold modes.
+        const = w.b_V
+        b_ln = _contextual._ln1_bias(model, layer)
+        if b_ln is not None:
+            const = const + torch.einsum("m,hmd->hd", b_ln.to(w.W_V.dtype), w.W_V)
+        z = t["z"] - const.to(t["z"].dtype)
+        return olsson_copying(t["pattern"], z, w.W_O, U_c.to(w.W_O.dtype), valid, cand_index, queries)
+
+    return reduce
 
 
-def scan(model, *, scores: Optional[Sequence[str]] = None, n_seqs: int = 8, seq_len: Optional[int] = None,
+def ov_copying_score(model, ctx: ScanContext):
+    """``ov_copying``: a thin call of ``_weights.contextual.ov_copying`` on ``ctx.ov_tokens`` corpus tokens."""
+    scores, info = _contextual.ov_copying(model, n_tokens=ctx.ov_tokens, seed=ctx.seed, method=ctx.ov_method)
+    return scores, {"ov_copying": info}
+
+
+def eigen_copying_score(model, ctx: ScanContext):
+    """``eigen_copying`` from the weights; the full circuit W_E·OV·W_U needs input and output vocabularies to
+    match, else the OV circuit alone (recorded in ``settings["eigen_copying_circuit"]``)."""
+    full = model.W_E.shape[0] == model.W_U.shape[-1]
+    return copying_scores(model, full=full).float().cpu(), {"eigen_copying_circuit": "full" if full else "ov"}
+
+
+# label -> (score, minimum). 0.4 is ARENA's cut-off; chance for any of these is ~1/i (uniform attention over i
+# keys), i.e. < 0.05 on the default 81-token prompts: 0.4 is > 8x chance and well below what real specialised
+# heads reach (GPT-2's induction heads score 0.6-0.95).
+BUILT_INS = (
+    Detector("induction", "repeated", mask=induction_mask, threshold=0.4, label="induction",
+             description="attention from the second copy of a repeated random sequence to the token after the "
+                         "earlier copy"),
+    Detector("prefix_matching", "prefix", mask=induction_mask,
+             description="Olsson's prefix matching on a sequence repeated 4 times"),
+    Detector("previous_token", "repeated", mask=previous_token_mask, threshold=0.4, label="previous-token",
+             description="attention to the previous position"),
+    Detector("duplicate_token", "repeated", mask=duplicate_token_mask, threshold=0.4, label="duplicate-token",
+             description="attention to earlier copies of the current token"),
+    Detector("copying", "repeated", reducer=copying_reducer, needs=("pattern", "z"), switch="copying",
+             description="Olsson's copying score of the head's direct-path logits, candidates per sequence; "
+                         "0 = chance, +1 copies"),
+    Detector("ov_copying", "model", score=ov_copying_score, switch="copying",
+             description="median rank of the source token in the head's contextual OV logits; 1 = top, "
+                         "0 = chance, −1 = last"),
+    Detector("eigen_copying", "model", score=eigen_copying_score, switch="eigen_copying",
+             description="sum(λ)/sum(|λ|) of W_E W_OV W_U, W_U centred over the vocabulary (Elhage); "
+                         "+1 copies, −1 anti"),
+    Detector("previous_token_text", "text", mask=previous_token_mask, default=False, switch="text",
+             description="previous-token attention on natural text"),
+    Detector("duplicate_token_text", "text", mask=duplicate_token_mask, default=False, switch="text",
+             description="duplicate-token attention on natural text"),
+)
+for _d in BUILT_INS:
+    register_detector(_d, replace=True)
+
+
+def prompt_set(model, kind: str, ctx: ScanContext) -> Tuple[Int[Tensor, "batch pos"], int, Optional[int]]:
+    """The tokens of prompt set ``kind`` and how its masks read them: ``(tokens, seg_len, first_query)``."""
+    if kind == "repeated":
+        return (repeated_tokens(model, ctx.n_seqs, ctx.seg_len, 2, seed=ctx.seed, pool=ctx.pool,
+                                length_name="seq_len (--seq-len)"), ctx.seg_len, None)
+    if kind == "prefix":
+        return (repeated_tokens(model, ctx.prefix_seqs, ctx.prefix_len, 4, seed=ctx.seed + 1, pool=ctx.pool,
+                                length_name="prefix_len"), ctx.prefix_len, None)
+    if kind == "text":
+        return text_tokens(model, seq_len=min(128, model.cfg.n_ctx - 1), n_seqs=ctx.n_seqs, bos=ctx.bos), 0, 1
+    raise QKCircuitsError(f"prompt set {kind!r} is not streamed; streamed sets: repeated, prefix, text")
+
+
+def stream_scores(model, dets: Sequence[Detector], tokens: Int[Tensor, "batch pos"], seg_len: int,
+                  first_query: Optional[int], exclude_bos: bool = False, bar=None) -> Dict[str, Tensor]:
+    """ONE streamed pass over ``tokens`` computing every mask/reducer detector in ``dets``: {name: [L, H]}.
+
+    Memory: one layer's hooks (``needs`` of the detectors, e.g. the [batch, head, pos, pos] pattern) at a time.
+    """
+    reducers, needs = {}, []
+    for d in dets:
+        if d.mask is not None:
+            m = d.mask(tokens, seg_len, first_query)
+            reducers[d.name] = (lambda m: lambda layer, t: mask_score(t["pattern"], m, exclude_bos))(m)
+        else:
+            reducers[d.name] = d.reducer(model, tokens, seg_len)
+        needs += [n for n in d.needs if n not in needs]
+
+    def reduce(layer: int, t: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        res = {name: fn(layer, t) for name, fn in reducers.items()}
+        if bar is not None:
+            bar.update(1)
+        return res
+
+    out = stream(model, tokens, reduce, needs)
+    return {name: torch.stack([out[layer][name] for layer in range(model.cfg.n_layers)]).float().cpu()
+            for name in reducers}
+
+
+@renamed(seq_len="seg_len")
+def scan(model, *, scores: Optional[Sequence[str]] = None, n_seqs: int = 8, seg_len: Optional[int] = None,
          seed: int = 0, bos: Optional[int] = None, prefix_seqs: int = 10, prefix_len: Optional[int] = None,
          text: bool = False, copying: bool = True, eigen_copying: bool = True, exclude_bos: bool = False,
          confirm_top: int = 0, ov_tokens: int = 64, ov_method: str = "sample", progress: bool = True) -> HeadScores:
-    """Score every head of ``model``; see the module docstring for the scores.
+    """Score every head of ``model`` with the registered detectors (``qk.detectors()``; module docstring).
 
-    ``scores``: the names to compute (any of ``SCORE_NAMES`` and ``TEXT_SCORES``, or one comma-separated
-    string); None computes them all (``copying=False`` drops the two copying scores, ``eigen_copying=False``
-    the eigenvalue one, ``text=True`` adds the text scores). Only the passes the names need run:
-    induction/previous_token/duplicate_token alone are ONE streamed pass over [BOS]+R+R that reads
-    only the patterns and stops after the last layer's attention.
+    >>> s = qk.scan(model, scores="induction,previous_token", progress=False)
+    >>> s.heads_labelled("induction"), s.heads_labelled("previous-token")
+    ([Head(layer=1, head=0)], [Head(layer=0, head=0)])
 
-    Passes: [BOS]+R+R (``n_seqs`` × R of ``seq_len``: induction, previous/duplicate-token, Olsson
-    ``copying`` from z), [BOS]+R×4 (``prefix_seqs`` × ``prefix_len``: prefix matching), natural text
-    (``*_text``), weights only (``eigen_copying``), contextual rows of ``ov_tokens`` corpus tokens
-    (``ov_copying``; ``ov_method="exact"`` counts every rank over the whole vocabulary, the default
-    ``"sample"`` estimates them from a vocabulary sample, see ``qkcircuits.ov_copying``). ``seq_len`` defaults to 40 and ``prefix_len`` to 25 (Olsson), each capped by the
-    context and by the token pool, so that R is drawn without repeats where the vocabulary allows.
-    ``exclude_bos`` renormalises each query's attention away from BOS before scoring; the default
-    counts attention parked on BOS as attention not on target.
-    Memory: one layer's [batch, head, pos, pos] pattern at a time, plus [n_layers, n_heads] scores.
-    ``confirm_top=k`` ablates the top-k induction heads and k random heads and stores the loss
-    rises in ``extras["confirmation"]``.
+    ``scores``: the detector names to compute (a list or one comma-separated string); None computes the
+    default ones (``copying=False`` drops the two copying scores, ``eigen_copying=False`` the eigenvalue one,
+    ``text=True`` adds the text scores). Only the passes the names need run: induction/previous_token/
+    duplicate_token alone are ONE streamed pass over [BOS]+R+R that reads only the patterns and stops after
+    the last layer's attention.
+
+    Prompt sets: [BOS]+R+R (``n_seqs`` × R of ``seg_len``), [BOS]+R×4 (``prefix_seqs`` × ``prefix_len``),
+    natural text; detectors on ``"model"`` make their own (``ov_copying``: rows of ``ov_tokens`` corpus tokens).
+    ``seg_len`` defaults to 40 and ``prefix_len`` to 25 (Olsson), each capped by the context and by the
+    token pool, so that R is drawn without repeats where the vocabulary allows. ``exclude_bos`` renormalises
+    each query's attention away from BOS before scoring; the default counts attention parked on BOS as
+    attention not on target. Memory: one layer's [batch, head, pos, pos] pattern at a time, plus
+    [n_layers, n_heads] scores. ``confirm_top=k`` ablates the top-k induction heads and k random heads and
+    stores the loss rises in ``extras["confirmation"]``. (``seq_len=`` is the old name of ``seg_len``.)
+    ``ov_method``: ``"sample"`` (default) estimates ``ov_copying``'s ranks from a vocabulary sample,
+    ``"exact"`` counts every rank over the whole vocabulary (see ``qkcircuits.ov_copying``).
     """
     model = check_model(model)
+    names = _check_scan(seed, n_seqs, prefix_seqs, ov_tokens, scores, text, copying, eigen_copying)
+    pool = token_pool(model, bos=bos)
+    ctx = ScanContext(seed=seed, n_seqs=n_seqs, prefix_seqs=prefix_seqs, ov_tokens=ov_tokens, ov_method=ov_method, pool=pool, bos=bos,
+                      exclude_bos=exclude_bos,
+                      seg_len=check_int("seg_len", seg_len, 2) if seg_len is not None else segment_length(model, 2, 40, pool),
+                      prefix_len=(check_int("prefix_len", prefix_len, 2) if prefix_len is not None
+                                  else segment_length(model, 4, 25, pool)))
+    chosen = [detector(n) for n in names]
+    streamed = [k for k in PROMPT_SETS if k != "model" and any(d.prompts == k for d in chosen)]
+    L = model.cfg.n_layers
+    bar = tqdm(total=(len(streamed) + sum(d.prompts == "model" for d in chosen)) * L, desc="scan", unit="layer",
+               disable=not progress, file=sys.stderr, leave=False)
+    out: Dict[str, Tensor] = {}
+    extra: Dict[str, object] = {"eigen_copying_circuit": None}
+    with torch.no_grad():
+        for kind in streamed:
+            toks, seg, first = prompt_set(model, kind, ctx)
+            out.update(stream_scores(model, [d for d in chosen if d.prompts == kind], toks, seg, first,
+                                     exclude_bos, bar))
+    for d in chosen:
+        if d.prompts == "model":
+            got = d.score(model, ctx)
+            out[d.name], info = got if isinstance(got, tuple) else (got, {})
+            extra.update(info or {})
+            bar.update(L)
+    bar.close()
+    result = HeadScores(
+        model=model_name(model), n_layers=L, n_heads=model.cfg.n_heads, scores={k: out[k] for k in names},
+        thresholds=thresholds(),
+        settings=_settings(model, scores=names, n_seqs=n_seqs, seq_len=ctx.seg_len, seed=seed, bos=pool.bos_id,
+                           prefix_seqs=prefix_seqs, prefix_len=ctx.prefix_len, text="text" in streamed,
+                           exclude_bos=exclude_bos, pool_size=len(pool.ids), **extra),
+    )
+    if confirm_top:
+        result.extras["confirmation"] = confirm_induction(model, result, k=confirm_top, seed=seed, pool=pool,
+                                                          n_seqs=n_seqs, seq_len=ctx.seg_len)
+    return result
+
+
+def _check_scan(seed, n_seqs, prefix_seqs, ov_tokens, scores, text, copying, eigen_copying) -> List[str]:
     check_seed(seed)
     check_int("n_seqs", n_seqs)
     check_int("prefix_seqs", prefix_seqs)
     check_int("ov_tokens", ov_tokens)
-    names = _wanted(scores, text, copying, eigen_copying)
-    L, H = model.cfg.n_layers, model.cfg.n_heads
-    pool = token_pool(model, bos=bos)
-    seq_len = check_int("seq_len", seq_len, 2) if seq_len is not None else segment_length(model, 2, 40, pool)
-    prefix_len = (check_int("prefix_len", prefix_len, 2) if prefix_len is not None
-                  else segment_length(model, 4, 25, pool))
-    repeat_names = [n for n in ("induction", "previous_token", "duplicate_token", "copying") if n in names]
-    do_prefix, do_text = "prefix_matching" in names, any(n in names for n in TEXT_SCORES)
-    passes = int(bool(repeat_names)) + int(do_prefix) + int(do_text) + int("ov_copying" in names)
-    bar = tqdm(total=passes * L, desc="scan", unit="layer", disable=not progress, file=sys.stderr, leave=False)
-    out: Dict[str, Tensor] = {}
-    extra_settings: Dict[str, object] = {}
+    return select(scores, text=text, copying=copying, eigen_copying=eigen_copying)
 
-    with torch.no_grad():
-        if repeat_names:
-            # Pass 1: induction, previous-token, duplicate-token, copying on [BOS] + R + R.
-            toks = repeated_tokens(model, n_seqs, seq_len, 2, seed=seed, pool=pool,
-                                   length_name="seq_len (--seq-len)")
-            masks = {k: m for k, m in target_masks(toks, seq_len).items() if k in names}
-            do_copy = "copying" in names
-            if do_copy:
-                queries = target_masks(toks, seq_len)["induction"].any(-1)
-                cand, valid, cand_index = copying_candidates(toks)
-                U = model.W_U.detach()
-                U_c = _unembed_chunk(model, U[:, cand.clamp_min(0).flatten()], True)       # [d_model, b·C]
-                U_c = U_c.view(U.shape[0], *cand.shape).permute(1, 0, 2)                   # [b, d_model, C]
 
-            def reduce_repeat(layer: int, t: Dict[str, Tensor]) -> Dict[str, Tensor]:
-                p = t["pattern"]
-                res = {name: mask_score(p, m, exclude_bos) for name, m in masks.items()}
-                if do_copy:
-                    w = layer_weights(model, layer)                      # this layer's weights only
-                    # attention sums to 1, so z carries the value's constant part whole (b_V, plus the input
-                    # norm's bias through W_V with raw weights): a write that copies nothing and that
-                    # folding moves into b_O. Leave it out in both fold modes.
-                    const = w.b_V
-                    b_ln = _contextual._ln1_bias(model, layer)
-                    if b_ln is not None:
-                        const = const + torch.einsum("m,hmd->hd", b_ln.to(w.W_V.dtype), w.W_V)
-                    z = t["z"] - const.to(t["z"].dtype)
-                    res["copying"] = olsson_copying(p, z, w.W_O, U_c.to(w.W_O.dtype), valid, cand_index, queries)
-                bar.update(1)
-                return res
-
-            rep = stream(model, toks, reduce_repeat, ["pattern", "z"] if do_copy else ["pattern"])
-            for name in repeat_names:
-                out[name] = torch.stack([rep[layer][name] for layer in range(L)]).float().cpu()
-
-        if do_prefix:
-            # Pass 2: Olsson's prefix matching on [BOS] + R x 4.
-            ptoks = repeated_tokens(model, prefix_seqs, prefix_len, 4, seed=seed + 1, pool=pool,
-                                    length_name="prefix_len")
-            pmask = target_masks(ptoks, prefix_len)["induction"]
-
-            def reduce_prefix(layer: int, t: Dict[str, Tensor]) -> Tensor:
-                bar.update(1)
-                return mask_score(t["pattern"], pmask, exclude_bos)
-
-            pre = stream(model, ptoks, reduce_prefix, ["pattern"])
-            out["prefix_matching"] = torch.stack([pre[layer] for layer in range(L)]).float().cpu()
-
-        if do_text:
-            # Pass 3: natural text for previous- and duplicate-token heads.
-            ttoks = text_tokens(model, seq_len=min(128, model.cfg.n_ctx - 1), n_seqs=n_seqs, bos=bos)
-            tmasks = target_masks(ttoks, 0, first_query=1)
-
-            def reduce_text(layer: int, t: Dict[str, Tensor]) -> Dict[str, Tensor]:
-                bar.update(1)
-                return {f"{k}_text": mask_score(t["pattern"], tmasks[k], exclude_bos)
-                        for k in ("previous_token", "duplicate_token")}
-
-            txt = stream(model, ttoks, reduce_text, ["pattern"])
-            for name in TEXT_SCORES:
-                out[name] = torch.stack([txt[layer][name] for layer in range(L)]).float().cpu()
-
-    if "ov_copying" in names:
-        out["ov_copying"], extra_settings["ov_copying"] = _contextual.ov_copying(model, n_tokens=ov_tokens, seed=seed,
-                                                                                method=ov_method)
-        bar.update(L)
-    bar.close()
-    eigen_full = None
-    if "eigen_copying" in names:
-        from .._weights.copying import copying_scores
-
-        # The full circuit W_E·OV·W_U needs input and output vocabularies to match; else fall back
-        # to the OV circuit alone (recorded in settings["eigen_copying_circuit"]).
-        eigen_full = model.W_E.shape[0] == model.W_U.shape[-1]
-        out["eigen_copying"] = copying_scores(model, full=eigen_full).float().cpu()
-    ordered = {k: out[k] for k in names}
-    result = HeadScores(
-        model=model_name(model), n_layers=L, n_heads=H, scores=ordered, thresholds=dict(THRESHOLDS),
-        settings=_settings(model, scores=names, n_seqs=n_seqs, seq_len=seq_len, seed=seed, bos=pool.bos_id,
-                           prefix_seqs=prefix_seqs, prefix_len=prefix_len, text=do_text, exclude_bos=exclude_bos,
-                           pool_size=len(pool.ids),
-                           eigen_copying_circuit=None if eigen_full is None else ("full" if eigen_full else "ov"),
-                           **extra_settings),
-    )
-    if confirm_top:
-        result.extras["confirmation"] = confirm_induction(model, result, k=confirm_top, seed=seed, pool=pool,
-                                                          n_seqs=n_seqs, seq_len=seq_len)
-    return result
-
+_wanted = lambda scores, text, copying, eigen_copying: select(  # noqa: E731  (the old name; cli/scan.py used it)
+    scores, text=text, copying=copying, eigen_copying=eigen_copying)
 
 def confirm_induction(model, scores: HeadScores, *, k: int = 5, n_draws: int = 10, seed: int = 0, pool=None,
                       n_seqs: int = 8, seq_len: int = 40) -> Dict[str, object]:
@@ -320,9 +326,19 @@ def confirm_induction(model, scores: HeadScores, *, k: int = 5, n_draws: int = 1
 
 
 def _settings(model, **kw) -> Dict[str, object]:
-    from .. import __version__
+    return stamped({**kw, "fold_ln": bool(getattr(model, "compatibility_mode", False)), "dtype": str(model.W_E.dtype),
+                    "device": str(model.W_E.device)})
 
-    return {**kw, "fold_ln": bool(getattr(model, "compatibility_mode", False)), "dtype": str(model.W_E.dtype),
-            "device": str(model.W_E.device), "qkcircuits": __version__,
-            "transformer_lens": package_version("transformer-lens"), "transformers": package_version("transformers"),
-            "torch": torch.__version__}
+
+def __getattr__(name: str):
+    """The old constants, read from the registry (deprecated: use ``qk.detectors()``/``qk.thresholds()``)."""
+    import warnings
+
+    old = {"THRESHOLDS": lambda: thresholds(),
+           "SCORE_NAMES": lambda: tuple(d.name for d in detectors() if d.switch != "text"),
+           "TEXT_SCORES": lambda: tuple(d.name for d in detectors() if d.switch == "text")}
+    if name in old:
+        warnings.warn(f"qkcircuits {name} is deprecated; read the detector registry (qk.detectors(), "
+                      f"qk.thresholds())", DeprecationWarning, stacklevel=2)
+        return old[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -37,6 +37,7 @@ from torch import Tensor
 from .._foundation.capture import _check_layers, has_rotary, stream
 from .._foundation.errors import QKCircuitsError
 from .._foundation.io import check_int
+from .._foundation.result import versions
 from .._foundation.model import model_name
 from .._foundation.sequences import check_seed, repeated_tokens, segment_length, text_tokens, token_pool
 from .._weights.circuits import attention_scale
@@ -344,13 +345,8 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
         "scores_hook": ("real scores" if all(scores_real.values()) else
                         "carries the pattern on some layers: scores rebuilt from q·k, scale and soft-cap"),
         "scale_measured": {str(k): v for k, v in sorted(measured_scale.items())},
-        "versions": _versions(),
+        "versions": dict(versions()),
     }
     return HeadDiagnostics(model=model_name(model), n_layers=L, n_heads=H,
                            d_head=d_head, measures=measures, scale=scale, settings=settings, by_set=by_set)
 
-
-def _versions() -> Dict[str, str]:
-    from .._foundation.io import package_version
-
-    return {"torch": torch.__version__, **{d: package_version(d) for d in ("qkcircuits", "transformer-lens", "transformers")}}

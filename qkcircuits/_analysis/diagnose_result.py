@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from .._foundation.display import Displayed
+from .._foundation import display as show
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head
-from .._foundation.io import dump_json, load_json
+from .._foundation.result import Result
 
 # What each measure is (units: q·k products are raw dot products of the post-rotary q and k).
 MEASURES: Dict[str, str] = {
@@ -76,8 +75,8 @@ def check_thresholds(thresholds: Optional[Dict[str, float]]) -> Dict[str, float]
     return out
 
 
-@dataclass(repr=False)      # the repr comes from Displayed (_foundation.display)
-class HeadDiagnostics(Displayed):
+@dataclass(repr=False)      # the repr is _text (Result)
+class HeadDiagnostics(Result):
     """Head health measures of one model: ``measures[name]`` is [n_layers, n_heads] (NaN for skipped layers).
 
     ``measures`` pools every prompt set; ``by_set[set][name]`` keeps each set's own values
@@ -85,6 +84,10 @@ class HeadDiagnostics(Displayed):
     the factor the model multiplies raw q·k by before softmax (read from the model, see
     ``settings["scale_source"]``). Small: a few dozen [n_layers, n_heads] tensors.
     """
+
+    SCHEMA = SCHEMA
+    WHAT = "a diagnose --json output (qkcircuits diagnostics JSON)"
+    KEYS = ("model", "n_layers", "n_heads", "d_head", "scale", "measures")
 
     model: str
     n_layers: int
@@ -96,6 +99,7 @@ class HeadDiagnostics(Displayed):
     by_set: Dict[str, Dict[str, Tensor]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name, t in list(self.measures.items()) + [(f"{s}/{n}", t) for s, ms in self.by_set.items()
                                                        for n, t in ms.items()]:
             if tuple(t.shape) != (self.n_layers, self.n_heads):
@@ -171,25 +175,45 @@ class HeadDiagnostics(Displayed):
             "flagged": {str(h): names for h, names in self.flagged()},
         }
 
-    def to_json(self, path: Optional[Union[str, Path]] = None, indent: int = 1) -> str:
-        """JSON text (written atomically to ``path`` when given). NaN is written as ``null``."""
-        return dump_json(self.to_dict(), path, indent)
+    def top(self, k: int = 5, measure: str = "sink") -> List[Tuple[Head, float]]:
+        """The ``k`` heads with the largest ``measure`` (NaN last), largest first."""
+        pairs = show.top_heads(self[measure], k)
+        return [(Head.parse(h), v) for h, v in pairs]
 
     @classmethod
-    def from_json(cls, text_or_path: Union[str, Path]) -> "HeadDiagnostics":
-        """Read ``to_json`` output: JSON text or the path of a file holding it."""
-        d = load_json(text_or_path, "a diagnose --json output", schema=SCHEMA)
-
+    def _from_dict(cls, d: Dict[str, Any]) -> "HeadDiagnostics":
         def tensor(x) -> Tensor:
             return torch.tensor([[math.nan if v is None else v for v in row] for row in x], dtype=torch.float64)
 
-        try:
-            return cls(model=d["model"], n_layers=int(d["n_layers"]), n_heads=int(d["n_heads"]),
-                       d_head=int(d["d_head"]), measures={k: tensor(v) for k, v in d["measures"].items()},
-                       scale=torch.tensor([math.nan if v is None else v for v in d["scale"]], dtype=torch.float64),
-                       settings=d.get("settings", {}),
-                       by_set={s: {k: tensor(v) for k, v in ms.items()} for s, ms in d.get("by_set", {}).items()})
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
-            raise QKCircuitsError(f"not a qkcircuits diagnostics JSON ({type(e).__name__}: {e}); expected the keys "
-                                  f"model, n_layers, n_heads, d_head, scale, measures") from None
+        return cls(model=d["model"], n_layers=int(d["n_layers"]), n_heads=int(d["n_heads"]),
+                   d_head=int(d["d_head"]), measures={k: tensor(v) for k, v in d["measures"].items()},
+                   scale=torch.tensor([math.nan if v is None else v for v in d["scale"]], dtype=torch.float64),
+                   settings=d.get("settings", {}),
+                   by_set={s: {k: tensor(v) for k, v in ms.items()} for s, ms in d.get("by_set", {}).items()})
 
+    # ------------------------------------------------------------------------------------------ display
+    def _by_flag(self) -> Dict[str, List[str]]:
+        by_flag: Dict[str, List[str]] = {}
+        for h, names in self.flagged():
+            for n in names:
+                by_flag.setdefault(n, []).append(str(h))
+        return by_flag
+
+    def _text(self) -> str:
+        by_flag = self._by_flag()
+        n = len(self.flagged())
+        return (f"HeadDiagnostics({self.model}: {self.n_layers} layers x {self.n_heads} heads; {n} flagged"
+                + "".join(f"; {f} {len(hs)}: {', '.join(hs[:3])}{', ...' if len(hs) > 3 else ''}"
+                          for f, hs in by_flag.items()) + ")")
+
+    def _html(self) -> str:
+        by_flag, th, TOP = self._by_flag(), self.thresholds, show.TOP
+        fl = self.flags()
+        rows = [(f, str(len(by_flag.get(f, []))), ", ".join(by_flag.get(f, [])[:TOP])
+                 + (" …" if len(by_flag.get(f, [])) > TOP else "")) for f in fl]
+        count = sum(v.float() for v in fl.values())
+        grids = show.grid(count, "flags per head") + "".join(
+            show.grid(self.measures[m], m) for m in ("sink", "entropy_frac_mean", "qk_var_ratio") if m in self.measures)
+        return show.box(f"HeadDiagnostics: {self.model} (thresholds "
+                        f"{', '.join(f'{k} {show.number(v)}' for k, v in th.items())})",
+                        show.table(rows, ("flag", "heads", f"first {TOP}")), grids)

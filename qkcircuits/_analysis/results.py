@@ -1,37 +1,43 @@
 """Per-head results as data: [n_layers, n_heads] tensors plus the settings that produced them.
 
->>> s = HeadScores.from_json(text)          # doctest: +SKIP   the same object a plot, a report and a test read
->>> s.top(3, "induction")                   # doctest: +SKIP   [(Head(5, 1), 0.93), ...]
->>> s.to_frame().sort_values("induction")   # doctest: +SKIP   one row per head
+>>> s = HeadScores.from_json(qk.scan(model, scores="induction", progress=False).to_json())
+>>> s.top(1, "induction")                   # the same object a plot, a report and a test read
+[(Head(layer=1, head=0), 1.0)]
+>>> [int(x) for x in s.to_frame().sort_values("induction").iloc[-1][["layer", "head"]]]   # one row per head
+[1, 0]
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Tuple
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .._foundation.display import Displayed
+from .._foundation import display as show
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head
-from .._foundation.io import check_int, dump_json, json_number, load_json
+from .._foundation.io import check_int, json_number
+from .._foundation.result import Result
 
 SCHEMA = "qkcircuits.head_scores/1"
 
 
-@dataclass(repr=False)      # the repr comes from Displayed (_foundation.display)
-class HeadScores(Displayed):
+@dataclass(repr=False)      # the repr is _text (Result)
+class HeadScores(Result):
     """Named per-head scores, each ``Float[Tensor, "layer head"]`` on the CPU.
 
     ``thresholds`` maps a label (e.g. ``"induction"``) to ``(score name, minimum)``; a head gets
     the label when its score reaches the minimum. ``settings`` records the model, prompt sets,
     seeds and library versions. ``extras`` holds further data (e.g. causal confirmation).
     """
+
+    SCHEMA = SCHEMA
+    WHAT = "a scan's --json output (qkcircuits scores JSON)"
+    KEYS = ("model", "n_layers", "n_heads", "scores")
 
     model: str
     n_layers: int
@@ -42,6 +48,7 @@ class HeadScores(Displayed):
     extras: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name, t in self.scores.items():
             if tuple(t.shape) != (self.n_layers, self.n_heads):
                 raise QKCircuitsError(f"score {name!r} has shape {tuple(t.shape)}, expected "
@@ -98,21 +105,37 @@ class HeadScores(Displayed):
             "extras": self.extras,
         }
 
-    def to_json(self, path: Optional[Union[str, Path]] = None, indent: int = 1) -> str:
-        """JSON text (written atomically to ``path`` when given). NaN is written as ``null``."""
-        return dump_json(self.to_dict(), path, indent)
-
     @classmethod
-    def from_json(cls, text_or_path: Union[str, Path]) -> "HeadScores":
-        d = load_json(text_or_path, "a scan's --json output", schema=SCHEMA)
-        try:
-            scores = {k: torch.tensor([[math.nan if x is None else x for x in row] for row in v], dtype=torch.float32)
-                      for k, v in d["scores"].items()}
-            return cls(model=d["model"], n_layers=int(d["n_layers"]), n_heads=int(d["n_heads"]), scores=scores,
-                       settings=d.get("settings", {}),
-                       thresholds={k: (v[0], float(v[1])) for k, v in d.get("thresholds", {}).items()},
-                       extras=d.get("extras", {}))
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError, OverflowError) as e:
-            raise QKCircuitsError(f"not a qkcircuits scores JSON ({type(e).__name__}: {e}); expected the keys model, "
-                                  f"n_layers, n_heads, scores") from None
+    def _from_dict(cls, d: Dict[str, Any]) -> "HeadScores":
+        scores = {k: torch.tensor([[math.nan if x is None else x for x in row] for row in v], dtype=torch.float32)
+                  for k, v in d["scores"].items()}
+        return cls(model=d["model"], n_layers=int(d["n_layers"]), n_heads=int(d["n_heads"]), scores=scores,
+                   settings=d.get("settings", {}),
+                   thresholds={k: (v[0], float(v[1])) for k, v in d.get("thresholds", {}).items()},
+                   extras=d.get("extras", {}))
 
+    # ------------------------------------------------------------------------------------------ display
+    def _lines(self) -> List[Tuple[str, str, float, int, List[Tuple[str, float]]]]:
+        """(label, score, minimum, heads labelled, top heads) per threshold whose score is here."""
+        counts: Dict[str, int] = {}
+        for names in self.labels().values():
+            for n in names:
+                counts[n] = counts.get(n, 0) + 1
+        return [(label, score, minimum, counts.get(label, 0), show.top_heads(self.scores[score]))
+                for label, (score, minimum) in self.thresholds.items() if score in self.scores]
+
+    def _text(self) -> str:
+        return (f"HeadScores({self.model}: {self.n_layers} layers x {self.n_heads} heads; scores {', '.join(self.scores)}"
+                + "".join(f"; {lab}: {n} head{'s' * (n != 1)} >= {show.number(m)}, top {show.heads_text(top[:3])}"
+                          for lab, _, m, n, top in self._lines()) + ")")
+
+    def _html(self) -> str:
+        lines = self._lines()
+        labelled = [s for _, s, _, _, _ in lines]
+        rows = [(lab, f"{s} ≥ {show.number(m)}", str(n), show.heads_text(top)) for lab, s, m, n, top in lines]
+        rows += [("", name, "", show.heads_text(show.top_heads(t))) for name, t in self.scores.items()
+                 if name not in set(labelled)]
+        shown = labelled + [n for n in self.scores if n not in set(labelled)]
+        grids = "".join(show.grid(self.scores[n], n) for n in shown[:show.MAX_GRIDS])
+        return show.box(f"HeadScores: {self.model}, {self.n_layers} layers × {self.n_heads} heads",
+                        show.table(rows, ("label", "threshold", "heads", f"top {show.TOP} (score)")), grids)

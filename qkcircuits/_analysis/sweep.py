@@ -25,7 +25,8 @@ from torch import Tensor
 
 from .._foundation.capture import check_layers
 from .._foundation.backends import BackendLike, as_backend
-from .._foundation.display import Displayed
+from .._foundation import display as show
+from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .._foundation.args import check_model, check_tokens
 from .._foundation.heads import Head
@@ -35,8 +36,8 @@ from .metrics import as_metric, default_tokens
 from .ablate import Runner, ablate, copies_per_forward, make_replacement, prepare_metric, progress_bar, run_groups
 
 
-@dataclass(repr=False)      # the repr comes from Displayed (_foundation.display)
-class HeadEffects(Displayed):
+@dataclass(repr=False)      # the repr is _text (Result)
+class HeadEffects(Result):
     """Per-head effects with the settings that produced them: ``sign · (metric(clean) − metric(ablated))``,
     positive = the head matters (a loss: ablated − clean; ``higher_is_better``: clean − ablated; see
     ``metrics``). ``baseline`` is the metric's own clean value.
@@ -44,6 +45,10 @@ class HeadEffects(Displayed):
     ``kind`` is ``"sweep"`` (measured: one ablation per head) or ``"attribution"`` (first-order
     estimate). Layers not swept hold NaN.
     """
+
+    SCHEMA = "qkcircuits.head_effects/1"
+    WHAT = "an ablate --json output (qkcircuits head-effects JSON)"
+    KEYS = ("effects", "baseline", "model", "method", "metric")
 
     effects: Float[Tensor, "layer head"]
     baseline: float
@@ -59,8 +64,9 @@ class HeadEffects(Displayed):
     timing: Dict[str, float] = field(default_factory=dict)     # startup_s, load_s, sweep_s (seconds)
     backend: Dict[str, Any] = field(default_factory=dict)      # {"name": "ray", "workers", "shards", ...}
     higher_is_better: bool = False                             # the metric's sign convention (effects: + = matters)
+    settings: Dict[str, Any] = field(default_factory=dict)  # versions (``settings["versions"]``)
 
-    def top(self, k: int = 10, *, by: str = "value") -> List[Tuple[Head, float]]:
+    def top(self, k: int = 5, *, by: str = "value") -> List[Tuple[Head, float]]:
         """The ``k`` heads with the largest effect (``by="abs"``: largest magnitude)."""
         if by not in ("value", "abs"):
             raise QKCircuitsError(f"by must be 'value' or 'abs', got {by!r}")
@@ -71,20 +77,42 @@ class HeadEffects(Displayed):
         order = key.flatten().argsort(descending=True)[:k]
         return [(Head(int(i) // n_heads, int(i) % n_heads), float(self.effects.flatten()[i])) for i in order]
 
-    def to_json(self) -> str:
-        """JSON text; effects rounded to 6 decimals, NaN (layers not swept) as ``null``."""
+    def to_frame(self):
+        """One row per head: layer, head, effect (NaN for layers not swept)."""
+        import pandas as pd
+
+        L, H = self.effects.shape
+        return pd.DataFrame([{"layer": l, "head": h, "effect": float(self.effects[l, h])}
+                             for l in range(L) for h in range(H)])
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Every field; effects rounded to 6 decimals, NaN (layers not swept) as ``null``."""
         d = asdict(self)
         d["effects"] = [[json_number(v) for v in row] for row in self.effects.tolist()]
-        return json.dumps(d, indent=1)
+        return d
 
     @classmethod
-    def from_json(cls, text: str) -> "HeadEffects":
-        """Read ``to_json`` output; keys that are not fields (e.g. the CLI's ``n_seqs``, ``seed``) are ignored."""
-        d = json.loads(text)
+    def _from_dict(cls, d: Dict[str, Any]) -> "HeadEffects":
+        """Keys that are not fields (e.g. the CLI's ``n_seqs``, ``seed``) are ignored."""
+        d = dict(d, settings=d.get("settings", {}))
         d["effects"] = torch.tensor([[float("nan") if v is None else v for v in row] for row in d["effects"]])
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
+    def _text(self) -> str:
+        L, H = self.effects.shape
+        top = show.top_heads(self.effects, by_abs=True)
+        return (f"HeadEffects({self.model}: {L} layers x {H} heads; {self.kind}, {self.method} ablation, {self.metric} "
+                f"baseline {show.number(self.baseline)}; largest |effect|: {show.heads_text(top[:3])})")
+
+    def _html(self) -> str:
+        top = show.top_heads(self.effects, by_abs=True)
+        rows = [("metric", f"{self.metric} (clean {show.number(self.baseline)})"),
+                ("ablation", f"{self.method} ({self.kind})"),
+                ("prompts", f"{self.n_prompts} × {self.n_positions} tokens"),
+                (f"top {show.TOP} by |effect|", show.heads_text(top))]
+        return show.box(f"HeadEffects: {self.model}", show.table(rows),
+                        show.grid(self.effects, "metric(ablated) − metric(clean)", True))
 
 
 def sweep(model, tokens, metric="induction-loss", method: str = "zero", *, reference=None,

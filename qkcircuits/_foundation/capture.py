@@ -29,7 +29,8 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .attention import attention_scale, native_rotary, rotate_native
-from .display import Displayed
+from . import display as show
+from .result import Result
 from .errors import QKCircuitsError
 from .heads import Head, HeadsLike, kv_head, model_heads, n_kv_heads
 
@@ -98,16 +99,21 @@ def expand_kv(t: Float[Tensor, "batch pos kv d"], n_heads: int) -> Float[Tensor,
     return t.repeat_interleave(group, dim=2) if group > 1 else t
 
 
-@dataclass(repr=False)      # the repr comes from Displayed (_foundation.display)
-class Activations(Displayed):
+@dataclass(repr=False)      # the repr is _text (Result)
+class Activations(Result):
     """What ``capture`` read: ``acts[name, layer]`` per query head; ``acts.kv(name, layer)`` per KV head.
 
     Holds, for each captured layer and name, one tensor of the shape in ``NAMES`` (detached, on
     the model's device). K/V are stored once per KV head and expanded on access.
     """
 
+    SCHEMA = "qkcircuits.activations/1"
+    WHAT = "a qkcircuits activations JSON"
+    KEYS = ("n_heads", "tensors")
+
     n_heads: int
     tensors: Dict[Tuple[str, int], Tensor] = field(default_factory=dict)
+    settings: Dict[str, object] = field(default_factory=dict)
 
     def __getitem__(self, key: Tuple[str, int]) -> Tensor:
         name, layer = key
@@ -130,6 +136,43 @@ class Activations(Displayed):
         except KeyError:
             have = sorted({f"{n}@{l}" for n, l in self.tensors})
             raise QKCircuitsError(f"({name!r}, {layer}) was not captured; captured: {', '.join(have)}") from None
+
+    def top(self, k: int = 5) -> List[Tuple[str, float]]:
+        """The ``k`` captured tensors with the largest RMS, largest first: ``("name@layer", rms)``."""
+        rms = sorted(((f"{n}@{l}", float(t.float().pow(2).mean().sqrt())) for (n, l), t in self.tensors.items()),
+                     key=lambda x: -x[1])
+        return rms[:k]
+
+    def to_frame(self):
+        """One row per captured tensor: name, layer, shape (as stored), dtype, rms."""
+        import pandas as pd
+
+        return pd.DataFrame([{"name": n, "layer": l, "shape": list(t.shape), "dtype": str(t.dtype),
+                              "rms": float(t.float().pow(2).mean().sqrt())} for (n, l), t in sorted(self.tensors.items())])
+
+    def to_dict(self) -> Dict[str, object]:
+        """Every tensor as nested lists (as stored: K/V per KV head) with its shape and dtype; large for big runs."""
+        return {"n_heads": self.n_heads, "settings": self.settings,
+                "tensors": [{"name": n, "layer": l, "dtype": str(t.dtype).replace("torch.", ""),
+                             "shape": list(t.shape), "values": t.detach().float().cpu().tolist()}
+                            for (n, l), t in sorted(self.tensors.items())]}
+
+    @classmethod
+    def _from_dict(cls, d: Dict[str, object]) -> "Activations":
+        tensors = {(e["name"], int(e["layer"])): torch.tensor(e["values"], dtype=getattr(torch, e["dtype"]))
+                   .reshape(e["shape"]) for e in d["tensors"]}
+        return cls(int(d["n_heads"]), tensors, dict(d.get("settings", {})))
+
+    def _text(self) -> str:
+        items = sorted(self.tensors.items())
+        return ("Activations(" + ", ".join(f"{n}@{l} {list(t.shape)}" for (n, l), t in items[:8])
+                + (f", ... {len(items)} in all" if len(items) > 8 else "") + ")")
+
+    def _html(self) -> str:
+        items = sorted(self.tensors.items())
+        return show.box("Activations", show.table([(n, str(l), str(list(t.shape)), str(t.dtype))
+                                                   for (n, l), t in items[:64]],
+                                                  ("name", "layer", "shape (as stored)", "dtype")))
 
 
 

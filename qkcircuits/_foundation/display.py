@@ -4,9 +4,10 @@
 >>> scores                           # doctest: +SKIP   HeadScores(toy-induction: 2 layers x 2 heads; ...)
 >>> display(scores)                  # doctest: +SKIP   in a notebook: tables of top heads, layer x head grids
 
-Each result class inherits ``Displayed`` (``__repr__`` = ``text(self)``, ``_repr_html_`` = ``html(self)``);
-the functions here dispatch on the class name, so this module imports none of the result modules (no import circles) and
-nothing heavier than torch (no plotly: a repr must not load the plotting stack).
+Each result class inherits ``Displayed`` (``__repr__`` = ``self._text()``, ``_repr_html_`` = ``self._html()``)
+and renders itself with the shared helpers here (``grid``, ``top_heads``, ``table``, ``box``, ``number``); this
+module knows no result class and imports nothing heavier than torch (no plotly: a repr must not load the
+plotting stack).
 
 Size bound: a grid draws one 9-px cell per head (``<i>`` with a colour and a hover title, ~53 bytes) for at
 most ``MAX_CELLS`` heads; bigger models show the per-layer maximum instead (one cell per layer, said so);
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import html as _html
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -35,7 +36,8 @@ CSS = ("<style>.qk-r{font:12px/1.35 system-ui,sans-serif;color:#222}.qk-r table{
        ".qk-r .g i{width:9px;height:9px;display:block}.qk-r .m{color:#666}</style>")
 
 
-def _f(x, digits: int = 4) -> str:
+def number(x, digits: int = 4) -> str:
+    """A short number: 4 decimals, trailing zeros dropped; 3 significant digits when tiny or huge; "nan"."""
     x = float(x)
     if math.isnan(x):
         return "nan"
@@ -44,7 +46,7 @@ def _f(x, digits: int = 4) -> str:
     return f"{x:.{digits}f}".rstrip("0").rstrip(".")
 
 
-def _e(s) -> str:
+def escape(s) -> str:
     return _html.escape(str(s), quote=True)
 
 
@@ -79,9 +81,9 @@ def grid(t: Tensor, title: str, signed: Optional[bool] = None) -> str:
     for layer, row in enumerate(t.tolist()):
         for head, v in enumerate(row):
             name = f"{layer}.{head}" if cols == H else f"L{layer}"      # L7: layer 7, its maximum
-            cells.append(f'<i style=background:{_colour(v, lo, hi, signed)} title="{name} {_f(v)}"></i>')
-    return (f'<div style="display:inline-block;vertical-align:top"><div class="m">{_e(title)}{_e(note)} '
-            f'[{_f(lo)} … {_f(hi)}]</div><div class="g" style="grid-template-columns:repeat({cols},9px)">'
+            cells.append(f'<i style=background:{_colour(v, lo, hi, signed)} title="{name} {number(v)}"></i>')
+    return (f'<div style="display:inline-block;vertical-align:top"><div class="m">{escape(title)}{escape(note)} '
+            f'[{number(lo)} … {number(hi)}]</div><div class="g" style="grid-template-columns:repeat({cols},9px)">'
             f'{"".join(cells)}</div></div>')
 
 
@@ -98,196 +100,37 @@ def top_heads(t: Tensor, k: int = TOP, by_abs: bool = False) -> List[Tuple[str, 
     return out
 
 
-def _heads_text(pairs: Sequence[Tuple[str, float]]) -> str:
-    return ", ".join(f"{h} ({_f(v, 3)})" for h, v in pairs)
+def heads_text(pairs: Sequence[Tuple[str, float]]) -> str:
+    return ", ".join(f"{h} ({number(v, 3)})" for h, v in pairs)
 
 
-def _table(rows: Sequence[Sequence[str]], header: Optional[Sequence[str]] = None) -> str:
-    head = "<tr>" + "".join(f"<th>{_e(c)}</th>" for c in header) + "</tr>" if header else ""
-    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
+def table(rows: Sequence[Sequence[str]], header: Optional[Sequence[str]] = None) -> str:
+    head = "<tr>" + "".join(f"<th>{escape(c)}</th>" for c in header) + "</tr>" if header else ""
+    body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in r) + "</tr>" for r in rows)
     return f"<table>{head}{body}</table>"
 
 
-def _box(title: str, *parts: str) -> str:
-    return f'{CSS}<div class="qk-r"><b>{_e(title)}</b>{"".join(parts)}</div>'
+def box(title: str, *parts: str) -> str:
+    return f'{CSS}<div class="qk-r"><b>{escape(title)}</b>{"".join(parts)}</div>'
 
 
-# ------------------------------------------------------------------------------------------------ per type
-
-# (the one-line text, a thunk that builds the HTML only when a notebook asks for it)
-Rendered = Tuple[str, Callable[[], str]]
-
-def _scores(r) -> Rendered:
-    labels = r.labels()
-    counts: Dict[str, int] = {}
-    for names in labels.values():
-        for n in names:
-            counts[n] = counts.get(n, 0) + 1
-    lines = []
-    for label, (score, minimum) in r.thresholds.items():
-        if score in r.scores:
-            lines.append((label, score, minimum, counts.get(label, 0), top_heads(r.scores[score])))
-    text = (f"HeadScores({r.model}: {r.n_layers} layers x {r.n_heads} heads; scores {', '.join(r.scores)}"
-            + "".join(f"; {lab}: {n} head{'s' * (n != 1)} >= {_f(m)}, top {_heads_text(top[:3])}"
-                      for lab, _, m, n, top in lines) + ")")
-    rows = [(lab, f"{s} ≥ {_f(m)}", str(n), _heads_text(top)) for lab, s, m, n, top in lines]
-    rows += [("", name, "", _heads_text(top_heads(t))) for name, t in r.scores.items()
-             if name not in {s for _, s, _, _, _ in lines}]
-    shown = [s for _, s, _, _, _ in lines] + [n for n in r.scores if n not in {s for _, s, _, _, _ in lines}]
-    grids = "".join(grid(r.scores[n], n) for n in shown[:MAX_GRIDS])
-    return text, lambda: _box(f"HeadScores: {r.model}, {r.n_layers} layers × {r.n_heads} heads",
-                      _table(rows, ("label", "threshold", "heads", f"top {TOP} (score)")), grids)
-
-
-def _effects(r) -> Rendered:
-    L, H = r.effects.shape
-    top = top_heads(r.effects, by_abs=True)
-    text = (f"HeadEffects({r.model}: {L} layers x {H} heads; {r.kind}, {r.method} ablation, {r.metric} "
-            f"baseline {_f(r.baseline)}; largest |effect|: {_heads_text(top[:3])})")
-    rows = [("metric", f"{r.metric} (clean {_f(r.baseline)})"), ("ablation", f"{r.method} ({r.kind})"),
-            ("prompts", f"{r.n_prompts} × {r.n_positions} tokens"), (f"top {TOP} by |effect|", _heads_text(top))]
-    return text, lambda: _box(f"HeadEffects: {r.model}", _table(rows), grid(r.effects, "metric(ablated) − metric(clean)", True))
-
-
-def _group(r) -> Rendered:
-    heads = ", ".join(map(str, r.heads))
-    text = (f"GroupEffect(heads {heads}; {r.metric} {_f(r.baseline)} -> {_f(r.ablated)} "
-            f"(effect {r.effect:+.4g}); {r.method} ablation)")
-    rows = [("heads", heads), ("metric", r.metric), ("clean", _f(r.baseline)), ("ablated", _f(r.ablated)),
-            ("effect", f"{r.effect:+.4g}"), ("ablation", r.method)]
-    return text, lambda: _box("GroupEffect", _table(rows))
-
-
-def _random(r) -> Rendered:
-    heads = ", ".join(map(str, r.heads))
-    re = r.random_effects.float()
-    text = (f"RandomComparison(heads {heads}: effect {r.effect:+.4g} on {r.metric}; {re.numel()} random sets of "
-            f"{len(r.heads)}: mean {float(re.mean()):+.4g}, max {float(re.max()):+.4g}; "
-            f"{r.fraction_at_least:.0%} of draws >= the group)")
-    rows = [("heads", heads), ("effect", f"{r.effect:+.4g} ({r.metric}, {r.method} ablation, clean {_f(r.baseline)})"),
-            (f"{re.numel()} random sets", f"mean {float(re.mean()):+.4g}, median {float(re.median()):+.4g}, "
-                                          f"max {float(re.max()):+.4g}"),
-            ("draws ≥ the group", f"{r.fraction_at_least:.0%}"), ("seed", str(r.seed))]
-    return text, lambda: _box("RandomComparison", _table(rows))
-
-
-def _diagnostics(r) -> Rendered:
-    flagged = r.flagged()
-    by_flag: Dict[str, List[str]] = {}
-    for h, names in flagged:
-        for n in names:
-            by_flag.setdefault(n, []).append(str(h))
-    text = (f"HeadDiagnostics({r.model}: {r.n_layers} layers x {r.n_heads} heads; {len(flagged)} flagged"
-            + "".join(f"; {f} {len(hs)}: {', '.join(hs[:3])}{', ...' if len(hs) > 3 else ''}"
-                      for f, hs in by_flag.items()) + ")")
-    th = r.thresholds
-    rows = [(f, str(len(by_flag.get(f, []))), ", ".join(by_flag.get(f, [])[:TOP]) + (" …" if len(by_flag.get(f, [])) > TOP
-                                                                                    else "")) for f in r.flags()]
-    count = sum(v.float() for v in r.flags().values())
-    grids = grid(count, "flags per head") + "".join(grid(r.measures[m], m) for m in ("sink", "entropy_frac_mean",
-                                                                                      "qk_var_ratio")
-                                                     if m in r.measures)
-    return text, lambda: _box(f"HeadDiagnostics: {r.model} (thresholds {', '.join(f'{k} {_f(v)}' for k, v in th.items())})",
-                      _table(rows, ("flag", "heads", f"first {TOP}")), grids)
-
-
-def _composition(r) -> Rendered:
-    s = r.scores
-    L, H = s.shape[0], s.shape[1]
-    flat = torch.nan_to_num(s.flatten(), nan=-math.inf)
-    pairs = []
-    for i in flat.topk(min(TOP, flat.numel())).indices.tolist():
-        a, b = divmod(i, L * H)
-        if math.isfinite(float(flat[i])):
-            pairs.append((f"{a // H}.{a % H} → {b // H}.{b % H}", float(flat[i])))
-    text = (f"CompositionScores({r.mode}: {L} layers x {H} heads; baseline {_f(r.baseline)} subtracted; strongest: "
-            + ", ".join(f"{p} {_f(v, 3)}" for p, v in pairs[:3]) + ")")
-    best = torch.nan_to_num(s, nan=-math.inf).flatten(0, 1).amax(0)          # [L, H]: each later head's best partner
-    best[best == -math.inf] = math.nan
-    return text, lambda: _box(f"CompositionScores: {r.mode}-composition (random baseline {_f(r.baseline)} subtracted)",
-                      _table([(p, _f(v)) for p, v in pairs], ("earlier → later", "score")),
-                      grid(best, "each head's strongest earlier partner"))
-
-
-def _offsets(r) -> Rendered:
-    sm = r.summary()
-    text = (f"OffsetProfile(head {r.head}; offsets {sm['offsets'][0]}..{sm['offsets'][1]}; preferred offset "
-            f"{sm['preferred_offset']} (score {_f(sm['score_at_preferred'])}); score at 0 {_f(sm['score_at_0'])})")
-    y = r.mean_score.float()[:: max(1, r.mean_score.numel() // 256)].tolist()     # at most ~256 points drawn
-    lo, hi = min(y), max(y)
-    pts = " ".join(f"{i * 300 / max(1, len(y) - 1):.1f},{55 - 50 * (v - lo) / ((hi - lo) or 1):.1f}"
-                   for i, v in enumerate(y))
-    svg = (f'<div class="m">mean score against offset Δ ({sm["offsets"][0]} … {sm["offsets"][1]})</div>'
-           f'<svg width="310" height="60"><polyline fill="none" stroke="#2a6fb0" points="{pts}"/></svg>')
-    rows = [(k, str(v)) for k, v in sm.items()]
-    return text, lambda: _box(f"OffsetProfile: head {r.head}", _table(rows), svg)
-
-
-def _activations(r) -> Rendered:
-    items = sorted(r.tensors.items())
-    text = ("Activations(" + ", ".join(f"{n}@{l} {list(t.shape)}" for (n, l), t in items[:8])
-            + (f", ... {len(items)} in all" if len(items) > 8 else "") + ")")
-    return text, lambda: _box("Activations", _table([(n, str(l), str(list(t.shape)), str(t.dtype)) for (n, l), t in items[:64]],
-                                            ("name", "layer", "shape (as stored)", "dtype")))
-
-
-def _circuit(r) -> Rendered:
-    m = r.matrix
-    shape = f"[{m.ldim}, {m.rdim}] = [{m.ldim}, {m.mdim}] @ [{m.mdim}, {m.rdim}]"
-    text = f"Circuit({r.kind}, head {r.head}; {shape}; {'exact' if r.exact else 'caveats: ' + '; '.join(r.caveats)})"
-    rows = [("kind", r.kind), ("head", str(r.head)), ("factored", shape)] + [(k, str(v)) for k, v in r.settings.items()]
-    rows += [("caveat", c) for c in r.caveats]
-    return text, lambda: _box(f"Circuit: {r.kind} of head {r.head}", _table(rows))
-
-
-def _path_effects(r) -> Rendered:
-    """A trace: per receiver and input the top senders (effect, baseline); grids of the first receivers' effects."""
-    first = [(x, y) for x, y in ((rc, i) for rc in r.receivers[:3] for i in r.into) if r.top(x, y, 1)]
-    tops = "; ".join(f"{rc}<-{r.top(rc, x, 1)[0][0]} {x} {_f(r.top(rc, x, 1)[0][1], 3)}" for rc, x in first[:6])
-    more = f"; ... {len(r.receivers) - 3} more receivers" if len(r.receivers) > 3 else ""
-    text = (f"PathEffects({r.kind}, {r.model}: {len(r.receivers)} receiver{'s' * (len(r.receivers) != 1)}, "
-            f"into {','.join(r.into)}, {r.method}; top senders: {tops}{more})")
-    shown = r.receivers[:3 * TOP]                       # at most 15 receivers × 3 inputs rows
-    rows = []
-    for rc in shown:
-        for x in r.into:
-            b = r.baseline(rc, x)
-            rows.append((str(rc), x, _f(r.clean_value(rc, x)), _heads_text([(str(h), v) for h, v in r.top(rc, x, 3)]),
-                         f"{_f(b['mean'])} / {_f(b['p95'])}",
-                         ", ".join(r.labels.get(str(r.top(rc, x, 1)[0][0]), [])) if r.top(rc, x, 1) else ""))
-    if len(r.receivers) > len(shown):
-        rows.append((f"… {len(r.receivers) - len(shown)} more receivers", "", "", "", "", ""))
-    x0 = "k" if "k" in r.effects else r.into[0]
-    grids = "".join(grid(r.effects[x0][i], f"{rc} ← senders ({x0})", True)
-                    for i, rc in enumerate(r.receivers[:MAX_GRIDS]))
-    return text, lambda: _box(f"PathEffects ({r.kind}): {r.model}, method {r.method}, {r.n_layers} layers × {r.n_heads} heads",
-                      _table(rows, ("receiver", "input", "clean", "top 3 senders (effect)", "baseline mean / p95",
-                                    "top sender's labels")), grids)
-
-
-RENDER: Dict[str, Callable] = {
-    "HeadScores": _scores, "HeadEffects": _effects, "GroupEffect": _group, "RandomComparison": _random,
-    "HeadDiagnostics": _diagnostics, "CompositionScores": _composition, "OffsetProfile": _offsets,
-    "Activations": _activations, "Circuit": _circuit,
-    "PathEffects": _path_effects,
-}
-
-
-def text(obj) -> str:
-    """A short one-line repr: the model, the shape, the top heads."""
-    return RENDER[type(obj).__name__](obj)[0]
-
-
-def html(obj) -> str:
-    """The notebook view: tables of the top heads and compact grids (size bound in the module docs)."""
-    return RENDER[type(obj).__name__](obj)[1]()
+_f, _e = number, escape        # the old private names (tests/test_display.py reads _f)
 
 
 class Displayed:
-    """Mixin for result classes: a short ``__repr__`` and the bounded notebook ``_repr_html_`` above."""
+    """Mixin for result classes: ``__repr__`` is the class's ``_text()``, ``_repr_html_`` its ``_html()``.
+
+    A class renders itself with the helpers above; without its own ``_html`` it shows its text in a box.
+    """
+
+    def _text(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def _html(self) -> str:
+        return box(type(self).__name__, f"<div>{escape(self._text())}</div>")
 
     def __repr__(self) -> str:
-        return text(self)
+        return self._text()
 
     def _repr_html_(self) -> str:
-        return html(self)
+        return self._html()

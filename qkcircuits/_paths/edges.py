@@ -1,7 +1,7 @@
 """Edge attribution: a gradient estimate of every path-patching edge (sender → receiver's q, k or v).
 
 >>> est = qk.edge_attribution(model, "1.0")                # same PathEffects as path_patch, kind "attribution"
->>> est.kind, [str(h) for h, _ in est.top("1.0", "k", 1)]  # the previous-token head feeds 1.0's keys
+>>> est.kind, [str(h) for h, _ in est.top(1, receiver="1.0", into="k")]  # the previous-token head feeds 1.0's keys
 ('attribution', ['0.0'])
 
 (On toy-induction the estimate itself is tiny, ~1e-5 against path patching's exact 1.0: its attention is

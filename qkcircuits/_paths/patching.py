@@ -1,7 +1,7 @@
 """Path patching: how much each earlier head feeds a receiver head's queries, keys or values.
 
 >>> res = qk.path_patch(model, "1.0", into=("q", "k", "v"))     # doctest: +SKIP   every earlier head as sender
->>> res.top("1.0", "k", 3)                                      # doctest: +SKIP   [(Head(0, 0), 0.97), ...]
+>>> res.top(3, receiver="1.0", into="k")                       # doctest: +SKIP   [(Head(0, 0), 0.97), ...]
 
 For sender head s = (L, h) and receiver r at layer R > L, the sender's output is replaced
 (``method``: its mean over the prompt set per position, zero, or its output on another prompt)
@@ -315,10 +315,9 @@ def reference_label(method: str) -> str:
 
 
 def patch_settings(model, tokens: Tensor, per_position: bool, reference: str, n_edges: int, n_layers_recv: int) -> dict:
-    """The settings (prompts, reference, versions) a ``PathEffects`` records."""
-    from .. import __version__        # the package's __init__ sets it after importing this module
-    return {"n_prompts": int(tokens.shape[0]), "n_positions": int(tokens.shape[1]), "per_position": per_position,
+    """The settings (prompts, reference) a ``PathEffects`` records; ``stamped`` adds the versions."""
+    from .._foundation.result import stamped
+
+    return stamped({"n_prompts": int(tokens.shape[0]), "n_positions": int(tokens.shape[1]), "per_position": per_position,
             "reference": reference, "n_edges": n_edges, "receiver_layers": n_layers_recv,
-            "fold_ln": bool(getattr(model, "compatibility_mode", False)), "dtype": str(model.W_E.dtype),
-            "qkcircuits": __version__, "transformer_lens": package_version("transformer-lens"),
-            "torch": torch.__version__}
+            "fold_ln": bool(getattr(model, "compatibility_mode", False)), "dtype": str(model.W_E.dtype)})

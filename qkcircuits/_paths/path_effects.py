@@ -1,7 +1,7 @@
 """Path-patching results as data: per receiver head and input (q, k, v), one effect per sender head.
 
 >>> res = qk.path_patch(model, "1.0")                    # doctest: +SKIP
->>> res.top("1.0", "k", 3)                               # doctest: +SKIP  [(Head(0, 0), 0.97), ...]
+>>> res.top(3, receiver="1.0", into="k")                # doctest: +SKIP  [(Head(0, 0), 0.97), ...]
 >>> res.baseline("1.0", "k")                             # doctest: +SKIP  {"mean": 0.003, "p95": 0.01}
 >>> res.to_frame()                                       # doctest: +SKIP  one row per (receiver, input, sender)
 >>> PathEffects.from_json(res.to_json())                 # doctest: +SKIP  the JSON contract of ``qkcircuits trace``
@@ -15,18 +15,19 @@ matters": clean − patched for a score, patched − clean for a loss (``higher_
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .._foundation.display import Displayed
+from .._foundation import display as show
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head
-from .._foundation.io import check_int, dump_json, json_number, load_json
+from .._foundation.io import check_int, json_number
+from .._foundation.result import Result
 
 INPUTS = ("q", "k", "v")
 SCHEMA = "qkcircuits.path_effects/1"
@@ -38,8 +39,8 @@ def _check_input(x: str) -> str:
     return x
 
 
-@dataclass(repr=False)      # the repr comes from Displayed (_foundation.display)
-class PathEffects(Displayed):
+@dataclass(repr=False)      # the repr is _text (Result)
+class PathEffects(Result):
     """What ``path_patch`` / ``edge_attribution`` / ``trace_induction`` measured; see the module docstring.
 
     ``clean[input]`` is ``Float[Tensor, "receiver"]``: the receiver's metric on the clean run.
@@ -47,6 +48,10 @@ class PathEffects(Displayed):
     ``"attribution"`` (first-order estimate). ``labels`` (sender scan labels) and
     ``k_composition_spearman`` (per receiver) are filled by ``trace_induction``.
     """
+
+    SCHEMA = SCHEMA
+    WHAT = "a trace's --json output (qkcircuits trace JSON)"
+    KEYS = ("model", "method", "metrics", "n_layers", "n_heads", "receivers")
 
     model: str
     method: str
@@ -85,10 +90,21 @@ class PathEffects(Displayed):
         row = self._row(receiver, self.into[0])
         return [Head(int(l), int(h)) for l, h in (~row.isnan()).nonzero().tolist()]
 
-    def top(self, receiver, into: str = "k", k: int = 5) -> List[Tuple[Head, float]]:
-        """The ``k`` senders with the largest effect on ``into`` of ``receiver``, largest first."""
+    def top(self, k: Any = 5, *old: Any, receiver: Any = None, into: str = "k") -> List[Tuple[Head, float]]:
+        """The ``k`` senders with the largest effect on input ``into`` of ``receiver`` (default the first
+        receiver), largest first. The old order ``top(receiver, into, k)`` still works (deprecated)."""
+        if isinstance(k, (str, Head, tuple, list)):          # old call form: top(receiver, into="k", k=5)
+            warnings.warn("PathEffects.top(receiver, into, k) is deprecated; use top(k, receiver=..., into=...)",
+                          DeprecationWarning, stacklevel=2)
+            receiver, k = k, 5
+            if old:
+                into = old[0]
+            if len(old) > 1:
+                k = old[1]
+        elif old:
+            raise QKCircuitsError("PathEffects.top takes k, then receiver= and into= by keyword")
         check_int("k", k)
-        row = self._row(receiver, into)
+        row = self._row(self.receivers[0] if receiver is None else receiver, into)
         flat = torch.nan_to_num(row.flatten(), nan=-math.inf)
         n = int((~row.isnan()).sum())
         vals, idx = flat.topk(min(k, n)) if n else (flat[:0], flat[:0].long())
@@ -147,38 +163,29 @@ class PathEffects(Displayed):
                 return json_number(self.clean[x][i])
         return None
 
-    def to_json(self, path: Optional[Union[str, Path]] = None, indent: int = 1) -> str:
-        """JSON text (written atomically to ``path`` when given); NaN as ``null``."""
-        return dump_json(self.to_dict(), path, indent)
-
     @classmethod
-    def from_json(cls, text_or_path: Union[str, Path]) -> "PathEffects":
-        d = load_json(text_or_path, "a trace's --json output", schema=SCHEMA)
-        try:
-            L, H = int(d["n_layers"]), int(d["n_heads"])
-            receivers = [Head.parse(r) for r in d["receivers"]]
-            into = [x for x in INPUTS if x in d["metrics"]]
-            effects = {x: torch.full((len(receivers), L, H), float("nan")) for x in into}
-            clean = {x: torch.full((len(receivers),), float("nan")) for x in into}
-            spear: Dict[str, Optional[float]] = {}
-            attn = torch.full((len(receivers),), float("nan"))
-            for i, (name, rd) in enumerate(d["receivers"].items()):
-                attn[i] = float("nan") if rd.get("clean") is None else float(rd["clean"])
-                for x in into:
-                    for s, v in rd[x].items():
-                        h = Head.parse(s)
-                        effects[x][i, h.layer, h.head] = float("nan") if v is None else float(v)
-                    cm = rd.get("clean_metric", {}).get(x)
-                    clean[x][i] = float("nan") if cm is None else float(cm)
-                if "k_composition_spearman" in rd:
-                    spear[name] = rd["k_composition_spearman"]
-            return cls(model=d["model"], method=d["method"], receivers=receivers, into=into,
-                       metrics=dict(d["metrics"]), effects=effects, clean=clean, kind=d.get("kind", "exact"),
-                       n_layers=L, n_heads=H, settings=d.get("settings", {}), labels=d.get("labels", {}),
-                       k_composition_spearman=spear, clean_attention=attn)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError, OverflowError) as e:
-            raise QKCircuitsError(f"not a qkcircuits trace JSON ({type(e).__name__}: {e}); expected the keys model, "
-                                  f"method, metrics, n_layers, n_heads, receivers") from None
+    def _from_dict(cls, d: Dict[str, Any]) -> "PathEffects":
+        L, H = int(d["n_layers"]), int(d["n_heads"])
+        receivers = [Head.parse(r) for r in d["receivers"]]
+        into = [x for x in INPUTS if x in d["metrics"]]
+        effects = {x: torch.full((len(receivers), L, H), float("nan")) for x in into}
+        clean = {x: torch.full((len(receivers),), float("nan")) for x in into}
+        spear: Dict[str, Optional[float]] = {}
+        attn = torch.full((len(receivers),), float("nan"))
+        for i, (name, rd) in enumerate(d["receivers"].items()):
+            attn[i] = float("nan") if rd.get("clean") is None else float(rd["clean"])
+            for x in into:
+                for s, v in rd[x].items():
+                    h = Head.parse(s)
+                    effects[x][i, h.layer, h.head] = float("nan") if v is None else float(v)
+                cm = rd.get("clean_metric", {}).get(x)
+                clean[x][i] = float("nan") if cm is None else float(cm)
+            if "k_composition_spearman" in rd:
+                spear[name] = rd["k_composition_spearman"]
+        return cls(model=d["model"], method=d["method"], receivers=receivers, into=into,
+                   metrics=dict(d["metrics"]), effects=effects, clean=clean, kind=d.get("kind", "exact"),
+                   n_layers=L, n_heads=H, settings=d.get("settings", {}), labels=d.get("labels", {}),
+                   k_composition_spearman=spear, clean_attention=attn)
 
     # ------------------------------------------------------------------------------------- display
     def summary(self, receiver, into: str = "k") -> str:
@@ -186,7 +193,7 @@ class PathEffects(Displayed):
         sender 0.05; baseline mean 0.01)"."""
         r = Head.parse(receiver)
         word = {"q": "queries", "k": "keys", "v": "values"}[_check_input(into)]
-        top = self.top(r, into, 2)
+        top = self.top(2, receiver=r, into=into)
         if not top:
             return f"{r} has no earlier heads to read its {word} from"
         (s, e), nxt = top[0], (top[1][1] if len(top) > 1 else float("nan"))
@@ -195,3 +202,33 @@ class PathEffects(Displayed):
         return (f"{r} reads its {word} from {s} ({lab}; effect {e:.2f} of the clean {self.clean_value(r, into):.2f}; "
                 f"next sender {nxt:.2f}; baseline mean {b['mean']:.2f})")
 
+
+    def _text(self) -> str:
+        first = [(rc, x) for rc in self.receivers[:3] for x in self.into if self.top(1, receiver=rc, into=x)]
+        tops = "; ".join(f"{rc}<-{t[0]} {x} {show.number(t[1], 3)}"
+                         for rc, x in first[:6] for t in self.top(1, receiver=rc, into=x))
+        more = f"; ... {len(self.receivers) - 3} more receivers" if len(self.receivers) > 3 else ""
+        return (f"PathEffects({self.kind}, {self.model}: {len(self.receivers)} receiver"
+                f"{'s' * (len(self.receivers) != 1)}, into {','.join(self.into)}, {self.method}; top senders: "
+                f"{tops}{more})")
+
+    def _html(self) -> str:
+        """Per receiver and input the top senders (effect, baseline); grids of the first receivers' effects."""
+        shown = self.receivers[:3 * show.TOP]                # at most 15 receivers × 3 inputs rows
+        rows = []
+        for rc in shown:
+            for x in self.into:
+                b, top3 = self.baseline(rc, x), self.top(3, receiver=rc, into=x)
+                rows.append((str(rc), x, show.number(self.clean_value(rc, x)),
+                             show.heads_text([(str(h), v) for h, v in top3]),
+                             f"{show.number(b['mean'])} / {show.number(b['p95'])}",
+                             ", ".join(self.labels.get(str(top3[0][0]), [])) if top3 else ""))
+        if len(self.receivers) > len(shown):
+            rows.append((f"… {len(self.receivers) - len(shown)} more receivers", "", "", "", "", ""))
+        x0 = "k" if "k" in self.effects else self.into[0]
+        grids = "".join(show.grid(self.effects[x0][i], f"{rc} ← senders ({x0})", True)
+                        for i, rc in enumerate(self.receivers[:show.MAX_GRIDS]))
+        return show.box(f"PathEffects ({self.kind}): {self.model}, method {self.method}, {self.n_layers} layers × "
+                        f"{self.n_heads} heads",
+                        show.table(rows, ("receiver", "input", "clean", "top 3 senders (effect)",
+                                          "baseline mean / p95", "top sender's labels")), grids)

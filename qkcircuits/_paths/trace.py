@@ -1,6 +1,6 @@
 """Trace the induction circuit: which earlier heads feed the top induction heads' queries, keys and values.
 
->>> res = qk.trace_induction(model, top=1, progress=False)   # scan, then path-patch every earlier head
+>>> res = qk.trace_induction(model, k=1, progress=False)   # scan, then path-patch every earlier head
 >>> res.receivers, res.labels["0.0"]
 ([Head(layer=1, head=0)], ['previous-token'])
 >>> print(res.summary(res.receivers[0], "k"))
@@ -15,11 +15,13 @@ with ``labels`` (each sender's scan labels) and ``k_composition_spearman`` fille
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .._analysis.detect import scan
+from .._analysis.detectors import labelled_scores
 from .._foundation.backends import BackendLike, as_backend
 from .._foundation.errors import QKCircuitsError
+from .._foundation.renamed import renamed
 from .._foundation.heads import Head, HeadsLike, model_heads
 from .._foundation.io import check_int
 from .._foundation.stats import spearman
@@ -29,15 +31,16 @@ from .path_effects import PathEffects
 from .patching import local_path_patch
 
 
-# What a trace reads of a scan: the induction ranking (receivers) and the sender labels, whose
-# thresholds (``_detect.THRESHOLDS``) use exactly these three scores. They share ONE streamed pass
-# over [BOS]+R+R that stops after the last layer's attention (no prefix-matching or copying pass).
-TRACE_SCORES = ("induction", "previous_token", "duplicate_token")
+def trace_scores() -> Tuple[str, ...]:
+    """What a trace reads of a scan: the induction ranking (receivers) and the sender labels, i.e. the
+    labelled detectors of the registry (built in: induction, previous_token, duplicate_token). They share ONE
+    streamed pass over [BOS]+R+R that stops after the last layer's attention (no prefix-matching or copying)."""
+    return tuple(dict.fromkeys(("induction",) + labelled_scores()))
 
 
 def scan_for_trace(model, progress: bool = True):
-    """The scan whose induction ranking and labels a trace reads: only ``TRACE_SCORES``."""
-    return scan(model, scores=list(TRACE_SCORES), progress=progress)
+    """The scan whose induction ranking and labels a trace reads: only ``trace_scores()``."""
+    return scan(model, scores=list(trace_scores()), progress=progress)
 
 
 def k_composition_spearman(model, res: PathEffects) -> Dict[str, Optional[float]]:
@@ -57,11 +60,12 @@ def k_composition_spearman(model, res: PathEffects) -> Dict[str, Optional[float]
     return out
 
 
-def trace(model, receivers: Optional[HeadsLike] = None, *, top: int = 3, into: Sequence[str] = ("q", "k", "v"),
+@renamed(top="k")
+def trace(model, receivers: Optional[HeadsLike] = None, *, k: int = 3, into: Sequence[str] = ("q", "k", "v"),
           method: str = "mean", attribution: bool = False, scores=None, tokens=None,
           progress: bool = True, backend: BackendLike = None, ray_address: Optional[str] = None,
           workers: Optional[int] = None, load_kwargs: Optional[dict] = None) -> PathEffects:
-    """What ``qkcircuits trace`` computes: path effects into ``receivers`` (default: the ``top`` induction
+    """What ``qkcircuits trace`` computes: path effects into ``receivers`` (default: the ``k`` induction
     heads of a scan, layer ≥ 1), with the senders' scan labels and the K-composition agreement.
 
     ``model``: a loaded model or a spec, on any backend. ``attribution=True`` estimates the edges by
@@ -71,7 +75,7 @@ def trace(model, receivers: Optional[HeadsLike] = None, *, top: int = 3, into: S
     scan, patching and K-composition run on the workers (``qkcircuits._scale.ray_patching.ray_trace``).
     ``load_kwargs``: ``qk.load`` options used where a spec is loaded.
     """
-    check_int("top", top)
+    top = check_int("k", k)
     chosen = as_backend(backend, address=ray_address, workers=workers)
     if load_kwargs:
         chosen = replace(chosen, load_kwargs={**getattr(chosen, "load_kwargs", {}), **load_kwargs})
@@ -103,9 +107,10 @@ def local_trace(model, receivers: Optional[HeadsLike] = None, *, top: int = 3, i
     return res
 
 
-def trace_induction(model, top: int = 3, **kwargs) -> PathEffects:
-    """For the ``top`` detected induction heads: the path effect through Q, K and V of every earlier head,
-    ranked (``res.top(r, "k")``), the baseline (``res.baseline(r, "k")``: mean and 95th percentile over
+@renamed(top="k")
+def trace_induction(model, k: int = 3, **kwargs) -> PathEffects:
+    """For the ``k`` detected induction heads: the path effect through Q, K and V of every earlier head,
+    ranked (``res.top(k, receiver=r, into="k")``), the baseline (``res.baseline(r, "k")``: mean and 95th percentile over
     all senders), each sender's scan labels (``res.labels``) and the Spearman agreement of the K-path
     effects with the weights-only K-composition scores (``res.k_composition_spearman``)."""
-    return trace(model, top=top, **kwargs)
+    return trace(model, k=k, **kwargs)

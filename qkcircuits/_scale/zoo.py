@@ -23,23 +23,30 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .._foundation.backends import BackendLike, Local, Ray, as_backend
+from .._analysis.detectors import detector
 from .._foundation.errors import QKCircuitsError
-from .._foundation.io import check_int, dump_json, json_number, load_json
+from .._foundation.io import check_int, json_number
+from .._foundation.result import Result
 
 SCHEMA = "qkcircuits.zoo/1"
-ZOO_KEYS = ("model", "n_layers", "n_heads", "induction", "previous_token", "confirmation", "k_sources")
+# The detectors a zoo entry lists heads of (their names are JSON keys; thresholds come from the registry).
+ZOO_DETECTORS = ("induction", "previous_token")
+ZOO_KEYS = ("model", "n_layers", "n_heads", *ZOO_DETECTORS, "confirmation", "k_sources")
 K_SOURCES_NOTE = ("k_sources: per listed induction head, the earlier head with the largest K-path effect (exact "
                   "path patching into its keys, mean ablation, the scan's prompts) when that effect is above the "
                   "receiver's 95th percentile over all senders; null: no sender stands out (or a layer-0 head)")
 
 
-@dataclass
-class Zoo:
+@dataclass(repr=False)      # the repr is _text (Result)
+class Zoo(Result):
     """One summary dict per model (``ZOO_KEYS`` plus ``name``, ``strongest``, ``scores``, ``timing_s``)."""
+
+    SCHEMA = SCHEMA
+    WHAT = "a 'qkcircuits zoo --json' output"
+    KEYS = ("models",)
 
     models: List[Dict[str, Any]]
     settings: Dict[str, Any] = field(default_factory=dict)
@@ -49,22 +56,29 @@ class Zoo:
         return {"schema": SCHEMA, "models": self.models, "settings": self.settings, "timing": self.timing,
                 "notes": {"k_sources": K_SOURCES_NOTE}}
 
-    def to_json(self, path: Optional[Union[str, Path]] = None) -> str:
-        return dump_json(self.to_dict(), path)
-
     @classmethod
-    def from_json(cls, text_or_path: Union[str, Path]) -> "Zoo":
-        d = load_json(text_or_path, "a 'qkcircuits zoo --json' output", schema=SCHEMA)
+    def _from_dict(cls, d: Dict[str, Any]) -> "Zoo":
         if not isinstance(d.get("models"), list):
             raise QKCircuitsError("not a qkcircuits zoo JSON: no 'models' list")
         return cls(d["models"], d.get("settings", {}), d.get("timing", {}))
+
+    def top(self, k: int = 5, kind: str = "induction") -> List[Tuple[str, float]]:
+        """The ``k`` highest-scoring listed heads of ``kind`` over all models: ``("model L.H", score)``."""
+        rows = [(f"{m['model']} {h['head']}", float(h["score"])) for m in self.models for h in m.get(kind, [])]
+        return sorted(rows, key=lambda r: -r[1])[:k]
+
+    def _text(self) -> str:
+        parts = [f"{m['model']}: {len(m.get('induction', []))} induction, {len(m.get('previous_token', []))} "
+                 f"previous-token" for m in self.models[:5]]
+        more = f"; ... {len(self.models) - 5} more" if len(self.models) > 5 else ""
+        return f"Zoo({len(self.models)} models; " + "; ".join(parts) + more + ")"
 
     def to_frame(self):
         """One row per (model, head kind, head): model, kind, head, layer, score, depth."""
         import pandas as pd
 
         rows = [{"model": m["model"], "kind": kind, **h, "layer": int(h["head"].split(".")[0])}
-                for m in self.models for kind in ("induction", "previous_token") for h in m[kind]]
+                for m in self.models for kind in ZOO_DETECTORS for h in m[kind]]
         return pd.DataFrame(rows, columns=["model", "kind", "head", "layer", "score", "depth"])
 
 
@@ -73,8 +87,8 @@ def summarise(spec: str, scores, *, max_heads: int = 10) -> Dict[str, Any]:
     L, H = scores.n_layers, scores.n_heads
     out: Dict[str, Any] = {"model": spec, "name": scores.model, "n_layers": L, "n_heads": H}
     strongest = {}
-    for kind, (score, minimum) in (("induction", scores.thresholds["induction"]),
-                                   ("previous_token", scores.thresholds["previous-token"])):
+    for kind in ZOO_DETECTORS:
+        score, minimum = kind, detector(kind).threshold
         ranked = scores.top(L * H, score)
         heads = [_head(h, v, L) for h, v in ranked if v >= minimum][:max_heads]
         out[kind] = heads
@@ -87,7 +101,7 @@ def summarise(spec: str, scores, *, max_heads: int = 10) -> Dict[str, Any]:
         "heads": conf["heads"], "n_draws": len(conf["random_effects"]), "baseline": json_number(conf["baseline"])}
     out["k_sources"] = None
     out["scores"] = {k: [[json_number(x) for x in row] for row in scores[k].tolist()]
-                     for k in ("induction", "previous_token")}
+                     for k in ZOO_DETECTORS}
     return out
 
 
@@ -108,7 +122,7 @@ def scan_one(spec: str, *, load_kwargs: Optional[Dict[str, Any]] = None, confirm
     t1 = time.perf_counter()
     k = min(confirm_top, max(0, (model.cfg.n_layers * model.cfg.n_heads) // 2))
     # only the scores the zoo reports: one streamed pass over [BOS]+R+R (plus the causal check)
-    scores = scan(model, scores=["induction", "previous_token"], n_seqs=n_seqs, seed=seed, confirm_top=k,
+    scores = scan(model, scores=list(ZOO_DETECTORS), n_seqs=n_seqs, seed=seed, confirm_top=k,
                   progress=False)
     out = summarise(spec, scores, max_heads=max_heads)
     t2 = time.perf_counter()
@@ -141,7 +155,7 @@ def k_sources(model, heads: Sequence[str], *, n_seqs: int = 8, seed: int = 0) ->
         return out
     res = path_patch(model, recv, into=("k",), tokens=default_prompts(model, n_seqs, seed), progress=False)
     for r in recv:
-        top = res.top(r, "k", 1)
+        top = res.top(1, receiver=r, into="k")
         if top and top[0][1] > res.baseline(r, "k")["p95"]:
             out[str(r)] = str(top[0][0])
     return out
@@ -178,7 +192,7 @@ def zoo(models: Sequence[str], *, backend: BackendLike = "local", ray_address: O
     kwargs = dict(load_kwargs=load_kwargs or {}, confirm_top=confirm_top, n_seqs=n_seqs, seed=seed,
                   max_heads=max_heads)
     settings = {"confirm_top": confirm_top, "n_seqs": n_seqs, "seed": seed, "max_heads": max_heads,
-                "thresholds": {"induction": 0.4, "previous_token": 0.4}, "depth": "layer / n_layers",
+                "thresholds": {k: detector(k).threshold for k in ZOO_DETECTORS}, "depth": "layer / n_layers",
                 "backend": backend}
     t0 = time.perf_counter()
     if backend == "ray":

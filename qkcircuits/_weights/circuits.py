@@ -37,7 +37,8 @@ from torch import Tensor
 from transformer_lens.FactoredMatrix import FactoredMatrix
 
 from .._foundation.attention import attention_scale, sliding_window  # noqa: F401  (re-exported: the one scale reader)
-from .._foundation.display import Displayed
+from .._foundation import display as show
+from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .._foundation.args import check_integer, check_model
 from .._foundation.heads import Head, HeadsLike, model_heads, n_kv_heads
@@ -407,12 +408,17 @@ def top_tokens(matrix: FactoredMatrix, index: int, k: int = 10, dim: str = "row"
 
 # ------------------------------------------------------------------------------------------ results
 
-@dataclass(repr=False)      # the repr comes from Displayed (_foundation.display)
-class Circuit(Displayed):
+@dataclass(repr=False)      # the repr is _text (Result)
+class Circuit(Result):
     """A circuit plus what made it: ``matrix`` (FactoredMatrix), ``kind``, ``head``, ``settings``, ``caveats``.
 
-    ``exact`` is False when ``caveats`` lists a way the model's scores leave the bilinear form.
+    ``exact`` is False when ``caveats`` lists a way the model's scores leave the bilinear form. The JSON
+    holds the two factors A [d_left, d_mid] and B [d_mid, d_right] (never their product).
     """
+
+    SCHEMA = "qkcircuits.circuit/1"
+    WHAT = "a qkcircuits circuit JSON"
+    KEYS = ("kind", "head", "A", "B")
 
     matrix: FactoredMatrix
     kind: str
@@ -423,6 +429,39 @@ class Circuit(Displayed):
     @property
     def exact(self) -> bool:
         return not self.caveats
+
+    def top(self, k: int = 5) -> List[Tuple[int, float]]:
+        """The ``k`` largest singular values of the circuit: ``(index, value)`` (from the factors only)."""
+        S = self.matrix.S.flatten()
+        return [(i, float(S[i])) for i in range(min(k, S.numel()))]
+
+    def to_frame(self):
+        """One row per singular value: index, value."""
+        import pandas as pd
+
+        return pd.DataFrame({"index": list(range(self.matrix.S.numel())), "singular_value": self.matrix.S.tolist()})
+
+    def to_dict(self) -> Dict[str, object]:
+        return {"kind": self.kind, "head": str(self.head), "A": self.matrix.A.tolist(), "B": self.matrix.B.tolist(),
+                "settings": self.settings, "caveats": list(self.caveats)}
+
+    @classmethod
+    def _from_dict(cls, d: Dict[str, object]) -> "Circuit":
+        return cls(FactoredMatrix(torch.tensor(d["A"]), torch.tensor(d["B"])), str(d["kind"]), Head.parse(d["head"]),
+                   dict(d.get("settings", {})), list(d.get("caveats", [])))
+
+    def _shape(self) -> str:
+        m = self.matrix
+        return f"[{m.ldim}, {m.rdim}] = [{m.ldim}, {m.mdim}] @ [{m.mdim}, {m.rdim}]"
+
+    def _text(self) -> str:
+        return (f"Circuit({self.kind}, head {self.head}; {self._shape()}; "
+                f"{'exact' if self.exact else 'caveats: ' + '; '.join(self.caveats)})")
+
+    def _html(self) -> str:
+        rows = [("kind", self.kind), ("head", str(self.head)), ("factored", self._shape())]
+        rows += [(k, str(v)) for k, v in self.settings.items() if k != "versions"] + [("caveat", c) for c in self.caveats]
+        return show.box(f"Circuit: {self.kind} of head {self.head}", show.table(rows))
 
 
 

@@ -20,7 +20,7 @@ doubles per block of 8 earlier heads; the [L, H, L, H] result.
 from __future__ import annotations
 
 import functools
-import json
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -28,7 +28,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .._foundation.display import Displayed
+from .._foundation import display as show
+from .._foundation.renamed import renamed
+from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike, model_heads
 from .._foundation.io import json_number
@@ -38,9 +40,13 @@ from .circuits import is_folded, layer_weights, warn_caveats
 MODES = ("Q", "K", "V")
 
 
-@dataclass(repr=False)      # the repr comes from Displayed (_foundation.display)
-class CompositionScores(Displayed):
+@dataclass(repr=False)      # the repr is _text (Result)
+class CompositionScores(Result):
     """``scores`` = ``raw`` − ``baseline`` [L, H, L, H] (earlier, later; NaN where not earlier → later)."""
+
+    SCHEMA = "qkcircuits.composition_scores/1"
+    WHAT = "a qkcircuits composition-scores JSON"
+    KEYS = ("mode", "baseline", "scores", "raw")
 
     mode: str
     scores: Tensor
@@ -48,33 +54,71 @@ class CompositionScores(Displayed):
     baseline: float
     settings: Dict[str, object] = field(default_factory=dict)
 
-    def partners(self, head: Head, top: int = 3, min_score: float = 0.0) -> List[Tuple[Head, float]]:
+    @renamed(top="k")
+    def partners(self, head: Head, k: int = 3, min_score: float = 0.0) -> List[Tuple[Head, float]]:
         """The earlier heads ``head`` composes with most (above ``min_score``), strongest first."""
         col = self.scores[:, :, head.layer, head.head].flatten()
         order = torch.argsort(torch.nan_to_num(col, nan=float("-inf")), descending=True)
         H = self.scores.shape[1]
         out = []
-        for i in order[:top].tolist():
+        for i in order[:k].tolist():
             v = float(col[i])
             if v == v and v > min_score:
                 out.append((Head(i // H, i % H), v))
         return out
 
-    def to_json(self) -> str:
+    def top(self, k: int = 5) -> List[Tuple[Tuple[Head, Head], float]]:
+        """The ``k`` strongest (earlier, later) pairs, strongest first (NaN pairs never)."""
+        L, H = self.scores.shape[0], self.scores.shape[1]
+        flat = torch.nan_to_num(self.scores.flatten(), nan=-math.inf)
+        out = []
+        for i in flat.topk(min(k, flat.numel())).indices.tolist():
+            a, b = divmod(i, L * H)
+            if math.isfinite(float(flat[i])):
+                out.append(((Head(a // H, a % H), Head(b // H, b % H)), float(flat[i])))
+        return out
+
+    def to_frame(self):
+        """One row per (earlier, later) pair that is earlier → later: both heads, score, raw ratio."""
+        import pandas as pd
+
+        L, H = self.scores.shape[0], self.scores.shape[1]
+        ok = (~self.scores.isnan()).nonzero().tolist()
+        return pd.DataFrame([{"earlier": str(Head(a, b)), "later": str(Head(c, d)),
+                              "score": float(self.scores[a, b, c, d]), "raw": float(self.raw[a, b, c, d])}
+                             for a, b, c, d in ok], columns=["earlier", "later", "score", "raw"])
+
+    def to_dict(self) -> Dict[str, object]:
         def clean(t: Tensor):
             return [[[[json_number(v) for v in row] for row in m] for m in lay] for lay in t.tolist()]
-        return json.dumps({"mode": self.mode, "baseline": self.baseline, "settings": self.settings,
-                           "scores": clean(self.scores), "raw": clean(self.raw)})
+        return {"mode": self.mode, "baseline": self.baseline, "settings": self.settings,
+                "scores": clean(self.scores), "raw": clean(self.raw)}
+
+    def to_json(self, path=None, indent: Optional[int] = None) -> str:
+        """As ``Result.to_json``; compact by default ([L, H, L, H] twice is the biggest result)."""
+        return super().to_json(path, indent)
 
     @classmethod
-    def from_json(cls, text: str) -> "CompositionScores":
-        d = json.loads(text)
-
+    def _from_dict(cls, d: Dict[str, object]) -> "CompositionScores":
         def tensor(x):
             return torch.tensor([[[[float("nan") if v is None else v for v in row] for row in m] for m in lay]
                                  for lay in x])
-        return cls(d["mode"], tensor(d["scores"]), tensor(d["raw"]), float(d["baseline"]), d["settings"])
+        return cls(d["mode"], tensor(d["scores"]), tensor(d["raw"]), float(d["baseline"]), d.get("settings", {}))
 
+    def _text(self) -> str:
+        L, H = self.scores.shape[0], self.scores.shape[1]
+        pairs = [(f"{a} → {b}", v) for (a, b), v in self.top(show.TOP)]
+        return (f"CompositionScores({self.mode}: {L} layers x {H} heads; baseline {show.number(self.baseline)} "
+                f"subtracted; strongest: " + ", ".join(f"{p} {show.number(v, 3)}" for p, v in pairs[:3]) + ")")
+
+    def _html(self) -> str:
+        pairs = [(f"{a} → {b}", v) for (a, b), v in self.top(show.TOP)]
+        best = torch.nan_to_num(self.scores, nan=-math.inf).flatten(0, 1).amax(0)   # [L, H]: best earlier partner
+        best[best == -math.inf] = math.nan
+        return show.box(f"CompositionScores: {self.mode}-composition (random baseline "
+                        f"{show.number(self.baseline)} subtracted)",
+                        show.table([(p, show.number(v)) for p, v in pairs], ("earlier → later", "score")),
+                        show.grid(best, "each head's strongest earlier partner"))
 
 
 def _left_cores(W_V: Tensor, W_O: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -196,10 +240,11 @@ def composition_column(model, head: HeadsLike, mode: str = "K", *, baseline: boo
     return (raw - base).float()
 
 
-def k_composition_partners(model, heads: HeadsLike, top: int = 3, min_score: float = 0.0,
+@renamed(top="k")
+def k_composition_partners(model, heads: HeadsLike, k: int = 3, min_score: float = 0.0,
                            scores: Optional[CompositionScores] = None) -> Dict[Head, List[Tuple[Head, float]]]:
     """For each head in ``heads`` (e.g. the induction heads a scan found), the earlier heads whose OV
-    its key side reads most: up to ``top`` (head, baseline-subtracted K-composition) above ``min_score``.
+    its key side reads most: up to ``k`` (head, baseline-subtracted K-composition) above ``min_score``.
 
     Without ``scores`` only the needed columns are computed (``composition_column``)."""
     heads = model_heads(model, heads)
@@ -210,6 +255,6 @@ def k_composition_partners(model, heads: HeadsLike, top: int = 3, min_score: flo
     for h in heads:
         col = scores.scores[:h.layer, :, h.layer, h.head] if scores is not None else composition_column(model, h, "K")
         flat = col.flatten()
-        order = torch.argsort(flat, descending=True)[:top].tolist()
+        order = torch.argsort(flat, descending=True)[:k].tolist()
         out[h] = [(Head(i // H, i % H), float(flat[i])) for i in order if float(flat[i]) > min_score]
     return out

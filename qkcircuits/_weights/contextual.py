@@ -46,6 +46,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .._foundation.errors import QKCircuitsError
+from .._foundation.renamed import renamed
 from .._foundation.heads import HeadsLike
 from .._foundation.sequences import bos_id, natural_text, repeated_tokens, segment_length, text_tokens, token_pool
 from .circuits import _head, _norm_kind, attn_input_hook, is_folded, layer_weights, normalize_rows, unembed_cols
@@ -187,7 +188,8 @@ def _ln1_bias(model, layer: int) -> Optional[Tensor]:
     return b.detach().float() if isinstance(b, Tensor) else None
 
 
-def token_inputs(model, layer: int, ids: Sequence[int], input: Optional[str] = None) -> TokenInputs:
+@renamed(input="view")
+def token_inputs(model, layer: int, ids: Sequence[int], view: Optional[str] = None) -> TokenInputs:
     """The rows ``layer``'s heads read for tokens ``ids`` (see the module docs for the three inputs).
 
     Memory: [n, d_model] plus, for ``contextual``, the cached corpus statistics (``corpus_stats``).
@@ -195,7 +197,7 @@ def token_inputs(model, layer: int, ids: Sequence[int], input: Optional[str] = N
     L = int(model.cfg.n_layers)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < L:
         raise QKCircuitsError(f"layer {layer!r} is out of range: the model has layers 0-{L - 1}")
-    input = check_input(input, layer)
+    input = check_input(view, layer)
     idx = torch.as_tensor(list(ids), dtype=torch.long).flatten()
     V = int(model.cfg.d_vocab)
     if idx.numel() == 0 or int(idx.min()) < 0 or int(idx.max()) >= V:

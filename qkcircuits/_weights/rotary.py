@@ -18,7 +18,7 @@ k pairs with k + rotary_dim/2) or ``pairs`` (adjacent 2k, 2k+1: the TL-native mo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from jaxtyping import Float
@@ -27,7 +27,8 @@ from transformer_lens.FactoredMatrix import FactoredMatrix
 
 from .._foundation.attention import layer_type, native_rotary, rotate_native, sliding_window  # noqa: F401 (re-exported)
 from .._foundation.capture import has_rotary
-from .._foundation.display import Displayed
+from .._foundation import display as show
+from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import HeadsLike
 from .circuits import _head, attn_scale, embed_rows, layer_weights, normalize_rows, warn_caveats
@@ -294,10 +295,14 @@ def positional_qk(model, head: HeadsLike, normalize: bool = False) -> FactoredMa
         return FactoredMatrix(P @ w.W_Q[h.head], (P @ w.W_K[h.head]).T)
 
 
-@dataclass(repr=False)      # the repr comes from Displayed (_foundation.display)
-class OffsetProfile(Displayed):
+@dataclass(repr=False)      # the repr is _text (Result)
+class OffsetProfile(Result):
     """Per-head score against offset: ``mean_score[Δ]`` = scale · q̄ R(Δ) k̄ᵀ for the mean query/key of
     the rows used, and ``norm[Δ]`` = scale · ‖QK(Δ)‖_F; ``settings`` says which rows and rotary."""
+
+    SCHEMA = "qkcircuits.offset_profile/1"
+    WHAT = "a qkcircuits offset-profile JSON"
+    KEYS = ("head", "offsets", "mean_score", "norm")
 
     head: str
     offsets: Tensor
@@ -310,6 +315,45 @@ class OffsetProfile(Displayed):
         return {"head": self.head, "preferred_offset": int(self.offsets[i]), "score_at_preferred": float(self.mean_score[i]),
                 "score_at_0": float(self.mean_score[0]), "score_range": float(self.mean_score.max() - self.mean_score.min()),
                 "offsets": [int(self.offsets[0]), int(self.offsets[-1])]}
+
+    def top(self, k: int = 5) -> List[Tuple[int, float]]:
+        """The ``k`` offsets with the highest mean score, highest first: ``(offset, mean score)``."""
+        idx = self.mean_score.float().topk(min(k, self.mean_score.numel())).indices.tolist()
+        return [(int(self.offsets[i]), float(self.mean_score[i])) for i in idx]
+
+    def to_frame(self):
+        """One row per offset: offset, mean_score, norm."""
+        import pandas as pd
+
+        return pd.DataFrame({"offset": self.offsets.tolist(), "mean_score": self.mean_score.tolist(),
+                             "norm": self.norm.tolist()})
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"head": self.head, "offsets": [int(x) for x in self.offsets.tolist()],
+                "mean_score": [float(x) for x in self.mean_score.tolist()],
+                "norm": [float(x) for x in self.norm.tolist()], "settings": self.settings}
+
+    @classmethod
+    def _from_dict(cls, d: Dict[str, Any]) -> "OffsetProfile":
+        return cls(str(d["head"]), torch.tensor([int(x) for x in d["offsets"]]),
+                   torch.tensor([float(x) for x in d["mean_score"]]), torch.tensor([float(x) for x in d["norm"]]),
+                   d.get("settings", {}))
+
+    def _text(self) -> str:
+        sm = self.summary()
+        return (f"OffsetProfile(head {self.head}; offsets {sm['offsets'][0]}..{sm['offsets'][1]}; preferred offset "
+                f"{sm['preferred_offset']} (score {show.number(sm['score_at_preferred'])}); score at 0 "
+                f"{show.number(sm['score_at_0'])})")
+
+    def _html(self) -> str:
+        sm = self.summary()
+        y = self.mean_score.float()[:: max(1, self.mean_score.numel() // 256)].tolist()   # at most ~256 points
+        lo, hi = min(y), max(y)
+        pts = " ".join(f"{i * 300 / max(1, len(y) - 1):.1f},{55 - 50 * (v - lo) / ((hi - lo) or 1):.1f}"
+                       for i, v in enumerate(y))
+        svg = (f'<div class="m">mean score against offset Δ ({sm["offsets"][0]} … {sm["offsets"][1]})</div>'
+               f'<svg width="310" height="60"><polyline fill="none" stroke="#2a6fb0" points="{pts}"/></svg>')
+        return show.box(f"OffsetProfile: head {self.head}", show.table([(k, str(v)) for k, v in sm.items()]), svg)
 
 
 

@@ -60,7 +60,7 @@ def summarize(model, head, text=None, top: int = 5, max_offset: int = 64, input=
                  "attn_scale": attn_scale(model, h.layer), "caveats": circuit_caveats(model),
                  "copying": {"ov": float(plain[h.layer, h.head]), "full_ov": float(full[h.layer, h.head]),
                              "full_ov_rank": rank, "n_heads": full.numel()}}
-    partners = k_composition_partners(model, [h], top=top, min_score=float("-inf"))[h]
+    partners = k_composition_partners(model, [h], k=top, min_score=float("-inf"))[h]
     out["k_composition"] = {"baseline": composition_baseline(int(model.cfg.d_model), int(model.cfg.d_head)),
                             "partners": [[str(p), round(v, 6)] for p, v in partners]}
     tokens = None

@@ -6,12 +6,30 @@ import argparse
 import sys
 from pathlib import Path
 
+from .._analysis.detectors import detectors
 from .._foundation.errors import QKCircuitsError
 
 from ._common import add_model_args, load_model, non_negative_int, positive_int, write_atomic
 
-# The scores the table shows, with the column title used for each.
-TABLE = (("induction", "induction"), ("previous_token", "previous-token"), ("duplicate_token", "duplicate-token"))
+
+class _OldFlag(argparse.Action):
+    """A renamed flag: the old spelling still works for one release and says so on stderr."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in getattr(self, "old", ()):
+            print(f"qkcircuits: {option_string} is deprecated; use {self.option_strings[0]}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def table_scores(scores):
+    """(score, title) of the tables the CLI prints: one per labelled detector the scan computed."""
+    return [(d.name, d.label) for d in detectors() if d.label and d.name in scores.scores] or \
+        [(n, n) for n in scores.scores]
+
+
+def table_columns(scores):
+    """The score columns of each table: every computed detector that is not on natural text, registry order."""
+    return [d.name for d in detectors() if d.prompts != "text" and d.name in scores.scores]
 
 
 def add_parser(sub) -> None:
@@ -20,15 +38,17 @@ def add_parser(sub) -> None:
                                    "duplicate-token-like heads.")
     add_model_args(p)
     p.add_argument("--n-seqs", type=positive_int, default=8, help="sequences of [BOS]+R+R (default 8)")
-    p.add_argument("--seq-len", type=positive_int, default=None,
-                   help="length of the random segment R (default 40, capped by the context and vocabulary)")
+    seg = p.add_argument("--seg-len", "--seq-len", dest="seg_len", type=positive_int, default=None, action=_OldFlag,
+                         help="length of the random segment R (default 40, capped by the context and vocabulary; "
+                              "--seq-len is the old name)")
+    seg.old = ("--seq-len",)
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the prompt sets (default 0)")
     p.add_argument("--top", type=positive_int, default=5, help="heads to list per score (default 5)")
     p.add_argument("--text", action="store_true", help="also score previous/duplicate-token heads on natural text")
     p.add_argument("--bos", type=non_negative_int, default=None, help="BOS token id (default: the tokenizer's)")
     p.add_argument("--scores", default=None, metavar="NAMES",
-                   help="comma-separated scores to compute (default all): induction, prefix_matching, previous_token, "
-                        "duplicate_token, copying, ov_copying, eigen_copying, previous_token_text, duplicate_token_text")
+                   help="comma-separated scores to compute (default all but the text ones): "
+                        + ", ".join(d.name for d in detectors()))
     p.add_argument("--confirm", type=non_negative_int, default=0, metavar="K",
                    help="ablate the top-K induction heads and K random heads and compare the loss rise")
     p.add_argument("--json", metavar="PATH", help="write all scores as JSON")
@@ -38,16 +58,17 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._analysis.detect import _wanted, scan
+    from .._analysis.detect import scan
+    from .._analysis.detectors import select
 
     if args.json and args.csv and Path(args.json).expanduser().resolve() == Path(args.csv).expanduser().resolve():
         raise QKCircuitsError(f"--json and --csv name the same file {args.json!r}; the CSV would replace the JSON: "
                               f"give two paths")
-    names = _wanted(args.scores, args.text, True, True) if args.scores is not None else None   # bad names before loading
+    names = select(args.scores, text=args.text) if args.scores is not None else None   # bad names before loading
     if args.confirm and names is not None and "induction" not in names:
         raise QKCircuitsError("--confirm ablates the top induction heads: add 'induction' to --scores")
     model = load_model(args)
-    scores = scan(model, scores=names, n_seqs=args.n_seqs, seq_len=args.seq_len, seed=args.seed, bos=args.bos,
+    scores = scan(model, scores=names, n_seqs=args.n_seqs, seg_len=args.seg_len, seed=args.seed, bos=args.bos,
                   text=args.text, confirm_top=args.confirm, progress=not args.quiet)
     scores.model = args.model
     print(format_table(scores, args.top))
@@ -66,12 +87,10 @@ def format_table(scores, top: int) -> str:
     """The top heads per score side by side, with every score of each listed head."""
     lines = [f"{scores.model}: {scores.n_layers} layers x {scores.n_heads} heads "
              f"(thresholds: {', '.join(f'{k} >= {v[1]}' for k, v in scores.thresholds.items())})"]
-    shown = [(n, t) for n, t in TABLE if n in scores.scores] or [(n, n) for n in scores.scores]
-    for name, title in shown:
+    cols = table_columns(scores)
+    for name, title in table_scores(scores):
         lines.append("")
         lines.append(f"top {top} {title} heads")
-        cols = [c for c in ("induction", "prefix_matching", "previous_token", "duplicate_token", "copying",
-                            "ov_copying", "eigen_copying") if c in scores.scores]
         lines.append("  head    " + "".join(f"{c[:12]:>13}" for c in cols) + "  labels")
         labels = scores.labels()
         for head, _ in scores.top(top, name):

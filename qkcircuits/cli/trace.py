@@ -69,13 +69,13 @@ def run(args: argparse.Namespace) -> int:
         raise QKCircuitsError(f"--receivers: {[str(r) for r in recv if r.layer == 0][0]} is in layer 0, which reads "
                               f"no earlier head; name heads of layer 1 or later")
     if args.ray is not None:
-        res = trace(args.model, recv, top=args.top, into=args.into, method=args.method, progress=not args.quiet,
+        res = trace(args.model, recv, k=args.top, into=args.into, method=args.method, progress=not args.quiet,
                     backend=ray_backend(args))
         b = res.settings["backend"]
         print(f"  ray: {b['workers']} workers, {b['shards']} shards; start-up {b['startup_s']:.1f} s, load "
               f"{b['load_s']:.1f} s, scan {b['scan_s']:.1f} s, path patching {b['patch_s']:.1f} s", file=sys.stderr)
     else:
-        res = trace(model, recv, top=args.top, into=args.into, method=args.method, attribution=args.attribution,
+        res = trace(model, recv, k=args.top, into=args.into, method=args.method, attribution=args.attribution,
                     progress=not args.quiet)
     kind = "edge attribution (gradient estimate)" if res.kind == "attribution" else "exact path patching"
     print(f"{args.model}: {kind}, {args.method} ablation of each sender, over {res.settings.get('n_prompts')} "

@@ -15,28 +15,23 @@ from typing import Dict, List, Optional, Sequence
 from torch import Tensor
 
 from .._foundation.heads import Head
+from .._analysis.detectors import detectors
 from .._foundation.io import json_number
 from . import _figures as F
 from ._panels import ViewContext, attention, k_partners, ov_view, positional_profile, qk_grid, token_strings
 
 # Per-head diagnostics shown next to the flags (names of HeadDiagnostics measures).
 DIAG_MEASURES = ("sink", "entropy_frac_mean", "max_weight", "qk_var_ratio")
-GRID_DESCRIPTIONS = {
-    "induction": "attention from the second copy of a repeated random sequence to the token after the earlier copy",
-    "prefix_matching": "Olsson's prefix matching on a sequence repeated 4 times",
-    "previous_token": "attention to the previous position",
-    "duplicate_token": "attention to earlier copies of the current token",
-    "copying": "Olsson's copying score of the head's direct-path logits, candidates per sequence; 0 = chance, +1 copies",
-    "ov_copying": "median rank of the source token in the head's contextual OV logits; 1 = top, 0 = chance, −1 = last",
-    "eigen_copying": "sum(λ)/sum(|λ|) of W_E W_OV W_U, W_U centred over the vocabulary (Elhage); +1 copies, −1 anti",
-}
+def grid_description(name: str) -> str:
+    """The hover text of a score's grid: its detector's description (the registry), "" for other names."""
+    return next((d.description for d in detectors() if d.name == name), "")
 
 
 def score_figure(name: str, values: Tensor, scores=None) -> Dict:
     """One layer × head grid of a score; hover adds every score of ``scores`` (a HeadScores) and the labels."""
     others = dict(scores.scores) if scores is not None else None
     labels = scores.labels() if scores is not None else None
-    return F.score_grid(values, name, GRID_DESCRIPTIONS.get(name, ""), others=others, labels=labels)
+    return F.score_grid(values, name, grid_description(name), others=others, labels=labels)
 
 
 def effects_figure(effects, scores=None) -> Dict:

@@ -1,0 +1,200 @@
+"""``Result``: the one base of every result class (data first: tensors + ``settings`` + versions; JSON; pandas).
+
+>>> scores = qk.scan(model, scores="induction,previous_token", progress=False)
+>>> text = scores.to_json(tmp / "scores.json")          # the JSON text, also written atomically to the path
+>>> back = qk.HeadScores.from_json(tmp / "scores.json")  # a path or the JSON text itself
+>>> back.top(1, "induction")[0][0]
+Head(layer=1, head=0)
+>>> sorted(back.settings["versions"])
+['qkcircuits', 'torch', 'transformer_lens', 'transformers']
+
+Every subclass has the same methods and signatures:
+
+==============================  ============================================================================
+``to_dict()``                   plain JSON-ready data, with ``"schema": "qkcircuits.<name>/<n>"``
+``to_json(path=None, indent)``  the JSON text (NaN as ``null``); also written atomically when ``path`` given
+``from_json(path_or_text)``     read it back: the schema name and version are checked, errors name the file
+``to_frame()``                  a pandas DataFrame (one row per head, pair, offset, ... as the class says)
+``top(k=5, ...)``               the ``k`` largest entries, largest first, as ``(what, value)`` pairs
+``repr(r)`` / ``_repr_html_``   the class's own ``_text()`` / ``_html()`` (shared helpers: ``display``)
+==============================  ============================================================================
+
+Library versions live in ONE place: ``settings["versions"]`` (``versions()``), written by the producer when it
+makes the result. A JSON file without ``"schema"`` (written before schemas existed) is read as the class's
+version 1; one with another schema name, or a newer version than this library reads, fails with one line
+that says what was expected.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import json
+from pathlib import Path
+from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from .display import Displayed
+from .errors import QKCircuitsError
+from .io import package_version, write_atomic
+
+PathOrText = Union[str, Path]
+# True while from_json builds a result: a loaded result keeps the versions its file recorded (or none)
+_loading: contextvars.ContextVar = contextvars.ContextVar("qkcircuits_result_loading", default=False)
+
+
+@functools.lru_cache(maxsize=1)
+def versions() -> Dict[str, str]:
+    """The library versions a result records under ``settings["versions"]`` (one key for every result)."""
+    from .. import __version__      # the package root imports this module's users; read it late
+
+    return {"qkcircuits": __version__, "torch": torch.__version__,
+            "transformer_lens": package_version("transformer-lens"), "transformers": package_version("transformers")}
+
+
+def stamped(settings: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """``settings`` (a fresh dict) with ``"versions"`` filled in; a producer's one call before returning a result."""
+    out = dict(settings or {})
+    if not _loading.get():
+        out.setdefault("versions", dict(versions()))
+    return out
+
+
+def read_json(path_or_text: PathOrText, what: str) -> Tuple[Dict[str, Any], str]:
+    """Parse JSON text, or the file at a path (read once), into a dict; returns ``(data, source)`` where
+    ``source`` names the file (or says "JSON text") for error messages. ``what`` names the expected producer."""
+    if isinstance(path_or_text, Path) or not str(path_or_text).lstrip().startswith(("{", "[")):
+        p = Path(path_or_text).expanduser()
+        source = str(p)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise QKCircuitsError(f"no JSON file at {source!r}; pass JSON text or the path of {what}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise QKCircuitsError(f"cannot read {source!r} ({getattr(e, 'strerror', None) or e}); "
+                                  f"expected {what}") from None
+    else:
+        text, source = str(path_or_text), "JSON text"
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        where = source if source != "JSON text" else repr(text[:60])
+        raise QKCircuitsError(f"{where} is not valid JSON ({e}); expected {what}") from None
+    if not isinstance(data, dict):
+        raise QKCircuitsError(f"{source} holds a JSON {type(data).__name__}, not an object; expected {what}")
+    return data, source
+
+
+def parse_schema(schema: str) -> Tuple[str, int]:
+    """``"qkcircuits.head_scores/1"`` -> ``("qkcircuits.head_scores", 1)``."""
+    name, _, n = str(schema).rpartition("/")
+    if not name or not n.isdigit():
+        raise QKCircuitsError(f"malformed schema {schema!r}; expected 'qkcircuits.<name>/<version>'")
+    return name, int(n)
+
+
+class Result(Displayed):
+    """Base of every result: subclasses are dataclasses that set ``SCHEMA``/``WHAT`` and define ``to_dict``,
+    ``_from_dict``, ``to_frame``, ``top``, ``_text`` and ``_html``; the JSON plumbing is here, once."""
+
+    SCHEMA: ClassVar[str] = ""           # "qkcircuits.<name>/<n>"
+    WHAT: ClassVar[str] = "a qkcircuits result JSON"     # what from_json's errors say they expected
+    KEYS: ClassVar[Tuple[str, ...]] = ()                 # the keys a valid file must have (named in errors)
+    _by_schema: ClassVar[Dict[str, type]] = {}
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if cls.__dict__.get("SCHEMA"):
+            Result._by_schema[parse_schema(cls.SCHEMA)[0]] = cls
+
+    def __post_init__(self) -> None:
+        """A new result records the library versions in ``settings["versions"]`` (not one read from a file)."""
+        settings = getattr(self, "settings", None)
+        if isinstance(settings, dict) and "versions" not in settings and not _loading.get():
+            settings["versions"] = dict(versions())
+
+    # ------------------------------------------------------------------------------------------ the contract
+    def to_dict(self) -> Dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__}.to_dict")
+
+    @classmethod
+    def _from_dict(cls, d: Dict[str, Any]) -> "Result":
+        raise NotImplementedError(f"{cls.__name__}._from_dict")
+
+    def to_frame(self):
+        raise QKCircuitsError(f"{type(self).__name__} has no table form")
+
+    def top(self, k: int = 5) -> List[Tuple[Any, float]]:
+        raise QKCircuitsError(f"{type(self).__name__} has no ranking")
+
+    # ------------------------------------------------------------------------------------------ JSON, once
+    def to_json(self, path: Optional[PathOrText] = None, indent: int = 1) -> str:
+        """The JSON text (NaN as ``null``), also written atomically to ``path`` when given (whole file or none)."""
+        d = self.to_dict()
+        if self.SCHEMA:
+            d = {"schema": self.SCHEMA, **{k: v for k, v in d.items() if k != "schema"}}
+        text = json.dumps(d, indent=indent)
+        if path is not None:
+            write_atomic(path, text)
+        return text
+
+    @classmethod
+    def from_json(cls, path_or_text: PathOrText) -> "Result":
+        """Read ``to_json`` output: JSON text, or the path of a file holding it (read once)."""
+        d, source = read_json(path_or_text, cls.WHAT)
+        return cls.build(d, source)
+
+    @classmethod
+    def build(cls, d: Dict[str, Any], source: str = "JSON text") -> "Result":
+        """``from_json`` after parsing: check the schema, then build; a malformed field fails in one line."""
+        cls.check_schema(d, source)
+        token = _loading.set(True)
+        try:
+            return cls._from_dict(d)
+        except QKCircuitsError:
+            raise
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            keys = f"; expected the keys {', '.join(cls.KEYS)}" if cls.KEYS else ""
+            where = "" if source == "JSON text" else f"{source}: "
+            raise QKCircuitsError(f"{where}not {cls.WHAT} ({type(e).__name__}: {e}){keys}") from None
+        finally:
+            _loading.reset(token)
+
+    @classmethod
+    def check_schema(cls, d: Dict[str, Any], source: str = "JSON text") -> None:
+        """Accept a file without ``schema`` (older files) or with this class's schema at a version it reads."""
+        if "schema" not in d or not cls.SCHEMA:
+            return
+        want, version = parse_schema(cls.SCHEMA)
+        try:
+            got, n = parse_schema(d["schema"])
+        except QKCircuitsError:
+            got, n = str(d["schema"]), -1
+        if got != want:
+            other = Result._by_schema.get(got)
+            hint = f" (that is a {other.__name__}: use {other.__name__}.from_json)" if other else ""
+            raise QKCircuitsError(f"{source} has schema {d['schema']!r}{hint}; expected {cls.SCHEMA!r} "
+                                  f"({cls.WHAT})")
+        if not 1 <= n <= version:
+            raise QKCircuitsError(f"{source} has schema {d['schema']!r}, and this qkcircuits reads {want} "
+                                  f"versions 1 to {version}; expected {cls.SCHEMA!r} (a newer qkcircuits wrote it?)")
+
+
+def load_result(path_or_text: PathOrText) -> Result:
+    """Any result JSON, by its ``schema``: ``qk.load_result("scores.json")`` is a ``HeadScores``.
+
+    >>> r = qk.load_result(qk.scan(model, scores="induction", progress=False).to_json())
+    >>> type(r).__name__
+    'HeadScores'
+    """
+    d, source = read_json(path_or_text, "a qkcircuits result JSON")
+    if "schema" not in d:
+        raise QKCircuitsError(f"{source} has no 'schema'; read it with the class's from_json (e.g. "
+                              f"qk.HeadEffects.from_json)")
+    name, _ = parse_schema(d["schema"])
+    cls = Result._by_schema.get(name)
+    if cls is None:
+        known = ", ".join(sorted(c.SCHEMA for c in Result._by_schema.values()))
+        raise QKCircuitsError(f"{source} has schema {d['schema']!r}, which no loaded result class reads; known: {known}")
+    return cls.build(d, source)

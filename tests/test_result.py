@@ -1,0 +1,126 @@
+"""The Result base: one JSON contract (schema checked, files named in errors, atomic writes) for every result."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import qkcircuits as qk
+from qkcircuits._foundation.renamed import renamed, renames
+
+
+def _results(hand_built):
+    m = hand_built
+    toks = qk.repeated_tokens(m, n_seqs=2, seg_len=5, seed=0)
+    scores = qk.scan(m, scores="induction,previous_token", progress=False)
+    return [scores, qk.sweep(m, toks, progress=False), qk.group_effect(m, ["1.0"], toks),
+            qk.compare_to_random(m, ["1.0"], toks, n_draws=3), qk.composition_scores(m, "K"),
+            qk.circuit(m, "1.0", "ov"), qk.capture(m, toks, ["pattern"], layers=[0]),
+            qk.path_patch(m, "1.0", progress=False)]
+
+
+def test_every_result_round_trips_with_its_schema_and_versions(hand_built, tmp_path):
+    for r in _results(hand_built):
+        cls = type(r)
+        assert isinstance(r, qk.Result) and cls.SCHEMA.startswith("qkcircuits.") and cls.SCHEMA.endswith("/1")
+        path = tmp_path / f"{cls.__name__}.json"
+        text = r.to_json(path)
+        assert path.read_text() == text and json.loads(text)["schema"] == cls.SCHEMA
+        assert json.loads(text)["settings"]["versions"]["qkcircuits"] == qk.__version__
+        back = cls.from_json(path)
+        if cls is qk.PathEffects:     # its baselines are recomputed from the 6-decimal effects: equal to 1e-6
+            a, b = json.loads(back.to_json()), json.loads(text)
+            assert a["receivers"].keys() == b["receivers"].keys() and a["labels"] == b["labels"]
+            assert a["receivers"]["1.0"]["k"] == b["receivers"]["1.0"]["k"]
+            for x in "qkv":
+                for key in ("mean", "p95"):
+                    assert a["receivers"]["1.0"]["baseline"][x][key] == pytest.approx(
+                        b["receivers"]["1.0"]["baseline"][x][key], abs=2e-6)
+        else:
+            assert back.to_json() == text, cls.__name__
+        assert cls.from_json(back.to_json()).to_json() == back.to_json()      # stable after one round trip
+        assert type(qk.load_result(text)) is cls
+        # JSON rounds to 6 decimals, so the repr is compared after one round trip (then it is stable)
+        assert repr(cls.from_json(back.to_json())) == repr(back) and back._repr_html_().startswith("<style>")
+        assert repr(r).startswith(cls.__name__ + "(")
+        r.to_frame()                                         # every result has a table form
+        assert len(r.top(1)) <= 1
+
+
+def test_from_json_errors_say_what_was_expected(hand_built, tmp_path):
+    s = qk.scan(hand_built, scores="induction", progress=False)
+    wrong = tmp_path / "sweep.json"
+    qk.sweep(hand_built, qk.repeated_tokens(hand_built, n_seqs=2, seg_len=5, seed=0), progress=False).to_json(wrong)
+    with pytest.raises(qk.QKCircuitsError, match=r"sweep.json has schema 'qkcircuits.head_effects/1' \(that is a "
+                                                 r"HeadEffects: use HeadEffects.from_json\); expected "
+                                                 r"'qkcircuits.head_scores/1'"):
+        qk.HeadScores.from_json(wrong)
+    newer = json.loads(s.to_json())
+    newer["schema"] = "qkcircuits.head_scores/9"
+    with pytest.raises(qk.QKCircuitsError, match="reads qkcircuits.head_scores versions 1 to 1"):
+        qk.HeadScores.from_json(json.dumps(newer))
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"schema": "qkcircuits.head_scores/1", "model": "x"}')
+    with pytest.raises(qk.QKCircuitsError, match=r"broken.json: not a scan's --json output .*expected the keys model"):
+        qk.HeadScores.from_json(broken)
+    with pytest.raises(qk.QKCircuitsError, match=r"no JSON file at '.*missing.json'"):
+        qk.HeadScores.from_json(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{nope")
+    with pytest.raises(qk.QKCircuitsError, match=r"bad.json is not valid JSON"):
+        qk.HeadScores.from_json(tmp_path / "bad.json")
+
+
+def test_files_without_schema_still_read(hand_built):
+    """Files written before schemas (HeadEffects, CompositionScores had none) are read as version 1."""
+    toks = qk.repeated_tokens(hand_built, n_seqs=2, seg_len=5, seed=0)
+    e = qk.sweep(hand_built, toks, progress=False)
+    d = json.loads(e.to_json())
+    del d["schema"], d["settings"]
+    back = qk.HeadEffects.from_json(json.dumps(d))
+    torch.testing.assert_close(back.effects, e.effects, equal_nan=True)
+    assert back.settings == {}                               # no versions invented for an old file
+
+
+def test_renamed_keyword_shim():
+    @renamed(seq_len="seg_len")
+    def f(*, seg_len: int = 40) -> int:
+        return seg_len
+
+    with pytest.warns(DeprecationWarning, match=r"f\(seq_len=...\) is deprecated; use seg_len="):
+        assert f(seq_len=7) == 7
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert f(seg_len=8) == 8 and f() == 40
+    with pytest.raises(qk.QKCircuitsError, match="give seg_len= .* or seq_len= .*, not both"):
+        f(seq_len=1, seg_len=2)
+    assert renames(qk.scan) == {"seq_len": "seg_len"}
+
+
+def test_scan_old_keyword_and_flag_still_work(hand_built, capsys):
+    with pytest.warns(DeprecationWarning):
+        old = qk.scan(hand_built, scores="induction", seq_len=12, progress=False)
+    new = qk.scan(hand_built, scores="induction", seg_len=12, progress=False)
+    assert old.to_dict() == new.to_dict() and new.settings["seq_len"] == 12
+    from qkcircuits.cli import main
+
+    assert main(["scan", "toy-induction", "--quiet", "--scores", "induction", "--seq-len", "12"]) == 0
+    assert "--seq-len is deprecated; use --seg-len" in capsys.readouterr().err
+
+
+def test_renamed_public_arguments_warn_and_agree(hand_built):
+    comp = qk.composition_scores(hand_built, "K")
+    with pytest.warns(DeprecationWarning, match=r"partners\(top=...\) is deprecated; use k="):
+        old = comp.partners(qk.Head(1, 0), top=1)
+    assert old == comp.partners(qk.Head(1, 0), k=1) and old[0][0] == qk.Head(0, 0)      # 1.0 reads 0.0's OV
+    with pytest.warns(DeprecationWarning):
+        assert qk.k_composition_partners(hand_built, ["1.0"], top=1) == qk.k_composition_partners(hand_built, ["1.0"], k=1)
+    with pytest.warns(DeprecationWarning, match=r"token_inputs\(input=...\)"):
+        old_rows = qk.token_inputs(hand_built, 0, [1, 2], input="direct").rows
+    torch.testing.assert_close(old_rows, qk.token_inputs(hand_built, 0, [1, 2], view="direct").rows)
+    from qkcircuits._paths.trace import trace
+
+    assert renames(qk.trace_induction) == {"top": "k"} and renames(trace) == {"top": "k"}
+    assert qk.INTO == ("q", "k", "v") and qk.VIEWS == qk.INPUTS == ("direct", "effective", "contextual")
