@@ -27,7 +27,9 @@ from ._weights.rotary import (OffsetProfile, RotarySpec, offset_profile, offset_
 from ._analysis.ablate import METHODS as ABLATION_METHODS
 from ._analysis.ablate import GroupEffect, RandomComparison, ablate, compare_to_random, group_effect
 from ._analysis.attribution import attribution
-from ._analysis.detect import SCORE_NAMES, TEXT_SCORES, THRESHOLDS, confirm_induction, mask_score, scan, target_masks
+from ._analysis.detect import confirm_induction, mask_score, scan
+from ._analysis.detectors import (PROMPT_SETS, Detector, ScanContext, detector, detectors, diagonal_mask,
+                                  register_detector, target_masks, thresholds, unregister_detector)
 from ._analysis.diagnose import HeadDiagnostics, diagnose, qk_statistics
 from ._analysis.metrics import Metric, as_metric, induction_loss, logit_diff, text_loss
 from ._analysis.results import HeadScores
@@ -36,9 +38,14 @@ from ._analysis.sweep import HeadEffects, sweep
 # How heads work together: path patching, edge attribution, the induction trace.
 from ._paths.edges import edge_attribution
 from ._paths.patching import path_patch
+from ._paths.path_effects import INPUTS as INTO
 from ._paths.path_effects import PathEffects
+from ._weights.contextual import INPUTS as VIEWS     # the token views ("direct", ...); qk.INPUTS is the old name
 from ._paths.trace import trace_induction
 
 # Where analyses run (Ray itself is imported only when a qk.Ray backend runs), and many models at once.
 from ._foundation.backends import Backend, Local, Ray, as_backend
 from ._scale.zoo import Zoo, zoo
+
+# The one Result base of every result class, and a reader of any result JSON by its schema.
+from ._foundation.result import Result, load_result
