@@ -11,10 +11,6 @@ The public API is re-exported here (imported from ``qkcircuits._api`` on first u
 and ``qkcircuits --help`` stay light); the modules behind it are private.
 """
 
-
-# The one Result base of every result class, and a reader of any result JSON by its schema.
-from ._foundation.result import Result, load_result
-
 __version__ = "0.1.0"
 
 # Views (plotly, circuitsvis, Flask) load on first use: `import qkcircuits` stays light.
@@ -41,7 +37,8 @@ __all__ = sorted([
     "thresholds", "unregister_detector", "Result", "load_result", "ablate", "as_metric", "attribution", "compare_to_random", "confirm_induction", "diagnose",
     "group_effect", "induction_loss", "logit_diff", "mask_score", "qk_statistics", "scan", "sweep", "target_masks",
     "text_loss",
-    "INTO", "VIEWS", "PathEffects", "edge_attribution", "path_patch", "trace_induction", "Zoo", "zoo",
+    "INTO", "VIEWS", "Backend", "Local", "Ray", "as_backend",
+    "PathEffects", "edge_attribution", "path_patch", "trace_induction", "Zoo", "zoo",
     # views
     *_VIEWS,
     *_LAZY_MODULES,

@@ -195,7 +195,7 @@ def test_head_scores_round_trip_json_and_frame(hand_built, tmp_path):
     (dict(n_seqs=0), "n_seqs must be an integer >= 1"),
     (dict(seed=-1), "seed must be a non-negative integer"),
     (dict(seed="x"), "seed must be a non-negative integer"),
-    (dict(seq_len=200), "exceeds the model's context"),
+    (dict(seg_len=200), "exceeds the model's context"),
 ])
 def test_bad_scan_input_gives_one_line_errors(hand_built, kwargs, fragment):
     with pytest.raises(qk.QKCircuitsError, match=fragment) as e:

@@ -190,7 +190,7 @@ def prompt_set(model, kind: str, ctx: ScanContext) -> Tuple[Int[Tensor, "batch p
     """The tokens of prompt set ``kind`` and how its masks read them: ``(tokens, seg_len, first_query)``."""
     if kind == "repeated":
         return (repeated_tokens(model, ctx.n_seqs, ctx.seg_len, 2, seed=ctx.seed, pool=ctx.pool,
-                                length_name="seq_len (--seq-len)"), ctx.seg_len, None)
+                                length_name="seg_len (--seg-len)"), ctx.seg_len, None)
     if kind == "prefix":
         return (repeated_tokens(model, ctx.prefix_seqs, ctx.prefix_len, 4, seed=ctx.seed + 1, pool=ctx.pool,
                                 length_name="prefix_len"), ctx.prefix_len, None)

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Dict, Optional
 
 from .errors import QKCircuitsError
-from .model import load
 
 
 class Backend:
@@ -155,5 +154,7 @@ def spec_for_workers(model):
 def loaded(model, load_kwargs: Optional[Dict[str, Any]] = None):
     """``model`` itself, or ``qk.load(model, **load_kwargs)`` when it is a spec (a name or a path)."""
     if isinstance(model, (str, os.PathLike)):
+        from .model import load      # torch and TransformerLens: only when a spec is really loaded (not at --help)
+
         return load(model, verbose=False, **(load_kwargs or {}))
     return model

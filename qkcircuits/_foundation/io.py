@@ -119,7 +119,8 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _looks_like_json(text: str) -> bool:
+def looks_like_json(text: str) -> bool:
+    """A string that is JSON text rather than a path: it starts with ``{``/``[`` or spans lines."""
     return text.lstrip().startswith(("{", "[")) or "\n" in text
 
 
@@ -138,7 +139,7 @@ def load_json(text_or_path: Union[str, Path], what: str, schema: Optional[str] =
     ...
     qkcircuits._foundation.errors.QKCircuitsError: JSON text has schema 'qkcircuits.x/2', expected 'qkcircuits.x/1' (an x); ...
     """
-    if isinstance(text_or_path, Path) or not _looks_like_json(str(text_or_path)):
+    if isinstance(text_or_path, Path) or not looks_like_json(str(text_or_path)):
         p = Path(text_or_path).expanduser()
         source = f"{str(text_or_path)!r}"
         if not p.is_file():

@@ -17,6 +17,7 @@ Giving both names is an error (one line naming both). The vocabulary (docs/archi
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from typing import Any, Callable, Dict, TypeVar
 
@@ -42,6 +43,14 @@ def renamed(**old_to_new: str) -> Callable[[F], F]:
             return fn(*args, **kwargs)
 
         call.__renamed__ = dict(old_to_new)          # type: ignore[attr-defined]  (read by the docs/tests)
+        # The signature a runtime checker binds (jaxtyping's import hook wraps this shim, not ``fn``): ``fn``'s
+        # own plus each old name as an extra keyword, so ``f(seq_len=7)`` binds and reaches the renaming above.
+        sig = inspect.signature(fn)
+        params = list(sig.parameters.values())
+        at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
+        extra = [inspect.Parameter(old, inspect.Parameter.KEYWORD_ONLY, default=None) for old in old_to_new
+                 if old not in sig.parameters]
+        call.__signature__ = sig.replace(parameters=params[:at] + extra + params[at:])   # type: ignore[attr-defined]
         return call                                  # type: ignore[return-value]
 
     return wrap

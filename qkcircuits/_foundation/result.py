@@ -37,7 +37,7 @@ import torch
 
 from .display import Displayed
 from .errors import QKCircuitsError
-from .io import package_version, write_atomic
+from .io import load_json, looks_like_json, package_version, write_atomic
 
 PathOrText = Union[str, Path]
 # True while from_json builds a result: a loaded result keeps the versions its file recorded (or none)
@@ -63,27 +63,11 @@ def stamped(settings: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
 
 def read_json(path_or_text: PathOrText, what: str) -> Tuple[Dict[str, Any], str]:
     """Parse JSON text, or the file at a path (read once), into a dict; returns ``(data, source)`` where
-    ``source`` names the file (or says "JSON text") for error messages. ``what`` names the expected producer."""
-    if isinstance(path_or_text, Path) or not str(path_or_text).lstrip().startswith(("{", "[")):
-        p = Path(path_or_text).expanduser()
-        source = str(p)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise QKCircuitsError(f"no JSON file at {source!r}; pass JSON text or the path of {what}") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise QKCircuitsError(f"cannot read {source!r} ({getattr(e, 'strerror', None) or e}); "
-                                  f"expected {what}") from None
-    else:
-        text, source = str(path_or_text), "JSON text"
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        where = source if source != "JSON text" else repr(text[:60])
-        raise QKCircuitsError(f"{where} is not valid JSON ({e}); expected {what}") from None
-    if not isinstance(data, dict):
-        raise QKCircuitsError(f"{source} holds a JSON {type(data).__name__}, not an object; expected {what}")
-    return data, source
+    ``source`` names the file (or says "JSON text") for error messages. ``what`` names the expected producer.
+    The parsing is ``io.load_json``'s (binary files, ``1e400``, ``NaN`` and deep nesting refused in one line)."""
+    is_path = isinstance(path_or_text, Path) or not looks_like_json(str(path_or_text))
+    source = repr(str(path_or_text)) if is_path else "JSON text"
+    return load_json(Path(path_or_text) if is_path else str(path_or_text), what), source
 
 
 def parse_schema(schema: str) -> Tuple[str, int]:

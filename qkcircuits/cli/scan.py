@@ -6,7 +6,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from .._analysis.detectors import detectors
 from .._foundation.errors import QKCircuitsError
 
 from ._common import add_model_args, load_model, non_negative_int, positive_int, write_atomic
@@ -23,12 +22,16 @@ class _OldFlag(argparse.Action):
 
 def table_scores(scores):
     """(score, title) of the tables the CLI prints: one per labelled detector the scan computed."""
+    from .._analysis.detectors import detectors      # the registry imports torch: not at --help time
+
     return [(d.name, d.label) for d in detectors() if d.label and d.name in scores.scores] or \
         [(n, n) for n in scores.scores]
 
 
 def table_columns(scores):
     """The score columns of each table: every computed detector that is not on natural text, registry order."""
+    from .._analysis.detectors import detectors
+
     return [d.name for d in detectors() if d.prompts != "text" and d.name in scores.scores]
 
 
@@ -47,8 +50,8 @@ def add_parser(sub) -> None:
     p.add_argument("--text", action="store_true", help="also score previous/duplicate-token heads on natural text")
     p.add_argument("--bos", type=non_negative_int, default=None, help="BOS token id (default: the tokenizer's)")
     p.add_argument("--scores", default=None, metavar="NAMES",
-                   help="comma-separated scores to compute (default all but the text ones): "
-                        + ", ".join(d.name for d in detectors()))
+                   help="comma-separated detector names to compute (default: every default detector, not the text "
+                        "ones; qk.detectors() lists them, and an unknown name is refused with the list)")
     p.add_argument("--confirm", type=non_negative_int, default=0, metavar="K",
                    help="ablate the top-K induction heads and K random heads and compare the loss rise")
     p.add_argument("--json", metavar="PATH", help="write all scores as JSON")

@@ -16,7 +16,8 @@ forward pass's attention patterns on the prompt.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
+import os
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -127,7 +128,7 @@ def _grid_tensor(g: Dict) -> torch.Tensor:
     return torch.tensor([[math.nan if v is None else v for v in row] for row in z], dtype=torch.float32)
 
 
-def write_report(path: str, html: str) -> None:
+def write_report(path: Union[str, "os.PathLike[str]"], html: str) -> None:
     """Write the report atomically (the whole file or nothing) with a new file's usual permissions
     (0666 less the umask: a report is meant to be shared); an unwritable path is a ``QKCircuitsError``."""
     write_atomic(path, html)
