@@ -58,20 +58,10 @@ class _Owned(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
-    keep_dtype = False                             # set by _lean_steps(keep_dtype=True) for one bf16/fp16 load
-
     def clone(self, *args, **kwargs) -> Tensor:  # noqa: D102  (see class docstring)
         out = torch.Tensor.detach(self)            # a new plain tensor on the same storage
         torch.Tensor.set_(self)                    # this one lets go of it
         return out
-
-    def float(self, *args, **kwargs) -> Tensor:  # noqa: D102
-        # TransformerLens's process_weights upcasts every weight with .float() before folding: a whole fp32
-        # copy of a bf16 model at the peak. With keep_dtype the weight is moved over in its own dtype instead
-        # (see fold_in_place: the result equals the fp32 fold to within the dtype's rounding).
-        if _Owned.keep_dtype:
-            return self.clone()
-        return torch.Tensor.float(self, *args, **kwargs)
 
 
 def _owned(state_dict: Dict[str, object]) -> Dict[str, object]:
@@ -111,7 +101,7 @@ def _release_parameters(model: torch.nn.Module, state_dict: Dict[str, object]) -
 
 
 @contextlib.contextmanager
-def _lean_steps(bridge, keep_dtype: bool = False) -> Iterator[None]:
+def _lean_steps(bridge) -> Iterator[None]:
     # Patches TransformerLens's ProcessWeights static methods for the duration of one load (not thread-safe:
     # do not load two models at once in one process). Checked against transformer-lens 4.3 (pyproject pins
     # <5); a TransformerLens whose steps leave a parameter unplaced trips LeanIncomplete, and ``load`` then
@@ -136,12 +126,10 @@ def _lean_steps(bridge, keep_dtype: bool = False) -> Iterator[None]:
         return staticmethod(run)
 
     try:
-        _Owned.keep_dtype = keep_dtype
         for name, fn in saved.items():
             setattr(ProcessWeights, name, process(fn.__func__) if name == "process_weights" else step(fn.__func__))
         yield
     finally:
-        _Owned.keep_dtype = False
         for name, fn in saved.items():
             setattr(ProcessWeights, name, fn)
 
@@ -156,19 +144,11 @@ def _pop(d: Dict[str, object]) -> Dict[str, object]:
 def fold_in_place(bridge) -> None:
     """``bridge.enable_compatibility_mode(disable_warnings=True)`` with one copy of the weights at a time.
 
-    bf16/fp16 weights are folded in their own dtype: TransformerLens upcasts the whole state dict to fp32
-    first (a transient fp32 copy: the bf16 peak was 1.73x a plain transformers load). An RMSNorm fold is a
-    product of two bf16 numbers, exact in fp32, so it rounds to the same bf16 value either way; sums
-    (LayerNorm/W_U centring, folded value biases) round their partial result once more, so the weights agree
-    with the fp32 fold to about one unit in the last place (tests/test_lean.py bounds it). fp32 models:
-    bit-identical to ``enable_compatibility_mode()``.
-
     Raises ``LeanIncomplete`` (the bridge is then unusable: reload it) if a parameter was left on
     the meta device.
     """
     trim_heap()                                    # what the dequantisation freed, before the peak
-    low = {p.dtype for p in bridge.parameters() if p.is_floating_point()} & {torch.bfloat16, torch.float16}
-    with _lean_steps(bridge, keep_dtype=bool(low)):
+    with _lean_steps(bridge):
         bridge.enable_compatibility_mode(disable_warnings=True)
     missing = [n for n, p in bridge.named_parameters() if p.device.type == "meta"]
     if missing:
