@@ -158,8 +158,8 @@ class Result(Displayed):
         if got != want:
             other = Result._by_schema.get(got)
             hint = f" (that is a {other.__name__}: use {other.__name__}.from_json)" if other else ""
-            raise QKCircuitsError(f"{source} has schema {d['schema']!r}{hint}; expected {cls.SCHEMA!r} "
-                                  f"({cls.WHAT})")
+            raise QKCircuitsError(f"{source} is not {cls.WHAT}: it has schema {d['schema']!r}{hint}; expected "
+                                  f"{cls.SCHEMA!r}")
         if not 1 <= n <= version:
             raise QKCircuitsError(f"{source} has schema {d['schema']!r}, and this qkcircuits reads {want} "
                                   f"versions 1 to {version}; expected {cls.SCHEMA!r} (a newer qkcircuits wrote it?)")

@@ -50,7 +50,7 @@ class PathEffects(Result):
     """
 
     SCHEMA = SCHEMA
-    WHAT = "a trace's --json output (qkcircuits trace JSON)"
+    WHAT = "a qkcircuits trace JSON (a trace's --json output)"
     KEYS = ("model", "method", "metrics", "n_layers", "n_heads", "receivers")
 
     model: str
