@@ -16,13 +16,15 @@ from ._foundation.model import load, pick_device
 from ._foundation.sequences import natural_text, repeated_tokens, segment_length, text_tokens, token_pool
 
 # Circuits: weights only (plus one cached corpus pass for the contextual token views).
-from ._weights.circuits import (Circuit, LayerWeights, all_ov, all_qk, attn_input_hook, attn_scale, circuit,
-                                circuit_caveats, embed_factor, embed_rows, full_ov, full_qk, layer_weights, ov,
+from ._weights.circuit import Circuit, circuit
+from ._weights.circuits import (LayerWeights, all_ov, all_qk, attn_input_hook, attn_scale, circuit_caveats, embed_factor, embed_rows, full_ov, full_qk, layer_weights, ov,
                                 ov_affine, qk, qk_affine, top_tokens, unembed_cols, unembed_embed, unembed_factor)
 from ._weights.composition import (CompositionScores, composition_baseline, composition_column, composition_scores,
                                    k_composition_partners)
 from ._weights.contextual import INPUTS, TokenInputs, copying_rank, head_logits, ov_copying, token_inputs, token_qk
 from ._weights.copying import copying_accuracy, copying_scores, eigen_copying
+from ._weights.verify import CircuitCheck, verify_circuits
+from ._weights.kv_cache import KVCache, kv_cache
 from ._weights.rotary import (OffsetProfile, RotarySpec, offset_profile, offset_scores, positional_qk, qk_at_offset,
                               rotary_spec, rotation)
 
@@ -58,7 +60,7 @@ __all__ = sorted([
     "load", "model_heads", "n_kv_heads", "natural_text", "parse_heads", "pick_device", "repeated_tokens", "segment_length", "stream",
     "text_tokens", "token_pool",
     # circuits
-    "Circuit", "CompositionScores", "LayerWeights", "OffsetProfile", "RotarySpec", "all_ov", "all_qk",
+    "Circuit", "CircuitCheck", "KVCache", "kv_cache", "verify_circuits", "CompositionScores", "LayerWeights", "OffsetProfile", "RotarySpec", "all_ov", "all_qk",
     "attn_input_hook", "attn_scale", "circuit", "circuit_caveats", "composition_baseline", "composition_column",
     "composition_scores", "copying_accuracy", "copying_scores", "eigen_copying", "embed_factor", "embed_rows",
     "full_ov", "full_qk", "k_composition_partners", "layer_weights", "offset_profile", "offset_scores", "ov",

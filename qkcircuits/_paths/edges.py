@@ -40,6 +40,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .._foundation.arch import adapter
 from .._foundation.capture import _Stop, _as_tokens, hook_name
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike, model_heads, n_kv_heads
@@ -97,7 +98,7 @@ def _layer_deltas(model, cache, repl, layer: int) -> Tensor:
     z = cache.z[layer]                                                          # [b, p, H, d_head]
     H = z.shape[2]
     new = torch.stack([repl.value(layer, h, b, p).to(z).expand(b, p, z.shape[-1]) for h in range(H)], 2)
-    W_O = model.blocks[layer].attn.W_O.detach()                                 # [H, d_head, d_model]
+    W_O = adapter(model, layer).W_O()                                           # [H, d_v, d_model]
     delta = torch.einsum("bphd,hdm->hbpm", new - z, W_O)
     post = post_norm(model, layer)
     if post is not None:
