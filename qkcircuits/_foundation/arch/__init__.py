@@ -40,10 +40,10 @@ def architecture(model) -> str:
 
 def _detect(model) -> str:
     attn = model.blocks[0].attn
-    comp = getattr(attn, "original_component", None)
-    if hasattr(attn, "hook_kv_latent") or hasattr(comp, "kv_a_proj_with_mqa"):
-        return "latent"
     try:
+        comp = getattr(attn, "original_component", None)
+        if hasattr(attn, "hook_kv_latent") or hasattr(comp, "kv_a_proj_with_mqa"):
+            return "latent"
         attn.W_Q
         attn.W_O
     except Exception as e:       # noqa: BLE001  (TL raises NotImplementedError/AttributeError/RuntimeError)
