@@ -276,8 +276,7 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
             q, k, pat, sc = t[qn], t[kn], t["pattern"], t["scores"]
             if rope:
                 q, k = rotate_native(native_rotary(model, layer), q, k)
-            comp = getattr(model.blocks[layer].attn, "original_component", None)
-            real = not getattr(comp, "accepts_pattern_fn", False) and not torch.equal(sc, pat)
+            real = not adapter(model, layer).scores_hook_holds_pattern and not torch.equal(sc, pat)
             scores_real[layer] = real
             if real and not cap and layer not in measured_scale:
                 # The factor the model really applied: least squares of its scores on raw q·k (causal pairs).

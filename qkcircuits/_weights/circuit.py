@@ -2,7 +2,7 @@
 
 >>> c = qk.circuit(model, "1.0", "qk")
 >>> c.kind, tuple(c.matrix.shape), c.exact
-('qk', (26, 26), True)
+('qk', (224, 224), True)
 
 Its own module so that ``circuits`` (weights, inputs) and ``rotary`` (positions) import nothing from each
 other: this one imports both (it used to be ``circuits.circuit`` importing ``rotary`` inside the function,

@@ -1,10 +1,10 @@
 """What the model's attention keeps per token: ``qk.kv_cache(model)`` against its multi-head equivalent.
 
 >>> c = qk.kv_cache(model)
->>> c.per_layer_bytes == [2 * 2 * 14 * 4] * 2, c.ratio      # toy: 2 heads × (K + V) × d_head 14, fp32
+>>> c.per_layer_bytes == [2 * 2 * 129 * 4] * 2, c.ratio     # toy: 2 heads × (K + V) × d_head 129, fp32
 (True, 1.0)
 >>> c.summary()
-'KV cache: 224 B per token per layer (MHA), 1.00x of multi-head attention (224 B), fp32'
+'KV cache: 2,064 B per token per layer (MHA), 1.00x of multi-head attention (2,064 B), fp32'
 
 Per layer and token, in the model's dtype: multi-head / grouped-query / multi-query attention caches K and V
 of each KV head, 2 · n_kv · d_head values; multi-head latent attention caches the KV latent and the shared

@@ -3,9 +3,9 @@
 >>> from qkcircuits._foundation.arch import adapter
 >>> a = adapter(model, 1)
 >>> a.family, a.n_heads, a.d_qk, a.d_v
-('standard', 2, 14, 14)
+('standard', 2, 129, 129)
 >>> tuple(a.weights().W_Q.shape)                 # [head, d_model, d_qk], K/V expanded to query heads
-(2, 26, 14)
+(2, 224, 129)
 
 The adapters are the only place that knows how a family lays out its attention (which module holds
 the projections, where the score scale lives, how hooks are shaped); everything above asks them.
@@ -96,6 +96,11 @@ class AttentionAdapter:
     @property
     def qk_norm(self) -> bool:
         return False
+
+    @property
+    def scores_hook_holds_pattern(self) -> bool:
+        """TL's generic (native) attention fires hook_attn_scores with the softmaxed pattern."""
+        return bool(getattr(getattr(self.bridge, "original_component", None), "accepts_pattern_fn", False))
 
     # -- hooks ------------------------------------------------------------------------------------
     def score_inputs(self) -> Tuple[str, str, bool]:

@@ -1,8 +1,9 @@
 """Multi-head latent attention (DeepSeek-V2/V3: TransformerLens's ``MLAAttentionBridge``).
 
->>> # doctest: +SKIP (needs a DeepSeek-shaped folder: tests/_tiny.py tiny_deepseek)
->>> a = adapter(model, 1)
->>> a.family, a.kv_lora_rank, a.d_rope, a.d_qk, a.d_v
+On a DeepSeek-shaped model (tests/_tiny.py ``tiny_deepseek``; the doctest model is not one):
+
+>>> a = adapter(deepseek, 1)                              # doctest: +SKIP
+>>> a.family, a.kv_lora_rank, a.d_rope, a.d_qk, a.d_v     # doctest: +SKIP
 ('latent', 16, 8, 24, 16)
 
 One layer, in row-vector form (x: the normalised residual entering attention, [d_model]):

@@ -3,7 +3,7 @@
 >>> from qkcircuits._foundation.arch import adapter
 >>> a = adapter(model, 0)
 >>> a.family, a.scale()[1]
-('standard', '1 / AttentionBridge.scale')
+('standard', '1 / NativeAttention.scale')
 
 Everything that probes a standard attention module lives here: where the score scale and soft-cap are
 kept (HF ``scaling``/``attn_logit_softcapping``, TL ``scale``/``attn_scores_soft_cap``, then ``model.cfg``),
