@@ -311,3 +311,17 @@ def test_path_patching_into_one_mla_head_changes_only_that_head(models):
     assert torch.allclose(got["k"][:, :, :3], clean_k[:, :, :3])                   # heads 0-2 untouched
     assert torch.allclose(got["k"][:, :, 3], patched[:, :, 3], atol=1e-5)          # head 3: content and rotary key
     assert not torch.allclose(patched[:, :, 3], clean_k[:, :, 3])
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+def test_cli_circuits_verify_on_v2_and_v3_folders(folders, capsys, monkeypatch):
+    """`qkcircuits circuits FOLDER --head 1.0 --verify` prints the check and the KV line; exit 1 on failure."""
+    from qkcircuits.cli import main
+
+    for key in ("v3", "v2_noq"):
+        assert main(["circuits", str(folders[key]), "--head", "1.0", "--verify"]) == 0
+        out = capsys.readouterr().out
+        assert "PASSED at 0.0001" in out and "KV cache: 96 B per token per layer (MLA" in out
+    monkeypatch.setattr(qk.CircuitCheck, "passed", property(lambda self: False))
+    assert main(["circuits", str(folders["v3"]), "--head", "1.0", "--verify"]) == 1
