@@ -85,45 +85,6 @@ def rotation(spec: RotarySpec, positions: Iterable[int], relative: bool = False
     return R.to(spec.omega.dtype)
 
 
-def _hf_rotary_modules(model) -> List[torch.nn.Module]:
-    """Modules holding rotary frequencies: an ``inv_freq`` buffer, or per layer type ``<type>_inv_freq``
-    (transformers 5 for models that mix sliding-window and global layers, e.g. Gemma 3)."""
-    seen, mods = set(), []
-    for _, mod in model.original_model.named_modules():
-        for name, buf in mod.named_buffers(recurse=False):
-            if (name == "inv_freq" or name.endswith("_inv_freq") and not name.endswith("original_inv_freq")) \
-                    and buf.data_ptr() not in seen:
-                seen.add(buf.data_ptr())
-                if not mods or mods[-1] is not mod:
-                    mods.append(mod)
-    return mods
-
-
-def _layer_frequencies(model, layer: int):
-    """(inv_freq, attention_scaling, theta, where) of ``layer``'s own rotary (HF models)."""
-    mods = _hf_rotary_modules(model)
-    if not mods:
-        raise QKCircuitsError("cannot find the rotary module (no inv_freq buffer) in this model; offset circuits "
-                              "need the model's own rotary frequencies")
-    hf_cfg = model.original_model.config
-    rope = getattr(hf_cfg, "rope_parameters", None) or {}
-    ltype = layer_type(model, layer)
-    for mod in mods:
-        if ltype is not None and isinstance(getattr(mod, f"{ltype}_inv_freq", None), Tensor):
-            inv = getattr(mod, f"{ltype}_inv_freq")
-            scaling = getattr(mod, f"{ltype}_attention_scaling", 1.0)
-            params = rope.get(ltype) if isinstance(rope, dict) else None
-            theta = params.get("rope_theta") if isinstance(params, dict) else None
-            return inv, scaling, theta, f"{type(mod).__name__}.{ltype}_inv_freq (layer {int(layer)})"
-    for mod in mods:
-        if isinstance(getattr(mod, "inv_freq", None), Tensor):
-            theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or getattr(hf_cfg, "rope_theta", None)
-            return mod.inv_freq, getattr(mod, "attention_scaling", 1.0), theta, f"{type(mod).__name__}.inv_freq"
-    raise QKCircuitsError(f"layer {int(layer)} has attention type {ltype!r} but the rotary module holds no "
-                          f"'{ltype}_inv_freq' (it has per-type frequencies for other types); offset circuits need "
-                          f"this layer's own frequencies")
-
-
 def rotary_spec(model, base: Optional[float] = None, verify: bool = True, layer: int = 0) -> RotarySpec:
     """The rotary settings of ``layer`` (its own frequencies where the model keeps one set per layer type);
     ``base`` replaces the frequencies with base^(−2k/rotary_dim) (e.g. to show that a wrong base breaks the
@@ -154,7 +115,7 @@ def rotary_spec(model, base: Optional[float] = None, verify: bool = True, layer:
         eff_base, pos_scale, inv = _resolve_rope_scaling(model.cfg, rd)
         spec = RotarySpec(inv.float() / float(pos_scale), "pairs", rd, d_head, 1.0, float(eff_base), "TL-native rotary")
     else:
-        inv, scaling, theta, where = _layer_frequencies(model, layer)
+        inv, scaling, theta, where = att.rotary_frequencies()
         inv = inv.detach().float().cpu()
         style = "pairs" if getattr(model.cfg, "rotary_adjacent_pairs", False) else "halves"
         spec = RotarySpec(inv, style, 2 * inv.numel(), d_head, float(scaling or 1.0),

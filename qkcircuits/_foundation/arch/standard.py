@@ -139,6 +139,11 @@ class StandardAttention(AttentionAdapter):
             return "q", "k", True
         return "rot_q", "rot_k", False
 
+    def rotary_frequencies(self):
+        """(inv_freq, attention_scaling, theta, where) of this layer's own HF rotary (per layer type where the
+        model keeps one set per type, e.g. Gemma 3's ``sliding_attention_inv_freq``)."""
+        return layer_frequencies(self.model, self.layer, self.layer_type())
+
     @property
     def qk_norm(self) -> bool:
         return bool(getattr(self.model.cfg, "use_qk_norm", False)) or any(
@@ -163,6 +168,44 @@ class StandardAttention(AttentionAdapter):
     def kv_floats(self) -> Tuple[int, int]:
         """(floats this layer caches per token: K and V of each KV head, its multi-head equivalent)."""
         return 2 * self.n_kv_heads * self.d_qk, 2 * self.n_heads * self.d_qk
+
+
+def _hf_rotary_modules(model) -> List[torch.nn.Module]:
+    """Modules holding rotary frequencies: an ``inv_freq`` buffer, or per layer type ``<type>_inv_freq``
+    (transformers 5 for models that mix sliding-window and global layers, e.g. Gemma 3)."""
+    seen, mods = set(), []
+    for _, mod in model.original_model.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if (name == "inv_freq" or name.endswith("_inv_freq") and not name.endswith("original_inv_freq")) \
+                    and buf.data_ptr() not in seen:
+                seen.add(buf.data_ptr())
+                if not mods or mods[-1] is not mod:
+                    mods.append(mod)
+    return mods
+
+
+def layer_frequencies(model, layer: int, ltype: Optional[str]):
+    """(inv_freq, attention_scaling, theta, where) of ``layer``'s own rotary (HF models)."""
+    mods = _hf_rotary_modules(model)
+    if not mods:
+        raise QKCircuitsError("cannot find the rotary module (no inv_freq buffer) in this model; offset circuits "
+                              "need the model's own rotary frequencies")
+    hf_cfg = model.original_model.config
+    rope = getattr(hf_cfg, "rope_parameters", None) or {}
+    for mod in mods:
+        if ltype is not None and isinstance(getattr(mod, f"{ltype}_inv_freq", None), Tensor):
+            inv = getattr(mod, f"{ltype}_inv_freq")
+            scaling = getattr(mod, f"{ltype}_attention_scaling", 1.0)
+            params = rope.get(ltype) if isinstance(rope, dict) else None
+            theta = params.get("rope_theta") if isinstance(params, dict) else None
+            return inv, scaling, theta, f"{type(mod).__name__}.{ltype}_inv_freq (layer {int(layer)})"
+    for mod in mods:
+        if isinstance(getattr(mod, "inv_freq", None), Tensor):
+            theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or getattr(hf_cfg, "rope_theta", None)
+            return mod.inv_freq, getattr(mod, "attention_scaling", 1.0), theta, f"{type(mod).__name__}.inv_freq"
+    raise QKCircuitsError(f"layer {int(layer)} has attention type {ltype!r} but the rotary module holds no "
+                          f"'{ltype}_inv_freq' (it has per-type frequencies for other types); offset circuits need "
+                          f"this layer's own frequencies")
 
 
 def _bias(attn, name: str) -> Optional[Tensor]:
