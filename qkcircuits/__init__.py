@@ -24,7 +24,7 @@ __all__ = sorted([
     "load", "model_heads", "n_kv_heads", "natural_text", "parse_heads", "pick_device", "repeated_tokens", "segment_length", "stream",
     "text_tokens", "token_pool",
     # circuits
-    "Circuit", "CompositionScores", "LayerWeights", "OffsetProfile", "RotarySpec", "all_ov", "all_qk",
+    "Circuit", "CircuitCheck", "KVCache", "kv_cache", "verify_circuits", "CompositionScores", "LayerWeights", "OffsetProfile", "RotarySpec", "all_ov", "all_qk",
     "attn_input_hook", "attn_scale", "circuit", "circuit_caveats", "composition_baseline", "composition_column",
     "composition_scores", "copying_accuracy", "copying_scores", "eigen_copying", "embed_factor", "embed_rows",
     "full_ov", "full_qk", "k_composition_partners", "layer_weights", "offset_profile", "offset_scores", "ov",

@@ -13,9 +13,12 @@ from ._foundation.model import load, pick_device
 from ._foundation.sequences import natural_text, repeated_tokens, segment_length, text_tokens, token_pool
 
 # Circuits: weights only (plus one cached corpus pass for the contextual token views).
-from ._weights.circuits import (Circuit, LayerWeights, all_ov, all_qk, attn_input_hook, attn_scale, circuit,
-                                circuit_caveats, embed_factor, embed_rows, full_ov, full_qk, layer_weights, ov,
-                                ov_affine, qk, qk_affine, top_tokens, unembed_cols, unembed_embed, unembed_factor)
+from ._weights.circuit import Circuit, circuit
+from ._weights.circuits import (LayerWeights, all_ov, all_qk, attn_input_hook, attn_scale, circuit_caveats, embed_factor,
+                                embed_rows, full_ov, full_qk, layer_weights, ov, ov_affine, qk, qk_affine, top_tokens,
+                                unembed_cols, unembed_embed, unembed_factor)
+from ._weights.kv_cache import KVCache, kv_cache
+from ._weights.verify import CircuitCheck, verify_circuits
 from ._weights.composition import (CompositionScores, composition_baseline, composition_column, composition_scores,
                                    k_composition_partners)
 from ._weights.contextual import INPUTS, TokenInputs, copying_rank, head_logits, ov_copying, token_inputs, token_qk

@@ -295,3 +295,43 @@ def smollm2_hf():
         _SMOLLM2_HF.append(AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                 dtype=torch.float32).eval())
     return _SMOLLM2_HF[0]
+
+
+# ---- DeepSeek (multi-head latent attention) -------------------------------------------------------
+
+MLA_SHAPE = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                 kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                 intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+                 num_experts_per_tok=2, first_k_dense_replace=1)
+DEEPSEEK_THETA = 800.0
+YARN = {"rope_type": "yarn", "rope_theta": DEEPSEEK_THETA, "factor": 4.0, "original_max_position_embeddings": 16,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def tiny_deepseek(folder: Path, *, version: int = 3, q_lora_rank=32, yarn: bool = False, tokenizer=None) -> Path:
+    """DeepSeek-V2 or -V3 (multi-head latent attention): 3 layers, hidden 64, 4 heads, kv_lora_rank 16,
+    ``q_lora_rank`` 32 (or None: a plain q_proj), rotary dim 8 + no-rotary dim 16 per head, v_head_dim 16,
+    MoE MLPs from layer 1 (4 routed experts, top-2, one shared). V3 rotates interleaved pairs
+    (``rope_interleave``), V2 its complex-exponential pairs. ``yarn`` sets YaRN rope scaling (factor 4,
+    mscale_all_dim 1: HF's score scale becomes qk_head_dim^-0.5 · mscale², not 1/√24)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    tok = tokenizer if tokenizer is not None else bpe_tokenizer()
+    rope = dict(YARN) if yarn else {"rope_type": "default", "rope_theta": DEEPSEEK_THETA}
+    common = dict(MLA_SHAPE, q_lora_rank=q_lora_rank, max_position_embeddings=N_CTX, vocab_size=len(tok),
+                  initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=rope,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.bos_token_id)
+    if version == 3:
+        cfg, cls = DeepseekV3Config(**common, rope_interleave=True, n_group=1, topk_group=1), DeepseekV3ForCausalLM
+    else:
+        cfg, cls = DeepseekV2Config(**common, n_group=1, topk_group=1, topk_method="greedy"), DeepseekV2ForCausalLM
+    torch.manual_seed(SEED + 10 + version)
+    model = cls(cfg).eval()
+    _perturb(model, SEED + 10 + version)
+    return _save(folder, model, tok)
+
+
+def deepseek_dir(tmp_path_factory, version: int = 3, q_lora_rank=32, yarn: bool = False) -> Path:
+    key = f"deepseek_v{version}_q{q_lora_rank}{'_yarn' if yarn else ''}"
+    return _once(key, tmp_path_factory, lambda d: tiny_deepseek(d, version=version, q_lora_rank=q_lora_rank,
+                                                                 yarn=yarn))

@@ -40,6 +40,7 @@ from .._foundation.io import check_int
 from .._foundation.result import versions
 from .._foundation.model import model_name
 from .._foundation.sequences import check_seed, repeated_tokens, segment_length, text_tokens, token_pool
+from .._foundation.arch import adapter
 from .._weights.circuits import attention_scale
 from .._weights.rotary import native_rotary, rotate_native
 from .diagnose_result import HeadDiagnostics, MEASURES, check_thresholds
@@ -187,11 +188,7 @@ def _qk_source(model):
     native modules declare those hooks but never fire them, so there (``native`` True) the
     pre-rotary q/k are read and rotated with ``_rotary.rotate_native`` (``pattern_err`` checks the result).
     """
-    if not has_rotary(model):
-        return "q", "k", False
-    if native_rotary(model, 0) is not None:
-        return "q", "k", True
-    return "rot_q", "rot_k", False
+    return adapter(model, 0).score_inputs()
 
 
 def _perturbed(tokens: Tensor, n: int, start: int, pool_ids: Tensor, seed: int) -> Tensor:
@@ -253,7 +250,7 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
         tokens = _prompt_sets(model, list(prompt_sets), n_seqs, seq_len, seg_len, seed)
     if not tokens:
         raise QKCircuitsError("no prompt sets given; use 'text' and/or 'repeated'")
-    L, H, d_head = model.cfg.n_layers, model.cfg.n_heads, int(model.cfg.d_head)
+    L, H, d_head = model.cfg.n_layers, model.cfg.n_heads, int(adapter(model, 0).d_qk)    # MLA: nope + rope
     layer_list = _check_layers(model, layers)
     qn, kn, rope = _qk_source(model)
     scales = {layer: attention_scale(model, layer) for layer in layer_list}
@@ -282,8 +279,7 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
             q, k, pat, sc = t[qn], t[kn], t["pattern"], t["scores"]
             if rope:
                 q, k = rotate_native(native_rotary(model, layer), q, k)
-            comp = getattr(model.blocks[layer].attn, "original_component", None)
-            real = not getattr(comp, "accepts_pattern_fn", False) and not torch.equal(sc, pat)
+            real = not adapter(model, layer).scores_hook_holds_pattern and not torch.equal(sc, pat)
             scores_real[layer] = real
             if real and not cap and layer not in measured_scale:
                 # The factor the model really applied: least squares of its scores on raw q·k (causal pairs).

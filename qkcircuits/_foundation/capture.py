@@ -16,6 +16,12 @@ Edit chosen heads, hooks removed on exit (also on exceptions):
 
 >>> with edit(model, "z", "3.1", 0.0):      # doctest: +SKIP   zero head 3.1's z
 ...     logits = model(tokens)
+
+Multi-head latent attention (DeepSeek-V2/V3) has the same names, in the same layouts, plus
+``q_latent`` and ``kv_latent`` ([batch, pos, rank], the normalised latents every head reads) and
+``k_rope`` (the decoupled rotary key shared by all heads, [batch, pos, 1, d_rope]). There ``q``/``k``
+are what enters attention ([content | rotated rope] per head, post-rotary: TL's hooks fire there),
+``rot_q``/``rot_k`` the rotated rope parts only.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from .arch import adapter, architecture, family
 from .attention import attention_scale, native_rotary, rotate_native
 from . import display as show
 from .result import Result
@@ -45,8 +52,13 @@ NAMES: Dict[str, Tuple[str, str]] = {
     "scores": ("hook_attn_scores", "hqk"),
     "pattern": ("hook_pattern", "hqk"),
     "z": ("hook_z", "qh"),
+    # multi-head latent attention only (DeepSeek-V2/V3): "lat" is [b, p, rank]
+    "q_latent": ("hook_q_latent", "lat"),
+    "kv_latent": ("hook_kv_latent", "lat"),
+    "k_rope": ("hook_rot_k", "kvh"),      # the decoupled rotary key, one for all heads: [b, p, 1, d_rope]
 }
-EDITABLE = ("q", "k", "v", "rot_q", "rot_k", "z")
+LATENT_NAMES = ("q_latent", "kv_latent", "k_rope")
+EDITABLE = ("q", "k", "v", "rot_q", "rot_k", "z", "q_latent", "kv_latent", "k_rope")
 Tokens = Int[Tensor, "batch pos"]
 
 
@@ -85,6 +97,14 @@ def _check_layers(model, layers: Optional[Iterable[int]]) -> List[int]:
 
 def _resolve_names(model, names: Sequence[str]) -> List[str]:
     names = _check_names(names)
+    latent = [n for n in names if n in LATENT_NAMES]
+    if latent and family(model) != "latent":
+        raise QKCircuitsError(f"{latent[0]!r} exists only on multi-head latent attention (DeepSeek-V2/V3); this "
+                              f"{architecture(model)} has standard attention: capture q, k, v, rot_q, rot_k, scores, "
+                              f"pattern or z")
+    if "q_latent" in names and getattr(adapter(model, 0), "q_lora_rank", None) is None:
+        raise QKCircuitsError(f"'q_latent' needs a query latent, and this {architecture(model)} has q_lora_rank None "
+                              f"(q = x W_Q directly); capture kv_latent, k_rope, q, k, v or z")
     if not has_rotary(model):
         bad = [n for n in names if n.startswith("rot_")]
         if bad:
@@ -127,6 +147,9 @@ class Activations(Result):
 
     def head(self, name: str, layer: int, head: int) -> Tensor:
         """One query head's slice: [batch, pos, d_head] for q/k/v/z, [batch, q, k] for scores/pattern."""
+        if NAMES[name][1] == "lat":
+            raise QKCircuitsError(f"{name!r} is one latent shared by every head of the layer; read acts[{name!r}, "
+                                  f"{layer}] ([batch, pos, rank]) instead")
         t = self[name, layer]
         return t[:, head] if NAMES[name][1] == "hqk" else t[:, :, head]
 
@@ -364,7 +387,10 @@ Replacement = Union[float, Tensor, Callable[[Tensor, Head], Tensor]]
 
 @contextlib.contextmanager
 def edit(model, name: str, heads: HeadsLike, replace: Replacement, *, kv_heads: bool = False) -> Iterator[None]:
-    """Replace ``name`` (one of q, k, v, rot_q, rot_k, z) for ``heads`` while the block runs.
+    """Replace ``name`` (one of q, k, v, rot_q, rot_k, z; on MLA also q_latent, kv_latent, k_rope) for ``heads``.
+
+    A latent or MLA's shared rotary key belongs to every head of its layer: there ``heads`` selects the layers
+    and ``replace`` acts on the whole tensor.
 
     ``replace`` is a scalar, a tensor broadcastable to one head's slice [batch, pos, d_head],
     or ``fn(slice, head) -> new slice``. Heads name query heads; for k/v/rot_k on a model
@@ -376,6 +402,10 @@ def edit(model, name: str, heads: HeadsLike, replace: Replacement, *, kv_heads: 
         raise QKCircuitsError(f"cannot edit {name!r}; editable activations are {', '.join(EDITABLE)} (patterns and "
                               f"scores are recomputed by the attention module: edit q/k/v/z instead)")
     _resolve_names(model, [name])
+    shared = NAMES[name][1] == "lat" or (name in ("rot_k", "k_rope") and family(model) == "latent")
+    if shared:
+        yield from _edit_shared(model, name, heads, replace)
+        return
     per_kv = NAMES[name][1] == "kvh"
     n_kv = n_kv_heads(model)
     grouped = per_kv and n_kv != model.cfg.n_heads
@@ -405,6 +435,22 @@ def edit(model, name: str, heads: HeadsLike, replace: Replacement, *, kv_heads: 
 
     hooks = [(hook_name(name, layer), make(layer, hs)) for layer, hs in by_layer.items()]
     with model.hooks(fwd_hooks=hooks):
+        yield
+
+
+def _edit_shared(model, name: str, heads: HeadsLike, replace: Replacement) -> Iterator[None]:
+    """Edit a tensor every head of a layer reads (an MLA latent or the shared rotary key): ``heads`` name
+    the layers (any head of a layer selects it); ``replace`` gets and returns the whole [batch, pos, ...] tensor."""
+    layers = sorted({h.layer for h in model_heads(model, heads)})
+
+    def make(layer: int):
+        def fn(t: Tensor, hook) -> Tensor:
+            new = replace(t.clone(), Head(layer, 0)) if callable(replace) else torch.as_tensor(
+                replace, dtype=t.dtype, device=t.device)
+            return new.to(t.dtype).expand_as(t).clone()
+        return fn
+
+    with model.hooks(fwd_hooks=[(hook_name(name, layer), make(layer)) for layer in layers]):
         yield
 
 

@@ -161,6 +161,7 @@ def _load(spec: Spec, *, device, dtype, fold_ln: bool, device_map, verbose: bool
     elif fold_ln:
         bridge.enable_compatibility_mode(disable_warnings=True)
     bridge.eval()
+    _prepare_attention(bridge)
     return bridge
 
 
@@ -193,6 +194,17 @@ def check_spec(spec: Spec) -> None:
                               f"file, a hub name such as 'gpt2', 'smollm2-135m' or 'toy-induction'")
     else:
         _hub_precheck(text)
+
+
+def _prepare_attention(bridge) -> None:
+    """Fit the hooks to qkcircuits' layout (the architecture adapters' one-time step); an attention no adapter
+    knows still loads, and fails with one line naming its architecture when an analysis asks for it."""
+    from .arch import prepare
+
+    try:
+        prepare(bridge)
+    except QKCircuitsError:
+        pass
 
 
 def _looks_like_path(text: str) -> bool:

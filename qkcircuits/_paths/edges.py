@@ -47,6 +47,7 @@ from torch import Tensor
 from .._analysis.metrics import Metric
 from .._foundation.capture import StopForward, hook_name
 from .._foundation.model import model_name
+from .._foundation.arch import adapter
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike, model_heads, n_kv_heads
 from .path_effects import INPUTS, PathEffects
@@ -103,7 +104,7 @@ def _layer_deltas(model, cache, repl, layer: int) -> Tensor:
     z = cache.z[layer]                                                          # [b, p, H, d_head]
     H = z.shape[2]
     new = torch.stack([repl.value(layer, h, b, p).to(z).expand(b, p, z.shape[-1]) for h in range(H)], 2)
-    W_O = model.blocks[layer].attn.W_O.detach()                                 # [H, d_head, d_model]
+    W_O = adapter(model, layer).W_O()                                           # [H, d_v, d_model]
     delta = torch.einsum("bphd,hdm->hbpm", new - z, W_O)
     post = post_norm(model, layer)
     if post is not None:

@@ -23,6 +23,7 @@ from torch import Tensor
 from .._analysis.ablate import Replacement, Runner, check_method, make_replacement
 from .._analysis.metrics import Metric, as_metric, direct_logit, induction_attention, induction_mask
 from .._foundation.capture import StopForward, hook_name
+from .._foundation.arch import adapter
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, kv_head, n_kv_heads
 from .path_effects import INPUTS
@@ -243,7 +244,7 @@ def sender_deltas(model, cache: CleanCache, repl: Replacement, senders: Sequence
         for s in senders:
             z = cache.z[s.layer][:, :, s.head]                                  # [b, p, d_head]
             new = repl.value(s.layer, s.head, b, p).to(z).expand_as(z)
-            W_O = model.blocks[s.layer].attn.W_O[s.head].detach()              # [d_head, d_model]
+            W_O = adapter(model, s.layer).W_O()[s.head]                         # [d_v, d_model]
             d = (new - z) @ W_O
             post = post_norm(model, s.layer)
             if post is not None:
@@ -336,7 +337,7 @@ class Scorer:
             nxt = torch.cat([tokens[:, 1:], tokens[:, :1]], 1)[qpos]              # [m]
             self.W_U = model.W_U.detach()[:, nxt].T                               # [m, d_model]
             self.r = cache.final[qpos]                                            # [m, d_model]
-            self.W_O = model.blocks[layer].attn.W_O.detach()                      # [H, d_head, d_model]
+            self.W_O = adapter(model, layer).W_O()                                # [H, d_v, d_model]
             self.post = post_norm(model, layer)
             self.y = cache.attn_out[layer][qpos] if self.post is not None else None
             z = cache.z[layer][qpos]                                              # [m, H, d_head]

@@ -28,81 +28,29 @@ weight is folded into W_Q/W_K/W_V); with raw weights it is normalised × weight 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 from transformer_lens.FactoredMatrix import FactoredMatrix
 
+from .._foundation.arch import LayerWeights, adapter  # noqa: F401  (LayerWeights re-exported)
 from .._foundation.attention import attention_scale, sliding_window  # noqa: F401  (re-exported: the one scale reader)
-from .._foundation import display as show
-from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
-from .._foundation.args import check_integer, check_model
-from .._foundation.heads import Head, HeadsLike, model_heads, n_kv_heads
-from .._foundation.model import model_name
+from .._foundation.heads import Head, HeadsLike, model_heads
 
 
 # ---------------------------------------------------------------------------------------------- weights
 
-@dataclass
-class LayerWeights:
-    """One layer's attention weights, K/V expanded to query heads (GQA), biases zero where absent."""
-
-    W_Q: Float[Tensor, "head d_model d_head"]
-    W_K: Float[Tensor, "head d_model d_head"]
-    W_V: Float[Tensor, "head d_model d_head"]
-    W_O: Float[Tensor, "head d_head d_model"]
-    b_Q: Float[Tensor, "head d_head"]
-    b_K: Float[Tensor, "head d_head"]
-    b_V: Float[Tensor, "head d_head"]
-    has_bias: bool
-
-
 def layer_weights(model, layer: int) -> LayerWeights:
-    """Detached weights of ``layer``. Memory: 4 · n_heads · d_model · d_head floats."""
-    n_layers = model.cfg.n_layers
-    if not 0 <= int(layer) < n_layers:
-        raise QKCircuitsError(f"layer {layer} is out of range: the model has layers 0-{n_layers - 1}")
-    attn = model.blocks[int(layer)].attn
-    n_heads, n_kv = model.cfg.n_heads, n_kv_heads(model)
-    group = n_heads // n_kv
-    with torch.no_grad():
-        W_Q, W_K, W_V, W_O = (getattr(attn, n).detach() for n in ("W_Q", "W_K", "W_V", "W_O"))
-        # HF repeat_kv order: query head h reads KV head h // group. Expand only what is per KV head:
-        # a bridge that already hands out per-query-head K/V must not be expanded twice.
-        W_K, W_V = (_per_query_head(W, n, n_heads, n_kv, layer) for W, n in ((W_K, "W_K"), (W_V, "W_V")))
-        biases, has_bias = [], False
-        for name, kv in (("b_Q", False), ("b_K", True), ("b_V", True)):
-            b = _bias(attn, name)
-            if b is None:
-                b = torch.zeros(n_heads, W_Q.shape[-1], dtype=W_Q.dtype, device=W_Q.device)
-            else:
-                has_bias = True
-                b = b.detach().reshape(-1, W_Q.shape[-1])
-                if kv:
-                    b = _per_query_head(b, name, n_heads, n_kv, layer)
-            biases.append(b)
-    return LayerWeights(W_Q, W_K, W_V, W_O, *biases, has_bias=has_bias)
+    """Detached per-query-head weights of ``layer``, from its architecture adapter (``_foundation.arch``).
 
-
-def _per_query_head(t: Tensor, name: str, n_heads: int, n_kv: int, layer) -> Tensor:
-    """``t`` [kv head, ...] repeated to [head, ...]; returned as is when it is per query head already."""
-    if t.shape[0] == n_heads:
-        return t
-    if t.shape[0] == n_kv:
-        return t.repeat_interleave(n_heads // n_kv, 0)
-    raise QKCircuitsError(f"layer {layer}: {name} has {t.shape[0]} heads; expected {n_kv} (KV heads) or "
-                          f"{n_heads} (query heads)")
-
-
-def _bias(attn, name: str) -> Optional[Tensor]:
-    try:
-        return getattr(attn, name)
-    except Exception:  # bias-free bridges raise (AttributeError/RuntimeError/...) instead of returning None
-        return None
+    Standard attention: TL's W_Q/W_K/W_V/W_O with K/V expanded to query heads (GQA/MQA). Multi-head latent
+    attention: the effective maps through the latents (docs/circuits.md). Memory: 4 · n_heads · d_model · d_head
+    floats.
+    """
+    return adapter(model, layer).weights()
 
 
 def _head(model, head) -> Head:
@@ -116,14 +64,22 @@ def qk(model, head: HeadsLike) -> FactoredMatrix:
     """QK circuit of one head: ``FactoredMatrix(W_Q, W_Kᵀ)``, [d_model, d_model] (papers: W_Qᵀ W_K)."""
     h = _head(model, head)
     warn_caveats(model, "the QK circuit")
-    w = layer_weights(model, h.layer)
+    att = adapter(model, h.layer)
+    if att.family == "latent":            # inner dimension: the KV latent + the shared rotary key
+        return FactoredMatrix(*att.latent_qk(h.head))
+    w = att.weights()
     return FactoredMatrix(w.W_Q[h.head], w.W_K[h.head].T)
 
 
 def ov(model, head: HeadsLike) -> FactoredMatrix:
-    """OV circuit of one head: ``FactoredMatrix(W_V, W_O)``, [d_model, d_model] (papers: W_O W_V)."""
+    """OV circuit of one head: ``FactoredMatrix(W_V, W_O)``, [d_model, d_model] (papers: W_O W_V).
+
+    Multi-head latent attention: ``FactoredMatrix(W_DKV γ_kv, W_UV^h W_O^h)``, the KV latent as the inner dimension."""
     h = _head(model, head)
-    w = layer_weights(model, h.layer)
+    att = adapter(model, h.layer)
+    if att.family == "latent":
+        return FactoredMatrix(*att.latent_ov(h.head))
+    w = att.weights()
     return FactoredMatrix(w.W_V[h.head], w.W_O[h.head])
 
 
@@ -177,8 +133,9 @@ def attn_input_hook(model, layer: int) -> str:
 
 
 def is_folded(model) -> bool:
-    """Whether normalisation weights are folded into the attention weights (``qk.load(fold_ln=True)``)."""
-    return bool(getattr(model, "compatibility_mode", False))
+    """Whether normalisation weights are folded into the attention weights (``qk.load(fold_ln=True)``;
+    never on multi-head latent attention, which TransformerLens 4.3 cannot fold)."""
+    return adapter(model, 0).folded
 
 
 def _norm_kind(model) -> Optional[str]:
@@ -231,15 +188,13 @@ def circuit_caveats(model) -> List[str]:
     """
     cfg, out = model.cfg, []
     hf_cfg = getattr(getattr(model, "original_model", None), "config", None)
-    orig = getattr(model.blocks[0].attn, "original_component", None)
-    qk_norm = bool(getattr(cfg, "use_qk_norm", False)) or any(
-        getattr(orig, n, None) is not None for n in ("q_norm", "k_norm", "q_layernorm", "k_layernorm",
-                                                      "query_layernorm", "key_layernorm"))
-    if qk_norm:
+    first = adapter(model, 0)
+    out += first.caveats()
+    if first.qk_norm:
         out.append("QK-norm: q and k are RMS-normalised per position inside attention, so scores are not x·QK·yᵀ "
                    "(the circuit is right only up to per-position scales; rotary is applied after the norm)")
-    cap = max(float(getattr(cfg, "attn_scores_soft_cap", -1) or -1),
-              float(getattr(hf_cfg, "attn_logit_softcapping", None) or -1))
+    cap = max([float(adapter(model, layer).scale()[2] or -1) for layer in range(int(cfg.n_layers))]
+              + [float(getattr(hf_cfg, "attn_logit_softcapping", None) or -1)])
     if cap > 0:
         out.append(f"attention logits are soft-capped (cap·tanh(s/cap), cap={cap:g}): the bilinear form is the "
                    f"pre-cap score")
@@ -404,97 +359,3 @@ def top_tokens(matrix: FactoredMatrix, index: int, k: int = 10, dim: str = "row"
     with torch.no_grad():
         vec = matrix.A[int(index)] @ matrix.B if dim == "row" else matrix.A @ matrix.B[:, int(index)]
         return vec.topk(int(k), largest=largest)
-
-
-# ------------------------------------------------------------------------------------------ results
-
-@dataclass(repr=False)      # the repr is _text (Result)
-class Circuit(Result):
-    """A circuit plus what made it: ``matrix`` (FactoredMatrix), ``kind``, ``head``, ``settings``, ``caveats``.
-
-    ``exact`` is False when ``caveats`` lists a way the model's scores leave the bilinear form. The JSON
-    holds the two factors A [d_left, d_mid] and B [d_mid, d_right] (never their product).
-    """
-
-    SCHEMA = "qkcircuits.circuit/1"
-    WHAT = "a qkcircuits circuit JSON"
-    KEYS = ("kind", "head", "A", "B")
-
-    matrix: FactoredMatrix
-    kind: str
-    head: Head
-    settings: Dict[str, object] = field(default_factory=dict)
-    caveats: List[str] = field(default_factory=list)
-
-    @property
-    def exact(self) -> bool:
-        return not self.caveats
-
-    def top(self, k: int = 5) -> List[Tuple[int, float]]:
-        """The ``k`` largest singular values of the circuit: ``(index, value)`` (from the factors only)."""
-        S = self.matrix.S.flatten()
-        return [(i, float(S[i])) for i in range(min(k, S.numel()))]
-
-    def to_frame(self):
-        """One row per singular value: index, value."""
-        import pandas as pd
-
-        return pd.DataFrame({"index": list(range(self.matrix.S.numel())), "singular_value": self.matrix.S.tolist()})
-
-    def to_dict(self) -> Dict[str, object]:
-        return {"kind": self.kind, "head": str(self.head), "A": self.matrix.A.tolist(), "B": self.matrix.B.tolist(),
-                "settings": self.settings, "caveats": list(self.caveats)}
-
-    @classmethod
-    def _from_dict(cls, d: Dict[str, object]) -> "Circuit":
-        return cls(FactoredMatrix(torch.tensor(d["A"]), torch.tensor(d["B"])), str(d["kind"]), Head.parse(d["head"]),
-                   dict(d.get("settings", {})), list(d.get("caveats", [])))
-
-    def _shape(self) -> str:
-        m = self.matrix
-        return f"[{m.ldim}, {m.rdim}] = [{m.ldim}, {m.mdim}] @ [{m.mdim}, {m.rdim}]"
-
-    def _text(self) -> str:
-        return (f"Circuit({self.kind}, head {self.head}; {self._shape()}; "
-                f"{'exact' if self.exact else 'caveats: ' + '; '.join(self.caveats)})")
-
-    def _html(self) -> str:
-        rows = [("kind", self.kind), ("head", str(self.head)), ("factored", self._shape())]
-        rows += [(k, str(v)) for k, v in self.settings.items() if k != "versions"] + [("caveat", c) for c in self.caveats]
-        return show.box(f"Circuit: {self.kind} of head {self.head}", show.table(rows))
-
-
-
-KINDS = ("qk", "ov", "qk_affine", "ov_affine", "full_qk", "full_ov", "qk_offset", "pos_qk")
-
-
-def circuit(model, head: HeadsLike, kind: str = "qk", *, offset: int = 0, normalize: bool = True,
-            rotary_base: Optional[float] = None) -> Circuit:
-    """Any circuit of one head as a ``Circuit`` (warns when the model leaves the bilinear form).
-
-    ``kind``: qk, ov, qk_affine, ov_affine, full_qk, full_ov, qk_offset (rotary, ``offset`` = i − j),
-    pos_qk (learned positions).
-    """
-    model, offset = check_model(model), check_integer("offset", offset)
-    if kind not in KINDS:
-        raise QKCircuitsError(f"unknown circuit kind {kind!r}; choose from {', '.join(KINDS)}")
-    h = _head(model, head)
-    settings: Dict[str, object] = {"model": model_name(model), "fold_ln": is_folded(model),
-                                   "attn_scale": attn_scale(model, h.layer), "convention": "row-vector (TL)"}
-    # the QK-side functions below warn; the flag travels with the result
-    caveats = circuit_caveats(model) if kind.startswith(("qk", "full_qk", "pos")) else []
-    if kind in ("full_qk", "full_ov"):
-        settings["normalize"] = normalize
-    if kind == "qk_offset":
-        from .rotary import qk_at_offset, rotary_spec
-        spec = rotary_spec(model, base=rotary_base, layer=h.layer)
-        settings.update(offset=int(offset), rotary=spec.describe())
-        caveats = caveats + list(spec.caveats)
-        mat = qk_at_offset(model, h, offset, spec=spec)
-    elif kind == "pos_qk":
-        from .rotary import positional_qk
-        mat = positional_qk(model, h)
-    else:
-        fn = {"qk": qk, "ov": ov, "qk_affine": qk_affine, "ov_affine": ov_affine}.get(kind)
-        mat = fn(model, h) if fn else (full_qk if kind == "full_qk" else full_ov)(model, h, normalize)
-    return Circuit(mat, kind, h, settings, caveats)

@@ -35,6 +35,7 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike, model_heads
 from .._foundation.io import json_number
 from .._foundation.model import model_name
+from .._foundation.arch import adapter
 from .circuits import is_folded, layer_weights, warn_caveats
 
 MODES = ("Q", "K", "V")
@@ -205,7 +206,7 @@ def composition_scores(model, mode: str = "K", *, baseline: bool = True, n_sampl
         for later in range(1, L):
             left = tuple(torch.cat([lf[i] for lf in lefts[:later]]) for i in range(3))
             raw[:later, :, later, :] = _ratio(left, rights[later]).reshape(later, H, H)
-    base = composition_baseline(int(model.cfg.d_model), int(model.cfg.d_head), n_samples, seed) if baseline else 0.0
+    base = composition_baseline(int(model.cfg.d_model), adapter(model, 0).d_qk, n_samples, seed) if baseline else 0.0
     caveats = warn_caveats(model, f"{mode}-composition with the QK circuit") if mode in ("Q", "K") else []
     settings = {"model": model_name(model), "fold_ln": is_folded(model), "caveats": caveats,
                 "baseline_samples": n_samples if baseline else 0, "seed": seed,
@@ -236,7 +237,7 @@ def composition_column(model, head: HeadsLike, mode: str = "K", *, baseline: boo
             return torch.zeros(0, H)
         left = tuple(torch.cat([lf[i] for lf in lefts]) for i in range(3))
         raw = _ratio(left, right)[:, 0].reshape(h.layer, H)
-    base = composition_baseline(int(model.cfg.d_model), int(model.cfg.d_head), n_samples, seed) if baseline else 0.0
+    base = composition_baseline(int(model.cfg.d_model), adapter(model, 0).d_qk, n_samples, seed) if baseline else 0.0
     return (raw - base).float()
 
 

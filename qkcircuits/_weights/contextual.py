@@ -49,6 +49,7 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.renamed import renamed
 from .._foundation.heads import HeadsLike
 from .._foundation.sequences import bos_id, natural_text, repeated_tokens, segment_length, text_tokens, token_pool
+from .._foundation.arch import adapter
 from .circuits import _head, _norm_kind, attn_input_hook, is_folded, layer_weights, normalize_rows, unembed_cols
 
 INPUTS = ("direct", "effective", "contextual")
@@ -267,7 +268,11 @@ def head_logits(model, head: HeadsLike, ids: Sequence[int], input: Optional[str]
     U, scale, note = output_reader(model, x.input)
     x.note = f"{x.note}; output {note}"
     with torch.no_grad():
-        o = (x.rows.to(w.W_V.dtype) @ w.W_V[h.head]) @ w.W_O[h.head]
+        X = x.rows.to(w.W_V.dtype)
+        o = (X @ w.W_V[h.head]) @ w.W_O[h.head]
+        att = adapter(model, h.layer)
+        if att.family == "latent":           # MLA: the KV latent's norm, evaluated at each row
+            o = o * att.latent_scales(X[None])[1][0][:, None]
         return (o @ U.to(o.dtype) / scale).float().cpu(), x
 
 
@@ -282,7 +287,13 @@ def token_qk(model, head: HeadsLike, ids: Sequence[int], input: Optional[str] = 
     w = layer_weights(model, h.layer)
     with torch.no_grad():
         X = x.rows.to(w.W_Q.dtype)
-        grid = (X @ w.W_Q[h.head]) @ (X @ w.W_K[h.head]).T * attn_scale(model, h.layer)
+        Q, K = X @ w.W_Q[h.head], X @ w.W_K[h.head]
+        att = adapter(model, h.layer)
+        if att.family == "latent":           # MLA: both latent norms evaluated at each row (not the rotary key)
+            s_q, s_kv = (t[0] for t in att.latent_scales(X[None]))
+            Q = Q * s_q[:, None]
+            K = torch.cat([K[:, : att.d_nope] * s_kv[:, None], K[:, att.d_nope:]], 1)
+        grid = Q @ K.T * attn_scale(model, h.layer)
     return grid.float().cpu(), x
 
 

@@ -25,6 +25,7 @@ from jaxtyping import Float
 from torch import Tensor
 from transformer_lens.FactoredMatrix import FactoredMatrix
 
+from .._foundation.arch import adapter
 from .._foundation.attention import layer_type, native_rotary, rotate_native, sliding_window  # noqa: F401 (re-exported)
 from .._foundation.capture import has_rotary
 from .._foundation import display as show
@@ -53,9 +54,10 @@ class RotarySpec:
     layer: int = 0
     layer_type: Optional[str] = None
     window: Optional[int] = None
+    offset: int = 0          # first rotated coordinate (MLA: the rope part follows qk_nope_head_dim others)
 
     def describe(self) -> Dict[str, object]:
-        return {"style": self.style, "rotary_dim": self.rotary_dim, "base": self.base, "scaling": self.scaling,
+        return {"style": self.style, "rotary_dim": self.rotary_dim, "first_rotated": self.offset, "base": self.base, "scaling": self.scaling,
                 "source": self.source, "verified_error": self.verified_error, "layer": self.layer,
                 "layer_type": self.layer_type, "sliding_window": self.window}
 
@@ -63,7 +65,8 @@ class RotarySpec:
 def _pair_index(spec: RotarySpec):
     half = spec.rotary_dim // 2
     k = torch.arange(half)
-    return (k, k + half) if spec.style == "halves" else (2 * k, 2 * k + 1)
+    a, b = (k, k + half) if spec.style == "halves" else (2 * k, 2 * k + 1)
+    return a + spec.offset, b + spec.offset
 
 
 def rotation(spec: RotarySpec, positions: Iterable[int], relative: bool = False
@@ -83,45 +86,6 @@ def rotation(spec: RotarySpec, positions: Iterable[int], relative: bool = False
     return R.to(spec.omega.dtype)
 
 
-def _hf_rotary_modules(model) -> List[torch.nn.Module]:
-    """Modules holding rotary frequencies: an ``inv_freq`` buffer, or per layer type ``<type>_inv_freq``
-    (transformers 5 for models that mix sliding-window and global layers, e.g. Gemma 3)."""
-    seen, mods = set(), []
-    for _, mod in model.original_model.named_modules():
-        for name, buf in mod.named_buffers(recurse=False):
-            if (name == "inv_freq" or name.endswith("_inv_freq") and not name.endswith("original_inv_freq")) \
-                    and buf.data_ptr() not in seen:
-                seen.add(buf.data_ptr())
-                if not mods or mods[-1] is not mod:
-                    mods.append(mod)
-    return mods
-
-
-def _layer_frequencies(model, layer: int):
-    """(inv_freq, attention_scaling, theta, where) of ``layer``'s own rotary (HF models)."""
-    mods = _hf_rotary_modules(model)
-    if not mods:
-        raise QKCircuitsError("cannot find the rotary module (no inv_freq buffer) in this model; offset circuits "
-                              "need the model's own rotary frequencies")
-    hf_cfg = model.original_model.config
-    rope = getattr(hf_cfg, "rope_parameters", None) or {}
-    ltype = layer_type(model, layer)
-    for mod in mods:
-        if ltype is not None and isinstance(getattr(mod, f"{ltype}_inv_freq", None), Tensor):
-            inv = getattr(mod, f"{ltype}_inv_freq")
-            scaling = getattr(mod, f"{ltype}_attention_scaling", 1.0)
-            params = rope.get(ltype) if isinstance(rope, dict) else None
-            theta = params.get("rope_theta") if isinstance(params, dict) else None
-            return inv, scaling, theta, f"{type(mod).__name__}.{ltype}_inv_freq (layer {int(layer)})"
-    for mod in mods:
-        if isinstance(getattr(mod, "inv_freq", None), Tensor):
-            theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or getattr(hf_cfg, "rope_theta", None)
-            return mod.inv_freq, getattr(mod, "attention_scaling", 1.0), theta, f"{type(mod).__name__}.inv_freq"
-    raise QKCircuitsError(f"layer {int(layer)} has attention type {ltype!r} but the rotary module holds no "
-                          f"'{ltype}_inv_freq' (it has per-type frequencies for other types); offset circuits need "
-                          f"this layer's own frequencies")
-
-
 def rotary_spec(model, base: Optional[float] = None, verify: bool = True, layer: int = 0) -> RotarySpec:
     """The rotary settings of ``layer`` (its own frequencies where the model keeps one set per layer type);
     ``base`` replaces the frequencies with base^(−2k/rotary_dim) (e.g. to show that a wrong base breaks the
@@ -134,22 +98,34 @@ def rotary_spec(model, base: Optional[float] = None, verify: bool = True, layer:
     n_layers = int(model.cfg.n_layers)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
         raise QKCircuitsError(f"layer {layer!r} is out of range: the model has layers 0-{n_layers - 1}")
-    d_head, caveats = int(model.cfg.d_head), []
+    att = adapter(model, layer)
+    d_head, caveats = int(att.d_qk), []
     native = getattr(model.original_model, "rotary", None)
-    if native is not None and hasattr(native, "cos_cached"):
+    if att.family == "latent":
+        # the decoupled rotary part: d_rope coordinates after the d_nope content ones, one frequency set
+        rot = att.rotary_module()
+        rope = getattr(model.original_model.config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        spec = RotarySpec(rot.inv_freq.detach().float().cpu(), att.rope_style, att.d_rope, d_head,
+                          float(getattr(rot, "attention_scaling", 1.0) or 1.0), float(theta) if theta else None,
+                          f"HF {type(rot).__name__}.inv_freq ({'complex pairs' if att.rope_style == 'pairs' and not att.rope_permuted else 'interleaved pairs' if att.rope_permuted else 'halves'})",
+                          offset=att.d_nope)
+    elif native is not None and hasattr(native, "cos_cached"):
         from transformer_lens.model_bridge.sources.native.model import _resolve_rope_scaling
         rd = int(native.rotary_dim)
         eff_base, pos_scale, inv = _resolve_rope_scaling(model.cfg, rd)
         spec = RotarySpec(inv.float() / float(pos_scale), "pairs", rd, d_head, 1.0, float(eff_base), "TL-native rotary")
     else:
-        inv, scaling, theta, where = _layer_frequencies(model, layer)
+        inv, scaling, theta, where = att.rotary_frequencies()
         inv = inv.detach().float().cpu()
         style = "pairs" if getattr(model.cfg, "rotary_adjacent_pairs", False) else "halves"
         spec = RotarySpec(inv, style, 2 * inv.numel(), d_head, float(scaling or 1.0),
                           float(theta) if theta else None, f"HF {where}")
     spec.layer, spec.layer_type, spec.window = int(layer), layer_type(model, layer), sliding_window(model, layer)
     spec.caveats = caveats
-    if verify:
+    if verify and att.family == "latent":
+        _verify_latent(model, spec)
+    elif verify:
         _detect_style(model, spec)
     if base is not None:
         if not base > 1:
@@ -194,6 +170,36 @@ def _detect_style(model, spec: RotarySpec, n_pos: int = 12) -> None:
                             f"{errs[best]:.2g}); offset circuits may be wrong")
 
 
+def _verify_latent(model, spec: RotarySpec, n: int = 12) -> None:
+    """MLA: the rebuilt R(i−j) must give the model's own rotary-part dot products rot(q_r,i)·rot(k_r,j).
+
+    (DeepSeek-V3 de-interleaves after rotating, so the rotated vectors are permuted; their dot products,
+    all the score sees, are not.) Pre-rotary parts come from the projections' own output hooks."""
+    att = adapter(model, spec.layer)
+    L = spec.layer
+    n = min(n, int(model.cfg.n_ctx))
+    toks = ((torch.arange(n) * 7 + 3) % int(model.cfg.d_vocab))[None].to(model.W_E.device)
+    qproj = "q_proj" if att.q_lora_rank is None else "q_b_proj"
+    names = {f"blocks.{L}.attn.{qproj}.hook_out", f"blocks.{L}.attn.kv_a_proj_with_mqa.hook_out",
+             f"blocks.{L}.attn.hook_rot_q", f"blocks.{L}.attn.hook_rot_k"}
+    with torch.no_grad():
+        _, cache = model.run_with_cache(toks, names_filter=lambda x: x in names, stop_at_layer=L + 1)
+    if not names <= set(cache.keys()):
+        spec.caveats.append("the model does not expose its rotary parts; the MLA rotary pairing is assumed, not verified")
+        return
+    q = cache[f"blocks.{L}.attn.{qproj}.hook_out"][0].view(n, att.n_heads, att.d_qk)[..., att.d_nope:].double()
+    k = cache[f"blocks.{L}.attn.kv_a_proj_with_mqa.hook_out"][0][:, att.kv_lora_rank:].double()      # [pos, d_rope]
+    real = torch.einsum("qhd,kd->hqk", cache[f"blocks.{L}.attn.hook_rot_q"][0].double(),
+                        cache[f"blocks.{L}.attn.hook_rot_k"][0, :, 0].double())
+    Rs = rotation(spec, range(n), relative=True).double()[:, spec.offset:, spec.offset:]           # [Δ, r, r]
+    i, j = torch.tril_indices(n, n)
+    got = torch.einsum("nhd,nde,ne->hn", q[i], Rs[i - j], k[j])
+    spec.verified_error = float((got - real[:, i, j]).abs().max() / real[:, i, j].abs().max().clamp_min(1e-12))
+    if spec.verified_error > 1e-4:
+        spec.caveats.append(f"the rebuilt rotary does not reproduce the model's own rotary-part scores (relative "
+                            f"error {spec.verified_error:.2g}); offset circuits may be wrong")
+
+
 def _rotary_probe(model, toks: Tensor, layer: int):
     """``layer``'s queries just before rotary and the model's own rotated queries, [pos, head, d_head] each.
 
@@ -227,7 +233,12 @@ def qk_at_offset(model, head: HeadsLike, offset: int, *, spec: Optional[RotarySp
     h = _head(model, head)
     warn_caveats(model, "the QK circuit at an offset")
     spec = _spec_for(model, h.layer, spec)
-    return _qk_offset(layer_weights(model, h.layer), h.head, rotation(spec, [int(offset)], relative=True)[0], affine)
+    R = rotation(spec, [int(offset)], relative=True)[0]
+    att = adapter(model, h.layer)
+    if att.family == "latent" and not affine:    # content part through the KV latent + rotary part at Δ
+        o = spec.offset
+        return FactoredMatrix(*att.latent_qk(h.head, R[o:, o:]))
+    return _qk_offset(layer_weights(model, h.layer), h.head, R, affine)
 
 
 def _qk_offset(w, head: int, R: Tensor, affine: bool) -> FactoredMatrix:

@@ -1,6 +1,6 @@
 """``qkcircuits circuits MODEL --head 3.1 [--tokens TEXT] [--json PATH]``: one head's circuits in brief.
 
-    $ qkcircuits circuits smollm2-135m --head 29.2
+    $ qkcircuits circuits smollm2-135m --head 29.2 [--verify]
     head 29.2 of HuggingFaceTB/SmolLM2-135M-Instruct  (fold_ln True, scale 0.125, rotary halves base 100000)
     eigen copying: OV 0.999, full OV (W_E·OV·W_U) 0.999  (rank 1 of 270 by full OV)
     K-composition partners (baseline 0.0416 subtracted): 22.4 0.031, 6.4 0.027, 0.2 0.026, 0.0 0.025, 2.4 0.022
@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--input", choices=("direct", "effective", "contextual"), default=None,
                    help="token rows of the OV view and copying rank (default: direct at layer 0, contextual after)")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
+    p.add_argument("--verify", action="store_true",
+                   help="also check every head's factored QK/OV against the model's own scores and head outputs "
+                        "(qk.verify_circuits); exit 1 if any relative error exceeds 1e-4")
     p.set_defaults(func=run)
 
 
@@ -51,6 +54,8 @@ def summarize(model, head, text=None, top: int = 5, max_offset: int = 64, input=
     from .._foundation.heads import model_heads
     from .._foundation.model import model_name
     from .._weights.rotary import offset_profile, positional_qk, rotary_spec
+    from .._weights.kv_cache import kv_cache
+    from .._foundation.arch import adapter
 
     h = model_heads(model, head)[0]
     input = check_input(input, h.layer)
@@ -61,7 +66,8 @@ def summarize(model, head, text=None, top: int = 5, max_offset: int = 64, input=
                  "copying": {"ov": float(plain[h.layer, h.head]), "full_ov": float(full[h.layer, h.head]),
                              "full_ov_rank": rank, "n_heads": full.numel()}}
     partners = k_composition_partners(model, [h], k=top, min_score=float("-inf"))[h]
-    out["k_composition"] = {"baseline": composition_baseline(int(model.cfg.d_model), int(model.cfg.d_head)),
+    out["kv_cache"] = kv_cache(model).summary()
+    out["k_composition"] = {"baseline": composition_baseline(int(model.cfg.d_model), adapter(model, h.layer).d_qk),
                             "partners": [[str(p), round(v, 6)] for p, v in partners]}
     tokens = None
     if getattr(model, "tokenizer", None) is not None:
@@ -123,6 +129,8 @@ def format_summary(s: dict) -> str:
                  f"(rank {c['full_ov_rank']} of {c['n_heads']} by full OV)")
     k = s["k_composition"]
     parts = ", ".join(f"{p} {v:.3f}" for p, v in k["partners"]) or "none (layer 0)"
+    if s.get("kv_cache"):
+        lines.append(s["kv_cache"])
     lines.append(f"K-composition partners (baseline {k['baseline']:.4f} subtracted): {parts}")
     p = s.get("positions")
     if p:
@@ -165,7 +173,17 @@ def run(args) -> int:
         raise QKCircuitsError("--tokens needs a model with a tokenizer; this one has none")
     s = summarize(model, head[0], args.tokens, args.top, args.offsets, args.input)
     print(format_summary(s))
+    check = None
+    if args.verify:
+        from .._weights.verify import verify_circuits
+
+        check = verify_circuits(model)
+        s["verify"] = check.to_dict()
+        print(check)
+        for _, row in check.top(3).iterrows():
+            print(f"  head {row['head']}: QK {row['qk_error']:.2e} (vs {row['score_source']}), "
+                  f"OV {row['ov_error']:.2e}")
     if args.json:
         write_atomic(str(Path(args.json).expanduser()), json.dumps(s, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)
-    return 0
+    return 1 if check is not None and not check.passed else 0

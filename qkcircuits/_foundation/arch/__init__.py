@@ -1,0 +1,90 @@
+"""One adapter per attention family: ``adapter(model, layer)`` answers what qkcircuits needs of a layer.
+
+>>> from qkcircuits._foundation.arch import adapter, family
+>>> family(model)
+'standard'
+>>> adapter(model, 1).n_heads
+2
+
+Families: ``standard`` (multi-head, grouped-query and multi-query attention, with or without rotary or
+learned positions, QK-norm, soft-cap, sliding windows, per-layer-type rotary, Gemma's post-norms:
+``StandardAttention``) and ``latent`` (multi-head latent attention, DeepSeek-V2/V3: ``LatentAttention``).
+A model neither knows fails with one ``QKCircuitsError`` line naming its architecture.
+How to add a family: docs/architecture.md, "How to add an architecture".
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple, Type
+
+from ..errors import QKCircuitsError
+from .base import AttentionAdapter, LayerWeights
+from .latent import LatentAttention
+from .standard import StandardAttention
+
+FAMILIES: Dict[str, Type[AttentionAdapter]] = {"standard": StandardAttention, "latent": LatentAttention}
+WORKS_ON = "multi-head/GQA/MQA attention (GPT-2, Llama, Qwen, Gemma, ...) and multi-head latent attention (DeepSeek-V2/V3)"
+
+__all__ = ["AttentionAdapter", "FAMILIES", "LatentAttention", "LayerWeights", "StandardAttention", "adapter",
+           "architecture", "family", "prepare"]
+
+
+def architecture(model) -> str:
+    """The model's architecture name (HF ``config.architectures[0]``, else TL's ``cfg.architecture``)."""
+    hf_cfg = getattr(getattr(model, "original_model", None), "config", None)
+    names = getattr(hf_cfg, "architectures", None)
+    if isinstance(names, (list, tuple)) and names:
+        return str(names[0])
+    return str(getattr(model.cfg, "architecture", None) or type(model).__name__)
+
+
+def _detect(model) -> str:
+    attn = model.blocks[0].attn
+    try:
+        comp = getattr(attn, "original_component", None)
+        if hasattr(attn, "hook_kv_latent") or hasattr(comp, "kv_a_proj_with_mqa"):
+            return "latent"
+        attn.W_Q
+        attn.W_O
+    except Exception as e:       # noqa: BLE001  (TL raises NotImplementedError/AttributeError/RuntimeError)
+        raise QKCircuitsError(f"qkcircuits has no attention adapter for architecture {architecture(model)} "
+                              f"({type(attn).__name__}: {str(e).splitlines()[0][:80] if str(e) else type(e).__name__}); "
+                              f"it works on {WORKS_ON}") from None
+    return "standard"
+
+
+def family(model) -> str:
+    """``"standard"`` or ``"latent"``; cached on the model (its attention modules do not change)."""
+    fam = getattr(model, "_qk_attention_family", None)
+    if fam is None:
+        fam = _detect(model)
+        for layer in range(int(model.cfg.n_layers)):
+            FAMILIES[fam](model, layer).prepare()
+        try:
+            object.__setattr__(model, "_qk_attention_family", fam)
+        except Exception:  # noqa: BLE001  (a frozen wrapper: detect again next time)
+            pass
+    return fam
+
+
+def prepare(model) -> str:
+    """Detect the family and fit the hooks to qkcircuits' layout (``qk.load`` calls it); returns the family."""
+    return family(model)
+
+
+def adapter(model, layer: int = 0) -> AttentionAdapter:
+    """The adapter of ``layer``'s attention (``layer`` checked against the model's layers)."""
+    n = int(model.cfg.n_layers)
+    if isinstance(layer, bool) or not 0 <= int(layer) < n:
+        raise QKCircuitsError(f"layer {layer!r} is out of range: the model has layers 0-{n - 1}")
+    cache = getattr(model, "_qk_adapters", None)
+    if cache is None:
+        cache = {}
+        try:
+            object.__setattr__(model, "_qk_adapters", cache)
+        except Exception:  # noqa: BLE001
+            pass
+    key: Tuple[str, int] = (family(model), int(layer))
+    if key not in cache:
+        cache[key] = FAMILIES[key[0]](model, int(layer))
+    return cache[key]

@@ -1,0 +1,120 @@
+"""What every attention adapter answers for one layer, and the per-head weights it hands out.
+
+>>> from qkcircuits._foundation.arch import adapter
+>>> a = adapter(model, 1)
+>>> a.family, a.n_heads, a.d_qk, a.d_v
+('standard', 2, 129, 129)
+>>> tuple(a.weights().W_Q.shape)                 # [head, d_model, d_qk], K/V expanded to query heads
+(2, 224, 129)
+
+The adapters are the only place that knows how a family lays out its attention (which module holds
+the projections, where the score scale lives, how hooks are shaped); everything above asks them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+
+@dataclass
+class LayerWeights:
+    """One layer's attention weights per query head (K/V expanded for GQA), biases zero where absent.
+
+    For multi-head latent attention these are the *effective* maps through the latents with the latent
+    norms' weights γ applied and their per-position RMS scales left out (see docs/circuits.md):
+    W_Q^h = W_DQ·γ_q·W_UQ^h (or W_Q^h), W_K^h = [W_DKV·γ_kv·W_UK^h | W_KR], W_V^h = W_DKV·γ_kv·W_UV^h.
+    """
+
+    W_Q: Float[Tensor, "head d_model d_qk"]
+    W_K: Float[Tensor, "head d_model d_qk"]
+    W_V: Float[Tensor, "head d_model d_v"]
+    W_O: Float[Tensor, "head d_v d_model"]
+    b_Q: Float[Tensor, "head d_qk"]
+    b_K: Float[Tensor, "head d_qk"]
+    b_V: Float[Tensor, "head d_v"]
+    has_bias: bool
+
+
+class AttentionAdapter:
+    """One layer's attention as qkcircuits needs it. Subclasses: ``StandardAttention``, ``LatentAttention``.
+
+    Attributes: ``family`` ("standard" | "latent"), ``n_heads``, ``n_kv_heads``, ``d_qk`` (query/key width
+    per head), ``d_v`` (value/z width per head), ``layer``.
+    """
+
+    family = "abstract"
+
+    def __init__(self, model, layer: int):
+        self.model, self.layer = model, int(layer)
+        self.block = model.blocks[self.layer]
+        self.bridge = self.block.attn
+        comp = getattr(self.bridge, "original_component", None)
+        self.module = self.bridge if comp is None else comp     # the module that really computes attention
+
+    # -- shape ------------------------------------------------------------------------------------
+    n_heads: int
+    n_kv_heads: int
+    d_qk: int
+    d_v: int
+
+    # -- weights ----------------------------------------------------------------------------------
+    def weights(self) -> LayerWeights:
+        raise NotImplementedError
+
+    def W_O(self) -> Float[Tensor, "head d_v d_model"]:
+        """Each head's output map, [head, d_v, d_model] (detached)."""
+        return self.weights().W_O
+
+    @property
+    def folded(self) -> bool:
+        """Whether the input norm's weight is folded into W_Q/W_K/W_V (``qk.load(fold_ln=True)``)."""
+        return bool(getattr(self.model, "compatibility_mode", False))
+
+    # -- scores -----------------------------------------------------------------------------------
+    def scale(self) -> Tuple[float, str, Optional[float]]:
+        """(factor applied to raw q·k, where it was read, soft-cap or None)."""
+        raise NotImplementedError
+
+    def window(self) -> Optional[int]:
+        return None
+
+    def layer_type(self) -> Optional[str]:
+        return None
+
+    def native_rotary(self) -> Optional[torch.nn.Module]:
+        return None
+
+    def caveats(self) -> List[str]:
+        """Ways this layer's score leaves (bilinear form) × scale, beyond the model-wide ones."""
+        return []
+
+    @property
+    def qk_norm(self) -> bool:
+        return False
+
+    @property
+    def scores_hook_holds_pattern(self) -> bool:
+        """TL's generic (native) attention fires hook_attn_scores with the softmaxed pattern."""
+        return bool(getattr(getattr(self.bridge, "original_component", None), "accepts_pattern_fn", False))
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def score_inputs(self) -> Tuple[str, str, bool]:
+        """(q name, k name, native): the capture names whose dot product × scale is the score; ``native``: they
+        still need the TL-native rotary (``attention.rotate_native``)."""
+        return "q", "k", False
+
+    def prepare(self) -> None:
+        """Adjust the bridge's hooks once so they fire in qkcircuits' layout (nothing to do for most families)."""
+
+    def kv_floats(self) -> Tuple[int, int]:
+        """(floats cached per token by this layer, the same for multi-head attention with these query heads)."""
+        raise NotImplementedError
+
+    def head_inputs(self, resid: Float[Tensor, "batch pos d_model"], into: str) -> Tensor:
+        """The hook value ``into`` (q, k, v) this layer would compute from residual ``resid``, [batch, pos, head, d]."""
+        raise NotImplementedError

@@ -1,0 +1,219 @@
+"""Multi-head, grouped-query and multi-query attention (GPT-2, Llama, Qwen, Gemma, TL-native models).
+
+>>> from qkcircuits._foundation.arch import adapter
+>>> a = adapter(model, 0)
+>>> a.family, a.scale()[1]
+('standard', '1 / NativeAttention.scale')
+
+Everything that probes a standard attention module lives here: where the score scale and soft-cap are
+kept (HF ``scaling``/``attn_logit_softcapping``, TL ``scale``/``attn_scores_soft_cap``, then ``model.cfg``),
+the layer type and sliding window (Gemma 3 per layer), QK-norm modules, and TL's W_Q/W_K/W_V/W_O
+(K/V expanded to query heads in HF ``repeat_kv`` order: query head h reads KV head h // group).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from ..errors import QKCircuitsError
+from .base import AttentionAdapter, LayerWeights
+
+QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm")
+
+
+class StandardAttention(AttentionAdapter):
+    """q = x W_Q + b_Q, k = x W_K + b_K, v = x W_V + b_V per (KV) head, z_h = softmax(s) v, out = Σ_h z_h W_O^h."""
+
+    family = "standard"
+
+    def __init__(self, model, layer: int):
+        super().__init__(model, layer)
+        cfg = model.cfg
+        self.n_heads = int(cfg.n_heads)
+        self.n_kv_heads = int(getattr(cfg, "n_key_value_heads", None) or cfg.n_heads)
+        self.d_qk = self.d_v = int(cfg.d_head)
+
+    # -- weights ----------------------------------------------------------------------------------
+    def weights(self) -> LayerWeights:
+        """Detached weights of this layer. Memory: 4 · n_heads · d_model · d_head floats."""
+        attn, n_heads, n_kv = self.bridge, self.n_heads, self.n_kv_heads
+        with torch.no_grad():
+            W_Q, W_K, W_V, W_O = (getattr(attn, n).detach() for n in ("W_Q", "W_K", "W_V", "W_O"))
+            # Expand only what is per KV head: a bridge that already hands out per-query-head K/V must not
+            # be expanded twice.
+            W_K, W_V = (self._per_query_head(W, n) for W, n in ((W_K, "W_K"), (W_V, "W_V")))
+            biases, has_bias = [], False
+            for name, kv in (("b_Q", False), ("b_K", True), ("b_V", True)):
+                b = _bias(attn, name)
+                if b is None:
+                    b = torch.zeros(n_heads, W_Q.shape[-1], dtype=W_Q.dtype, device=W_Q.device)
+                else:
+                    has_bias = True
+                    b = b.detach().reshape(-1, W_Q.shape[-1])
+                    if kv:
+                        b = self._per_query_head(b, name)
+                biases.append(b)
+        return LayerWeights(W_Q, W_K, W_V, W_O, *biases, has_bias=has_bias)
+
+    def W_O(self) -> Float[Tensor, "head d_v d_model"]:
+        return self.bridge.W_O.detach()
+
+    def _per_query_head(self, t: Tensor, name: str) -> Tensor:
+        if t.shape[0] == self.n_heads:
+            return t
+        if t.shape[0] == self.n_kv_heads:
+            return t.repeat_interleave(self.n_heads // self.n_kv_heads, 0)
+        raise QKCircuitsError(f"layer {self.layer}: {name} has {t.shape[0]} heads; expected {self.n_kv_heads} "
+                              f"(KV heads) or {self.n_heads} (query heads)")
+
+    # -- scores -----------------------------------------------------------------------------------
+    def scale(self) -> Tuple[float, str, Optional[float]]:
+        """Reads the attention module itself: HF modules keep ``scaling`` (1/√d_head for Llama; GPT-2 folds
+        in 1/(layer+1) when configured; Gemma-3 1/√query_pre_attn_scalar; Gemma-2 ``attn_logit_softcapping``),
+        TL native modules the divisor ``scale`` and ``attn_scores_soft_cap``; else ``model.cfg`` (and says so)."""
+        comp, cfg = self.module, self.model.cfg
+        cap = None
+        for owner, name in ((comp, "attn_logit_softcapping"), (comp, "attn_scores_soft_cap"),
+                            (cfg, "attn_scores_soft_cap")):
+            v = getattr(owner, name, None)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+                cap = float(v)
+                break
+        scaling = getattr(comp, "scaling", None)
+        if isinstance(scaling, (int, float)) and scaling > 0:
+            return float(scaling), f"{type(comp).__name__}.scaling", cap
+        divisor = getattr(comp, "scale", None)
+        if isinstance(divisor, (int, float)) and divisor > 0:
+            return 1.0 / float(divisor), f"1 / {type(comp).__name__}.scale", cap
+        if getattr(cfg, "use_attn_scale", True):
+            a = float(getattr(cfg, "attn_scale", -1.0))
+            return (1.0 / a if a > 0 else self.d_qk ** -0.5), "model.cfg.attn_scale (assumed; module has no scale)", cap
+        return 1.0, "model.cfg.use_attn_scale=False", cap
+
+    def layer_type(self) -> Optional[str]:
+        t = getattr(self.module, "layer_type", None)
+        if isinstance(t, str):
+            return t
+        types = getattr(_hf_config(self.model), "layer_types", None)
+        if isinstance(types, (list, tuple)) and self.layer < len(types) and isinstance(types[self.layer], str):
+            return types[self.layer]
+        return None
+
+    def window(self) -> Optional[int]:
+        """Per layer where the module says so (Gemma 3 sets ``sliding_window`` only on its sliding layers); else
+        TL's ``use_local_attn``/``window_size`` or the HF config's ``sliding_window`` (unless
+        ``use_sliding_window`` is False, as on Qwen2)."""
+        comp, cfg = self.module, self.model.cfg
+        if hasattr(comp, "sliding_window") or hasattr(comp, "is_sliding"):
+            w = getattr(comp, "sliding_window", None)
+            return int(w) if isinstance(w, int) and w > 0 else None
+        if getattr(cfg, "use_local_attn", False) and getattr(cfg, "window_size", None):
+            return int(cfg.window_size)
+        hf_cfg = _hf_config(self.model)
+        w = getattr(hf_cfg, "sliding_window", None)
+        if isinstance(w, int) and w > 0 and getattr(hf_cfg, "use_sliding_window", True) is not False:
+            types = getattr(hf_cfg, "layer_types", None)
+            if isinstance(types, (list, tuple)) and self.layer < len(types) and "sliding" not in str(types[self.layer]):
+                return None
+            return w
+        return None
+
+    def native_rotary(self) -> Optional[torch.nn.Module]:
+        """TL-native attention rotates q/k inside its forward without firing ``hook_rot_q/k``: its rotary module."""
+        comp = getattr(self.bridge, "original_component", None)
+        if getattr(comp, "accepts_pattern_fn", False) and getattr(comp, "rotary", None) is not None:
+            return comp.rotary
+        return None
+
+    def score_inputs(self) -> Tuple[str, str, bool]:
+        """Rotary bridges of HF models fire hook_rot_q/k (the rotated q/k); TL-native ones never do (``native``)."""
+        rotary = hasattr(self.bridge, "hook_rot_q") and getattr(self.model.cfg, "positional_embedding_type",
+                                                                   "standard") == "rotary"
+        if not rotary:
+            return "q", "k", False
+        if self.native_rotary() is not None:
+            return "q", "k", True
+        return "rot_q", "rot_k", False
+
+    def rotary_frequencies(self):
+        """(inv_freq, attention_scaling, theta, where) of this layer's own HF rotary (per layer type where the
+        model keeps one set per type, e.g. Gemma 3's ``sliding_attention_inv_freq``)."""
+        return layer_frequencies(self.model, self.layer, self.layer_type())
+
+    @property
+    def qk_norm(self) -> bool:
+        return bool(getattr(self.model.cfg, "use_qk_norm", False)) or any(
+            getattr(self.module, n, None) is not None for n in QK_NORM_NAMES)
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def head_inputs(self, resid: Float[Tensor, "batch pos d_model"], into: str) -> Tensor:
+        """hook_q (per query head) or hook_k/hook_v (per KV head) from the residual entering the block:
+        ln1, then x W + b (pre-rotary, pre-QK-norm, as the hooks hold them)."""
+        if into not in ("q", "k", "v"):
+            raise QKCircuitsError(f"head_inputs recomputes 'q', 'k' or 'v', got {into!r}")
+        w = self.weights()
+        W, b = {"q": (w.W_Q, w.b_Q), "k": (w.W_K, w.b_K), "v": (w.W_V, w.b_V)}[into]
+        with torch.no_grad():
+            x = self.block.ln1(resid)
+            out = torch.einsum("bpm,hmd->bphd", x.to(W.dtype), W) + b
+        if into != "q" and self.n_kv_heads != self.n_heads:
+            out = out[:, :, :: self.n_heads // self.n_kv_heads]
+        return out
+
+    # -- cache ------------------------------------------------------------------------------------
+    def kv_floats(self) -> Tuple[int, int]:
+        """(floats this layer caches per token: K and V of each KV head, its multi-head equivalent)."""
+        return 2 * self.n_kv_heads * self.d_qk, 2 * self.n_heads * self.d_qk
+
+
+def _hf_rotary_modules(model) -> List[torch.nn.Module]:
+    """Modules holding rotary frequencies: an ``inv_freq`` buffer, or per layer type ``<type>_inv_freq``
+    (transformers 5 for models that mix sliding-window and global layers, e.g. Gemma 3)."""
+    seen, mods = set(), []
+    for _, mod in model.original_model.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if (name == "inv_freq" or name.endswith("_inv_freq") and not name.endswith("original_inv_freq")) \
+                    and buf.data_ptr() not in seen:
+                seen.add(buf.data_ptr())
+                if not mods or mods[-1] is not mod:
+                    mods.append(mod)
+    return mods
+
+
+def layer_frequencies(model, layer: int, ltype: Optional[str]):
+    """(inv_freq, attention_scaling, theta, where) of ``layer``'s own rotary (HF models)."""
+    mods = _hf_rotary_modules(model)
+    if not mods:
+        raise QKCircuitsError("cannot find the rotary module (no inv_freq buffer) in this model; offset circuits "
+                              "need the model's own rotary frequencies")
+    hf_cfg = model.original_model.config
+    rope = getattr(hf_cfg, "rope_parameters", None) or {}
+    for mod in mods:
+        if ltype is not None and isinstance(getattr(mod, f"{ltype}_inv_freq", None), Tensor):
+            inv = getattr(mod, f"{ltype}_inv_freq")
+            scaling = getattr(mod, f"{ltype}_attention_scaling", 1.0)
+            params = rope.get(ltype) if isinstance(rope, dict) else None
+            theta = params.get("rope_theta") if isinstance(params, dict) else None
+            return inv, scaling, theta, f"{type(mod).__name__}.{ltype}_inv_freq (layer {int(layer)})"
+    for mod in mods:
+        if isinstance(getattr(mod, "inv_freq", None), Tensor):
+            theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or getattr(hf_cfg, "rope_theta", None)
+            return mod.inv_freq, getattr(mod, "attention_scaling", 1.0), theta, f"{type(mod).__name__}.inv_freq"
+    raise QKCircuitsError(f"layer {int(layer)} has attention type {ltype!r} but the rotary module holds no "
+                          f"'{ltype}_inv_freq' (it has per-type frequencies for other types); offset circuits need "
+                          f"this layer's own frequencies")
+
+
+def _bias(attn, name: str) -> Optional[Tensor]:
+    try:
+        return getattr(attn, name)
+    except Exception:  # bias-free bridges raise (AttributeError/RuntimeError/...) instead of returning None
+        return None
+
+
+def _hf_config(model):
+    return getattr(getattr(model, "original_model", None), "config", None)

@@ -1,0 +1,262 @@
+"""Check the circuit math against the model itself: ``qk.verify_circuits(model, tokens=None)``.
+
+>>> check = qk.verify_circuits(model, tokens)
+>>> check.passed, check.max_error < 1e-4
+(True, True)
+>>> list(check.to_frame().columns)
+['head', 'layer', 'qk_error', 'ov_error', 'score_source', 'output_source']
+
+Per head h of layer L, on real inputs x (the rows W_Q/W_K/W_V read, ``attn_input_hook``):
+
+- QK: the factored score ŝ_ij = scale · q̃_i R(i−j) k̃_jᵀ (soft-capped where the model caps) with
+  q̃ = x_i W_Q^h + b_Q, k̃ = x_j W_K^h + b_K from ``layer_weights`` (per-head factors of ``qk``/``qk_at_offset``),
+  R from ``rotary_spec``, the score scale from the module; input-dependent norms evaluated at x: QK-norm
+  (Gemma 3: the model's own q_norm/k_norm on q̃, k̃) and MLA's latent RMS scales 1/r_q(i), 1/r_kv(j) on the
+  query and the content key. Compared with the model's own ``hook_attn_scores`` on every unmasked causal pair
+  (``hook_pattern`` vs softmax(ŝ) where the bridge passes the pattern there, as TL-native models do).
+- OV: the head's factored write o_i = Σ_j A_ij ([x_j, 1] · OV_affine^h) (MLA: (x_j W_DKV γ_kv / r_kv(j)) ·
+  W_UV^h W_O^h, the ``ov`` FactoredMatrix through the latent) with A the model's own pattern, compared with the
+  head's own output: the model's output projection module applied to its own z with every other head zeroed.
+
+Errors are relative: max |factored − model| / max |model| over the head's entries. ``passed``: every error
+≤ ``tolerance`` (1e-4). Memory: one layer's activations at a time ([batch, head, pos, pos] scores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from .._foundation.arch import adapter, architecture
+from .._foundation.capture import _as_tokens
+from .._foundation.display import Displayed
+from .._foundation.errors import QKCircuitsError
+from .._foundation.model import model_name
+from .circuits import attn_input_hook, layer_weights, ov
+from .rotary import rotary_spec, rotation
+
+TOLERANCE = 1e-4
+SCHEMA = "qkcircuits.circuit_check/1"
+
+
+@dataclass(repr=False)
+class CircuitCheck(Displayed):
+    """``qk_error`` / ``ov_error`` [layer, head] relative errors; ``score_source`` / ``output_source`` say what
+    the factored forms were compared with; ``settings`` (model, architecture, tokens, tolerance, versions)."""
+
+    qk_error: Float[Tensor, "layer head"]
+    ov_error: Float[Tensor, "layer head"]
+    score_source: Dict[int, str]
+    output_source: Dict[int, str]
+    tolerance: float = TOLERANCE
+    settings: Dict[str, object] = field(default_factory=dict)
+
+    @property
+    def max_error(self) -> float:
+        return float(torch.maximum(self.qk_error, self.ov_error).max())
+
+    @property
+    def passed(self) -> bool:
+        return bool(torch.isfinite(self.qk_error).all() and torch.isfinite(self.ov_error).all()
+                    and self.max_error <= self.tolerance)
+
+    def to_frame(self):
+        import pandas as pd
+
+        L, H = self.qk_error.shape
+        return pd.DataFrame([{"head": f"{layer}.{h}", "layer": layer, "qk_error": float(self.qk_error[layer, h]),
+                              "ov_error": float(self.ov_error[layer, h]), "score_source": self.score_source[layer],
+                              "output_source": self.output_source[layer]} for layer in range(L) for h in range(H)])
+
+    def top(self, k: int = 5):
+        """The ``k`` heads with the largest error (either circuit), as a frame."""
+        df = self.to_frame()
+        return df.assign(error=df[["qk_error", "ov_error"]].max(axis=1)).nlargest(int(k), "error")
+
+    def to_dict(self) -> Dict[str, object]:
+        return {"schema": SCHEMA, "passed": self.passed, "max_error": self.max_error, "tolerance": self.tolerance,
+                "qk_error": self.qk_error.tolist(), "ov_error": self.ov_error.tolist(),
+                "score_source": {str(k): v for k, v in self.score_source.items()},
+                "output_source": {str(k): v for k, v in self.output_source.items()}, "settings": self.settings}
+
+    def to_json(self, path=None) -> str:
+        import json
+
+        from .._foundation.io import write_atomic
+
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            write_atomic(path, text)
+        return text
+
+    @classmethod
+    def from_json(cls, path_or_text) -> "CircuitCheck":
+        import json
+        from pathlib import Path
+
+        s = str(path_or_text)
+        d = json.loads(s if s.lstrip().startswith("{") else Path(s).read_text())
+        if d.get("schema") != SCHEMA:
+            raise QKCircuitsError(f"not a circuit check (schema {d.get('schema')!r}; expected {SCHEMA!r})")
+        return cls(torch.tensor(d["qk_error"]), torch.tensor(d["ov_error"]),
+                   {int(k): v for k, v in d["score_source"].items()},
+                   {int(k): v for k, v in d["output_source"].items()}, d["tolerance"], d["settings"])
+
+    def _text(self) -> str:
+        worst = self.top(1).iloc[0]
+        return (f"CircuitCheck({self.settings.get('model')}, {self.settings.get('architecture')}: "
+                f"{'PASSED' if self.passed else 'FAILED'} at {self.tolerance:g}; max relative error "
+                f"{self.max_error:.2e} (head {worst['head']}))")
+
+    def _html(self) -> str:
+        import html
+
+        return f"<pre>{html.escape(self._text())}</pre>" + self.top(10).to_html(index=False)
+
+    def __repr__(self) -> str:        # the Result base wires these to _text/_html once it lands
+        return self._text()
+
+    def _repr_html_(self) -> str:
+        return self._html()
+
+
+def verify_circuits(model, tokens=None, *, tolerance: float = TOLERANCE) -> CircuitCheck:
+    """Compare every head's factored QK and OV at real inputs with the model's own scores and head outputs.
+
+    ``tokens``: [batch, pos] ids (default: 2 rows of a repeated random segment, ``repeated_tokens(seg_len=8)``).
+    Works on every architecture with an adapter (standard, GQA/MQA, rotary, QK-norm, soft-cap, windows, MLA).
+    """
+    if tokens is None:
+        from .._foundation.sequences import repeated_tokens
+
+        seg = max(2, min(8, (int(model.cfg.n_ctx) - 1) // 2))
+        tokens = repeated_tokens(model, n_seqs=2, seg_len=seg, seed=0)
+    toks = _as_tokens(model, tokens)
+    L, H = int(model.cfg.n_layers), int(model.cfg.n_heads)
+    qk_err, ov_err = torch.full((L, H), float("nan")), torch.full((L, H), float("nan"))
+    s_src: Dict[int, str] = {}
+    o_src: Dict[int, str] = {}
+    for layer in range(L):
+        got = _layer_run(model, toks, layer)
+        qk_err[layer], s_src[layer] = _qk_errors(model, layer, got)
+        ov_err[layer], o_src[layer] = _ov_errors(model, layer, got)
+    import transformer_lens
+
+    from .. import __version__
+    settings = {"model": model_name(model), "architecture": architecture(model), "family": adapter(model, 0).family,
+                "tokens": list(toks.shape), "tolerance": tolerance,
+                "versions": {"qkcircuits": __version__, "torch": torch.__version__,
+                             "transformer_lens": getattr(transformer_lens, "__version__", "?")}}
+    return CircuitCheck(qk_err, ov_err, s_src, o_src, float(tolerance), settings)
+
+
+def _layer_run(model, toks: Tensor, layer: int) -> Dict[str, Tensor]:
+    names = {"x": attn_input_hook(model, layer), "scores": f"blocks.{layer}.attn.hook_attn_scores",
+             "pattern": f"blocks.{layer}.attn.hook_pattern", "z": f"blocks.{layer}.attn.hook_z"}
+    if names["x"] not in model.hook_dict:
+        names["x"] = f"blocks.{layer}.hook_resid_pre"       # attention-only models without a norm
+    wanted = set(names.values())
+    with torch.no_grad():
+        _, cache = model.run_with_cache(toks, names_filter=lambda n: n in wanted, stop_at_layer=layer + 1)
+    return {k: cache[v].detach() for k, v in names.items() if v in cache}
+
+
+def _relative(a: Tensor, b: Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _qk_errors(model, layer: int, got: Dict[str, Tensor]):
+    att = adapter(model, layer)
+    w = layer_weights(model, layer)
+    x = got["x"].to(w.W_Q.dtype).double()
+    b, p, _ = x.shape
+    q = torch.einsum("bpm,hmd->bhpd", x, w.W_Q.double()) + w.b_Q.double()[None, :, None]
+    k = torch.einsum("bpm,hmd->bhpd", x, w.W_K.double()) + w.b_K.double()[None, :, None]
+    if att.family == "latent":
+        s_q, s_kv = (s.double() for s in att.latent_scales(got["x"].to(w.W_Q.dtype)))
+        q = q * s_q[:, None, :, None]
+        k = torch.cat([k[..., : att.d_nope] * s_kv[:, None, :, None], k[..., att.d_nope:]], -1)
+    else:
+        for side, names in (("q", ("q_norm", "q_layernorm", "query_layernorm")),
+                            ("k", ("k_norm", "k_layernorm", "key_layernorm"))):
+            mod = next((getattr(att.module, n) for n in names if getattr(att.module, n, None) is not None), None)
+            if mod is not None:     # QK-norm: the model's own norm, evaluated at these q/k
+                t = q if side == "q" else k
+                t = mod(t.to(w.W_Q.dtype)).double()
+                q, k = (t, k) if side == "q" else (q, t)
+    from .._foundation.capture import has_rotary
+
+    if has_rotary(model):
+        spec = rotary_spec(model, layer=layer)
+        R = rotation(spec, range(p), relative=True).double()                     # [Δ, d, d]
+        i, j = torch.tril_indices(p, p)
+        s = torch.einsum("bhnd,nde,bhne->bhn", q[:, :, i], R[i - j], k[:, :, j])
+        S = torch.full((b, q.shape[1], p, p), float("nan"), dtype=torch.float64)
+        S[:, :, i, j] = s
+    else:
+        S = torch.einsum("bhqd,bhkd->bhqk", q, k)
+    factor, _, cap = att.scale()
+    S = S * factor
+    if cap:
+        S = cap * torch.tanh(S / cap)
+    causal = torch.ones(p, p, dtype=torch.bool).tril()
+    real = got.get("scores")
+    pattern = got["pattern"].double()
+    if real is not None and not _is_pattern(real):
+        real = real.double()
+        keep = causal & (real > -1e30)            # masked (future, outside a window) entries are not scores
+        errs = [_relative(S[:, h][keep[:, h]], real[:, h][keep[:, h]]) for h in range(S.shape[1])]
+        return torch.tensor(errs), "hook_attn_scores"
+    # the bridge passes the pattern as scores: compare softmax(ŝ) with the pattern instead
+    win = att.window()
+    mask = causal if win is None else causal & ~torch.ones(p, p, dtype=torch.bool).tril(-win)
+    S = S.masked_fill(~mask, float("-inf")).nan_to_num(nan=float("-inf"))
+    A = S.softmax(-1)
+    return torch.tensor([_relative(A[:, h], pattern[:, h]) for h in range(S.shape[1])]), "hook_pattern (softmax)"
+
+
+def _is_pattern(t: Tensor) -> bool:
+    future = torch.ones(t.shape[-2:], dtype=torch.bool, device=t.device).triu(1)
+    return bool((t >= 0).all() and (t[..., future] == 0).all())
+
+
+def _ov_errors(model, layer: int, got: Dict[str, Tensor]):
+    att = adapter(model, layer)
+    H = att.n_heads
+    A = got["pattern"].double()                                                   # [b, H, q, k]
+    x = got["x"]
+    z = got["z"]                                                                  # [b, p, H, d_v]
+    out_mod = _output_module(att)
+    errs = []
+    for h in range(H):
+        M = ov(model, f"{layer}.{h}")
+        if att.family == "latent":
+            s_kv = att.latent_scales(x.to(M.A.dtype))[1].double()
+            vals = ((x.double() @ M.A.double()) * s_kv[..., None]) @ M.B.double()   # [b, p, d_model]
+        else:
+            w = layer_weights(model, layer)
+            vals = (x.double() @ w.W_V[h].double() + w.b_V[h].double()) @ w.W_O[h].double()
+        mine = torch.einsum("bqk,bkm->bqm", A[:, h], vals)
+        zh = torch.zeros_like(z)
+        zh[:, :, h] = z[:, :, h]
+        with torch.no_grad():
+            if out_mod is not None:
+                flat = zh.reshape(*zh.shape[:2], -1)
+                theirs = (out_mod(flat) - out_mod(torch.zeros_like(flat))).double()
+            else:
+                theirs = (z[:, :, h].double() @ att.W_O()[h].double())
+        errs.append(_relative(mine, theirs))
+    return torch.tensor(errs), ("the output projection module on the head's own z" if out_mod is not None
+                                else "the head's own z · W_O (TL-native: no separate output module)")
+
+
+def _output_module(att) -> Optional[torch.nn.Module]:
+    o = getattr(att.bridge, "o", None)
+    mod = getattr(o, "original_component", None) if o is not None else None
+    if mod is None and att.family == "latent":
+        mod = att.module.o_proj
+    return mod
