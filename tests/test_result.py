@@ -54,7 +54,7 @@ def test_from_json_errors_say_what_was_expected(hand_built, tmp_path):
     s = qk.scan(hand_built, scores="induction", progress=False)
     wrong = tmp_path / "sweep.json"
     qk.sweep(hand_built, qk.repeated_tokens(hand_built, n_seqs=2, seg_len=5, seed=0), progress=False).to_json(wrong)
-    with pytest.raises(qk.QKCircuitsError, match=r"sweep.json is not a scan's --json output .*: it has schema "
+    with pytest.raises(qk.QKCircuitsError, match=r"sweep.json'? is not a scan's --json output .*: it has schema "
                                                  r"'qkcircuits.head_effects/1' \(that is a HeadEffects: use "
                                                  r"HeadEffects.from_json\); expected 'qkcircuits.head_scores/1'"):
         qk.HeadScores.from_json(wrong)
@@ -69,7 +69,7 @@ def test_from_json_errors_say_what_was_expected(hand_built, tmp_path):
     with pytest.raises(qk.QKCircuitsError, match=r"no JSON file at '.*missing.json'"):
         qk.HeadScores.from_json(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{nope")
-    with pytest.raises(qk.QKCircuitsError, match=r"bad.json is not valid JSON"):
+    with pytest.raises(qk.QKCircuitsError, match=r"bad.json'? is not valid JSON"):
         qk.HeadScores.from_json(tmp_path / "bad.json")
 
 

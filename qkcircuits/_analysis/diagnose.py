@@ -28,7 +28,7 @@ the variance that independence of query and key would predict; and two causal-ma
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 from jaxtyping import Float, Int
@@ -218,7 +218,7 @@ def _prompt_sets(model, sets: Sequence[str], n_seqs: int, seq_len: int, seg_len:
 
 def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int = 8, seq_len: Optional[int] = None,
              seg_len: Optional[int] = None, seed: int = 0, layers: Optional[Iterable[int]] = None,
-             thresholds: Optional[Dict[str, float]] = None, n_perturb: int = 2,
+             thresholds: Optional[Dict[str, Union[int, float]]] = None, n_perturb: int = 2,
              tokens: Optional[Dict[str, Int[Tensor, "batch pos"]]] = None, progress: bool = True) -> HeadDiagnostics:
     """Measure every head's health in one streamed forward pass per prompt set.
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from jaxtyping import Bool, Float
@@ -64,7 +64,7 @@ DEFAULT_THRESHOLDS: Dict[str, float] = {"near_uniform": 0.9, "near_one_hot": 0.9
                                         "leak_tol": 0.0}
 
 
-def check_thresholds(thresholds: Optional[Dict[str, float]]) -> Dict[str, float]:
+def check_thresholds(thresholds: Optional[Dict[str, Union[int, float]]]) -> Dict[str, float]:
     out = dict(DEFAULT_THRESHOLDS)
     for k, v in (thresholds or {}).items():
         if k not in DEFAULT_THRESHOLDS:

@@ -289,6 +289,22 @@ def _named(name: str, model) -> Metric:
                           f"callable")
 
 
+def portable(metric: "Union[str, Metric, Callable, None]") -> "Union[str, Metric, Callable, None]":
+    """What to send to another process (Ray workers): the metric's name where the name alone rebuilds it
+    (``as_metric(name)``: the built-ins), else the metric itself. A name always pickles; a built-in's closure
+    may not (under a runtime type checker its functions are wrapped in objects that hold weak references)."""
+    name = metric if isinstance(metric, str) or metric is None else getattr(metric, "name", None)
+    if not isinstance(name, str) or isinstance(metric, str) or metric is None:
+        return metric
+    try:
+        again = as_metric(name)
+    except QKCircuitsError:
+        return metric
+    same = (again.name == metric.name and again.needs == metric.needs
+            and again.higher_is_better == metric.higher_is_better)
+    return name if same else metric
+
+
 def as_metric(spec: Any, model=None, *, accept: Sequence[str] = NEEDS,
               where: str = "this analysis") -> Metric:
     """The one resolver: a ``Metric`` from a name (``NAMES``, alias ``loss``), a ``Metric`` or a callable.

@@ -1,20 +1,24 @@
 """Read and edit attention internals per head: Q, K, V (before/after rotary), scores, patterns, z.
 
-Read everything you name in one forward pass:
+Read everything you name in one forward pass (here the hand-built toy: 2 layers x 2 heads, d_head 129):
 
->>> acts = capture(model, tokens, ["q", "rot_q", "k", "pattern"], layers=[0, 3])   # doctest: +SKIP
->>> acts["q", 3].shape                      # [batch, pos, n_heads, d_head], per *query* head
->>> acts.kv("k", 3).shape                   # [batch, pos, n_kv_heads, d_head], per KV head (GQA)
+>>> acts = capture(model, tokens, ["q", "k", "pattern"], layers=[0, 1])
+>>> acts["q", 1].shape                      # [batch, pos, n_heads, d_head], per *query* head
+torch.Size([2, 11, 2, 129])
+>>> acts.kv("k", 1).shape                   # [batch, pos, n_kv_heads, d_head], per KV head (GQA)
+torch.Size([2, 11, 2, 129])
 
 Stream one layer at a time instead of keeping them all:
 
 >>> def reduce(layer, t):                   # t: {"pattern": [batch, head, q, k]}, this layer only
 ...     return t["pattern"].diagonal(-1, -2, -1).mean((0, 2))
->>> per_layer = stream(model, tokens, reduce, ["pattern"])   # doctest: +SKIP  {layer: [head]}
+>>> per_layer = stream(model, tokens, reduce, ["pattern"])   # {layer: [head]}
+>>> [round(float(x), 2) for x in per_layer[0]]               # 0.0 is the previous-token head
+[1.0, 0.0]
 
 Edit chosen heads, hooks removed on exit (also on exceptions):
 
->>> with edit(model, "z", "3.1", 0.0):      # doctest: +SKIP   zero head 3.1's z
+>>> with edit(model, "z", "1.0", 0.0):      # zero head 1.0's z
 ...     logits = model(tokens)
 
 Multi-head latent attention (DeepSeek-V2/V3) has the same names, in the same layouts, plus

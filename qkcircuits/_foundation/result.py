@@ -66,11 +66,11 @@ def read_json(path_or_text: PathOrText, what: str) -> Tuple[Dict[str, Any], str]
     ``source`` names the file (or says "JSON text") for error messages. ``what`` names the expected producer.
     The parsing is ``io.load_json``'s (binary files, ``1e400``, ``NaN`` and deep nesting refused in one line)."""
     is_path = isinstance(path_or_text, Path) or not looks_like_json(str(path_or_text))
-    source = repr(str(path_or_text)) if is_path else "JSON text"
+    source = str(path_or_text) if is_path else "JSON text"
     return load_json(Path(path_or_text) if is_path else str(path_or_text), what), source
 
 
-def parse_schema(schema: str) -> Tuple[str, int]:
+def parse_schema(schema: Any) -> Tuple[str, int]:
     """``"qkcircuits.head_scores/1"`` -> ``("qkcircuits.head_scores", 1)``."""
     name, _, n = str(schema).rpartition("/")
     if not name or not n.isdigit():
@@ -113,7 +113,7 @@ class Result(Displayed):
         raise QKCircuitsError(f"{type(self).__name__} has no ranking")
 
     # ------------------------------------------------------------------------------------------ JSON, once
-    def to_json(self, path: Optional[PathOrText] = None, indent: int = 1) -> str:
+    def to_json(self, path: Optional[PathOrText] = None, indent: Optional[int] = 1) -> str:
         """The JSON text (NaN as ``null``), also written atomically to ``path`` when given (whole file or none)."""
         d = self.to_dict()
         if self.SCHEMA:

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .._analysis.metrics import portable
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, model_heads
 from .._foundation.io import check_int
@@ -137,7 +138,7 @@ def ray_path_patch(spec, receivers, into=("q", "k", "v"), senders=None, method: 
         if m.check is not None:
             m.check(prep["tokens"])
     shards, costs = plan_patching(prep["tokens"].shape[0], recv, prep["n_heads"], len(into), pool.size)
-    jobs = [{**s, "senders": prep["senders"], "into": into, "metric": metric, "chunk": chunk, "method": method,
+    jobs = [{**s, "senders": prep["senders"], "into": into, "metric": portable(metric), "chunk": chunk, "method": method,
              "per_position": per_position} for s in shards]
     parts = pool.map("qkcircuits._scale.ray_patching:patch_job", jobs,
                      {"tokens": prep["tokens"], "replacement": prep["replacement"]}, costs=costs, desc="path patching")

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._analysis.ablate import Runner, check_method, copies_per_forward, prepare_metric, run_groups
-from .._analysis.metrics import as_metric
+from .._analysis.metrics import as_metric, portable
 from .._analysis.sweep import HeadEffects
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head
@@ -161,7 +161,7 @@ def ray_sweep(spec, tokens, metric="induction-loss", method: str = "zero", *, re
         keep = metric_obj.keep_last(tokens) if metric_obj.keep_last is not None else None
         shards, costs = plan_sweep(tokens.shape[0], layers, n_layers, n_heads, pool.size, shard_prompts=shard_prompts,
                                    unembed=unembed_cost(info, tokens.shape[1], keep))
-        shards = [{**s, "metric": metric_obj, "max_batch": max_batch} for s in shards]
+        shards = [{**s, "metric": portable(metric_obj), "max_batch": max_batch} for s in shards]
         parts = pool.map("qkcircuits._scale.ray_sweep:sweep_shard", shards, {"tokens": tokens, "replacement": repl}, costs=costs, desc="sweep")
         timing = {"startup_s": pool.timing["startup_s"], "load_s": pool.timing["load_s"],
                   "sweep_s": time.perf_counter() - t0}

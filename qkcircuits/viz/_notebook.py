@@ -39,7 +39,7 @@ import json
 import os
 import sys
 import uuid
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Union
 
 import plotly.graph_objects as go
 
@@ -221,7 +221,7 @@ class Figure(go.Figure):
     def _repr_mimebundle_(self, include=None, exclude=None, **kwargs) -> Dict[str, str]:
         return {"text/html": figure_html(self, True), "text/plain": self._text()}
 
-    def save(self, path: str) -> None:
+    def save(self, path: Union[str, "os.PathLike[str]"]) -> None:
         """One self-contained offline HTML file (plotly.js inlined, no MathJax), written atomically."""
         write_atomic(str(path), _page_html(self.layout.title.text or "qkcircuits figure", figure_html(self, True)))
 
@@ -246,7 +246,7 @@ class AttentionView:
     def _repr_html_(self) -> str:
         return attention_html(self.props, True)
 
-    def save(self, path: str) -> None:
+    def save(self, path: Union[str, "os.PathLike[str]"]) -> None:
         """One self-contained offline HTML file (circuitsvis inlined), written atomically."""
         write_atomic(str(path), _page_html(f"attention: {', '.join(self.heads)}", attention_html(self.props, True)))
 
