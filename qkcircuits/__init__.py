@@ -42,6 +42,14 @@ from ._paths.patching import path_patch
 from ._paths.path_effects import PathEffects
 from ._paths.trace import trace_induction
 
+# Explain a behaviour: tasks, the whole graph's edge scores, circuits and their faithfulness.
+from ._tasks import builders as tasks
+from ._tasks.circuit import Circuit as TaskCircuit
+from ._tasks.circuit import Faithfulness, faithfulness, node_faithfulness
+from ._tasks.graph import Graph, graph
+from ._tasks.scores import EdgeScores, NodeScores, edge_scores, node_scores
+from ._tasks.task import Task
+
 # Many models at once (Ray itself is imported only for backend="ray").
 from ._scale.zoo import Zoo, zoo
 
@@ -71,6 +79,9 @@ __all__ = sorted([
     "group_effect", "induction_loss", "logit_diff", "mask_score", "qk_statistics", "scan", "sweep", "target_masks",
     "text_loss",
     "PathEffects", "edge_attribution", "path_patch", "trace_induction", "Zoo", "zoo",
+    # tasks and circuits over the whole graph
+    "EdgeScores", "Faithfulness", "Graph", "NodeScores", "Task", "TaskCircuit", "edge_scores", "faithfulness",
+    "graph", "node_faithfulness", "node_scores", "tasks",
     # views
     *_VIEWS,
     *_LAZY_MODULES,
