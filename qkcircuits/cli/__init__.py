@@ -18,7 +18,7 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.io import check_writable
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ["scan", "circuits", "ablate", "diagnose", "report", "serve", "trace", "zoo"]
+COMMANDS = ["scan", "circuits", "ablate", "diagnose", "report", "serve", "trace", "zoo", "circuit"]
 # Arguments that name files a subcommand will write.
 OUTPUT_ARGS = ("json", "csv", "output")
 
