@@ -58,7 +58,7 @@ def ioi(model, n: int = 64, seed: int = 0, *, prepend_bos: bool = False, names: 
 
     Positions per row: ``IO``, ``S1``, ``S1+1``, ``S2``, ``END``. ``answer`` = " IO", ``wrong`` = " S".
 
-    >>> task = qk.tasks.ioi(smollm2, n=8)        # doctest: +SKIP (needs SmolLM2)
+    >>> task = qk.tasks.ioi(smollm2, n=8)        # needs SmolLM2  # doctest: +SKIP
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise QKCircuitsError(f"n must be an integer >= 1, got {n!r}")

@@ -3,7 +3,7 @@ input, each MLP's input, the logits) and the edges between them.
 
 >>> g = qk.graph(model)
 >>> g.n_senders, g.n_receivers, g.n_edges
-(5, 13, 33)
+(5, 13, 29)
 >>> g.senders[:3], g.receivers[:3]
 (('emb', '0.0', '0.1'), (('0.0', 'q'), ('0.1', 'q'), ('0.0', 'k')))
 

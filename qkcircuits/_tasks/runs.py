@@ -26,6 +26,7 @@ import torch
 from jaxtyping import Bool
 from torch import Tensor
 
+from .._foundation.capture import _Stop
 from .._foundation.errors import QKCircuitsError
 from .graph import (INPUT_HOOKS, Graph, head_outputs, logits_input, mlp_input, post_norm,
                     split_qkv_from_residuals)
@@ -112,6 +113,30 @@ def _hooks(model, g: Graph, out: Tensor, stream: Dict[Key, Tensor], splice: Opti
     return hooks
 
 
+def _metric_rows(model, task, tokens: Tensor, hooks, copies: int = 1) -> Tensor:
+    """Run with ``hooks`` and return the metric per row. A named metric reads one position per row, so the
+    forward stops at the unembedding's input and only those b rows are unembedded (not b × pos)."""
+    if not isinstance(task.metric, str):
+        return task.row_values(model.run_with_hooks(tokens, fwd_hooks=hooks), tokens)
+    got: Dict[str, Tensor] = {}
+
+    def stop(t: Tensor, hook):
+        got["x"] = t
+        raise _Stop
+
+    try:
+        model.run_with_hooks(tokens, fwd_hooks=list(hooks) + [("unembed.hook_in", stop)])
+    except _Stop:
+        pass
+    if "x" not in got:
+        raise QKCircuitsError("this model never fired unembed.hook_in; the circuit graph needs it")
+    x = got["x"]
+    rows = torch.arange(x.shape[0], device=x.device)
+    end = task.positions["END"].to(x.device).repeat(copies)
+    logits = model.unembed(x[rows, end].unsqueeze(1))                                   # [b, 1, vocab]
+    return task.at_end().row_values(logits)
+
+
 def _buffer(model, g: Graph, tokens: Tensor) -> Tensor:
     b, p = tokens.shape
     return torch.zeros(g.n_senders, b, p, model.cfg.d_model, dtype=model.W_E.dtype, device=model.W_E.device)
@@ -123,8 +148,7 @@ def record(model, g: Graph, task, tokens: Tensor) -> Record:
     stream: Dict[Key, Tensor] = {}
     keep: Dict[Key, Tensor] = {}
     with torch.no_grad():
-        logits = model.run_with_hooks(tokens, fwd_hooks=_hooks(model, g, out, stream, None, keep))
-        rows = task.row_values(logits, tokens).detach()
+        rows = _metric_rows(model, task, tokens, _hooks(model, g, out, stream, None, keep)).detach()
     missing = [k for k in [("q", 0), ("logits", 0)] if k not in keep]
     if missing or ("final", 0) not in stream:
         raise QKCircuitsError("this model never fired hook_q / ln_final.hook_in / unembed.hook_in; the circuit "
@@ -185,8 +209,8 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
         return mlp_input(model, L, own) if x == "mlp" else logits_input(model, own)
 
     with torch.enable_grad():
-        logits = model.run_with_hooks(tokens, fwd_hooks=_hooks(model, g, out, stream, splice, None, emb_override, True))
-        total = task.metric_sum(logits, tokens)
+        rows = _metric_rows(model, task, tokens, _hooks(model, g, out, stream, splice, None, emb_override, True))
+        total = rows.sum()
         total.backward()
     return float(total.detach())
 
@@ -267,8 +291,8 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         return val if x in ("q", "k", "v") else val[:, :, 0]
 
     with torch.no_grad():
-        logits = model.run_with_hooks(tokens, fwd_hooks=_hooks(model, g, out, stream, splice, None))
+        hooks = _hooks(model, g, out, stream, splice, None)
         if return_logits:
-            return logits
-        rows = task.row_values(logits, tokens)
+            return model.run_with_hooks(tokens, fwd_hooks=hooks)
+        rows = _metric_rows(model, task, tokens, hooks, copies=k)
     return rows.view(k, b)

@@ -1,9 +1,9 @@
 """Edge and node scores over the whole graph: EAP, EAP-IG (inputs) and exact edge patching.
 
 >>> task = qk.tasks.induction(model, n=8, seg_len=6)
->>> s = qk.edge_scores(model, task, method="eap-ig", steps=3)
->>> s.top(1)[0][:3]
-('1.0', 'logits', 'in')
+>>> s = qk.edge_scores(model, task, method="eap-ig", steps=3, progress=False)
+>>> [e[:3] for e in s.top(2)]
+[('emb', '1.0', 'v'), ('1.0', 'logits', 'in')]
 
 For an edge s → r (sender s, receiver input r) with Δ_s = out_s(clean) − out_s(corrupt) [b, p, d]:
 
@@ -20,7 +20,8 @@ every reader) are the same three ways; for EAP / EAP-IG a node's score is the su
 Cost (per prompt shard): EAP one corrupt forward + one clean forward with gradients + one backward;
 EAP-IG two plain forwards + ``steps`` forward/backward pairs; exact one patched forward per edge
 (stacked ``copies`` at a time). Memory: the shard's sender outputs of the clean and the corrupt run,
-2 × [S, b, p, d] (S senders), plus one forward's autograd graph; shards are sized so the two buffers fit
+2 × [S, b, p, d] (S senders), plus one forward's autograd graph and up to ``GRAD_BLOCK_BYTES`` (128 MiB)
+of receiver gradients waiting for their matmul; shards are sized so the two buffers fit
 ``DELTA_BYTES`` (512 MiB). Gradients exist one receiver layer at a time and are reduced at once to
 [senders, receivers] scores by one matmul.
 """
@@ -43,6 +44,9 @@ from .task import Task, evaluate
 
 METHODS = ("eap", "eap-ig", "exact")
 DELTA_BYTES = 512 * 2**20
+# Receiver gradients wait (up to this many bytes) to meet the senders' Δ in one matmul instead of one
+# skinny, memory-bound product per receiver group.
+GRAD_BLOCK_BYTES = 128 * 2**20
 SCHEMA = "qkcircuits.edge_scores/1"
 
 
@@ -185,7 +189,7 @@ def _settings(model, task: Task, rows: int, extra: Dict[str, object]) -> Dict[st
 
 
 def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, rows_per_shard: Optional[int] = None,
-                copies: int = 8, progress: bool = True, check: bool = True) -> EdgeScores:
+                copies: int = 32, progress: bool = True, check: bool = True) -> EdgeScores:
     """Score every edge of ``qk.graph(model)`` for ``task`` (see the module docstring for formulas and cost)."""
     from .._foundation.model import model_name
 
@@ -213,16 +217,33 @@ def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ro
             continue
         delta: Dict[str, Tensor] = {}
         out = torch.zeros_like(corr.out) if method == "eap" else None
+        pending: List[Tuple[slice, Tensor]] = []
 
-        def on_grad(sl: slice, grad: Tensor, delta=delta, out=out, corr=corr) -> None:
+        def flush(delta=delta, pending=pending) -> None:
+            """Every waiting receiver gradient against every sender below it in ONE matmul (reads Δ once)."""
+            if not pending:
+                return
+            nb_max = max(g.n_below(sl.start) for sl, _ in pending)
+            G = torch.cat([gr for _, gr in pending])                                # [n, b·p·d]
+            D = delta["D"][:nb_max].reshape(nb_max, -1)
+            T = (D @ G.to(D.dtype).T).double().cpu()                               # [nb_max, n]
+            col = 0
+            for sl, gr in pending:
+                nb = g.n_below(sl.start)
+                acc[:nb, sl] += T[:nb, col:col + gr.shape[0]]
+                col += gr.shape[0]
+            pending.clear()
+
+        def on_grad(sl: slice, grad: Tensor, delta=delta, out=out, corr=corr, pending=pending) -> None:
             if "D" not in delta:              # EAP: Δ = clean − corrupt, formed when the backward first needs it
                 delta["D"] = out.sub_(corr.out)
-            nb = g.n_below(sl.start)
-            D = delta["D"][:nb].reshape(nb, -1)
-            acc[:nb, sl] += (D @ grad.reshape(grad.shape[0], -1).to(D.dtype).T).double().cpu()
+            pending.append((sl, grad.detach().reshape(grad.shape[0], -1)))
+            if sum(x.numel() for _, x in pending) * grad.element_size() >= GRAD_BLOCK_BYTES:
+                flush()
 
         if method == "eap":
             sums["clean"] += grad_run(model, g, shard, shard.clean, on_grad, out=out)
+            flush()
         else:
             clean = record(model, g, shard, shard.clean)
             sums["clean"] += float(clean.rows.sum())
@@ -233,6 +254,7 @@ def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ro
             acc.zero_()
             for j in range(1, steps + 1):
                 grad_run(model, g, shard, shard.clean, on_grad, emb_override=e_corr + (j / steps) * (e_clean - e_corr))
+                flush()
             acc.div_(steps).add_(before)
         del corr, delta
         bar.update(1)
@@ -298,7 +320,7 @@ class NodeScores(Displayed):
 
 
 def node_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, progress: bool = True,
-                rows_per_shard: Optional[int] = None, copies: int = 8) -> NodeScores:
+                rows_per_shard: Optional[int] = None, copies: int = 32) -> NodeScores:
     """Heads, MLPs and the embedding scored by EAP / EAP-IG (sums of the edge scores) or exactly (one
     patched run per node, every reader of the node reading its corrupt output)."""
     from .._foundation.model import model_name

@@ -104,6 +104,12 @@ class Task:
                     {k: v[idx] for k, v in self.positions.items()}, self.name, self.bos,
                     [self.prompts[i] for i in idx.tolist()] if self.prompts else None)
 
+    def at_end(self) -> "Task":
+        """The same rows with END = 0: for logits already taken at each row's END position ([b, 1, vocab])."""
+        t = Task(self.clean[:, :1], self.corrupt[:, :1], self.answer, self.wrong, self.metric, {}, self.name,
+                 self.bos)
+        return t
+
     def shards(self, rows_per_shard: int) -> List["Task"]:
         return [self.rows(slice(i, i + rows_per_shard)) for i in range(0, self.n, max(1, rows_per_shard))]
 
