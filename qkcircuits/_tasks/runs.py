@@ -228,33 +228,44 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
     out = _buffer(model, g, tokens)
     stream: Dict[Key, Tensor] = {}
     valid = g.valid
-    Sn = g.n_senders
     m = (mask & valid[None]).to(out.device)
     corr_out = corrupt.out
 
-    def coeffs_and_cols(W: Tensor):                                           # W [k, nb, n]
-        cols = W.any(0).any(1).nonzero().flatten()
-        return W[:, cols, :].to(out.dtype), cols
+    converted = [0]                 # out[:converted] already holds Δ_s = out_s(this run) − out_s(corrupt)
+
+    def deltas(nb: int) -> Tensor:
+        """Δ of senders 0 … nb−1 as [nb, k, b·p·d], each sender converted once, in place, when first read
+        (every sender below a receiver has been computed by the time the receiver reads)."""
+        c0 = converted[0]
+        if c0 < nb:
+            out[c0:nb].view(nb - c0, k, b, *out.shape[2:]).sub_(corr_out[c0:nb].unsqueeze(1))
+            converted[0] = nb
+        return out[:nb].view(nb, k, -1)
 
     def resid_for(rs: Tensor, base_stream: Tensor, corr_key: Key) -> Tuple[Tensor, Tensor, Tensor]:
-        """resid [n, k·b, p, d] for receivers ``rs``, and each (copy, receiver)'s all/none flags."""
+        """resid [n, k·b, p, d] for receivers ``rs`` (same senders below), and each (copy, receiver)'s
+        all-in / none-in flags. One matmul reads the senders' Δ once for all of ``rs``."""
         nb = g.n_below(int(rs[0]))
         M = m[:, :nb][:, :, rs]                                                  # [k, nb, n]
         n_in = M.sum(1)
         all_in, none_in = n_in == nb, n_in == 0
         add = int(M.sum()) <= int((~M).sum())
-        W, cols = coeffs_and_cols(M if add else ~M)
+        W = (M if add else ~M).to(out.dtype)
         shape = base_stream.shape
         if add:
             start = corrupt.resid[corr_key].repeat(k, 1, 1).unsqueeze(0).expand(len(rs), *shape)
         else:
             start = base_stream.unsqueeze(0).expand(len(rs), *shape)
-        if len(cols):
-            pat = out[cols].view(len(cols), k, b, *shape[1:])
-            D = pat - corr_out[cols].unsqueeze(1)                                # [cols, k, b, p, d]
-            term = torch.einsum("ksn,skbpd->nkbpd", W, D).reshape(len(rs), *shape)
+        if bool(W.any()):
+            D = deltas(nb)                                                       # [nb, k, x]
+            if k == 1:
+                term = (W[0].T @ D[:, 0]).view(len(rs), *shape)
+            else:
+                term = torch.einsum("ksn,skx->nkx", W, D).reshape(len(rs), *shape)
             start = start + term if add else start - term
         return start, all_in, none_in
+
+    layer_cache: Dict[int, Tuple[Tensor, Tensor, Tensor]] = {}
 
     def splice(x: str, L: int, t: Tensor) -> Optional[Tensor]:
         if x in ("q", "k", "v"):
@@ -270,7 +281,17 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         n_in = m[:, :nb][:, :, rs].sum(1)
         if not force_split and bool((n_in == nb).all()):
             return None
-        resid, all_in, none_in = resid_for(rs, base, corr_key)
+        if x in ("q", "k", "v"):
+            # q, k and v of a layer read the same senders: their inputs come from one matmul, at hook_q
+            if L not in layer_cache:
+                qkv = torch.arange(g.recv_slice(L, "q").start, g.recv_slice(L, "v").stop)
+                layer_cache.clear()
+                layer_cache[L] = resid_for(qkv, base, corr_key)
+            res_all, a_all, z_all = layer_cache[L]
+            off = torch.arange(sl.start, sl.stop) - g.recv_slice(L, "q").start
+            resid, all_in, none_in = res_all[off], a_all[:, off], z_all[:, off]
+        else:
+            resid, all_in, none_in = resid_for(rs, base, corr_key)
         if x in ("q", "k", "v"):
             new = split_qkv_from_residuals(model, L, x, resid, range(len(rs)))             # [kb, p, n, e]
         elif x == "mlp":
