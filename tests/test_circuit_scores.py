@@ -13,26 +13,12 @@ import pytest
 import torch
 
 import qkcircuits as qk
+from qkcircuits._foundation.stats import spearman
 from qkcircuits._tasks import runs
 
 from _tiny import gemma3_dir, gpt2_dir, llama_dir
 
 FAMILIES = {"gpt2": gpt2_dir, "llama-gqa": llama_dir, "gemma3": gemma3_dir}
-
-
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Spearman's rank correlation (average ranks for ties), written out: no scipy here."""
-    def rank(x):
-        x = x.double()
-        r = torch.empty_like(x)
-        r[x.argsort()] = torch.arange(len(x), dtype=x.dtype)
-        for v in x.unique():
-            tie = x == v
-            if tie.sum() > 1:
-                r[tie] = r[tie].mean()
-        return r - r.mean()
-    ra, rb = rank(a), rank(b)
-    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
 
 
 def pair_task(model, n=16, p=10, seed=0):
