@@ -250,7 +250,8 @@ def node_mask(g: Graph, keep: Sequence[str]) -> Tensor:
 
 def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: int, progress: bool = False
                    ) -> Tuple[List[float], float, float]:
-    """The metric mean of each circuit mask (one patched forward per mask and shard), and clean/corrupt."""
+    """The metric mean of each circuit mask (one patched forward per mask and shard), and clean/corrupt
+    (the corrupt record per shard; clean from a 100 % mask when one is among ``masks``, else one more run)."""
     g = graph(model)
     sums = [0.0] * len(masks)
     clean = corrupt = 0.0
@@ -258,26 +259,32 @@ def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: i
 
     bar = tqdm(total=len(masks) * ((task.n + rows_per_shard - 1) // rows_per_shard), desc="faithfulness",
                disable=not progress, leave=False, file=sys.stderr)
+    full = next((i for i, m in enumerate(masks) if torch.equal(m & g.valid, g.valid)), None)
     for shard in task.shards(rows_per_shard):
         corr = record(model, g, shard, shard.corrupt)
         corrupt += float(corr.rows.sum())
-        clean += float(patched_run(model, g, shard, corr, g.valid[None]).sum())
         for i, m in enumerate(masks):
             sums[i] += float(patched_run(model, g, shard, corr, m[None]).sum())
             bar.update(1)
+        # m(full): the full circuit IS the clean run (runs.py), so a 100 % mask already measured it
+        if full is None:
+            clean += float(patched_run(model, g, shard, corr, g.valid[None]).sum())
         del corr
+    if full is not None:
+        clean = sums[full]
     bar.close()
     return [s / task.n for s in sums], clean / task.n, corrupt / task.n
 
 
 def node_faithfulness(model, task: Task, heads: Sequence[str], rows_per_shard: Optional[int] = None) -> float:
-    """f when every head NOT in ``heads`` has its output replaced by its corrupt-run output."""
+    """f when every head NOT in ``heads`` has its output replaced by its corrupt-run output (per shard: one
+    corrupt forward, the node-view forward and one clean forward)."""
     from .scores import shard_rows
 
     g = graph(model)
     task = task.to(model.W_E.device)
     rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
-    (m,), clean, corrupt = circuit_metric(model, task, [node_mask(g, heads)], rows)
+    (m, _), clean, corrupt = circuit_metric(model, task, [node_mask(g, heads), g.valid], rows)
     return (m - corrupt) / (clean - corrupt) if clean != corrupt else float("nan")
 
 
