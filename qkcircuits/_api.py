@@ -46,6 +46,14 @@ from ._paths.path_effects import PathEffects
 from ._weights.contextual import INPUTS as VIEWS     # the token views ("direct", ...); qk.INPUTS is the old name
 from ._paths.trace import trace_induction
 
+# Explain a behaviour: tasks, the whole graph's edge scores, circuits and their faithfulness.
+from ._tasks import builders as tasks
+from ._tasks.circuit import Circuit as TaskCircuit
+from ._tasks.circuit import Faithfulness, faithfulness, node_faithfulness
+from ._tasks.graph import Graph, graph
+from ._tasks.scores import EdgeScores, NodeScores, edge_scores, node_scores
+from ._tasks.task import Task
+
 # Where analyses run (Ray itself is imported only when a qk.Ray backend runs), and many models at once.
 from ._foundation.backends import Backend, Local, Ray, as_backend
 from ._scale.zoo import Zoo, zoo

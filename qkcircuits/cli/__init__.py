@@ -23,7 +23,7 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.io import Terminated
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ["scan", "circuits", "ablate", "diagnose", "report", "serve", "trace", "zoo", "cache"]
+COMMANDS = ["scan", "circuits", "ablate", "diagnose", "report", "serve", "trace", "circuit", "zoo", "cache"]
 DEBUG_HINT = "set QKCIRCUITS_DEBUG=1 for the traceback"
 
 

@@ -1,0 +1,85 @@
+"""Cost of circuit discovery in units of ONE plain forward of the clean batch (issue 17 ask 10).
+
+    PYTHONPATH=$PWD python benchmarks/bench_circuit.py [--model smollm2-135m] [--n 64] [--exact-edges 64]
+
+One process, one thread (``torch.set_num_threads(1)``). Times, each after a warm-up: one plain forward
+of the task's clean rows (no hooks), EAP, EAP-IG with 5 steps, the 10-point faithfulness curve (plus its
+node view), and exact edge patching on ``--exact-edges`` edges, extrapolated to the whole graph. The plain
+forward is re-timed between the methods and the median used, so a change of machine load shows up as a
+spread (printed). Targets: EAP <= 4 forwards, EAP-IG(5) <= 20, the curve <= 12.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--exact-edges", type=int, default=64)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    import qkcircuits as qk
+    from qkcircuits._tasks.runs import patched_run, record
+    from qkcircuits._tasks.scores import shard_rows
+
+    model = qk.load(args.model, device="cpu", verbose=False)
+    try:
+        task = qk.tasks.ioi(model, n=args.n)
+    except qk.QKCircuitsError:             # no tokenizer, or no single-token names: the induction task
+        task = qk.tasks.induction(model, n=args.n)
+    g = qk.graph(model)
+    fwd_times = []
+
+    def forward() -> float:
+        with torch.no_grad():
+            t = time.perf_counter()
+            model(task.clean)
+            fwd_times.append(time.perf_counter() - t)
+        return fwd_times[-1]
+
+    forward()
+    forward()
+    rows = {}
+
+    def timed(name, fn):
+        forward()
+        t = time.perf_counter()
+        out = fn()
+        rows[name] = time.perf_counter() - t
+        forward()
+        return out
+
+    timed("eap", lambda: qk.edge_scores(model, task, method="eap", progress=False))
+    ig = timed("eap-ig (5 steps)", lambda: qk.edge_scores(model, task, method="eap-ig", steps=5, progress=False))
+    timed("faithfulness curve (10 sizes) + node view", lambda: qk.faithfulness(model, task, ig, progress=False))
+    # exact: args.exact_edges edges on the first shard of rows, extrapolated to all edges and all rows
+    shard = task.rows(slice(0, shard_rows(model, g, task, buffers=3)))
+    corr = record(model, g, shard, shard.corrupt)
+    s_idx, r_idx = g.valid.nonzero(as_tuple=True)
+    pick = torch.randperm(len(s_idx), generator=torch.Generator().manual_seed(0))[:args.exact_edges]
+    t = time.perf_counter()
+    for start in range(0, len(pick), 32):
+        p = pick[start:start + 32]
+        mask = g.valid[None].repeat(len(p), 1, 1)
+        mask[torch.arange(len(p)), s_idx[p], r_idx[p]] = False
+        patched_run(model, g, shard, corr, mask)
+    per_edge = (time.perf_counter() - t) / len(pick) * task.n / shard.n
+    rows["exact, all edges (extrapolated)"] = per_edge * g.n_edges
+    fwd = statistics.median(fwd_times)
+    print(f"model {args.model}: {g.n_edges} edges, {task.n} prompts x {task.clean.shape[1]} tokens; one forward "
+          f"{fwd:.2f} s (median of {len(fwd_times)}, range {min(fwd_times):.2f}-{max(fwd_times):.2f}); "
+          f"load average {os.getloadavg()[0]:.1f}; torch threads {torch.get_num_threads()}")
+    for name, sec in rows.items():
+        print(f"  {name:<45} {sec:10.1f} s  {sec / fwd:10.1f} forwards")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Task builders: ``qk.tasks.ioi``, ``qk.tasks.induction``, ``qk.tasks.from_jsonl``.
+
+>>> task = qk.tasks.induction(model, n=8, seg_len=5, seed=1)
+>>> task.n, task.clean.shape[1]
+(8, 10)
+>>> task.clean[0, 1:6].tolist() == task.clean[0, 6:10].tolist() + [task.answer[0].item()]
+True
+
+IOI (Wang et al. 2022): "Then, Mary and John went to the store. John gave a drink to" → " Mary".
+ABBA (IO first) and BABA (S first) orders over several sentence frames; corruption ABC: the same frame,
+place and object with three fresh names, so nothing in the corrupt prompt says which name is the IO.
+Names, places and objects are kept only when they are ONE token (with their leading space) for THIS
+model's tokenizer. Frames differ in length: rows are right-padded to one length and the metric reads
+each row's ``END`` (its last real token); clean and corrupt rows of a prompt always have the same length.
+No BOS is prepended by default (``prepend_bos=False``: SmolLM2's tokenizer adds none itself).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Union
+
+import torch
+
+from .._foundation.errors import QKCircuitsError
+from .task import Task, bos_id, encode, pad_rows, tokenizer_of
+
+NAMES = ("Mary", "John", "Alice", "Bob", "Tom", "James", "Sarah", "David", "Michael", "Emma", "Anna", "Paul",
+         "Mark", "Kate", "Lisa", "Peter", "Jack", "Laura", "Daniel", "Rachel", "Chris", "Steve", "Linda", "Susan",
+         "George", "Henry", "Grace", "Jane", "Adam", "Ryan", "Kevin", "Brian", "Eric", "Amy", "Helen", "Frank",
+         "Joe", "Sam", "Ben", "Max", "Lucy", "Rose", "Paula", "Karen", "Tim", "Dan", "Mike", "Nick")
+PLACES = ("store", "park", "school", "hospital", "office", "restaurant", "station", "library", "garden",
+          "beach", "market", "house", "church", "hotel", "bank", "museum")
+OBJECTS = ("drink", "book", "ring", "key", "ball", "gift", "letter", "bottle", "bag", "flower", "computer",
+           "phone", "cake", "pen", "card", "apple")
+# {A} and {B} are the two names of the first clause, {S} the repeated subject, {P} a place, {O} an object.
+FRAMES = (
+    "Then, {A} and {B} went to the {P}. {S} gave a {O} to",
+    "When {A} and {B} got a {O} at the {P}, {S} decided to give it to",
+    "After {A} and {B} went to the {P}, {S} gave a {O} to",
+    "While {A} and {B} were working at the {P}, {S} gave a {O} to",
+    "Friends {A} and {B} found a {O} at the {P}. {S} gave it to",
+    "Then, {A} and {B} had a long argument, and afterwards {S} said to",
+)
+
+
+def single_tokens(model, words: Sequence[str]) -> List[str]:
+    """The words that are ONE token with a leading space for this model's tokenizer."""
+    tok = tokenizer_of(model)
+    return [w for w in words if len(tok(" " + w, add_special_tokens=False)["input_ids"]) == 1]
+
+
+def ioi(model, n: int = 64, seed: int = 0, *, prepend_bos: bool = False, names: Optional[Sequence[str]] = None,
+        places: Optional[Sequence[str]] = None, objects: Optional[Sequence[str]] = None,
+        frames: Sequence[str] = FRAMES, metric="logit-diff") -> Task:
+    """``n`` IOI prompts (half ABBA, half BABA, frames in turn), ABC-corrupted; seeded.
+
+    Positions per row: ``IO``, ``S1``, ``S1+1``, ``S2``, ``END``. ``answer`` = " IO", ``wrong`` = " S".
+
+    >>> task = qk.tasks.ioi(smollm2, n=8)        # needs SmolLM2  # doctest: +SKIP
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise QKCircuitsError(f"n must be an integer >= 1, got {n!r}")
+    tok = tokenizer_of(model)
+    pool = {k: single_tokens(model, v) for k, v in (("names", names or NAMES), ("places", places or PLACES),
+                                                      ("objects", objects or OBJECTS))}
+    need = {"names": 5, "places": 1, "objects": 1}
+    short = [f"{len(pool[k])} single-token {k} (need >= {m})" for k, m in need.items() if len(pool[k]) < m]
+    if short:
+        raise QKCircuitsError(f"this tokenizer has only {', '.join(short)}; pass names=/places=/objects= lists of "
+                              f"words that are one token each with a leading space")
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(lst: List[str], k: int) -> List[str]:
+        return [lst[i] for i in torch.randperm(len(lst), generator=g)[:k].tolist()]
+
+    def ids(word: str) -> int:
+        return tok(" " + word, add_special_tokens=False)["input_ids"][0]
+
+    clean_rows, corrupt_rows, answers, wrongs, prompts = [], [], [], [], []
+    pos: Dict[str, List[int]] = {k: [] for k in ("IO", "S1", "S1+1", "S2", "END")}
+    for i in range(n):
+        frame = frames[(i // 2) % len(frames)]
+        io, s, c1, c2, c3 = pick(pool["names"], 5)
+        place, obj = pick(pool["places"], 1)[0], pick(pool["objects"], 1)[0]
+        abba = i % 2 == 0
+        a, b = (io, s) if abba else (s, io)
+        text = frame.format(A=a, B=b, S=s, P=place, O=obj)
+        bad = frame.format(A=c1, B=c2, S=c3, P=place, O=obj)
+        row, crow = encode(model, text, prepend_bos), encode(model, bad, prepend_bos)
+        if len(row) != len(crow):            # a name that merges with its neighbour: cannot happen for
+            raise QKCircuitsError(f"IOI prompt {text!r} and its corruption tokenize to {len(row)} and "
+                                  f"{len(crow)} tokens; pass other names=")
+        io_id, s_id = ids(io), ids(s)
+        where_io = [j for j, t in enumerate(row) if t == io_id]
+        where_s = [j for j, t in enumerate(row) if t == s_id]
+        if len(where_io) != 1 or len(where_s) != 2:
+            raise QKCircuitsError(f"IOI prompt {text!r}: the names are not single separate tokens in context")
+        pos["IO"].append(where_io[0])
+        pos["S1"].append(where_s[0])
+        pos["S1+1"].append(where_s[0] + 1)
+        pos["S2"].append(where_s[1])
+        pos["END"].append(len(row) - 1)
+        clean_rows.append(row)
+        corrupt_rows.append(crow)
+        answers.append(io_id)
+        wrongs.append(s_id)
+        prompts.append(text)
+    return Task(pad_rows(model, clean_rows), pad_rows(model, corrupt_rows), torch.tensor(answers),
+                torch.tensor(wrongs), metric, {k: torch.tensor(v) for k, v in pos.items()}, "ioi", prepend_bos,
+                prompts)
+
+
+def induction(model, n: int = 32, seg_len: int = 10, seed: int = 0, metric="logit-diff") -> Task:
+    """The scan's ``[BOS] + R + R`` prompts cut before their last token: clean = [BOS] + R + R[:-1]
+    (answer R[-1], the induction target); corrupt = [BOS] + R' + R[:-1] with another segment R' (drawn
+    from the tokens NOT in R where the token pool allows), wrong = R'[-1], the token that sits where the
+    corrupt run's induction target would be. A BOS is prepended (``bos=True``)."""
+    from .._foundation.sequences import repeated_tokens, token_pool
+
+    if isinstance(seg_len, bool) or not isinstance(seg_len, int) or seg_len < 3:
+        raise QKCircuitsError(f"seg_len must be an integer >= 3, got {seg_len!r}")
+    rep = repeated_tokens(model, n_seqs=n, seg_len=seg_len, seed=seed).cpu()
+    pool = token_pool(model).ids.cpu()
+    g = torch.Generator().manual_seed(seed + 1)
+    other = []
+    for row in rep[:, 1:seg_len + 1]:
+        rest = pool[~torch.isin(pool, row)]
+        if len(rest) < seg_len:
+            rest = pool[pool != row[-1]]
+        take = torch.randperm(len(rest), generator=g)[:seg_len]
+        other.append(rest[take] if len(rest) >= seg_len else rest[torch.randint(0, len(rest), (seg_len,),
+                                                                                 generator=g)])
+    other = torch.stack(other)
+    clean = rep[:, :-1]
+    corrupt = torch.cat([rep[:, :1], other, rep[:, seg_len + 1:-1]], 1)
+    return Task(clean, corrupt, rep[:, -1], other[:, -1], metric, {}, "induction", True)
+
+
+KEYS = ("clean", "corrupt", "answer", "wrong")
+
+
+def from_jsonl(model, path: Union[str, Path], *, prepend_bos: bool = False, metric="logit-diff") -> Task:
+    """One JSON object per line: ``{"clean": str, "corrupt": str, "answer": str, "wrong": str}``;
+    ``answer``/``wrong`` are the text that would follow the prompt (" Mary", leading space included) and
+    must be ONE token each. Blank lines are skipped. Every problem is one line naming the line number.
+
+    >>> p = tmp / "t.jsonl"
+    >>> _ = p.write_text('{"clean": "a b", "corrupt": "a c", "answer": " d", "wrong": " e"}\\n')
+    >>> qk.tasks.from_jsonl(model, p)
+    Traceback (most recent call last):
+    ...
+    qkcircuits._foundation.errors.QKCircuitsError: this model has no tokenizer; ...
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise QKCircuitsError(f"task file {str(path)!r} does not exist (expected a .jsonl file, one JSON object a line)")
+    tok = tokenizer_of(model)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise QKCircuitsError(f"{path}: not UTF-8 text ({e.reason}); expected one JSON object per line")
+    clean_rows, corrupt_rows, answers, wrongs, prompts = [], [], [], [], []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path.name} line {no}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise QKCircuitsError(f"{where}: not valid JSON ({e.msg} at column {e.colno})")
+        if not isinstance(obj, dict):
+            raise QKCircuitsError(f"{where}: expected an object with keys {', '.join(KEYS)}, got "
+                                  f"{type(obj).__name__}")
+        unknown = sorted(set(obj) - set(KEYS))
+        if unknown:
+            raise QKCircuitsError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; expected exactly "
+                                  f"{', '.join(KEYS)}")
+        missing = [k for k in KEYS if k not in obj]
+        if missing:
+            raise QKCircuitsError(f"{where}: missing key(s) {', '.join(missing)}")
+        bad = [k for k in KEYS if not isinstance(obj[k], str) or not obj[k]]
+        if bad:
+            raise QKCircuitsError(f"{where}: {', '.join(bad)} must be non-empty strings")
+        ids = {}
+        for k in ("answer", "wrong"):
+            t = tok(obj[k], add_special_tokens=False)["input_ids"]
+            if len(t) != 1:
+                raise QKCircuitsError(f"{where}: {k} {obj[k]!r} is {len(t)} tokens {t}; it must be one token "
+                                      f"(the text that follows the prompt, leading space included)")
+            ids[k] = t[0]
+        if ids["answer"] == ids["wrong"]:
+            raise QKCircuitsError(f"{where}: answer and wrong are the same token {obj['answer']!r}")
+        row, crow = encode(model, obj["clean"], prepend_bos), encode(model, obj["corrupt"], prepend_bos)
+        if len(row) != len(crow):
+            raise QKCircuitsError(f"{where}: clean has {len(row)} tokens and corrupt {len(crow)}; they must "
+                                  f"have the same token count")
+        if len(row) > model.cfg.n_ctx:
+            raise QKCircuitsError(f"{where}: {len(row)} tokens exceed the model's context of {model.cfg.n_ctx}")
+        clean_rows.append(row)
+        corrupt_rows.append(crow)
+        answers.append(ids["answer"])
+        wrongs.append(ids["wrong"])
+        prompts.append(obj["clean"])
+    if not clean_rows:
+        raise QKCircuitsError(f"task file {path.name} is empty; expected one JSON object per line with keys "
+                              f"{', '.join(KEYS)}")
+    end = torch.tensor([len(r) - 1 for r in clean_rows])
+    return Task(pad_rows(model, clean_rows), pad_rows(model, corrupt_rows), torch.tensor(answers),
+                torch.tensor(wrongs), metric, {"END": end}, path.stem, prepend_bos, prompts)
+
+
+__all__ = ["ioi", "induction", "from_jsonl", "single_tokens", "FRAMES", "NAMES", "PLACES", "OBJECTS"]

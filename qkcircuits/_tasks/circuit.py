@@ -1,0 +1,326 @@
+"""Circuits (the top edges of a score) and their faithfulness.
+
+>>> task = qk.tasks.induction(model, n=8, seg_len=6)
+>>> scores = qk.edge_scores(model, task, method="eap-ig", steps=3, progress=False)
+>>> c = scores.circuit(edges=4)
+>>> sorted(c.heads)
+['0.0', '1.0']
+>>> f = qk.faithfulness(model, task, scores, sizes=(10, 50, 100), progress=False)
+>>> round(f.curve[100.0], 6)
+1.0
+
+Selection: edges ranked by |score| (``by="abs"``, the default, as EAP-IG and MIB do: an edge whose
+corruption *raises* the metric is also part of the mechanism, and the faithfulness grid then decides how
+many edges are needed) or by the signed score (``by="signed"``: only edges that carry the behaviour).
+Then edges with no path from the embedding through circuit edges, or none on to the logits, are pruned
+(they cannot change the metric through the circuit). ``percent`` counts the graph's edges before pruning;
+``Circuit.n_edges`` says how many are left.
+
+Faithfulness of a circuit C: ONE patched forward (runs.py) in which every edge not in C carries its
+sender's corrupt-run output and every edge in C the sender's output in this patched run;
+
+    f(C) = (m(C) − m(∅)) / (m(full) − m(∅)),   m(full) = clean run,  m(∅) = corrupt run.
+
+Over a grid of sizes k (fractions of the graph's edges, 0 < k_1 < … < k_n ≤ 1), as MIB (Mueller et al. 2025,
+arXiv 2504.13151) defines them, by the trapezoidal rule on the grid:
+
+    CPR = ∫ f(C_k) dk   (higher is better),      CMD = ∫ |1 − f(C_k)| dk   (lower is better).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import Tensor
+
+from .._foundation.display import Displayed
+from .._foundation.errors import QKCircuitsError
+from .graph import Graph, graph
+from .runs import patched_run, record
+from .task import Task
+
+SIZES = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
+THRESHOLD = 0.8
+SCHEMA = "qkcircuits.faithfulness/1"
+
+
+def _consumers(g: Graph, r: int) -> List[int]:
+    """Sender indices of the nodes that read receiver input r (the logits: none, -1)."""
+    name, into = g.receivers[r]
+    if name == "logits":
+        return [-1]
+    if into == "in":
+        return [g.mlp_sender(int(name[3:]))]
+    return [g.head_sender(int(h.split(".")[0]), int(h.split(".")[1])) for h in g.receiver_heads(r)]
+
+
+def prune(g: Graph, mask: Tensor) -> Tensor:
+    """Keep the edges of ``mask`` [S, R] that lie on a path embedding → … → logits inside ``mask``."""
+    S, R = g.n_senders, g.n_receivers
+    cons = [_consumers(g, r) for r in range(R)]
+    reach = torch.zeros(S, dtype=torch.bool)
+    reach[0] = True
+    feeds: List[List[int]] = [[] for _ in range(S)]          # receivers read by sender s's node
+    for r in range(R):
+        for c in cons[r]:
+            if c >= 0:
+                feeds[c].append(r)
+    for s in range(1, S):
+        reach[s] = any(bool((mask[:, r] & reach).any()) for r in feeds[s])
+    useful = torch.zeros(S, dtype=torch.bool)
+    recv_useful = torch.zeros(R, dtype=torch.bool)
+    recv_useful[g.logits_receiver] = True
+    for s in range(S - 1, -1, -1):
+        outs = mask[s].nonzero().flatten().tolist()
+        for r in outs:
+            if not recv_useful[r]:
+                recv_useful[r] = any(c >= 0 and bool(useful[c]) for c in cons[r])
+        useful[s] = any(bool(recv_useful[r]) for r in outs)
+    for r in range(R):            # receivers whose consumer became useful after their row was visited
+        recv_useful[r] = recv_useful[r] or any(c >= 0 and bool(useful[c]) for c in cons[r])
+    return mask & reach[:, None] & recv_useful[None, :]
+
+
+@dataclass
+class Circuit(Displayed):
+    """A set of edges (``mask`` [S, R]) of ``graph``, chosen from edge scores."""
+
+    graph: Graph
+    mask: Tensor
+    scores: Tensor
+    by: str = "abs"
+    percent: Optional[float] = None
+    requested: int = 0
+    model: str = ""
+
+    @property
+    def n_edges(self) -> int:
+        return int(self.mask.sum())
+
+    def edges(self) -> List[Tuple[str, str, str, float]]:
+        s_idx, r_idx = self.mask.nonzero(as_tuple=True)
+        vals = self.scores[s_idx, r_idx]
+        order = torch.argsort(vals.abs(), descending=True, stable=True).tolist()
+        return [(self.graph.senders[int(s_idx[i])], *self.graph.receivers[int(r_idx[i])], float(vals[i]))
+                for i in order]
+
+    @property
+    def nodes(self) -> Set[str]:
+        """Heads ("L.H"), MLPs ("mlpL") touched by an edge (k/v of a KV head touch its whole group)."""
+        out: Set[str] = set()
+        for s, r in self.mask.nonzero().tolist():
+            name = self.graph.senders[s]
+            if name != "emb":
+                out.add(name)
+            if self.graph.receivers[r][0] != "logits":
+                out.update(self.graph.receiver_heads(r))
+        return out
+
+    @property
+    def heads(self) -> List[str]:
+        return sorted((n for n in self.nodes if n[0].isdigit()), key=lambda h: tuple(map(int, h.split("."))))
+
+    def to_dict(self) -> Dict[str, object]:
+        from .._foundation.io import json_number
+
+        return {"edges": [[s, r, x, json_number(v)] for s, r, x, v in self.edges()], "heads": self.heads,
+                "mlps": sorted(n for n in self.nodes if n.startswith("mlp")), "n_edges": self.n_edges,
+                "requested_edges": self.requested, "percent": self.percent, "by": self.by}
+
+    def roles(self, model, task: Task, **kw):
+        """Each head of the circuit with the evidence for its role (see ``qkcircuits._tasks.roles``)."""
+        from .roles import roles
+
+        return roles(model, task, self, **kw)
+
+    def _text(self) -> str:
+        top = "; ".join(f"{s}->{r} {x} {v:+.3g}" for s, r, x, v in self.edges()[:4])
+        return (f"Circuit({self.model}: {self.n_edges} edges of {self.graph.n_edges}, heads "
+                f"{', '.join(self.heads[:12])}{' …' if len(self.heads) > 12 else ''}; top: {top})")
+
+    def _html(self) -> str:
+        import html
+
+        return f"<p>{html.escape(self._text())}</p>"
+
+    def __repr__(self) -> str:
+        return self._text()
+
+    def _repr_html_(self) -> str:
+        return self._html()
+
+
+def select(scores, edges: Optional[int] = None, percent: Optional[float] = None, by: str = "abs") -> Circuit:
+    """The top ``edges`` (or ``percent`` % of the graph's edges) by ``by`` ("abs" or "signed"), pruned."""
+    g = scores.graph
+    if (edges is None) == (percent is None):
+        raise QKCircuitsError("give exactly one of edges=N or percent=P")
+    if by not in ("abs", "signed"):
+        raise QKCircuitsError(f"by must be 'abs' or 'signed', got {by!r}")
+    if percent is not None:
+        if isinstance(percent, bool) or not 0 <= float(percent) <= 100:
+            raise QKCircuitsError(f"percent must be a number in 0-100, got {percent!r}")
+        k = int(round(g.n_edges * float(percent) / 100.0))
+        if float(percent) > 0:
+            k = max(k, 1)
+    else:
+        if isinstance(edges, bool) or not isinstance(edges, int) or edges < 0:
+            raise QKCircuitsError(f"edges must be an integer >= 0, got {edges!r}")
+        k = min(edges, g.n_edges)
+    s_idx, r_idx = g.valid.nonzero(as_tuple=True)
+    vals = torch.nan_to_num(scores.scores[s_idx, r_idx], nan=0.0)
+    order = torch.argsort(vals.abs() if by == "abs" else vals, descending=True, stable=True)[:k]
+    mask = torch.zeros_like(g.valid)
+    mask[s_idx[order], r_idx[order]] = True
+    return Circuit(g, prune(g, mask), scores.scores, by, None if percent is None else float(percent), k,
+                   getattr(scores, "model", ""))
+
+
+def _area(xs: Sequence[float], ys: Sequence[float]) -> float:
+    return float(sum((xs[i + 1] - xs[i]) * (ys[i + 1] + ys[i]) / 2 for i in range(len(xs) - 1)))
+
+
+@dataclass
+class Faithfulness(Displayed):
+    """The faithfulness curve ``curve`` {percent: f}, CPR, CMD, the chosen circuit and its node view."""
+
+    curve: Dict[float, float]
+    metric_values: Dict[float, float]
+    n_edges: Dict[float, int]
+    clean: float
+    corrupt: float
+    cpr: float
+    cmd: float
+    chosen_percent: float
+    circuit: Circuit
+    node_faithfulness: float
+    node_heads: List[str]
+    model: str = ""
+    settings: Dict[str, object] = field(default_factory=dict)
+    timing: Dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> Dict[str, object]:
+        from .._foundation.io import json_number
+
+        return {"schema": SCHEMA, "model": self.model, "clean": json_number(self.clean),
+                "corrupt": json_number(self.corrupt), "curve": {str(k): json_number(v) for k, v in self.curve.items()},
+                "metric_values": {str(k): json_number(v) for k, v in self.metric_values.items()},
+                "n_edges": {str(k): v for k, v in self.n_edges.items()}, "cpr": json_number(self.cpr),
+                "cmd": json_number(self.cmd), "chosen_percent": self.chosen_percent,
+                "circuit": {**self.circuit.to_dict(), "node_faithfulness": json_number(self.node_faithfulness)},
+                "settings": self.settings, "timing": self.timing}
+
+    def to_json(self, path=None) -> str:
+        from .._foundation.io import dump_json
+
+        return dump_json(self.to_dict(), path)
+
+    def _text(self) -> str:
+        pts = ", ".join(f"{k:g}%: {v:.3f}" for k, v in self.curve.items())
+        return (f"Faithfulness({self.model}: {pts}; CPR {self.cpr:.3f}, CMD {self.cmd:.3f}; circuit "
+                f"{self.chosen_percent:g}% = {self.circuit.n_edges} edges, {len(self.node_heads)} heads, node f "
+                f"{self.node_faithfulness:.3f})")
+
+    def _html(self) -> str:
+        import html
+
+        return f"<p>{html.escape(self._text())}</p>"
+
+    def __repr__(self) -> str:
+        return self._text()
+
+    def _repr_html_(self) -> str:
+        return self._html()
+
+
+def node_mask(g: Graph, keep: Sequence[str]) -> Tensor:
+    """Every edge, except those leaving a head NOT in ``keep`` (their readers read its corrupt output).
+    The embedding and the MLPs stay clean: the node view of a circuit is its heads."""
+    keep = set(keep)
+    mask = g.valid.clone()
+    for s, name in enumerate(g.senders):
+        if name[0].isdigit() and name not in keep:
+            mask[s] = False
+    return mask
+
+
+def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: int, progress: bool = False
+                   ) -> Tuple[List[float], float, float]:
+    """The metric mean of each circuit mask (one patched forward per mask and shard), and clean/corrupt
+    (the corrupt record per shard; clean from a 100 % mask when one is among ``masks``, else one more run)."""
+    g = graph(model)
+    sums = [0.0] * len(masks)
+    clean = corrupt = 0.0
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(masks) * ((task.n + rows_per_shard - 1) // rows_per_shard), desc="faithfulness",
+               disable=not progress, leave=False, file=sys.stderr)
+    full = next((i for i, m in enumerate(masks) if torch.equal(m & g.valid, g.valid)), None)
+    for shard in task.shards(rows_per_shard):
+        corr = record(model, g, shard, shard.corrupt)
+        corrupt += float(corr.rows.sum())
+        for i, m in enumerate(masks):
+            sums[i] += float(patched_run(model, g, shard, corr, m[None]).sum())
+            bar.update(1)
+        # m(full): the full circuit IS the clean run (runs.py), so a 100 % mask already measured it
+        if full is None:
+            clean += float(patched_run(model, g, shard, corr, g.valid[None]).sum())
+        del corr
+    if full is not None:
+        clean = sums[full]
+    bar.close()
+    return [s / task.n for s in sums], clean / task.n, corrupt / task.n
+
+
+def node_faithfulness(model, task: Task, heads: Sequence[str], rows_per_shard: Optional[int] = None) -> float:
+    """f when every head NOT in ``heads`` has its output replaced by its corrupt-run output (per shard: one
+    corrupt forward, the node-view forward and one clean forward)."""
+    from .scores import shard_rows
+
+    g = graph(model)
+    task = task.to(model.W_E.device)
+    rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
+    (m, _), clean, corrupt = circuit_metric(model, task, [node_mask(g, heads), g.valid], rows)
+    return (m - corrupt) / (clean - corrupt) if clean != corrupt else float("nan")
+
+
+def faithfulness(model, task: Task, scores, sizes: Sequence[float] = SIZES, *, by: str = "abs",
+                 threshold: float = THRESHOLD, rows_per_shard: Optional[int] = None,
+                 progress: bool = True) -> Faithfulness:
+    """The faithfulness curve over ``sizes`` (percent of edges), CPR/CMD, the chosen circuit (the smallest
+    grid size with f ≥ ``threshold``, else the largest) and its node view (module docstring). Cost: one
+    patched forward per size and prompt shard, one for the node view, one corrupt forward per shard (and
+    one clean patched forward per shard for m(full)). Memory: the shard's corrupt record and the patched
+    run's sender outputs, ~3 × [S, rows, pos, d_model]."""
+    from .scores import check_task, shard_rows
+
+    sizes = sorted({float(s) for s in sizes})
+    if not sizes or sizes[0] < 0 or sizes[-1] > 100:
+        raise QKCircuitsError(f"sizes must be percents in 0-100, got {sizes!r}")
+    check_task(model, task)
+    g = graph(model)
+    task = task.to(model.W_E.device)
+    rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
+    t0 = time.perf_counter()
+    circuits = [select(scores, percent=p, by=by) for p in sizes]
+    values, clean, corrupt = circuit_metric(model, task, [c.mask for c in circuits], rows, progress)
+    denom = clean - corrupt
+    f = [(v - corrupt) / denom if denom != 0 else float("nan") for v in values]
+    curve = dict(zip(sizes, f))
+    chosen = next((p for p, v in curve.items() if v >= threshold), sizes[-1])
+    circuit = circuits[sizes.index(chosen)]
+    t1 = time.perf_counter()
+    nf = node_faithfulness(model, task, circuit.heads, rows)
+    xs = [p / 100 for p in sizes]
+    out = Faithfulness(curve, dict(zip(sizes, values)), {p: c.n_edges for p, c in zip(sizes, circuits)}, clean,
+                       corrupt, _area(xs, f), _area(xs, [abs(1 - v) for v in f]), chosen, circuit, nf, circuit.heads,
+                       getattr(scores, "model", ""), {"by": by, "threshold": threshold, "rows_per_shard": rows,
+                                                       "cpr_cmd": "trapezoid over the grid, x = fraction of edges"},
+                       {"curve_s": round(t1 - t0, 3), "node_view_s": round(time.perf_counter() - t1, 3)})
+    scores.settings["chosen_percent"] = chosen
+    scores.settings["chosen_by"] = by
+    return out

@@ -1,0 +1,232 @@
+"""The computational graph of a model: senders (embedding, heads, MLPs), receivers (each head's q, k, v
+input, each MLP's input, the logits) and the edges between them.
+
+>>> g = qk.graph(model)
+>>> g.n_senders, g.n_receivers, g.n_edges
+(5, 13, 29)
+>>> g.senders[:3], g.receivers[:3]
+(('emb', '0.0', '0.1'), (('0.0', 'q'), ('0.1', 'q'), ('0.0', 'k')))
+
+Nodes, in the order the forward computes them: ``emb`` (token + positional embedding, i.e. the residual
+entering block 0); per layer L the heads ``"L.H"`` and the MLP ``"mlpL"`` (models with MLPs); ``logits``.
+Receiver inputs: ``("L.H", "q")`` per query head; ``("L.G", "k")`` and ``("L.G", "v")`` per KEY-VALUE head G
+(with grouped-query attention the k and v inputs belong to the KV head, written ``"L.kvG"``, which query
+heads G·group … G·group+group−1 share); ``("mlpL", "in")``; ``("logits", "in")``. An edge is a sender whose
+output is added to the residual stream before the receiver reads it (heads of layer L feed MLP L and
+everything from layer L+1).
+
+Residual semantics (the same as path patching's): every sender has one output per run, added to the
+residual — a head's is ``z_h W_O[h]`` (under Gemma's post-attention norm, its share of the normed layer
+output ``z_h W_O[h] · (1+w)/rms(y)`` with that run's rms, so the shares still add up to what the block
+adds), an MLP's is ``hook_mlp_out``, the embedding's the residual entering block 0. A receiver reads the
+SUM of its senders' outputs (plus the constant biases) through its own norm, recomputed: ln1 → W_Q/W_K/W_V
+for q/k/v (q/k-norm and rotary then run inside the model's attention as usual), ln2 for an MLP, the final
+norm for the logits. ``split_qkv_from_residuals`` is the one place that turns per-head residuals into
+hook_q/k/v values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from .._foundation.errors import QKCircuitsError
+from .._foundation.heads import n_kv_heads
+
+Receiver = Tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Graph:
+    """Node and edge indexing of one model (no tensors of activations). ``valid[s, r]``: s feeds r."""
+
+    n_layers: int
+    n_heads: int
+    n_kv: int
+    has_mlp: bool
+    model_name: str = ""
+
+    # ---------------------------------------------------------------------------------------- senders
+    @cached_property
+    def senders(self) -> Tuple[str, ...]:
+        out = ["emb"]
+        for L in range(self.n_layers):
+            out += [f"{L}.{h}" for h in range(self.n_heads)]
+            if self.has_mlp:
+                out.append(f"mlp{L}")
+        return tuple(out)
+
+    def head_sender(self, layer: int, head: int = 0) -> int:
+        return 1 + layer * (self.n_heads + self.has_mlp) + head
+
+    def mlp_sender(self, layer: int) -> int:
+        return self.head_sender(layer, self.n_heads)
+
+    # ---------------------------------------------------------------------------------------- receivers
+    def kv_name(self, layer: int, g: int) -> str:
+        return f"{layer}.{g}" if self.n_kv == self.n_heads else f"{layer}.kv{g}"
+
+    @cached_property
+    def receivers(self) -> Tuple[Receiver, ...]:
+        out: List[Receiver] = []
+        for L in range(self.n_layers):
+            out += [(f"{L}.{h}", "q") for h in range(self.n_heads)]
+            out += [(self.kv_name(L, g), "k") for g in range(self.n_kv)]
+            out += [(self.kv_name(L, g), "v") for g in range(self.n_kv)]
+            if self.has_mlp:
+                out.append((f"mlp{L}", "in"))
+        out.append(("logits", "in"))
+        return tuple(out)
+
+    @property
+    def per_layer(self) -> int:
+        return self.n_heads + 2 * self.n_kv + int(self.has_mlp)
+
+    def recv_slice(self, layer: int, into: str) -> slice:
+        """Receiver indices of layer ``layer``'s input ``into`` (q, k, v or mlp)."""
+        base = layer * self.per_layer
+        H, G = self.n_heads, self.n_kv
+        start, width = {"q": (0, H), "k": (H, G), "v": (H + G, G), "mlp": (H + 2 * G, 1)}[into]
+        return slice(base + start, base + start + width)
+
+    @property
+    def logits_receiver(self) -> int:
+        return len(self.receivers) - 1
+
+    def n_below(self, r: int) -> int:
+        """Receiver ``r`` reads senders 0 … n_below(r) − 1 (senders are in forward order)."""
+        if r == self.logits_receiver:
+            return self.n_senders
+        layer, off = divmod(r, self.per_layer)
+        return self.mlp_sender(layer) if off == self.per_layer - 1 and self.has_mlp else self.head_sender(layer)
+
+    @cached_property
+    def valid(self) -> Tensor:
+        v = torch.zeros(self.n_senders, self.n_receivers, dtype=torch.bool)
+        for r in range(self.n_receivers):
+            v[:self.n_below(r), r] = True
+        return v
+
+    @property
+    def n_senders(self) -> int:
+        return len(self.senders)
+
+    @property
+    def n_receivers(self) -> int:
+        return len(self.receivers)
+
+    @property
+    def n_edges(self) -> int:
+        return int(self.valid.sum())
+
+    @property
+    def n_nodes(self) -> int:
+        """Embedding, heads, MLPs and logits (a head's three inputs are one node)."""
+        return self.n_senders + 1
+
+    def sender_node(self, s: int) -> str:
+        return self.senders[s]
+
+    def receiver_heads(self, r: int) -> List[str]:
+        """The query heads a receiver input belongs to (k/v of a KV head: every head of its group)."""
+        name, into = self.receivers[r]
+        if into == "in":
+            return [name]
+        layer = int(name.split(".")[0])
+        if into == "q":
+            return [name]
+        g = int(name.split(".")[1].replace("kv", ""))
+        group = self.n_heads // self.n_kv
+        return [f"{layer}.{h}" for h in range(g * group, (g + 1) * group)]
+
+    def to_dict(self) -> Dict[str, object]:
+        return {"n_nodes": self.n_nodes, "n_senders": self.n_senders, "n_receivers": self.n_receivers,
+                "n_edges": self.n_edges, "n_layers": self.n_layers, "n_heads": self.n_heads,
+                "n_kv_heads": self.n_kv, "mlps": self.has_mlp,
+                "kv_note": "k and v inputs belong to the key-value head" if self.n_kv != self.n_heads else ""}
+
+    def __repr__(self) -> str:
+        kv = f", {self.n_kv} KV heads (k/v inputs per KV head)" if self.n_kv != self.n_heads else ""
+        return (f"Graph({self.model_name or 'model'}: {self.n_layers} layers x {self.n_heads} heads{kv}"
+                f"{', MLPs' if self.has_mlp else ''}; {self.n_nodes} nodes, {self.n_receivers} receiver inputs, "
+                f"{self.n_edges} edges)")
+
+
+def graph(model) -> Graph:
+    """The graph of ``model`` (counts only; see the module docstring)."""
+    from .._foundation.model import model_name
+
+    cfg = model.cfg
+    has_mlp = all(getattr(b, "mlp", None) is not None for b in model.blocks)
+    return Graph(cfg.n_layers, cfg.n_heads, n_kv_heads(model), has_mlp, model_name(model))
+
+
+# ------------------------------------------------------------------------------------------ architecture bits
+# Everything below reads the architecture; the adapters of _foundation/arch will replace these bodies.
+
+def post_norm(model, layer: int):
+    """The norm a block applies to its attention output before adding it (Gemma's ln1_post), or None."""
+    return getattr(model.blocks[layer], "ln1_post", None)
+
+
+def _post_gain(post) -> Tuple[Tensor, float]:
+    """An RMS post-norm as ``y · gain / rms(y)``: its eps and gain vector (read off the module itself)."""
+    oc = getattr(post, "_original_component", post)
+    eps = getattr(oc, "eps", getattr(oc, "variance_epsilon", None))
+    if eps is None:
+        raise QKCircuitsError(f"cannot read the epsilon of post-attention norm {type(oc).__name__}; the graph "
+                              f"needs an RMS post-norm")
+    d = oc.weight.shape[-1]
+    one = torch.ones(1, 1, d, dtype=oc.weight.dtype, device=oc.weight.device)
+    with torch.no_grad():
+        gain = post(one)[0, 0] * (1.0 + float(eps)) ** 0.5
+    return gain, float(eps)
+
+
+def head_outputs(model, layer: int, z: Float[Tensor, "b p h e"], y=None) -> Float[Tensor, "h b p d"]:
+    """Each head's output added to the residual (one einsum over the layer). ``y``: the attention
+    output before a post-norm (needed only where the block has one)."""
+    W_O = model.blocks[layer].attn.W_O
+    out = torch.einsum("bphe,hed->hbpd", z, W_O.to(z.dtype))
+    post = post_norm(model, layer)
+    if post is not None:
+        gain, eps = _post_gain(post)
+        inv = torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + eps).to(out.dtype)    # [b, p, 1]
+        out = out * inv[None] * gain.to(out.dtype)
+    return out
+
+
+def split_qkv_from_residuals(model, layer: int, into: str, resid: Float[Tensor, "n b p d"],
+                             heads: Sequence[int]) -> Float[Tensor, "b p n e"]:
+    """hook_q/k/v values of ``heads`` (query heads for q, KV heads for k/v) of ``layer``, head i computed
+    from ITS OWN residual ``resid[i]``: ln1 recomputed per copy (cheap, elementwise), then one einsum with
+    the heads' W_Q/W_K/W_V (the flops of the model's own projection). q/k-norm and rotary are applied
+    after hook_q/k by the model's attention, so they need nothing here."""
+    blk = model.blocks[layer]
+    n, b, p, d = resid.shape
+    normed = blk.ln1(resid.reshape(n * b, p, d)).view(n, b, p, d)
+    X = into.upper()
+    W = getattr(blk.attn, f"W_{X}")[list(heads)]                                   # [n, d, e]
+    out = torch.einsum("nbpd,nde->bpne", normed, W.to(normed.dtype))
+    bias = getattr(blk.attn, f"b_{X}", None)
+    if bias is not None:
+        out = out + bias[list(heads)].to(out.dtype)
+    return out
+
+
+def mlp_input(model, layer: int, resid: Tensor) -> Tensor:
+    """What MLP ``layer`` reads (``mlp.hook_in``) from a residual: its ln2 recomputed."""
+    return model.blocks[layer].ln2(resid)
+
+
+def logits_input(model, resid: Tensor) -> Tensor:
+    """What the unembedding reads (``unembed.hook_in``) from the final residual: the final norm recomputed."""
+    return model.ln_final(resid)
+
+
+INPUT_HOOKS = {"q": "attn.hook_q", "k": "attn.hook_k", "v": "attn.hook_v", "mlp": "mlp.hook_in"}

@@ -1,0 +1,319 @@
+"""The three instrumented forwards every method is built from (one prompt shard each).
+
+- ``record``: a plain forward (no grad) that keeps every sender's output [S, b, p, d], every receiver's
+  hook value (hook_q/k/v, mlp.hook_in, unembed.hook_in) and the metric per row.
+- ``grad_run``: a forward with gradients in which each receiver reads its OWN copy of the residual
+  (``split_qkv_from_residuals`` on per-head copies, ln2 / the final norm on a clone), then ONE backward
+  of the metric sum; each copy's gradient ∂m/∂(receiver input) [n, b, p, d] is handed to ``on_grad`` as
+  the backward reaches it and then dropped (only one layer's gradients exist at a time).
+- ``patched_run``: the circuit forward. ``mask[k, S, R]`` (k stacked copies of the shard) says which
+  edges are in the circuit; receiver r of copy c reads
+
+      Σ_{s ∈ C} out_s(this run) + Σ_{s ∉ C} out_s(corrupt run) + biases
+        = corrupt_resid_r + Σ_{s∈C} Δ_s = stream_r − Σ_{s∉C} Δ_s,     Δ_s = out_s(this run) − out_s(corrupt)
+
+  computed by whichever sum has fewer terms in that layer. A receiver with every edge in C keeps the
+  model's own value (so the full circuit IS the clean run) and one with none takes the corrupt run's
+  hook value (so the empty circuit IS the corrupt run): f(100 %) = 1 and f(0 %) = 0 hold exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+from jaxtyping import Bool
+from torch import Tensor
+
+from .._foundation.capture import _Stop
+from .._foundation.errors import QKCircuitsError
+from .graph import (INPUT_HOOKS, Graph, head_outputs, logits_input, mlp_input, post_norm,
+                    split_qkv_from_residuals)
+
+Key = Tuple[str, int]
+
+
+@dataclass
+class Record:
+    """One run's sender outputs ``out`` [S, b, p, d], receiver hook values ``hooks[(x, L)]`` (x in q, k,
+    v, mlp; ``("logits", 0)`` = unembed.hook_in), the residuals receivers read ``resid[(x, L)]`` (x in
+    attn, mlp, final) and the metric of each row ``rows`` [b]."""
+
+    out: Tensor
+    hooks: Dict[Key, Tensor] = field(default_factory=dict)
+    resid: Dict[Key, Tensor] = field(default_factory=dict)
+    rows: Optional[Tensor] = None
+
+
+def _hooks(model, g: Graph, out: Tensor, stream: Dict[Key, Tensor], splice: Optional[Callable],
+           keep: Optional[Dict[Key, Tensor]], emb_override: Optional[Tensor] = None, grad: bool = False):
+    """The hook list shared by the three runs: capture stream/outputs, optionally splice receiver inputs."""
+    z_of: Dict[int, Tensor] = {}
+    hooks = []
+
+    def resid_pre(L: int):
+        def fn(t: Tensor, hook):
+            if L == 0 and emb_override is not None:
+                t = emb_override.to(t.dtype)
+            if L == 0 and grad:           # frozen weights: the embedding is where the gradient graph starts
+                t = t.detach().requires_grad_(True)
+            stream[("attn", L)] = t
+            if L == 0:
+                out[0] = t.detach()
+            return t
+        return fn
+
+    def z_hook(L: int):
+        def fn(t: Tensor, hook) -> None:
+            z_of[L] = t.detach()
+            if post_norm(model, L) is None:
+                with torch.no_grad():
+                    out[g.head_sender(L):g.head_sender(L) + g.n_heads] = head_outputs(model, L, z_of[L])
+        return fn
+
+    def y_hook(L: int):
+        def fn(t: Tensor, hook) -> None:
+            with torch.no_grad():
+                out[g.head_sender(L):g.head_sender(L) + g.n_heads] = head_outputs(model, L, z_of[L], t.detach())
+        return fn
+
+    def keep_stream(key: Key):
+        def fn(t: Tensor, hook) -> None:
+            stream[key] = t
+        return fn
+
+    def mlp_out(L: int):
+        def fn(t: Tensor, hook) -> None:
+            out[g.mlp_sender(L)] = t.detach()
+        return fn
+
+    def receiver(x: str, L: int):
+        def fn(t: Tensor, hook):
+            if keep is not None:
+                keep[(x, L)] = t.detach()
+            if splice is None:
+                return None
+            new = splice(x, L, t)
+            return None if new is None else new.to(t.dtype)
+        return fn
+
+    for L in range(g.n_layers):
+        hooks.append((f"blocks.{L}.hook_resid_pre", resid_pre(L)))
+        hooks.append((f"blocks.{L}.attn.hook_z", z_hook(L)))
+        if post_norm(model, L) is not None:
+            hooks.append((f"blocks.{L}.attn.hook_out", y_hook(L)))
+        hooks += [(f"blocks.{L}.{INPUT_HOOKS[x]}", receiver(x, L)) for x in ("q", "k", "v")]
+        if g.has_mlp:
+            hooks.append((f"blocks.{L}.hook_resid_mid", keep_stream(("mlp", L))))
+            hooks.append((f"blocks.{L}.{INPUT_HOOKS['mlp']}", receiver("mlp", L)))
+            hooks.append((f"blocks.{L}.hook_mlp_out", mlp_out(L)))
+    hooks.append(("ln_final.hook_in", keep_stream(("final", 0))))
+    hooks.append(("unembed.hook_in", receiver("logits", 0)))
+    return hooks
+
+
+def _metric_rows(model, task, tokens: Tensor, hooks, copies: int = 1) -> Tensor:
+    """Run with ``hooks`` and return the metric per row. A named metric reads one position per row, so the
+    forward stops at the unembedding's input and only those b rows are unembedded (not b × pos)."""
+    if not isinstance(task.metric, str):
+        return task.row_values(model.run_with_hooks(tokens, fwd_hooks=hooks), tokens)
+    got: Dict[str, Tensor] = {}
+
+    def stop(t: Tensor, hook):
+        got["x"] = t
+        raise _Stop
+
+    try:
+        model.run_with_hooks(tokens, fwd_hooks=list(hooks) + [("unembed.hook_in", stop)])
+    except _Stop:
+        pass
+    if "x" not in got:
+        raise QKCircuitsError("this model never fired unembed.hook_in; the circuit graph needs it")
+    x = got["x"]
+    rows = torch.arange(x.shape[0], device=x.device)
+    end = task.positions["END"].to(x.device).repeat(copies)
+    logits = model.unembed(x[rows, end].unsqueeze(1))                                   # [b, 1, vocab]
+    return task.at_end().row_values(logits)
+
+
+def _buffer(model, g: Graph, tokens: Tensor) -> Tensor:
+    b, p = tokens.shape
+    return torch.zeros(g.n_senders, b, p, model.cfg.d_model, dtype=model.W_E.dtype, device=model.W_E.device)
+
+
+def record(model, g: Graph, task, tokens: Tensor) -> Record:
+    """A plain forward of ``tokens`` (a shard's clean or corrupt rows) keeping what ``Record`` lists."""
+    out = _buffer(model, g, tokens)
+    stream: Dict[Key, Tensor] = {}
+    keep: Dict[Key, Tensor] = {}
+    with torch.no_grad():
+        rows = _metric_rows(model, task, tokens, _hooks(model, g, out, stream, None, keep)).detach()
+    missing = [k for k in [("q", 0), ("logits", 0)] if k not in keep]
+    if missing or ("final", 0) not in stream:
+        raise QKCircuitsError("this model never fired hook_q / ln_final.hook_in / unembed.hook_in; the circuit "
+                              "graph needs a TransformerLens bridge (or native model) with those hook points")
+    return Record(out, keep, {k: v.detach() for k, v in stream.items()}, rows)
+
+
+def check_graph(model, g: Graph, rec: Record, tokens: Tensor, atol: float = 1e-4) -> None:
+    """The residual semantics hold on this model: per-head recomputed inputs equal the model's own, and the
+    final residual is the sum of every sender's output plus a constant (the biases). Raises otherwise."""
+    with torch.no_grad():
+        for L in range(g.n_layers):
+            x = rec.resid[("attn", L)]
+            for into, n in (("q", g.n_heads), ("k", g.n_kv), ("v", g.n_kv)):
+                mine = split_qkv_from_residuals(model, L, into, x.unsqueeze(0).expand(n, *x.shape), range(n))
+                if not torch.allclose(mine, rec.hooks[(into, L)], atol=atol, rtol=1e-3):
+                    raise QKCircuitsError(f"recomputing layer {L}'s hook_{into} from the residual (ln1, W_{into.upper()})"
+                                          f" does not reproduce the model's (max diff "
+                                          f"{float((mine - rec.hooks[(into, L)]).abs().max()):.3g}); the circuit "
+                                          f"graph does not support this architecture yet")
+            if g.has_mlp:
+                mine = mlp_input(model, L, rec.resid[("mlp", L)])
+                if not torch.allclose(mine, rec.hooks[("mlp", L)], atol=atol, rtol=1e-3):
+                    raise QKCircuitsError(f"layer {L}'s MLP input is not ln2 of the residual; unsupported architecture")
+        mine = logits_input(model, rec.resid[("final", 0)])
+        if not torch.allclose(mine, rec.hooks[("logits", 0)], atol=atol, rtol=1e-3):
+            raise QKCircuitsError("the unembedding's input is not the final norm of the last residual; unsupported")
+        total = rec.out.sum(0)
+        rest = rec.resid[("final", 0)] - total              # the biases: must not depend on the prompt
+        scale = float(rec.resid[("final", 0)].abs().max()) + 1.0
+        if float((rest - rest[:1, :1]).abs().max()) > atol * scale * 10:
+            raise QKCircuitsError(f"the final residual is not the sum of the embedding, the heads' and the MLPs' "
+                                  f"outputs plus a constant (max deviation {float((rest - rest[:1, :1]).abs().max()):.3g}"
+                                  f"); the circuit graph does not support this architecture yet")
+
+
+def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Tensor], None],
+             emb_override: Optional[Tensor] = None, out: Optional[Tensor] = None) -> float:
+    """Forward with every receiver reading its own residual copy, one backward of the metric SUM over
+    the rows; ``on_grad(receiver slice, grad [n, b, p, d])`` per receiver group. Fills ``out`` (sender
+    outputs, detached) when given. Returns the metric sum. Holds one forward's autograd graph, in which
+    each layer's per-head normed copies ([H + 2 G, b, p, d]) are the largest extra tensors."""
+    out = out if out is not None else _buffer(model, g, tokens)
+    stream: Dict[Key, Tensor] = {}
+
+    def splice(x: str, L: int, t: Tensor) -> Tensor:
+        if x in ("q", "k", "v"):
+            n = g.n_heads if x == "q" else g.n_kv
+            base = stream[("attn", L)]
+            copies = base.unsqueeze(0).expand(n, *base.shape)
+            sl = g.recv_slice(L, x)
+            copies.register_hook(lambda grad, sl=sl: on_grad(sl, grad))
+            return split_qkv_from_residuals(model, L, x, copies, range(n))
+        base = stream[("mlp", L)] if x == "mlp" else stream[("final", 0)]
+        own = base.clone()
+        sl = g.recv_slice(L, "mlp") if x == "mlp" else slice(g.logits_receiver, g.logits_receiver + 1)
+        own.register_hook(lambda grad, sl=sl: on_grad(sl, grad.unsqueeze(0)))
+        return mlp_input(model, L, own) if x == "mlp" else logits_input(model, own)
+
+    with torch.enable_grad():
+        rows = _metric_rows(model, task, tokens, _hooks(model, g, out, stream, splice, None, emb_override, True))
+        total = rows.sum()
+        total.backward()
+    return float(total.detach())
+
+
+def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S R"], force_split: bool = False,
+                return_logits: bool = False) -> Tensor:
+    """Metric of each row of each copy [k, b] with the circuit edges ``mask`` (see the module docstring),
+    or the logits [k·b, pos, vocab] (``return_logits``). ``force_split`` recomputes every receiver's input
+    by the formula (no shortcut for all-in / none-in receivers): the test of the formula itself.
+    Runs the shard's clean rows (k stacked copies). Holds the sender outputs of this run
+    [S, k·b, p, d] next to the corrupt record's."""
+    k = mask.shape[0]
+    b = task.n
+    tokens = task.clean.repeat(k, 1)
+    out = _buffer(model, g, tokens)
+    stream: Dict[Key, Tensor] = {}
+    valid = g.valid
+    m = (mask & valid[None]).to(out.device)
+    corr_out = corrupt.out
+
+    converted = [0]                 # out[:converted] already holds Δ_s = out_s(this run) − out_s(corrupt)
+
+    def deltas(nb: int) -> Tensor:
+        """Δ of senders 0 … nb−1 as [nb, k, b·p·d], each sender converted once, in place, when first read
+        (every sender below a receiver has been computed by the time the receiver reads)."""
+        c0 = converted[0]
+        if c0 < nb:
+            out[c0:nb].view(nb - c0, k, b, *out.shape[2:]).sub_(corr_out[c0:nb].unsqueeze(1))
+            converted[0] = nb
+        return out[:nb].view(nb, k, -1)
+
+    def resid_for(rs: Tensor, base_stream: Tensor, corr_key: Key) -> Tuple[Tensor, Tensor, Tensor]:
+        """resid [n, k·b, p, d] for receivers ``rs`` (same senders below), and each (copy, receiver)'s
+        all-in / none-in flags. One matmul reads the senders' Δ once for all of ``rs``."""
+        nb = g.n_below(int(rs[0]))
+        M = m[:, :nb][:, :, rs]                                                  # [k, nb, n]
+        n_in = M.sum(1)
+        all_in, none_in = n_in == nb, n_in == 0
+        add = int(M.sum()) <= int((~M).sum())
+        W = (M if add else ~M).to(out.dtype)
+        shape = base_stream.shape
+        if add:
+            start = corrupt.resid[corr_key].repeat(k, 1, 1).unsqueeze(0).expand(len(rs), *shape)
+        else:
+            start = base_stream.unsqueeze(0).expand(len(rs), *shape)
+        if bool(W.any()):
+            D = deltas(nb)                                                       # [nb, k, x]
+            if k == 1:
+                term = (W[0].T @ D[:, 0]).view(len(rs), *shape)
+            else:
+                term = torch.einsum("ksn,skx->nkx", W, D).reshape(len(rs), *shape)
+            start = start + term if add else start - term
+        return start, all_in, none_in
+
+    layer_cache: Dict[int, Tuple[Tensor, Tensor, Tensor]] = {}
+
+    def splice(x: str, L: int, t: Tensor) -> Optional[Tensor]:
+        if x in ("q", "k", "v"):
+            sl = g.recv_slice(L, x)
+            base, key, corr_key = stream[("attn", L)], (x, L), ("attn", L)
+        elif x == "mlp":
+            sl, base, key, corr_key = g.recv_slice(L, "mlp"), stream[("mlp", L)], ("mlp", L), ("mlp", L)
+        else:
+            sl = slice(g.logits_receiver, g.logits_receiver + 1)
+            base, key, corr_key = stream[("final", 0)], ("logits", 0), ("final", 0)
+        rs = torch.arange(sl.start, sl.stop)
+        nb = g.n_below(sl.start)
+        n_in = m[:, :nb][:, :, rs].sum(1)
+        if not force_split and bool((n_in == nb).all()):
+            return None
+        if x in ("q", "k", "v"):
+            # q, k and v of a layer read the same senders: their inputs come from one matmul, at hook_q
+            if L not in layer_cache:
+                qkv = torch.arange(g.recv_slice(L, "q").start, g.recv_slice(L, "v").stop)
+                layer_cache.clear()
+                layer_cache[L] = resid_for(qkv, base, corr_key)
+            res_all, a_all, z_all = layer_cache[L]
+            off = torch.arange(sl.start, sl.stop) - g.recv_slice(L, "q").start
+            resid, all_in, none_in = res_all[off], a_all[:, off], z_all[:, off]
+        else:
+            resid, all_in, none_in = resid_for(rs, base, corr_key)
+        if x in ("q", "k", "v"):
+            new = split_qkv_from_residuals(model, L, x, resid, range(len(rs)))             # [kb, p, n, e]
+        elif x == "mlp":
+            new = mlp_input(model, L, resid[0]).unsqueeze(2)
+        else:
+            new = logits_input(model, resid[0]).unsqueeze(2)
+        if force_split:
+            return new if x in ("q", "k", "v") else new[:, :, 0]
+        own = t if x in ("q", "k", "v") else t.unsqueeze(2)
+        corr = corrupt.hooks[key].repeat(k, *([1] * (corrupt.hooks[key].dim() - 1)))
+        corr = corr if x in ("q", "k", "v") else corr.unsqueeze(2)
+        shape = (k, b) + tuple(own.shape[1:])
+        new, own, corr = new.view(shape), own.reshape(shape), corr.reshape(shape)
+        # [k, n] flags → broadcast over (b, p, ·, e) with the head axis third from the end
+        a = all_in.view(k, 1, 1, -1, 1).to(new.device)
+        z = none_in.view(k, 1, 1, -1, 1).to(new.device)
+        val = torch.where(a, own, torch.where(z, corr, new)).reshape((k * b,) + tuple(own.shape[2:]))
+        return val if x in ("q", "k", "v") else val[:, :, 0]
+
+    with torch.no_grad():
+        hooks = _hooks(model, g, out, stream, splice, None)
+        if return_logits:
+            return model.run_with_hooks(tokens, fwd_hooks=hooks)
+        rows = _metric_rows(model, task, tokens, hooks, copies=k)
+    return rows.view(k, b)

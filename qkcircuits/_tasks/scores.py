@@ -1,0 +1,345 @@
+"""Edge and node scores over the whole graph: EAP, EAP-IG (inputs) and exact edge patching.
+
+>>> task = qk.tasks.induction(model, n=8, seg_len=6)
+>>> s = qk.edge_scores(model, task, method="eap-ig", steps=3, progress=False)
+>>> [e[:3] for e in s.top(2)]
+[('emb', '1.0', 'v'), ('1.0', 'logits', 'in')]
+
+For an edge s → r (sender s, receiver input r) with Δ_s = out_s(clean) − out_s(corrupt) [b, p, d]:
+
+- exact:   score = m(clean) − m(clean with r reading out_s(corrupt) instead of out_s(clean))
+- EAP:     score ≈ Σ_{b,p,d} Δ_s · ∂m/∂x_r  at the clean run          (Syed et al. 2023)
+- EAP-IG:  score ≈ Σ_{b,p,d} Δ_s · (1/k) Σ_{j=1..k} ∂m/∂x_r |_(e_corrupt + (j/k)(e_clean − e_corrupt))
+  (Hanna et al. 2024, arXiv 2403.17806, "inputs" variant: the *input embeddings* e are interpolated)
+
+where x_r is the receiver's own copy of the residual (graph.py) and m the task metric SUMMED over rows;
+scores are divided by the number of prompts, so they are in metric units per prompt. A positive score:
+the edge carries the behaviour (corrupting it lowers m). Node scores (a sender's output corrupted for
+every reader) are the same three ways; for EAP / EAP-IG a node's score is the sum of its outgoing edges'.
+
+Cost (per prompt shard): EAP one corrupt forward + one clean forward with gradients + one backward;
+EAP-IG two plain forwards + ``steps`` forward/backward pairs; exact one patched forward per edge
+(stacked ``copies`` at a time). Memory: the shard's sender outputs of the clean and the corrupt run,
+2 × [S, b, p, d] (S senders), plus one forward's autograd graph and up to ``GRAD_BLOCK_BYTES`` (128 MiB)
+of receiver gradients waiting for their matmul; shards are sized so the two buffers fit
+``DELTA_BYTES`` (512 MiB). Gradients exist one receiver layer at a time and are reduced at once to
+[senders, receivers] scores by one matmul.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._foundation.display import Displayed
+from .._foundation.errors import QKCircuitsError
+from .graph import Graph, graph
+from .runs import check_graph, grad_run, patched_run, record
+from .task import Task, evaluate
+
+METHODS = ("eap", "eap-ig", "exact")
+DELTA_BYTES = 512 * 2**20
+# Receiver gradients wait (up to this many bytes) to meet the senders' Δ in one matmul instead of one
+# skinny, memory-bound product per receiver group.
+GRAD_BLOCK_BYTES = 128 * 2**20
+SCHEMA = "qkcircuits.edge_scores/1"
+
+
+def shard_rows(model, g: Graph, task: Task, buffers: int = 2, budget: int = DELTA_BYTES) -> int:
+    """Rows per shard so that ``buffers`` sender-output buffers [S, rows, pos, d_model] fit ``budget``."""
+    per_row = g.n_senders * task.clean.shape[1] * model.cfg.d_model * model.W_E.element_size() * buffers
+    return max(1, min(task.n, budget // max(per_row, 1)))
+
+
+def check_task(model, task: Task) -> None:
+    V, n_ctx = model.cfg.d_vocab, model.cfg.n_ctx
+    for what, t in (("clean", task.clean), ("corrupt", task.corrupt), ("answer", task.answer), ("wrong", task.wrong)):
+        if int(t.min()) < 0 or int(t.max()) >= V:
+            raise QKCircuitsError(f"task {what} holds token ids outside the model's vocabulary 0-{V - 1}")
+    if task.clean.shape[1] > n_ctx:
+        raise QKCircuitsError(f"task rows of {task.clean.shape[1]} tokens exceed the model's context of {n_ctx}")
+
+
+def _bar(total: int, desc: str, progress: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not progress, leave=False, file=sys.stderr)
+
+
+@dataclass
+class EdgeScores(Displayed):
+    """A score per edge (``scores[s, r]``, NaN where s does not feed r), the method and its settings.
+
+    >>> s = qk.edge_scores(model, qk.tasks.induction(model, n=4, seg_len=5), method="eap")
+    >>> s.to_frame().columns.tolist()
+    ['sender', 'receiver', 'input', 'score']
+    """
+
+    graph: Graph
+    scores: Tensor
+    method: str
+    steps: int
+    clean: float
+    corrupt: float
+    task: Dict[str, object]
+    model: str = ""
+    settings: Dict[str, object] = field(default_factory=dict)
+    timing: Dict[str, float] = field(default_factory=dict)
+
+    def edge_list(self, by: str = "abs") -> List[Tuple[str, str, str, float]]:
+        """Every edge (sender, receiver, input, score), best first by |score| (``by="abs"``) or score."""
+        s_idx, r_idx = self.graph.valid.nonzero(as_tuple=True)
+        vals = self.scores[s_idx, r_idx]
+        order = torch.argsort(vals.abs() if by == "abs" else vals, descending=True, stable=True)
+        out = []
+        for i in order.tolist():
+            rn, x = self.graph.receivers[int(r_idx[i])]
+            out.append((self.graph.senders[int(s_idx[i])], rn, x, float(vals[i])))
+        return out
+
+    def top(self, k: int = 10, by: str = "abs") -> List[Tuple[str, str, str, float]]:
+        return self.edge_list(by)[:k]
+
+    def to_frame(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.edge_list(), columns=["sender", "receiver", "input", "score"])
+
+    def node_scores(self) -> Dict[str, float]:
+        """Per sender (heads, MLPs, embedding): the sum of its outgoing edges' scores (exact for the linear
+        estimates EAP / EAP-IG: a node's Δ meets every reader's gradient)."""
+        s = torch.nan_to_num(self.scores, nan=0.0).sum(1)
+        return {name: float(v) for name, v in zip(self.graph.senders, s)}
+
+    def circuit(self, edges: Optional[int] = None, percent: Optional[float] = None, by: str = "abs"):
+        """The top edges (see ``qkcircuits._tasks.circuit.select``). Without a size: the circuit that
+        ``qk.faithfulness`` chose for these scores (the smallest grid size with f ≥ 0.8)."""
+        from .circuit import select
+
+        if edges is None and percent is None:
+            chosen = self.settings.get("chosen_percent")
+            if chosen is None:
+                raise QKCircuitsError("give edges=N or percent=P, or run qk.faithfulness(model, task, scores) first: "
+                                      "it picks the smallest grid size whose faithfulness reaches 0.8")
+            percent, by = float(chosen), str(self.settings.get("chosen_by", by))
+        return select(self, edges=edges, percent=percent, by=by)
+
+    # ---------------------------------------------------------------------------------------- data
+    def to_dict(self) -> Dict[str, object]:
+        from .._foundation.io import json_number
+
+        return {"schema": SCHEMA, "model": self.model, "method": self.method, "steps": self.steps,
+                "clean": json_number(self.clean), "corrupt": json_number(self.corrupt), "task": self.task,
+                "graph": self.graph.to_dict(), "senders": list(self.graph.senders),
+                "receivers": [list(r) for r in self.graph.receivers],
+                "scores": [[json_number(v) for v in row] for row in self.scores.tolist()],
+                "settings": self.settings, "timing": self.timing}
+
+    def to_json(self, path=None) -> str:
+        from .._foundation.io import dump_json
+
+        return dump_json(self.to_dict(), path)
+
+    @classmethod
+    def from_json(cls, path_or_text) -> "EdgeScores":
+        from .._foundation.io import load_json
+
+        d = load_json(path_or_text, "qk.edge_scores(...).to_json()")
+        if d.get("schema") != SCHEMA:
+            raise QKCircuitsError(f"not an edge-scores JSON (schema {d.get('schema')!r}, expected {SCHEMA!r})")
+        gd = d["graph"]
+        g = Graph(gd["n_layers"], gd["n_heads"], gd["n_kv_heads"], gd["mlps"], d.get("model", ""))
+        sc = torch.tensor([[float("nan") if v is None else v for v in row] for row in d["scores"]])
+        return cls(g, sc, d["method"], d["steps"], d["clean"], d["corrupt"], d["task"], d.get("model", ""),
+                   d.get("settings", {}), d.get("timing", {}))
+
+    def _text(self) -> str:
+        top = "; ".join(f"{s}->{r} {x} {v:+.3g}" for s, r, x, v in self.top(3))
+        return (f"EdgeScores({self.method}, {self.model}: {self.graph.n_edges} edges, clean {self.clean:.3g}, "
+                f"corrupt {self.corrupt:.3g}; top: {top})")
+
+    def _html(self) -> str:
+        import html
+
+        rows = "".join(f"<tr><td>{html.escape(s)}</td><td>{html.escape(r)}</td><td>{x}</td><td>{v:+.4g}</td></tr>"
+                       for s, r, x, v in self.top(15))
+        return (f"<p>{html.escape(self._text())}</p><table><tr><th>sender</th><th>receiver</th><th>input</th>"
+                f"<th>score</th></tr>{rows}</table>")
+
+    def __repr__(self) -> str:
+        return self._text()
+
+    def _repr_html_(self) -> str:
+        return self._html()
+
+
+def _settings(model, task: Task, rows: int, extra: Dict[str, object]) -> Dict[str, object]:
+    from .. import __version__
+    from .._foundation.io import package_version
+
+    return {"rows_per_shard": rows, "bos_prepended": bool(task.bos), "dtype": str(model.W_E.dtype),
+            "fold_ln": bool(getattr(model, "compatibility_mode", False)), **extra,
+            "versions": {"qkcircuits": __version__, "transformer_lens": package_version("transformer-lens"),
+                         "torch": torch.__version__}}
+
+
+def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, rows_per_shard: Optional[int] = None,
+                copies: int = 32, progress: bool = True, check: bool = True) -> EdgeScores:
+    """Score every edge of ``qk.graph(model)`` for ``task`` (see the module docstring for formulas and cost)."""
+    from .._foundation.model import model_name
+
+    if method not in METHODS:
+        raise QKCircuitsError(f"unknown edge-score method {method!r}; use one of {', '.join(METHODS)}")
+    if method == "eap-ig" and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise QKCircuitsError(f"steps must be an integer >= 1, got {steps!r}")
+    check_task(model, task)
+    g = graph(model)
+    task = task.to(model.W_E.device)
+    rows = rows_per_shard or shard_rows(model, g, task)
+    acc = torch.zeros(g.n_senders, g.n_receivers, dtype=torch.float64)
+    sums = {"clean": 0.0, "corrupt": 0.0}
+    t0 = time.perf_counter()
+    shards = task.shards(rows)
+    work = len(shards) * (g.n_edges if method == "exact" else 1)
+    bar = _bar(work, f"edge scores ({method})", progress)
+    for i, shard in enumerate(shards):
+        corr = record(model, g, shard, shard.corrupt)
+        if check and i == 0:
+            check_graph(model, g, corr, shard.corrupt)
+        sums["corrupt"] += float(corr.rows.sum())
+        if method == "exact":
+            sums["clean"] += _exact_edges(model, g, shard, corr, acc, copies, bar)
+            continue
+        delta: Dict[str, Tensor] = {}
+        out = torch.zeros_like(corr.out) if method == "eap" else None
+        pending: List[Tuple[slice, Tensor]] = []
+
+        def flush(delta=delta, pending=pending) -> None:
+            """Every waiting receiver gradient against every sender below it in ONE matmul (reads Δ once)."""
+            if not pending:
+                return
+            nb_max = max(g.n_below(sl.start) for sl, _ in pending)
+            G = torch.cat([gr for _, gr in pending])                                # [n, b·p·d]
+            D = delta["D"][:nb_max].reshape(nb_max, -1)
+            T = (D @ G.to(D.dtype).T).double().cpu()                               # [nb_max, n]
+            col = 0
+            for sl, gr in pending:
+                nb = g.n_below(sl.start)
+                acc[:nb, sl] += T[:nb, col:col + gr.shape[0]]
+                col += gr.shape[0]
+            pending.clear()
+
+        def on_grad(sl: slice, grad: Tensor, delta=delta, out=out, corr=corr, pending=pending) -> None:
+            if "D" not in delta:              # EAP: Δ = clean − corrupt, formed when the backward first needs it
+                delta["D"] = out.sub_(corr.out)
+            pending.append((sl, grad.detach().reshape(grad.shape[0], -1)))
+            if sum(x.numel() for _, x in pending) * grad.element_size() >= GRAD_BLOCK_BYTES:
+                flush()
+
+        if method == "eap":
+            sums["clean"] += grad_run(model, g, shard, shard.clean, on_grad, out=out)
+            flush()
+        else:
+            clean = record(model, g, shard, shard.clean)
+            sums["clean"] += float(clean.rows.sum())
+            e_clean, e_corr = clean.out[0].clone(), corr.out[0].clone()
+            delta["D"] = clean.out.sub_(corr.out)
+            del clean
+            before = acc.clone()
+            acc.zero_()
+            for j in range(1, steps + 1):
+                grad_run(model, g, shard, shard.clean, on_grad, emb_override=e_corr + (j / steps) * (e_clean - e_corr))
+                flush()
+            acc.div_(steps).add_(before)
+        del corr, delta
+        bar.update(1)
+    bar.close()
+    scores = (acc / task.n).float()
+    scores[~g.valid] = float("nan")
+    extra = {"n_edges": g.n_edges, "copies": copies if method == "exact" else None}
+    return EdgeScores(g, scores, method, steps if method == "eap-ig" else 0, sums["clean"] / task.n,
+                      sums["corrupt"] / task.n, task.describe(), model_name(model), _settings(model, task, rows, extra),
+                      {"edge_scores_s": round(time.perf_counter() - t0, 3)})
+
+
+def _exact_edges(model, g: Graph, shard: Task, corr, acc: Tensor, copies: int, bar) -> float:
+    """One patched run per edge (``copies`` edges stacked per forward): acc[s, r] += m(clean) − m(edge off)."""
+    clean_sum = float(patched_run(model, g, shard, corr, g.valid[None]).sum())
+    s_idx, r_idx = g.valid.nonzero(as_tuple=True)
+    for start in range(0, len(s_idx), copies):
+        ss, rr = s_idx[start:start + copies], r_idx[start:start + copies]
+        mask = g.valid[None].repeat(len(ss), 1, 1)
+        mask[torch.arange(len(ss)), ss, rr] = False
+        vals = patched_run(model, g, shard, corr, mask).sum(1).double().cpu()      # [copies]
+        acc[ss, rr] += clean_sum - vals
+        bar.update(len(ss))
+    return clean_sum
+
+
+@dataclass
+class NodeScores(Displayed):
+    """A score per sender node (embedding, heads ``"L.H"``, MLPs ``"mlpL"``): m(clean) − m(node corrupted)."""
+
+    scores: Dict[str, float]
+    method: str
+    model: str = ""
+    settings: Dict[str, object] = field(default_factory=dict)
+
+    def top(self, k: int = 10, by: str = "abs", heads_only: bool = False) -> List[Tuple[str, float]]:
+        items = [(n, v) for n, v in self.scores.items() if not heads_only or (n[0].isdigit())]
+        items.sort(key=lambda t: -abs(t[1]) if by == "abs" else -t[1])
+        return items[:k]
+
+    def to_frame(self):
+        import pandas as pd
+
+        return pd.DataFrame(list(self.scores.items()), columns=["node", "score"])
+
+    def to_dict(self) -> Dict[str, object]:
+        return {"schema": "qkcircuits.node_scores/1", "model": self.model, "method": self.method,
+                "scores": self.scores, "settings": self.settings}
+
+    def _text(self) -> str:
+        return f"NodeScores({self.method}, {self.model}: top {', '.join(f'{n} {v:+.3g}' for n, v in self.top(5))})"
+
+    def _html(self) -> str:
+        import html
+
+        return f"<p>{html.escape(self._text())}</p>"
+
+    def __repr__(self) -> str:
+        return self._text()
+
+    def _repr_html_(self) -> str:
+        return self._html()
+
+
+def node_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, progress: bool = True,
+                rows_per_shard: Optional[int] = None, copies: int = 32) -> NodeScores:
+    """Heads, MLPs and the embedding scored by EAP / EAP-IG (sums of the edge scores) or exactly (one
+    patched run per node, every reader of the node reading its corrupt output)."""
+    from .._foundation.model import model_name
+
+    if method != "exact":
+        es = edge_scores(model, task, method, steps, progress=progress, rows_per_shard=rows_per_shard)
+        return NodeScores(es.node_scores(), method, es.model, es.settings)
+    check_task(model, task)
+    g = graph(model)
+    task = task.to(model.W_E.device)
+    rows = rows_per_shard or shard_rows(model, g, task)
+    acc = torch.zeros(g.n_senders, dtype=torch.float64)
+    for shard in task.shards(rows):
+        corr = record(model, g, shard, shard.corrupt)
+        clean_sum = float(patched_run(model, g, shard, corr, g.valid[None]).sum())
+        for start in range(0, g.n_senders, copies):
+            ss = torch.arange(start, min(start + copies, g.n_senders))
+            mask = g.valid[None].repeat(len(ss), 1, 1)
+            mask[torch.arange(len(ss)), ss] = False
+            acc[ss] += clean_sum - patched_run(model, g, shard, corr, mask).sum(1).double().cpu()
+    vals = (acc / task.n).tolist()
+    return NodeScores(dict(zip(g.senders, vals)), "exact", model_name(model), _settings(model, task, rows, {}))

@@ -1,0 +1,164 @@
+"""``qkcircuits circuit MODEL --task ioi|induction|FILE.jsonl``: a task's circuit over the whole graph.
+
+Scores every edge (EAP-IG by default), measures the faithfulness curve over the MIB grid (CPR/CMD), picks
+the circuit (``--edges``/``--percent``, else the smallest grid size with f ≥ 0.8), names its heads' roles.
+``--json`` keys (the contract the views read): model, task, n_prompts, metric, clean, corrupt, method,
+steps, curve {percent: f}, cpr, cmd, circuit {edges: [[sender, receiver, input, score], ...], heads,
+node_faithfulness, ...}, roles {head: {role, evidence}}, timing; plus schema, graph, bos_prepended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import sys
+import time
+from pathlib import Path
+
+from .._foundation.errors import QKCircuitsError
+from ._common import add_model_args, load_model, positive_int
+
+SCHEMA = "qkcircuits.circuit/1"
+
+
+def _percent(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 < v <= 100:
+        raise argparse.ArgumentTypeError(f"expected a percent in (0, 100], got {text!r}")
+    return v
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("circuit", help="find a task's circuit: edge scores, faithfulness curve, roles",
+                       description="Score every edge of the model's graph for a task with counterfactual prompts "
+                                   "(clean vs corrupt), measure how much of the behaviour the top edges carry "
+                                   "(faithfulness over 0.1-100%% of the edges, CPR and CMD) and name the roles of "
+                                   "the circuit's heads.")
+    add_model_args(p)
+    p.add_argument("--task", required=True, help="ioi, induction, or a .jsonl file (one {clean, corrupt, answer, "
+                                                 "wrong} object per line)")
+    p.add_argument("--n", type=positive_int, default=64, help="prompts for ioi/induction (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the ioi/induction prompts (default 0)")
+    p.add_argument("--method", choices=("eap", "eap-ig", "exact"), default="eap-ig",
+                   help="eap-ig (default), eap, or exact (one patched run per edge: small models only)")
+    p.add_argument("--steps", type=positive_int, default=5, help="EAP-IG interpolation steps (default 5)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--edges", type=positive_int, help="circuit size in edges")
+    size.add_argument("--percent", type=_percent, help="circuit size in percent of the graph's edges")
+    p.add_argument("--by", choices=("abs", "signed"), default="abs", help="rank edges by |score| (default) or score")
+    p.add_argument("--json", metavar="PATH", help="write the result (the circuit JSON contract)")
+    p.add_argument("--csv", metavar="PATH", help="write every edge's score (sender, receiver, input, score, in_circuit)")
+    p.add_argument("-o", "--output", metavar="HTML", help="write a standalone HTML summary")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS|local:N",
+                   help="not supported by this command yet (runs in this process)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def build_task(model, spec: str, n: int, seed: int):
+    from .._tasks import builders
+
+    if spec == "ioi":
+        return builders.ioi(model, n=n, seed=seed)
+    if spec == "induction":
+        return builders.induction(model, n=n, seed=seed)
+    return builders.from_jsonl(model, spec)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .._tasks.circuit import circuit_metric, faithfulness, node_faithfulness
+    from .._tasks.graph import graph
+    from .._tasks.scores import edge_scores, shard_rows
+
+    if args.task not in ("ioi", "induction") and not Path(args.task).is_file():
+        raise QKCircuitsError(f"--task {args.task!r}: expected ioi, induction, or an existing .jsonl file")
+    if args.ray is not None:
+        raise QKCircuitsError("--ray is not supported by 'qkcircuits circuit' yet; drop it (the command runs here)")
+    progress = not args.quiet
+    t0 = time.perf_counter()
+    model = load_model(args)
+    t_load = time.perf_counter() - t0
+    task = build_task(model, args.task, args.n, args.seed)
+    g = graph(model)
+    print(f"{args.model}: task {task.name}, {task.n} prompts x {task.clean.shape[1]} tokens "
+          f"(BOS {'prepended' if task.bos else 'not prepended'}), metric {task.metric_name}; graph {g.n_nodes} "
+          f"nodes, {g.n_edges} edges", flush=True)
+    t1 = time.perf_counter()
+    scores = edge_scores(model, task, method=args.method, steps=args.steps, progress=progress)
+    t2 = time.perf_counter()
+    better = scores.clean > scores.corrupt if task.higher_is_better else scores.clean < scores.corrupt
+    print(f"  clean {task.metric_name} {scores.clean:.4f}, corrupt {scores.corrupt:.4f}"
+          + ("" if better else "  (warning: the model does not do this task)"), flush=True)
+    faith = faithfulness(model, task, scores, by=args.by, progress=progress)
+    t3 = time.perf_counter()
+    if args.edges is not None or args.percent is not None:
+        circ = scores.circuit(edges=args.edges, percent=args.percent, by=args.by)
+        rows = shard_rows(model, g, task, buffers=3)
+        (m,), clean, corrupt = circuit_metric(model, task, [circ.mask], rows)
+        f_circ = (m - corrupt) / (clean - corrupt) if clean != corrupt else float("nan")
+        node_f = node_faithfulness(model, task, circ.heads, rows)
+    else:
+        circ, f_circ, node_f = faith.circuit, faith.curve[faith.chosen_percent], faith.node_faithfulness
+    t4 = time.perf_counter()
+    roles = circ.roles(model, task, clean=scores.clean, corrupt=scores.corrupt)
+    t5 = time.perf_counter()
+    print("  faithfulness f by percent of edges: " + ", ".join(f"{k:g}%: {v:.3f}" for k, v in faith.curve.items()))
+    print(f"  CPR {faith.cpr:.3f} (higher is better), CMD {faith.cmd:.3f} (lower is better)")
+    how = (f"{args.edges} edges requested" if args.edges is not None else f"{args.percent:g}% requested"
+           if args.percent is not None else f"smallest grid size with f >= 0.8: {faith.chosen_percent:g}%")
+    print(f"  circuit ({how}): {circ.n_edges} edges after pruning, f {f_circ:.3f}; {len(circ.heads)} heads, node "
+          f"view f {node_f:.3f} (every other head's output corrupted)")
+    for s, r, x, v in circ.edges()[:10]:
+        print(f"    {s:>7} -> {r:<8} {x:<3} {v:+.4f}")
+    for line in roles.sentences():
+        print(f"  {line}")
+    timing = {"load_s": round(t_load, 2), "edge_scores_s": round(t2 - t1, 2), "faithfulness_s": round(t3 - t2, 2),
+              "circuit_s": round(t4 - t3, 2), "roles_s": round(t5 - t4, 2), "total_s": round(t5 - t0, 2)}
+    data = {"schema": SCHEMA, "model": args.model, "task": task.name, "n_prompts": task.n,
+            "metric": task.metric_name, "clean": scores.clean, "corrupt": scores.corrupt, "method": args.method,
+            "steps": scores.steps, "curve": {f"{k:g}": v for k, v in faith.curve.items()}, "cpr": faith.cpr,
+            "cmd": faith.cmd,
+            "circuit": {**circ.to_dict(), "faithfulness": f_circ, "node_faithfulness": node_f},
+            "roles": roles.to_dict(), "timing": timing, "bos_prepended": bool(task.bos), "graph": g.to_dict(),
+            "n_edges_by_percent": {f"{k:g}": v for k, v in faith.n_edges.items()},
+            "chosen_percent": faith.chosen_percent, "by": args.by,
+            "versions": scores.settings.get("versions", {})}
+    _write(args, data, scores, circ, roles)
+    return 0
+
+
+def _write(args, data, scores, circ, roles) -> None:
+    from .._foundation.io import dump_json, json_number, write_atomic
+
+    if args.json:
+        def clean(o):
+            if isinstance(o, float):
+                return json_number(o)
+            if isinstance(o, dict):
+                return {k: clean(v) for k, v in o.items()}
+            if isinstance(o, (list, tuple)):
+                return [clean(v) for v in o]
+            return o
+        dump_json(clean(data), args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.csv:
+        inside = {tuple(e[:3]) for e in circ.edges()}
+        lines = ["sender,receiver,input,score,in_circuit"]
+        lines += [f"{s},{r},{x},{v:.6g},{int((s, r, x) in inside)}" for s, r, x, v in scores.edge_list()]
+        write_atomic(args.csv, "\n".join(lines) + "\n")
+        print(f"wrote {args.csv}", file=sys.stderr)
+    if args.output:
+        rows = "".join(f"<tr><td>{html.escape(s)}</td><td>{html.escape(r)}</td><td>{x}</td><td>{v:+.4f}</td></tr>"
+                       for s, r, x, v in circ.edges()[:50])
+        curve = "".join(f"<tr><td>{k}%</td><td>{json_number(v)}</td></tr>" for k, v in data["curve"].items())
+        page = (f"<!doctype html><meta charset='utf-8'><title>circuit: {html.escape(str(data['model']))}</title>"
+                f"<h1>{html.escape(str(data['model']))}: {html.escape(str(data['task']))}</h1>"
+                f"<p>clean {data['clean']:.4f}, corrupt {data['corrupt']:.4f}; CPR {data['cpr']:.3f}, "
+                f"CMD {data['cmd']:.3f}</p><table><tr><th>percent</th><th>f</th></tr>{curve}</table>"
+                f"<ul>{''.join(f'<li>{html.escape(s)}</li>' for s in roles.sentences())}</ul>"
+                f"<table><tr><th>sender</th><th>receiver</th><th>input</th><th>score</th></tr>{rows}</table>")
+        write_atomic(args.output, page)
+        print(f"wrote {args.output}", file=sys.stderr)

@@ -1,0 +1,102 @@
+"""``qkcircuits circuit`` (issue 17 ask 6) and roles (ask 5) on the toy, a local HF folder and a GGUF file."""
+
+import json
+
+import pytest
+
+import qkcircuits as qk
+from qkcircuits.cli import main
+
+from _tiny import gguf_path, gpt2_dir
+
+KEYS = {"model", "task", "n_prompts", "metric", "clean", "corrupt", "method", "steps", "curve", "cpr", "cmd",
+        "circuit", "roles", "timing"}
+
+
+def test_toy_induction_end_to_end(tmp_path, capsys):
+    out = tmp_path / "c.json"
+    rc = main(["circuit", "toy-induction", "--task", "induction", "--n", "8", "--json", str(out), "--csv",
+               str(tmp_path / "c.csv"), "-o", str(tmp_path / "c.html"), "--quiet", "--device", "cpu"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "clean logit-diff" in text and "CPR" in text and "direct-logit head 1.0" in text
+    d = json.loads(out.read_text())
+    assert KEYS <= set(d)
+    assert set(d["circuit"]) >= {"edges", "heads", "node_faithfulness"}
+    assert d["circuit"]["heads"] == ["0.0", "1.0"] and d["curve"]["100"] == 1.0
+    assert all(isinstance(e[0], str) and isinstance(e[3], float) for e in d["circuit"]["edges"])
+    assert {tuple(e[:3]) for e in d["circuit"]["edges"]} >= {("0.0", "1.0", "k"), ("1.0", "logits", "in")}
+    assert d["roles"]["1.0"]["role"] == "direct-logit head"
+    assert d["roles"]["1.0"]["evidence"]["direct_share"] == pytest.approx(1.0, abs=1e-3)
+    assert float(d["curve"]["20"]) == pytest.approx(1.0, abs=1e-4) and d["bos_prepended"] is True
+    rows = (tmp_path / "c.csv").read_text().splitlines()
+    assert rows[0] == "sender,receiver,input,score,in_circuit" and len(rows) == 1 + 29
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--task", "nope.jsonl"], "expected ioi, induction, or an existing .jsonl file"),
+    (["--task", "induction", "--percent", "0"], "expected a percent"),
+    (["--task", "induction", "--method", "magic"], "invalid choice"),
+])
+def test_bad_input_is_one_line_exit_2(argv, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) if "--method" in argv or "--percent" in argv else _no_raise():
+        rc = main(["circuit", "toy-induction", *argv, "--quiet"])
+        assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+class _no_raise:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_jsonl_task_on_a_local_hf_folder(tmp_path_factory, tmp_path, capsys):
+    folder = gpt2_dir(tmp_path_factory)
+    lines = [{"clean": "the old town", "corrupt": "the new town", "answer": " would", "wrong": " asked"},
+             {"clean": "them and their", "corrupt": "them and the", "answer": " old", "wrong": " new"}]
+    task_file = tmp_path / "pairs.jsonl"
+    task_file.write_text("\n".join(json.dumps(x) for x in lines))
+    out = tmp_path / "c.json"
+    assert main(["circuit", str(folder), "--task", str(task_file), "--method", "eap", "--percent", "20",
+                 "--json", str(out), "--quiet", "--device", "cpu"]) == 0
+    d = json.loads(out.read_text())
+    assert d["task"] == "pairs" and d["n_prompts"] == 2 and d["method"] == "eap" and d["bos_prepended"] is False
+    assert d["circuit"]["percent"] == 20.0 and d["circuit"]["edges"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(lines[0]) + "\n" + json.dumps({**lines[1], "answer": " would asked"}) + "\n")
+    assert main(["circuit", str(folder), "--task", str(bad), "--quiet", "--device", "cpu"]) == 2
+    assert "bad.jsonl line 2: answer ' would asked' is 2 tokens" in capsys.readouterr().err
+
+
+def test_gguf_file(tmp_path_factory, tmp_path):
+    out = tmp_path / "g.json"
+    assert main(["circuit", str(gguf_path(tmp_path_factory)), "--task", "induction", "--n", "4", "--method", "eap",
+                 "--edges", "10", "--json", str(out), "--quiet", "--device", "cpu"]) == 0
+    d = json.loads(out.read_text())
+    assert d["graph"]["n_kv_heads"] == 2 and d["circuit"]["requested_edges"] == 10
+    assert any(e[1].split(".")[-1].startswith("kv") for e in d["circuit"]["edges"] if e[2] in ("k", "v")) or \
+        all(e[2] not in ("k", "v") for e in d["circuit"]["edges"])
+
+
+def test_roles_name_ioi_classes_from_evidence(hand_built):
+    # A hand-made IOI-shaped task on the toy: positions named as IOI's; the induction head 1.0 at END attends
+    # the token after the earlier copy, which plays "IO" here, so it is a name mover by its evidence.
+    import torch
+
+    base = qk.tasks.induction(hand_built, n=6, seg_len=6)
+    L = 6
+    end = torch.full((6,), 2 * L - 1)
+    positions = {"END": end, "IO": torch.full((6,), L), "S1": torch.full((6,), 2), "S1+1": torch.full((6,), 3),
+                 "S2": torch.full((6,), L + 2)}
+    task = qk.Task(base.clean, base.corrupt, base.answer, base.wrong, positions=positions, name="ioi-like")
+    scores = qk.edge_scores(hand_built, task, method="exact", progress=False)
+    r = scores.circuit(edges=4).roles(hand_built, task)
+    ev = r.roles["1.0"]["evidence"]
+    assert r.roles["1.0"]["role"] == "name mover" and ev["END->IO"] > 0.99 and ev["direct_share"] > 0.99
+    assert r.roles["0.0"]["role"] in ("previous-token head", "unclassified")
+    assert r.roles["0.0"]["evidence"]["S1+1->S1"] > 0.99                  # 0.0 attends to the previous token
+    assert any(s.startswith("name mover 1.0") for s in r.sentences())

@@ -1,0 +1,128 @@
+"""Tasks (issue 17 ask 1): qk.Task checks, the IOI / induction / JSONL builders, metric sums over shards."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import qkcircuits as qk
+from qkcircuits._tasks.task import evaluate
+
+from _tiny import gpt2_dir
+
+NAMES = ["Maria", "town", "old", "new", "them", "would", "asked", "their"]
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    return qk.load(str(gpt2_dir(tmp_path_factory)), verbose=False)
+
+
+def test_task_checks_shapes_and_metric():
+    with pytest.raises(qk.QKCircuitsError, match="same shape"):
+        qk.Task(torch.zeros(2, 3), torch.zeros(2, 4), 1, 2)
+    with pytest.raises(qk.QKCircuitsError, match="unknown task metric"):
+        qk.Task(torch.zeros(2, 3), torch.zeros(2, 3), 1, 2, metric="acc")
+    t = qk.Task(torch.zeros(2, 3), torch.ones(2, 3), 1, 2)
+    assert t.answer.tolist() == [1, 1] and t.positions["END"].tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("metric", ["logit-diff", "prob-diff", "loss"])
+def test_metric_values_and_shard_sums(metric):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 4, 11, generator=g)
+    task = qk.Task(torch.zeros(6, 4), torch.zeros(6, 4), torch.arange(6), torch.arange(6) + 3, metric=metric,
+                   positions={"END": torch.tensor([3, 2, 1, 3, 3, 0])})
+    rows = torch.arange(6)
+    last = logits[rows, task.positions["END"]]
+    p = last.softmax(-1)
+    want = {"logit-diff": last[rows, task.answer] - last[rows, task.wrong],
+            "prob-diff": p[rows, task.answer] - p[rows, task.wrong],
+            "loss": -p[rows, task.answer].log()}[metric]
+    assert torch.allclose(task.row_values(logits), want, atol=1e-5)
+    halves = sum(float(s.metric_sum(logits[i * 3:(i + 1) * 3])) for i, s in enumerate(task.shards(3)))
+    assert halves == pytest.approx(float(task.metric_sum(logits)), abs=1e-5)
+
+
+def test_induction_task_structure(hand_built):
+    task = qk.tasks.induction(hand_built, n=6, seg_len=7, seed=3)
+    L = 7
+    assert task.bos and task.clean.shape == (6, 2 * L)
+    R = task.clean[:, 1:L + 1]
+    assert torch.equal(task.clean[:, L + 1:], R[:, :-1]) and torch.equal(task.answer, R[:, -1])
+    Rc = task.corrupt[:, 1:L + 1]
+    assert torch.equal(task.corrupt[:, L + 1:], R[:, :-1]) and torch.equal(task.wrong, Rc[:, -1])
+    assert not any(bool(torch.isin(Rc[i], R[i]).any()) for i in range(6))        # R' disjoint from R
+    out = evaluate(hand_built, task)
+    assert out["clean"] > 10 and abs(out["corrupt"]) < 1e-3                      # the toy does induction
+
+
+def test_ioi_builder_on_this_tokenizer(gpt2):
+    task = qk.tasks.ioi(gpt2, n=6, seed=1, names=NAMES, places=["dra"], objects=["har"], frames=qk.tasks.FRAMES[:1])
+    tok = gpt2.tokenizer
+    assert task.clean.shape == task.corrupt.shape and task.bos is False
+    for i in range(6):
+        c = task.clean[i].tolist()
+        io, s = task.answer[i].item(), task.wrong[i].item()
+        assert c[task.positions["IO"][i]] == io and c[task.positions["S1"][i]] == s == c[task.positions["S2"][i]]
+        assert task.positions["S1+1"][i] == task.positions["S1"][i] + 1
+        text = tok.decode(c[:task.positions["END"][i] + 1])
+        assert text == task.prompts[i] and text.endswith(" gave a har to")
+        names_c = {t for t in task.corrupt[i].tolist() if tok.decode([t]).strip() in NAMES}
+        assert io not in names_c and s not in names_c and len(names_c) == 3      # ABC: three fresh names
+    # ABBA and BABA alternate: IO comes first in even rows, second in odd rows
+    assert all((task.positions["IO"][i] < task.positions["S1"][i]) == (i % 2 == 0) for i in range(6))
+    again = qk.tasks.ioi(gpt2, n=6, seed=1, names=NAMES, places=["dra"], objects=["har"], frames=qk.tasks.FRAMES[:1])
+    assert torch.equal(task.clean, again.clean)
+    with pytest.raises(qk.QKCircuitsError, match="single-token names"):
+        qk.tasks.ioi(gpt2, n=4, names=["Mary", "Elizabeth"])
+
+
+def _write(tmp_path, lines):
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def test_from_jsonl_reads_and_pads(gpt2, tmp_path):
+    rows = [{"clean": "the old town", "corrupt": "the new town", "answer": " would", "wrong": " asked"},
+            {"clean": "them", "corrupt": "their", "answer": " old", "wrong": " new"}]
+    task = qk.tasks.from_jsonl(gpt2, _write(tmp_path, [json.dumps(r) for r in rows] + [""]))
+    lens = [len(gpt2.tokenizer(r["clean"], add_special_tokens=False)["input_ids"]) for r in rows]
+    assert task.n == 2 and task.positions["END"].tolist() == [n - 1 for n in lens] and not task.bos
+    assert lens[0] != lens[1] and task.clean.shape[1] == max(lens)              # right-padded
+    assert task.answer[0].item() == gpt2.tokenizer(" would", add_special_tokens=False)["input_ids"][0]
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"clean": "the old", "corrupt": "the", "answer": " would", "wrong": " asked"}',
+     r"line 1: clean has \d+ tokens and corrupt \d+"),
+    ('{"clean": "old", "corrupt": "new", "answer": " would asked", "wrong": " asked"}', "line 1: answer ' would asked' is 2 tokens"),
+    ('{"clean": "old", "corrupt": "new", "answer": " would", "wrong": " would"}', "line 1: answer and wrong are the same"),
+    ('{"clean": "old", "corrupt": "new", "answer": " would", "wrong": " asked", "x": 1}', "line 1: unknown key"),
+    ('{"clean": "old", "corrupt": "new", "answer": " would"}', "line 1: missing key"),
+    ('{"clean": "old", ', "line 1: not valid JSON"),
+])
+def test_from_jsonl_errors_are_one_line(gpt2, tmp_path, line, message):
+    with pytest.raises(qk.QKCircuitsError, match=message) as e:
+        qk.tasks.from_jsonl(gpt2, _write(tmp_path, [line]))
+    assert "\n" not in str(e.value)
+
+
+def test_from_jsonl_empty_and_missing(gpt2, tmp_path):
+    p = tmp_path / "e.jsonl"
+    p.write_text("\n\n")
+    with pytest.raises(qk.QKCircuitsError, match="is empty"):
+        qk.tasks.from_jsonl(gpt2, p)
+    with pytest.raises(qk.QKCircuitsError, match="does not exist"):
+        qk.tasks.from_jsonl(gpt2, tmp_path / "nope.jsonl")
+
+
+def test_model_that_does_not_do_the_task_warns(hand_built):
+    task = qk.tasks.induction(hand_built, n=4, seg_len=5)
+    swapped = qk.Task(task.corrupt, task.clean, task.answer, task.wrong)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        evaluate(hand_built, swapped)
+    assert any("does not do task" in str(x.message) for x in w)
