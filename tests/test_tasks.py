@@ -21,10 +21,10 @@ def gpt2(tmp_path_factory):
 
 def test_task_checks_shapes_and_metric():
     with pytest.raises(qk.QKCircuitsError, match="same shape"):
-        qk.Task(torch.zeros(2, 3), torch.zeros(2, 4), 1, 2)
+        qk.Task(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), 1, 2)
     with pytest.raises(qk.QKCircuitsError, match="unknown task metric"):
-        qk.Task(torch.zeros(2, 3), torch.zeros(2, 3), 1, 2, metric="acc")
-    t = qk.Task(torch.zeros(2, 3), torch.ones(2, 3), 1, 2)
+        qk.Task(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), 1, 2, metric="acc")
+    t = qk.Task(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long), 1, 2)
     assert t.answer.tolist() == [1, 1] and t.positions["END"].tolist() == [2, 2]
 
 
@@ -32,7 +32,7 @@ def test_task_checks_shapes_and_metric():
 def test_metric_values_and_shard_sums(metric):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 4, 11, generator=g)
-    task = qk.Task(torch.zeros(6, 4), torch.zeros(6, 4), torch.arange(6), torch.arange(6) + 3, metric=metric,
+    task = qk.Task(torch.zeros(6, 4, dtype=torch.long), torch.zeros(6, 4, dtype=torch.long), torch.arange(6), torch.arange(6) + 3, metric=metric,
                    positions={"END": torch.tensor([3, 2, 1, 3, 3, 0])})
     rows = torch.arange(6)
     last = logits[rows, task.positions["END"]]

@@ -128,7 +128,7 @@ def load(
     return bridge
 
 
-def _load(spec: Spec, *, device, dtype, fold_ln: bool, device_map, verbose: bool, lean: bool) -> TransformerBridge:
+def _load(spec: object, *, device, dtype, fold_ln: bool, device_map, verbose: bool, lean: bool) -> TransformerBridge:
     if isinstance(spec, TransformerBridge):
         return spec
     if not isinstance(spec, (str, os.PathLike)):

@@ -29,6 +29,8 @@ arXiv 2504.13151) defines them, by the trapezoidal rule on the grid:
 
 from __future__ import annotations
 
+from numbers import Real
+
 import sys
 import time
 from dataclasses import dataclass, field
@@ -93,7 +95,7 @@ class Circuit(Displayed):
     mask: Tensor
     scores: Tensor
     by: str = "abs"
-    percent: Optional[float] = None
+    percent: Optional[Real] = None
     requested: int = 0
     model: str = ""
 
@@ -154,7 +156,7 @@ class Circuit(Displayed):
         return self._html()
 
 
-def select(scores, edges: Optional[int] = None, percent: Optional[float] = None, by: str = "abs") -> Circuit:
+def select(scores, edges: Optional[int] = None, percent: Optional[Real] = None, by: str = "abs") -> Circuit:
     """The top ``edges`` (or ``percent`` % of the graph's edges) by ``by`` ("abs" or "signed"), pruned."""
     g = scores.graph
     if (edges is None) == (percent is None):
@@ -188,16 +190,16 @@ def _area(xs: Sequence[float], ys: Sequence[float]) -> float:
 class Faithfulness(Displayed):
     """The faithfulness curve ``curve`` {percent: f}, CPR, CMD, the chosen circuit and its node view."""
 
-    curve: Dict[float, float]
-    metric_values: Dict[float, float]
+    curve: Dict[Real, Real]
+    metric_values: Dict[Real, Real]
     n_edges: Dict[float, int]
-    clean: float
-    corrupt: float
-    cpr: float
-    cmd: float
-    chosen_percent: float
+    clean: Real
+    corrupt: Real
+    cpr: Real
+    cmd: Real
+    chosen_percent: Real
     circuit: Circuit
-    node_faithfulness: float
+    node_faithfulness: Real
     node_heads: List[str]
     model: str = ""
     settings: Dict[str, object] = field(default_factory=dict)
@@ -288,8 +290,8 @@ def node_faithfulness(model, task: Task, heads: Sequence[str], rows_per_shard: O
     return (m - corrupt) / (clean - corrupt) if clean != corrupt else float("nan")
 
 
-def faithfulness(model, task: Task, scores, sizes: Sequence[float] = SIZES, *, by: str = "abs",
-                 threshold: float = THRESHOLD, rows_per_shard: Optional[int] = None,
+def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by: str = "abs",
+                 threshold: Real = THRESHOLD, rows_per_shard: Optional[int] = None,
                  progress: bool = True) -> Faithfulness:
     """The faithfulness curve over ``sizes`` (percent of edges), CPR/CMD, the chosen circuit (the smallest
     grid size with f ≥ ``threshold``, else the largest) and its node view (module docstring). Cost: one

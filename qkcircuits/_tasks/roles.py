@@ -23,8 +23,10 @@ that fits no class is kept as "unclassified" with its evidence.
 
 from __future__ import annotations
 
+from numbers import Real
+
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -99,7 +101,7 @@ def _patterns(model, task, layers: List[int]) -> Dict[int, torch.Tensor]:
     return {L: torch.cat(v) for L, v in out.items()}
 
 
-def roles(model, task, circuit, clean: float = None, corrupt: float = None) -> Roles:
+def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[Real] = None) -> Roles:
     """Each head of ``circuit`` with its role and evidence (module docstring). ``clean``/``corrupt``: the
     task's metric means (taken from the circuit's scores when not given)."""
     from .task import evaluate

@@ -28,6 +28,8 @@ of receiver gradients waiting for their matmul; shards are sized so the two buff
 
 from __future__ import annotations
 
+from numbers import Real
+
 import sys
 import time
 from dataclasses import dataclass, field
@@ -84,8 +86,8 @@ class EdgeScores(Displayed):
     scores: Tensor
     method: str
     steps: int
-    clean: float
-    corrupt: float
+    clean: Real
+    corrupt: Real
     task: Dict[str, object]
     model: str = ""
     settings: Dict[str, object] = field(default_factory=dict)
@@ -116,7 +118,7 @@ class EdgeScores(Displayed):
         s = torch.nan_to_num(self.scores, nan=0.0).sum(1)
         return {name: float(v) for name, v in zip(self.graph.senders, s)}
 
-    def circuit(self, edges: Optional[int] = None, percent: Optional[float] = None, by: str = "abs"):
+    def circuit(self, edges: Optional[int] = None, percent: Optional[Real] = None, by: str = "abs"):
         """The top edges (see ``qkcircuits._tasks.circuit.select``). Without a size: the circuit that
         ``qk.faithfulness`` chose for these scores (the smallest grid size with f ≥ 0.8)."""
         from .circuit import select

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from .._foundation.args import check_tokens
 from .._foundation.errors import QKCircuitsError
 
 METRICS = ("logit-diff", "prob-diff", "loss")
@@ -44,10 +45,12 @@ class Task:
     a [n] tensor of indices; ``END`` is where the metric reads and defaults to the last position), a
     ``name``, whether a BOS token was prepended (``bos``) and the prompt texts when built from text."""
 
-    clean: Int[Tensor, "n pos"]
-    corrupt: Int[Tensor, "n pos"]
-    answer: Int[Tensor, " n"]
-    wrong: Int[Tensor, " n"]
+    # what __init__ accepts (ids as tensors or nested lists; one answer id for every row, or one per row);
+    # __post_init__ stores [n, pos] / [n] long tensors
+    clean: Union[Int[Tensor, "n pos"], Sequence[Sequence[int]]]
+    corrupt: Union[Int[Tensor, "n_corrupt pos_corrupt"], Sequence[Sequence[int]]]   # == clean's shape: checked below, one line
+    answer: Union[int, Sequence[int], Int[Tensor, "..."]]
+    wrong: Union[int, Sequence[int], Int[Tensor, "..."]]
     metric: MetricSpec = "logit-diff"
     positions: Dict[str, Tensor] = field(default_factory=dict)
     name: str = "custom"
@@ -55,6 +58,7 @@ class Task:
     prompts: Optional[List[str]] = None
 
     def __post_init__(self) -> None:
+        check_tokens(self.clean, "clean"), check_tokens(self.corrupt, "corrupt")     # ids, not text or floats
         self.clean, self.corrupt = torch.as_tensor(self.clean).long(), torch.as_tensor(self.corrupt).long()
         if self.clean.dim() != 2 or self.clean.shape != self.corrupt.shape:
             raise QKCircuitsError(f"clean and corrupt must be token tensors of the same shape [n, pos]; got "
