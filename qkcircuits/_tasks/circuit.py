@@ -87,7 +87,7 @@ def prune(g: Graph, mask: Tensor) -> Tensor:
     return mask & reach[:, None] & recv_useful[None, :]
 
 
-@dataclass
+@dataclass(repr=False)      # the repr is _text (Displayed)
 class Circuit(Displayed):
     """A set of edges (``mask`` [S, R]) of ``graph``, chosen from edge scores."""
 
@@ -149,11 +149,6 @@ class Circuit(Displayed):
 
         return f"<p>{html.escape(self._text())}</p>"
 
-    def __repr__(self) -> str:
-        return self._text()
-
-    def _repr_html_(self) -> str:
-        return self._html()
 
 
 def select(scores, edges: Optional[int] = None, percent: Optional[Real] = None, by: str = "abs") -> Circuit:
@@ -186,7 +181,7 @@ def _area(xs: Sequence[float], ys: Sequence[float]) -> float:
     return float(sum((xs[i + 1] - xs[i]) * (ys[i + 1] + ys[i]) / 2 for i in range(len(xs) - 1)))
 
 
-@dataclass
+@dataclass(repr=False)      # the repr is _text (Displayed)
 class Faithfulness(Displayed):
     """The faithfulness curve ``curve`` {percent: f}, CPR, CMD, the chosen circuit and its node view."""
 
@@ -232,11 +227,6 @@ class Faithfulness(Displayed):
 
         return f"<p>{html.escape(self._text())}</p>"
 
-    def __repr__(self) -> str:
-        return self._text()
-
-    def _repr_html_(self) -> str:
-        return self._html()
 
 
 def node_mask(g: Graph, keep: Sequence[str]) -> Tensor:

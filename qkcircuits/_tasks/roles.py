@@ -36,7 +36,7 @@ THRESHOLDS = {"direct_share": 0.05, "pattern": 0.3}
 IOI_POSITIONS = ("IO", "S1", "S1+1", "S2", "END")
 
 
-@dataclass
+@dataclass(repr=False)      # the repr is _text (Displayed)
 class Roles(Displayed):
     """``roles[head] = {"role": str, "evidence": {...}}`` and one sentence per class (``sentences``)."""
 
@@ -78,11 +78,6 @@ class Roles(Displayed):
 
         return "<ul>" + "".join(f"<li>{html.escape(s)}</li>" for s in self.sentences()) + "</ul>"
 
-    def __repr__(self) -> str:
-        return self._text()
-
-    def _repr_html_(self) -> str:
-        return self._html()
 
 
 def _patterns(model, task, layers: List[int]) -> Dict[int, torch.Tensor]:

@@ -73,7 +73,7 @@ def _bar(total: int, desc: str, progress: bool):
     return tqdm(total=total, desc=desc, disable=not progress, leave=False, file=sys.stderr)
 
 
-@dataclass
+@dataclass(repr=False)      # the repr is _text (Displayed)
 class EdgeScores(Displayed):
     """A score per edge (``scores[s, r]``, NaN where s does not feed r), the method and its settings.
 
@@ -173,11 +173,6 @@ class EdgeScores(Displayed):
         return (f"<p>{html.escape(self._text())}</p><table><tr><th>sender</th><th>receiver</th><th>input</th>"
                 f"<th>score</th></tr>{rows}</table>")
 
-    def __repr__(self) -> str:
-        return self._text()
-
-    def _repr_html_(self) -> str:
-        return self._html()
 
 
 def _settings(model, task: Task, rows: int, extra: Dict[str, object]) -> Dict[str, object]:
@@ -283,7 +278,7 @@ def _exact_edges(model, g: Graph, shard: Task, corr, acc: Tensor, copies: int, b
     return clean_sum
 
 
-@dataclass
+@dataclass(repr=False)      # the repr is _text (Displayed)
 class NodeScores(Displayed):
     """A score per sender node (embedding, heads ``"L.H"``, MLPs ``"mlpL"``): m(clean) − m(node corrupted)."""
 
@@ -314,11 +309,6 @@ class NodeScores(Displayed):
 
         return f"<p>{html.escape(self._text())}</p>"
 
-    def __repr__(self) -> str:
-        return self._text()
-
-    def _repr_html_(self) -> str:
-        return self._html()
 
 
 def node_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, progress: bool = True,

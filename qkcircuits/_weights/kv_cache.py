@@ -68,11 +68,6 @@ class KVCache(Displayed):
 
         return f"<pre>{html.escape(self.summary())}</pre>"
 
-    def __repr__(self) -> str:
-        return self._text()
-
-    def _repr_html_(self) -> str:
-        return self._html()
 
 
 def _b(n: int) -> str:

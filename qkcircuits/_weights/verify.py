@@ -117,11 +117,6 @@ class CircuitCheck(Displayed):
 
         return f"<pre>{html.escape(self._text())}</pre>" + self.top(10).to_html(index=False)
 
-    def __repr__(self) -> str:        # the Result base wires these to _text/_html once it lands
-        return self._text()
-
-    def _repr_html_(self) -> str:
-        return self._html()
 
 
 def verify_circuits(model, tokens=None, *, tolerance: float = TOLERANCE) -> CircuitCheck:
