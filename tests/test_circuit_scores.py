@@ -16,7 +16,7 @@ import qkcircuits as qk
 from qkcircuits._foundation.stats import spearman
 from qkcircuits._tasks import runs
 
-from _tiny import gemma3_dir, gpt2_dir, llama_dir
+from _tiny import deepseek_dir, gemma3_dir, gpt2_dir, llama_dir
 
 FAMILIES = {"gpt2": gpt2_dir, "llama-gqa": llama_dir, "gemma3": gemma3_dir}
 
@@ -67,6 +67,15 @@ def test_patched_forward_identities(family):
     scores = qk.edge_scores(model, task, method="eap", progress=False)
     f = qk.faithfulness(model, task, scores, sizes=(0, 5, 100), progress=False)
     assert f.curve[100.0] == 1.0 and f.curve[0.0] == 0.0
+
+
+@pytest.mark.parametrize("version, q_lora_rank", [(3, 32), (2, None)])
+def test_patched_forward_identities_on_latent_attention(version, q_lora_rank, tmp_path_factory):
+    """DeepSeek-V2/V3 (MLA): each head's q/k/v input is recomputed through the latent from its own residual
+    (runs.check_graph compares them with the model's hooks), and the same identities hold."""
+    model = qk.load(str(deepseek_dir(tmp_path_factory, version=version, q_lora_rank=q_lora_rank)), verbose=False)
+    test_patched_forward_identities((f"deepseek-v{version}", model))
+    test_exact_edges_into_logits_match_a_direct_computation((f"deepseek-v{version}", model))
 
 
 def test_exact_edges_into_logits_match_a_direct_computation(family):

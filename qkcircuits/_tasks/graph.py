@@ -35,6 +35,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from .._foundation.arch import adapter
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import n_kv_heads
 
@@ -191,7 +192,7 @@ def _post_gain(post) -> Tuple[Tensor, float]:
 def head_outputs(model, layer: int, z: Float[Tensor, "b p h e"], y=None) -> Float[Tensor, "h b p d"]:
     """Each head's output added to the residual (one einsum over the layer). ``y``: the attention
     output before a post-norm (needed only where the block has one)."""
-    W_O = model.blocks[layer].attn.W_O
+    W_O = adapter(model, layer).W_O()            # per head [h, e, d_model], every attention family
     out = torch.einsum("bphe,hed->hbpd", z, W_O.to(z.dtype))
     post = post_norm(model, layer)
     if post is not None:
@@ -206,16 +207,26 @@ def split_qkv_from_residuals(model, layer: int, into: str, resid: Float[Tensor, 
     """hook_q/k/v values of ``heads`` (query heads for q, KV heads for k/v) of ``layer``, head i computed
     from ITS OWN residual ``resid[i]``: ln1 recomputed per copy (cheap, elementwise), then one einsum with
     the heads' W_Q/W_K/W_V (the flops of the model's own projection). q/k-norm and rotary are applied
-    after hook_q/k by the model's attention, so they need nothing here."""
+    after hook_q/k by the model's attention, so they need nothing here.
+
+    Multi-head latent attention (the ``latent`` adapter): head i's input is the layer's own recompute from
+    ``resid[i]`` (``adapter.head_inputs``: the latent and its norm from that residual, then only head i's
+    up-projection; the decoupled rotary key, shared by every head, is recomputed from the same residual, so
+    an edge into head i's k carries the sender's effect through both parts). That costs one projection per
+    copy, not one einsum for all: fine at MLA test sizes, and said here."""
+    ad = adapter(model, layer)
+    heads = list(heads)
+    if ad.family == "latent":
+        return torch.stack([ad.head_inputs(resid[i], into)[:, :, h] for i, h in enumerate(heads)], 2)
     blk = model.blocks[layer]
     n, b, p, d = resid.shape
     normed = blk.ln1(resid.reshape(n * b, p, d)).view(n, b, p, d)
     X = into.upper()
-    W = getattr(blk.attn, f"W_{X}")[list(heads)]                                   # [n, d, e]
+    W = getattr(blk.attn, f"W_{X}")[heads]                                         # [n, d, e]
     out = torch.einsum("nbpd,nde->bpne", normed, W.to(normed.dtype))
     bias = getattr(blk.attn, f"b_{X}", None)
     if bias is not None:
-        out = out + bias[list(heads)].to(out.dtype)
+        out = out + bias[heads].to(out.dtype)
     return out
 
 

@@ -206,29 +206,29 @@ class LatentAttention(AttentionAdapter):
         m, H = self.module, self.n_heads
         b, p = resid.shape[:2]
         pos = torch.arange(p, device=resid.device)
-        with torch.no_grad():
-            x = self.block.ln1(resid)
-            if into in ("q", "q_latent"):
-                if self.q_lora_rank is None:
-                    if into == "q_latent":
-                        raise QKCircuitsError("this DeepSeek layer has q_lora_rank None: no query latent (q = x W_Q)")
-                    q = m.q_proj(x)
-                else:
-                    lat = m.q_a_layernorm(m.q_a_proj(x))
-                    if into == "q_latent":
-                        return lat
-                    q = m.q_b_proj(lat)
-                q = q.view(b, p, H, self.d_qk)
-                return torch.cat([q[..., : self.d_nope], self.rotate(q[..., self.d_nope:], pos)], -1)
-            kv = m.kv_a_proj_with_mqa(x)
-            lat = m.kv_a_layernorm(kv[..., : self.kv_lora_rank])
-            if into == "kv_latent":
-                return lat
-            up = m.kv_b_proj(lat).view(b, p, H, self.d_nope + self.d_v)
-            if into == "v":
-                return up[..., self.d_nope:]
-            k_r = self.rotate(kv[..., self.kv_lora_rank:][:, :, None], pos).expand(b, p, H, self.d_rope)
-            return torch.cat([up[..., : self.d_nope], k_r], -1)
+        # differentiable (the task graph's gradient run goes through it); callers that only read use no_grad
+        x = self.block.ln1(resid)
+        if into in ("q", "q_latent"):
+            if self.q_lora_rank is None:
+                if into == "q_latent":
+                    raise QKCircuitsError("this DeepSeek layer has q_lora_rank None: no query latent (q = x W_Q)")
+                q = m.q_proj(x)
+            else:
+                lat = m.q_a_layernorm(m.q_a_proj(x))
+                if into == "q_latent":
+                    return lat
+                q = m.q_b_proj(lat)
+            q = q.view(b, p, H, self.d_qk)
+            return torch.cat([q[..., : self.d_nope], self.rotate(q[..., self.d_nope:], pos)], -1)
+        kv = m.kv_a_proj_with_mqa(x)
+        lat = m.kv_a_layernorm(kv[..., : self.kv_lora_rank])
+        if into == "kv_latent":
+            return lat
+        up = m.kv_b_proj(lat).view(b, p, H, self.d_nope + self.d_v)
+        if into == "v":
+            return up[..., self.d_nope:]
+        k_r = self.rotate(kv[..., self.kv_lora_rank:][:, :, None], pos).expand(b, p, H, self.d_rope)
+        return torch.cat([up[..., : self.d_nope], k_r], -1)
 
     # -- cache ------------------------------------------------------------------------------------
     def kv_floats(self) -> Tuple[int, int]:
