@@ -6,7 +6,10 @@
   recomputed by the formula, to 1e-5), no edge = the corrupt run, exactly;
 - exact edge scores checked independently where they have a closed form (edges into the logits: the final
   norm and unembedding applied to the clean final residual with one sender's output swapped);
-- EAP / EAP-IG against exact on tiny random GPT-2, Llama-GQA and Gemma-3 models (Spearman, printed).
+- exact and EAP checked edge by edge against transformers alone (HF modules + hooks, float64): the exact
+  effect and the finite-difference slope along Δ_s, on GPT-2, Llama-GQA and Gemma-3;
+- EAP / EAP-IG against exact on tiny random GPT-2, Llama-GQA and Gemma-3 models on a task each model does
+  (``contrast_task``): Spearman ≥ 0.9 for EAP-IG, EAP's printed.
 """
 
 import pytest
@@ -93,17 +96,35 @@ def test_exact_edges_into_logits_match_a_direct_computation(family):
             assert exact.scores[s, g.logits_receiver].item() == pytest.approx(m_clean - m, abs=1e-4)
 
 
+def contrast_task(model, n=64, p=10, seed=0):
+    """A behaviour the random model HAS: clean = random tokens, corrupt = the token at p-2 resampled; answer = the
+    token whose END logit the clean token raises most relative to the corrupt one, wrong = the one it lowers most
+    (as IOI's IO/S: what the corruption changes). So m(clean) > m(corrupt) by construction. ``pair_task``'s
+    random answer/wrong tokens are a behaviour the model need not have (Llama: clean -0.61 < corrupt -0.49, what
+    ``qk.tasks`` warns about); its edge scores are mostly cancelling noise (docs/tasks.md)."""
+    g = torch.Generator().manual_seed(seed)
+    clean = torch.randint(1, model.cfg.d_vocab, (n, p), generator=g)
+    corrupt = clean.clone()
+    corrupt[:, p - 2] = torch.randint(1, model.cfg.d_vocab, (n,), generator=g)
+    with torch.no_grad():
+        d = model(clean)[:, -1] - model(corrupt)[:, -1]
+    return qk.Task(clean, corrupt, d.argmax(-1), d.argmin(-1))
+
+
 def test_eap_and_eap_ig_against_exact(family, capsys):
     name, model = family
     g = qk.graph(model)
-    task = pair_task(model)
-    res = {m: qk.edge_scores(model, task, method=m, steps=5, progress=False) for m in ("eap", "eap-ig", "exact")}
+    task = contrast_task(model)
+    res = {m: qk.edge_scores(model, task, method=m, steps=5, progress=False)
+           for m in ("eap", "eap-ig", "exact")}
+    assert res["exact"].clean > res["exact"].corrupt
     ex = res["exact"].scores[g.valid]
     rho = {m: spearman(res[m].scores[g.valid], ex) for m in ("eap", "eap-ig")}
     with capsys.disabled():
         print(f"\n  {name}: Spearman vs exact over {g.n_edges} edges: EAP {rho['eap']:.3f}, EAP-IG {rho['eap-ig']:.3f}")
-    # measured (docs/tasks.md): gpt2 0.961 / 0.943, llama-gqa 0.795 / 0.731, gemma3 0.801 / 0.735
-    assert rho["eap"] > 0.7 and rho["eap-ig"] > 0.65
+    # measured over task seeds 0-9 (docs/tasks.md): EAP-IG gpt2 0.959-0.993, llama 0.868-0.988 (one seed of ten
+    # below 0.9), gemma3 0.915-0.942; EAP 0.81-0.99. This test runs seed 0 (the first drawn, not a chosen one).
+    assert rho["eap-ig"] >= 0.9 and rho["eap"] > 0.7
     # EAP-IG with one step is EAP (the single point is the clean run)
     one = qk.edge_scores(model, task, method="eap-ig", steps=1, progress=False)
     assert torch.allclose(one.scores[g.valid], res["eap"].scores[g.valid], atol=1e-5)
@@ -111,6 +132,141 @@ def test_eap_and_eap_ig_against_exact(family, capsys):
     nodes = qk.node_scores(model, task, method="exact", progress=False)
     lin = res["eap"].node_scores()
     assert spearman(torch.tensor([lin[k] for k in g.senders]), torch.tensor([nodes.scores[k] for k in g.senders])) > 0.6
+
+
+def _hf_edge_effects(folder, task, edges, eps=1e-3):
+    """For each edge (sender, (receiver, input)): the exact effect and the finite-difference derivative
+    d/dt m(x_r + t·Δ_s) at t = 0 (what EAP estimates), computed with transformers' own GPT-2 / Llama / Gemma-3
+    in float64 and plain module hooks (nothing from qkcircuits): x_r = the receiver's input residual of the clean
+    run with Δ_s taken out, its norm and projection re-applied to that head's columns only (a KV head's k/v
+    columns, which every query head of its group reads). Senders: the residual entering block 0 (Gemma: the
+    scaled embedding), each head's z_h W_O[h] (Gemma: its share of the post-normed output, that run's rms), each
+    MLP's output as added to the residual."""
+    from _tiny import hf_model
+
+    hf = hf_model(folder).double()
+    cfg = hf.config
+    H = cfg.num_attention_heads
+    dh = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    if hasattr(hf, "transformer"):                                   # GPT-2: fused c_attn, Conv1D (x @ W + b)
+        layers, final = hf.transformer.h, hf.transformer.ln_f
+        ln1, ln2 = (lambda l: l.ln_1), (lambda l: l.ln_2)
+        proj = {x: (lambda l, x=x: (l.attn.c_attn, "qkv".index(x) * cfg.hidden_size)) for x in "qkv"}
+        o_proj, mlp_out, post = (lambda l: l.attn.c_proj), (lambda l: l.mlp), None
+        lin = lambda m, x: x @ m.weight + m.bias                       # noqa: E731
+        head_w = lambda W, h: W[h * dh:(h + 1) * dh]                   # noqa: E731
+    else:
+        layers, final = hf.model.layers, hf.model.norm
+        gem = hasattr(layers[0], "pre_feedforward_layernorm")
+        ln1 = lambda l: l.input_layernorm                              # noqa: E731
+        ln2 = (lambda l: l.pre_feedforward_layernorm) if gem else (lambda l: l.post_attention_layernorm)
+        proj = {x: (lambda l, x=x: (getattr(l.self_attn, f"{x}_proj"), 0)) for x in "qkv"}
+        o_proj = lambda l: l.self_attn.o_proj                          # noqa: E731
+        mlp_out = (lambda l: l.post_feedforward_layernorm) if gem else (lambda l: l.mlp)
+        post = (lambda l: l.post_attention_layernorm) if gem else None
+        lin = lambda m, x: torch.nn.functional.linear(x, m.weight, m.bias)    # noqa: E731
+        head_w = lambda W, h: W[:, h * dh:(h + 1) * dh].T              # noqa: E731
+    rec, clean, patch, handles = {}, {}, {}, []
+
+    def keep(key, out=False):
+        return (lambda m, a, o: rec.__setitem__(key, (a[0], o))) if out else (lambda m, a: rec.__setitem__(key, a[0]))
+
+    def proj_hook(L, x):
+        def fn(m, a, o):
+            if (x, L) not in patch:
+                return None
+            i, d = patch[(x, L)]
+            cols = slice(proj[x](layers[L])[1] + i * dh, proj[x](layers[L])[1] + (i + 1) * dh)
+            o = o.clone()
+            o[..., cols] = lin(m, ln1(layers[L])(clean[("pre", L)] - d))[..., cols]
+            return o
+        return fn
+
+    def mlp_hook(L):
+        return lambda m, a: (ln2(layers[L])(clean[("mid", L)] - patch[("mlp", L)]),) if ("mlp", L) in patch else None
+
+    for L, lay in enumerate(layers):
+        handles += [ln1(lay).register_forward_pre_hook(keep(("pre", L))),
+                    o_proj(lay).register_forward_hook(keep(("zy", L), out=True)),
+                    ln2(lay).register_forward_pre_hook(keep(("mid", L))),
+                    mlp_out(lay).register_forward_hook(keep(("mlp", L), out=True)),
+                    lay.mlp.register_forward_pre_hook(mlp_hook(L))]
+        handles += [proj[x](lay)[0].register_forward_hook(proj_hook(L, x)) for x in "qkv"]
+    handles.append(final.register_forward_pre_hook(
+        lambda m, a: (clean["final"] - patch["logits"],) if "logits" in patch else keep("final")(m, a)))
+    rows = torch.arange(task.n)
+
+    def metric():
+        with torch.no_grad():
+            lg = hf(task.clean).logits[rows, -1]
+        return float((lg[rows, task.answer] - lg[rows, task.wrong]).mean())
+
+    def senders(tokens):
+        with torch.no_grad():
+            hf(tokens)
+        out = {"emb": rec[("pre", 0)]}
+        for L, lay in enumerate(layers):
+            z, y = rec[("zy", L)]
+            for h in range(H):
+                o = z[..., h * dh:(h + 1) * dh] @ head_w(o_proj(lay).weight, h)
+                if post is not None:
+                    pn = post(lay)
+                    o = o * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + pn.eps) * (1 + pn.weight)
+                out[f"{L}.{h}"] = o
+            out[f"mlp{L}"] = rec[("mlp", L)][1]
+        return out, dict(rec)
+
+    try:
+        corr, _ = senders(task.corrupt)
+        cln, clean_rec = senders(task.clean)
+        clean.update(clean_rec)
+        if post is None and not hasattr(hf, "transformer"):     # Llama: the final residual is the senders' sum
+            assert (sum(cln.values()) - clean["final"]).abs().max() < 1e-9
+        m0 = metric()
+        out = {}
+        for s, (rn, x) in edges:
+            D = cln[s] - corr[s]
+            key = "logits" if rn == "logits" else ("mlp", int(rn[3:])) if x == "in" else (x, int(rn.split(".")[0]))
+            idx = None if x == "in" else int(rn.split(".")[1].replace("kv", ""))
+
+            def run(d):
+                patch.clear()
+                patch[key] = d if idx is None else (idx, d)
+                v = metric()
+                patch.clear()
+                return v
+
+            out[(s, (rn, x))] = (m0 - run(D), (run(-eps * D) - run(eps * D)) / (2 * eps))
+        return out
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_exact_and_eap_match_plain_transformers(family, tmp_path_factory):
+    """exact and EAP checked edge by edge against an independent computation with transformers alone (float64):
+    exact = the HF metric change when only that receiver's input loses Δ_s; EAP = the HF finite-difference slope
+    along Δ_s. Covers the GQA k/v inputs of a KV head, ln1 / ln2 / the final norm recomputed, Gemma's post-norm
+    shares and embedding scale (the emb sender is the scaled embedding), q/k-norm and rotary (applied by the model
+    after the patched projection). So a disagreement between EAP(-IG) and exact is the model's nonlinearity."""
+    name, model = family
+    folder = FAMILIES[name](tmp_path_factory)
+    g = qk.graph(model)
+    task = contrast_task(model, n=8)
+    last = model.cfg.n_layers - 1
+    recv = [("0.2", "q"), (g.kv_name(0, 1), "k"), (g.kv_name(0, 0), "v"), (f"{last}.1", "q"),
+            (g.kv_name(last, 1), "k"), (g.kv_name(last, 0), "v"), (f"mlp{last}", "in"), ("logits", "in"),
+            ("mlp0", "in")]
+    edges = [(s, r) for r in recv for s in ("emb", "0.3", "mlp0", f"{last - 1}.0")
+             if g.valid[g.senders.index(s), g.receivers.index(r)]]
+    assert len(edges) >= 20
+    hf = _hf_edge_effects(folder, task, edges)
+    exact = qk.edge_scores(model, task, method="exact", progress=False).scores
+    eap = qk.edge_scores(model, task, method="eap", progress=False).scores
+    for (s, r), (want_exact, want_slope) in hf.items():
+        i, j = g.senders.index(s), g.receivers.index(r)
+        assert float(exact[i, j]) == pytest.approx(want_exact, abs=2e-5), (name, s, r)
+        assert float(eap[i, j]) == pytest.approx(want_slope, abs=5e-4), (name, s, r)
 
 
 def test_toy_induction_circuit_is_the_known_one(hand_built):

@@ -10,7 +10,10 @@ For an edge s → r (sender s, receiver input r) with Δ_s = out_s(clean) − ou
 - exact:   score = m(clean) − m(clean with r reading out_s(corrupt) instead of out_s(clean))
 - EAP:     score ≈ Σ_{b,p,d} Δ_s · ∂m/∂x_r  at the clean run          (Syed et al. 2023)
 - EAP-IG:  score ≈ Σ_{b,p,d} Δ_s · (1/k) Σ_{j=1..k} ∂m/∂x_r |_(e_corrupt + (j/k)(e_clean − e_corrupt))
-  (Hanna et al. 2024, arXiv 2403.17806, "inputs" variant: the *input embeddings* e are interpolated)
+  (Hanna et al. 2024, arXiv 2403.17806, "inputs" variant: the *input embeddings* e are interpolated;
+  right endpoints j = 1..k, so k = 1 is EAP; their code takes j = 0..k−1). As k grows it tends to the
+  integrated gradient along the joint corrupt → clean path, not to exact (the integral along the edge's own
+  segment); agreement with exact on tiny models is measured in docs/tasks.md.
 
 where x_r is the receiver's own copy of the residual (graph.py) and m the task metric SUMMED over rows;
 scores are divided by the number of prompts, so they are in metric units per prompt. A positive score:
