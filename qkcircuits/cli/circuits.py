@@ -180,7 +180,7 @@ def run(args) -> int:
         check = verify_circuits(model)
         s["verify"] = check.to_dict()
         print(check)
-        for _, row in check.top(3).iterrows():
+        for _, row in check.worst(3).iterrows():
             print(f"  head {row['head']}: QK {row['qk_error']:.2e} (vs {row['score_source']}), "
                   f"OV {row['ov_error']:.2e}")
     if args.json:
