@@ -237,7 +237,7 @@ def smol_scores(smollm2):
 
 @pytest.mark.smollm2
 def test_smollm2_top_induction_heads_matter_causally(smollm2, smol_scores):
-    conf = qk.confirm_induction(smollm2, smol_scores, k=5, n_draws=8, seed=0, n_seqs=4, seq_len=30)
+    conf = qk.confirm_induction(smollm2, smol_scores, k=5, n_draws=8, seed=0, n_seqs=4, seg_len=30)
     rnd = conf["random_effects"]
     assert conf["effect"] > 3 * max(rnd), conf               # far more than any of 8 random 5-head sets
     assert conf["effect"] > 0.5                               # nats on the repeated half

@@ -54,8 +54,8 @@ def test_from_json_errors_say_what_was_expected(hand_built, tmp_path):
     s = qk.scan(hand_built, scores="induction", progress=False)
     wrong = tmp_path / "sweep.json"
     qk.sweep(hand_built, qk.repeated_tokens(hand_built, n_seqs=2, seg_len=5, seed=0), progress=False).to_json(wrong)
-    with pytest.raises(qk.QKCircuitsError, match=r"sweep.json'? is not a scan's --json output .*: it has schema "
-                                                 r"'qkcircuits.head_effects/1' \(that is a HeadEffects: use "
+    with pytest.raises(qk.QKCircuitsError, match=r"sweep.json'?: it has schema 'qkcircuits.head_effects/1', not a "
+                                                 r"scan's --json output .* \(that is a HeadEffects: use "
                                                  r"HeadEffects.from_json\); expected 'qkcircuits.head_scores/1'"):
         qk.HeadScores.from_json(wrong)
     newer = json.loads(s.to_json())
