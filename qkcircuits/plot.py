@@ -170,20 +170,20 @@ def faithfulness(result) -> Figure:
     return as_figure(faithfulness_curve(load_circuit(result, need=("curve",))))
 
 
-def qk(model, head, tokens: Optional[Sequence[str]] = None, **view) -> Figure:
+def qk(model, head, tokens: Optional[Sequence[str]] = None, **options) -> Figure:
     """Query token × key token pre-softmax score of one head's QK circuit over ``tokens`` (single-token
-    strings or ``#id``; default: common words). ``view`` goes to the token view (e.g. its ``input=``)."""
+    strings or ``#id``; default: common words). ``options`` go to the token view (e.g. ``view="direct"``: its rows)."""
     ctx = _ctx(model)
-    return as_figure(V.qk_figure(ctx, _one_head(model, head), _tokens(model, tokens), **view))
+    return as_figure(V.qk_figure(ctx, _one_head(model, head), _tokens(model, tokens), **options))
 
 
-def ov(model, head, tokens: Optional[Sequence[str]] = None, k: int = 5, **view) -> Figure:
+def ov(model, head, tokens: Optional[Sequence[str]] = None, k: int = 5, **options) -> Figure:
     """Each token of ``tokens`` → the ``k`` output tokens whose logits the head's OV circuit raises most
-    (cell text: the token, colour: the logit). ``view`` goes to the token view (e.g. its ``input=``)."""
+    (cell text: the token, colour: the logit). ``options`` go to the token view (e.g. ``view="direct"``: its rows)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise QKCircuitsError(f"k must be a positive integer, got {k!r}")
     ctx = _ctx(model)
-    return as_figure(V.ov_figure(ctx, _one_head(model, head), _tokens(model, tokens), k, **view))
+    return as_figure(V.ov_figure(ctx, _one_head(model, head), _tokens(model, tokens), k, **options))
 
 
 def offsets(model, head) -> Figure:

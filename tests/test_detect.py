@@ -115,7 +115,7 @@ def test_trained_toy_induction_heads_rank_the_source_token_first_with_contextual
     s = qk.scan(trained, scores=["induction"], n_seqs=8, seq_len=12, progress=False)
     ids = token_pool(trained).ids.tolist()
     for h in (int(i) for i in (s["induction"][1] > 0.8).nonzero().flatten()):
-        r = copying_rank(trained, f"1.{h}", ids, input="contextual")
+        r = copying_rank(trained, f"1.{h}", ids, view="contextual")
         assert float((r == 1).float().mean()) >= 0.9, (h, r)
 
 

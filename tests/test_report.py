@@ -87,8 +87,8 @@ def check_views(model, ids, k=3, tol=1e-5):
     for head in qk.all_heads(model.cfg.n_layers, model.cfg.n_heads):
         full = qk.full_qk(model, head)
         ref = full.A[ids] @ full.B[:, ids] * qk.attn_scale(model, head.layer)
-        torch.testing.assert_close(qk_grid(ctx, head, ids, input="direct"), ref, rtol=tol, atol=tol)
-        vals, out = ov_top(ctx, head, ids, k, input="direct")
+        torch.testing.assert_close(qk_grid(ctx, head, ids, view="direct"), ref, rtol=tol, atol=tol)
+        vals, out = ov_top(ctx, head, ids, k, view="direct")
         full_ov = qk.full_ov(model, head)
         for n, t in enumerate(ids):
             v, i = qk.top_tokens(full_ov, t, k)

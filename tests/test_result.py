@@ -96,7 +96,7 @@ def test_renamed_keyword_shim():
         assert f(seg_len=8) == 8 and f() == 40
     with pytest.raises(qk.QKCircuitsError, match="give seg_len= .* or seq_len= .*, not both"):
         f(seq_len=1, seg_len=2)
-    assert renames(qk.scan) == {"seq_len": "seg_len"}
+    assert renames(qk.scan) == {"seq_len": "seg_len", "confirm_top": "confirm_k"}
 
 
 def test_scan_old_keyword_and_flag_still_work(hand_built, capsys):

@@ -204,10 +204,10 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
                                   f"view")
         if "view" in body and "input" in body:
             raise QKCircuitsError("give 'view' (the new name) or 'input' (the old one), not both")
-        field = "view" if "view" in body else "input"
-        view = body.get(field)
+        given = "view" if "view" in body else "input"
+        view = body.get(given)
         if view is not None and view not in INPUTS:
-            raise QKCircuitsError(f"'{field}' must be one of {', '.join(INPUTS)}, got {view!r}")
+            raise QKCircuitsError(f"'{given}' must be one of {', '.join(INPUTS)}, got {view!r}")
         spec = body.get("head")
         if not isinstance(spec, str) or not spec.strip():
             raise QKCircuitsError(f"'head' must be a string such as '1.0' or 'L1H0', got {spec!r}")

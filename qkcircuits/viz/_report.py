@@ -80,10 +80,10 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
             raise QKCircuitsError(f"the {name} are for {shape[0]} layers x {shape[1]} heads, but the model has {L} x {H}")
     if view is not None and view not in INPUTS:
         raise QKCircuitsError(f"view must be one of {', '.join(INPUTS)}, got {view!r}")
-    view = None
+    cview = None
     if circuit is not None:
-        view = load_circuit(circuit)
-        check_against_model(view, L, H, n_kv_heads(model))
+        cview = load_circuit(circuit)
+        check_against_model(cview, L, H, n_kv_heads(model))
     ctx = ViewContext(model)
     ids = token_set(model, tokens)
     pids = prompt_ids(model, prompt)
@@ -92,8 +92,8 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
     extra = model_heads(model, heads) if heads else []
     if trace is not None:                     # every traced receiver gets its panel ("reads from")
         extra += [h for h in trace.receivers if h not in extra]
-    if view is not None:                      # the circuit's heads get panels: role heads first
-        named = [Head(n.layer, n.index) for n in map(parse_node, list(view.roles) + view.heads)
+    if cview is not None:                      # the circuit's heads get panels: role heads first
+        named = [Head(n.layer, n.index) for n in map(parse_node, list(cview.roles) + cview.heads)
                  if n is not None and n.kind == "head"]
         extra += [h for h in dict.fromkeys(named) if h not in extra][:CIRCUIT_HEADS]
     chosen = pick_heads(values, grid_k, extra)
@@ -108,7 +108,7 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
     left_out = (f"panels precomputed for {len(chosen)} of {total} heads: the top {grid_k} of every grid"
                 + (", plus the heads asked for with --heads" if heads else "")
                 + (", the traced heads" if trace is not None else "")
-                + (", the circuit's heads" if view is not None else "")
+                + (", the circuit's heads" if cview is not None else "")
                 + ("; the other heads were left out to keep the file small" if len(chosen) < total else ""))
     name = title or model_name(model)
     first = str(extra[0] if extra else chosen[0])
@@ -120,7 +120,7 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
                         + (f"{view} inputs" if view else "direct inputs at layer 0 and contextual inputs (the mean "
                            "residual each layer reads for a token over a packaged English corpus) after it")
                         + "; each figure's title says which. Offsets and composition come from the weights."),
-            "circuit": circuit_section(view, L, H, n_kv=n_kv_heads(model)) if view is not None else None,
+            "circuit": circuit_section(cview, L, H, n_kv=n_kv_heads(model)) if cview is not None else None,
             "left_out": left_out, "grids": grid_list, "heads": list(panels), "first": first, "panels": panels}
     scripts = (f"<script>{script_text('plotly')}</script>\n"
                f"<script>{script_text('circuitsvis')}</script>")
