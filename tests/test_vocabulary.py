@@ -78,6 +78,10 @@ def test_token_view_is_view_everywhere(hand_built):
     with pytest.warns(DeprecationWarning):
         assert pick_heads(grid, per_score=1, max_heads=1) == pick_heads(grid, grid_k=1, k=1) == [qk.Head(1, 0)]
     assert renames(qk.report_html) == {"per_score": "grid_k", "input": "view"}
+    res = qk.path_patch(hand_built, "1.0", into="k", progress=False)
+    with pytest.warns(DeprecationWarning, match=r"trace\(per_input=...\)"):
+        old_trace = plot.trace(res, per_input=1)
+    assert old_trace.to_json() == _quiet(plot.trace, res, k=1).to_json()
 
 
 @pytest.mark.parametrize("command, new, old", [
