@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         for x in res.into:
             print(f"  {res.summary(r, x)}")
             if args.show > 1:
-                rest = res.top(r, x, args.show)[1:]
+                rest = res.top(args.show, receiver=r, into=x)[1:]
                 if rest:
                     print("      then " + ", ".join(f"{s} {e:.3f}" for s, e in rest)
                           + f"; p95 {res.baseline(r, x)['p95']:.3f}")
