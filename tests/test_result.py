@@ -168,3 +168,5 @@ def test_task_circuit_verify_and_kv_results_round_trip(hand_built, tmp_path):
     with pytest.raises(qk.QKCircuitsError, match=r"it has schema 'qkcircuits.edge_scores/1', not a faithfulness "
                                                  r"JSON .*\(that is a EdgeScores: use EdgeScores.from_json\)"):
         qk.Faithfulness.from_json(tmp_path / "EdgeScores.json")
+    tiny = qk.CircuitCheck.from_json(tmp_path / "CircuitCheck.json")       # errors ~1e-7 keep every digit
+    torch.testing.assert_close(tiny.qk_error, results[5].qk_error, rtol=0, atol=0)

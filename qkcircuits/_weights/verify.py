@@ -85,12 +85,15 @@ class CircuitCheck(Result):
         return [(str(r["head"]), float(r["error"])) for _, r in self.worst(k).iterrows()]
 
     def to_dict(self) -> Dict[str, object]:
-        from .._foundation.io import json_number
+        import math
+
+        def num(x: float):           # full precision: the errors are ~1e-7 (6 decimals would make them 0)
+            return float(x) if math.isfinite(x) else None
 
         def grid(t: torch.Tensor):
-            return [[json_number(x) for x in row] for row in t.tolist()]
+            return [[num(x) for x in row] for row in t.tolist()]
 
-        return {"schema": SCHEMA, "passed": self.passed, "max_error": json_number(self.max_error),
+        return {"schema": SCHEMA, "passed": self.passed, "max_error": num(self.max_error),
                 "tolerance": self.tolerance, "qk_error": grid(self.qk_error), "ov_error": grid(self.ov_error),
                 "score_source": {str(k): v for k, v in self.score_source.items()},
                 "output_source": {str(k): v for k, v in self.output_source.items()}, "settings": self.settings}
