@@ -100,7 +100,7 @@ def json_number(x) -> Optional[float]:
     return None if math.isnan(x) or math.isinf(x) else round(x, 6)
 
 
-def dump_json(data: Dict[str, Any], path: Optional[Union[str, Path]] = None, indent: int = 1) -> str:
+def dump_json(data: Dict[str, Any], path: Optional[Union[str, Path]] = None, indent: Optional[int] = 1) -> str:
     """JSON text of ``data``, also written atomically to ``path`` when given."""
     text = json.dumps(data, indent=indent)
     if path is not None:

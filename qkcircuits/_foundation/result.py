@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import json
 from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
 
@@ -37,7 +36,7 @@ import torch
 
 from .display import Displayed
 from .errors import QKCircuitsError
-from .io import check_schema, load_json, looks_like_json, package_version, parse_schema, write_atomic
+from .io import check_schema, dump_json, load_json, looks_like_json, package_version, parse_schema
 
 PathOrText = Union[str, Path]
 # True while from_json builds a result: a loaded result keeps the versions its file recorded (or none)
@@ -110,10 +109,7 @@ class Result(Displayed):
         d = self.to_dict()
         if self.SCHEMA:
             d = {"schema": self.SCHEMA, **{k: v for k, v in d.items() if k != "schema"}}
-        text = json.dumps(d, indent=indent)
-        if path is not None:
-            write_atomic(path, text)
-        return text
+        return dump_json(d, path, indent)
 
     @classmethod
     def from_json(cls, path_or_text: PathOrText) -> "Result":

@@ -22,11 +22,7 @@ def add_parser(sub) -> None:
                         "(default: common English words that are single tokens; ids 0-31 without a tokenizer)")
     p.add_argument("--prompt", help="text for the attention patterns (space-separated ids for a model without a "
                                     "tokenizer; default: a sentence said twice)")
-    p.add_argument("--scores", metavar="JSON", help="scores from `qkcircuits scan --json` (default: run a scan)")
-    p.add_argument("--ablation", metavar="JSON", help="per-head effects from `qkcircuits ablate --sweep --json`")
-    p.add_argument("--diagnostics", metavar="JSON", help="flags from `qkcircuits diagnose --json`")
-    p.add_argument("--trace", metavar="JSON", help="path effects from `qkcircuits trace --json` (circuit graph and "
-                                                   "a 'reads from' panel per traced head)")
+    add_result_args(p)
     p.add_argument("--circuit", metavar="JSON", help="a circuit from `qkcircuits circuit --json` (its faithfulness "
                                                      "curve, graph, roles and top edges; panels for its heads)")
     p.add_argument("--heads", help="heads to include besides the top ones, e.g. '5.1,L6H9'")
@@ -57,6 +53,16 @@ def _read(cls, path: str, flag: str, what: str):
         raise QKCircuitsError(str(e) if repr(path) in str(e) else f"{flag} {path!r}: {e}") from None
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
         raise QKCircuitsError(f"{flag} {path!r} is not {what} ({type(e).__name__}: {e})") from None
+
+
+def add_result_args(p) -> None:
+    """The result files the report and the app read (``load_inputs``, ``read_trace``): --scores, --ablation,
+    --diagnostics, --trace."""
+    p.add_argument("--scores", metavar="JSON", help="scores from `qkcircuits scan --json` (default: run a scan)")
+    p.add_argument("--ablation", metavar="JSON", help="per-head effects from `qkcircuits ablate --sweep --json`")
+    p.add_argument("--diagnostics", metavar="JSON", help="flags from `qkcircuits diagnose --json`")
+    p.add_argument("--trace", metavar="JSON", help="path effects from `qkcircuits trace --json` (circuit graph and "
+                                                   "a 'reads from' panel per traced head)")
 
 
 def load_inputs(args):
