@@ -33,7 +33,7 @@ from numbers import Real
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -134,10 +134,10 @@ class Circuit(Result):
     def to_dict(self) -> Dict[str, object]:
         from .._foundation.io import json_number
 
-        return {"edges": [[s, r, x, json_number(v)] for s, r, x, v in self.edges()], "heads": self.heads,
+        return {"graph": self.graph.to_dict(), "model": self.model,          # what from_json rebuilds the graph from
+                "edges": [[s, r, x, json_number(v)] for s, r, x, v in self.edges()], "heads": self.heads,
                 "mlps": sorted(n for n in self.nodes if n.startswith("mlp")), "n_edges": self.n_edges,
-                "requested_edges": self.requested, "percent": self.percent, "by": self.by,
-                "graph": self.graph.to_dict(), "model": self.model}
+                "requested_edges": self.requested, "percent": self.percent, "by": self.by}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, object]) -> "Circuit":
@@ -153,8 +153,10 @@ class Circuit(Result):
             mask[s_at[s], r_at[(r, x)]] = True
             scores[s_at[s], r_at[(r, x)]] = float("nan") if v is None else float(v)
         pct = d.get("percent")
-        return cls(g, mask, scores, str(d.get("by", "abs")), None if pct is None else float(pct),
-                   int(d.get("requested_edges", 0)), str(d.get("model", "")))
+        known = {"graph", "mask", "scores", "by", "percent", "requested", "model"}
+        other = {f.name: d[f.name] for f in fields(cls) if f.name not in known and f.name in d}   # e.g. later settings
+        return cls(g, mask, scores, by=str(d.get("by", "abs")), percent=None if pct is None else float(pct),
+                   requested=int(d.get("requested_edges", 0)), model=str(d.get("model", "")), **other)
 
     def top(self, k: int = 10) -> List[Tuple[str, str, str, float]]:
         """The circuit's ``k`` edges of largest |score|: ``(sender, receiver, input, score)``."""
