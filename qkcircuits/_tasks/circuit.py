@@ -33,7 +33,7 @@ from numbers import Real
 
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -152,6 +152,8 @@ class Circuit(Result):
                 raise QKCircuitsError(f"edge {s} -> {r} {x} is not an edge of the graph {g!r}")
             mask[s_at[s], r_at[(r, x)]] = True
             scores[s_at[s], r_at[(r, x)]] = float("nan") if v is None else float(v)
+        from dataclasses import fields
+
         pct = d.get("percent")
         known = {"graph", "mask", "scores", "by", "percent", "requested", "model"}
         other = {f.name: d[f.name] for f in fields(cls) if f.name not in known and f.name in d}   # e.g. later settings
