@@ -165,10 +165,10 @@ class ViewContext:
             from .._weights.circuits import normalize_rows
             return normalize_rows(self.model, E, "ln1", layer)
 
-    def inputs(self, layer: int, ids: Sequence[int], view: Optional[str] = None) -> TokenInputs:
-        """``token_inputs`` for ``layer`` (cached per layer, token set and view; the default view is
+    def inputs(self, layer: int, ids: Sequence[int], input: Optional[str] = None) -> TokenInputs:
+        """``token_inputs`` for ``layer`` (cached per layer, token set and input; the default input is
         contextual past layer 0, direct at layer 0)."""
-        key = (int(layer), tuple(int(i) for i in ids), check_input(view, layer))
+        key = (int(layer), tuple(int(i) for i in ids), check_input(input, layer))
         if key not in self._inputs:
             self._inputs[key] = token_inputs(self.model, key[0], list(key[1]), key[2])
         return self._inputs[key]
