@@ -40,7 +40,7 @@ __all__ = sorted([
     "INTO", "VIEWS", "Backend", "Local", "Ray", "as_backend",
     "PathEffects", "edge_attribution", "path_patch", "trace_induction", "Zoo", "zoo",
     # tasks and circuits over the whole graph
-    "EdgeScores", "Faithfulness", "Graph", "NodeScores", "Task", "TaskCircuit", "edge_scores", "faithfulness",
+    "EdgeScores", "Faithfulness", "Graph", "NodeScores", "Roles", "Task", "TaskCircuit", "edge_scores", "faithfulness",
     "graph", "node_faithfulness", "node_scores", "tasks",
     # views
     *_VIEWS,

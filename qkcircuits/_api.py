@@ -51,6 +51,7 @@ from ._tasks import builders as tasks
 from ._tasks.circuit import Circuit as TaskCircuit
 from ._tasks.circuit import Faithfulness, faithfulness, node_faithfulness
 from ._tasks.graph import Graph, graph
+from ._tasks.roles import Roles
 from ._tasks.scores import EdgeScores, NodeScores, edge_scores, node_scores
 from ._tasks.task import Task
 

@@ -28,6 +28,7 @@ import torch
 
 from ._foundation.errors import QKCircuitsError
 from ._foundation.heads import Head, HeadsLike, model_heads
+from ._foundation.renamed import renamed
 from .viz import _figures as F
 from .viz import _views as V
 from .viz._notebook import AttentionView, Figure, as_figure, set_bundle, setup
@@ -101,19 +102,20 @@ def diagnostics(result, measure: Optional[str] = None) -> Figure:
     return as_figure(V.diagnostics_figure(result, measure))
 
 
-def trace(result, per_input: int = 2) -> Figure:
+@renamed(per_input="k")
+def trace(result, k: int = 2) -> Figure:
     """The circuit graph of a ``PathEffects`` (``qk.trace_induction``, ``qk.path_patch``, ``qk.edge_attribution``):
     the traced heads at (x = head, y = layer), coloured by scan label, and for each receiver and input (q, k, v)
-    its ``per_input`` largest senders whose effect is above zero and above that receiver's 95th percentile over
+    its ``k`` largest senders whose effect is above zero and above that receiver's 95th percentile over
     all its senders (``result.baseline``). Each edge line carries its data in ``meta`` (src, dst, input, effect).
-    The same builder draws the report's and the app's circuit panel."""
+    The same builder draws the report's and the app's circuit panel. (``per_input=`` is the old name of ``k``.)"""
     from ._foundation.io import check_int
     from ._paths.path_effects import PathEffects
     from .viz._trace_view import circuit
 
     _need(result, PathEffects, "plot.trace", "from qk.trace_induction, qk.path_patch or qk.edge_attribution")
-    check_int("per_input", per_input)
-    return as_figure(circuit(result, per_input))
+    check_int("k", k)
+    return as_figure(circuit(result, k))
 
 
 def reads_from(result, head, k: int = 3) -> Figure:
@@ -170,20 +172,20 @@ def faithfulness(result) -> Figure:
     return as_figure(faithfulness_curve(load_circuit(result, need=("curve",))))
 
 
-def qk(model, head, tokens: Optional[Sequence[str]] = None, **view) -> Figure:
+def qk(model, head, tokens: Optional[Sequence[str]] = None, **options) -> Figure:
     """Query token × key token pre-softmax score of one head's QK circuit over ``tokens`` (single-token
-    strings or ``#id``; default: common words). ``view`` goes to the token view (e.g. its ``input=``)."""
+    strings or ``#id``; default: common words). ``options`` go to the token view (e.g. ``view="direct"``: its rows)."""
     ctx = _ctx(model)
-    return as_figure(V.qk_figure(ctx, _one_head(model, head), _tokens(model, tokens), **view))
+    return as_figure(V.qk_figure(ctx, _one_head(model, head), _tokens(model, tokens), **options))
 
 
-def ov(model, head, tokens: Optional[Sequence[str]] = None, k: int = 5, **view) -> Figure:
+def ov(model, head, tokens: Optional[Sequence[str]] = None, k: int = 5, **options) -> Figure:
     """Each token of ``tokens`` → the ``k`` output tokens whose logits the head's OV circuit raises most
-    (cell text: the token, colour: the logit). ``view`` goes to the token view (e.g. its ``input=``)."""
+    (cell text: the token, colour: the logit). ``options`` go to the token view (e.g. ``view="direct"``: its rows)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise QKCircuitsError(f"k must be a positive integer, got {k!r}")
     ctx = _ctx(model)
-    return as_figure(V.ov_figure(ctx, _one_head(model, head), _tokens(model, tokens), k, **view))
+    return as_figure(V.ov_figure(ctx, _one_head(model, head), _tokens(model, tokens), k, **options))
 
 
 def offsets(model, head) -> Figure:

@@ -135,7 +135,7 @@ class Page:
 def toy_report(hand_built, tmp_path_factory):
     scores = qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
     path = tmp_path_factory.mktemp("report") / "toy.html"
-    write_report(str(path), report_html(hand_built, scores=scores, per_score=1, progress=False))
+    write_report(str(path), report_html(hand_built, scores=scores, grid_k=1, progress=False))
     return path
 
 
@@ -209,7 +209,7 @@ def test_app_choose_head_and_errors(browser, hand_built):
 def test_smollm2_report_and_app(browser, smollm2, tmp_path):
     scores = qk.scan(smollm2, n_seqs=2, seq_len=20, prefix_seqs=2, prefix_len=10, eigen_copying=False, ov_tokens=16,
                      progress=False)
-    html = report_html(smollm2, scores=scores, heads="0.3", per_score=2, progress=False)
+    html = report_html(smollm2, scores=scores, heads="0.3", grid_k=2, progress=False)
     path = tmp_path / "smollm2.html"
     write_report(str(path), html)
     p = Page(browser).open(path.as_uri())

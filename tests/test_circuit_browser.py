@@ -33,7 +33,7 @@ def test_report_circuit_section_draws_offline(browser, hand_built, tmp_path):  #
     data = json.loads(json.dumps(CHAIN))
     data["roles"]["0.0"]["role"] = HOSTILE
     path = tmp_path / "circuit.html"
-    write_report(str(path), report_html(hand_built, scores=scores, per_score=1, circuit=data, progress=False))
+    write_report(str(path), report_html(hand_built, scores=scores, grid_k=1, circuit=data, progress=False))
     p = Page(browser).open(path.as_uri())
     pg = p.page
     # the curve: one line through the 4 points on the log axis, and the dashed 0.8 line

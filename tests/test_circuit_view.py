@@ -153,8 +153,8 @@ def _bad(**change):
 
 
 BAD = [
-    (_bad(schema="qkcircuits.trace/1"), "schema 'qkcircuits.trace/1' is not a circuit file"),
-    (_bad(schema="qkcircuits.circuit/9"), "has a version this qkcircuits does not read"),
+    (_bad(schema="qkcircuits.trace/1"), r"it has schema 'qkcircuits.trace/1', not a circuit file"),
+    (_bad(schema="qkcircuits.circuit/9"), "this qkcircuits reads qkcircuits.circuit versions 1 to 1"),
     (_bad(edges=[["0.0", "1.0", "k"]]), r"circuit.edges\[0\] must be \[sender, receiver, input, score\]"),
     (_bad(edges=[["0.0", "blob", "k", 1.0]]), r"circuit.edges\[0\] receiver 'blob' is not a node"),
     (_bad(edges=[["1.0", "0.0", "k", 1.0]]), r"runs 1.0 -> 0.0, which is not forward"),

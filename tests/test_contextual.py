@@ -146,7 +146,7 @@ def test_report_panel_defaults_to_contextual_past_layer_0_and_titles_say_so(tiny
     from qkcircuits.viz._panels import qk_grid
     for inp in C.INPUTS:                                     # the view is the public API's token_qk
         torch.testing.assert_close(qk_grid(ctx, qk.Head(1, 1), ids, inp), qk.token_qk(model, "1.1", ids, inp)[0])
-    pe = panel(ctx, qk.Head(1, 0), ids, None, k=3, input="effective")
+    pe = panel(ctx, qk.Head(1, 0), ids, None, k=3, view="effective")
     assert "effective inputs" in pe["figures"]["ov"]["layout"]["title"]["text"]
 
 

@@ -115,7 +115,7 @@ def test_trained_toy_induction_heads_rank_the_source_token_first_with_contextual
     s = qk.scan(trained, scores=["induction"], n_seqs=8, seq_len=12, progress=False)
     ids = token_pool(trained).ids.tolist()
     for h in (int(i) for i in (s["induction"][1] > 0.8).nonzero().flatten()):
-        r = copying_rank(trained, f"1.{h}", ids, input="contextual")
+        r = copying_rank(trained, f"1.{h}", ids, view="contextual")
         assert float((r == 1).float().mean()) >= 0.9, (h, r)
 
 
@@ -237,7 +237,7 @@ def smol_scores(smollm2):
 
 @pytest.mark.smollm2
 def test_smollm2_top_induction_heads_matter_causally(smollm2, smol_scores):
-    conf = qk.confirm_induction(smollm2, smol_scores, k=5, n_draws=8, seed=0, n_seqs=4, seq_len=30)
+    conf = qk.confirm_induction(smollm2, smol_scores, k=5, n_draws=8, seed=0, n_seqs=4, seg_len=30)
     rnd = conf["random_effects"]
     assert conf["effect"] > 3 * max(rnd), conf               # far more than any of 8 random 5-head sets
     assert conf["effect"] > 0.5                               # nats on the repeated half

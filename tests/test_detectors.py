@@ -36,7 +36,7 @@ def _same_as_before(new: dict, old: dict) -> None:
 
 
 def _scan(m, text: bool, confirm: int):
-    return qk.scan(m, text=text, confirm_top=confirm, progress=False, ov_tokens=16, n_seqs=2)
+    return qk.scan(m, text=text, confirm_k=confirm, progress=False, ov_tokens=16, n_seqs=2)
 
 
 def test_registry_scan_is_bit_identical_to_before_on_toy_induction(hand_built):

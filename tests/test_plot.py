@@ -93,10 +93,10 @@ def test_qk_ov_equal_the_circuits_api(tmp_path_factory):
     head = qk.Head(1, 2)
     full = qk.full_qk(model, head)
     ref = (full.A[ids] @ full.B[:, ids]) * qk.attn_scale(model, head.layer)
-    direct = plot.qk(model, "1.2", tokens, input="direct")
+    direct = plot.qk(model, "1.2", tokens, view="direct")
     torch.testing.assert_close(z(direct), rounded(ref).double(), rtol=2e-4, atol=1e-6)
     assert "direct inputs" in direct.layout.title.text
-    fig = plot.ov(model, "1.2", tokens, k=3, input="direct")
+    fig = plot.ov(model, "1.2", tokens, k=3, view="direct")
     fov = qk.full_ov(model, head)
     for n, t in enumerate(ids):
         v, _ = qk.top_tokens(fov, t, 3)
@@ -104,7 +104,7 @@ def test_qk_ov_equal_the_circuits_api(tmp_path_factory):
     # past layer 0 the default is the contextual view: the same figure as the token-view API draws
     ctx_fig = plot.qk(model, "1.2", tokens)
     assert "contextual inputs" in ctx_fig.layout.title.text
-    grid, _ = qk.token_qk(model, head, ids, input="contextual")
+    grid, _ = qk.token_qk(model, head, ids, view="contextual")
     torch.testing.assert_close(z(ctx_fig), rounded(grid).double(), rtol=2e-4, atol=1e-6)
     assert (grid - ref).abs().max() > 1e-3                 # and it is not the direct view again
 

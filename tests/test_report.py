@@ -87,8 +87,8 @@ def check_views(model, ids, k=3, tol=1e-5):
     for head in qk.all_heads(model.cfg.n_layers, model.cfg.n_heads):
         full = qk.full_qk(model, head)
         ref = full.A[ids] @ full.B[:, ids] * qk.attn_scale(model, head.layer)
-        torch.testing.assert_close(qk_grid(ctx, head, ids, input="direct"), ref, rtol=tol, atol=tol)
-        vals, out = ov_top(ctx, head, ids, k, input="direct")
+        torch.testing.assert_close(qk_grid(ctx, head, ids, view="direct"), ref, rtol=tol, atol=tol)
+        vals, out = ov_top(ctx, head, ids, k, view="direct")
         full_ov = qk.full_ov(model, head)
         for n, t in enumerate(ids):
             v, i = qk.top_tokens(full_ov, t, k)
@@ -119,12 +119,12 @@ def test_views_agree_with_circuits_module_on_gpt2_with_biases(tmp_path_factory):
     w, E = layer_weights(model, 1), ctx.embed(1, ids)
     with_biases = (E @ w.W_Q[0] + w.b_Q[0]) @ (E @ w.W_K[0] + w.b_K[0]).T * qk.attn_scale(model, 1)
     assert (with_biases - qk_grid(ctx, head, ids)).abs().max() > 1e-2       # the two conventions differ here
-    fig = report_html(model, heads="1.0", per_score=0, tokens=["#1", "#2"], prompt="the cat sat", progress=False)
+    fig = report_html(model, heads="1.0", grid_k=0, tokens=["#1", "#2"], prompt="the cat sat", progress=False)
     assert "no biases" in json.dumps(source_data(fig)["panels"]["1.0"]["figures"]["qk"]["layout"]["title"])
 
 
 def test_left_out_heads_are_stated(hand_built, toy_scores):
-    data = source_data(report_html(hand_built, scores=toy_scores, per_score=0, heads="1.1", progress=False))
+    data = source_data(report_html(hand_built, scores=toy_scores, grid_k=0, heads="1.1", progress=False))
     assert data["heads"] == ["1.1"]
     assert "1 of 4 heads" in data["left_out"] and "left out" in data["left_out"]
 
@@ -189,7 +189,7 @@ def test_cli_report_reads_the_ablate_sweep_json(tmp_path, toy_scores):
     toy_scores.to_json(scores)
     out = tmp_path / "r.html"
     assert main(["report", "toy-induction", "-o", str(out), "--scores", str(scores), "--ablation", str(sweep),
-                 "--per-score", "1", "--quiet"]) == 0
+                 "--grid-k", "1", "--quiet"]) == 0
     data = source_data(out.read_text(encoding="utf-8"))
     assert "ablation" in [g["key"] for g in data["grids"]]
     # Without the induction head nothing reaches the output block: uniform over V = 32 tokens.
@@ -213,7 +213,7 @@ def test_report_file_has_a_new_files_usual_permissions(tmp_path):
 @pytest.mark.smollm2
 def test_smollm2_report(smollm2):
     model = smollm2
-    html = report_html(model, heads="0.3", per_score=2, progress=False)
+    html = report_html(model, heads="0.3", grid_k=2, progress=False)
     size = len(html.encode("utf-8"))
     assert size < 8 * 2 ** 20, f"report is {size / 2 ** 20:.1f} MiB"
     data = source_data(html)

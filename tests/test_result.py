@@ -54,8 +54,8 @@ def test_from_json_errors_say_what_was_expected(hand_built, tmp_path):
     s = qk.scan(hand_built, scores="induction", progress=False)
     wrong = tmp_path / "sweep.json"
     qk.sweep(hand_built, qk.repeated_tokens(hand_built, n_seqs=2, seg_len=5, seed=0), progress=False).to_json(wrong)
-    with pytest.raises(qk.QKCircuitsError, match=r"sweep.json'? is not a scan's --json output .*: it has schema "
-                                                 r"'qkcircuits.head_effects/1' \(that is a HeadEffects: use "
+    with pytest.raises(qk.QKCircuitsError, match=r"sweep.json'?: it has schema 'qkcircuits.head_effects/1', not a "
+                                                 r"scan's --json output .* \(that is a HeadEffects: use "
                                                  r"HeadEffects.from_json\); expected 'qkcircuits.head_scores/1'"):
         qk.HeadScores.from_json(wrong)
     newer = json.loads(s.to_json())
@@ -96,7 +96,7 @@ def test_renamed_keyword_shim():
         assert f(seg_len=8) == 8 and f() == 40
     with pytest.raises(qk.QKCircuitsError, match="give seg_len= .* or seq_len= .*, not both"):
         f(seq_len=1, seg_len=2)
-    assert renames(qk.scan) == {"seq_len": "seg_len"}
+    assert renames(qk.scan) == {"seq_len": "seg_len", "confirm_top": "confirm_k"}
 
 
 def test_scan_old_keyword_and_flag_still_work(hand_built, capsys):
@@ -124,3 +124,49 @@ def test_renamed_public_arguments_warn_and_agree(hand_built):
 
     assert renames(qk.trace_induction) == {"top": "k"} and renames(trace) == {"top": "k"}
     assert qk.INTO == ("q", "k", "v") and qk.VIEWS == qk.INPUTS == ("direct", "effective", "contextual")
+
+
+def test_task_circuit_verify_and_kv_results_round_trip(hand_built, tmp_path):
+    """EdgeScores, NodeScores, TaskCircuit, Faithfulness, Roles, CircuitCheck and KVCache are Results: a file
+    of each reads back (by its class and by qk.load_result) to the same JSON, and keeps its old keys."""
+    m = hand_built
+    task = qk.tasks.induction(m, n=4, seg_len=5)
+    scores = qk.edge_scores(m, task, method="eap", progress=False)
+    faith = qk.faithfulness(m, task, scores, sizes=(50, 100), progress=False)
+    circ = scores.circuit(edges=4)
+    roles = circ.roles(m, task)
+    results = [scores, qk.node_scores(m, task, method="eap", progress=False), circ, faith, roles,
+               qk.verify_circuits(m), qk.kv_cache(m)]
+    for r in results:
+        cls = type(r)
+        assert isinstance(r, qk.Result) and cls.SCHEMA.startswith("qkcircuits.") and cls.SCHEMA.endswith("/1")
+        path = tmp_path / f"{cls.__name__}.json"
+        text = r.to_json(path)
+        d = json.loads(text)
+        assert path.read_text() == text and d["schema"] == cls.SCHEMA, cls.__name__
+        back = cls.from_json(path)
+        assert back.to_json() == text, cls.__name__                 # nothing lost, nothing invented
+        assert type(qk.load_result(path)) is cls and repr(back) == repr(cls.from_json(back.to_json()))
+        assert len(r.to_frame()) > 0 and len(r.top(1)) == 1
+    # the known circuit of the toy (0.0 -> k of 1.0 -> logits) survives the file, and the circuit view reads it
+    back = qk.TaskCircuit.from_json(tmp_path / "Circuit.json")
+    def same_edges(a, b):      # the file keeps 6 decimals
+        return [e[:3] for e in a] == [e[:3] for e in b] and all(abs(x[3] - y[3]) < 1e-6 for x, y in zip(a, b))
+
+    assert same_edges(back.edges(), circ.edges()) and back.heads == circ.heads == ["0.0", "1.0"]
+    from qkcircuits.viz._circuit_data import load_circuit
+
+    assert load_circuit(tmp_path / "Circuit.json").heads == ["0.0", "1.0"]
+    f = qk.Faithfulness.from_json(tmp_path / "Faithfulness.json")
+    assert f.curve[100.0] == 1.0 and same_edges(f.circuit.edges(), faith.circuit.edges()) and f.node_heads == faith.node_heads
+    # old keys kept: the circuit part of `qkcircuits circuit --json`, the roles map, the check's numbers
+    assert {"edges", "heads", "mlps", "n_edges", "requested_edges", "percent", "by"} <= set(circ.to_dict())
+    assert json.loads(roles.to_json())["roles"] == roles.roles and all("role" in v for v in roles.roles.values())
+    check = json.loads((tmp_path / "CircuitCheck.json").read_text())
+    assert check["passed"] is True and len(check["qk_error"]) == 2
+    assert qk.verify_circuits(m).top(1)[0][1] == qk.verify_circuits(m).max_error
+    with pytest.raises(qk.QKCircuitsError, match=r"it has schema 'qkcircuits.edge_scores/1', not a faithfulness "
+                                                 r"JSON .*\(that is a EdgeScores: use EdgeScores.from_json\)"):
+        qk.Faithfulness.from_json(tmp_path / "EdgeScores.json")
+    tiny = qk.CircuitCheck.from_json(tmp_path / "CircuitCheck.json")       # errors ~1e-7 keep every digit
+    torch.testing.assert_close(tiny.qk_error, results[5].qk_error, rtol=0, atol=0)

@@ -38,7 +38,7 @@ def test_trace_report_draws_circuit_and_reads_from(browser, hand_built, tmp_path
     scores = qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
     res = trace(hand_built, "1.0", scores=scores, progress=False)
     path = tmp_path / "trace.html"
-    write_report(str(path), report_html(hand_built, scores=scores, per_score=1, trace=res, progress=False))
+    write_report(str(path), report_html(hand_built, scores=scores, grid_k=1, trace=res, progress=False))
     p = Page(browser).open(path.as_uri())
     assert p.shown() == "1.0"
     _check_trace_views(p, "1.0")
@@ -54,7 +54,7 @@ def test_trace_report_draws_circuit_and_reads_from(browser, hand_built, tmp_path
 def test_smollm2_trace_report(browser, smollm2, tmp_path):  # noqa: F811
     scores = qk.scan(smollm2, eigen_copying=False, copying=False, progress=False)
     res = trace(smollm2, top=3, into=("q", "k"), scores=scores, progress=False)
-    html = report_html(smollm2, scores=scores, per_score=1, trace=res, progress=False)
+    html = report_html(smollm2, scores=scores, grid_k=1, trace=res, progress=False)
     path = tmp_path / "smollm2-trace.html"
     write_report(str(path), html)
     p = Page(browser).open(path.as_uri())

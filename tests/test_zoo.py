@@ -65,8 +65,8 @@ def test_zoo_ray_equals_local(tmp_path, llama):
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
         specs = ["toy-induction", llama]
-        local = qk.zoo(specs, confirm_top=1, n_seqs=4, progress=False)
-        remote = qk.zoo(specs, backend="ray", confirm_top=1, n_seqs=4, progress=False)
+        local = qk.zoo(specs, confirm_k=1, n_seqs=4, progress=False)
+        remote = qk.zoo(specs, backend="ray", confirm_k=1, n_seqs=4, progress=False)
     finally:
         if started:
             ray.shutdown()

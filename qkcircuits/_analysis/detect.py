@@ -225,11 +225,11 @@ def stream_scores(model, dets: Sequence[Detector], tokens: Int[Tensor, "batch po
             for name in reducers}
 
 
-@renamed(seq_len="seg_len")
+@renamed(seq_len="seg_len", confirm_top="confirm_k")
 def scan(model, *, scores: Optional[Sequence[str]] = None, n_seqs: int = 8, seg_len: Optional[int] = None,
          seed: int = 0, bos: Optional[int] = None, prefix_seqs: int = 10, prefix_len: Optional[int] = None,
          text: bool = False, copying: bool = True, eigen_copying: bool = True, exclude_bos: bool = False,
-         confirm_top: int = 0, ov_tokens: int = 64, ov_method: str = "sample", progress: bool = True) -> HeadScores:
+         confirm_k: int = 0, ov_tokens: int = 64, ov_method: str = "sample", progress: bool = True) -> HeadScores:
     """Score every head of ``model`` with the registered detectors (``qk.detectors()``; module docstring).
 
     >>> s = qk.scan(model, scores="induction,previous_token", progress=False)
@@ -248,8 +248,9 @@ def scan(model, *, scores: Optional[Sequence[str]] = None, n_seqs: int = 8, seg_
     token pool, so that R is drawn without repeats where the vocabulary allows. ``exclude_bos`` renormalises
     each query's attention away from BOS before scoring; the default counts attention parked on BOS as
     attention not on target. Memory: one layer's [batch, head, pos, pos] pattern at a time, plus
-    [n_layers, n_heads] scores. ``confirm_top=k`` ablates the top-k induction heads and k random heads and
-    stores the loss rises in ``extras["confirmation"]``. (``seq_len=`` is the old name of ``seg_len``.)
+    [n_layers, n_heads] scores. ``confirm_k=k`` ablates the top-k induction heads and k random heads and
+    stores the loss rises in ``extras["confirmation"]``. (``seq_len=`` and ``confirm_top=`` are the old names
+    of ``seg_len`` and ``confirm_k``.)
     ``ov_method``: ``"sample"`` (default) estimates ``ov_copying``'s ranks from a vocabulary sample,
     ``"exact"`` counts every rank over the whole vocabulary (see ``qkcircuits.ov_copying``).
     """
@@ -287,9 +288,9 @@ def scan(model, *, scores: Optional[Sequence[str]] = None, n_seqs: int = 8, seg_
                            prefix_seqs=prefix_seqs, prefix_len=ctx.prefix_len, text="text" in streamed,
                            exclude_bos=exclude_bos, pool_size=len(pool.ids), **extra),
     )
-    if confirm_top:
-        result.extras["confirmation"] = confirm_induction(model, result, k=confirm_top, seed=seed, pool=pool,
-                                                          n_seqs=n_seqs, seq_len=ctx.seg_len)
+    if confirm_k:
+        result.extras["confirmation"] = confirm_induction(model, result, k=confirm_k, seed=seed, pool=pool,
+                                                          n_seqs=n_seqs, seg_len=ctx.seg_len)
     return result
 
 
@@ -304,25 +305,28 @@ def _check_scan(seed, n_seqs, prefix_seqs, ov_tokens, scores, text, copying, eig
 _wanted = lambda scores, text, copying, eigen_copying: select(  # noqa: E731  (the old name; cli/scan.py used it)
     scores, text=text, copying=copying, eigen_copying=eigen_copying)
 
+@renamed(seq_len="seg_len")
 def confirm_induction(model, scores: HeadScores, *, k: int = 5, n_draws: int = 10, seed: int = 0, pool=None,
-                      n_seqs: int = 8, seq_len: int = 40) -> Dict[str, object]:
+                      n_seqs: int = 8, seg_len: int = 40) -> Dict[str, object]:
     """Causal check: rise of the repeated-half loss when the top-``k`` induction heads are zero-ablated
-    together, against ``n_draws`` sets of ``k`` random other heads (``qkcircuits.compare_to_random``).
+    together, against ``n_draws`` sets of ``k`` random other heads (``qkcircuits.compare_to_random``), on
+    ``n_seqs`` prompts [BOS]+R+R with R of ``seg_len`` tokens (``seq_len=`` is its old name).
 
-    Returns plain data (JSON-ready): heads, baseline, effect, random_effects, random_heads, seed.
+    Returns plain data (JSON-ready): heads, baseline, effect, random_effects, random_heads, seed, n_seqs and
+    ``seq_len`` (the JSON key of the segment length, kept so old files and readers agree).
     """
     from .ablate import compare_to_random
 
     check_int("k", k)
     pool = pool or token_pool(model)
-    seq_len = min(seq_len, segment_length(model, 2, seq_len, pool))    # keep R free of repeats, as the scan does
-    toks = repeated_tokens(model, n_seqs, seq_len, 2, seed=seed + 2, pool=pool)
+    seg_len = min(seg_len, segment_length(model, 2, seg_len, pool))    # keep R free of repeats, as the scan does
+    toks = repeated_tokens(model, n_seqs, seg_len, 2, seed=seed + 2, pool=pool)
     heads = [h for h, _ in scores.top(k, "induction")]
     cmp = compare_to_random(model, heads, toks, "induction-loss", n_draws=n_draws, seed=seed)
     return {"heads": [str(h) for h in cmp.heads], "metric": cmp.metric, "method": cmp.method,
             "baseline": cmp.baseline, "effect": cmp.effect, "random_effects": [float(x) for x in cmp.random_effects],
             "random_heads": [[str(h) for h in hs] for hs in cmp.random_heads], "seed": seed, "n_seqs": n_seqs,
-            "seq_len": seq_len}
+            "seq_len": seg_len}
 
 
 def _settings(model, **kw) -> Dict[str, object]:

@@ -369,15 +369,31 @@ def _n_positional(fn: Callable) -> int:
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
 
 
-def default_tokens(model, metric: Union[str, Metric], *, n_seqs: int = 8, seq_len: Optional[int] = None,
-                   seed: int = 0) -> Tokens:
-    """Prompts a named metric is defined on: ``[BOS]+R+R`` with ``|R| = seq_len`` for induction-loss
+def default_tokens(model, metric: Union[str, Metric], *, n_seqs: int = 8, seg_len: Optional[int] = None,
+                   seq_len: Optional[int] = None, seed: int = 0) -> Tokens:
+    """Prompts a named metric is defined on: ``[BOS]+R+R`` with ``|R| = seg_len`` for induction-loss
     (default ``segment_length``: 40 capped by context and vocabulary), rows of ``seq_len`` (default 40)
-    tokens of the packaged text for text-loss."""
+    tokens of the packaged text for text-loss.
+
+    ``seq_len=`` for induction-loss is the old spelling of ``seg_len=`` (one release, DeprecationWarning);
+    ``seg_len=`` for text-loss is refused (text rows have no repeated segment).
+    """
+    import warnings
+
     name = metric.name if isinstance(metric, Metric) else ALIASES.get(metric, metric)
     if name.startswith("induction"):
-        return repeated_tokens(model, n_seqs=n_seqs, seg_len=seq_len or segment_length(model), seed=seed)
+        if seq_len is not None:
+            if seg_len is not None:
+                raise QKCircuitsError("default_tokens: give seg_len= (the length of R), not also seq_len= (its old "
+                                      "name for induction prompts)")
+            warnings.warn("default_tokens(seq_len=...) for induction prompts is deprecated; use seg_len=... (the "
+                          "length of R; the old name goes in the next release)", DeprecationWarning, stacklevel=2)
+            seg_len = seq_len
+        return repeated_tokens(model, n_seqs=n_seqs, seg_len=seg_len or segment_length(model), seed=seed)
     if name == "text-loss":
+        if seg_len is not None:
+            raise QKCircuitsError(f"seg_len={seg_len!r} is the repeated segment of induction prompts; text-loss "
+                                  f"rows take seq_len= (tokens per row)")
         as_metric("text-loss", model)                # raises without a tokenizer
         return text_tokens(model, seq_len=seq_len or 40, n_seqs=n_seqs)
     raise QKCircuitsError(f"no default prompts for metric {name!r}; pass tokens explicitly")

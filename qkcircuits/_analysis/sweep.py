@@ -135,7 +135,7 @@ def sweep(model, tokens, metric="induction-loss", method: str = "zero", *, refer
     ``"ray"``, ``"local:N"`` or a Ray address also work; ``ray_address``/``workers`` are the older spelling
     of ``qk.Ray``'s). On Ray, workers each load the model once (a loaded model travels as its spec) and
     sweep shards of (prompts, layers); ``tokens`` must be ids. On either backend ``tokens`` may be a dict of
-    ``default_tokens`` arguments (``n_seqs``, ``seq_len``, ``seed``): the metric's default prompts. Equal to the local sweep to float rounding
+    ``default_tokens`` arguments (``n_seqs``, ``seg_len`` or ``seq_len``, ``seed``): the metric's default prompts. Equal to the local sweep to float rounding
     (docs/scaling.md); ``timing`` gets ``startup_s``, ``load_s``, ``sweep_s``.
 
     >>> res = qk.sweep(model, tokens, "induction-loss", progress=False)
@@ -155,7 +155,7 @@ def local_sweep(model, tokens, metric="induction-loss", method: str = "zero", *,
     model = check_model(model)
     if not isinstance(tokens, dict):
         tokens = check_tokens(tokens)
-    if isinstance(tokens, dict):        # {"n_seqs", "seq_len", "seed"}: the metric's default prompts (as on Ray)
+    if isinstance(tokens, dict):        # {"n_seqs", "seg_len" or "seq_len", "seed"}: the metric's default prompts (as on Ray)
         tokens = default_tokens(model, as_metric(metric, model), **tokens)
     tokens, metric = prepare_metric(model, tokens, metric, where="sweep")
     layers = check_layers(model, layers)

@@ -16,7 +16,7 @@ import signal
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 from .errors import QKCircuitsError
 
@@ -100,7 +100,7 @@ def json_number(x) -> Optional[float]:
     return None if math.isnan(x) or math.isinf(x) else round(x, 6)
 
 
-def dump_json(data: Dict[str, Any], path: Optional[Union[str, Path]] = None, indent: int = 1) -> str:
+def dump_json(data: Dict[str, Any], path: Optional[Union[str, Path]] = None, indent: Optional[int] = 1) -> str:
     """JSON text of ``data``, also written atomically to ``path`` when given."""
     text = json.dumps(data, indent=indent)
     if path is not None:
@@ -129,7 +129,7 @@ def load_json(text_or_path: Union[str, Path], what: str, schema: Optional[str] =
 
     A ``Path`` is always a file; a string is JSON text when it starts with ``{``/``[``, else a path. Errors
     are one line naming the file (not its content) and ``what`` is expected. With ``schema`` (e.g.
-    ``"qkcircuits.head_scores/1"``) the object's ``"schema"`` field, when present, must equal it.
+    ``"qkcircuits.head_scores/1"``) the object's ``"schema"`` field, when present, is checked (``check_schema``).
     Infinite numbers (``1e400``), ``NaN``, deep nesting and binary files are refused.
 
     >>> load_json('{"schema": "qkcircuits.x/1", "a": 1}', "an x", schema="qkcircuits.x/1")["a"]
@@ -137,7 +137,7 @@ def load_json(text_or_path: Union[str, Path], what: str, schema: Optional[str] =
     >>> load_json('{"schema": "qkcircuits.x/2"}', "an x", schema="qkcircuits.x/1")
     Traceback (most recent call last):
     ...
-    qkcircuits._foundation.errors.QKCircuitsError: JSON text has schema 'qkcircuits.x/2', expected 'qkcircuits.x/1' (an x); ...
+    qkcircuits._foundation.errors.QKCircuitsError: JSON text: it has schema 'qkcircuits.x/2', and this qkcircuits reads qkcircuits.x versions 1 to 1; ...
     """
     if isinstance(text_or_path, Path) or not looks_like_json(str(text_or_path)):
         p = Path(text_or_path).expanduser()
@@ -167,20 +167,49 @@ def load_json(text_or_path: Union[str, Path], what: str, schema: Optional[str] =
     return d
 
 
-def check_schema(d: Dict[str, Any], schema: str, source: str = "the JSON", what: str = "") -> None:
-    """One-line ``QKCircuitsError`` when ``d["schema"]`` names another qkcircuits schema than ``schema``
-    ("qkcircuits.<name>/<n>": another result type, or another version of this one).
+def parse_schema(schema: Any) -> Tuple[str, int]:
+    """``"qkcircuits.head_scores/1"`` -> ``("qkcircuits.head_scores", 1)``.
+
+    >>> parse_schema("qkcircuits.head_scores/1")
+    ('qkcircuits.head_scores', 1)
+    """
+    name, _, n = str(schema).rpartition("/")
+    if not name or not n.isdigit():
+        raise QKCircuitsError(f"malformed schema {schema!r}; expected 'qkcircuits.<name>/<version>'")
+    return name, int(n)
+
+
+def check_schema(d: Dict[str, Any], schema: Union[str, Sequence[str]], source: str = "JSON text", what: str = "",
+                 hint: Optional[Callable[[str], str]] = None) -> None:
+    """THE schema check of every reader (``Result.from_json``, ``load_json(schema=)``, the circuit views).
+
+    ``schema``: ``"qkcircuits.<name>/<n>"`` (or several): a file without ``"schema"`` (written before schemas
+    existed) passes; one with a listed name at version 1 to n passes; anything else is one line saying what
+    it has and what was expected. ``hint(name)`` may add a clause for another known schema name (e.g.
+    "(that is a HeadEffects: use HeadEffects.from_json)").
 
     >>> check_schema({"schema": "qkcircuits.head_scores/1"}, "qkcircuits.head_scores/1")
+    >>> check_schema({"schema": "qkcircuits.head_scores/3"}, "qkcircuits.head_scores/2", "s.json", "a scan")
+    Traceback (most recent call last):
+    ...
+    qkcircuits._foundation.errors.QKCircuitsError: s.json: it has schema 'qkcircuits.head_scores/3', and this qkcircuits reads qkcircuits.head_scores versions 1 to 2; expected 'qkcircuits.head_scores/2' (a newer qkcircuits wrote it?)
     """
-    got = d.get("schema")
-    if got == schema or not (isinstance(got, str) and got.startswith("qkcircuits.")):
-        return     # no schema (older files) or a foreign one: the reader's own field checks speak
-    name, _, version = schema.rpartition("/")
-    hint = (f"it was written by another version of qkcircuits (this one reads version {version}): write it again"
-            if isinstance(got, str) and got.rpartition("/")[0] == name else "pass the file the command asks for")
-    raise QKCircuitsError(f"{source} has schema {got!r}, expected {schema!r}" + (f" ({what})" if what else "")
-                          + f"; {hint}")
+    if "schema" not in d:
+        return
+    wanted = [schema] if isinstance(schema, str) else list(schema)
+    reads = dict(parse_schema(w) for w in wanted)
+    expected = " or ".join(repr(w) for w in wanted)
+    try:
+        got, n = parse_schema(d["schema"])
+    except QKCircuitsError:
+        got, n = str(d["schema"]), -1
+    if got not in reads:
+        extra = hint(got) if hint is not None else ""
+        raise QKCircuitsError(f"{source}: it has schema {d['schema']!r}, not {what or 'the expected file'}"
+                              f"{' ' + extra if extra else ''}; expected {expected}")
+    if not 1 <= n <= reads[got]:
+        raise QKCircuitsError(f"{source}: it has schema {d['schema']!r}, and this qkcircuits reads {got} versions 1 "
+                              f"to {reads[got]}; expected {expected} (a newer qkcircuits wrote it?)")
 
 
 def package_version(dist: str) -> str:

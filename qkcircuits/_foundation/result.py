@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import json
 from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
 
@@ -37,7 +36,7 @@ import torch
 
 from .display import Displayed
 from .errors import QKCircuitsError
-from .io import load_json, looks_like_json, package_version, write_atomic
+from .io import check_schema, dump_json, load_json, looks_like_json, package_version, parse_schema
 
 PathOrText = Union[str, Path]
 # True while from_json builds a result: a loaded result keeps the versions its file recorded (or none)
@@ -68,14 +67,6 @@ def read_json(path_or_text: PathOrText, what: str) -> Tuple[Dict[str, Any], str]
     is_path = isinstance(path_or_text, Path) or not looks_like_json(str(path_or_text))
     source = str(path_or_text) if is_path else "JSON text"
     return load_json(Path(path_or_text) if is_path else str(path_or_text), what), source
-
-
-def parse_schema(schema: Any) -> Tuple[str, int]:
-    """``"qkcircuits.head_scores/1"`` -> ``("qkcircuits.head_scores", 1)``."""
-    name, _, n = str(schema).rpartition("/")
-    if not name or not n.isdigit():
-        raise QKCircuitsError(f"malformed schema {schema!r}; expected 'qkcircuits.<name>/<version>'")
-    return name, int(n)
 
 
 class Result(Displayed):
@@ -118,10 +109,7 @@ class Result(Displayed):
         d = self.to_dict()
         if self.SCHEMA:
             d = {"schema": self.SCHEMA, **{k: v for k, v in d.items() if k != "schema"}}
-        text = json.dumps(d, indent=indent)
-        if path is not None:
-            write_atomic(path, text)
-        return text
+        return dump_json(d, path, indent)
 
     @classmethod
     def from_json(cls, path_or_text: PathOrText) -> "Result":
@@ -147,22 +135,16 @@ class Result(Displayed):
 
     @classmethod
     def check_schema(cls, d: Dict[str, Any], source: str = "JSON text") -> None:
-        """Accept a file without ``schema`` (older files) or with this class's schema at a version it reads."""
-        if "schema" not in d or not cls.SCHEMA:
+        """Accept a file without ``schema`` (older files) or with this class's schema at a version it reads
+        (``io.check_schema``, the one check; another result's schema is named with the class that reads it)."""
+        if not cls.SCHEMA:
             return
-        want, version = parse_schema(cls.SCHEMA)
-        try:
-            got, n = parse_schema(d["schema"])
-        except QKCircuitsError:
-            got, n = str(d["schema"]), -1
-        if got != want:
-            other = Result._by_schema.get(got)
-            hint = f" (that is a {other.__name__}: use {other.__name__}.from_json)" if other else ""
-            raise QKCircuitsError(f"{source} is not {cls.WHAT}: it has schema {d['schema']!r}{hint}; expected "
-                                  f"{cls.SCHEMA!r}")
-        if not 1 <= n <= version:
-            raise QKCircuitsError(f"{source} has schema {d['schema']!r}, and this qkcircuits reads {want} "
-                                  f"versions 1 to {version}; expected {cls.SCHEMA!r} (a newer qkcircuits wrote it?)")
+
+        def hint(name: str) -> str:
+            other = Result._by_schema.get(name)
+            return f"(that is a {other.__name__}: use {other.__name__}.from_json)" if other else ""
+
+        check_schema(d, cls.SCHEMA, source, cls.WHAT, hint)
 
 
 def load_result(path_or_text: PathOrText) -> Result:

@@ -174,7 +174,7 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
     plus the autograd graph of one forward from the lowest receiver layer to the logits.
 
     >>> est = qk.edge_attribution(model, "1.0", "k")
-    >>> est.kind, est.top("1.0", "k", 1)[0][0]
+    >>> est.kind, est.top(1, receiver="1.0", into="k")[0][0]
     ('attribution', Head(layer=0, head=0))
     """
     L, H = model.cfg.n_layers, model.cfg.n_heads

@@ -257,7 +257,7 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
     prompts, combined exactly (``qkcircuits._scale.ray_patching``).
 
     >>> res = qk.path_patch(model, "1.0", into="k", metric=qk.induction_loss(), progress=False)
-    >>> res.metrics["k"], res.top("1.0", "k", 1)[0][0]
+    >>> res.metrics["k"], res.top(1, receiver="1.0", into="k")[0][0]
     ('induction-loss', Head(layer=0, head=0))
     """
     return as_backend(backend, address=ray_address, workers=workers).run(

@@ -83,19 +83,26 @@ def trace(model, receivers: Optional[HeadsLike] = None, *, k: int = 3, into: Seq
                       attribution=attribution, scores=scores, tokens=tokens, progress=progress)
 
 
+def trace_receivers(model, scores, receivers: Optional[HeadsLike], k: int) -> List[Head]:
+    """The receivers of a trace: ``receivers`` as heads, or (None) the ``k`` best induction heads of ``scores``
+    in layer 1 or later (a layer-0 head reads no earlier head). None at all: one line."""
+    if receivers is None:
+        ranked = [h for h, _ in scores.top(model.cfg.n_layers * model.cfg.n_heads, "induction") if h.layer > 0]
+        recv: List[Head] = ranked[:k]
+    else:
+        recv = model_heads(model, receivers)
+    if not recv:
+        raise QKCircuitsError("no receivers: the model has one layer, so no head can read an earlier head")
+    return recv
+
+
 def local_trace(model, receivers: Optional[HeadsLike] = None, *, top: int = 3, into: Sequence[str] = ("q", "k", "v"),
                 method: str = "mean", attribution: bool = False, scores=None, tokens=None,
                 progress: bool = True) -> PathEffects:
     """``trace`` in this process on a loaded model (what ``qk.Local`` runs)."""
     if scores is None:
         scores = scan_for_trace(model, progress)
-    if receivers is None:
-        ranked = [h for h, _ in scores.top(model.cfg.n_layers * model.cfg.n_heads, "induction") if h.layer > 0]
-        recv: List[Head] = ranked[:top]
-    else:
-        recv = model_heads(model, receivers)
-    if not recv:
-        raise QKCircuitsError("no receivers: the model has one layer, so no head can read an earlier head")
+    recv = trace_receivers(model, scores, receivers, top)
     if attribution:
         res = edge_attribution(model, recv, into=into, method=method, tokens=tokens)
     else:

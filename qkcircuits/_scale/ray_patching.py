@@ -22,13 +22,13 @@ import torch
 
 from .._analysis.metrics import portable
 from .._foundation.errors import QKCircuitsError
-from .._foundation.heads import Head, model_heads
+from .._foundation.heads import Head
 from .._foundation.io import check_int
 from .._foundation.model import model_name
 from .._paths.path_effects import PathEffects
 from .._paths.patching import (check_into, check_request, combine, combine_attention, patch_settings, patch_shard,
                                reference_label, references, resolve_metric, shard_replacement)
-from .._paths.trace import k_composition_spearman, scan_for_trace
+from .._paths.trace import k_composition_spearman, scan_for_trace, trace_receivers
 from .distributed import Pool
 from .ray_sweep import driver_tokens
 
@@ -67,13 +67,7 @@ def trace_receivers_job(model, shared, *, receivers, top) -> Dict[str, Any]:
     """The trace's scan on this worker (``shared``: a ``HeadScores`` to reuse, or None): receivers (default the
     ``top`` induction heads of layer ≥ 1), the senders' labels and the receivers' induction scores."""
     scores = shared if shared is not None else scan_for_trace(model, False)
-    if receivers is None:
-        ranked = [h for h, _ in scores.top(model.cfg.n_layers * model.cfg.n_heads, "induction") if h.layer > 0]
-        recv = ranked[:top]
-    else:
-        recv = model_heads(model, receivers)
-    if not recv:
-        raise QKCircuitsError("no receivers: the model has one layer, so no head can read an earlier head")
+    recv = trace_receivers(model, scores, receivers, top)
     return {"receivers": recv, "labels": {str(h): v for h, v in scores.labels().items()},
             "receiver_induction": {str(r): float(scores["induction"][r.layer, r.head]) for r in recv},
             "scan": {k: scores.settings.get(k) for k in ("n_seqs", "seq_len", "seed")}}

@@ -134,12 +134,12 @@ def ray_sweep(spec, tokens, metric="induction-loss", method: str = "zero", *, re
     """``sweep(..., backend=qk.Ray(...))`` (what ``Ray.run("sweep", ...)`` calls): see ``qkcircuits.sweep``;
     equal to the local sweep to float rounding. ``spec`` is a model spec (``Ray`` turns a loaded model into one).
 
-    ``tokens`` may be a dict of ``default_tokens`` arguments (``n_seqs``, ``seq_len``, ``seed``): a
+    ``tokens`` may be a dict of ``default_tokens`` arguments (``n_seqs``, ``seg_len`` or ``seq_len``, ``seed``): a
     worker then draws the prompts for the metric (the driver has no tokenizer).
     """
     check_method(method)
     metric_obj = as_metric(metric, accept=("logits",), where="sweep")
-    make_tokens = isinstance(tokens, dict)         # {"n_seqs", "seq_len", "seed"}: a worker draws them
+    make_tokens = isinstance(tokens, dict)         # {"n_seqs", "seg_len" or "seq_len", "seed"}: a worker draws them
     if not make_tokens:
         tokens = driver_tokens(tokens)
         if metric_obj.check is not None:

@@ -6,7 +6,7 @@
 [{'head': '18.6', 'score': 0.78, 'depth': 0.6}, ...]
 
 Per model (``ZOO_KEYS`` are fixed): its induction and previous-token heads (score at least the
-scan's threshold, 0.4; best first, at most ``max_heads``), each head's relative depth
+scan's threshold, 0.4; best first, at most ``k``), each head's relative depth
 ``layer / n_layers``, the strongest head of each kind even below the threshold, the causal check
 (``confirmation``: the repeated-half loss rise when the top-k induction heads are zero-ablated
 together, and the largest rise among k-head random sets), and ``k_sources``: which earlier
@@ -29,6 +29,7 @@ from .._foundation.backends import BackendLike, Local, Ray, as_backend
 from .._analysis.detectors import detector
 from .._foundation.errors import QKCircuitsError
 from .._foundation.io import check_int, json_number
+from .._foundation.renamed import renamed
 from .._foundation.result import Result
 
 SCHEMA = "qkcircuits.zoo/1"
@@ -82,7 +83,8 @@ class Zoo(Result):
         return pd.DataFrame(rows, columns=["model", "kind", "head", "layer", "score", "depth"])
 
 
-def summarise(spec: str, scores, *, max_heads: int = 10) -> Dict[str, Any]:
+@renamed(max_heads="k")
+def summarise(spec: str, scores, *, k: int = 10) -> Dict[str, Any]:
     """The zoo entry of one model from its ``HeadScores`` (with ``extras["confirmation"]`` when checked)."""
     L, H = scores.n_layers, scores.n_heads
     out: Dict[str, Any] = {"model": spec, "name": scores.model, "n_layers": L, "n_heads": H}
@@ -90,7 +92,7 @@ def summarise(spec: str, scores, *, max_heads: int = 10) -> Dict[str, Any]:
     for kind in ZOO_DETECTORS:
         score, minimum = kind, detector(kind).threshold
         ranked = scores.top(L * H, score)
-        heads = [_head(h, v, L) for h, v in ranked if v >= minimum][:max_heads]
+        heads = [_head(h, v, L) for h, v in ranked if v >= minimum][:k]
         out[kind] = heads
         strongest[kind] = _head(*ranked[0], L)
     out["strongest"] = strongest
@@ -109,8 +111,9 @@ def _head(head, value: float, n_layers: int) -> Dict[str, Any]:
     return {"head": str(head), "score": json_number(value), "depth": round(head.layer / n_layers, 4)}
 
 
-def scan_one(spec: str, *, load_kwargs: Optional[Dict[str, Any]] = None, confirm_top: int = 5, n_seqs: int = 8,
-             seed: int = 0, max_heads: int = 10, model=None) -> Dict[str, Any]:
+@renamed(confirm_top="confirm_k", max_heads="k")
+def scan_one(spec: str, *, load_kwargs: Optional[Dict[str, Any]] = None, confirm_k: int = 5, n_seqs: int = 8,
+             seed: int = 0, k: int = 10, model=None) -> Dict[str, Any]:
     """Load ``spec`` (unless ``model`` is given), scan it with the causal check, summarise, release it."""
     from .._analysis.detect import scan
     from .._foundation.model import load
@@ -120,11 +123,11 @@ def scan_one(spec: str, *, load_kwargs: Optional[Dict[str, Any]] = None, confirm
     if own:
         model = load(spec, verbose=False, **(load_kwargs or {}))
     t1 = time.perf_counter()
-    k = min(confirm_top, max(0, (model.cfg.n_layers * model.cfg.n_heads) // 2))
+    confirm = min(confirm_k, max(0, (model.cfg.n_layers * model.cfg.n_heads) // 2))
     # only the scores the zoo reports: one streamed pass over [BOS]+R+R (plus the causal check)
-    scores = scan(model, scores=list(ZOO_DETECTORS), n_seqs=n_seqs, seed=seed, confirm_top=k,
+    scores = scan(model, scores=list(ZOO_DETECTORS), n_seqs=n_seqs, seed=seed, confirm_k=confirm,
                   progress=False)
-    out = summarise(spec, scores, max_heads=max_heads)
+    out = summarise(spec, scores, k=k)
     t2 = time.perf_counter()
     out["k_sources"] = k_sources(model, [h["head"] for h in out["induction"]], n_seqs=n_seqs, seed=seed)
     out["timing_s"] = {"load": round(t1 - t0, 3), "scan": round(t2 - t1, 3),
@@ -166,16 +169,21 @@ def zoo_job(model, shared, **kwargs) -> Dict[str, Any]:
     return scan_one(**kwargs)
 
 
-def zoo(models: Sequence[str], *, backend: BackendLike = "local", ray_address: Optional[str] = None,
-        workers: Optional[int] = None, confirm_top: int = 5, n_seqs: int = 8, seed: int = 0, max_heads: int = 10,
+@renamed(models="specs", confirm_top="confirm_k", max_heads="k")
+def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Optional[str] = None,
+        workers: Optional[int] = None, confirm_k: int = 5, n_seqs: int = 8, seed: int = 0, k: int = 10,
         load_kwargs: Optional[Dict[str, Any]] = None, progress: bool = True) -> Zoo:
-    """Scan every model in ``models`` (specs as for ``qk.load``) and collect one comparison.
+    """Scan every model in ``specs`` (as for ``qk.load``) and collect one comparison: per detector at most
+    ``k`` heads over its threshold.
 
     ``backend``: ``qk.Local()`` (default) or ``qk.Ray(address=..., workers=...)`` (strings as ``qk.as_backend``).
     On Ray: one model per shard on Ray workers (``ray_address`` as in ``sweep``; at most
     one worker per model), handed out in the given order as workers free up (put the largest
-    model first). ``confirm_top``: induction heads ablated together for the causal check (0: none).
+    model first). ``confirm_k``: induction heads ablated together for the causal check (0: none).
+    Old names (one release, with a DeprecationWarning): ``models=``, ``confirm_top=``, ``max_heads=``. The
+    ``settings`` JSON keys stay ``confirm_top`` and ``max_heads`` (old files and readers agree).
     """
+    models = specs
     chosen = as_backend(backend, address=ray_address, workers=workers)
     if isinstance(chosen, Ray):             # the zoo's Ray job loads a different model per shard
         backend, ray_address, workers = "ray", chosen.address, chosen.workers
@@ -184,14 +192,13 @@ def zoo(models: Sequence[str], *, backend: BackendLike = "local", ray_address: O
     if isinstance(models, str) or not models:
         raise QKCircuitsError("zoo needs a list of one or more model specs, e.g. ['smollm2-135m', 'toy-induction']")
     check_int("n_seqs", n_seqs)
-    check_int("confirm_top", confirm_top, 0)
+    check_int("confirm_k", confirm_k, 0)
     from .._foundation.model import check_spec
 
     for m in models:                     # every spec checked before the first model loads
         check_spec(m)
-    kwargs = dict(load_kwargs=load_kwargs or {}, confirm_top=confirm_top, n_seqs=n_seqs, seed=seed,
-                  max_heads=max_heads)
-    settings = {"confirm_top": confirm_top, "n_seqs": n_seqs, "seed": seed, "max_heads": max_heads,
+    kwargs = dict(load_kwargs=load_kwargs or {}, confirm_k=confirm_k, n_seqs=n_seqs, seed=seed, k=k)
+    settings = {"confirm_top": confirm_k, "n_seqs": n_seqs, "seed": seed, "max_heads": k,
                 "thresholds": {k: detector(k).threshold for k in ZOO_DETECTORS}, "depth": "layer / n_layers",
                 "backend": backend}
     t0 = time.perf_counter()

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor
 
-from .._foundation.display import Displayed
+from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph
 from .runs import patched_run, record
@@ -87,9 +87,14 @@ def prune(g: Graph, mask: Tensor) -> Tensor:
     return mask & reach[:, None] & recv_useful[None, :]
 
 
-@dataclass(repr=False)      # the repr is _text (Displayed)
-class Circuit(Displayed):
-    """A set of edges (``mask`` [S, R]) of ``graph``, chosen from edge scores."""
+@dataclass(repr=False)      # the repr is _text (Result)
+class Circuit(Result):
+    """A set of edges (``mask`` [S, R]) of ``graph``, chosen from edge scores. Its JSON holds the circuit's
+    edges with their scores and the graph's counts (the other edges' scores are not kept: NaN when read)."""
+
+    SCHEMA = "qkcircuits.task_circuit/1"
+    WHAT = "a task-circuit JSON (scores.circuit(...).to_json())"
+    KEYS = ("edges", "graph")
 
     graph: Graph
     mask: Tensor
@@ -129,9 +134,40 @@ class Circuit(Displayed):
     def to_dict(self) -> Dict[str, object]:
         from .._foundation.io import json_number
 
-        return {"edges": [[s, r, x, json_number(v)] for s, r, x, v in self.edges()], "heads": self.heads,
+        return {"graph": self.graph.to_dict(), "model": self.model,          # what from_json rebuilds the graph from
+                "edges": [[s, r, x, json_number(v)] for s, r, x, v in self.edges()], "heads": self.heads,
                 "mlps": sorted(n for n in self.nodes if n.startswith("mlp")), "n_edges": self.n_edges,
                 "requested_edges": self.requested, "percent": self.percent, "by": self.by}
+
+    @classmethod
+    def _from_dict(cls, d: Dict[str, object]) -> "Circuit":
+        gd = d["graph"]
+        g = Graph(gd["n_layers"], gd["n_heads"], gd["n_kv_heads"], gd["mlps"], str(d.get("model", "")))
+        mask = torch.zeros(g.n_senders, g.n_receivers, dtype=torch.bool)
+        scores = torch.full((g.n_senders, g.n_receivers), float("nan"))
+        s_at = {n: i for i, n in enumerate(g.senders)}
+        r_at = {r: i for i, r in enumerate(g.receivers)}
+        for s, r, x, v in d["edges"]:
+            if s not in s_at or (r, x) not in r_at or not g.valid[s_at[s], r_at[(r, x)]]:
+                raise QKCircuitsError(f"edge {s} -> {r} {x} is not an edge of the graph {g!r}")
+            mask[s_at[s], r_at[(r, x)]] = True
+            scores[s_at[s], r_at[(r, x)]] = float("nan") if v is None else float(v)
+        from dataclasses import fields
+
+        pct = d.get("percent")
+        known = {"graph", "mask", "scores", "by", "percent", "requested", "model"}
+        other = {f.name: d[f.name] for f in fields(cls) if f.name not in known and f.name in d}   # e.g. later settings
+        return cls(g, mask, scores, by=str(d.get("by", "abs")), percent=None if pct is None else float(pct),
+                   requested=int(d.get("requested_edges", 0)), model=str(d.get("model", "")), **other)
+
+    def top(self, k: int = 10) -> List[Tuple[str, str, str, float]]:
+        """The circuit's ``k`` edges of largest |score|: ``(sender, receiver, input, score)``."""
+        return self.edges()[:k]
+
+    def to_frame(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.edges(), columns=["sender", "receiver", "input", "score"])
 
     def roles(self, model, task: Task, **kw):
         """Each head of the circuit with the evidence for its role (see ``qkcircuits._tasks.roles``)."""
@@ -181,9 +217,13 @@ def _area(xs: Sequence[float], ys: Sequence[float]) -> float:
     return float(sum((xs[i + 1] - xs[i]) * (ys[i + 1] + ys[i]) / 2 for i in range(len(xs) - 1)))
 
 
-@dataclass(repr=False)      # the repr is _text (Displayed)
-class Faithfulness(Displayed):
+@dataclass(repr=False)      # the repr is _text (Result)
+class Faithfulness(Result):
     """The faithfulness curve ``curve`` {percent: f}, CPR, CMD, the chosen circuit and its node view."""
+
+    SCHEMA = SCHEMA
+    WHAT = "a faithfulness JSON (qk.faithfulness(...).to_json())"
+    KEYS = ("curve", "metric_values", "n_edges", "clean", "corrupt", "cpr", "cmd", "chosen_percent", "circuit")
 
     curve: Dict[Real, Real]
     metric_values: Dict[Real, Real]
@@ -211,10 +251,29 @@ class Faithfulness(Displayed):
                 "circuit": {**self.circuit.to_dict(), "node_faithfulness": json_number(self.node_faithfulness)},
                 "settings": self.settings, "timing": self.timing}
 
-    def to_json(self, path=None) -> str:
-        from .._foundation.io import dump_json
+    @classmethod
+    def _from_dict(cls, d: Dict[str, object]) -> "Faithfulness":
+        def num(v) -> float:
+            return float("nan") if v is None else float(v)
 
-        return dump_json(self.to_dict(), path)
+        c = Circuit._from_dict({"model": d.get("model", ""), **d["circuit"]})
+        return cls({float(k): num(v) for k, v in d["curve"].items()},
+                   {float(k): num(v) for k, v in d["metric_values"].items()},
+                   {float(k): int(v) for k, v in d["n_edges"].items()}, num(d["clean"]), num(d["corrupt"]),
+                   num(d["cpr"]), num(d["cmd"]), float(d["chosen_percent"]), c,
+                   num(d["circuit"].get("node_faithfulness")), c.heads, str(d.get("model", "")),
+                   dict(d.get("settings", {})), dict(d.get("timing", {})))
+
+    def top(self, k: int = 10) -> List[Tuple[str, str, str, float]]:
+        """The chosen circuit's ``k`` edges of largest |score|."""
+        return self.circuit.top(k)
+
+    def to_frame(self):
+        """One row per grid size: percent, edges kept, the metric, f."""
+        import pandas as pd
+
+        return pd.DataFrame([{"percent": p, "n_edges": self.n_edges.get(p), "metric": self.metric_values.get(p),
+                              "f": f} for p, f in self.curve.items()])
 
     def _text(self) -> str:
         pts = ", ".join(f"{k:g}%: {v:.3f}" for k, v in self.curve.items())

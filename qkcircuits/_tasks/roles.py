@@ -26,19 +26,25 @@ from __future__ import annotations
 from numbers import Real
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .._foundation.display import Displayed
+from .._foundation.errors import QKCircuitsError
+from .._foundation.result import Result
 
 THRESHOLDS = {"direct_share": 0.05, "pattern": 0.3}
 IOI_POSITIONS = ("IO", "S1", "S1+1", "S2", "END")
 
 
-@dataclass(repr=False)      # the repr is _text (Displayed)
-class Roles(Displayed):
-    """``roles[head] = {"role": str, "evidence": {...}}`` and one sentence per class (``sentences``)."""
+@dataclass(repr=False)      # the repr is _text (Result)
+class Roles(Result):
+    """``roles[head] = {"role": str, "evidence": {...}}`` and one sentence per class (``sentences``). Its JSON:
+    ``{"roles": {head: {role, evidence}}, "task", "settings"}`` (the ``roles`` part is the circuit file's)."""
+
+    SCHEMA = "qkcircuits.roles/1"
+    WHAT = "a roles JSON (circuit.roles(model, task).to_json())"
+    KEYS = ("roles", "task")
 
     roles: Dict[str, Dict[str, object]]
     task: str
@@ -68,7 +74,27 @@ class Roles(Displayed):
         return lines
 
     def to_dict(self) -> Dict[str, object]:
-        return dict(self.roles)
+        return {"roles": dict(self.roles), "task": self.task, "settings": self.settings}
+
+    @classmethod
+    def _from_dict(cls, d: Dict[str, object]) -> "Roles":
+        roles = d["roles"]
+        if not isinstance(roles, dict) or not all(isinstance(r, dict) and "role" in r for r in roles.values()):
+            raise QKCircuitsError("roles must be {head: {role, evidence}}")
+        return cls({str(h): dict(r) for h, r in roles.items()}, str(d["task"]), dict(d.get("settings", {})))
+
+    def top(self, k: int = 10) -> List[Tuple[str, float]]:
+        """The ``k`` heads of largest |direct share| of the metric difference: ``("L.H", share)``."""
+        items = [(h, float(r["evidence"].get("direct_share", float("nan")))) for h, r in self.roles.items()]
+        items.sort(key=lambda t: -abs(t[1]) if t[1] == t[1] else 0.0)
+        return items[:k]
+
+    def to_frame(self):
+        """One row per head: head, role, direct effect, direct share."""
+        import pandas as pd
+
+        return pd.DataFrame([{"head": h, "role": r["role"], "direct_effect": r["evidence"].get("direct_effect"),
+                              "direct_share": r["evidence"].get("direct_share")} for h, r in self.roles.items()])
 
     def _text(self) -> str:
         return "Roles(" + "; ".join(self.sentences()) + ")"

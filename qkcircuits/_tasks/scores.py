@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._foundation.display import Displayed
+from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph
 from .runs import check_graph, grad_run, patched_run, record
@@ -76,14 +76,18 @@ def _bar(total: int, desc: str, progress: bool):
     return tqdm(total=total, desc=desc, disable=not progress, leave=False, file=sys.stderr)
 
 
-@dataclass(repr=False)      # the repr is _text (Displayed)
-class EdgeScores(Displayed):
+@dataclass(repr=False)      # the repr is _text (Result)
+class EdgeScores(Result):
     """A score per edge (``scores[s, r]``, NaN where s does not feed r), the method and its settings.
 
     >>> s = qk.edge_scores(model, qk.tasks.induction(model, n=4, seg_len=5), method="eap")
     >>> s.to_frame().columns.tolist()
     ['sender', 'receiver', 'input', 'score']
     """
+
+    SCHEMA = SCHEMA
+    WHAT = "an edge-scores JSON (qk.edge_scores(...).to_json())"
+    KEYS = ("method", "steps", "clean", "corrupt", "task", "graph", "scores")
 
     graph: Graph
     scores: Tensor
@@ -145,22 +149,17 @@ class EdgeScores(Displayed):
                 "scores": [[json_number(v) for v in row] for row in self.scores.tolist()],
                 "settings": self.settings, "timing": self.timing}
 
-    def to_json(self, path=None) -> str:
-        from .._foundation.io import dump_json
-
-        return dump_json(self.to_dict(), path)
-
     @classmethod
-    def from_json(cls, path_or_text) -> "EdgeScores":
-        from .._foundation.io import load_json
-
-        d = load_json(path_or_text, "qk.edge_scores(...).to_json()")
-        if d.get("schema") != SCHEMA:
-            raise QKCircuitsError(f"not an edge-scores JSON (schema {d.get('schema')!r}, expected {SCHEMA!r})")
+    def _from_dict(cls, d: Dict[str, object]) -> "EdgeScores":
         gd = d["graph"]
         g = Graph(gd["n_layers"], gd["n_heads"], gd["n_kv_heads"], gd["mlps"], d.get("model", ""))
         sc = torch.tensor([[float("nan") if v is None else v for v in row] for row in d["scores"]])
-        return cls(g, sc, d["method"], d["steps"], d["clean"], d["corrupt"], d["task"], d.get("model", ""),
+        if tuple(sc.shape) != (g.n_senders, g.n_receivers):
+            raise QKCircuitsError(f"scores are {tuple(sc.shape)}, but the graph has {g.n_senders} senders x "
+                                  f"{g.n_receivers} receiver inputs")
+        nan = float("nan")
+        return cls(g, sc, d["method"], d["steps"], nan if d["clean"] is None else d["clean"],
+                   nan if d["corrupt"] is None else d["corrupt"], d["task"], d.get("model", ""),
                    d.get("settings", {}), d.get("timing", {}))
 
     def _text(self) -> str:
@@ -281,9 +280,13 @@ def _exact_edges(model, g: Graph, shard: Task, corr, acc: Tensor, copies: int, b
     return clean_sum
 
 
-@dataclass(repr=False)      # the repr is _text (Displayed)
-class NodeScores(Displayed):
+@dataclass(repr=False)      # the repr is _text (Result)
+class NodeScores(Result):
     """A score per sender node (embedding, heads ``"L.H"``, MLPs ``"mlpL"``): m(clean) − m(node corrupted)."""
+
+    SCHEMA = "qkcircuits.node_scores/1"
+    WHAT = "a node-scores JSON (qk.node_scores(...).to_json())"
+    KEYS = ("method", "scores")
 
     scores: Dict[str, float]
     method: str
@@ -301,8 +304,15 @@ class NodeScores(Displayed):
         return pd.DataFrame(list(self.scores.items()), columns=["node", "score"])
 
     def to_dict(self) -> Dict[str, object]:
-        return {"schema": "qkcircuits.node_scores/1", "model": self.model, "method": self.method,
-                "scores": self.scores, "settings": self.settings}
+        from .._foundation.io import json_number
+
+        return {"schema": self.SCHEMA, "model": self.model, "method": self.method,
+                "scores": {n: json_number(v) for n, v in self.scores.items()}, "settings": self.settings}
+
+    @classmethod
+    def _from_dict(cls, d: Dict[str, object]) -> "NodeScores":
+        return cls({str(n): float("nan") if v is None else float(v) for n, v in d["scores"].items()},
+                   str(d["method"]), str(d.get("model", "")), dict(d.get("settings", {})))
 
     def _text(self) -> str:
         return f"NodeScores({self.method}, {self.model}: top {', '.join(f'{n} {v:+.3g}' for n, v in self.top(5))})"

@@ -257,13 +257,14 @@ def output_reader(model, input: str) -> Tuple[Float[Tensor, "d_model vocab"], fl
     return U, scale, note
 
 
-def head_logits(model, head: HeadsLike, ids: Sequence[int], input: Optional[str] = None
+@renamed(input="view")
+def head_logits(model, head: HeadsLike, ids: Sequence[int], view: Optional[str] = None
                 ) -> Tuple[Float[Tensor, "n vocab"], TokenInputs]:
     """Logits the head's write raises for each source token of ``ids``: [n, vocab] and the inputs used.
 
     Memory: one [n, vocab] block (keep ``ids`` to a few hundred)."""
     h = _head(model, head)
-    x = token_inputs(model, h.layer, ids, input)
+    x = token_inputs(model, h.layer, ids, view)
     w = layer_weights(model, h.layer)
     U, scale, note = output_reader(model, x.input)
     x.note = f"{x.note}; output {note}"
@@ -276,14 +277,15 @@ def head_logits(model, head: HeadsLike, ids: Sequence[int], input: Optional[str]
         return (o @ U.to(o.dtype) / scale).float().cpu(), x
 
 
-def token_qk(model, head: HeadsLike, ids: Sequence[int], input: Optional[str] = None
+@renamed(input="view")
+def token_qk(model, head: HeadsLike, ids: Sequence[int], view: Optional[str] = None
              ) -> Tuple[Float[Tensor, "query key"], TokenInputs]:
     """Pre-softmax score between every pair of ``ids`` (rows query, columns key), no position, no biases:
-    X W_Q W_Kᵀ Xᵀ · scale with X the rows of ``input`` (``input="direct"`` = rows/columns of ``full_qk``)."""
+    X W_Q W_Kᵀ Xᵀ · scale with X the rows of ``view`` (``view="direct"`` = rows/columns of ``full_qk``)."""
     from .circuits import attn_scale
 
     h = _head(model, head)
-    x = token_inputs(model, h.layer, ids, input)
+    x = token_inputs(model, h.layer, ids, view)
     w = layer_weights(model, h.layer)
     with torch.no_grad():
         X = x.rows.to(w.W_Q.dtype)
@@ -313,9 +315,10 @@ def mid_rank(logits: Float[Tensor, "n vocab"], target: Int[Tensor, "n"]) -> Floa
     return (1 + greater + (equal - 1).clamp_min(0) / 2).float().cpu()
 
 
-def copying_rank(model, head: HeadsLike, ids: Sequence[int], input: Optional[str] = None) -> Float[Tensor, "n"]:
+@renamed(input="view")
+def copying_rank(model, head: HeadsLike, ids: Sequence[int], view: Optional[str] = None) -> Float[Tensor, "n"]:
     """Rank (1 = top) of each source token itself among all output logits of the head's write on it."""
-    logits, _ = head_logits(model, head, ids, input)
+    logits, _ = head_logits(model, head, ids, view)
     return mid_rank(logits, torch.as_tensor(list(ids), dtype=torch.long))
 
 

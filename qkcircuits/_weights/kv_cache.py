@@ -15,18 +15,22 @@ K and V of every query head: 2 · n_heads · d_head (MLA: n_heads · (d_qk + d_v
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
 from .._foundation.arch import adapter, architecture
-from .._foundation.display import Displayed
 from .._foundation.model import model_name
+from .._foundation.result import Result
 
 
-@dataclass(repr=False)
-class KVCache(Displayed):
+@dataclass(repr=False)      # the repr is _text (Result)
+class KVCache(Result):
     """``per_layer_bytes`` / ``mha_bytes`` [layer] per token; ``kind`` MHA, GQA (n of m), MQA or MLA; ``ratio``."""
+
+    SCHEMA = "qkcircuits.kv_cache/1"
+    WHAT = "a KV-cache JSON (qk.kv_cache(model).to_json())"
+    KEYS = ("kind", "per_layer_bytes", "mha_bytes", "dtype")
 
     kind: str
     per_layer_bytes: List[int]
@@ -57,8 +61,18 @@ class KVCache(Displayed):
                              "mha_bytes": self.mha_bytes})
 
     def to_dict(self) -> Dict[str, object]:
-        return {"schema": "qkcircuits.kv_cache/1", "kind": self.kind, "per_layer_bytes": self.per_layer_bytes,
+        return {"schema": self.SCHEMA, "kind": self.kind, "per_layer_bytes": self.per_layer_bytes,
                 "mha_bytes": self.mha_bytes, "ratio": self.ratio, "dtype": self.dtype, "settings": self.settings}
+
+    @classmethod
+    def _from_dict(cls, d: Dict[str, object]) -> "KVCache":
+        return cls(str(d["kind"]), [int(b) for b in d["per_layer_bytes"]], [int(b) for b in d["mha_bytes"]],
+                   str(d["dtype"]), dict(d.get("settings", {})))
+
+    def top(self, k: int = 5) -> List[Tuple[int, int]]:
+        """The ``k`` layers that cache the most bytes per token: ``(layer, bytes)``, largest first."""
+        order = sorted(range(len(self.per_layer_bytes)), key=lambda i: (-self.per_layer_bytes[i], i))
+        return [(i, self.per_layer_bytes[i]) for i in order[:k]]
 
     def _text(self) -> str:
         return self.summary()

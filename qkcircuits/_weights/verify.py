@@ -25,7 +25,7 @@ Errors are relative: max |factored − model| / max |model| over the head's entr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from jaxtyping import Float
@@ -33,9 +33,8 @@ from torch import Tensor
 
 from .._foundation.arch import adapter, architecture
 from .._foundation.capture import _as_tokens
-from .._foundation.display import Displayed
-from .._foundation.errors import QKCircuitsError
 from .._foundation.model import model_name
+from .._foundation.result import Result
 from .circuits import attn_input_hook, layer_weights, ov
 from .rotary import rotary_spec, rotation
 
@@ -43,10 +42,14 @@ TOLERANCE = 1e-4
 SCHEMA = "qkcircuits.circuit_check/1"
 
 
-@dataclass(repr=False)
-class CircuitCheck(Displayed):
+@dataclass(repr=False)      # the repr is _text (Result)
+class CircuitCheck(Result):
     """``qk_error`` / ``ov_error`` [layer, head] relative errors; ``score_source`` / ``output_source`` say what
     the factored forms were compared with; ``settings`` (model, architecture, tokens, tolerance, versions)."""
+
+    SCHEMA = SCHEMA
+    WHAT = "a circuit check JSON (qk.verify_circuits(...).to_json())"
+    KEYS = ("qk_error", "ov_error", "score_source", "output_source", "tolerance")
 
     qk_error: Float[Tensor, "layer head"]
     ov_error: Float[Tensor, "layer head"]
@@ -72,42 +75,40 @@ class CircuitCheck(Displayed):
                               "ov_error": float(self.ov_error[layer, h]), "score_source": self.score_source[layer],
                               "output_source": self.output_source[layer]} for layer in range(L) for h in range(H)])
 
-    def top(self, k: int = 5):
-        """The ``k`` heads with the largest error (either circuit), as a frame."""
+    def worst(self, k: int = 5):
+        """The ``k`` heads with the largest error (either circuit), as a frame (an ``error`` column added)."""
         df = self.to_frame()
         return df.assign(error=df[["qk_error", "ov_error"]].max(axis=1)).nlargest(int(k), "error")
 
+    def top(self, k: int = 5) -> List[Tuple[str, float]]:
+        """The ``k`` heads with the largest error (either circuit): ``("L.H", error)``, largest first."""
+        return [(str(r["head"]), float(r["error"])) for _, r in self.worst(k).iterrows()]
+
     def to_dict(self) -> Dict[str, object]:
-        return {"schema": SCHEMA, "passed": self.passed, "max_error": self.max_error, "tolerance": self.tolerance,
-                "qk_error": self.qk_error.tolist(), "ov_error": self.ov_error.tolist(),
+        import math
+
+        def num(x: float):           # full precision: the errors are ~1e-7 (6 decimals would make them 0)
+            return float(x) if math.isfinite(x) else None
+
+        def grid(t: torch.Tensor):
+            return [[num(x) for x in row] for row in t.tolist()]
+
+        return {"schema": SCHEMA, "passed": self.passed, "max_error": num(self.max_error),
+                "tolerance": self.tolerance, "qk_error": grid(self.qk_error), "ov_error": grid(self.ov_error),
                 "score_source": {str(k): v for k, v in self.score_source.items()},
                 "output_source": {str(k): v for k, v in self.output_source.items()}, "settings": self.settings}
 
-    def to_json(self, path=None) -> str:
-        import json
-
-        from .._foundation.io import write_atomic
-
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            write_atomic(path, text)
-        return text
-
     @classmethod
-    def from_json(cls, path_or_text) -> "CircuitCheck":
-        import json
-        from pathlib import Path
+    def _from_dict(cls, d: Dict[str, object]) -> "CircuitCheck":
+        def grid(v) -> torch.Tensor:
+            return torch.tensor([[float("nan") if x is None else x for x in row] for row in v], dtype=torch.float32)
 
-        s = str(path_or_text)
-        d = json.loads(s if s.lstrip().startswith("{") else Path(s).read_text())
-        if d.get("schema") != SCHEMA:
-            raise QKCircuitsError(f"not a circuit check (schema {d.get('schema')!r}; expected {SCHEMA!r})")
-        return cls(torch.tensor(d["qk_error"]), torch.tensor(d["ov_error"]),
-                   {int(k): v for k, v in d["score_source"].items()},
-                   {int(k): v for k, v in d["output_source"].items()}, d["tolerance"], d["settings"])
+        return cls(grid(d["qk_error"]), grid(d["ov_error"]), {int(k): str(v) for k, v in d["score_source"].items()},
+                   {int(k): str(v) for k, v in d["output_source"].items()}, float(d["tolerance"]),
+                   dict(d.get("settings", {})))
 
     def _text(self) -> str:
-        worst = self.top(1).iloc[0]
+        worst = self.worst(1).iloc[0]
         return (f"CircuitCheck({self.settings.get('model')}, {self.settings.get('architecture')}: "
                 f"{'PASSED' if self.passed else 'FAILED'} at {self.tolerance:g}; max relative error "
                 f"{self.max_error:.2e} (head {worst['head']}))")
@@ -115,7 +116,7 @@ class CircuitCheck(Displayed):
     def _html(self) -> str:
         import html
 
-        return f"<pre>{html.escape(self._text())}</pre>" + self.top(10).to_html(index=False)
+        return f"<pre>{html.escape(self._text())}</pre>" + self.worst(10).to_html(index=False)
 
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
@@ -58,6 +59,26 @@ def output_arg(parser: argparse.ArgumentParser, *flags: str, **kwargs) -> argpar
     """``parser.add_argument(*flags, **kwargs)`` for a file the command writes."""
     action = parser.add_argument(*flags, **kwargs)
     _declare(parser, "_qk_outputs", action.dest)
+    return action
+
+
+class _OldFlag(argparse.Action):
+    """A renamed flag: the old spelling still works for one release and says so on stderr."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in getattr(self, "old", ()):
+            print(f"qkcircuits: {option_string} is deprecated; use {self.option_strings[0]}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def renamed_arg(parser: argparse.ArgumentParser, new: str, *old: str, help: str = "", **kwargs) -> argparse.Action:
+    """``--new`` with each ``old`` spelling as a second one that prints a deprecation line on stderr (one
+    release); the help names the old spelling. ``dest`` is the new flag's."""
+    kwargs.setdefault("dest", new.lstrip("-").replace("-", "_"))
+    olds = ", ".join(old)
+    action = parser.add_argument(new, *old, action=_OldFlag, help=f"{help} ({olds}: the old name)" if help else
+                                 argparse.SUPPRESS, **kwargs)
+    action.old = old
     return action
 
 

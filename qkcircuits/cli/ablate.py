@@ -9,7 +9,7 @@ import time
 
 from .._foundation.backends import Ray
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, load_model, non_negative_int, positive_int, write_atomic
+from ._common import add_model_args, load_model, non_negative_int, positive_int, write_atomic, renamed_arg
 
 METRICS = ("induction-loss", "text-loss")
 
@@ -27,10 +27,13 @@ def add_parser(sub) -> None:
     p.add_argument("--metric", choices=METRICS, default="induction-loss",
                    help="induction-loss: loss on the repeated half of [BOS]+R+R; text-loss: loss on packaged text")
     p.add_argument("--n-seqs", type=positive_int, default=8, help="prompts (default 8)")
+    p.add_argument("--seg-len", type=positive_int, default=None,
+                   help="induction-loss: length of the random segment R of [BOS]+R+R (default 40, capped by context "
+                        "and vocabulary)")
     p.add_argument("--seq-len", type=positive_int, default=None,
-                   help="length of R (induction-loss; default 40, capped by context and vocabulary) or of each text row (text-loss, default 40)")
+                   help="text-loss: tokens per text row (default 40); with induction-loss, the old name of --seg-len")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random prompts (default 0)")
-    p.add_argument("--top", type=positive_int, default=10, help="heads listed after --sweep (default 10)")
+    renamed_arg(p, "--k", "--top", type=positive_int, default=10, help="heads listed after --sweep (default 10)")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS|local:N",
                    help="--sweep on Ray workers that each load the model: an address (host:port, ray://...), "
                         "local:N (a local instance with N one-thread workers), or nothing ($RAY_ADDRESS, else local)")
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - t0
     metric = as_metric(args.metric, model)
     heads = model_heads(model, args.heads) if args.heads is not None else None   # bad heads fail before any forward
-    tokens = default_tokens(model, metric, n_seqs=args.n_seqs, seq_len=args.seq_len, seed=args.seed)
+    tokens = default_tokens(model, metric, n_seqs=args.n_seqs, seed=args.seed, **prompt_lengths(args))
     if args.method == "resample" and tokens.shape[0] < 2:
         raise QKCircuitsError("--method resample takes each prompt's z from another prompt: use --n-seqs 2 or more")
     out = {"model": args.model, "method": args.method, "metric": metric.name, "n_seqs": int(tokens.shape[0]),
@@ -77,12 +80,30 @@ def run_ray(args: argparse.Namespace) -> int:
     """The sweep on Ray: workers load the model and draw the prompts; this process loads no weights."""
     from .._analysis.sweep import sweep
 
-    res = sweep(args.model, {"n_seqs": args.n_seqs, "seq_len": args.seq_len, "seed": args.seed}, args.metric,
+    res = sweep(args.model, {"n_seqs": args.n_seqs, "seed": args.seed, **prompt_lengths(args)}, args.metric,
                 args.method, progress=not args.quiet, backend=ray_backend(args))
     out = {"model": args.model, "method": args.method, "metric": res.metric, "n_seqs": res.n_prompts,
            "n_positions": res.n_positions, "seed": args.seed}
     _write(args, _print_sweep(args, res, out))
     return 0
+
+
+def prompt_lengths(args: argparse.Namespace) -> dict:
+    """``seg_len`` (induction-loss: R) or ``seq_len`` (text-loss: a row) for ``default_tokens``, from
+    ``--seg-len``/``--seq-len``; ``--seq-len`` with induction-loss is the old spelling of ``--seg-len`` (a
+    deprecation line on stderr). The flag that does not apply to the metric is refused."""
+    induction = args.metric.startswith("induction")
+    if induction and args.seq_len is not None:
+        if args.seg_len is not None:
+            raise QKCircuitsError("--seq-len is the old name of --seg-len for induction-loss: give only --seg-len")
+        print("qkcircuits: --seq-len with induction-loss is deprecated; use --seg-len (the length of R)",
+              file=sys.stderr)
+        return {"seg_len": args.seq_len}
+    if not induction and args.seg_len is not None:
+        raise QKCircuitsError(f"--seg-len is the repeated segment of induction-loss prompts; --metric {args.metric} "
+                              f"rows take --seq-len")
+    out = {"seg_len": args.seg_len} if induction else {"seq_len": args.seq_len}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def ray_backend(args: argparse.Namespace) -> Ray:
@@ -96,7 +117,7 @@ def _print_sweep(args, res, out: dict) -> dict:
     out = {**json.loads(res.to_json()), **out}
     print(f"{args.model}: {res.metric} baseline {res.baseline:.4f} over {res.n_prompts} prompts x "
           f"{res.n_positions} tokens; {args.method} ablation of each head alone, largest effects:")
-    for head, value in res.top(args.top):
+    for head, value in res.top(args.k):
         print(f"  {str(head):<8}{value:+.4f}")
     t = res.timing
     if res.backend.get("name") == "ray":

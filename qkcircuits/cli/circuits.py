@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, load_model, positive_int, write_atomic
+from ._common import add_model_args, load_model, positive_int, write_atomic, renamed_arg
 
 
 def add_parser(sub) -> None:
@@ -31,10 +31,10 @@ def add_parser(sub) -> None:
     p.add_argument("--tokens", default=None,
                    help="text whose residual rows feed the offset profile and whose first tokens' full-OV outputs are "
                         "listed (default: natural text when the model has a tokenizer)")
-    p.add_argument("--top", type=positive_int, default=5, help="partners / output tokens to list (default 5)")
+    renamed_arg(p, "--k", "--top", type=positive_int, default=5, help="partners / output tokens to list (default 5)")
     p.add_argument("--offsets", type=positive_int, default=64, help="largest offset in the profile (default 64)")
-    p.add_argument("--input", choices=("direct", "effective", "contextual"), default=None,
-                   help="token rows of the OV view and copying rank (default: direct at layer 0, contextual after)")
+    renamed_arg(p, "--view", "--input", choices=("direct", "effective", "contextual"), default=None,
+                help="token rows of the OV view and copying rank (default: direct at layer 0, contextual after)")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     p.add_argument("--verify", action="store_true",
                    help="also check every head's factored QK/OV against the model's own scores and head outputs "
@@ -171,7 +171,7 @@ def run(args) -> int:
         raise QKCircuitsError(f"--head names {len(head)} heads ({args.head!r}); give exactly one, e.g. 3.1")
     if args.tokens is not None and getattr(model, "tokenizer", None) is None:
         raise QKCircuitsError("--tokens needs a model with a tokenizer; this one has none")
-    s = summarize(model, head[0], args.tokens, args.top, args.offsets, args.input)
+    s = summarize(model, head[0], args.tokens, args.k, args.offsets, args.view)
     print(format_summary(s))
     check = None
     if args.verify:
@@ -180,7 +180,7 @@ def run(args) -> int:
         check = verify_circuits(model)
         s["verify"] = check.to_dict()
         print(check)
-        for _, row in check.top(3).iterrows():
+        for _, row in check.worst(3).iterrows():
             print(f"  head {row['head']}: QK {row['qk_error']:.2e} (vs {row['score_source']}), "
                   f"OV {row['ov_error']:.2e}")
     if args.json:

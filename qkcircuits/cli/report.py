@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, load_model, non_negative_int, positive_int
+from ._common import add_model_args, load_model, non_negative_int, positive_int, renamed_arg
 
 
 def add_parser(sub) -> None:
@@ -22,18 +22,15 @@ def add_parser(sub) -> None:
                         "(default: common English words that are single tokens; ids 0-31 without a tokenizer)")
     p.add_argument("--prompt", help="text for the attention patterns (space-separated ids for a model without a "
                                     "tokenizer; default: a sentence said twice)")
-    p.add_argument("--scores", metavar="JSON", help="scores from `qkcircuits scan --json` (default: run a scan)")
-    p.add_argument("--ablation", metavar="JSON", help="per-head effects from `qkcircuits ablate --sweep --json`")
-    p.add_argument("--diagnostics", metavar="JSON", help="flags from `qkcircuits diagnose --json`")
-    p.add_argument("--trace", metavar="JSON", help="path effects from `qkcircuits trace --json` (circuit graph and "
-                                                   "a 'reads from' panel per traced head)")
+    add_result_args(p)
     p.add_argument("--circuit", metavar="JSON", help="a circuit from `qkcircuits circuit --json` (its faithfulness "
                                                      "curve, graph, roles and top edges; panels for its heads)")
     p.add_argument("--heads", help="heads to include besides the top ones, e.g. '5.1,L6H9'")
-    p.add_argument("--per-score", type=non_negative_int, default=3, help="top heads per grid to precompute (default 3)")
-    p.add_argument("--top-k", type=positive_int, default=5, help="output tokens per source token in the OV view")
-    p.add_argument("--input", choices=("direct", "effective", "contextual"), default=None,
-                   help="token rows of the QK/OV views (default: direct at layer 0, contextual after it)")
+    renamed_arg(p, "--grid-k", "--per-score", type=non_negative_int, default=3,
+                help="top heads per grid to precompute (default 3)")
+    renamed_arg(p, "--k", "--top-k", type=positive_int, default=5, help="output tokens per source token in the OV view")
+    renamed_arg(p, "--view", "--input", choices=("direct", "effective", "contextual"), default=None,
+                help="token rows of the QK/OV views (default: direct at layer 0, contextual after it)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -56,6 +53,16 @@ def _read(cls, path: str, flag: str, what: str):
         raise QKCircuitsError(str(e) if repr(path) in str(e) else f"{flag} {path!r}: {e}") from None
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
         raise QKCircuitsError(f"{flag} {path!r} is not {what} ({type(e).__name__}: {e})") from None
+
+
+def add_result_args(p) -> None:
+    """The result files the report and the app read (``load_inputs``, ``read_trace``): --scores, --ablation,
+    --diagnostics, --trace."""
+    p.add_argument("--scores", metavar="JSON", help="scores from `qkcircuits scan --json` (default: run a scan)")
+    p.add_argument("--ablation", metavar="JSON", help="per-head effects from `qkcircuits ablate --sweep --json`")
+    p.add_argument("--diagnostics", metavar="JSON", help="flags from `qkcircuits diagnose --json`")
+    p.add_argument("--trace", metavar="JSON", help="path effects from `qkcircuits trace --json` (circuit graph and "
+                                                   "a 'reads from' panel per traced head)")
 
 
 def load_inputs(args):
@@ -121,8 +128,8 @@ def run(args: argparse.Namespace) -> int:
         scores.model = args.model
     trace = check_trace(trace, model, args)
     html = report_html(model, scores=scores, effects=effects, diagnostics=diagnostics, heads=args.heads,
-                       tokens=args.tokens, prompt=args.prompt, per_score=args.per_score, k=args.top_k,
-                       title=args.model, input=args.input, progress=not args.quiet, trace=trace,
+                       tokens=args.tokens, prompt=args.prompt, grid_k=args.grid_k, k=args.k,
+                       title=args.model, view=args.view, progress=not args.quiet, trace=trace,
                        circuit=circuit)
     write_report(args.output, html)
     print(f"wrote {args.output} ({len(html.encode('utf-8')) / 2 ** 20:.1f} MiB)", file=sys.stderr)

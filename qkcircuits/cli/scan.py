@@ -4,20 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
 
-from ._common import add_model_args, load_model, non_negative_int, positive_int, write_atomic
-
-
-class _OldFlag(argparse.Action):
-    """A renamed flag: the old spelling still works for one release and says so on stderr."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if option_string in getattr(self, "old", ()):
-            print(f"qkcircuits: {option_string} is deprecated; use {self.option_strings[0]}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
+from ._common import add_model_args, load_model, non_negative_int, positive_int, renamed_arg, write_atomic
 
 
 def table_scores(scores):
@@ -41,12 +31,10 @@ def add_parser(sub) -> None:
                                    "duplicate-token-like heads.")
     add_model_args(p)
     p.add_argument("--n-seqs", type=positive_int, default=8, help="sequences of [BOS]+R+R (default 8)")
-    seg = p.add_argument("--seg-len", "--seq-len", dest="seg_len", type=positive_int, default=None, action=_OldFlag,
-                         help="length of the random segment R (default 40, capped by the context and vocabulary; "
-                              "--seq-len is the old name)")
-    seg.old = ("--seq-len",)
+    renamed_arg(p, "--seg-len", "--seq-len", type=positive_int, default=None,
+                help="length of the random segment R (default 40, capped by the context and vocabulary)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the prompt sets (default 0)")
-    p.add_argument("--top", type=positive_int, default=5, help="heads to list per score (default 5)")
+    renamed_arg(p, "--k", "--top", type=positive_int, default=5, help="heads to list per score (default 5)")
     p.add_argument("--text", action="store_true", help="also score previous/duplicate-token heads on natural text")
     p.add_argument("--bos", type=non_negative_int, default=None, help="BOS token id (default: the tokenizer's)")
     p.add_argument("--scores", default=None, metavar="NAMES",
@@ -64,17 +52,14 @@ def run(args: argparse.Namespace) -> int:
     from .._analysis.detect import scan
     from .._analysis.detectors import select
 
-    if args.json and args.csv and Path(args.json).expanduser().resolve() == Path(args.csv).expanduser().resolve():
-        raise QKCircuitsError(f"--json and --csv name the same file {args.json!r}; the CSV would replace the JSON: "
-                              f"give two paths")
     names = select(args.scores, text=args.text) if args.scores is not None else None   # bad names before loading
     if args.confirm and names is not None and "induction" not in names:
         raise QKCircuitsError("--confirm ablates the top induction heads: add 'induction' to --scores")
     model = load_model(args)
     scores = scan(model, scores=names, n_seqs=args.n_seqs, seg_len=args.seg_len, seed=args.seed, bos=args.bos,
-                  text=args.text, confirm_top=args.confirm, progress=not args.quiet)
+                  text=args.text, confirm_k=args.confirm, progress=not args.quiet)
     scores.model = args.model
-    print(format_table(scores, args.top))
+    print(format_table(scores, args.k))
     if "confirmation" in scores.extras:
         print(format_confirmation(scores.extras["confirmation"]))
     if args.json:

@@ -7,7 +7,7 @@ import sys
 
 from .._foundation.errors import QKCircuitsError
 from ._common import add_model_args, load_model, positive_int
-from .report import check_trace, load_inputs, read_trace
+from .report import add_result_args, check_trace, load_inputs, read_trace
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -19,12 +19,8 @@ def add_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--port", type=positive_int, default=8050, help="port (default 8050)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--scores", metavar="JSON", help="scores from `qkcircuits scan --json` (default: run a scan)")
+    add_result_args(p)
     p.add_argument("--no-scan", action="store_true", help="do not scan at start-up (grids show eigenvalue copying only)")
-    p.add_argument("--ablation", metavar="JSON", help="per-head effects from `qkcircuits ablate --sweep --json`")
-    p.add_argument("--diagnostics", metavar="JSON", help="flags from `qkcircuits diagnose --json`")
-    p.add_argument("--trace", metavar="JSON", help="path effects from `qkcircuits trace --json` (circuit graph and "
-                                                   "a 'reads from' panel per traced head)")
     p.set_defaults(func=run)
 
 

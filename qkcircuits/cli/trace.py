@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, load_model, positive_int
+from ._common import add_model_args, load_model, positive_int, renamed_arg
 from .ablate import ray_backend
 
 INPUT_WORDS = {"q": "queries", "k": "keys", "v": "values"}
@@ -27,13 +27,13 @@ def add_parser(sub) -> None:
                                    "receiver's queries, keys or values and measure the harm: for q and k the "
                                    "receiver's induction attention, for v its direct logit for the correct token.")
     add_model_args(p)
-    p.add_argument("--receivers", help="receiver heads, e.g. 18.6,17.3 (default: the top --top induction heads)")
+    p.add_argument("--receivers", help="receiver heads, e.g. 18.6,17.3 (default: the top --k induction heads)")
     p.add_argument("--into", type=_into, default=["q", "k", "v"], help="inputs to patch (default q,k,v)")
     p.add_argument("--method", choices=("mean", "zero", "resample"), default="mean",
                    help="mean over the prompts per position (default); zero; resample from another prompt")
     p.add_argument("--attribution", action="store_true",
                    help="estimate the edges by gradients (edge attribution) instead of exact path patching")
-    p.add_argument("--top", type=positive_int, default=3, help="induction heads traced without --receivers (3)")
+    renamed_arg(p, "--k", "--top", type=positive_int, default=3, help="induction heads traced without --receivers (3)")
     p.add_argument("--show", type=positive_int, default=3, help="senders listed per receiver input (default 3)")
     p.add_argument("--json", metavar="PATH", help="write the result (the trace JSON contract)")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS|local:N",
@@ -69,13 +69,13 @@ def run(args: argparse.Namespace) -> int:
         raise QKCircuitsError(f"--receivers: {[str(r) for r in recv if r.layer == 0][0]} is in layer 0, which reads "
                               f"no earlier head; name heads of layer 1 or later")
     if args.ray is not None:
-        res = trace(args.model, recv, k=args.top, into=args.into, method=args.method, progress=not args.quiet,
+        res = trace(args.model, recv, k=args.k, into=args.into, method=args.method, progress=not args.quiet,
                     backend=ray_backend(args))
         b = res.settings["backend"]
         print(f"  ray: {b['workers']} workers, {b['shards']} shards; start-up {b['startup_s']:.1f} s, load "
               f"{b['load_s']:.1f} s, scan {b['scan_s']:.1f} s, path patching {b['patch_s']:.1f} s", file=sys.stderr)
     else:
-        res = trace(model, recv, k=args.top, into=args.into, method=args.method, attribution=args.attribution,
+        res = trace(model, recv, k=args.k, into=args.into, method=args.method, attribution=args.attribution,
                     progress=not args.quiet)
     kind = "edge attribution (gradient estimate)" if res.kind == "attribution" else "exact path patching"
     print(f"{args.model}: {kind}, {args.method} ablation of each sender, over {res.settings.get('n_prompts')} "
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         for x in res.into:
             print(f"  {res.summary(r, x)}")
             if args.show > 1:
-                rest = res.top(r, x, args.show)[1:]
+                rest = res.top(args.show, receiver=r, into=x)[1:]
                 if rest:
                     print("      then " + ", ".join(f"{s} {e:.3f}" for s, e in rest)
                           + f"; p95 {res.baseline(r, x)['p95']:.3f}")

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     for spec in args.models:          # every spec before the first model loads
         check_spec(spec)
     z = zoo(args.models, backend="ray" if args.ray is not None else "local", ray_address=args.ray or None,
-            confirm_top=args.confirm, n_seqs=args.n_seqs, seed=args.seed, progress=not args.quiet,
+            confirm_k=args.confirm, n_seqs=args.n_seqs, seed=args.seed, progress=not args.quiet,
             load_kwargs={"device": args.device, "dtype": args.dtype})
     print(format_zoo(z.models))
     if args.json:

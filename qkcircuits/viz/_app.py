@@ -10,8 +10,9 @@ Routes (nothing else is served; no route takes a path from the user):
 - ``GET /static/circuitsvis.js``    circuitsvis's bundle from the installed package
 - ``GET /api/info``                 model, grids, heads, default tokens and prompt
 - ``POST /api/head``                JSON ``{"head": "1.0", "tokens": " the| of" or [...], "prompt": "...",
-                                    "input": "direct"|"effective"|"contextual"}`` (input optional: default
-                                    contextual past layer 0) → the head's panel (same data as a report panel)
+                                    "view": "direct"|"effective"|"contextual"}`` (view optional: default
+                                    contextual past layer 0; "input" is its old name) → the head's panel (same
+                                    data as a report panel)
 
 Bad input (unknown head, too-long prompt, a token that is not one token, malformed JSON: deep nesting, huge
 numbers, wrong types) → 400 ``{"error": one line}``; anything unexpected → 500 ``{"error": "internal error
@@ -197,13 +198,16 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
     @app.post("/api/head")
     def api_head():
         body = parse_body(request.get_data(cache=False))
-        unknown = set(body) - {"head", "tokens", "prompt", "input"}
+        unknown = set(body) - {"head", "tokens", "prompt", "view", "input"}
         if unknown:
             raise QKCircuitsError(f"unknown field(s) {', '.join(sorted(unknown))}; accepted: head, tokens, prompt, "
-                                  f"input")
-        input = body.get("input")
-        if input is not None and input not in INPUTS:
-            raise QKCircuitsError(f"'input' must be one of {', '.join(INPUTS)}, got {input!r}")
+                                  f"view")
+        if "view" in body and "input" in body:
+            raise QKCircuitsError("give 'view' (the new name) or 'input' (the old one), not both")
+        given = "view" if "view" in body else "input"
+        view = body.get(given)
+        if view is not None and view not in INPUTS:
+            raise QKCircuitsError(f"'{given}' must be one of {', '.join(INPUTS)}, got {view!r}")
         spec = body.get("head")
         if not isinstance(spec, str) or not spec.strip():
             raise QKCircuitsError(f"'head' must be a string such as '1.0' or 'L1H0', got {spec!r}")
@@ -232,7 +236,7 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
             raise QKCircuitsError(f"the prompt is {len(pids)} tokens (with BOS); at most {max_prompt} are accepted")
         with lock:
             return jsonify(panel(ctx, head[0], ids, pids, scores=scores, effects=effects, diagnostics=diagnostics,
-                                 input=input, trace=trace))
+                                 view=view, trace=trace))
 
     @app.errorhandler(QKCircuitsError)
     def bad_input(e):

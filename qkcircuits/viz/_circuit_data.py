@@ -32,9 +32,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .._foundation.errors import QKCircuitsError
+from .._foundation.io import check_schema
 
 SCHEMA = "qkcircuits.circuit"       # the CLI's file; a Faithfulness result's JSON holds a circuit too
-READABLE = {SCHEMA: (1,), "qkcircuits.faithfulness": (1,)}         # schema name: versions this reader knows
+# the schemas this reader knows (name/newest version): the CLI's file, qk.faithfulness(...) and scores.circuit(...)
+READABLE = (f"{SCHEMA}/1", "qkcircuits.faithfulness/1", "qkcircuits.task_circuit/1")
 KINDS = ("embed", "head", "kv", "mlp", "logits")
 
 _HEAD = re.compile(r"^(?:a|attn\.?|head\.?)?(\d+)\.(\d+)$|^[Ll](\d+)[Hh](\d+)$")
@@ -202,19 +204,11 @@ def _read(source: Any) -> Tuple[Dict, str]:
 
 
 def _check_schema(data: Dict, name: str) -> None:
-    schema = data.get("schema")
-    if schema is None:
-        return
-    base, _, version = str(schema).partition("/")
-    if base == "qkcircuits.edge_scores":
-        raise QKCircuitsError(f"{name}: holds edge scores, not a circuit: choose one with scores.circuit(...) or "
-                              f"write one with `qkcircuits circuit MODEL --json FILE`")
-    if base not in READABLE:
-        raise QKCircuitsError(f"{name}: schema {schema!r} is not a circuit file ({SCHEMA}/1, from `qkcircuits "
-                              f"circuit --json`)")
-    if not version.isdigit() or int(version) not in READABLE[base]:
-        raise QKCircuitsError(f"{name}: schema {schema!r} has a version this qkcircuits does not read "
-                              f"(reads {', '.join(f'{b}/{v}' for b, vs in READABLE.items() for v in vs)})")
+    def hint(got: str) -> str:
+        return ("(it holds edge scores, not a circuit: choose one with scores.circuit(...) or write one with "
+                "`qkcircuits circuit MODEL --json FILE`)" if got == "qkcircuits.edge_scores" else "")
+
+    check_schema(data, READABLE, name, "a circuit file (from `qkcircuits circuit --json`)", hint)
 
 
 def _edges(raw: Any, name: str) -> List[Edge]:

@@ -112,9 +112,9 @@ def score_grid(values: Tensor, name: str, description: str = "", colorscale: Opt
     return out
 
 
-def qk_heatmap(matrix: Tensor, labels: Sequence[str], head: str, input: str = "direct") -> Dict:
+def qk_heatmap(matrix: Tensor, labels: Sequence[str], head: str, view: str = "direct") -> Dict:
     """Query token (rows) × key token (columns) pre-softmax score of the head's QK circuit (no biases) on
-    ``input`` rows (direct, effective or contextual: the title says which)."""
+    ``view`` rows (direct, effective or contextual: the title says which)."""
     n = len(labels)
     shown = [show_token(s) for s in labels]
     custom = [[[json.dumps(labels[i]), json.dumps(labels[j])] for j in range(n)] for i in range(n)]
@@ -123,16 +123,16 @@ def qk_heatmap(matrix: Tensor, labels: Sequence[str], head: str, input: str = "d
                     hovertemplate="query %{customdata[0]}<br>key %{customdata[1]}<br>score %{z:.4f}<extra></extra>")
     side = max(340, min(740, 114 + 16 * n))
     fig = go.Figure(hm, layout=_layout(
-        f"{head} QK over tokens ({input} inputs, pre-softmax, no biases)", height=side, width=side + 80,
+        f"{head} QK over tokens ({view} inputs, pre-softmax, no biases)", height=side, width=side + 80,
         xaxis=dict(title="key token", tickvals=list(range(n)), ticktext=shown, tickangle=-60),
         yaxis=dict(title="query token", tickvals=list(range(n)), ticktext=shown, autorange="reversed")))
     return _fig(fig)
 
 
 def ov_table(values: Tensor, out_ids: Tensor, src_labels: Sequence[str], out_labels: Sequence[Sequence[str]],
-             src_ids: Sequence[int], head: str, input: str = "direct", ranks: Optional[Sequence[float]] = None) -> Dict:
+             src_ids: Sequence[int], head: str, view: str = "direct", ranks: Optional[Sequence[float]] = None) -> Dict:
     """Source token (rows) → its top-k output tokens (columns by rank), cell colour = logit raised, text = token;
-    ``input`` (direct, effective, contextual) goes in the title; ``ranks`` (the source token's own rank among
+    ``view`` (direct, effective, contextual) goes in the title; ``ranks`` (the source token's own rank among
     all output logits) in the row labels as ``token ⟨r⟩``."""
     n, k = values.shape
     rows = [show_token(s) for s in src_labels]
@@ -146,7 +146,7 @@ def ov_table(values: Tensor, out_ids: Tensor, src_labels: Sequence[str], out_lab
                     hovertemplate="source %{customdata[0]} → output %{customdata[1]}<br>logit %{z:.4f}"
                                   "<br>copies itself: %{customdata[2]}<extra></extra>")
     fig = go.Figure(hm, layout=_layout(
-        f"{head} OV: source token → top output tokens ({input} inputs, logits)",
+        f"{head} OV: source token → top output tokens ({view} inputs, logits)",
         height=max(340, min(940, 130 + 18 * n)), width=150 + 95 * k, xaxis=dict(title="rank", side="top"),
         margin=dict(l=60, r=20, t=TOP_MARGIN + 40, b=20),
         yaxis=dict(title="source token ⟨its own rank⟩" if ranks is not None else "source token",

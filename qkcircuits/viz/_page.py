@@ -198,7 +198,7 @@ VIEWER_JS = r"""
     }
     try {
       const body = {head: key, tokens: $('tokens').value, prompt: $('prompt').value};
-      if ($('input').value) body.input = $('input').value;
+      if ($('input').value) body.view = $('input').value;
       $('status').textContent = 'computing ' + key + ' ...';
       const p = await getJSON('api/head', body);
       drawPanel(p);

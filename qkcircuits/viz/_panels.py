@@ -13,7 +13,7 @@ torch.Size([32, 32])
 Every number is computed from a few rows of the circuits, never a vocab × vocab matrix:
 QK over a token set is X[ids] W_Q (X[ids] W_K)ᵀ · scale; the OV view is X[ids] W_V W_O U / s ([n, vocab])
 with the copying rank of each source token; X is what the head's layer reads for each token,
-``input="direct"|"effective"|"contextual"`` (``qkcircuits._weights.contextual``; default contextual past layer 0,
+``view="direct"|"effective"|"contextual"`` (``qkcircuits._weights.contextual``; default contextual past layer 0,
 direct at layer 0). Like ``full_qk``/``full_ov`` both leave the biases out; the positional profile is
 the learned-position QK (W_pos) or the rotary offset profile of ``qkcircuits._weights.rotary``; K-composition
 partners come from ``composition_scores``.
@@ -33,6 +33,7 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, model_heads
 from .._weights.circuits import attn_scale, embed_rows, layer_weights, unembed_cols
 from .._foundation.lru import LRU
+from .._foundation.renamed import renamed
 from .._weights.contextual import TokenInputs, check_input, head_logits, mid_rank, token_inputs
 
 # Common English tokens that make a QK heatmap readable (those that are one token in the model's vocabulary).
@@ -197,27 +198,29 @@ INPUT_TITLES = {"direct": "direct inputs (token embeddings)",
                 "contextual": "contextual inputs (mean residual at the layer over a corpus)"}
 
 
-def qk_grid(ctx: ViewContext, head: Head, ids: Sequence[int], input: Optional[str] = None
+@renamed(input="view")
+def qk_grid(ctx: ViewContext, head: Head, ids: Sequence[int], view: Optional[str] = None
             ) -> Float[Tensor, "query key"]:
     """Token-to-token pre-softmax score (no position, no biases): X[q] W_Q W_Kᵀ X[k]ᵀ · scale, with X the
-    rows the head's layer reads for each token (``input``: direct, effective or contextual; default
-    contextual past layer 0). ``input="direct"`` gives the rows/columns ``ids`` of ``full_qk``."""
+    rows the head's layer reads for each token (``view``: direct, effective or contextual; default
+    contextual past layer 0). ``view="direct"`` gives the rows/columns ``ids`` of ``full_qk``."""
     w = ctx.weights(head.layer)
-    X = ctx.inputs(head.layer, ids, input).rows
+    X = ctx.inputs(head.layer, ids, view).rows
     with torch.no_grad():
         q = X.to(w.W_Q.dtype) @ w.W_Q[head.head]
         k = X.to(w.W_K.dtype) @ w.W_K[head.head]
         return (q @ k.T * attn_scale(ctx.model, head.layer)).float().cpu()
 
 
-def ov_view(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, input: Optional[str] = None
+@renamed(input="view")
+def ov_view(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, view: Optional[str] = None
             ) -> Dict[str, object]:
     """For each source token: the ``k`` output tokens whose logits the head's write raises most, and the
     copying rank of the source token itself among all output logits (1 = top; ties share ranks).
 
     Returns {"values" [n, k], "ids" [n, k], "ranks" [n], "input", "source" (per token), "note"}.
     Memory: one [n, vocab] block."""
-    x = ctx.inputs(head.layer, ids, input)
+    x = ctx.inputs(head.layer, ids, view)
     logits, used = head_logits(ctx.model, head, ids, x.input)
     ranks = mid_rank(logits, torch.as_tensor(list(ids), dtype=torch.long))
     vals, idx = logits.topk(min(int(k), logits.shape[-1]), dim=-1)
@@ -225,11 +228,12 @@ def ov_view(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, input:
             "note": used.note}
 
 
-def ov_top(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, input: Optional[str] = None
+@renamed(input="view")
+def ov_top(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, view: Optional[str] = None
            ) -> Tuple[Tensor, Tensor]:
     """(values [n, k], ids [n, k]) of the ``k`` output tokens each source token's OV write raises most
     (``ov_view`` without the ranks)."""
-    v = ov_view(ctx, head, ids, k, input)
+    v = ov_view(ctx, head, ids, k, view)
     return v["values"], v["ids"]
 
 

@@ -8,7 +8,7 @@ False
 The file works with no network: plotly.js and circuitsvis's bundle are inlined once each (~6.1 MB
 together), every figure is data drawn by ``Plotly.newPlot``, every attention widget is drawn by
 ``CircuitsVis.render``. Per-head panels are precomputed only for a bounded set of heads (the top
-``per_score`` of every grid plus ``heads``); the report says which were left out.
+``grid_k`` of every grid plus ``heads``); the report says which were left out.
 Memory: the model plus, for the chosen heads, one [n_tokens, vocab] OV block at a time and one
 forward pass's attention patterns on the prompt.
 """
@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, model_heads, n_kv_heads
 from .._foundation.io import write_atomic
+from .._foundation.renamed import renamed
 from .._weights.contextual import INPUTS
 from ._circuit_data import check_against_model, load_circuit, parse_node
 from ._circuit_view import circuit_section
@@ -36,50 +37,53 @@ MAX_HEADS = 60
 CIRCUIT_HEADS = 12      # heads of a circuit that get a panel (its roles first, then its other heads)
 
 
-def pick_heads(grid_values: Dict[str, torch.Tensor], per_score: int, extra: Sequence[Head] = (),
-               max_heads: int = MAX_HEADS) -> List[Head]:
-    """``extra`` first, then the top ``per_score`` heads of each grid (by value; by |value| for signed
-    grids), without repeats, at most ``max_heads`` besides ``extra``."""
+@renamed(per_score="grid_k", max_heads="k")
+def pick_heads(grid_values: Dict[str, torch.Tensor], grid_k: int, extra: Sequence[Head] = (),
+               k: int = MAX_HEADS) -> List[Head]:
+    """``extra`` first, then the top ``grid_k`` heads of each grid (by value; by |value| for signed
+    grids), without repeats, at most ``k`` besides ``extra``."""
     out = list(dict.fromkeys(extra))
     picked = 0
     for name, t in grid_values.items():
         key = t.abs() if float(t.nan_to_num(0).min()) < 0 else t
         flat = key.nan_to_num(-math.inf).flatten()
-        for i in flat.topk(min(per_score, flat.numel())).indices.tolist():
+        for i in flat.topk(min(grid_k, flat.numel())).indices.tolist():
             h = Head(i // t.shape[1], i % t.shape[1])
-            if h not in out and picked < max_heads:
+            if h not in out and picked < k:
                 out.append(h)
                 picked += 1
     return out
 
 
+@renamed(per_score="grid_k", input="view")
 def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=None, tokens: Optional[Sequence[str]] = None,
-                prompt: Optional[str] = None, per_score: int = 3, k: int = 5, title: Optional[str] = None,
-                input: Optional[str] = None, progress: bool = True, trace=None, circuit=None) -> str:
+                prompt: Optional[str] = None, grid_k: int = 3, k: int = 5, title: Optional[str] = None,
+                view: Optional[str] = None, progress: bool = True, trace=None, circuit=None) -> str:
     """The report as one HTML string (see module docs). ``scores``: HeadScores (e.g. ``qk.scan(model)``);
     ``effects``: HeadEffects from ``sweep``; ``diagnostics``: HeadDiagnostics; ``heads``: extra heads to
     precompute; ``tokens``: the token set of the QK/OV views; ``prompt``: text for the attention patterns;
-    ``input``: the token rows of the QK/OV views (direct, effective, contextual; default contextual past
+    ``grid_k``: heads precomputed per score grid (its top ``grid_k``); ``k``: output tokens per source token in
+    the OV view; ``view``: the token rows of the QK/OV views (direct, effective, contextual; default contextual past
     layer 0, direct at layer 0); ``trace``: a PathEffects (circuit graph of path patching, "reads from" panels);
     ``circuit``: a circuit over the whole graph (the circuit API's result, or the ``qkcircuits circuit --json``
     dict, path or text): a section with its faithfulness curve, graph, roles and top edges, and panels for the
     heads it names (its roles first, at most ``CIRCUIT_HEADS``)."""
     from .._foundation.model import model_name
 
-    if per_score < 0 or k < 1:
-        raise QKCircuitsError(f"per_score must be >= 0 and k >= 1, got {per_score} and {k}")
+    if grid_k < 0 or k < 1:
+        raise QKCircuitsError(f"grid_k must be >= 0 and k >= 1, got {grid_k} and {k}")
     L, H = int(model.cfg.n_layers), int(model.cfg.n_heads)
     shapes = {"scores": scores and (scores.n_layers, scores.n_heads), "effects": effects and tuple(effects.effects.shape),
               "diagnostics": diagnostics and (diagnostics.n_layers, diagnostics.n_heads)}
     for name, shape in shapes.items():
         if shape and tuple(shape) != (L, H):
             raise QKCircuitsError(f"the {name} are for {shape[0]} layers x {shape[1]} heads, but the model has {L} x {H}")
-    if input is not None and input not in INPUTS:
-        raise QKCircuitsError(f"input must be one of {', '.join(INPUTS)}, got {input!r}")
-    view = None
+    if view is not None and view not in INPUTS:
+        raise QKCircuitsError(f"view must be one of {', '.join(INPUTS)}, got {view!r}")
+    cview = None
     if circuit is not None:
-        view = load_circuit(circuit)
-        check_against_model(view, L, H, n_kv_heads(model))
+        cview = load_circuit(circuit)
+        check_against_model(cview, L, H, n_kv_heads(model))
     ctx = ViewContext(model)
     ids = token_set(model, tokens)
     pids = prompt_ids(model, prompt)
@@ -88,35 +92,35 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
     extra = model_heads(model, heads) if heads else []
     if trace is not None:                     # every traced receiver gets its panel ("reads from")
         extra += [h for h in trace.receivers if h not in extra]
-    if view is not None:                      # the circuit's heads get panels: role heads first
-        named = [Head(n.layer, n.index) for n in map(parse_node, list(view.roles) + view.heads)
+    if cview is not None:                      # the circuit's heads get panels: role heads first
+        named = [Head(n.layer, n.index) for n in map(parse_node, list(cview.roles) + cview.heads)
                  if n is not None and n.kind == "head"]
         extra += [h for h in dict.fromkeys(named) if h not in extra][:CIRCUIT_HEADS]
-    chosen = pick_heads(values, per_score, extra)
+    chosen = pick_heads(values, grid_k, extra)
     if not chosen:
-        raise QKCircuitsError("no heads to show: give per_score >= 1 or some heads")
+        raise QKCircuitsError("no heads to show: give grid_k >= 1 or some heads")
     patterns = attention(ctx, chosen, pids)
     panels = {}
     for h in tqdm(chosen, desc="report", unit="head", disable=not progress, leave=False):
         panels[str(h)] = panel(ctx, h, ids, pids, patterns[h], scores=scores, effects=effects,
-                               diagnostics=diagnostics, k=k, input=input, trace=trace)
+                               diagnostics=diagnostics, k=k, view=view, trace=trace)
     total = L * H
-    left_out = (f"panels precomputed for {len(chosen)} of {total} heads: the top {per_score} of every grid"
+    left_out = (f"panels precomputed for {len(chosen)} of {total} heads: the top {grid_k} of every grid"
                 + (", plus the heads asked for with --heads" if heads else "")
                 + (", the traced heads" if trace is not None else "")
-                + (", the circuit's heads" if view is not None else "")
+                + (", the circuit's heads" if cview is not None else "")
                 + ("; the other heads were left out to keep the file small" if len(chosen) < total else ""))
     name = title or model_name(model)
     first = str(extra[0] if extra else chosen[0])
-    if not extra and scores is not None and "induction" in scores.scores and per_score > 0:
+    if not extra and scores is not None and "induction" in scores.scores and grid_k > 0:
         first = str(scores.top(1, "induction")[0][0])   # open on the strongest induction head
     data = {"mode": "static", "title": f"qkcircuits report: {name}",
             "summary": (f"{L} layers x {H} heads; QK/OV token set: {len(ids)} tokens; prompt: {len(pids)} tokens. "
                         f"{left_out}. QK/OV token views use "
-                        + (f"{input} inputs" if input else "direct inputs at layer 0 and contextual inputs (the mean "
+                        + (f"{view} inputs" if view else "direct inputs at layer 0 and contextual inputs (the mean "
                            "residual each layer reads for a token over a packaged English corpus) after it")
                         + "; each figure's title says which. Offsets and composition come from the weights."),
-            "circuit": circuit_section(view, L, H, n_kv=n_kv_heads(model)) if view is not None else None,
+            "circuit": circuit_section(cview, L, H, n_kv=n_kv_heads(model)) if cview is not None else None,
             "left_out": left_out, "grids": grid_list, "heads": list(panels), "first": first, "panels": panels}
     scripts = (f"<script>{script_text('plotly')}</script>\n"
                f"<script>{script_text('circuitsvis')}</script>")

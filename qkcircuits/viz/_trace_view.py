@@ -1,6 +1,6 @@
 """Views of a trace (``PathEffects``): a per-head "reads from" panel and the circuit graph.
 
->>> res = qk.trace_induction(model, top=1, progress=False)
+>>> res = qk.trace_induction(model, k=1, progress=False)
 >>> fig = reads_from(res, Head(1, 0))           # top senders per input, with the baseline
 >>> fig["data"][0]["type"]
 'bar'
@@ -27,7 +27,7 @@ def reads_from(res: PathEffects, head: Head, k: int = 3) -> Optional[Dict]:
     rows = []
     for x in res.into:
         b = res.baseline(head, x)
-        for s, e in res.top(head, x, k):
+        for s, e in res.top(k, receiver=head, into=x):
             rows.append({"input": x, "sender": str(s), "effect": e, "metric": res.metrics[x], **b})
     return F.reads_from_bars(rows, str(head), res.kind) if rows else None
 
@@ -39,7 +39,7 @@ def circuit_edges(res: PathEffects, per_input: int = 2) -> List[Dict]:
     for r in res.receivers:
         for x in res.into:
             p95 = res.baseline(r, x)["p95"]
-            for s, e in res.top(r, x, per_input):
+            for s, e in res.top(per_input, receiver=r, into=x):
                 if e > p95 and e > 0:
                     out.append({"src": (s.layer, s.head), "dst": (r.layer, r.head), "input": x, "effect": e})
     return out

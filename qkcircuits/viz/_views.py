@@ -17,6 +17,7 @@ from torch import Tensor
 from .._foundation.heads import Head
 from .._analysis.detectors import detectors
 from .._foundation.io import json_number
+from .._foundation.renamed import renamed
 from . import _figures as F
 from ._panels import ViewContext, attention, k_partners, ov_view, positional_profile, qk_grid, token_strings
 
@@ -73,19 +74,22 @@ def grids(model, ctx: ViewContext, scores=None, effects=None, diagnostics=None, 
     return out
 
 
-def qk_figure(ctx: ViewContext, head: Head, ids: Sequence[int], input: Optional[str] = None) -> Dict:
-    """The head's QK heatmap over the tokens ``ids`` on ``input`` rows (direct, effective, contextual;
-    default contextual past layer 0); the title names the input used."""
-    used = ctx.inputs(head.layer, ids, input).input
+@renamed(input="view")
+def qk_figure(ctx: ViewContext, head: Head, ids: Sequence[int], view: Optional[str] = None) -> Dict:
+    """The head's QK heatmap over the tokens ``ids`` on ``view`` rows (direct, effective, contextual;
+    default contextual past layer 0); the title names the view used."""
+    used = ctx.inputs(head.layer, ids, view).input
     return F.qk_heatmap(qk_grid(ctx, head, ids, used), token_strings(ctx.model, ids), str(head), used)
 
 
-def ov_figure(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, input: Optional[str] = None,
-              view: Optional[Dict] = None) -> Dict:
-    """Each token of ``ids`` → the ``k`` output tokens the head's OV raises most, with the source token's own
-    rank among all output logits; ``view`` is a precomputed ``ov_view`` (the panel reuses it for its notes)."""
+@renamed(input="view")
+def ov_figure(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, view: Optional[str] = None,
+              ov: Optional[Dict] = None) -> Dict:
+    """Each token of ``ids`` → the ``k`` output tokens the head's OV raises most (on ``view`` rows), with the
+    source token's own rank among all output logits; ``ov`` is a precomputed ``ov_view`` (the panel reuses it
+    for its notes)."""
     model = ctx.model
-    ov = view if view is not None else ov_view(ctx, head, ids, k, input)
+    ov = ov if ov is not None else ov_view(ctx, head, ids, k, view)
     out_labels = [token_strings(model, row) for row in ov["ids"].tolist()]
     return F.ov_table(ov["values"], ov["ids"], token_strings(model, ids), out_labels, ids, str(head), ov["input"],
                       ov["ranks"].tolist())
@@ -127,18 +131,19 @@ def head_info(ctx: ViewContext, head: Head, scores=None, effects=None, diagnosti
     return info
 
 
+@renamed(input="view")
 def panel(ctx: ViewContext, head: Head, ids: Sequence[int], prompt: Optional[Sequence[int]] = None,
           pattern: Optional[Tensor] = None, *, scores=None, effects=None, diagnostics=None, k: int = 5,
-          input: Optional[str] = None, trace=None) -> Dict:
+          view: Optional[str] = None, trace=None) -> Dict:
     """Everything shown for one head. ``pattern`` (its [q, k] attention on ``prompt``) is computed when
-    not given; pass ``prompt=None`` to leave attention out. ``input``: the token rows of the QK and OV
+    not given; pass ``prompt=None`` to leave attention out. ``view``: the token rows of the QK and OV
     views (direct, effective, contextual; default contextual past layer 0). ``trace``: a PathEffects whose
     top senders into this head are drawn as "reads from"."""
     model, name = ctx.model, str(head)
     labels = token_strings(model, ids)
-    ov = ov_view(ctx, head, ids, k, input)
+    ov = ov_view(ctx, head, ids, k, view)
     used, ranks = ov["input"], ov["ranks"].tolist()
-    figs: Dict[str, Optional[Dict]] = {"qk": qk_figure(ctx, head, ids, used), "ov": ov_figure(ctx, head, ids, k, view=ov),
+    figs: Dict[str, Optional[Dict]] = {"qk": qk_figure(ctx, head, ids, used), "ov": ov_figure(ctx, head, ids, k, ov=ov),
                                        "pos": offsets_figure(ctx, head), "comp": partners_figure(ctx, head)}
     notes: List[str] = [f"QK/OV token views: {ov['note']}"]
     fell = [lab for lab, src in zip(labels, ov["source"]) if src != used]
