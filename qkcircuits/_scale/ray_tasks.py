@@ -103,7 +103,7 @@ def roles_job(model, shared: Task, *, circuit: Circuit, clean: Real, corrupt: Re
 def plan_rows(n: int, n_workers: int, per_worker: int = 2) -> List[Tuple[int, int]]:
     """Prompt rows cut into up to ``per_worker`` × ``n_workers`` contiguous blocks of equal size (±1): every
     row once. Cost is about proportional to rows (each row's runs are independent), so equal blocks balance."""
-    blocks = torch.arange(n).chunk(min(n, max(1, per_worker * n_workers)))
+    blocks = torch.arange(n).tensor_split(min(n, max(1, per_worker * n_workers)))
     return [(int(b[0]), int(b[-1]) + 1) for b in blocks]
 
 
@@ -131,7 +131,7 @@ def _backend(pool: Pool, shards: Sequence[Tuple[int, int]], parts: Sequence[Dict
             "plan": [{"rows": list(r), "seconds": round(p["seconds"], 3)} for r, p in zip(shards, parts)]}
 
 
-def ray_edge_scores(spec, task: Task, method: str = "eap-ig", steps: int = 5, *, rows_per_shard: Optional[int] = None,
+def ray_edge_scores(spec, task, method: str = "eap-ig", steps: int = 5, *, rows_per_shard: Optional[int] = None,
                     copies: int = 32, progress: bool = True, check: bool = True, ray_address: Optional[str] = None,
                     workers: Optional[int] = None, threads: int = 1, load_kwargs: Optional[Dict[str, Any]] = None,
                     pool: Optional[Pool] = None) -> EdgeScores:
@@ -165,7 +165,7 @@ def ray_edge_scores(spec, task: Task, method: str = "eap-ig", steps: int = 5, *,
                       {"edge_scores_s": backend["run_s"]})
 
 
-def ray_node_scores(spec, task: Task, method: str = "eap-ig", steps: int = 5, *, progress: bool = True,
+def ray_node_scores(spec, task, method: str = "eap-ig", steps: int = 5, *, progress: bool = True,
                     rows_per_shard: Optional[int] = None, copies: int = 32, ray_address: Optional[str] = None,
                     workers: Optional[int] = None, threads: int = 1, load_kwargs: Optional[Dict[str, Any]] = None,
                     pool: Optional[Pool] = None) -> NodeScores:
@@ -220,7 +220,7 @@ def ray_node_faithfulness(pool: Pool, task: Task, g, heads: Sequence[str],
     return _ratio(m, clean, corrupt)
 
 
-def ray_faithfulness(spec, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by: str = "abs",
+def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: str = "abs",
                      threshold: Real = THRESHOLD, rows_per_shard: Optional[int] = None, progress: bool = True,
                      ray_address: Optional[str] = None, workers: Optional[int] = None, threads: int = 1,
                      load_kwargs: Optional[Dict[str, Any]] = None, pool: Optional[Pool] = None) -> Faithfulness:
