@@ -223,15 +223,17 @@ def ray_node_faithfulness(pool: Pool, task: Task, g, heads: Sequence[str],
 def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: str = "abs",
                      threshold: Real = THRESHOLD, rows_per_shard: Optional[int] = None, progress: bool = True,
                      ray_address: Optional[str] = None, workers: Optional[int] = None, threads: int = 1,
-                     load_kwargs: Optional[Dict[str, Any]] = None, pool: Optional[Pool] = None) -> Faithfulness:
+                     load_kwargs: Optional[Dict[str, Any]] = None, pool: Optional[Pool] = None,
+                     **selection: Any) -> Faithfulness:
     """``faithfulness(..., backend=qk.Ray(...))``: m(C) per grid size, m(full) and m(∅) summed over prompt
-    shards, f / CPR / CMD computed once from the sums; then the chosen circuit's node view (a second round)."""
+    shards, f / CPR / CMD computed once from the sums; then the chosen circuit's node view (a second round).
+    ``selection``: further arguments of ``select`` (the driver picks the circuits), passed as they are."""
     sizes = sorted({float(s) for s in sizes})
     if not sizes or sizes[0] < 0 or sizes[-1] > 100:
         raise QKCircuitsError(f"sizes must be percents in 0-100, got {sizes!r}")
     task = _check_task(task)
     g = scores.graph
-    circuits = [select(scores, percent=p, by=by) for p in sizes]          # the driver selects (no model needed)
+    circuits = [select(scores, percent=p, by=by, **selection) for p in sizes]   # the driver selects (no model)
     pool, own = _pool(spec, pool, ray_address, workers, threads, load_kwargs, progress)
     try:
         t0 = time.perf_counter()
@@ -249,7 +251,7 @@ def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: s
     out = Faithfulness(curve, dict(zip(sizes, values)), {p: c.n_edges for p, c in zip(sizes, circuits)}, clean,
                        corrupt, _trapezoid(xs, f), _trapezoid(xs, [abs(1 - v) for v in f]), chosen, circuit, nf,
                        circuit.heads, getattr(scores, "model", ""),
-                       {"by": by, "threshold": threshold, "rows_per_shard": rows_per_shard,
+                       {"by": by, **selection, "threshold": threshold, "rows_per_shard": rows_per_shard,
                         "cpr_cmd": "trapezoid over the grid, x = fraction of edges", "backend": backend},
                        {"curve_s": round(t1 - t0, 3), "node_view_s": round(time.perf_counter() - t1, 3)})
     scores.settings["chosen_percent"] = chosen

@@ -194,7 +194,7 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
             "steps": scores.steps, "curve": {f"{k:g}": v for k, v in faith.curve.items()}, "cpr": faith.cpr,
             "cmd": faith.cmd,
             "circuit": {**circ.to_dict(), "faithfulness": f_circ, "node_faithfulness": node_f},
-            "roles": roles.to_dict(), "timing": timing, "bos_prepended": bool(task.bos), "graph": g.to_dict(),
+            "roles": dict(roles.roles), "timing": timing, "bos_prepended": bool(task.bos), "graph": g.to_dict(),
             "n_edges_by_percent": {f"{k:g}": v for k, v in faith.n_edges.items()},
             "chosen_percent": faith.chosen_percent, "by": args.by,
             "versions": scores.settings.get("versions", {})}
