@@ -33,6 +33,7 @@ EVIDENCE = {
     "7.5": (_ev(0.5, io=0.05, s=0.6, s2=0.6), "unclassified"),            # S-inhibition-like, large direct effect
     "5.0": (_ev(0.0, node=0.5, ind=0.8), "induction head"),
     "5.1": (_ev(0.0, node=0.01, ind=0.8), "minor"),                       # the pattern, no effect
+    "5.2": (_ev(0.5, io=0.05, s=0.6, prev=0.4), "unclassified"),          # the pattern, but writes the answer
     "3.0": (_ev(0.0, node=0.4, dup=0.7), "duplicate-token head"),
     "2.0": (_ev(0.0, node=0.3, prev=0.9), "previous-token head"),
     "2.1": (_ev(0.0, node=0.3, prev=0.29), "unclassified"),               # below the 0.3 pattern threshold
@@ -75,5 +76,5 @@ def test_each_threshold_moves_its_boundary(key, value, head, role):
 def test_other_tasks_direct_logit_heads_and_the_rest():
     out = classify({h: dict(e) for h, (e, _) in EVIDENCE.items()}, {}, ioi=False, denom=4.0)
     direct = sorted(h for h, r in out.items() if r["role"] == "direct-logit head")
-    assert direct == ["10.0", "10.1", "7.5", "9.0", "9.1", "9.2", "9.3"]
+    assert direct == ["10.0", "10.1", "5.2", "7.5", "9.0", "9.1", "9.2", "9.3"]
     assert all(r["role"] == "feeds the circuit" for h, r in out.items() if h not in direct)

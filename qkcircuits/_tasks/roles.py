@@ -31,7 +31,8 @@ logit-difference scale; "large" = at least the fraction given of the largest one
    the largest edge score into any name mover's q, END → S2 ≥ 0.1 and END → S2 > END → IO, and NOT a large
    direct effect (a head writing the answer itself is judged by 1-2 or left unclassified);
 4. induction (S2 → S1+1), duplicate token (S2 → S1), previous token (S1+1 → S1): that attention ≥
-   ``pattern`` (0.3) and a large node effect (``effect_relative`` 0.1 of the largest |node effect|);
+   ``pattern`` (0.3), a large node effect (``effect_relative`` 0.1 of the largest |node effect|) and not a
+   large direct effect (these heads act through later heads; one that writes the answer is unclassified);
 5. unclassified: a large direct or node effect that fits no class, kept with its evidence;
 6. minor: the rest (small effects, no class); their evidence is kept, ``patterns`` says what they look like.
 
@@ -184,7 +185,7 @@ def classify(evidence: Dict[str, Dict[str, object]], q_edges: Dict[Tuple[str, st
             role, why = "S-inhibition head", (f"edges into name movers' q {', '.join(feeds)} ≥ "
                                               f"{t['edge_relative']:g} × {max_q:.3g}; END→S2 {e['END->S2']:.2f} > "
                                               f"END→IO {e['END->IO']:.2f}")
-        elif e["patterns"] and large_node(e):
+        elif e["patterns"] and large_node(e) and not large_direct(e):
             role = e["patterns"][0]
             key = dict(PATTERNS)[role]
             why = (f"{key} {e[key]:.2f} ≥ {t['pattern']:g}; |node effect| {abs(float(e['node_effect'])):.3g} ≥ "
