@@ -88,6 +88,9 @@ def test_roles_name_ioi_classes_from_evidence(hand_built):
     r = scores.circuit(edges=4).roles(hand_built, task)
     ev = r.roles["1.0"]["evidence"]
     assert r.roles["1.0"]["role"] == "name mover" and ev["END->IO"] > 0.99 and ev["direct_share"] > 0.99
-    assert r.roles["0.0"]["role"] in ("previous-token head", "unclassified")
-    assert r.roles["0.0"]["evidence"]["S1+1->S1"] > 0.99                  # 0.0 attends to the previous token
+    # 0.0 attends to the previous token; its exact edge scores on this task are tiny next to 1.0's, so its
+    # role is the pattern only when its node effect is large, else "minor" with the pattern as evidence
+    assert r.roles["0.0"]["evidence"]["S1+1->S1"] > 0.99
+    assert r.roles["0.0"]["evidence"]["patterns"] == ["previous-token head"]
+    assert r.roles["0.0"]["role"] in ("previous-token head", "minor")
     assert any(s.startswith("name mover 1.0") for s in r.sentences())

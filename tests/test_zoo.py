@@ -80,3 +80,45 @@ def test_zoo_errors(tmp_path):
     assert main(["zoo", "no/such/model.gguf", "--quiet"]) == 2
     with pytest.raises(qk.QKCircuitsError, match="list of one or more model specs"):
         qk.zoo("toy-induction")
+
+
+def test_zoo_task_ioi_adds_each_models_circuit(tmp_path, tmp_path_factory, capsys, monkeypatch, hand_built):
+    """``zoo --task ioi``: per model the IOI logit difference (equal to two plain forwards), CPR/CMD (the trapezoid
+    of its own curve) and name movers (each with the evidence the rule needs); the toy (no tokenizer) is skipped
+    with the builder's reason. The tiny GPT-2's tokenizer has none of the default single-token names, so the
+    builder is given words that are one token for it (tests/test_tasks.py's). One pipeline run (it is slow)."""
+    from qkcircuits._scale.zoo import ioi_summary
+    from qkcircuits._tasks import builders
+    from qkcircuits._tasks.task import evaluate
+
+    folder = str(_tiny.gpt2_dir(tmp_path_factory))
+    plain = builders.ioi
+
+    def tiny_ioi(model, n=64, seed=0, **kw):
+        return plain(model, n=n, seed=seed, names=["Maria", "town", "old", "new", "them", "would", "asked", "their"],
+                     places=["dra"], objects=["har"], frames=builders.FRAMES[:1])
+
+    monkeypatch.setattr(builders, "ioi", tiny_ioi)
+    j, page = tmp_path / "zoo.json", tmp_path / "zoo.html"
+    assert main(["zoo", folder, "--confirm", "0", "--n-seqs", "2", "--task", "ioi", "--task-n", "4",
+                 "--quiet", "--device", "cpu", "--json", str(j), "-o", str(page)]) == 0
+    d = json.loads(j.read_text())
+    got = d["models"][0]["ioi"]
+    assert d["settings"]["task"] == "ioi" and set(d["models"][0]["timing_s"]) >= {"scan", "ioi"}
+    assert "no tokenizer" in ioi_summary(hand_built, n=4)["skipped"]
+    model = qk.load(folder, device="cpu", verbose=False)
+    ref = evaluate(model, tiny_ioi(model, n=4), warn=False)
+    assert got["logit_diff"]["clean"] == pytest.approx(ref["clean"], abs=1e-4)
+    assert got["logit_diff"]["corrupt"] == pytest.approx(ref["corrupt"], abs=1e-4)
+    xs = [float(k) / 100 for k in got["curve"]]
+    ys = list(got["curve"].values())
+    cpr = sum((xs[i + 1] - xs[i]) * (ys[i + 1] + ys[i]) / 2 for i in range(len(xs) - 1))
+    assert got["cpr"] == pytest.approx(cpr, abs=1e-5) and got["curve"]["100"] == pytest.approx(1.0, abs=1e-5)
+    assert got["chosen_percent"] == min([float(k) for k, v in got["curve"].items() if v >= 0.8] or [100.0])
+    assert sum(got["roles"].values()) == got["circuit_heads"] and got["n_prompts"] == 4
+    assert len(got["name_movers"]) == got["roles"].get("name mover", 0)
+    for m in got["name_movers"]:
+        assert m["direct_effect"] > 0 and m["END->IO"] > m["END->S"]
+    out = capsys.readouterr().out
+    assert "IOI (logit difference" in out and "name movers" in out and "CPR" in out
+    assert "IOI circuits" in page.read_text()

@@ -32,7 +32,8 @@ class Backend:
     name: ClassVar[str] = "backend"
 
     def run(self, job: str, model, *, local: Callable[..., Any], **request: Any) -> Any:
-        """Compute ``job`` (``"sweep"``, ``"path_patch"``, ``"trace"``) for ``model`` (loaded or a spec);
+        """Compute ``job`` (``"sweep"``, ``"path_patch"``, ``"trace"``, ``"edge_scores"``, ``"node_scores"``,
+        ``"faithfulness"``) for ``model`` (loaded or a spec);
         ``local(loaded_model, **request)`` is the in-process computation."""
         raise NotImplementedError
 
@@ -69,6 +70,9 @@ class Ray(Backend):
         "sweep": "qkcircuits._scale.ray_sweep:ray_sweep",
         "path_patch": "qkcircuits._scale.ray_patching:ray_path_patch",
         "trace": "qkcircuits._scale.ray_patching:ray_trace",
+        "edge_scores": "qkcircuits._scale.ray_tasks:ray_edge_scores",
+        "node_scores": "qkcircuits._scale.ray_tasks:ray_node_scores",
+        "faithfulness": "qkcircuits._scale.ray_tasks:ray_faithfulness",
     }
 
     def __post_init__(self) -> None:

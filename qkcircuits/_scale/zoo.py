@@ -14,6 +14,12 @@ head feeds each listed induction head's keys, by exact path patching into K (``k
 ``{"18.6": "16.0"}`` = the top K-path sender, kept when its effect is above that receiver's
 95th percentile over all its senders, else ``null`` for that head (and for layer-0 heads).
 
+With ``task="ioi"`` (``qkcircuits zoo --task ioi``) each entry also gets ``ioi`` (``ioi_summary``): the
+model's IOI logit difference (clean and corrupt, ``task_n`` prompts of ``qk.tasks.ioi``), the faithfulness
+curve of its EAP-IG circuit with CPR/CMD, the chosen circuit's size and node view, and its name movers
+(``roles``), each with its direct effect and END → IO / END → S attention; ``{"skipped": reason}`` for a
+model the task cannot be built for (no tokenizer, too few single-token names).
+
 Memory: one loaded model at a time per process (locally the previous one is released before the
 next loads); with Ray each worker loads the models of the shards it runs, one at a time.
 """
@@ -113,7 +119,8 @@ def _head(head, value: float, n_layers: int) -> Dict[str, Any]:
 
 @renamed(confirm_top="confirm_k", max_heads="k")
 def scan_one(spec: str, *, load_kwargs: Optional[Dict[str, Any]] = None, confirm_k: int = 5, n_seqs: int = 8,
-             seed: int = 0, k: int = 10, model=None) -> Dict[str, Any]:
+             seed: int = 0, k: int = 10, model=None, task: Optional[str] = None,
+             task_n: int = 32) -> Dict[str, Any]:
     """Load ``spec`` (unless ``model`` is given), scan it with the causal check, summarise, release it."""
     from .._analysis.detect import scan
     from .._foundation.model import load
@@ -132,6 +139,10 @@ def scan_one(spec: str, *, load_kwargs: Optional[Dict[str, Any]] = None, confirm
     out["k_sources"] = k_sources(model, [h["head"] for h in out["induction"]], n_seqs=n_seqs, seed=seed)
     out["timing_s"] = {"load": round(t1 - t0, 3), "scan": round(t2 - t1, 3),
                        "k_sources": round(time.perf_counter() - t2, 3)}
+    if task == "ioi":
+        t3 = time.perf_counter()
+        out["ioi"] = ioi_summary(model, n=task_n, seed=seed)
+        out["timing_s"]["ioi"] = round(time.perf_counter() - t3, 3)
     if own:
         del model
         gc.collect()
@@ -164,6 +175,40 @@ def k_sources(model, heads: Sequence[str], *, n_seqs: int = 8, seed: int = 0) ->
     return out
 
 
+def ioi_summary(model, *, n: int = 32, seed: int = 0, method: str = "eap-ig", steps: int = 5) -> Dict[str, Any]:
+    """The zoo's IOI entry of one loaded model: ``qk.tasks.ioi(model, n, seed)``, EAP-IG edge scores, the
+    faithfulness curve (MIB grid) with CPR/CMD, the chosen circuit (smallest size with f ≥ 0.8) and its node
+    view, and the name movers among its roles (largest direct effect first). ``{"skipped": reason}`` when the
+    task cannot be built for this model. Cost: as ``qkcircuits circuit MODEL --task ioi --n n``."""
+    from .._tasks.builders import ioi
+    from .._tasks.circuit import faithfulness
+    from .._tasks.scores import edge_scores
+
+    try:
+        task = ioi(model, n=n, seed=seed)
+    except QKCircuitsError as e:
+        return {"skipped": str(e)}
+    scores = edge_scores(model, task, method=method, steps=steps, progress=False)
+    faith = faithfulness(model, task, scores, progress=False)
+    roles = faith.circuit.roles(model, task, clean=scores.clean, corrupt=scores.corrupt)
+    movers = sorted(((h, r["evidence"]) for h, r in roles.roles.items() if r["role"] == "name mover"),
+                    key=lambda t: -float(t[1]["direct_effect"]))
+    counts: Dict[str, int] = {}
+    for r in roles.roles.values():
+        counts[str(r["role"])] = counts.get(str(r["role"]), 0) + 1
+    return {"n_prompts": task.n, "method": method, "steps": steps,
+            "logit_diff": {"clean": json_number(scores.clean), "corrupt": json_number(scores.corrupt)},
+            "does_task": bool(scores.clean > scores.corrupt),
+            "curve": {f"{k:g}": json_number(v) for k, v in faith.curve.items()}, "cpr": json_number(faith.cpr),
+            "cmd": json_number(faith.cmd), "chosen_percent": faith.chosen_percent,
+            "circuit_edges": faith.circuit.n_edges, "circuit_heads": len(faith.circuit.heads),
+            "node_faithfulness": json_number(faith.node_faithfulness),
+            "name_movers": [{"head": h, "direct_effect": json_number(e["direct_effect"]),
+                             "direct_share": json_number(e["direct_share"]), "END->IO": json_number(e["END->IO"]),
+                             "END->S": json_number(e["END->S"])} for h, e in movers],
+            "roles": dict(sorted(counts.items()))}
+
+
 def zoo_job(model, shared, **kwargs) -> Dict[str, Any]:
     """The Ray job: the worker holds no model; ``scan_one`` loads this shard's."""
     return scan_one(**kwargs)
@@ -172,7 +217,8 @@ def zoo_job(model, shared, **kwargs) -> Dict[str, Any]:
 @renamed(models="specs", confirm_top="confirm_k", max_heads="k")
 def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Optional[str] = None,
         workers: Optional[int] = None, confirm_k: int = 5, n_seqs: int = 8, seed: int = 0, k: int = 10,
-        load_kwargs: Optional[Dict[str, Any]] = None, progress: bool = True) -> Zoo:
+        load_kwargs: Optional[Dict[str, Any]] = None, progress: bool = True, task: Optional[str] = None,
+        task_n: int = 32) -> Zoo:
     """Scan every model in ``specs`` (as for ``qk.load``) and collect one comparison: per detector at most
     ``k`` heads over its threshold.
 
@@ -180,6 +226,7 @@ def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Op
     On Ray: one model per shard on Ray workers (``ray_address`` as in ``sweep``; at most
     one worker per model), handed out in the given order as workers free up (put the largest
     model first). ``confirm_k``: induction heads ablated together for the causal check (0: none).
+    ``task``: None, or ``"ioi"``: each entry also gets ``ioi`` (``ioi_summary`` on ``task_n`` prompts).
     Old names (one release, with a DeprecationWarning): ``models=``, ``confirm_top=``, ``max_heads=``. The
     ``settings`` JSON keys stay ``confirm_top`` and ``max_heads`` (old files and readers agree).
     """
@@ -193,12 +240,17 @@ def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Op
         raise QKCircuitsError("zoo needs a list of one or more model specs, e.g. ['smollm2-135m', 'toy-induction']")
     check_int("n_seqs", n_seqs)
     check_int("confirm_k", confirm_k, 0)
+    check_int("task_n", task_n)
+    if task not in (None, "ioi"):
+        raise QKCircuitsError(f"zoo task must be 'ioi' (or None: the scan only), got {task!r}")
     from .._foundation.model import check_spec
 
     for m in models:                     # every spec checked before the first model loads
         check_spec(m)
-    kwargs = dict(load_kwargs=load_kwargs or {}, confirm_k=confirm_k, n_seqs=n_seqs, seed=seed, k=k)
+    kwargs = dict(load_kwargs=load_kwargs or {}, confirm_k=confirm_k, n_seqs=n_seqs, seed=seed, k=k,
+                  task=task, task_n=task_n)
     settings = {"confirm_top": confirm_k, "n_seqs": n_seqs, "seed": seed, "max_heads": k,
+                **({"task": task, "task_n": task_n, "task_method": "eap-ig, 5 steps"} if task else {}),
                 "thresholds": {k: detector(k).threshold for k in ZOO_DETECTORS}, "depth": "layer / n_layers",
                 "backend": backend}
     t0 = time.perf_counter()

@@ -34,7 +34,7 @@ from numbers import Real
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -341,13 +341,21 @@ def node_faithfulness(model, task: Task, heads: Sequence[str], rows_per_shard: O
 
 def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by: str = "abs",
                  threshold: Real = THRESHOLD, rows_per_shard: Optional[int] = None,
-                 progress: bool = True) -> Faithfulness:
+                 progress: bool = True, backend: Any = None) -> Faithfulness:
     """The faithfulness curve over ``sizes`` (percent of edges), CPR/CMD, the chosen circuit (the smallest
     grid size with f ≥ ``threshold``, else the largest) and its node view (module docstring). Cost: one
     patched forward per size and prompt shard, one for the node view, one corrupt forward per shard (and
     one clean patched forward per shard for m(full)). Memory: the shard's corrupt record and the patched
-    run's sender outputs, ~3 × [S, rows, pos, d_model]."""
+    run's sender outputs, ~3 × [S, rows, pos, d_model]. ``backend`` as in ``edge_scores``: on Ray, every m(C)
+    is summed over prompt shards and f computed once from the sums (``qkcircuits._scale.ray_tasks``)."""
     from .scores import check_task, shard_rows
+
+    if backend is not None:
+        from .._foundation.backends import as_backend
+
+        return as_backend(backend).run("faithfulness", model, local=faithfulness, task=task, scores=scores,
+                                       sizes=sizes, by=by, threshold=threshold, rows_per_shard=rows_per_shard,
+                                       progress=progress)
 
     sizes = sorted({float(s) for s in sizes})
     if not sizes or sizes[0] < 0 or sizes[-1] > 100:

@@ -10,15 +10,34 @@ Evidence per head (one clean forward with the attention patterns of the circuit'
 
 - ``direct_effect``: the score of the edge head → logits (metric units per prompt), and ``direct_share``
   = that / (m(clean) − m(corrupt)), the part of the behaviour it writes straight into the logits;
-- ``attn_from_END``: where the head attends from the END position (named positions, mean over prompts);
-- IOI (tasks with positions IO, S1, S1+1, S2): ``END→IO``, ``END→S`` (S1 + S2), ``S2→S1`` (duplicate
-  token), ``S2→S1+1`` (induction), ``S1+1→S1`` (previous token), and the name movers it feeds on q.
+- ``node_effect``: the sum of the scores of every edge leaving the head (the EAP / EAP-IG node estimate:
+  what corrupting its output costs), ``node_share`` the same over m(clean) − m(corrupt);
+- ``attn_from_END``: where the head attends from the END position (named positions, mean over prompts),
+  ``END_top_position`` the position it attends most on average;
+- IOI (tasks with positions IO, S1, S1+1, S2): ``END->IO``, ``END->S`` (S1 + S2), ``END->S2``, ``S2->S1``
+  (duplicate token), ``S2->S1+1`` (induction), ``S1+1->S1`` (previous token), ``feeds_name_movers_q``
+  {name mover: edge score} and ``patterns`` (the pattern classes below it passes, whatever its effect);
+- ``why``: the sentence of the test that gave the role.
 
-Classes, in this order (thresholds in ``THRESHOLDS``): name mover (direct share ≥ 0.05 and END→IO >
-END→S); negative name mover (direct share ≤ −0.05, END→IO > END→S); S-inhibition (a circuit edge into a
-name mover's q, END→S2 > END→IO); induction (S2→S1+1 ≥ 0.3); duplicate token (S2→S1 ≥ 0.3); previous token
-(S1+1→S1 ≥ 0.3). Other tasks: "direct-logit head" (|direct share| ≥ 0.05) or "feeds the circuit". A head
-that fits no class is kept as "unclassified" with its evidence.
+IOI classes, tested in this order with the thresholds of ``THRESHOLDS`` (all relative, so they hold for any
+logit-difference scale; "large" = at least the fraction given of the largest one among the circuit's heads):
+
+1. name mover: direct effect > 0 and large (``direct_relative`` 0.1 of the largest |direct effect|, and at
+   least ``direct_share_min`` 0.01 of m(clean) − m(corrupt)), END → IO ≥ ``names_attention`` (0.1) and
+   END → IO > END → S;
+2. negative name mover: direct effect < 0 and large (same thresholds), attends the names from END
+   (END → IO + END → S ≥ 0.1);
+3. S-inhibition: an edge into a name mover's q with a positive score of at least ``edge_relative`` (0.1) of
+   the largest edge score into any name mover's q, END → S2 ≥ 0.1 and END → S2 > END → IO, and NOT a large
+   direct effect (a head writing the answer itself is judged by 1-2 or left unclassified);
+4. induction (S2 → S1+1), duplicate token (S2 → S1), previous token (S1+1 → S1): that attention ≥
+   ``pattern`` (0.3), a large node effect (``effect_relative`` 0.1 of the largest |node effect|) and not a
+   large direct effect (these heads act through later heads; one that writes the answer is unclassified);
+5. unclassified: a large direct or node effect that fits no class, kept with its evidence;
+6. minor: the rest (small effects, no class); their evidence is kept, ``patterns`` says what they look like.
+
+Other tasks: "direct-logit head" (a large direct effect as in 1-2) or "feeds the circuit".
+``classify`` is the rule on the evidence alone (tested on constructed evidence); ``roles`` gathers it.
 """
 
 from __future__ import annotations
@@ -33,14 +52,20 @@ import torch
 from .._foundation.errors import QKCircuitsError
 from .._foundation.result import Result
 
-THRESHOLDS = {"direct_share": 0.05, "pattern": 0.3}
+THRESHOLDS = {"direct_relative": 0.1, "direct_share_min": 0.01, "effect_relative": 0.1, "edge_relative": 0.1,
+              "names_attention": 0.1, "pattern": 0.3}
 IOI_POSITIONS = ("IO", "S1", "S1+1", "S2", "END")
+# IOI classes in the order they are tested, then the two catch-alls; (role, the attention key of a pattern class)
+ORDER = ("name mover", "negative name mover", "S-inhibition head", "induction head", "duplicate-token head",
+         "previous-token head", "unclassified", "minor", "direct-logit head", "feeds the circuit")
+PATTERNS = (("induction head", "S2->S1+1"), ("duplicate-token head", "S2->S1"), ("previous-token head", "S1+1->S1"))
 
 
 @dataclass(repr=False)      # the repr is _text (Result)
 class Roles(Result):
-    """``roles[head] = {"role": str, "evidence": {...}}`` and one sentence per class (``sentences``). Its JSON:
-    ``{"roles": {head: {role, evidence}}, "task", "settings"}`` (the ``roles`` part is the circuit file's)."""
+    """``roles[head] = {"role": str, "evidence": {...}, "why": str}`` and one sentence per class (``sentences``).
+    Its JSON: ``{"roles": {head: {role, evidence, why}}, "task", "settings"}`` (the ``roles`` part is the circuit
+    file's)."""
 
     SCHEMA = "qkcircuits.roles/1"
     WHAT = "a roles JSON (circuit.roles(model, task).to_json())"
@@ -51,25 +76,41 @@ class Roles(Result):
     settings: Dict[str, object] = field(default_factory=dict)
 
     def by_role(self) -> Dict[str, List[str]]:
+        """Heads per role, roles in ``ORDER``, heads by |direct effect| (name movers) or |node effect|."""
         out: Dict[str, List[str]] = {}
         for h, r in self.roles.items():
             out.setdefault(str(r["role"]), []).append(h)
-        return out
+        for role, heads in out.items():
+            key = "direct_effect" if role in ("name mover", "negative name mover", "direct-logit head") else "node_effect"
+            heads.sort(key=lambda h: -abs(float(self.roles[h]["evidence"].get(key, 0.0))))
+        return {k: out[k] for k in sorted(out, key=lambda k: ORDER.index(k) if k in ORDER else len(ORDER))}
+
+    def counts(self) -> Dict[str, int]:
+        return {k: len(v) for k, v in self.by_role().items()}
 
     def sentences(self) -> List[str]:
         lines = []
         for role, heads in self.by_role().items():
-            ev = [self.roles[h]["evidence"] for h in heads]
-            share = ", ".join(f"{e['direct_share']:.2f}" for e in ev)
+            shown = heads[:8] if role == "minor" else heads
+            ev = [self.roles[h]["evidence"] for h in shown]
             label = role + "s" if len(heads) > 1 and role.endswith(("head", "mover")) else role
-            text = f"{label} {', '.join(heads)} (direct effect {share} of the metric difference"
+            more = f" (+{len(heads) - len(shown)} more)" if len(shown) < len(heads) else ""
+            text = f"{label} {', '.join(shown)}{more} (direct effect " + ", ".join(
+                f"{e['direct_share']:.2f}" for e in ev) + " of the metric difference"
+            if role in ("S-inhibition head", "induction head", "duplicate-token head", "previous-token head",
+                        "unclassified", "minor", "feeds the circuit"):
+                text += "; node effect " + ", ".join(f"{e.get('node_share', float('nan')):.2f}" for e in ev)
             if "END->IO" in ev[0]:
                 text += "; END → IO attention " + ", ".join(f"{e['END->IO']:.2f}" for e in ev)
                 text += ", END → S " + ", ".join(f"{e['END->S']:.2f}" for e in ev)
-            if role in ("induction head", "duplicate-token head", "previous-token head"):
-                key = {"induction head": "S2->S1+1", "duplicate-token head": "S2->S1",
-                       "previous-token head": "S1+1->S1"}[role]
+            if role == "S-inhibition head":
+                text += ", END → S2 " + ", ".join(f"{e['END->S2']:.2f}" for e in ev) + "; into name movers' q " + \
+                    "; ".join(", ".join(f"{m} {v:+.3f}" for m, v in e["feeds_name_movers_q"].items()) for e in ev)
+            key = dict(PATTERNS).get(role)
+            if key:
                 text += f"; {key} " + ", ".join(f"{e[key]:.2f}" for e in ev)
+            if role == "unclassified":
+                text += "; END attends most to position " + ", ".join(str(e["END_top_position"]) for e in ev)
             lines.append(text + ")")
         return lines
 
@@ -122,16 +163,82 @@ def _patterns(model, task, layers: List[int]) -> Dict[int, torch.Tensor]:
     return {L: torch.cat(v) for L, v in out.items()}
 
 
-def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[Real] = None) -> Roles:
+def _largest(values) -> float:
+    return max((abs(float(v)) for v in values), default=0.0)
+
+
+def classify(evidence: Dict[str, Dict[str, object]], q_edges: Dict[Tuple[str, str], float], *, ioi: bool,
+             denom: float = float("nan"), thresholds: Optional[Dict[str, float]] = None) -> Dict[str, Dict[str, object]]:
+    """Each head's role from its ``evidence`` (module docstring; keys ``direct_effect``, ``node_effect`` and, for
+    IOI, the attention keys) and ``q_edges`` {(sender head, receiver head): score} of the circuit's edges into
+    heads' q. ``denom`` = m(clean) − m(corrupt) (for ``direct_share_min``). Returns {head: {role, evidence, why}}."""
+    t = {**THRESHOLDS, **(thresholds or {})}
+    max_de = _largest(e["direct_effect"] for e in evidence.values())
+    max_ne = _largest(e.get("node_effect", 0.0) for e in evidence.values())
+    floor = t["direct_share_min"] * abs(denom) if denom == denom else 0.0
+    d_cut = max(t["direct_relative"] * max_de, floor)
+
+    def large_direct(e) -> bool:
+        return abs(float(e["direct_effect"])) >= d_cut and float(e["direct_effect"]) != 0.0
+
+    def large_node(e) -> bool:
+        return max_ne > 0 and abs(float(e.get("node_effect", 0.0))) >= t["effect_relative"] * max_ne
+
+    na = t["names_attention"]
+    movers = {h for h, e in evidence.items() if ioi and large_direct(e) and float(e["direct_effect"]) > 0
+              and e["END->IO"] >= na and e["END->IO"] > e["END->S"]}
+    into = {(s, m): v for (s, m), v in q_edges.items() if m in movers}
+    max_q = max((v for v in into.values() if v > 0), default=0.0)
+    out: Dict[str, Dict[str, object]] = {}
+    for name, e in evidence.items():
+        de = float(e["direct_effect"])
+        if not ioi:
+            role = "direct-logit head" if large_direct(e) else "feeds the circuit"
+            why = (f"|direct effect| {abs(de):.3g} {'≥' if large_direct(e) else '<'} {d_cut:.3g} "
+                   f"({t['direct_relative']:g} × the largest {max_de:.3g})")
+            out[name] = {"role": role, "evidence": e, "why": why}
+            continue
+        feeds = {m: round(v, 6) for (s, m), v in sorted(into.items()) if s == name
+                 and v > 0 and v >= t["edge_relative"] * max_q}
+        e["feeds_name_movers_q"] = feeds
+        e["patterns"] = [role for role, key in PATTERNS if e[key] >= t["pattern"]]
+        if name in movers:
+            role, why = "name mover", (f"direct effect {de:+.3g} ≥ {d_cut:.3g} and END→IO {e['END->IO']:.2f} > "
+                                       f"END→S {e['END->S']:.2f}")
+        elif large_direct(e) and de < 0 and e["END->IO"] + e["END->S"] >= na:
+            role, why = "negative name mover", (f"direct effect {de:+.3g} ≤ −{d_cut:.3g}; END→IO {e['END->IO']:.2f}"
+                                                f" + END→S {e['END->S']:.2f} ≥ {na:g}")
+        elif feeds and not large_direct(e) and e["END->S2"] >= na and e["END->S2"] > e["END->IO"]:
+            role, why = "S-inhibition head", (f"edges into name movers' q {', '.join(feeds)} ≥ "
+                                              f"{t['edge_relative']:g} × {max_q:.3g}; END→S2 {e['END->S2']:.2f} > "
+                                              f"END→IO {e['END->IO']:.2f}")
+        elif e["patterns"] and large_node(e) and not large_direct(e):
+            role = e["patterns"][0]
+            key = dict(PATTERNS)[role]
+            why = (f"{key} {e[key]:.2f} ≥ {t['pattern']:g}; |node effect| {abs(float(e['node_effect'])):.3g} ≥ "
+                   f"{t['effect_relative']:g} × {max_ne:.3g}")
+        elif large_direct(e) or large_node(e):
+            role, why = "unclassified", (f"large effect (direct {de:+.3g}, node {float(e['node_effect']):+.3g}) but "
+                                         f"no class fits")
+        else:
+            role, why = "minor", (f"|direct| {abs(de):.3g} < {d_cut:.3g}, |node effect| "
+                                  f"{abs(float(e['node_effect'])):.3g} < {t['effect_relative'] * max_ne:.3g}")
+        out[name] = {"role": role, "evidence": e, "why": why}
+    return out
+
+
+def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[Real] = None,
+          thresholds: Optional[Dict[str, float]] = None) -> Roles:
     """Each head of ``circuit`` with its role and evidence (module docstring). ``clean``/``corrupt``: the
-    task's metric means (taken from the circuit's scores when not given)."""
+    task's metric means (computed with two forwards per 16 rows when not given). ``thresholds`` override
+    ``THRESHOLDS``."""
     from .task import evaluate
 
     g = circuit.graph
     if clean is None or corrupt is None:
         ev = evaluate(model, task, warn=False)
         clean, corrupt = ev["clean"], ev["corrupt"]
-    denom = (clean - corrupt) or float("nan")
+    denom = float(clean - corrupt) or float("nan")
     heads = circuit.heads
     layers = sorted({int(h.split(".")[0]) for h in heads})
     pats = _patterns(model, task, layers) if layers else {}
@@ -139,6 +246,7 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
     ioi = all(k in pos for k in IOI_POSITIONS)
     rows = torch.arange(task.n)
     named = sorted(pos, key=lambda k: (k != "END", k))
+    scores = torch.nan_to_num(circuit.scores.float(), nan=0.0)
 
     def attn(L: int, h: int, q: str, k: str) -> float:
         return float(pats[L][rows, h, pos[q], pos[k]].mean())
@@ -146,12 +254,13 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
     evidence: Dict[str, Dict[str, object]] = {}
     for name in heads:
         L, h = map(int, name.split("."))
-        de = float(circuit.scores[g.head_sender(L, h), g.logits_receiver])
-        e: Dict[str, object] = {"direct_effect": round(de, 6), "direct_share": round(de / denom, 6)}
+        de = float(scores[g.head_sender(L, h), g.logits_receiver])
+        ne = float(scores[g.head_sender(L, h)].sum())
+        e: Dict[str, object] = {"direct_effect": round(de, 6), "direct_share": round(de / denom, 6),
+                                "node_effect": round(ne, 6), "node_share": round(ne / denom, 6)}
         end_row = pats[L][rows, h, pos["END"]]                                         # [n, pos]
         e["attn_from_END"] = {k: round(float(end_row[rows, pos[k]].mean()), 4) for k in named}
-        top = end_row.mean(0).argmax().item()
-        e["END_top_position"] = int(top)
+        e["END_top_position"] = int(end_row.mean(0).argmax().item())
         if ioi:
             e["END->IO"] = round(attn(L, h, "END", "IO"), 4)
             e["END->S"] = round(attn(L, h, "END", "S1") + attn(L, h, "END", "S2"), 4)
@@ -160,29 +269,17 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
             e["S2->S1+1"] = round(attn(L, h, "S2", "S1+1"), 4)
             e["S1+1->S1"] = round(attn(L, h, "S1+1", "S1"), 4)
         evidence[name] = e
-    share, pat = THRESHOLDS["direct_share"], THRESHOLDS["pattern"]
-    movers = {n for n, e in evidence.items() if ioi and e["direct_share"] >= share and e["END->IO"] > e["END->S"]}
-    out: Dict[str, Dict[str, object]] = {}
-    for name, e in evidence.items():
-        L, h = map(int, name.split("."))
-        if ioi:
-            feeds = sorted(m for m in movers if circuit.mask[g.head_sender(L, h), g.receivers.index((m, "q"))])
-            e["feeds_name_movers_q"] = feeds
-            if name in movers:
-                role = "name mover"
-            elif e["direct_share"] <= -share and e["END->IO"] > e["END->S"]:
-                role = "negative name mover"
-            elif feeds and e["END->S2"] > e["END->IO"]:
-                role = "S-inhibition head"
-            elif e["S2->S1+1"] >= pat:
-                role = "induction head"
-            elif e["S2->S1"] >= pat:
-                role = "duplicate-token head"
-            elif e["S1+1->S1"] >= pat:
-                role = "previous-token head"
-            else:
-                role = "unclassified"
-        else:
-            role = "direct-logit head" if abs(float(e["direct_share"])) >= share else "feeds the circuit"
-        out[name] = {"role": role, "evidence": e}
-    return Roles(out, task.name, {"thresholds": dict(THRESHOLDS), "clean": clean, "corrupt": corrupt})
+    q_edges: Dict[Tuple[str, str], float] = {}
+    if ioi:
+        in_circuit = set(heads)
+        for r, (rname, x) in enumerate(g.receivers):
+            if x != "q" or rname not in in_circuit:
+                continue
+            for s in circuit.mask[:, r].nonzero().flatten().tolist():
+                if g.senders[s] in in_circuit:
+                    q_edges[(g.senders[s], rname)] = float(scores[s, r])
+    out = classify(evidence, q_edges, ioi=ioi, denom=denom, thresholds=thresholds)
+    t = {**THRESHOLDS, **(thresholds or {})}
+    return Roles(out, task.name, {"thresholds": t, "clean": clean, "corrupt": corrupt,
+                                  "largest_direct_effect": _largest(e["direct_effect"] for e in evidence.values()),
+                                  "largest_node_effect": _largest(e["node_effect"] for e in evidence.values())})

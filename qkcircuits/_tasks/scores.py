@@ -36,7 +36,7 @@ from numbers import Real
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -188,9 +188,19 @@ def _settings(model, task: Task, rows: int, extra: Dict[str, object]) -> Dict[st
 
 
 def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, rows_per_shard: Optional[int] = None,
-                copies: int = 32, progress: bool = True, check: bool = True) -> EdgeScores:
-    """Score every edge of ``qk.graph(model)`` for ``task`` (see the module docstring for formulas and cost)."""
+                copies: int = 32, progress: bool = True, check: bool = True, backend: Any = None) -> EdgeScores:
+    """Score every edge of ``qk.graph(model)`` for ``task`` (see the module docstring for formulas and cost).
+
+    ``backend``: None (this process), ``qk.Local()``, ``qk.Ray(...)`` or a string as ``qk.as_backend``: on Ray,
+    prompt shards on workers, the sums added (exact to float rounding; ``qkcircuits._scale.ray_tasks``)."""
     from .._foundation.model import model_name
+
+    if backend is not None:
+        from .._foundation.backends import as_backend
+
+        return as_backend(backend).run("edge_scores", model, local=edge_scores, task=task, method=method,
+                                       steps=steps, rows_per_shard=rows_per_shard, copies=copies,
+                                       progress=progress, check=check)
 
     if method not in METHODS:
         raise QKCircuitsError(f"unknown edge-score method {method!r}; use one of {', '.join(METHODS)}")
@@ -325,10 +335,17 @@ class NodeScores(Result):
 
 
 def node_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, progress: bool = True,
-                rows_per_shard: Optional[int] = None, copies: int = 32) -> NodeScores:
+                rows_per_shard: Optional[int] = None, copies: int = 32, backend: Any = None) -> NodeScores:
     """Heads, MLPs and the embedding scored by EAP / EAP-IG (sums of the edge scores) or exactly (one
-    patched run per node, every reader of the node reading its corrupt output)."""
+    patched run per node, every reader of the node reading its corrupt output). ``backend`` as in
+    ``edge_scores``."""
     from .._foundation.model import model_name
+
+    if backend is not None:
+        from .._foundation.backends import as_backend
+
+        return as_backend(backend).run("node_scores", model, local=node_scores, task=task, method=method,
+                                       steps=steps, progress=progress, rows_per_shard=rows_per_shard, copies=copies)
 
     if method != "exact":
         es = edge_scores(model, task, method, steps, progress=progress, rows_per_shard=rows_per_shard)

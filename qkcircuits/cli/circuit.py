@@ -53,7 +53,9 @@ def add_parser(sub) -> None:
     p.add_argument("--csv", metavar="PATH", help="write every edge's score (sender, receiver, input, score, in_circuit)")
     p.add_argument("-o", "--output", metavar="HTML", help="write a standalone HTML summary")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS|local:N",
-                   help="not supported by this command yet (runs in this process)")
+                   help="run on Ray workers (each loads the model once; prompt shards, sums combined exactly): an "
+                        "address, local:N, or nothing ($RAY_ADDRESS, else a local instance). A .jsonl task must "
+                        "be readable by the workers")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
@@ -68,42 +70,112 @@ def build_task(model, spec: str, n: int, seed: int):
     return builders.from_jsonl(model, spec)
 
 
-def run(args: argparse.Namespace) -> int:
-    from .._tasks.circuit import circuit_metric, faithfulness, node_faithfulness
-    from .._tasks.graph import graph
-    from .._tasks.scores import edge_scores, shard_rows
+class _Here:
+    """The command's heavy steps in this process (the model loaded here)."""
 
+    def __init__(self, args):
+        from .._tasks.graph import graph
+
+        self.model = load_model(args)
+        self.task = build_task(self.model, args.task, args.n, args.seed)
+        self.graph = graph(self.model)
+
+    def edge_scores(self, **kw):
+        from .._tasks.scores import edge_scores
+
+        return edge_scores(self.model, self.task, **kw)
+
+    def faithfulness(self, scores, **kw):
+        from .._tasks.circuit import faithfulness
+
+        return faithfulness(self.model, self.task, scores, **kw)
+
+    def circuit_f(self, circ):
+        from .._tasks.circuit import circuit_metric, node_faithfulness
+        from .._tasks.scores import shard_rows
+
+        rows = shard_rows(self.model, self.graph, self.task, buffers=3)
+        (m,), clean, corrupt = circuit_metric(self.model, self.task, [circ.mask], rows)
+        f = (m - corrupt) / (clean - corrupt) if clean != corrupt else float("nan")
+        return f, node_faithfulness(self.model, self.task, circ.heads, rows)
+
+    def roles(self, circ, clean, corrupt):
+        return circ.roles(self.model, self.task, clean=clean, corrupt=corrupt)
+
+    def close(self) -> None:
+        pass
+
+
+class _OnRay:
+    """The same steps on one pool of Ray workers (``qkcircuits._scale.ray_tasks``); the driver loads no model."""
+
+    def __init__(self, args):
+        from .._scale import ray_tasks
+        from .._scale.distributed import Pool
+
+        self.rt = ray_tasks
+        self.pool = Pool(args.model, load_kwargs={"device": args.device, "dtype": args.dtype,
+                                                  "fold_ln": not args.no_fold_ln},
+                         address=args.ray or None, progress=not args.quiet)
+        self.pool.start()
+        try:
+            self.task, self.graph = ray_tasks.ray_task_and_graph(self.pool, args.task, args.n, args.seed)
+        except BaseException:
+            self.pool.close()
+            raise
+
+    def edge_scores(self, **kw):
+        return self.rt.ray_edge_scores(None, self.task, pool=self.pool, **kw)
+
+    def faithfulness(self, scores, **kw):
+        return self.rt.ray_faithfulness(None, self.task, scores, pool=self.pool, **kw)
+
+    def circuit_f(self, circ):
+        (m,), clean, corrupt, _ = self.rt.ray_circuit_metric(self.pool, self.task, [circ.mask])
+        f = (m - corrupt) / (clean - corrupt) if clean != corrupt else float("nan")
+        return f, self.rt.ray_node_faithfulness(self.pool, self.task, self.graph, circ.heads)
+
+    def roles(self, circ, clean, corrupt):
+        return self.rt.ray_roles(self.pool, self.task, circ, clean, corrupt)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def run(args: argparse.Namespace) -> int:
     if args.task not in ("ioi", "induction") and not Path(args.task).is_file():
         raise QKCircuitsError(f"--task {args.task!r}: expected ioi, induction, or an existing .jsonl file")
-    if args.ray is not None:
-        raise QKCircuitsError("--ray is not supported by 'qkcircuits circuit' yet; drop it (the command runs here)")
-    progress = not args.quiet
     t0 = time.perf_counter()
-    model = load_model(args)
+    here = _OnRay(args) if args.ray is not None else _Here(args)
+    try:
+        return _run(args, here, t0)
+    finally:
+        here.close()
+
+
+def _run(args: argparse.Namespace, here, t0: float) -> int:
+    progress = not args.quiet
+    task, g = here.task, here.graph
     t_load = time.perf_counter() - t0
-    task = build_task(model, args.task, args.n, args.seed)
-    g = graph(model)
     print(f"{args.model}: task {task.name}, {task.n} prompts x {task.clean.shape[1]} tokens "
           f"(BOS {'prepended' if task.bos else 'not prepended'}), metric {task.metric_name}; graph {g.n_nodes} "
-          f"nodes, {g.n_edges} edges", flush=True)
+          f"nodes, {g.n_edges} edges" + (f"; on Ray, {here.pool.size} workers" if args.ray is not None else ""),
+          flush=True)
     t1 = time.perf_counter()
-    scores = edge_scores(model, task, method=args.method, steps=args.steps, progress=progress)
+    scores = here.edge_scores(method=args.method, steps=args.steps, progress=progress)
     t2 = time.perf_counter()
     better = scores.clean > scores.corrupt if task.higher_is_better else scores.clean < scores.corrupt
     print(f"  clean {task.metric_name} {scores.clean:.4f}, corrupt {scores.corrupt:.4f}"
           + ("" if better else "  (warning: the model does not do this task)"), flush=True)
-    faith = faithfulness(model, task, scores, by=args.by, progress=progress)
+    faith = here.faithfulness(scores, by=args.by, progress=progress)
     t3 = time.perf_counter()
     if args.edges is not None or args.percent is not None:
         circ = scores.circuit(edges=args.edges, percent=args.percent, by=args.by)
-        rows = shard_rows(model, g, task, buffers=3)
-        (m,), clean, corrupt = circuit_metric(model, task, [circ.mask], rows)
-        f_circ = (m - corrupt) / (clean - corrupt) if clean != corrupt else float("nan")
-        node_f = node_faithfulness(model, task, circ.heads, rows)
+        f_circ, node_f = here.circuit_f(circ)
     else:
         circ, f_circ, node_f = faith.circuit, faith.curve[faith.chosen_percent], faith.node_faithfulness
     t4 = time.perf_counter()
-    roles = circ.roles(model, task, clean=scores.clean, corrupt=scores.corrupt)
+    roles = here.roles(circ, scores.clean, scores.corrupt)
     t5 = time.perf_counter()
     print("  faithfulness f by percent of edges: " + ", ".join(f"{k:g}%: {v:.3f}" for k, v in faith.curve.items()))
     print(f"  CPR {faith.cpr:.3f} (higher is better), CMD {faith.cmd:.3f} (lower is better)")
@@ -126,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
             "n_edges_by_percent": {f"{k:g}": v for k, v in faith.n_edges.items()},
             "chosen_percent": faith.chosen_percent, "by": args.by,
             "versions": scores.settings.get("versions", {})}
+    if args.ray is not None:
+        data["backend"] = {k: v for k, v in scores.settings.get("backend", {}).items() if k != "plan"}
     _write(args, data, scores, circ, roles)
     return 0
 

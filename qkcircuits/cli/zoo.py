@@ -22,6 +22,10 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the prompt sets (default 0)")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS|local:N",
                    help="one model per Ray worker: an address, local:N, or nothing ($RAY_ADDRESS, else local)")
+    p.add_argument("--task", choices=("ioi",), default=None,
+                   help="also find each model's IOI circuit: logit difference, CPR/CMD, name movers")
+    p.add_argument("--task-n", type=positive_int, default=32, metavar="N",
+                   help="prompts of the --task (default 32)")
     p.add_argument("--json", metavar="PATH", help="write the comparison as JSON")
     p.add_argument("-o", "--output", metavar="PATH", help="write a self-contained HTML page (works offline)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -36,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         check_spec(spec)
     z = zoo(args.models, backend="ray" if args.ray is not None else "local", ray_address=args.ray or None,
             confirm_k=args.confirm, n_seqs=args.n_seqs, seed=args.seed, progress=not args.quiet,
-            load_kwargs={"device": args.device, "dtype": args.dtype})
+            load_kwargs={"device": args.device, "dtype": args.dtype}, task=args.task, task_n=args.task_n)
     print(format_zoo(z.models))
     if args.json:
         z.to_json(args.json)
@@ -65,4 +69,19 @@ def format_zoo(models) -> str:
         ks = m.get("k_sources")
         if ks:     # which earlier head each induction head's keys read (None: no sender above the p95)
             lines.append(f"  {m['model'][-27:]} K sources: " + ", ".join(f"{r}<-{s or '?'}" for r, s in ks.items()))
+    task_lines = [format_ioi(m) for m in models if "ioi" in m]
+    if task_lines:
+        lines += ["IOI (logit difference clean / corrupt; faithfulness of the EAP-IG circuit; name movers: direct "
+                  "share of the logit difference, END -> IO attention)"] + task_lines
     return "\n".join(lines)
+
+
+def format_ioi(m) -> str:
+    t = m["ioi"]
+    name = m["model"][-27:]
+    if "skipped" in t:
+        return f"  {name}: skipped ({t['skipped']})"
+    movers = ", ".join(f"{h['head']} {h['direct_share']:.2f}/{h['END->IO']:.2f}" for h in t["name_movers"][:5])
+    return (f"  {name}: logit diff {t['logit_diff']['clean']:+.2f} / {t['logit_diff']['corrupt']:+.2f}; CPR "
+            f"{t['cpr']:.3f}, CMD {t['cmd']:.3f}; circuit {t['chosen_percent']:g}% ({t['circuit_edges']} edges, "
+            f"{t['circuit_heads']} heads, node f {t['node_faithfulness']:.2f}); name movers {movers or 'none'}")

@@ -41,7 +41,8 @@ INPUT_AT = {"q": 0.4, "k": 0.5, "v": 0.6}          # hover marker along the edge
 # the role names of circuit.roles() (qkcircuits/_tasks/roles.py), lower-cased; short forms for other files
 ROLE_COLOURS = {"name mover": "#2ca02c", "negative name mover": "#9467bd", "s-inhibition head": "#ff7f0e",
                 "induction head": "#d62728", "previous-token head": "#1f77b4", "duplicate-token head": "#8c564b",
-                "direct-logit head": "#e377c2", "feeds the circuit": "#17becf", "unclassified": "#7f7f7f"}
+                "direct-logit head": "#e377c2", "feeds the circuit": "#17becf", "unclassified": "#7f7f7f",
+                "minor": "#c7c7c7"}
 SYMBOLS = {"head": "circle", "kv": "diamond"}        # embed, MLPs, logits: squares
 KIND_COLOURS = {"embed": "#444444", "logits": "#444444", "mlp": "#bcbd22", "head": "#c7c7c7", "kv": "#ffffff"}
 FALLBACK = ["#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5", "#c49c94", "#dbdb8d"]

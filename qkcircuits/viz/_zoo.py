@@ -63,6 +63,30 @@ def _heads(items: List[Dict[str, Any]]) -> str:
     return ", ".join(f"{html.escape(h['head'])} ({h['score']:.2f} @ {h['depth']:.2f})" for h in items)
 
 
+def _ioi_table(models: List[Dict[str, Any]]) -> str:
+    """The ``zoo --task ioi`` section: per model its logit difference, CPR/CMD, circuit and name movers."""
+    rows = []
+    for m in models:
+        t = m.get("ioi")
+        if t is None:
+            continue
+        if "skipped" in t:
+            rows.append(f"<tr><td><b>{html.escape(m['model'])}</b></td><td colspan=4 class=muted>skipped: "
+                        f"{html.escape(t['skipped'])}</td></tr>")
+            continue
+        movers = ", ".join(f"{html.escape(h['head'])} ({h['direct_share']:.2f} of the logit difference, END → IO "
+                           f"{h['END->IO']:.2f})" for h in t["name_movers"]) or "<span class=muted>none</span>"
+        rows.append(f"<tr><td><b>{html.escape(m['model'])}</b></td><td>{t['logit_diff']['clean']:+.3f} / "
+                    f"{t['logit_diff']['corrupt']:+.3f}</td><td>{t['cpr']:.3f} / {t['cmd']:.3f}</td><td>"
+                    f"{t['chosen_percent']:g}% of the edges: {t['circuit_edges']} edges, {t['circuit_heads']} heads "
+                    f"(node view f {t['node_faithfulness']:.3f})</td><td>{movers}</td></tr>")
+    if not rows:
+        return ""
+    return ("<h2>IOI circuits</h2><table class=zoo><tr><th>model</th><th>logit difference clean / corrupt</th>"
+            "<th>CPR / CMD</th><th>circuit (smallest size with f ≥ 0.8)</th><th>name movers</th></tr>"
+            + "".join(rows) + "</table>")
+
+
 def zoo_html(zoo) -> str:
     """The page for a ``Zoo`` (or its ``to_dict()``)."""
     d = zoo if isinstance(zoo, dict) else zoo.to_dict()
@@ -84,6 +108,7 @@ def zoo_html(zoo) -> str:
     table = ("<table class=zoo><tr><th>model</th><th>induction heads (score @ depth)</th><th>previous-token heads"
              "</th><th>causal check: top induction heads ablated</th><th>K sources</th></tr>"
              + "".join(rows) + "</table>")
+    table += _ioi_table(models)
     note = html.escape(d.get("notes", {}).get("k_sources", ""))
     css = CSS + (".zoo { border-collapse: collapse; font-size: 13px; } .zoo td, .zoo th { border-bottom: 1px solid "
                  "#ddd; padding: 4px 8px; text-align: left; vertical-align: top; }")

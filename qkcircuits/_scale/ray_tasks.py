@@ -1,0 +1,270 @@
+"""Edge scores, node scores and faithfulness of a task on Ray workers: prompt shards, combined exactly by sums.
+
+>>> s = qk.edge_scores("smollm2-135m", task, backend="ray")                       # doctest: +SKIP
+>>> f = qk.faithfulness("smollm2-135m", task, s, backend=qk.Ray(address="local:2"))  # doctest: +SKIP
+
+Why sums are exact: a task's metric is computed per prompt row and SUMMED (``Task.row_values``), and the
+model treats rows independently, so every score is a sum over prompts divided by ``n``: EAP and EAP-IG
+(Δ_s · ∂m/∂x_r summed over rows, the gradient of a row-sum being each row's own gradient), ``exact``
+(m(clean) − m(edge corrupted), both row sums), node scores, and each circuit's m(C) on the faithfulness
+grid. A shard job runs the LOCAL function (``edge_scores``, ``node_scores``, ``circuit_metric``) on a
+sub-task of prompt rows (``Task.rows``) on its worker's model and returns its sums (its means × its rows);
+the driver adds the sums and divides by the whole set's ``n``. Faithfulness f = (m(C) − m(∅)) /
+(m(full) − m(∅)) is then computed ONCE from the summed numbers (never averaged over shards: a ratio of
+means is not a mean of ratios); the node view of the chosen circuit is a second round of shards (its
+heads are known only once the whole curve is). The driver loads no weights: the task's token rows travel
+to the workers once (Ray's object store), the graph's indexing comes back with the scores.
+
+Memory per worker: its model plus what the local function holds for one shard (``edge_scores``: 2 ×
+[senders, rows, pos, d_model] sender outputs, chunked by its own ``shard_rows``).
+"""
+
+from __future__ import annotations
+
+import time
+from numbers import Real
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .._foundation.errors import QKCircuitsError
+from .._tasks.circuit import SIZES, THRESHOLD, Circuit, Faithfulness, circuit_metric, node_mask, select
+from .._tasks.graph import graph
+from .._tasks.scores import METHODS, EdgeScores, NodeScores, edge_scores, node_scores, shard_rows
+from .._tasks.task import Task
+from .distributed import Pool
+
+JOB = "qkcircuits._scale.ray_tasks:"
+
+
+# ------------------------------------------------------------------------------------------ jobs (run in workers)
+
+
+def _rows(task: Task, rows: Tuple[int, int]) -> Task:
+    return task.rows(slice(rows[0], rows[1]))
+
+
+def edge_scores_job(model, shared: Task, *, rows: Tuple[int, int], method: str, steps: int, copies: int,
+                    check: bool, rows_per_shard: Optional[int]) -> Dict[str, Any]:
+    """``edge_scores`` of prompt rows ``rows`` of the task ``shared``; its sums (scores × rows, NaN → 0)."""
+    t0 = time.perf_counter()
+    sub = _rows(shared, rows)
+    es = edge_scores(model, sub, method, steps, rows_per_shard=rows_per_shard, copies=copies, progress=False,
+                     check=check)
+    return {"rows": rows, "n": sub.n, "sum": torch.nan_to_num(es.scores.double(), nan=0.0) * sub.n,
+            "clean": es.clean * sub.n, "corrupt": es.corrupt * sub.n, "graph": es.graph, "method": es.method,
+            "steps": es.steps, "model": es.model, "settings": es.settings, "seconds": time.perf_counter() - t0}
+
+
+def node_scores_job(model, shared: Task, *, rows: Tuple[int, int], method: str, steps: int, copies: int,
+                    rows_per_shard: Optional[int]) -> Dict[str, Any]:
+    """``node_scores`` of prompt rows ``rows``; its sums (score × rows per node)."""
+    t0 = time.perf_counter()
+    sub = _rows(shared, rows)
+    ns = node_scores(model, sub, method, steps, progress=False, rows_per_shard=rows_per_shard, copies=copies)
+    return {"rows": rows, "n": sub.n, "sums": {k: v * sub.n for k, v in ns.scores.items()}, "model": ns.model,
+            "settings": ns.settings, "seconds": time.perf_counter() - t0}
+
+
+def circuit_metric_job(model, shared: Task, *, rows: Tuple[int, int], masks: List[torch.Tensor],
+                       rows_per_shard: Optional[int]) -> Dict[str, Any]:
+    """``circuit_metric`` (one patched forward per mask) of prompt rows ``rows``: metric sums per mask, and
+    the clean and corrupt sums."""
+    t0 = time.perf_counter()
+    sub = _rows(shared, rows).to(model.W_E.device)
+    per = rows_per_shard or shard_rows(model, graph(model), sub, buffers=3)
+    values, clean, corrupt = circuit_metric(model, sub, masks, per)
+    return {"rows": rows, "n": sub.n, "values": [v * sub.n for v in values], "clean": clean * sub.n,
+            "corrupt": corrupt * sub.n, "seconds": time.perf_counter() - t0}
+
+
+def task_job(model, shared, *, spec: str, n: int, seed: int) -> Dict[str, Any]:
+    """The CLI's task (``ioi``, ``induction`` or a .jsonl path the workers can read) built with this worker's
+    tokenizer, and the graph (the driver has no model)."""
+    from .._tasks import builders
+
+    if spec == "ioi":
+        task = builders.ioi(model, n=n, seed=seed)
+    elif spec == "induction":
+        task = builders.induction(model, n=n, seed=seed)
+    else:
+        task = builders.from_jsonl(model, spec)
+    return {"task": task.to("cpu"), "graph": graph(model)}
+
+
+def roles_job(model, shared: Task, *, circuit: Circuit, clean: Real, corrupt: Real):
+    """``circuit.roles`` on this worker's model (one clean forward for the attention patterns)."""
+    return circuit.roles(model, shared, clean=clean, corrupt=corrupt)
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+
+def plan_rows(n: int, n_workers: int, per_worker: int = 2) -> List[Tuple[int, int]]:
+    """Prompt rows cut into up to ``per_worker`` × ``n_workers`` contiguous blocks of equal size (±1): every
+    row once. Cost is about proportional to rows (each row's runs are independent), so equal blocks balance."""
+    blocks = torch.arange(n).tensor_split(min(n, max(1, per_worker * n_workers)))
+    return [(int(b[0]), int(b[-1]) + 1) for b in blocks]
+
+
+def _check_task(task) -> Task:
+    if not isinstance(task, Task):
+        raise QKCircuitsError(f"task must be a qk.Task (qk.tasks.ioi / induction / from_jsonl), got "
+                              f"{type(task).__name__}")
+    return task.to("cpu")
+
+
+def _pool(spec, pool, ray_address, workers, threads, load_kwargs, progress) -> Tuple[Pool, bool]:
+    if pool is not None:
+        return pool, False
+    own = Pool(spec, workers=workers, threads=threads, load_kwargs=load_kwargs or {}, address=ray_address,
+               progress=progress)
+    own.start()
+    return own, True
+
+
+def _backend(pool: Pool, shards: Sequence[Tuple[int, int]], parts: Sequence[Dict[str, Any]], t0: float
+             ) -> Dict[str, Any]:
+    return {"name": "ray", "workers": pool.size, "shards": len(shards), "retries": pool.retries,
+            "startup_s": round(pool.timing.get("startup_s", 0.0), 3), "load_s": round(pool.timing.get("load_s", 0.0), 3),
+            "run_s": round(time.perf_counter() - t0, 3),
+            "plan": [{"rows": list(r), "seconds": round(p["seconds"], 3)} for r, p in zip(shards, parts)]}
+
+
+def ray_edge_scores(spec, task, method: str = "eap-ig", steps: int = 5, *, rows_per_shard: Optional[int] = None,
+                    copies: int = 32, progress: bool = True, check: bool = True, ray_address: Optional[str] = None,
+                    workers: Optional[int] = None, threads: int = 1, load_kwargs: Optional[Dict[str, Any]] = None,
+                    pool: Optional[Pool] = None) -> EdgeScores:
+    """``edge_scores(..., backend=qk.Ray(...))``: prompt shards on Ray workers, their score sums added (exact,
+    module docstring). ``rows_per_shard`` is each worker's memory knob inside its shard. ``pool``: an open
+    ``Pool`` to reuse."""
+    if method not in METHODS:
+        raise QKCircuitsError(f"unknown edge-score method {method!r}; use one of {', '.join(METHODS)}")
+    if method == "eap-ig" and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise QKCircuitsError(f"steps must be an integer >= 1, got {steps!r}")
+    task = _check_task(task)
+    pool, own = _pool(spec, pool, ray_address, workers, threads, load_kwargs, progress)
+    try:
+        t0 = time.perf_counter()
+        shards = plan_rows(task.n, pool.size)
+        jobs = [{"rows": r, "method": method, "steps": steps, "copies": copies, "check": check and i == 0,
+                 "rows_per_shard": rows_per_shard} for i, r in enumerate(shards)]
+        parts = pool.map(JOB + "edge_scores_job", jobs, task, costs=[float(b - a) for a, b in shards],
+                         desc=f"edge scores ({method}, ray)")
+        backend = _backend(pool, shards, parts, t0)
+    finally:
+        if own:
+            pool.close()
+    first = parts[0]
+    total = sum((p["sum"] for p in parts), torch.zeros_like(first["sum"]))
+    scores = (total / task.n).float()
+    scores[~first["graph"].valid] = float("nan")
+    settings = {**first["settings"], "rows_per_shard": rows_per_shard, "backend": backend}
+    return EdgeScores(first["graph"], scores, first["method"], first["steps"], sum(p["clean"] for p in parts) / task.n,
+                      sum(p["corrupt"] for p in parts) / task.n, task.describe(), first["model"], settings,
+                      {"edge_scores_s": backend["run_s"]})
+
+
+def ray_node_scores(spec, task, method: str = "eap-ig", steps: int = 5, *, progress: bool = True,
+                    rows_per_shard: Optional[int] = None, copies: int = 32, ray_address: Optional[str] = None,
+                    workers: Optional[int] = None, threads: int = 1, load_kwargs: Optional[Dict[str, Any]] = None,
+                    pool: Optional[Pool] = None) -> NodeScores:
+    """``node_scores(..., backend=qk.Ray(...))``: per-node sums of prompt shards, added (exact)."""
+    if method not in METHODS:
+        raise QKCircuitsError(f"unknown node-score method {method!r}; use one of {', '.join(METHODS)}")
+    task = _check_task(task)
+    pool, own = _pool(spec, pool, ray_address, workers, threads, load_kwargs, progress)
+    try:
+        t0 = time.perf_counter()
+        shards = plan_rows(task.n, pool.size)
+        jobs = [{"rows": r, "method": method, "steps": steps, "copies": copies, "rows_per_shard": rows_per_shard}
+                for r in shards]
+        parts = pool.map(JOB + "node_scores_job", jobs, task, costs=[float(b - a) for a, b in shards],
+                         desc=f"node scores ({method}, ray)")
+        backend = _backend(pool, shards, parts, t0)
+    finally:
+        if own:
+            pool.close()
+    names = list(parts[0]["sums"])
+    scores = {k: sum(p["sums"][k] for p in parts) / task.n for k in names}
+    return NodeScores(scores, method, parts[0]["model"], {**parts[0]["settings"], "backend": backend})
+
+
+def ray_circuit_metric(pool: Pool, task: Task, masks: Sequence[torch.Tensor], rows_per_shard: Optional[int] = None,
+                       desc: str = "faithfulness (ray)") -> Tuple[List[float], float, float, Dict[str, Any]]:
+    """``circuit_metric`` over the whole task from prompt shards on ``pool``: (metric mean per mask, clean mean,
+    corrupt mean, backend info), each mean = the shards' summed metric / n."""
+    t0 = time.perf_counter()
+    shards = plan_rows(task.n, pool.size)
+    jobs = [{"rows": r, "masks": list(masks), "rows_per_shard": rows_per_shard} for r in shards]
+    parts = pool.map(JOB + "circuit_metric_job", jobs, task, costs=[float(b - a) for a, b in shards], desc=desc)
+    n = task.n
+    values = [sum(p["values"][i] for p in parts) / n for i in range(len(masks))]
+    return (values, sum(p["clean"] for p in parts) / n, sum(p["corrupt"] for p in parts) / n,
+            _backend(pool, shards, parts, t0))
+
+
+def _ratio(m: float, clean: float, corrupt: float) -> float:
+    return (m - corrupt) / (clean - corrupt) if clean != corrupt else float("nan")
+
+
+def _trapezoid(xs: Sequence[float], ys: Sequence[float]) -> float:
+    return float(sum((xs[i + 1] - xs[i]) * (ys[i + 1] + ys[i]) / 2 for i in range(len(xs) - 1)))
+
+
+def ray_node_faithfulness(pool: Pool, task: Task, g, heads: Sequence[str],
+                          rows_per_shard: Optional[int] = None) -> float:
+    """``node_faithfulness`` from prompt shards on ``pool`` (f from the summed metrics, computed once)."""
+    (m, _), clean, corrupt, _ = ray_circuit_metric(pool, _check_task(task), [node_mask(g, heads), g.valid],
+                                                   rows_per_shard, desc="node view (ray)")
+    return _ratio(m, clean, corrupt)
+
+
+def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: str = "abs",
+                     threshold: Real = THRESHOLD, rows_per_shard: Optional[int] = None, progress: bool = True,
+                     ray_address: Optional[str] = None, workers: Optional[int] = None, threads: int = 1,
+                     load_kwargs: Optional[Dict[str, Any]] = None, pool: Optional[Pool] = None,
+                     **selection: Any) -> Faithfulness:
+    """``faithfulness(..., backend=qk.Ray(...))``: m(C) per grid size, m(full) and m(∅) summed over prompt
+    shards, f / CPR / CMD computed once from the sums; then the chosen circuit's node view (a second round).
+    ``selection``: further arguments of ``select`` (the driver picks the circuits), passed as they are."""
+    sizes = sorted({float(s) for s in sizes})
+    if not sizes or sizes[0] < 0 or sizes[-1] > 100:
+        raise QKCircuitsError(f"sizes must be percents in 0-100, got {sizes!r}")
+    task = _check_task(task)
+    g = scores.graph
+    circuits = [select(scores, percent=p, by=by, **selection) for p in sizes]   # the driver selects (no model)
+    pool, own = _pool(spec, pool, ray_address, workers, threads, load_kwargs, progress)
+    try:
+        t0 = time.perf_counter()
+        values, clean, corrupt, backend = ray_circuit_metric(pool, task, [c.mask for c in circuits], rows_per_shard)
+        f = [_ratio(v, clean, corrupt) for v in values]
+        curve = dict(zip(sizes, f))
+        chosen = next((p for p, v in curve.items() if v >= threshold), sizes[-1])
+        circuit = circuits[sizes.index(chosen)]
+        t1 = time.perf_counter()
+        nf = ray_node_faithfulness(pool, task, g, circuit.heads, rows_per_shard)
+    finally:
+        if own:
+            pool.close()
+    xs = [p / 100 for p in sizes]
+    out = Faithfulness(curve, dict(zip(sizes, values)), {p: c.n_edges for p, c in zip(sizes, circuits)}, clean,
+                       corrupt, _trapezoid(xs, f), _trapezoid(xs, [abs(1 - v) for v in f]), chosen, circuit, nf,
+                       circuit.heads, getattr(scores, "model", ""),
+                       {"by": by, **selection, "threshold": threshold, "rows_per_shard": rows_per_shard,
+                        "cpr_cmd": "trapezoid over the grid, x = fraction of edges", "backend": backend},
+                       {"curve_s": round(t1 - t0, 3), "node_view_s": round(time.perf_counter() - t1, 3)})
+    scores.settings["chosen_percent"] = chosen
+    scores.settings["chosen_by"] = by
+    return out
+
+
+def ray_task_and_graph(pool: Pool, spec: str, n: int, seed: int) -> Tuple[Task, Any]:
+    """The CLI's task and the model's graph, built on a worker (the driver has no tokenizer)."""
+    out = pool.call(JOB + "task_job", {"spec": spec, "n": n, "seed": seed})
+    return out["task"], out["graph"]
+
+
+def ray_roles(pool: Pool, task: Task, circuit: Circuit, clean: Real, corrupt: Real):
+    """``circuit.roles(model, task)`` on a worker."""
+    return pool.call(JOB + "roles_job", {"circuit": circuit, "clean": clean, "corrupt": corrupt}, task)

@@ -1,0 +1,80 @@
+"""Circuit roles (issue 17 ask 5): the rule on constructed evidence whose roles are known by construction,
+each threshold tested from both sides; the model path on the toy is in tests/test_circuit_cli.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from qkcircuits._tasks.roles import THRESHOLDS, Roles, classify
+
+
+def _ev(de, node=None, io=0.0, s=0.0, s2=None, dup=0.0, ind=0.0, prev=0.0):
+    return {"direct_effect": de, "direct_share": de / 4.0, "node_effect": de if node is None else node,
+            "node_share": (de if node is None else node) / 4.0, "END->IO": io, "END->S": s,
+            "END->S2": s if s2 is None else s2, "S2->S1": dup, "S2->S1+1": ind, "S1+1->S1": prev,
+            "END_top_position": 3, "attn_from_END": {}}
+
+
+# largest |direct effect| 2.0 → direct cut 0.2 (0.1 × 2.0; the floor 0.01 × 4 = 0.04 is lower);
+# largest |node effect| 2.0 → effect cut 0.2; largest positive edge into a name mover's q 0.5 → edge cut 0.05.
+EVIDENCE = {
+    "9.1": (_ev(2.0, io=0.6, s=0.1), "name mover"),
+    "9.0": (_ev(0.3, io=0.4, s=0.2), "name mover"),                       # 0.15 of the largest: still large
+    "9.4": (_ev(0.15, io=0.6, s=0.1), "minor"),                           # 0.075 of the largest: too small
+    "9.2": (_ev(1.0, io=0.05, s=0.7), "unclassified"),                    # writes the answer, attends S
+    "9.3": (_ev(1.0, io=0.02, s=0.01), "unclassified"),                   # IO > S, but attends neither name
+    "10.0": (_ev(-0.8, io=0.5, s=0.2), "negative name mover"),
+    "10.1": (_ev(-0.9, io=0.03, s=0.02), "unclassified"),                 # negative, attends no name
+    "7.0": (_ev(0.01, node=0.6, io=0.05, s=0.6, s2=0.6), "S-inhibition head"),
+    "7.1": (_ev(0.01, node=0.05, io=0.05, s=0.6, s2=0.6), "minor"),       # its q edge 0.04 < 0.05
+    "7.2": (_ev(0.01, node=0.1, io=0.05, s=0.05, s2=0.05), "minor"),      # END→S2 0.05 < 0.1
+    "7.3": (_ev(0.01, node=-0.6, io=0.05, s=0.5, s2=0.5), "unclassified"),  # its q edge is negative
+    "7.4": (_ev(0.01, node=0.1, io=0.05, s=0.5, s2=0.5), "minor"),        # feeds 9.2's q: not a name mover
+    "7.5": (_ev(0.5, io=0.05, s=0.6, s2=0.6), "unclassified"),            # S-inhibition-like, large direct effect
+    "5.0": (_ev(0.0, node=0.5, ind=0.8), "induction head"),
+    "5.1": (_ev(0.0, node=0.01, ind=0.8), "minor"),                       # the pattern, no effect
+    "5.2": (_ev(0.5, io=0.05, s=0.6, prev=0.4), "unclassified"),          # the pattern, but writes the answer
+    "3.0": (_ev(0.0, node=0.4, dup=0.7), "duplicate-token head"),
+    "2.0": (_ev(0.0, node=0.3, prev=0.9), "previous-token head"),
+    "2.1": (_ev(0.0, node=0.3, prev=0.29), "unclassified"),               # below the 0.3 pattern threshold
+}
+Q_EDGES = {("7.0", "9.1"): 0.5, ("7.1", "9.1"): 0.04, ("7.2", "9.0"): 0.3, ("7.3", "9.1"): -0.6,
+           ("7.4", "9.2"): 0.5, ("7.5", "9.1"): 0.3}
+
+
+def _classify(**kw):
+    return classify({h: dict(e) for h, (e, _) in EVIDENCE.items()}, Q_EDGES, ioi=True, denom=4.0, **kw)
+
+
+def test_ioi_roles_of_constructed_evidence():
+    out = _classify()
+    assert {h: r["role"] for h, r in out.items()} == {h: role for h, (_, role) in EVIDENCE.items()}
+    assert out["7.0"]["evidence"]["feeds_name_movers_q"] == {"9.1": 0.5}
+    assert out["5.1"]["evidence"]["patterns"] == ["induction head"]         # what a minor head looks like
+    assert "no class fits" in out["9.2"]["why"] and "END→IO 0.60 > END→S 0.10" in out["9.1"]["why"]
+    r = Roles(out, "ioi", {"thresholds": THRESHOLDS})
+    assert list(r.by_role())[:3] == ["name mover", "negative name mover", "S-inhibition head"]
+    assert r.by_role()["name mover"] == ["9.1", "9.0"]                      # largest direct effect first
+    text = r.sentences()
+    assert text[0].startswith("name movers 9.1, 9.0 (direct effect 0.50, 0.07 of the metric difference; END → IO "
+                              "attention 0.60, 0.40")
+    assert any(t.startswith("S-inhibition head 7.0") and "into name movers' q 9.1 +0.500" in t for t in text)
+
+
+@pytest.mark.parametrize("key,value,head,role", [
+    ("direct_relative", 0.05, "9.4", "name mover"),          # 0.15 ≥ 0.05 × 2.0
+    ("edge_relative", 0.05, "7.1", "S-inhibition head"),     # 0.04 ≥ 0.05 × 0.5
+    ("names_attention", 0.01, "9.3", "name mover"),          # END→IO 0.02 ≥ 0.01
+    ("pattern", 0.25, "2.1", "previous-token head"),
+    ("effect_relative", 0.001, "5.1", "induction head"),
+])
+def test_each_threshold_moves_its_boundary(key, value, head, role):
+    assert _classify()[head]["role"] != role
+    assert _classify(thresholds={key: value})[head]["role"] == role
+
+
+def test_other_tasks_direct_logit_heads_and_the_rest():
+    out = classify({h: dict(e) for h, (e, _) in EVIDENCE.items()}, {}, ioi=False, denom=4.0)
+    direct = sorted(h for h, r in out.items() if r["role"] == "direct-logit head")
+    assert direct == ["10.0", "10.1", "5.2", "7.5", "9.0", "9.1", "9.2", "9.3"]
+    assert all(r["role"] == "feeds the circuit" for h, r in out.items() if h not in direct)
