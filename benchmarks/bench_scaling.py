@@ -30,8 +30,8 @@ stopped by ``--timeout`` keeps what it measured):
     eap, eap-ig       qk.edge_scores(qk.tasks.induction(n_seqs, seg_len), method=...) (its own forward too)
     ioi-eap-ig        qk.edge_scores(qk.tasks.ioi(n=n_seqs), "eap-ig"), with the ioi batch's own forward
 
-Memory: before each op ``/proc/self/clear_refs`` is written ``5`` (resets VmHWM), so each op's peak is its
-own; ``extra`` = peak − resident set before the op. glibc's mmap threshold is pinned (MALLOC_MMAP_THRESHOLD_)
+Memory: before each op the freed heap is handed back (``malloc_trim(0)``) and ``/proc/self/clear_refs`` is
+written ``5`` (resets VmHWM), so each op's peak is its own; ``extra`` = peak − resident set before the op. glibc's mmap threshold is pinned (MALLOC_MMAP_THRESHOLD_)
 so freed tensors go back to the system between ops. Every record carries os.getloadavg(). Results go to
 ``--out``/scaling-{sizes,lengths}.json (merged with what is there, keyed by grid/size/dtype/length/op);
 ``--plot`` reads those JSON files only.
@@ -85,6 +85,16 @@ def _status() -> dict:
     return d
 
 
+def _trim() -> None:
+    """Give freed heap back to the system (glibc keeps it otherwise: the next op's baseline would include it)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -99,6 +109,7 @@ def _measure(fn):
     import gc
 
     gc.collect()
+    _trim()
     _reset_peak()
     before = _status()["VmRSS"]
     w0, c0 = time.perf_counter(), time.process_time()
