@@ -234,7 +234,7 @@ def child(spec: dict) -> None:
 
 # --------------------------------------------------------------------------------------------- parent
 
-def run_config(spec: dict, timeout: float) -> list:
+def run_config(spec: dict, timeout: float, save=lambda recs: None) -> list:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(4 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 20),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     recs, t0 = [], time.perf_counter()
@@ -247,6 +247,7 @@ def run_config(spec: dict, timeout: float) -> list:
         if line.startswith("RESULT "):
             recs.append(json.loads(line[7:]))
             _show(recs[-1])
+            save(recs)                           # on disk at once: a stopped run keeps what it measured
     proc.wait()
     timer.cancel()
     errlog.seek(0)
@@ -292,6 +293,7 @@ def main() -> int:
     ap.add_argument("--n-seqs", type=int, default=4)
     ap.add_argument("--length-seqs", type=int, default=2, help="prompts per batch of the lengths grid")
     ap.add_argument("--long-from", type=int, default=641, help="lengths from here on run DEFAULT_OPS['long']")
+    ap.add_argument("--long-ops", default=None, help="ops of the lengths >= --long-from (default DEFAULT_OPS['long'])")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per configuration (one subprocess)")
     ap.add_argument("--quick", action="store_true", help="135m only, lengths 81,161, forward + restricted scan")
     ap.add_argument("--cache", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "qk-scaling"))
@@ -307,7 +309,7 @@ def main() -> int:
     if args.quick:
         args.sizes, args.lengths, args.ops, args.dtypes = "135m", "81,161", "load,forward,scan-restricted", "float32"
     ops = [o for o in args.ops.split(",")] if args.ops else None
-    for o in ops or ():
+    for o in (ops or []) + (args.long_ops.split(",") if args.long_ops else []):
         if o not in ALL_OPS:
             print(f"error: unknown op {o!r}; use {', '.join(ALL_OPS)}", file=sys.stderr)
             return 2
@@ -324,23 +326,31 @@ def main() -> int:
         # ONE process for all lengths (SmolLM2's GGUF load is the slow part); each op's peak is its own
         # (clear_refs), so the memory figures stay per op.
         lengths = [int(x) for x in args.lengths.split(",")]
-        by = {str(L): ops or [o for o in DEFAULT_OPS["long" if L >= args.long_from else "small"]
-                              if o not in ("ioi-eap-ig", "eap-ig" if L > 161 else "")] for L in lengths}
+        long_ops = args.long_ops.split(",") if args.long_ops else None
+        by = {str(L): (long_ops or ops or list(DEFAULT_OPS["long"])) if L >= args.long_from else
+              (ops or [o for o in DEFAULT_OPS["small"] if o not in ("ioi-eap-ig", "eap-ig" if L > 161 else "")])
+              for L in lengths}
         specs.append(dict(grid="lengths", size="135m", model="smollm2-135m", dtype="float32", lengths=lengths,
                           n_seqs=args.length_seqs or args.n_seqs, ops=sorted({o for v in by.values() for o in v}),
                           ops_by_length=by, cache=args.cache))
     for spec in specs:
         out = Path(args.out) / f"scaling-{spec['grid']}.json"
-        data = json.loads(out.read_text()) if out.is_file() else {"records": {}}
-        data["machine"] = f"{os.cpu_count()} CPUs, torch.set_num_threads(1); {' '.join(os.uname()[2:3])}"
+
+        def save(recs, out=out):
+            data = json.loads(out.read_text()) if out.is_file() else {"records": {}}
+            data["machine"] = f"{os.cpu_count()} CPUs, torch.set_num_threads(1); Linux {os.uname()[2]}"
+            for r in recs:
+                data["records"][_key(r)] = r
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(data, indent=1, sort_keys=True))
+
         print(f"{spec['grid']}: {spec['model']} {spec['dtype']} {spec['n_seqs']} x {spec['lengths']} tokens; "
               f"load average {os.getloadavg()[0]:.1f}", flush=True)
-        for r in run_config(spec, args.timeout * len(spec["lengths"])):
+        recs = run_config(spec, args.timeout * len(spec["lengths"]), save)
+        for r in recs:
             if "error" in r:
                 _show(r)
-            data["records"][_key(r)] = r
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(data, indent=1, sort_keys=True))
+        save(recs)
         print(f"wrote {out}")
     return 0
 
