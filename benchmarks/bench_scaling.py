@@ -251,7 +251,8 @@ def run_config(spec: dict, timeout: float, save=lambda recs: None) -> list:
     proc.wait()
     timer.cancel()
     errlog.seek(0)
-    err = errlog.read() + (f"\n(stopped after {timeout:.0f} s)" if time.perf_counter() - t0 >= timeout else "")
+    err = errlog.read() + (f"\n(stopped after {timeout:.0f} s)" if time.perf_counter() - t0 >= timeout else
+                           f"\nprocess ended by signal {-proc.returncode}" if proc.returncode < 0 else "")
     errlog.close()
     done = {(r["length"], r["op"]) for r in recs}
     for L in spec["lengths"]:
