@@ -185,7 +185,7 @@ def child(spec: dict) -> None:
 
         fwd = fwd_ref(tokens)
         base = {**key, **info, "tokens": list(tokens.shape), "forward_wall_s": fwd["wall_s"], "forward_cpu_s": fwd["cpu_s"]}
-        _emit({**base, "op": "forward", **fwd, "forwards": 1.0})
+        _emit({**base, "op": "forward", **fwd, "forwards": 1.0, "forwards_cpu": 1.0})
         H, nl = cfg.n_heads, cfg.n_layers
         lstar = round(0.75 * (nl - 1))
         recv = [qk.Head(lstar, h) for h in range(H)]
@@ -472,15 +472,18 @@ def plot(path: Path) -> int:
                 xs = [p for p, _ in pts]
                 lab = f"{op} ({'bf16' if dt == 'bfloat16' else 'fp32'})"
                 axes[0].plot(xs, [r["cpu_s"] for _, r in pts], style, label=lab, ms=4)
-                axes[1].plot(xs, [r["forwards_cpu"] for _, r in pts], style, label=lab, ms=4)
-                axes[2].plot(xs, [r["peak"] / 1e9 for _, r in pts], style, label=lab, ms=4)
+                axes[1].plot(xs, [r.get("forwards_cpu", r.get("forwards")) for _, r in pts], style, label=lab, ms=4)
+                mem = [r["peak"] / 1e9 if grid == "sizes" else max(r["extra"], 1e6) / 1e9 for _, r in pts]
+                axes[2].plot(xs, mem, style, label=lab, ms=4)
             w = sorted((r[xname], r["weight_bytes"] / 1e9) for r in recs
-                       if r["grid"] == grid and r["dtype"] == dt and r["op"] == "forward")
-            if len(w) >= 2:
+                       if r["grid"] == grid and r["dtype"] == dt and r["op"] == "forward" and "weight_bytes" in r)
+            if len(w) >= 2 and grid == "sizes":
                 axes[2].plot([a for a, _ in w], [b for _, b in w], ":k" if dt == "float32" else ":",
                              label=f"weights ({dt})", lw=2)
+        mem_title = "peak RSS during the op (GB); dotted: weights" if grid == "sizes" else \
+            "memory above the RSS before the op (GB)"
         for ax, title in zip(axes, ("CPU seconds (one thread)", "CPU time in plain forwards of the same batch",
-                                       "peak RSS during the op (GB)")):
+                                    mem_title)):
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xlabel(xlabel)
