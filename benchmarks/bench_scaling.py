@@ -473,8 +473,10 @@ def plot(path: Path) -> int:
                 lab = f"{op} ({'bf16' if dt == 'bfloat16' else 'fp32'})"
                 axes[0].plot(xs, [r["cpu_s"] for _, r in pts], style, label=lab, ms=4)
                 axes[1].plot(xs, [r.get("forwards_cpu", r.get("forwards")) for _, r in pts], style, label=lab, ms=4)
-                mem = [r["peak"] / 1e9 if grid == "sizes" else max(r["extra"], 1e6) / 1e9 for _, r in pts]
-                axes[2].plot(xs, mem, style, label=lab, ms=4)
+                # lengths: the op's own memory; records from before malloc_trim whose "+" is ~0 are left out
+                mp = [(x, r["peak"] if grid == "sizes" else r["extra"]) for x, (_, r) in zip(xs, pts)]
+                mp = [(x, v / 1e9) for x, v in mp if grid == "sizes" or v > 5e6]
+                axes[2].plot([x for x, _ in mp], [v for _, v in mp], style, label=lab, ms=4)
             w = sorted((r[xname], r["weight_bytes"] / 1e9) for r in recs
                        if r["grid"] == grid and r["dtype"] == dt and r["op"] == "forward" and "weight_bytes" in r)
             if len(w) >= 2 and grid == "sizes":
