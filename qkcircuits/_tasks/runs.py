@@ -158,23 +158,26 @@ def record(model, g: Graph, task, tokens: Tensor) -> Record:
 
 def check_graph(model, g: Graph, rec: Record, tokens: Tensor, atol: float = 1e-4) -> None:
     """The residual semantics hold on this model: per-head recomputed inputs equal the model's own, and the
-    final residual is the sum of every sender's output plus a constant (the biases). Raises otherwise."""
+    final residual is the sum of every sender's output plus a constant (the biases). Raises otherwise.
+    Tolerances are at least the residual dtype's epsilon (bf16: 0.0078), so rounding alone never fails it."""
+    eps = float(torch.finfo(rec.resid[("final", 0)].dtype).eps)
+    atol, rtol = max(atol, eps), max(1e-3, eps)
     with torch.no_grad():
         for L in range(g.n_layers):
             x = rec.resid[("attn", L)]
             for into, n in (("q", g.n_heads), ("k", g.n_kv), ("v", g.n_kv)):
                 mine = split_qkv_from_residuals(model, L, into, x.unsqueeze(0).expand(n, *x.shape), range(n))
-                if not torch.allclose(mine, rec.hooks[(into, L)], atol=atol, rtol=1e-3):
+                if not torch.allclose(mine, rec.hooks[(into, L)], atol=atol, rtol=rtol):
                     raise QKCircuitsError(f"recomputing layer {L}'s hook_{into} from the residual (ln1, W_{into.upper()})"
                                           f" does not reproduce the model's (max diff "
                                           f"{float((mine - rec.hooks[(into, L)]).abs().max()):.3g}); the circuit "
                                           f"graph does not support this architecture yet")
             if g.has_mlp:
                 mine = mlp_input(model, L, rec.resid[("mlp", L)])
-                if not torch.allclose(mine, rec.hooks[("mlp", L)], atol=atol, rtol=1e-3):
+                if not torch.allclose(mine, rec.hooks[("mlp", L)], atol=atol, rtol=rtol):
                     raise QKCircuitsError(f"layer {L}'s MLP input is not ln2 of the residual; unsupported architecture")
         mine = logits_input(model, rec.resid[("final", 0)])
-        if not torch.allclose(mine, rec.hooks[("logits", 0)], atol=atol, rtol=1e-3):
+        if not torch.allclose(mine, rec.hooks[("logits", 0)], atol=atol, rtol=rtol):
             raise QKCircuitsError("the unembedding's input is not the final norm of the last residual; unsupported")
         total = rec.out.sum(0)
         rest = rec.resid[("final", 0)] - total              # the biases: must not depend on the prompt
@@ -211,7 +214,10 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
     with torch.enable_grad():
         rows = _metric_rows(model, task, tokens, _hooks(model, g, out, stream, splice, None, emb_override, True))
         total = rows.sum()
-        total.backward()
+        # Gradients of the activations only (the receiver copies' hooks fire on the way to the embedding
+        # leaf): ``total.backward()`` would also compute and KEEP a weights-sized ``.grad`` on every
+        # parameter, accumulating over calls.
+        torch.autograd.grad(total, stream[("attn", 0)])
     return float(total.detach())
 
 
