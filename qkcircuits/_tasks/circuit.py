@@ -9,12 +9,14 @@
 >>> round(f.curve[100.0], 6)
 1.0
 
-Selection: edges ranked by |score| (``by="abs"``, the default, as EAP-IG and MIB do: an edge whose
+Selection: edges ranked by |score| (``by="abs"``, the default, as the EAP-IG library does: an edge whose
 corruption *raises* the metric is also part of the mechanism, and the faithfulness grid then decides how
-many edges are needed) or by the signed score (``by="signed"``: only edges that carry the behaviour).
+many edges are needed) or by the signed score (``by="signed"``: only edges that carry the behaviour),
+taken either as the top edges of the whole graph (``how="top"``) or grown from the logits
+(``how="greedy"``, EAP-IG's ``apply_greedy``: an edge is a candidate once its receiver's node is in).
 Then edges with no path from the embedding through circuit edges, or none on to the logits, are pruned
-(they cannot change the metric through the circuit). ``percent`` counts the graph's edges before pruning;
-``Circuit.n_edges`` says how many are left.
+(they cannot change the metric through the circuit). ``percent`` counts the graph's edges before pruning
+(as MIB's grid does); ``Circuit.n_edges`` says how many are left.
 
 Faithfulness of a circuit C: ONE patched forward (runs.py) in which every edge not in C carries its
 sender's corrupt-run output and every edge in C the sender's output in this patched run;
