@@ -9,12 +9,14 @@
 >>> round(f.curve[100.0], 6)
 1.0
 
-Selection: edges ranked by |score| (``by="abs"``, the default, as EAP-IG and MIB do: an edge whose
+Selection: edges ranked by |score| (``by="abs"``, the default, as the EAP-IG library does: an edge whose
 corruption *raises* the metric is also part of the mechanism, and the faithfulness grid then decides how
-many edges are needed) or by the signed score (``by="signed"``: only edges that carry the behaviour).
+many edges are needed) or by the signed score (``by="signed"``: only edges that carry the behaviour),
+taken either as the top edges of the whole graph (``how="top"``) or grown from the logits
+(``how="greedy"``, EAP-IG's ``apply_greedy``: an edge is a candidate once its receiver's node is in).
 Then edges with no path from the embedding through circuit edges, or none on to the logits, are pruned
-(they cannot change the metric through the circuit). ``percent`` counts the graph's edges before pruning;
-``Circuit.n_edges`` says how many are left.
+(they cannot change the metric through the circuit). ``percent`` counts the graph's edges before pruning
+(as MIB's grid does); ``Circuit.n_edges`` says how many are left.
 
 Faithfulness of a circuit C: ONE patched forward (runs.py) in which every edge not in C carries its
 sender's corrupt-run output and every edge in C the sender's output in this patched run;
@@ -103,6 +105,7 @@ class Circuit(Result):
     percent: Optional[Real] = None
     requested: int = 0
     model: str = ""
+    how: str = "top"
 
     @property
     def n_edges(self) -> int:
@@ -137,7 +140,8 @@ class Circuit(Result):
         return {"graph": self.graph.to_dict(), "model": self.model,          # what from_json rebuilds the graph from
                 "edges": [[s, r, x, json_number(v)] for s, r, x, v in self.edges()], "heads": self.heads,
                 "mlps": sorted(n for n in self.nodes if n.startswith("mlp")), "n_edges": self.n_edges,
-                "requested_edges": self.requested, "percent": self.percent, "by": self.by}
+                "requested_edges": self.requested, "percent": self.percent, "by": self.by,
+                "how": self.how}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, object]) -> "Circuit":
@@ -187,13 +191,69 @@ class Circuit(Result):
 
 
 
-def select(scores, edges: Optional[int] = None, percent: Optional[Real] = None, by: str = "abs") -> Circuit:
-    """The top ``edges`` (or ``percent`` % of the graph's edges) by ``by`` ("abs" or "signed"), pruned."""
+def _node_inputs(g: Graph) -> Dict[int, List[int]]:
+    """Sender index → the receiver inputs of the same node (a head: its q and its KV head's k and v; an
+    MLP: its input). The embedding has none."""
+    out: Dict[int, List[int]] = {}
+    group = g.n_heads // g.n_kv
+    for L in range(g.n_layers):
+        for h in range(g.n_heads):
+            out[g.head_sender(L, h)] = [g.recv_slice(L, x).start + (h if x == "q" else h // group) for x in "qkv"]
+        if g.has_mlp:
+            out[g.mlp_sender(L)] = [g.recv_slice(L, "mlp").start]
+    return out
+
+
+def greedy_mask(g: Graph, key: Tensor, k: int) -> Tensor:
+    """``k`` edges grown from the logits (EAP-IG's ``apply_greedy``, Hanna et al. 2024): the candidates are
+    the edges into the logits; repeatedly the candidate with the largest ``key`` joins, and when its sender
+    joins for the first time the edges into that node's inputs become candidates. Every chosen edge has a
+    path on to the logits by construction."""
+    import heapq
+
+    inputs = _node_inputs(g)
+    kk = key.tolist()
+    heap: List[Tuple[float, int, int]] = []
+    pushed: Set[int] = set()
+    joined: Set[int] = set()
+
+    def add(r: int) -> None:
+        if r not in pushed:
+            pushed.add(r)
+            for s in range(g.n_below(r)):
+                heapq.heappush(heap, (-kk[s][r], s, r))
+
+    add(g.logits_receiver)
+    chosen: List[Tuple[int, int]] = []
+    while len(chosen) < k and heap:
+        _, s, r = heapq.heappop(heap)
+        chosen.append((s, r))
+        if s != 0 and s not in joined:
+            joined.add(s)
+            for r2 in inputs[s]:
+                add(r2)
+    mask = torch.zeros_like(g.valid)
+    if chosen:
+        idx = torch.tensor(chosen)
+        mask[idx[:, 0], idx[:, 1]] = True
+    return mask
+
+
+SELECTIONS = ("top", "greedy")
+
+
+def select(scores, edges: Optional[int] = None, percent: Optional[Real] = None, by: str = "abs",
+           how: str = "top") -> Circuit:
+    """``edges`` (or ``percent`` % of the graph's edges) ranked by ``by`` ("abs" or "signed"), chosen
+    ``how``: "top" (the top edges of the whole graph) or "greedy" (grown from the logits,
+    ``greedy_mask``), then pruned."""
     g = scores.graph
     if (edges is None) == (percent is None):
         raise QKCircuitsError("give exactly one of edges=N or percent=P")
     if by not in ("abs", "signed"):
         raise QKCircuitsError(f"by must be 'abs' or 'signed', got {by!r}")
+    if how not in SELECTIONS:
+        raise QKCircuitsError(f"how must be 'top' or 'greedy', got {how!r}")
     if percent is not None:
         if isinstance(percent, bool) or not 0 <= float(percent) <= 100:
             raise QKCircuitsError(f"percent must be a number in 0-100, got {percent!r}")
@@ -204,13 +264,17 @@ def select(scores, edges: Optional[int] = None, percent: Optional[Real] = None, 
         if isinstance(edges, bool) or not isinstance(edges, int) or edges < 0:
             raise QKCircuitsError(f"edges must be an integer >= 0, got {edges!r}")
         k = min(edges, g.n_edges)
-    s_idx, r_idx = g.valid.nonzero(as_tuple=True)
-    vals = torch.nan_to_num(scores.scores[s_idx, r_idx], nan=0.0)
-    order = torch.argsort(vals.abs() if by == "abs" else vals, descending=True, stable=True)[:k]
-    mask = torch.zeros_like(g.valid)
-    mask[s_idx[order], r_idx[order]] = True
+    vals = torch.nan_to_num(scores.scores, nan=0.0)
+    key = vals.abs() if by == "abs" else vals
+    if how == "greedy":
+        mask = greedy_mask(g, key, k)
+    else:
+        s_idx, r_idx = g.valid.nonzero(as_tuple=True)
+        order = torch.argsort(key[s_idx, r_idx], descending=True, stable=True)[:k]
+        mask = torch.zeros_like(g.valid)
+        mask[s_idx[order], r_idx[order]] = True
     return Circuit(g, prune(g, mask), scores.scores, by, None if percent is None else float(percent), k,
-                   getattr(scores, "model", ""))
+                   getattr(scores, "model", ""), how)
 
 
 def _area(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -299,10 +363,11 @@ def node_mask(g: Graph, keep: Sequence[str]) -> Tensor:
     return mask
 
 
-def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: int, progress: bool = False
-                   ) -> Tuple[List[float], float, float]:
+def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: int, progress: bool = False,
+                   need_clean: bool = True) -> Tuple[List[float], float, float]:
     """The metric mean of each circuit mask (one patched forward per mask and shard), and clean/corrupt
-    (the corrupt record per shard; clean from a 100 % mask when one is among ``masks``, else one more run)."""
+    (the corrupt record per shard; clean from a 100 % mask when one is among ``masks``, else one more run,
+    or NaN without ``need_clean``)."""
     g = graph(model)
     sums = [0.0] * len(masks)
     clean = corrupt = 0.0
@@ -318,29 +383,33 @@ def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: i
             sums[i] += float(patched_run(model, g, shard, corr, m[None]).sum())
             bar.update(1)
         # m(full): the full circuit IS the clean run (runs.py), so a 100 % mask already measured it
-        if full is None:
+        if full is None and need_clean:
             clean += float(patched_run(model, g, shard, corr, g.valid[None]).sum())
         del corr
     if full is not None:
         clean = sums[full]
+    elif not need_clean:
+        clean = float("nan")
     bar.close()
     return [s / task.n for s in sums], clean / task.n, corrupt / task.n
 
 
-def node_faithfulness(model, task: Task, heads: Sequence[str], rows_per_shard: Optional[int] = None) -> float:
+def node_faithfulness(model, task: Task, heads: Sequence[str], rows_per_shard: Optional[int] = None,
+                      clean: Optional[Real] = None) -> float:
     """f when every head NOT in ``heads`` has its output replaced by its corrupt-run output (per shard: one
-    corrupt forward, the node-view forward and one clean forward)."""
+    corrupt forward, the node-view forward and, unless ``clean`` = m(full) is given, one clean forward)."""
     from .scores import shard_rows
 
     g = graph(model)
     task = task.to(model.W_E.device)
     rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
-    (m, _), clean, corrupt = circuit_metric(model, task, [node_mask(g, heads), g.valid], rows)
-    return (m - corrupt) / (clean - corrupt) if clean != corrupt else float("nan")
+    (m,), full, corrupt = circuit_metric(model, task, [node_mask(g, heads)], rows, need_clean=clean is None)
+    full = full if clean is None else float(clean)
+    return (m - corrupt) / (full - corrupt) if full != corrupt else float("nan")
 
 
 def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by: str = "abs",
-                 threshold: Real = THRESHOLD, rows_per_shard: Optional[int] = None,
+                 how: str = "top", threshold: Real = THRESHOLD, rows_per_shard: Optional[int] = None,
                  progress: bool = True, backend: Any = None) -> Faithfulness:
     """The faithfulness curve over ``sizes`` (percent of edges), CPR/CMD, the chosen circuit (the smallest
     grid size with f ≥ ``threshold``, else the largest) and its node view (module docstring). Cost: one
@@ -354,7 +423,7 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
         from .._foundation.backends import as_backend
 
         return as_backend(backend).run("faithfulness", model, local=faithfulness, task=task, scores=scores,
-                                       sizes=sizes, by=by, threshold=threshold, rows_per_shard=rows_per_shard,
+                                       sizes=sizes, by=by, how=how, threshold=threshold, rows_per_shard=rows_per_shard,
                                        progress=progress)
 
     sizes = sorted({float(s) for s in sizes})
@@ -365,7 +434,7 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     task = task.to(model.W_E.device)
     rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
     t0 = time.perf_counter()
-    circuits = [select(scores, percent=p, by=by) for p in sizes]
+    circuits = [select(scores, percent=p, by=by, how=how) for p in sizes]
     values, clean, corrupt = circuit_metric(model, task, [c.mask for c in circuits], rows, progress)
     denom = clean - corrupt
     f = [(v - corrupt) / denom if denom != 0 else float("nan") for v in values]
@@ -373,13 +442,14 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     chosen = next((p for p, v in curve.items() if v >= threshold), sizes[-1])
     circuit = circuits[sizes.index(chosen)]
     t1 = time.perf_counter()
-    nf = node_faithfulness(model, task, circuit.heads, rows)
+    nf = node_faithfulness(model, task, circuit.heads, rows, clean=clean)
     xs = [p / 100 for p in sizes]
     out = Faithfulness(curve, dict(zip(sizes, values)), {p: c.n_edges for p, c in zip(sizes, circuits)}, clean,
                        corrupt, _area(xs, f), _area(xs, [abs(1 - v) for v in f]), chosen, circuit, nf, circuit.heads,
-                       getattr(scores, "model", ""), {"by": by, "threshold": threshold, "rows_per_shard": rows,
+                       getattr(scores, "model", ""), {"by": by, "how": how, "threshold": threshold, "rows_per_shard": rows,
                                                        "cpr_cmd": "trapezoid over the grid, x = fraction of edges"},
                        {"curve_s": round(t1 - t0, 3), "node_view_s": round(time.perf_counter() - t1, 3)})
     scores.settings["chosen_percent"] = chosen
     scores.settings["chosen_by"] = by
+    scores.settings["chosen_how"] = how
     return out

@@ -287,6 +287,8 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         n_in = m[:, :nb][:, :, rs].sum(1)
         if not force_split and bool((n_in == nb).all()):
             return None
+        if not force_split and not bool(n_in.any()):     # no edge in: the corrupt run's value, no matmul
+            return corrupt.hooks[key].repeat(k, *([1] * (corrupt.hooks[key].dim() - 1)))
         if x in ("q", "k", "v"):
             # q, k and v of a layer read the same senders: their inputs come from one matmul, at hook_q
             if L not in layer_cache:

@@ -125,7 +125,8 @@ class EdgeScores(Result):
         s = torch.nan_to_num(self.scores, nan=0.0).sum(1)
         return {name: float(v) for name, v in zip(self.graph.senders, s)}
 
-    def circuit(self, edges: Optional[int] = None, percent: Optional[Real] = None, by: str = "abs"):
+    def circuit(self, edges: Optional[int] = None, percent: Optional[Real] = None, by: str = "abs",
+                how: str = "top"):
         """The top edges (see ``qkcircuits._tasks.circuit.select``). Without a size: the circuit that
         ``qk.faithfulness`` chose for these scores (the smallest grid size with f ≥ 0.8)."""
         from .circuit import select
@@ -136,7 +137,8 @@ class EdgeScores(Result):
                 raise QKCircuitsError("give edges=N or percent=P, or run qk.faithfulness(model, task, scores) first: "
                                       "it picks the smallest grid size whose faithfulness reaches 0.8")
             percent, by = float(chosen), str(self.settings.get("chosen_by", by))
-        return select(self, edges=edges, percent=percent, by=by)
+            how = str(self.settings.get("chosen_how", how))
+        return select(self, edges=edges, percent=percent, by=by, how=how)
 
     # ---------------------------------------------------------------------------------------- data
     def to_dict(self) -> Dict[str, object]:

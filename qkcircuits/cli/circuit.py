@@ -49,6 +49,8 @@ def add_parser(sub) -> None:
     size.add_argument("--edges", type=positive_int, help="circuit size in edges")
     size.add_argument("--percent", type=_percent, help="circuit size in percent of the graph's edges")
     p.add_argument("--by", choices=("abs", "signed"), default="abs", help="rank edges by |score| (default) or score")
+    p.add_argument("--how", choices=("top", "greedy"), default="top",
+                   help="top: the top edges of the whole graph (default); greedy: grown from the logits")
     p.add_argument("--json", metavar="PATH", help="write the result (the circuit JSON contract)")
     p.add_argument("--csv", metavar="PATH", help="write every edge's score (sender, receiver, input, score, in_circuit)")
     p.add_argument("-o", "--output", metavar="HTML", help="write a standalone HTML summary")
@@ -167,10 +169,10 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
     better = scores.clean > scores.corrupt if task.higher_is_better else scores.clean < scores.corrupt
     print(f"  clean {task.metric_name} {scores.clean:.4f}, corrupt {scores.corrupt:.4f}"
           + ("" if better else "  (warning: the model does not do this task)"), flush=True)
-    faith = here.faithfulness(scores, by=args.by, progress=progress)
+    faith = here.faithfulness(scores, by=args.by, how=args.how, progress=progress)
     t3 = time.perf_counter()
     if args.edges is not None or args.percent is not None:
-        circ = scores.circuit(edges=args.edges, percent=args.percent, by=args.by)
+        circ = scores.circuit(edges=args.edges, percent=args.percent, by=args.by, how=args.how)
         f_circ, node_f = here.circuit_f(circ)
     else:
         circ, f_circ, node_f = faith.circuit, faith.curve[faith.chosen_percent], faith.node_faithfulness
@@ -196,7 +198,7 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
             "circuit": {**circ.to_dict(), "faithfulness": f_circ, "node_faithfulness": node_f},
             "roles": dict(roles.roles), "timing": timing, "bos_prepended": bool(task.bos), "graph": g.to_dict(),
             "n_edges_by_percent": {f"{k:g}": v for k, v in faith.n_edges.items()},
-            "chosen_percent": faith.chosen_percent, "by": args.by,
+            "chosen_percent": faith.chosen_percent, "by": args.by, "how": args.how,
             "versions": scores.settings.get("versions", {})}
     if args.ray is not None:
         data["backend"] = {k: v for k, v in scores.settings.get("backend", {}).items() if k != "plan"}

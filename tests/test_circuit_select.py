@@ -1,0 +1,37 @@
+"""Circuit selection (``how="top"`` / ``"greedy"``) on hand-set scores whose answer is known by construction."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import qkcircuits as qk
+from qkcircuits._tasks.circuit import select
+
+
+def _scores(g, values):
+    sc = torch.zeros(g.n_senders, g.n_receivers)
+    for (s, r, x), v in values.items():
+        sc[g.senders.index(s), g.receivers.index((r, x))] = v
+    sc[~g.valid] = float("nan")
+    return SimpleNamespace(graph=g, scores=sc, model="toy")
+
+
+def test_greedy_grows_from_the_logits_where_top_prunes_to_nothing(hand_built):
+    g = qk.graph(hand_built)
+    s = _scores(g, {("emb", "0.1", "q"): 10.0,          # the largest edge feeds a head that feeds nothing
+                    ("1.0", "logits", "in"): 5.0, ("emb", "1.0", "v"): 4.0, ("0.0", "1.0", "k"): 3.0,
+                    ("emb", "0.0", "v"): 2.0, ("emb", "0.1", "k"): -9.0})
+    # top 2 = emb -> 0.1 q (no path on to the logits) and 1.0 -> logits (1.0 reads nothing): both pruned
+    assert select(s, edges=2, how="top").n_edges == 0
+    # greedy: 1.0 -> logits first, then the best edge into 1.0's inputs; never an edge into 0.1
+    assert {e[:3] for e in select(s, edges=2, how="greedy").edges()} == {("1.0", "logits", "in"), ("emb", "1.0", "v")}
+    four = select(s, edges=4, how="greedy")
+    assert {e[:3] for e in four.edges()} == {("1.0", "logits", "in"), ("emb", "1.0", "v"), ("0.0", "1.0", "k"),
+                                             ("emb", "0.0", "v")}
+    assert four.heads == ["0.0", "1.0"] and four.how == "greedy"
+    # |score| ranks the -9 edge into 0.1's k above the others, but greedy reaches 0.1 only through a reader
+    assert all(e[1] != "0.1" for e in select(s, edges=6, how="greedy", by="abs").edges())
+    assert select(s, edges=g.n_edges, how="greedy").n_edges == g.n_edges
+    with pytest.raises(qk.QKCircuitsError, match="how must be"):
+        select(s, edges=2, how="best")
