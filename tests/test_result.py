@@ -170,3 +170,19 @@ def test_task_circuit_verify_and_kv_results_round_trip(hand_built, tmp_path):
         qk.Faithfulness.from_json(tmp_path / "EdgeScores.json")
     tiny = qk.CircuitCheck.from_json(tmp_path / "CircuitCheck.json")       # errors ~1e-7 keep every digit
     torch.testing.assert_close(tiny.qk_error, results[5].qk_error, rtol=0, atol=0)
+
+
+def test_a_head_circuit_and_a_task_circuit_file_have_different_schemas(hand_built, tmp_path):
+    """`qk.circuit(...)` (one head's QK/OV) and `qkcircuits circuit --json` (a task's circuit) once shared the
+    schema "qkcircuits.circuit/1": load_result then read a CLI file as a head circuit and failed on missing keys."""
+    import json as _json
+
+    import qkcircuits as qk
+    from qkcircuits.cli.circuit import SCHEMA as CLI_SCHEMA
+
+    head = qk.circuit(hand_built, "1.0", "qk")
+    assert _json.loads(head.to_json())["schema"] != CLI_SCHEMA
+    assert type(qk.load_result(head.to_json())).__name__ == "Circuit"
+    with pytest.raises(qk.QKCircuitsError) as e:
+        qk.load_result(_json.dumps({"schema": CLI_SCHEMA, "curve": {}}))
+    assert "qkcircuits.circuit/1" in str(e.value) and "\n" not in str(e.value)

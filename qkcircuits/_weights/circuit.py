@@ -37,8 +37,9 @@ class Circuit(Result):
     holds the two factors A [d_left, d_mid] and B [d_mid, d_right] (never their product).
     """
 
-    SCHEMA = "qkcircuits.circuit/1"
-    WHAT = "a qkcircuits circuit JSON"
+    # not "qkcircuits.circuit": that names the file of `qkcircuits circuit --json` (a task's circuit over the graph)
+    SCHEMA = "qkcircuits.head_circuit/1"
+    WHAT = "a qkcircuits head-circuit JSON (QK/OV factors of one head)"
     KEYS = ("kind", "head", "A", "B")
 
     matrix: FactoredMatrix
