@@ -25,6 +25,7 @@ torch.set_num_threads(1)
 
 import qkcircuits as qk  # noqa: E402
 from qkcircuits._foundation.stats import spearman  # noqa: E402
+from qkcircuits._paths.patching import default_prompts  # noqa: E402
 
 
 def timed(fn, *a, **kw):
@@ -45,7 +46,7 @@ def main() -> None:
     L, H = model.cfg.n_layers, model.cfg.n_heads
     top = args.layers or L
     recv = [qk.Head(l, h) for l in range(1, top) for h in range(H)]
-    tokens = qk._patching.default_prompts(model, n_seqs=args.n_seqs)
+    tokens = default_prompts(model, n_seqs=args.n_seqs)
     into = tuple(args.into.split(","))
     print(f"{args.model}: {len(recv)} receivers x {into} , {sum(r.layer * H for r in recv)} edges per input; "
           f"prompts {tuple(tokens.shape)}; load {open('/proc/loadavg').read().split()[:3]}")

@@ -12,7 +12,9 @@ Where the extra copies of ``enable_compatibility_mode()`` live (measured on Smol
    the step's input dict and its output dict are all alive: three copies (peak +1.3 GB).
 2. Untying the embedding from the unembedding (so that centring W_U leaves W_E alone) adds one
    [vocab, d_model] matrix (113 MB): a real, needed copy.
-3. What is freed is kept by glibc's allocator: tensors under its dynamic mmap threshold (32 MB)
+3. ``process_weights`` upcasts every bf16/fp16 weight to fp32 before the steps and casts back after:
+   a bf16 load held a whole fp32 copy at its peak (SmolLM2: 1.73x a plain bf16 load).
+4. What is freed is kept by glibc's allocator: tensors under its dynamic mmap threshold (32 MB)
    come from the heap, and a fragmented heap is not returned to the system, so the process stays
    ~0.7 GB above what its live tensors need.
 
@@ -22,7 +24,10 @@ MQA- and Gemma-3-shaped models): the model's parameters are handed over to the p
 storage is released: they point at the meta device until the processed weights are put back), each
 step's defensive clone becomes a view (the processing owns every tensor it sees), and the dict the
 previous step returned is emptied as the next step takes it, so a weight that a step replaces is
-freed at once. Afterwards ``malloc_trim`` gives the freed heap back (glibc only). If the
+freed at once; and the whole ``process_weights`` runs once per group of keys (each block, the
+embedding, the final norm with the unembedding), the other groups' tensors replaced by data-less
+``meta`` stand-ins, so only one block is upcast (and one block's replaced weights are pending) at a
+time (``_by_group``). Afterwards ``malloc_trim`` gives the freed heap back (glibc only). If the
 processing leaves any parameter unplaced (an architecture whose processed weights do not reach
 every parameter), ``LeanIncomplete`` is raised and ``load`` starts over without the lean path.
 """
