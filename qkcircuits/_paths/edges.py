@@ -21,7 +21,13 @@ then recomputed).
 Cost per receiver layer: ONE forward of that layer's attention (batch as given, not one copy per
 sender), one backward through the attention core per receiver metric (q: one for all heads; k and
 v: one per member of a KV group, because query heads of a group share their keys and values), and
-one small backward through the input norm and projection per (receiver head, input). The gradients of
+one small backward through the input norm and projection per (receiver head, input). For receiver
+metrics (induction, custom pattern/z metrics) that forward IS the clean forward's own attention of
+that layer: the layer is scored inside the clean pass (``clean_pass(first_hooks=...)``: gradients on
+from hook_resid_pre to hook_z of each receiver layer only), so no layer is run twice; direct-logit
+(needs the final residual) and logits metrics get a second run of each receiver layer from the cached
+residual. Where the hook value is ``ln1(resid) W_x + b`` (checked on the run), the projection's
+backward is done for the receiver head's slot only (``_input_vjps``). The gradients of
 a block of receiver layers (up to ``GRAD_BLOCK_BYTES``) then meet every sender's Δ in ONE matmul
 [n gradients, b·p·d_model] @ [b·p·d_model, sender heads]. ``metric="loss"`` adds one forward from the
 lowest receiver layer to the logits and one backward for all receivers (``_loss_grads``). Exact path
@@ -119,6 +125,42 @@ def _vjp(out: Tensor, inp: Tensor, cots: List[Tensor]) -> List[Tensor]:
     return [torch.autograd.grad(out, inp, grad_outputs=c, retain_graph=True)[0].detach() for c in cots]
 
 
+def _input_vjps(model, layer: int, x: str, resid: Tensor, proj: Tensor, slots: List[int],
+                cots: List[Tensor]) -> List[Tensor]:
+    """∂⟨proj[:, :, slot], cot⟩/∂resid for each (slot, cot): the gradient at the residual of one head's input.
+
+    Where the hook value is the layer's ``ln1`` output times the adapter's W_x plus b (checked on this very
+    run, to rounding), the projection part is done per slot only (``cot @ W_x[slot]ᵀ``: 1/n_slots of the full
+    projection's backward) and autograd runs just the norm's backward; otherwise (latent attention, a norm
+    the adapter does not see ...) one backward of the whole hook per cotangent (``_vjp``)."""
+    try:
+        ad = adapter(model, layer)
+        w = ad.weights()
+        W, b = {"q": (w.W_Q, w.b_Q), "k": (w.W_K, w.b_K), "v": (w.W_V, w.b_V)}[x]
+        if x != "q" and ad.n_kv_heads != ad.n_heads:
+            W, b = W[:: ad.n_heads // ad.n_kv_heads], b[:: ad.n_heads // ad.n_kv_heads]
+        with torch.enable_grad():
+            normed = ad.block.ln1(resid)
+        with torch.no_grad():
+            again = torch.einsum("bpm,hmd->bphd", normed.detach().to(W.dtype), W) + b
+            eps = torch.finfo(proj.dtype).eps
+            scale = float(proj.detach().abs().max()) + 1e-30
+            same = again.shape == proj.shape and bool(
+                ((again - proj.detach()).abs().max() <= max(1e-5, 16 * eps) * scale))
+    except Exception:   # noqa: BLE001  an adapter or norm without these pieces: the generic path below
+        same = False
+    if not same:
+        full = []
+        for slot, c in zip(slots, cots):
+            cot = torch.zeros_like(proj)
+            cot[:, :, slot] = c
+            full.append(cot)
+        return _vjp(proj, resid, full)
+    with torch.no_grad():
+        g_normed = torch.einsum("nbpd,nmd->nbpm", torch.stack(cots).to(W.dtype), W[torch.tensor(slots)])
+    return _vjp(normed, resid, list(g_normed.to(normed.dtype)))
+
+
 def _logits_grads(cache, layers: Sequence[int], metric: Metric):
     """∂metric/∂z of every layer in ``layers`` (all heads at once) for a logits metric, and its clean value:
     ONE forward from the lowest of them (clean residual, a zero probe added at each hook_z) and ONE backward.
@@ -153,7 +195,7 @@ def _logits_grads(cache, layers: Sequence[int], metric: Metric):
 # Gradients of several receiver layers are scored against the senders' Δ in ONE matmul (compute-bound
 # instead of one thin, memory-bound product per (receiver layer, sender layer)); up to this many bytes of
 # gradients (whole receiver layers, at least one) wait for it.
-GRAD_BLOCK_BYTES = 256 * 2**20
+GRAD_BLOCK_BYTES = 64 * 2**20
 
 
 def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequence[str] = ("q", "k", "v"),
@@ -169,7 +211,7 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
     a receiver callable ``fn(pattern, z, tokens)`` must be differentiable in torch.
     Memory: ``CleanCache`` as in ``path_patch``; per receiver layer one attention forward's autograd
     graph over the batch, 3 × n_receiver_heads residual-sized gradients (waiting in blocks of up to
-    ``GRAD_BLOCK_BYTES``, 256 MiB), and the senders' Δ (n_heads × batch × pos × d_model per sender layer,
+    ``GRAD_BLOCK_BYTES``, 64 MiB), and the senders' Δ (n_heads × batch × pos × d_model per sender layer,
     one matrix of at most ``DELTA_CACHE_BYTES``, 1 GiB, else recomputed per block). A logits metric:
     plus the autograd graph of one forward from the lowest receiver layer to the logits.
 
@@ -290,20 +332,18 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
             # Query heads of one KV group share k/v: separate their gradients by one backward per member.
             members = [[j for j, h in enumerate(heads) if (h % G if x != "q" else 0) == g]
                        for g in range(G if x != "q" else 1)]
-            cots = []
+            slots, cots = [], []                  # per receiver head: its slot of the input and ∂value/∂slot
             for js in members:
                 if not js:
                     continue
                 (g_in,) = torch.autograd.grad(values[js].sum(), leaf[x], retain_graph=True)
                 for j in js:
                     h = heads[j]
-                    slot = h if x == "q" else h // G
-                    cot = torch.zeros_like(g_in)
-                    cot[:, :, slot] = g_in[:, :, slot]
-                    cots.append(cot)
+                    slots.append(h if x == "q" else h // G)
+                    cots.append(g_in[:, :, slots[-1]])
                     rows.append((idx[j], x))
             out = st["buf"]
-            for g in _vjp(proj[x], resid, cots):
+            for g in _input_vjps(model, R, x, resid, proj[x], slots, cots):
                 out[st["used"]].copy_(g.reshape(-1))
                 st["used"] += 1
         pending.append((R, rows, first_row))
