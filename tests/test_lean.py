@@ -37,7 +37,7 @@ def _assert_same_model(lean, ref, tokens):
 def test_lean_fold_equals_transformer_lens_processing(builder, tmp_path_factory, recwarn):
     folder = getattr(_tiny, builder)(tmp_path_factory)
     lean = qk.load(folder, device="cpu", verbose=False)
-    assert not [w for w in recwarn if "lean" in str(w.message)]         # the lean path itself, no fallback
+    assert not [w for w in recwarn if "lean LayerNorm folding" in str(w.message)]         # the lean path itself, no fallback
     ref = qk.load(folder, device="cpu", verbose=False, lean=False)
     raw = qk.load(folder, device="cpu", verbose=False, fold_ln=False)
     assert lean.compatibility_mode and ref.compatibility_mode
@@ -94,12 +94,51 @@ def test_lean_falls_back_when_a_parameter_is_left_unplaced(tmp_path_factory, mon
     _assert_same_model(model, ref, ref.to_tokens(TEXT))
 
 
-def test_lean_bfloat16_equals_transformer_lens_processing(tmp_path_factory):
+def _spy_process_weights(monkeypatch, after=None):
+    """Record, per call of TransformerLens's process_weights, the groups whose tensors carry data."""
+    from transformer_lens.weight_processing import ProcessWeights
+
+    original = ProcessWeights.__dict__["process_weights"].__func__
+    seen = []
+
+    def spy(state_dict, *args, **kwargs):
+        seen.append({_lean._group(k) for k, v in state_dict.items()
+                     if isinstance(v, torch.Tensor) and v.device.type != "meta"})
+        out = original(state_dict, *args, **kwargs)
+        return after(out) if after is not None else out
+
+    monkeypatch.setattr(ProcessWeights, "process_weights", staticmethod(spy))
+    return seen
+
+
+def test_lean_bfloat16_equals_transformer_lens_processing(tmp_path_factory, monkeypatch):
+    """bf16 (TransformerLens upcasts what it processes to fp32): the lean path runs the processing once per
+    group, each run seeing ONE group's data (the others are meta stand-ins), so one block at a time is in
+    fp32 and not the whole model; the weights still equal one whole run's bit for bit."""
     folder = _tiny.llama_dir(tmp_path_factory)
+    seen = _spy_process_weights(monkeypatch)
     lean = qk.load(folder, device="cpu", dtype="bfloat16", verbose=False)
+    monkeypatch.undo()
+    assert [len(s) for s in seen] == [1] * len(seen)
+    assert sorted(g for s in seen for g in s) == ["blocks.0", "blocks.1", "embed", "unembed"]
     ref = qk.load(folder, device="cpu", dtype="bfloat16", verbose=False, lean=False)
     assert lean.W_Q.dtype == torch.bfloat16
     _assert_same_model(lean, ref, ref.to_tokens(TEXT))
+
+
+def test_lean_detects_processing_that_crosses_groups(tmp_path_factory, monkeypatch):
+    """A processing whose output for one group reads another group's weights meets a meta stand-in (torch
+    raises): the grouped run is abandoned and the model reloads with TransformerLens's whole-dict path."""
+    folder = _tiny.llama_dir(tmp_path_factory)
+
+    def crossing(out):
+        out["unembed.weight"] = out["unembed.weight"] + 0 * out["embed.weight"]
+        return out
+
+    _spy_process_weights(monkeypatch, after=crossing)
+    with pytest.warns(UserWarning, match="did not fit this model.*(read another group|without data)"):
+        model = qk.load(folder, device="cpu", verbose=False)
+    assert all(p.device.type != "meta" for p in model.parameters())
 
 
 @pytest.mark.smollm2

@@ -12,7 +12,9 @@ Where the extra copies of ``enable_compatibility_mode()`` live (measured on Smol
    the step's input dict and its output dict are all alive: three copies (peak +1.3 GB).
 2. Untying the embedding from the unembedding (so that centring W_U leaves W_E alone) adds one
    [vocab, d_model] matrix (113 MB): a real, needed copy.
-3. What is freed is kept by glibc's allocator: tensors under its dynamic mmap threshold (32 MB)
+3. ``process_weights`` upcasts every bf16/fp16 weight to fp32 before the steps and casts back after:
+   a bf16 load held a whole fp32 copy at its peak (SmolLM2: 1.73x a plain bf16 load).
+4. What is freed is kept by glibc's allocator: tensors under its dynamic mmap threshold (32 MB)
    come from the heap, and a fragmented heap is not returned to the system, so the process stays
    ~0.7 GB above what its live tensors need.
 
@@ -22,7 +24,10 @@ MQA- and Gemma-3-shaped models): the model's parameters are handed over to the p
 storage is released: they point at the meta device until the processed weights are put back), each
 step's defensive clone becomes a view (the processing owns every tensor it sees), and the dict the
 previous step returned is emptied as the next step takes it, so a weight that a step replaces is
-freed at once. Afterwards ``malloc_trim`` gives the freed heap back (glibc only). If the
+freed at once; and the whole ``process_weights`` runs once per group of keys (each block, the
+embedding, the final norm with the unembedding), the other groups' tensors replaced by data-less
+``meta`` stand-ins, so only one block is upcast (and one block's replaced weights are pending) at a
+time (``_by_group``). Afterwards ``malloc_trim`` gives the freed heap back (glibc only). If the
 processing leaves any parameter unplaced (an architecture whose processed weights do not reach
 every parameter), ``LeanIncomplete`` is raised and ``load`` starts over without the lean path.
 """
@@ -32,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import re
 from typing import Dict, Iterator
 
 import torch
@@ -122,7 +128,7 @@ def _lean_steps(bridge) -> Iterator[None]:
             # and empty it, then release the parameters they came from.
             mine = _owned(state_dict)
             _release_parameters(bridge, mine)
-            return fn(_pop(mine), *args, **kwargs)
+            return _by_group(lambda d: fn(d, *args, **kwargs), mine)
         return staticmethod(run)
 
     try:
@@ -132,6 +138,67 @@ def _lean_steps(bridge) -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(ProcessWeights, name, fn)
+
+
+_LAYER = re.compile(r"^blocks\.(\d+)\.")
+_WITH = {"ln_final": "unembed"}      # the final norm folds into the unembedding: one group
+
+
+def _group(key: str) -> str:
+    """The group a state-dict key is processed in: its block (``blocks.3.``) or its top-level component."""
+    m = _LAYER.match(key)
+    if m:
+        return f"blocks.{m.group(1)}"
+    top = key.split(".", 1)[0]
+    return _WITH.get(top, top)
+
+
+def _stub(v: object) -> object:
+    """A stand-in for a tensor of another group: same shape and dtype, no data (meta device)."""
+    return torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, Tensor) else v
+
+
+def _by_group(process, state_dict: Dict[str, object]) -> Dict[str, object]:
+    """``process(state_dict)`` (TransformerLens's whole ``process_weights``), run once per group of keys.
+
+    ``process_weights`` upcasts EVERY weight to fp32 before folding and casts back after, so a bf16 model
+    held a whole fp32 copy at the peak. Its arithmetic never mixes two blocks (LayerNorm folds into the
+    same block's weights, centring and the value-bias fold are per tensor, the final norm folds into the
+    unembedding), so the full chain runs once per block (and once per embedding / unembedding group) on a
+    dict in which every other group's tensors are data-less ``meta`` stand-ins of the same shape and dtype:
+    only one group is ever upcast, and each tensor goes through the same fp32 steps as in one whole run
+    (same results bit for bit; tests/test_lean.py). A group whose real output came out on ``meta``, or an
+    operation mixing real and ``meta`` tensors (torch raises), means the arithmetic did cross groups:
+    ``LeanIncomplete``, and ``load`` falls back to TransformerLens's own processing.
+    """
+    order = list(state_dict)
+    groups: Dict[str, list] = {}
+    for k in order:
+        groups.setdefault(_group(k), []).append(k)
+    if len(groups) == 1:
+        return process(_pop(state_dict))
+    out: Dict[str, object] = {}
+    for name, keys in groups.items():
+        mine = set(keys)
+        sub = {k: (state_dict[k] if k in mine else _stub(v)) for k, v in state_dict.items()}
+        for k in keys:                                 # the caller's dict lets go of this group's tensors
+            state_dict[k] = _stub(state_dict[k])
+        try:
+            done = process(sub)
+        except RuntimeError as e:
+            raise LeanIncomplete(f"processing group {name} read another group's weights ({e})") from None
+        del sub
+        for k, v in done.items():
+            if _group(k) != name:
+                continue                               # another group's key: that group's own run makes it
+            if isinstance(v, Tensor) and v.device.type == "meta":
+                raise LeanIncomplete(f"{k} came out of group {name}'s processing without data")
+            out[k] = v
+        del done
+        trim_heap()
+    state_dict.clear()
+    # The whole run's key order: the given keys first, then those the processing added.
+    return {**{k: out.pop(k) for k in order if k in out}, **out}
 
 
 def _pop(d: Dict[str, object]) -> Dict[str, object]:

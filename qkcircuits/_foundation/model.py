@@ -101,8 +101,9 @@ def load(
     transformers (then ``device`` is ignored). Memory: one copy of the weights on ``device``
     (GGUF files are dequantized on the CPU first, then moved), plus the untied unembedding when
     ``fold_ln`` centres a tied W_U. ``lean=True`` (default) folds with one copy of the weights
-    alive at a time (``qkcircuits._foundation.lean``: bit-identical weights; measured on SmolLM2 fp32, 1.24x steady
-    and 1.31x peak of a plain transformers load, instead of 1.89x / 2.19x); ``lean=False`` calls TransformerLens's
+    alive at a time and one block upcast to fp32 at a time (``qkcircuits._foundation.lean``: bit-identical weights;
+    measured on SmolLM2, 1.24x steady and 1.09x peak of a plain transformers load in fp32, 1.23x / 1.11x in
+    bf16, instead of 1.89x / 2.19x and, in bf16, 1.73x peak); ``lean=False`` calls TransformerLens's
     ``enable_compatibility_mode()`` as is.
     """
     if isinstance(spec, TransformerBridge):

@@ -21,7 +21,13 @@ then recomputed).
 Cost per receiver layer: ONE forward of that layer's attention (batch as given, not one copy per
 sender), one backward through the attention core per receiver metric (q: one for all heads; k and
 v: one per member of a KV group, because query heads of a group share their keys and values), and
-one small backward through the input norm and projection per (receiver head, input). The gradients of
+one small backward through the input norm and projection per (receiver head, input). For receiver
+metrics (induction, custom pattern/z metrics) that forward IS the clean forward's own attention of
+that layer: the layer is scored inside the clean pass (``clean_pass(first_hooks=...)``: gradients on
+from hook_resid_pre to hook_z of each receiver layer only), so no layer is run twice; direct-logit
+(needs the final residual) and logits metrics get a second run of each receiver layer from the cached
+residual. Where the hook value is ``ln1(resid) W_x + b`` (checked on the run), the projection's
+backward is done for the receiver head's slot only (``_input_vjps``). The gradients of
 a block of receiver layers (up to ``GRAD_BLOCK_BYTES``) then meet every sender's Δ in ONE matmul
 [n gradients, b·p·d_model] @ [b·p·d_model, sender heads]. ``metric="loss"`` adds one forward from the
 lowest receiver layer to the logits and one backward for all receivers (``_loss_grads``). Exact path
@@ -119,6 +125,42 @@ def _vjp(out: Tensor, inp: Tensor, cots: List[Tensor]) -> List[Tensor]:
     return [torch.autograd.grad(out, inp, grad_outputs=c, retain_graph=True)[0].detach() for c in cots]
 
 
+def _input_vjps(model, layer: int, x: str, resid: Tensor, proj: Tensor, slots: List[int],
+                cots: List[Tensor]) -> List[Tensor]:
+    """∂⟨proj[:, :, slot], cot⟩/∂resid for each (slot, cot): the gradient at the residual of one head's input.
+
+    Where the hook value is the layer's ``ln1`` output times the adapter's W_x plus b (checked on this very
+    run, to rounding), the projection part is done per slot only (``cot @ W_x[slot]ᵀ``: 1/n_slots of the full
+    projection's backward) and autograd runs just the norm's backward; otherwise (latent attention, a norm
+    the adapter does not see ...) one backward of the whole hook per cotangent (``_vjp``)."""
+    try:
+        ad = adapter(model, layer)
+        w = ad.weights()
+        W, b = {"q": (w.W_Q, w.b_Q), "k": (w.W_K, w.b_K), "v": (w.W_V, w.b_V)}[x]
+        if x != "q" and ad.n_kv_heads != ad.n_heads:
+            W, b = W[:: ad.n_heads // ad.n_kv_heads], b[:: ad.n_heads // ad.n_kv_heads]
+        with torch.enable_grad():
+            normed = ad.block.ln1(resid)
+        with torch.no_grad():
+            again = torch.einsum("bpm,hmd->bphd", normed.detach().to(W.dtype), W) + b
+            eps = torch.finfo(proj.dtype).eps
+            scale = float(proj.detach().abs().max()) + 1e-30
+            same = again.shape == proj.shape and bool(
+                ((again - proj.detach()).abs().max() <= max(1e-5, 16 * eps) * scale))
+    except Exception:   # noqa: BLE001  an adapter or norm without these pieces: the generic path below
+        same = False
+    if not same:
+        full = []
+        for slot, c in zip(slots, cots):
+            cot = torch.zeros_like(proj)
+            cot[:, :, slot] = c
+            full.append(cot)
+        return _vjp(proj, resid, full)
+    with torch.no_grad():
+        g_normed = torch.einsum("nbpd,nmd->nbpm", torch.stack(cots).to(W.dtype), W[torch.tensor(slots)])
+    return _vjp(normed, resid, list(g_normed.to(normed.dtype)))
+
+
 def _logits_grads(cache, layers: Sequence[int], metric: Metric):
     """∂metric/∂z of every layer in ``layers`` (all heads at once) for a logits metric, and its clean value:
     ONE forward from the lowest of them (clean residual, a zero probe added at each hook_z) and ONE backward.
@@ -153,7 +195,7 @@ def _logits_grads(cache, layers: Sequence[int], metric: Metric):
 # Gradients of several receiver layers are scored against the senders' Δ in ONE matmul (compute-bound
 # instead of one thin, memory-bound product per (receiver layer, sender layer)); up to this many bytes of
 # gradients (whole receiver layers, at least one) wait for it.
-GRAD_BLOCK_BYTES = 256 * 2**20
+GRAD_BLOCK_BYTES = 64 * 2**20
 
 
 def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequence[str] = ("q", "k", "v"),
@@ -169,7 +211,7 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
     a receiver callable ``fn(pattern, z, tokens)`` must be differentiable in torch.
     Memory: ``CleanCache`` as in ``path_patch``; per receiver layer one attention forward's autograd
     graph over the batch, 3 × n_receiver_heads residual-sized gradients (waiting in blocks of up to
-    ``GRAD_BLOCK_BYTES``, 256 MiB), and the senders' Δ (n_heads × batch × pos × d_model per sender layer,
+    ``GRAD_BLOCK_BYTES``, 64 MiB), and the senders' Δ (n_heads × batch × pos × d_model per sender layer,
     one matrix of at most ``DELTA_CACHE_BYTES``, 1 GiB, else recomputed per block). A logits metric:
     plus the autograd graph of one forward from the lowest receiver layer to the logits.
 
@@ -183,14 +225,12 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
         receivers = [Head(l, h) for l in range(1, L) for h in range(H)]
     recv, snd, into, tokens, _ = check_request(model, receivers, senders, into, method, tokens)
     check_metric_tokens(metrics.values(), tokens)
-    cache = clean_pass(model, tokens, [r.layer for r in recv],
-                       need_final=any(is_direct_logit(m) for m in metrics.values()),
-                       need_logits=any(m.needs == "logits" for m in metrics.values()), check_all=False)
-    repl = replacement_from_cache(cache, method, per_position)       # the clean pass's own z: no extra forward
-    logits_metrics = {m.name: m for m in metrics.values() if m.needs == "logits"}
-    grad_layers = sorted({r.layer for r in recv if r.layer > 0})
-    logits_grads = {name: _logits_grads(cache, grad_layers, m)      # one forward + one backward each
-                    for name, m in logits_metrics.items()}
+    # Inputs whose metric reads only the receiver's own pattern / z (induction, custom receiver metrics) are
+    # scored INSIDE the clean forward: each receiver layer's attention runs once, with gradients, as part of
+    # it (no second run from the cached residual). Direct-logit needs the final residual and logits metrics
+    # the layers above: those inputs get a gradient run per receiver layer after the clean pass.
+    stream_xs = [x for x in into if metrics[x].needs != "logits" and not is_direct_logit(metrics[x])]
+    later_xs = [x for x in into if x not in stream_xs]
     G = H // n_kv_heads(model)
     effects = {x: torch.full((len(recv), L, H), float("nan")) for x in into}
     clean = {x: torch.full((len(recv),), float("nan")) for x in into}
@@ -198,21 +238,26 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
     for i, r in enumerate(recv):
         by_layer.setdefault(r.layer, []).append(i)
     first = by_layer.pop(0, None)                  # layer-0 receivers: no senders (NaN effects), clean value only
-    if first is not None:
-        for x in into:
-            clean[x][first] = _clean_values(model, cache, 0, [recv[i].head for i in first], metrics[x])
-    # Senders' Δ, one row per head of each sender layer, flattened over (batch, pos, d_model): kept in one
-    # matrix when it fits DELTA_CACHE_BYTES (every receiver layer above reuses it), else recomputed.
-    n_flat = tokens.numel() * model.cfg.d_model
     R_top = max(by_layer)
     send_layers = [Ls for Ls in range(R_top) if snd is None or any(s.layer == Ls for s in snd)]
     keep_mask = torch.tensor([[snd is None or Head(Ls, h) in snd for h in range(H)] for Ls in range(L)])
-    like = cache.resid[min(by_layer)]
-    D = torch.zeros(R_top * H, n_flat, dtype=like.dtype, device=like.device) \
-        if R_top * H * n_flat * like.element_size() <= DELTA_CACHE_BYTES else None
+    n_flat = tokens.numel() * model.cfg.d_model
+    dtype, device = model.W_E.dtype, model.W_E.device
+    item = torch.empty((), dtype=dtype).element_size()
+    # Senders' Δ, one row per head of each sender layer, flattened over (batch, pos, d_model): kept in one
+    # matrix when it fits DELTA_CACHE_BYTES (every receiver layer above reuses it), else recomputed.
+    D = torch.empty(R_top * H, n_flat, dtype=dtype, device=device) \
+        if R_top * H * n_flat * item <= DELTA_CACHE_BYTES else None
+    if D is not None:
+        for Ls in range(R_top):
+            if Ls not in send_layers:
+                D[Ls * H:(Ls + 1) * H].zero_()                  # never a sender: zero rows (masked to NaN)
     filled = set()                                                               # sender layers in D
+    st: Dict[str, object] = {"cache": None, "repl": None, "used": 0, "buf": None,
+                             "rows_left": sum(len(idx) for idx in by_layer.values()) * len(into)}
 
     def delta_rows(Ls: int) -> Tensor:
+        cache, repl = st["cache"], st["repl"]
         if D is None:
             return _layer_deltas(model, cache, repl, Ls).reshape(H, -1)
         if Ls not in filled:
@@ -220,21 +265,18 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
             filled.add(Ls)
         return D[Ls * H:(Ls + 1) * H]
 
-    # Gradients go straight into a block buffer [rows, b·p·d_model] (no stack/cat copies); a block holds
-    # whole receiver layers, up to GRAD_BLOCK_BYTES (at least one layer).
-    per_layer = {R: len(idx) * len(into) for R, idx in by_layer.items()}
-    row_bytes = n_flat * like.element_size()
-    buf: Optional[Tensor] = None
-    used = 0
     pending: List[tuple] = []                       # (receiver layer, rows, first buffer row)
 
     def flush() -> None:
         """Score every waiting gradient against every sender below its layer, and place the effects."""
-        nonlocal used
+        used = st["used"]
         if not pending:
             return
         top = max(R for R, _, _ in pending)
-        grad_mat = buf[:used]                                                    # [n, b·p·d_model]
+        # the replacement z of the senders (means of the clean z so far: flushes may come mid-forward, when
+        # every sender layer below ``top`` has run)
+        st["repl"] = replacement_from_cache(st["cache"], method, per_position)
+        grad_mat = st["buf"][:used]                                              # [n, b·p·d_model]
         with torch.no_grad():
             if D is not None:
                 for Ls in send_layers:
@@ -248,27 +290,33 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
                         terms[:, Ls] = (grad_mat @ delta_rows(Ls).T).float().cpu()
         for R, rows, n0 in pending:
             t = torch.where(keep_mask[:R][None], terms[n0:n0 + len(rows), :R], torch.tensor(float("nan")))
+            t = t * torch.tensor([-metrics[x].sign for _, x in rows])[:, None, None]       # effect = −sign·g·Δ
             for x in into:
                 sel = [k for k, (_, xx) in enumerate(rows) if xx == x]
                 if sel:
                     effects[x][torch.tensor([rows[k][0] for k in sel]), :R] = t[sel]
         pending.clear()
-        used = 0
+        st["used"] = 0
 
-    layers_left = sorted(by_layer)
-    for R, idx in sorted(by_layer.items()):
-        layers_left.remove(R)
-        if buf is None or used + per_layer[R] > len(buf):
+    row_bytes = n_flat * item
+
+    def layer_rows(R: int, run, xs: Sequence[str]) -> None:
+        """Receiver layer R's gradients for inputs ``xs`` from one run with gradients (``_grad_run``'s
+        tuple) into the block buffer; a full buffer is scored first."""
+        idx = by_layer[R]
+        n_new = len(idx) * len(xs)
+        buf = st["buf"]
+        if buf is None or st["used"] + n_new > len(buf):
             flush()
-            rows_left = per_layer[R] + sum(per_layer[r] for r in layers_left)
-            n_rows = min(rows_left, max(per_layer[R], GRAD_BLOCK_BYTES // row_bytes))
+            n_rows = min(st["rows_left"], max(n_new, GRAD_BLOCK_BYTES // row_bytes))
             if buf is None or len(buf) < n_rows:
-                buf = torch.empty(n_rows, n_flat, dtype=like.dtype, device=like.device)
+                st["buf"] = buf = torch.empty(n_rows, n_flat, dtype=dtype, device=device)
+        st["rows_left"] -= n_new
         heads = [recv[i].head for i in idx]
-        resid, proj, leaf, pattern, z = _grad_run(cache, R)
+        resid, proj, leaf, pattern, z = run
         rows: List[tuple] = []                    # (receiver index, input) per buffer row
-        first = used
-        for x in into:
+        first_row = st["used"]
+        for x in xs:
             m = metrics[x]
             if m.needs == "logits":
                 # metric ≈ clean + Σ ∂metric/∂z · (z' − z): each head's z against the metric's gradient at its z
@@ -277,36 +325,89 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
                     values = (z[:, :, heads] * grad_z[R][:, :, heads]).sum((0, 1, 3))
                 clean[x][idx] = clean_value
             else:
-                scorer = Scorer(model, cache, R, heads, m)
+                scorer = Scorer(model, st["cache"], R, heads, m)
                 with torch.enable_grad():
                     values = scorer.sums(pattern, z, 1)[0] / scorer.count()     # [len(heads)] means, in the graph
                 clean[x][idx] = values.detach().float().cpu()
             # Query heads of one KV group share k/v: separate their gradients by one backward per member.
             members = [[j for j, h in enumerate(heads) if (h % G if x != "q" else 0) == g]
                        for g in range(G if x != "q" else 1)]
-            cots = []
+            slots, cots = [], []                  # per receiver head: its slot of the input and ∂value/∂slot
             for js in members:
                 if not js:
                     continue
                 (g_in,) = torch.autograd.grad(values[js].sum(), leaf[x], retain_graph=True)
                 for j in js:
                     h = heads[j]
-                    slot = h if x == "q" else h // G
-                    cot = torch.zeros_like(g_in)
-                    cot[:, :, slot] = g_in[:, :, slot]
-                    cots.append(cot)
+                    slots.append(h if x == "q" else h // G)
+                    cots.append(g_in[:, :, slots[-1]])
                     rows.append((idx[j], x))
-            for g in _vjp(proj[x], resid, cots):
-                torch.mul(g.reshape(-1), -m.sign, out=buf[used])
-                used += 1
-        del resid, proj, leaf, pattern, z
-        pending.append((R, rows, first))
+            out = st["buf"]
+            for g in _input_vjps(model, R, x, resid, proj[x], slots, cots):
+                out[st["used"]].copy_(g.reshape(-1))
+                st["used"] += 1
+        pending.append((R, rows, first_row))
+
+    def stream(R: int) -> list:
+        """Hooks that run receiver layer R's attention with gradients inside the clean forward and score it."""
+        got: Dict[str, Tensor] = {}
+        proj: Dict[str, Tensor] = {}
+        leaf: Dict[str, Tensor] = {}
+
+        def pre(t: Tensor, hook) -> Tensor:
+            torch.set_grad_enabled(True)        # this layer's attention only; hook_z below switches it off
+            got["resid"] = t.detach().clone().requires_grad_(True)
+            return got["resid"]
+
+        def cut(x: str):
+            def fn(t: Tensor, hook) -> Tensor:
+                proj[x] = t
+                leaf[x] = t.detach().clone().requires_grad_(True)
+                return leaf[x]
+            return fn
+
+        def at_z(t: Tensor, hook) -> Tensor:
+            try:
+                if len(proj) < 3 or "pattern" not in got:
+                    raise QKCircuitsError(f"layer {R}'s attention did not fire hook_q/k/v/pattern between "
+                                          f"hook_resid_pre and hook_z; edge attribution cannot run on this bridge")
+                layer_rows(R, (got["resid"], proj, leaf, got["pattern"], t), stream_xs)
+            finally:
+                torch.set_grad_enabled(False)
+                got.clear(), proj.clear(), leaf.clear()
+            return t.detach()
+
+        return ([(f"blocks.{R}.hook_resid_pre", pre)] + [(hook_name(x, R), cut(x)) for x in INPUTS]
+                + [(hook_name("pattern", R), grab(got, "pattern", False)), (hook_name("z", R), at_z)])
+
+    first_hooks = [hk for R in sorted(by_layer) for hk in stream(R)] if stream_xs else []
+    def started(c) -> None:                          # the hooks above read the cache as it fills
+        st["cache"] = c
+
+    st["cache"] = cache = clean_pass(model, tokens, [r.layer for r in recv],
+                                     need_final=any(is_direct_logit(m) for m in metrics.values()),
+                                     need_logits=any(m.needs == "logits" for m in metrics.values()),
+                                     check_all=False if later_xs else None, first_hooks=first_hooks,
+                                     on_start=started)
+    if first is not None:
+        for x in into:
+            clean[x][first] = _clean_values(model, cache, 0, [recv[i].head for i in first], metrics[x])
+    logits_metrics = {m.name: m for x, m in metrics.items() if x in later_xs and m.needs == "logits"}
+    grad_layers = sorted(by_layer)
+    logits_grads = {name: _logits_grads(cache, grad_layers, m)      # one forward + one backward each
+                    for name, m in logits_metrics.items()}
+    st["repl"] = replacement_from_cache(cache, method, per_position)
+    if later_xs:
+        for R in sorted(by_layer):
+            run = _grad_run(cache, R)
+            layer_rows(R, run, later_xs)
+            del run
     flush()
     n_edges = sum(int((~effects[into[0]][i].isnan()).sum()) for i in range(len(recv)))
     return PathEffects(model=model_name(model), method=method, receivers=recv, into=into,
                        metrics={x: m.name for x, m in metrics.items()}, effects=effects, clean=clean,
                        kind="attribution", n_layers=L, n_heads=H,
-                       settings=patch_settings(model, tokens, per_position, repl.reference, n_edges,
+                       settings=patch_settings(model, tokens, per_position, st["repl"].reference, n_edges,
                                                len({r.layer for r in recv})))
 
 

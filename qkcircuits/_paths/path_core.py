@@ -14,7 +14,7 @@ docstring for the formulas. Nothing here linearises: the receiver layer is re-ru
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from jaxtyping import Float
@@ -89,14 +89,22 @@ def post_norm(model, layer: int):
 
 
 def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final: bool = False,
-               need_logits: bool = False, check_all: bool = True) -> CleanCache:
+               need_logits: bool = False, check_all: Optional[bool] = True, first_hooks: Sequence = (),
+               on_start: Optional[Callable[["CleanCache"], None]] = None) -> CleanCache:
     """Run ``tokens`` once, keep what ``CleanCache`` lists; check that a block adds (a norm of) its
     attention output to the residual, as the Δ formula assumes. The forward stops as soon as the last
     needed tensor exists: after the highest receiver layer's z, or at the final norm (direct-logit);
-    only ``need_logits`` (a logits metric) runs the unembedding."""
+    only ``need_logits`` (a logits metric) runs the unembedding.
+
+    ``first_hooks`` run before this function's own at the same hook points (a caller that does its work
+    inside the clean forward: edge attribution; ``on_start(cache)`` hands it the cache before the forward). Resume check (re-running a receiver layer from the cached
+    residual reproduces its pattern): every receiver layer (``check_all=True``), the lowest (``False``),
+    none (``None``: the caller re-runs no layer from the cache, or checks each run itself)."""
     R_min, R_max = min(receiver_layers), max(receiver_layers)
     n = model.cfg.n_layers
     cache = CleanCache(tokens)
+    if on_start is not None:
+        on_start(cache)
     extra: Dict[str, Tensor] = {}
 
     def keep(store, key):
@@ -110,7 +118,8 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
             raise StopForward
         return stop
 
-    hooks = [(f"blocks.{L}.hook_resid_pre", keep(cache.resid, L)) for L in sorted(set(receiver_layers))]
+    hooks = list(first_hooks)
+    hooks += [(f"blocks.{L}.hook_resid_pre", keep(cache.resid, L)) for L in sorted(set(receiver_layers))]
     hooks += [(hook_name("z", L), keep(cache.z, L) if need_final or need_logits or L < R_max
                else last(keep(cache.z, L))) for L in range(R_max + 1)]
     for R in sorted(set(receiver_layers)):
@@ -162,7 +171,8 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
     # every receiver layer (one attention run each), or only the lowest when the caller checks each
     # layer's own clean run as it goes (edge attribution's _grad_run)
     layers = sorted(set(receiver_layers))
-    check_resume(cache, layers if check_all else layers[:1], logits=need_logits)
+    if check_all is not None:
+        check_resume(cache, layers if check_all else layers[:1], logits=need_logits)
     return cache
 
 
