@@ -48,6 +48,11 @@ def test_shared_reader_gives_the_weights_transformers_reads_alone(gguf_file):
     with parsed_once():
         first = gguf.GGUFReader(str(gguf_file))
         assert gguf.GGUFReader(str(gguf_file)) is first      # shared inside the block
+        mapped = gguf.gguf_reader.GGUFReader(str(gguf_file))  # the reader gguf builds on its own
+        for a, b in zip(first.tensors, mapped.tensors):       # a plain view of the same bytes
+            assert a.name == b.name and (a.data == b.data).all()
+        for k in mapped.fields:
+            assert all((u == v).all() for u, v in zip(first.fields[k].parts, mapped.fields[k].parts)), k
         shared = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name).state_dict()
     assert gguf.GGUFReader(str(gguf_file)) is not first                 # and fresh again after it
     assert list(alone) == list(shared)

@@ -8,7 +8,8 @@ The header holds the whole tokenizer (SmolLM2: 49,152 tokens and 48,900 merges, 
 a numpy view), so these repeats were most of a GGUF load (docs/benchmarks.md, "The main command").
 
 Inside ``parsed_once()`` the first ``GGUFReader(path)`` of each file is kept and handed to later
-callers, and ``get_tensor_name_map(arch, n_blocks)`` is computed once per pair. Readers are only
+callers (built over a plain ``ndarray`` view of the file's memory map: every field is a slice of it, and a
+slice of ``np.memmap`` runs Python code of its own, which halved the parse), and ``get_tensor_name_map(arch, n_blocks)`` is computed once per pair. Readers are only
 read (their tensors are memory-mapped, dequantized into new arrays), so sharing one gives the same
 weights, config and tokenizer; the cache and its memory maps are dropped when the block ends.
 Not thread-safe (one load at a time in a process, as ``qkcircuits._foundation.lean``).
@@ -21,7 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 from typing import Dict, Iterator, Tuple
+
+import numpy
 
 
 @contextlib.contextmanager
@@ -41,7 +45,7 @@ def parsed_once() -> Iterator[None]:
         if mode != "r":                       # a writable map is not shared
             return Reader(path, mode)
         if key not in readers:
-            readers[key] = Reader(path, mode)
+            readers[key] = _plain_reader(Reader, path, mode)
         return readers[key]
 
     def tensor_name_map(arch, n_blocks):
@@ -57,3 +61,26 @@ def parsed_once() -> Iterator[None]:
         gguf.GGUFReader, gguf.get_tensor_name_map = Reader, name_map
         readers.clear()
         maps.clear()
+
+
+class _PlainMaps(types.ModuleType):
+    """numpy as ``gguf.gguf_reader`` sees it while one reader is built, except that ``memmap`` returns a plain
+    ``ndarray`` view of the map (the same bytes, kept mapped through ``.base``)."""
+
+    def __getattr__(self, name: str):
+        return getattr(numpy, name)
+
+    @staticmethod
+    def memmap(*args, **kwargs):
+        return numpy.memmap(*args, **kwargs).view(numpy.ndarray)
+
+
+def _plain_reader(Reader, path, mode: str):
+    from gguf import gguf_reader
+
+    saved = gguf_reader.np
+    gguf_reader.np = _PlainMaps("numpy")
+    try:
+        return Reader(path, mode)
+    finally:
+        gguf_reader.np = saved
