@@ -374,7 +374,9 @@ def offset_profile(model, head: HeadsLike, offsets: Iterable[int] = range(0, 65)
     """How much a rotary head's score depends on the offset alone, for content ``x``.
 
     ``x``: residual rows feeding the head's layer (``attn_input_hook``); default every token's
-    normalised embedding (exact input only at layer 0). Memory: [n_offsets, d_head, d_head].
+    normalised embedding (exact input only at layer 0). Only the rows' mean enters (mean(x W) = mean(x) W);
+    for the embeddings it is computed in chunks and cached per model while W_E is unchanged.
+    Memory: [n_offsets, d_head, d_head] plus one [d_model] mean row per layer kind.
     """
     h = _head(model, head)
     spec = _spec_for(model, h.layer, spec)
