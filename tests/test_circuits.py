@@ -412,6 +412,27 @@ def test_offset_profile_matches_direct_form(llama):
     assert set(prof.summary()) >= {"preferred_offset", "score_range"}
 
 
+def test_offset_profile_mean_row_is_recomputed_after_an_embedding_edit(llama):
+    """The mean embedding row is cached per model; an in-place edit of W_E must not be served stale."""
+    before = qk.offset_profile(llama, "1.2", offsets=range(0, 5)).mean_score.clone()
+    E = llama.W_E
+    saved = E.detach().clone()
+    g = torch.Generator().manual_seed(3)
+    try:
+        with torch.no_grad():
+            E.add_(torch.randn(E.shape, generator=g) * E.abs().mean())
+        after = qk.offset_profile(llama, "1.2", offsets=range(0, 5)).mean_score
+        w, s = qk.layer_weights(llama, 1), qk.attn_scale(llama, 1)
+        rows = qk.embed_rows(llama, 1)
+        qbar, kbar = (rows @ w.W_Q[2]).mean(0), (rows @ w.W_K[2]).mean(0)
+        R = qk.rotation(qk.rotary_spec(llama), [4], relative=True)[0]
+        assert float(after[4]) == pytest.approx(float(qbar @ R @ kbar) * s, rel=1e-4, abs=1e-5)
+        assert not torch.allclose(after, before)
+    finally:
+        with torch.no_grad():
+            E.copy_(saved)
+
+
 def test_soft_capped_model_is_flagged_not_silently_wrong():
     m = _native(seed=2, n_layers=1, attn_scores_soft_cap=5.0)
     cav = qk.circuit_caveats(m)

@@ -99,6 +99,37 @@ def test_olsson_copying_is_one_for_a_copier_its_floor_for_an_anti_copier_and_zer
     assert abs(sum(ranks) / len(ranks)) < 0.06 and max(abs(v) for v in ranks) < 0.2, ranks
 
 
+def test_olsson_copying_equals_each_querys_write_read_through_the_unembedding():
+    """``olsson_copying`` contracts z with W_O·U first; the reference forms every query's d_model write."""
+    from qkcircuits._analysis.detect import copying_candidates, olsson_copying
+
+    g = torch.Generator().manual_seed(0)
+    b, q, h, d, m = 3, 9, 4, 5, 7
+    toks = torch.tensor([[0, 3, 4, 5, 6, 3, 4, 5, 6], [0, 7, 8, 8, 9, 7, 8, 8, 9], [0, 1, 2, 3, 4, 1, 2, 3, 4]])
+    cand, valid, index = copying_candidates(toks)
+    pattern = torch.rand(b, h, q, q, generator=g).tril().softmax(-1)
+    z, W_O = torch.randn(b, q, h, d, generator=g), torch.randn(h, d, m, generator=g)
+    U_c = torch.randn(b, m, cand.shape[1], generator=g)
+    queries = torch.zeros(b, q, dtype=torch.bool)
+    queries[:, 5:] = True
+    got = olsson_copying(pattern, z, W_O, U_c, valid, index, queries)
+    ref = torch.zeros(h)
+    for hh in range(h):
+        per = []
+        for bb in range(b):
+            n = int(valid[bb].sum())
+            for i in range(q):
+                if not queries[bb, i]:
+                    continue
+                logits = (z[bb, i, hh] @ W_O[hh] @ U_c[bb])[:n]
+                p = torch.relu(logits - logits.mean())
+                j = int(pattern[bb, hh, i].argmax())
+                share = p[index[bb, j]] / p.sum() if p.sum() > 0 else torch.tensor(1 / n)
+                per.append(0.0 if j == 0 else float((share - 1 / n) / (1 - 1 / n)))
+        ref[hh] = sum(per) / len(per)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
 def test_olsson_copying_does_not_depend_on_the_number_of_sequences(trained):
     """Candidates are per sequence: more sequences add samples, not candidates (the old pooled score fell)."""
     few = qk.scan(trained, scores=["copying"], n_seqs=2, seq_len=12, progress=False)["copying"]

@@ -102,8 +102,10 @@ def olsson_copying(pattern: Float[Tensor, "batch head q k"], z: Float[Tensor, "b
     attended token, 0 at chance, −1/(n_b − 1) when the attended token gets none; 0 when the head attends
     to BOS (it copies nothing). Mean over queries.
     """
-    out = torch.einsum("bqhd,hdm->bqhm", z, W_O)
-    logits = torch.einsum("bqhm,bmc->bqhc", out, U_c)
+    # (z W_O) U_c as z (W_O U_c): the head's [d_head, C] logit map per sequence first (h·d·d_model·b·C
+    # multiply-adds) instead of every query's d_model write (b·q·h·d·d_model + b·q·h·d_model·C): ~3x fewer
+    # on the default prompts; the same sum in another order (equal to float rounding).
+    logits = torch.einsum("bqhd,bhdc->bqhc", z, torch.einsum("hdm,bmc->bhdc", W_O, U_c))
     v = valid[:, None, None, :].to(logits.dtype)
     n = valid.sum(-1).to(logits.dtype)[:, None, None]                    # [b, 1, 1]
     mean = (logits * v).sum(-1, keepdim=True) / n[..., None]

@@ -303,18 +303,21 @@ def _load_gguf(path: Path, dev, dtype, device_map, model_name: Optional[str] = N
     """Dequantize a GGUF file through transformers, then wrap it (tokenizer from the GGUF)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _check_gguf(path)
+    from .gguf_reuse import parsed_once
+
     folder, fname = str(path.parent), path.name
-    try:
-        with _hub_offline():
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-            hf_kwargs: dict = {"gguf_file": fname, "dtype": dtype}
-            if device_map is not None:
-                hf_kwargs["device_map"] = device_map
-            hf_model = AutoModelForCausalLM.from_pretrained(folder, **hf_kwargs)
-    except (ValueError, KeyError, OSError, RuntimeError) as e:
-        raise QKCircuitsError(f"transformers cannot load GGUF {str(path)!r}: {_first_line(e)}; use a GGUF of an "
-                              f"architecture transformers dequantizes (llama, mistral, qwen2, gemma, gpt2, ...)") from e
+    with parsed_once():                          # the file's header parsed once per load, not four times
+        _check_gguf(path)
+        try:
+            with _hub_offline():
+                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+                hf_kwargs: dict = {"gguf_file": fname, "dtype": dtype}
+                if device_map is not None:
+                    hf_kwargs["device_map"] = device_map
+                hf_model = AutoModelForCausalLM.from_pretrained(folder, **hf_kwargs)
+        except (ValueError, KeyError, OSError, RuntimeError) as e:
+            raise QKCircuitsError(f"transformers cannot load GGUF {str(path)!r}: {_first_line(e)}; use a GGUF of an "
+                                  f"architecture transformers dequantizes (llama, mistral, qwen2, gemma, gpt2, ...)") from e
     if not getattr(hf_model.config, "architectures", None):
         # GGUF configs can lack `architectures`; TransformerLens picks its adapter from it.
         hf_model.config.architectures = [type(hf_model).__name__]

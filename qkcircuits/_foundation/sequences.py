@@ -15,6 +15,7 @@ token that occurs twice would split even a perfect induction head's attention.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from importlib import resources
 from typing import List, Optional, Sequence
@@ -57,11 +58,29 @@ def bos_id(model, bos: Optional[int] = None) -> Optional[int]:
 
 
 def token_pool(model, *, bos: Optional[int] = None, exclude: Sequence[int] = ()) -> TokenPool:
-    """Ids usable in random segments: no special tokens, no BOS, the id-range extremes trimmed (big vocabs)."""
+    """Ids usable in random segments: no special tokens, no BOS, the id-range extremes trimmed (big vocabs).
+
+    Cached per model, tokenizer, BOS and ``exclude`` (decoding a 49k vocabulary to drop unprintable tokens
+    costs ~0.1 s, and a scan asks several times); each call gets its own copy of the ids."""
     V = int(model.cfg.d_vocab)
     b = bos_id(model, bos)
-    banned = set(int(x) for x in exclude) | ({b} if b is not None else set())
     tok = getattr(model, "tokenizer", None)
+    key = (V, b, tuple(sorted(int(x) for x in exclude)), id(tok))
+    try:
+        cached = _POOLS.setdefault(model, {})
+    except TypeError:            # a model that takes no weak reference: no cache
+        cached = {}
+    if key not in cached:
+        cached[key] = _token_pool(model, V, b, exclude, tok)
+    pool = cached[key]
+    return TokenPool(ids=pool.ids.clone(), bos_id=pool.bos_id)
+
+
+_POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _token_pool(model, V: int, b: Optional[int], exclude: Sequence[int], tok) -> TokenPool:
+    banned = set(int(x) for x in exclude) | ({b} if b is not None else set())
     if tok is not None:
         banned |= set(int(x) for x in getattr(tok, "all_special_ids", []) or [])
         V = min(V, len(tok))  # padded embedding rows beyond the tokenizer are never real tokens

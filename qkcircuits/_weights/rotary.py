@@ -17,6 +17,7 @@ k pairs with k + rotary_dim/2) or ``pairs`` (adjacent 2k, 2k+1: the TL-native mo
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -32,7 +33,7 @@ from .._foundation import display as show
 from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import HeadsLike
-from .circuits import _head, attn_scale, embed_rows, layer_weights, normalize_rows, warn_caveats
+from .circuits import CHUNK_ROWS, _head, attn_scale, is_folded, layer_weights, normalize_rows, warn_caveats
 
 STYLES = ("halves", "pairs")
 
@@ -373,25 +374,52 @@ def offset_profile(model, head: HeadsLike, offsets: Iterable[int] = range(0, 65)
     """How much a rotary head's score depends on the offset alone, for content ``x``.
 
     ``x``: residual rows feeding the head's layer (``attn_input_hook``); default every token's
-    normalised embedding (exact input only at layer 0). Memory: [n_offsets, d_head, d_head].
+    normalised embedding (exact input only at layer 0). Only the rows' mean enters (mean(x W) = mean(x) W);
+    for the embeddings it is computed in chunks and cached per model while W_E is unchanged.
+    Memory: [n_offsets, d_head, d_head] plus one [d_model] mean row per layer kind.
     """
     h = _head(model, head)
     spec = _spec_for(model, h.layer, spec)
     w = layer_weights(model, h.layer)
-    rows = embed_rows(model, h.layer) if x is None else x.detach()
     offs = list(offsets)
     if not offs or min(offs) < 0:
         raise QKCircuitsError(f"offsets must be a non-empty list of integers >= 0, got {offs[:5]}")
     scale = attn_scale(model, h.layer)
     with torch.no_grad():
-        qbar = (rows @ w.W_Q[h.head]).mean(0) + w.b_Q[h.head]
-        kbar = (rows @ w.W_K[h.head]).mean(0) + w.b_K[h.head]
+        # mean(rows W) = mean(rows) W: one [d_model] mean row (cached for the embeddings), not [n, d_head] per head
+        xbar = (_mean_embed_row(model, h.layer) if x is None else x.detach().float().mean(0)).to(w.W_Q.dtype)
+        qbar = xbar @ w.W_Q[h.head] + w.b_Q[h.head]
+        kbar = xbar @ w.W_K[h.head] + w.b_K[h.head]
         R = rotation(spec, offs, relative=True).to(qbar.dtype).to(qbar.device)       # [n, d, d]
         mean = torch.einsum("d,nde,e->n", qbar, R, kbar) * scale
         # ‖W_Q R W_Kᵀ‖_F = ‖R_q R R_kᵀ‖_F with W = Q·R_w (QR): computed on the d_head side only
         Rq, Rk = torch.linalg.qr(w.W_Q[h.head])[1], torch.linalg.qr(w.W_K[h.head])[1]
         norm = torch.linalg.matrix_norm(Rq @ R @ Rk.T, "fro") * abs(scale)
     settings = {"rotary": spec.describe(), "caveats": warn_caveats(model, "the offset profile") + list(spec.caveats),
-                "rows": "normalised token embeddings" if x is None else f"{rows.shape[0]} given rows",
+                "rows": "normalised token embeddings" if x is None else f"{x.shape[0]} given rows",
                 "attn_scale": scale}
     return OffsetProfile(str(h), torch.tensor(offs), mean.cpu(), norm.cpu(), settings)
+
+
+_MEAN_ROWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _mean_embed_row(model, layer: int) -> Float[Tensor, "d_model"]:
+    """The mean over the vocabulary of ``embed_rows(model, layer)`` (float32), in chunks of ``CHUNK_ROWS`` rows:
+    no normalised [vocab, d_model] copy. Cached per model while W_E is unchanged (its storage and version);
+    under ``fold_ln`` every layer's rows are the same, so one mean serves all layers."""
+    E = model.W_E.detach()
+    key = (None if is_folded(model) else int(layer), E.data_ptr(), E._version, E.shape, str(E.dtype))
+    try:
+        cache = _MEAN_ROWS.setdefault(model, {})
+    except TypeError:
+        cache = {}
+    if key not in cache:
+        total = torch.zeros(E.shape[1], dtype=torch.float64, device=E.device)
+        with torch.no_grad():
+            for s in range(0, E.shape[0], CHUNK_ROWS):
+                total += normalize_rows(model, E[s:s + CHUNK_ROWS], "ln1", int(layer)).double().sum(0)
+        for old in [k for k in cache if k[1:] != key[1:]]:     # rows of an older W_E
+            del cache[old]
+        cache[key] = (total / E.shape[0]).float()
+    return cache[key]

@@ -151,6 +151,7 @@ class ViewContext:
         self._weights: Dict[int, object] = {}
         self._eigen: Optional[Tensor] = None
         self._kcomp = None
+        self._rotary: Dict[int, object] = {}
         # bounded: a long-running app sees a new token set per request (each entry ~50 kB for 64 tokens)
         self._inputs = LRU(INPUTS_CACHE)
 
@@ -164,6 +165,13 @@ class ViewContext:
             E = self.model.W_E.detach()[torch.as_tensor(list(ids), device=self.model.W_E.device)]
             from .._weights.circuits import normalize_rows
             return normalize_rows(self.model, E, "ln1", layer)
+
+    def rotary(self, layer: int):
+        """``rotary_spec(model, layer=layer)``, verified once per layer (its check is a partial forward)."""
+        if layer not in self._rotary:
+            from .._weights.rotary import rotary_spec
+            self._rotary[layer] = rotary_spec(self.model, layer=int(layer))
+        return self._rotary[layer]
 
     def inputs(self, layer: int, ids: Sequence[int], input: Optional[str] = None) -> TokenInputs:
         """``token_inputs`` for ``layer`` (cached per layer, token set and input; the default input is
@@ -247,8 +255,8 @@ def positional_profile(ctx: ViewContext, head: Head, max_offset: int = MAX_OFFSE
     n = min(int(model.cfg.n_ctx), 2 * max_offset + 1)
     offs = list(range(min(max_offset, n - 1) + 1))
     if has_rotary(model):
-        from .._weights.rotary import offset_profile, rotary_spec
-        spec = rotary_spec(model, layer=head.layer)
+        from .._weights.rotary import offset_profile
+        spec = ctx.rotary(head.layer)
         window = ""
         if spec.window:               # keys further back are masked on this layer: no score to profile
             offs = [d for d in offs if d < spec.window]
