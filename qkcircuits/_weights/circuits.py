@@ -28,7 +28,7 @@ weight is folded into W_Q/W_K/W_V); with raw weights it is normalised × weight 
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 from jaxtyping import Float
@@ -36,6 +36,7 @@ from torch import Tensor
 from transformer_lens.FactoredMatrix import FactoredMatrix
 
 from .._foundation.arch import LayerWeights, adapter  # noqa: F401  (LayerWeights re-exported)
+from .._foundation.arch.norms import block_norm, final_norm
 from .._foundation.attention import attention_scale, sliding_window  # noqa: F401  (re-exported: the one scale reader)
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike, model_heads
@@ -138,13 +139,6 @@ def is_folded(model) -> bool:
     return adapter(model, 0).folded
 
 
-def _norm_kind(model) -> Optional[str]:
-    t = getattr(model.cfg, "normalization_type", None)
-    if t is None:
-        return None
-    return "LN" if str(t).startswith("LN") else "RMS"
-
-
 def normalize_rows(model, x: Float[Tensor, "n d_model"], which: str = "ln1", layer: int = 0,
                    bias: bool = True) -> Float[Tensor, "n d_model"]:
     """Apply the model's normalisation to each row as if it were the whole residual at that point.
@@ -153,27 +147,17 @@ def normalize_rows(model, x: Float[Tensor, "n d_model"], which: str = "ln1", lay
     norm's weight (and, unless ``bias=False``, its bias) are applied too. ``which`` is ``"ln1"``
     (before attention) or ``"ln_final"``.
     """
-    kind = _norm_kind(model)
-    if kind is None:
+    norm = final_norm(model) if which == "ln_final" else block_norm(model, layer)
+    if norm.kind is None:
         return x
-    eps = float(getattr(model.cfg, "eps", 1e-5))
-    if kind == "LN":
+    if norm.kind == "LN":
         x = x - x.mean(-1, keepdim=True)
-    x = x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
-    if not is_folded(model):
-        mod = model.ln_final if which == "ln_final" else model.blocks[int(layer)].ln1
-        x = _affine_norm(model, mod, x, bias)
-    return x
-
-
-def _affine_norm(model, mod, x: Tensor, bias: bool = True) -> Tensor:
-    orig = getattr(mod, "original_component", mod)
-    w, b = getattr(orig, "weight", None), getattr(orig, "bias", None) if bias else None
-    if w is not None:   # Gemma-style RMSNorm multiplies by (1 + weight)
-        offset = 1.0 if getattr(model.cfg, "rmsnorm_uses_offset", False) else 0.0
-        x = x * (w.detach() + offset)
-    if b is not None:
-        x = x + b.detach()
+    x = x / (x.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()
+    if not norm.folded:
+        if norm.weight is not None:
+            x = x * norm.weight
+        if bias and norm.bias is not None:
+            x = x + norm.bias
     return x
 
 
@@ -250,15 +234,12 @@ def unembed_cols(model, normalize: bool = True) -> Float[Tensor, "d_model vocab_
 
 def _unembed_chunk(model, U: Tensor, normalize: bool) -> Tensor:
     """Apply the final norm's weight / centring to columns ``U`` [d_model, n] (column-local, so chunkable)."""
-    kind = _norm_kind(model)
-    if not normalize or kind is None:
+    norm = final_norm(model)
+    if not normalize or norm.kind is None:
         return U
-    if not is_folded(model):
-        orig = getattr(model.ln_final, "original_component", model.ln_final)
-        w = getattr(orig, "weight", None)
-        if w is not None:
-            U = (w.detach() + (1.0 if getattr(model.cfg, "rmsnorm_uses_offset", False) else 0.0))[:, None] * U
-    if kind == "LN":
+    if not norm.folded and norm.weight is not None:
+        U = norm.weight[:, None] * U
+    if norm.kind == "LN":
         U = U - U.mean(0, keepdim=True)   # the centred input x C with C symmetric: x C W = x (C W)
     return U
 

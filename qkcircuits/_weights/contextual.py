@@ -50,7 +50,8 @@ from .._foundation.renamed import renamed
 from .._foundation.heads import HeadsLike
 from .._foundation.sequences import bos_id, natural_text, repeated_tokens, segment_length, text_tokens, token_pool
 from .._foundation.arch import adapter
-from .circuits import _head, _norm_kind, attn_input_hook, is_folded, layer_weights, normalize_rows, unembed_cols
+from .._foundation.arch.norms import block_norm, final_norm, norm_kind
+from .circuits import _head, attn_input_hook, is_folded, layer_weights, normalize_rows, unembed_cols
 
 INPUTS = ("direct", "effective", "contextual")
 CORPUS = "natural_text() (qkcircuits/data/natural_text.txt)"
@@ -148,14 +149,16 @@ def corpus_stats(model, refresh: bool = False) -> _CorpusStats:
             acc = stats.sums[layer] = torch.zeros(len(ids), t.shape[-1], device=t.device)
         acc.index_add_(0, current["inverse"], rows)
 
+    norm = final_norm(model)
+
     def keep_final(t: Tensor, hook) -> None:
         x = t.detach()[:, 1:].float()
-        if _norm_kind(model) == "LN":
+        if norm.kind == "LN":
             x = x - x.mean(-1, keepdim=True)
-        scales.append((x.pow(2).mean(-1) + float(getattr(model.cfg, "eps", 1e-5))).sqrt().flatten())
+        scales.append((x.pow(2).mean(-1) + norm.eps).sqrt().flatten())
 
     hooks = [(n, keep) for n in names]
-    if _norm_kind(model) is not None and final in model.hook_dict:
+    if norm.kind is not None and final in model.hook_dict:
         hooks.append((final, keep_final))
     with torch.no_grad():
         for batch, inv in zip(batches, inverses):
@@ -182,11 +185,8 @@ def _effective_rows(model, ids: Tensor) -> Tensor:
 def _ln1_bias(model, layer: int) -> Optional[Tensor]:
     """The input norm's bias with raw weights (None when folded or absent): left out of the rows, as
     ``fold_ln`` moves it into b_Q/b_K/b_V, which the circuits leave out; so both fold modes agree."""
-    if is_folded(model):
-        return None
-    mod = model.blocks[int(layer)].ln1
-    b = getattr(getattr(mod, "original_component", mod), "bias", None)
-    return b.detach().float() if isinstance(b, Tensor) else None
+    norm = block_norm(model, layer)
+    return None if norm.folded or norm.bias is None else norm.bias.float()
 
 
 @renamed(input="view")
@@ -250,7 +250,7 @@ def output_reader(model, input: str) -> Tuple[Float[Tensor, "d_model vocab"], fl
     scale, note = 1.0, "read through the final norm's weight and centring and W_U (per-position scale left out)"
     if input == "contextual":
         stats = corpus_stats(model)
-        if _norm_kind(model) is not None:
+        if norm_kind(model) is not None:
             scale = stats.final_scale
             note = (f"read through the final norm with the run's own normaliser (mean scale {scale:.4g} over the "
                     f"corpus) and W_U")

@@ -20,7 +20,8 @@ from torch import Tensor
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import HeadsLike
 from .._foundation.io import check_int
-from .circuits import _head, _norm_kind, embed_factor, is_folded, layer_weights, unembed_embed, unembed_factor
+from .._foundation.arch.norms import block_norm, norm_kind
+from .circuits import _head, embed_factor, is_folded, layer_weights, unembed_embed, unembed_factor
 
 
 def eigen_copying(eigenvalues: Tensor) -> Tensor:
@@ -50,7 +51,7 @@ def copying_scores(model, full: bool = True, normalize: bool = True) -> Float[Te
     L, H = model.cfg.n_layers, model.cfg.n_heads
     out = torch.zeros(L, H)
     G = None
-    per_layer = full and not (is_folded(model) or not normalize or _norm_kind(model) is None)
+    per_layer = full and not (is_folded(model) or not normalize or norm_kind(model) is None)
     if full:
         _check_square_vocab(model)
         if not per_layer:
@@ -74,15 +75,12 @@ def _fold_convention(model, layer: int, V: Tensor, O: Tensor) -> "tuple[Tensor, 
     """W_V/W_O as ``fold_ln`` leaves them, from raw weights: the ln1 weight moved into W_V and, for
     LayerNorm, the centring folded in (W_V centred over its input, W_O over its output). Identity when
     the model is folded already or has no norm."""
-    kind = _norm_kind(model)
-    if is_folded(model) or kind is None:
+    norm = block_norm(model, layer)
+    if norm.folded or norm.kind is None:
         return V, O
-    orig = getattr(model.blocks[int(layer)].ln1, "original_component", model.blocks[int(layer)].ln1)
-    wt = getattr(orig, "weight", None)
-    if wt is not None:
-        offset = 1.0 if getattr(model.cfg, "rmsnorm_uses_offset", False) else 0.0
-        V = (wt.detach().double() + offset)[None, :, None] * V
-    if kind == "LN":
+    if norm.weight is not None:
+        V = norm.weight.double()[None, :, None] * V
+    if norm.kind == "LN":
         V = V - V.mean(1, keepdim=True)
         O = O - O.mean(-1, keepdim=True)
     return V, O
