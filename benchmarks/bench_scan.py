@@ -65,13 +65,13 @@ def main() -> None:
         model(toks[:1])  # warm-up
     best = {}
     for _ in range(args.repeats):
-        ours, t_ours = timed(lambda: qk.scan(model, n_seqs=args.n_seqs, seq_len=args.seq_len, progress=False))
+        ours, t_ours = timed(lambda: qk.scan(model, n_seqs=args.n_seqs, seg_len=args.seq_len, progress=False))
         theirs, t_tl = timed(lambda: tl_scores(model, toks))
         best["ours"], best["tl"] = min(best.get("ours", 1e9), t_ours), min(best.get("tl", 1e9), t_tl)
     three = ["induction", "previous_token", "duplicate_token"]
     t_three, t_fwd = 1e9, 1e9
     for _ in range(max(3, args.repeats)):
-        restricted, t = timed(lambda: qk.scan(model, scores=three, n_seqs=args.n_seqs, seq_len=args.seq_len,
+        restricted, t = timed(lambda: qk.scan(model, scores=three, n_seqs=args.n_seqs, seg_len=args.seq_len,
                                               progress=False))
         t_three = min(t_three, t)
         with torch.no_grad():
@@ -84,7 +84,7 @@ def main() -> None:
                       ["induction", "previous_token", "duplicate_token", "copying"]),
                      ("pass 2 ([BOS]+R x 4: prefix matching)", ["prefix_matching"]),
                      ("eigen copying (weights)", ["eigen_copying"]), ("ov_copying (sample)", ["ov_copying"])):
-        parts[name] = min(timed(lambda: qk.scan(model, scores=sc, n_seqs=args.n_seqs, seq_len=args.seq_len,
+        parts[name] = min(timed(lambda: qk.scan(model, scores=sc, n_seqs=args.n_seqs, seg_len=args.seq_len,
                                                 progress=False))[1] for _ in range(args.repeats))
     print(f"model {args.model}: {model.cfg.n_layers} layers x {model.cfg.n_heads} heads, {args.n_seqs} seqs of "
           f"2x{args.seq_len}+1 tokens, torch.set_num_threads(1), best of {args.repeats}; loadavg {os.getloadavg()}")
@@ -120,7 +120,7 @@ def main() -> None:
               f"(restricted scan equals the default one: {torch.equal(restricted[name], ours[name])})")
     toy = qk.load("toy-induction", verbose=False)
     ttoks = qk.repeated_tokens(toy, args.n_seqs, 20, seed=0)
-    t_ours = qk.scan(toy, n_seqs=args.n_seqs, seq_len=20, prefix_len=20, progress=False)
+    t_ours = qk.scan(toy, n_seqs=args.n_seqs, seg_len=20, prefix_len=20, progress=False)
     t_tl = tl_scores(toy, ttoks)
     print("  ground truth (hand-built: 0.0 previous-token, 1.0 induction; others 0):")
     for name, (layer, head) in (("previous_token", (0, 0)), ("induction", (1, 0))):
