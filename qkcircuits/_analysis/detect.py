@@ -45,7 +45,7 @@ from .._foundation.result import stamped
 from .._foundation.model import model_name
 from .._foundation.sequences import check_seed, repeated_tokens, segment_length, text_tokens, token_pool
 from .._weights import contextual as _contextual
-from .._weights.circuits import _unembed_chunk, layer_weights
+from .._weights.circuits import unembed_chunk, layer_weights
 from .._weights.copying import copying_scores
 from .detectors import (PROMPT_SETS, Detector, ScanContext, detector, detectors, duplicate_token_mask, induction_mask,
                         previous_token_mask, register_detector, select, target_masks, thresholds)
@@ -126,7 +126,7 @@ def copying_reducer(model, tokens: Int[Tensor, "batch pos"], seg_len: int):
     queries = target_masks(tokens, seg_len)["induction"].any(-1)
     cand, valid, cand_index = copying_candidates(tokens)
     U = model.W_U.detach()
-    U_c = _unembed_chunk(model, U[:, cand.clamp_min(0).flatten()], True)       # [d_model, b·C]
+    U_c = unembed_chunk(model, U[:, cand.clamp_min(0).flatten()], True)       # [d_model, b·C]
     U_c = U_c.view(U.shape[0], *cand.shape).permute(1, 0, 2)                   # [b, d_model, C]
 
     def reduce(layer: int, t: Dict[str, Tensor]) -> Tensor:

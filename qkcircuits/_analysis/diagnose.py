@@ -34,7 +34,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .._foundation.capture import _check_layers, has_rotary, stream
+from .._foundation.capture import check_layers, has_rotary, stream
 from .._foundation.errors import QKCircuitsError
 from .._foundation.io import check_int
 from .._foundation.result import versions
@@ -251,7 +251,7 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
     if not tokens:
         raise QKCircuitsError("no prompt sets given; use 'text' and/or 'repeated'")
     L, H, d_head = model.cfg.n_layers, model.cfg.n_heads, int(adapter(model, 0).d_qk)    # MLA: nope + rope
-    layer_list = _check_layers(model, layers)
+    layer_list = check_layers(model, layers)
     qn, kn, rope = _qk_source(model)
     scales = {layer: attention_scale(model, layer) for layer in layer_list}
 

@@ -23,7 +23,7 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike
 from .._foundation.model import model_name
 from .._foundation.result import Result
-from .circuits import _head, attn_scale, circuit_caveats, full_ov, full_qk, is_folded, ov, ov_affine, qk, qk_affine
+from .circuits import to_head, attn_scale, circuit_caveats, full_ov, full_qk, is_folded, ov, ov_affine, qk, qk_affine
 from .rotary import positional_qk, qk_at_offset, rotary_spec
 
 
@@ -100,7 +100,7 @@ def circuit(model, head: HeadsLike, kind: str = "qk", *, offset: int = 0, normal
     model, offset = check_model(model), check_integer("offset", offset)
     if kind not in KINDS:
         raise QKCircuitsError(f"unknown circuit kind {kind!r}; choose from {', '.join(KINDS)}")
-    h = _head(model, head)
+    h = to_head(model, head)
     settings: Dict[str, object] = {"model": model_name(model), "fold_ln": is_folded(model),
                                    "attn_scale": attn_scale(model, h.layer), "convention": "row-vector (TL)"}
     # the QK-side functions below warn; the flag travels with the result

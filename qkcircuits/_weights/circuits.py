@@ -54,7 +54,7 @@ def layer_weights(model, layer: int) -> LayerWeights:
     return adapter(model, layer).weights()
 
 
-def _head(model, head) -> Head:
+def to_head(model, head) -> Head:
     heads = model_heads(model, [head] if isinstance(head, Head) else head)
     if len(heads) != 1:
         raise QKCircuitsError(f"expected one head, got {len(heads)} from {head!r}; name one, e.g. '3.1'")
@@ -63,7 +63,7 @@ def _head(model, head) -> Head:
 
 def qk(model, head: HeadsLike) -> FactoredMatrix:
     """QK circuit of one head: ``FactoredMatrix(W_Q, W_Kᵀ)``, [d_model, d_model] (papers: W_Qᵀ W_K)."""
-    h = _head(model, head)
+    h = to_head(model, head)
     warn_caveats(model, "the QK circuit")
     att = adapter(model, h.layer)
     if att.family == "latent":            # inner dimension: the KV latent + the shared rotary key
@@ -76,7 +76,7 @@ def ov(model, head: HeadsLike) -> FactoredMatrix:
     """OV circuit of one head: ``FactoredMatrix(W_V, W_O)``, [d_model, d_model] (papers: W_O W_V).
 
     Multi-head latent attention: ``FactoredMatrix(W_DKV γ_kv, W_UV^h W_O^h)``, the KV latent as the inner dimension."""
-    h = _head(model, head)
+    h = to_head(model, head)
     att = adapter(model, h.layer)
     if att.family == "latent":
         return FactoredMatrix(*att.latent_ov(h.head))
@@ -90,7 +90,7 @@ def qk_affine(model, head: HeadsLike) -> FactoredMatrix:
     M = [[W_Q], [b_Q]] · [[W_K], [b_K]]ᵀ: the four terms x W_Q W_Kᵀ yᵀ + x W_Q b_Kᵀ + b_Q W_Kᵀ yᵀ + b_Q b_Kᵀ.
     (x W_Q b_Kᵀ is constant over keys and cancels in softmax; b_Q W_Kᵀ yᵀ does not.)
     """
-    h = _head(model, head)
+    h = to_head(model, head)
     warn_caveats(model, "the QK circuit")
     w = layer_weights(model, h.layer)
     A = torch.cat([w.W_Q[h.head], w.b_Q[h.head][None]], 0)
@@ -100,7 +100,7 @@ def qk_affine(model, head: HeadsLike) -> FactoredMatrix:
 
 def ov_affine(model, head: HeadsLike) -> FactoredMatrix:
     """Exact per-head write on [x, 1]: [x, 1] · M = x W_V W_O + b_V W_O, M [d_model+1, d_model] (b_O excluded)."""
-    h = _head(model, head)
+    h = to_head(model, head)
     w = layer_weights(model, h.layer)
     return FactoredMatrix(torch.cat([w.W_V[h.head], w.b_V[h.head][None]], 0), w.W_O[h.head])
 
@@ -229,10 +229,10 @@ def unembed_cols(model, normalize: bool = True) -> Float[Tensor, "d_model vocab_
     which token a row ranks first); b_U and the final norm's bias are left out (not the head's doing).
     Memory: a [d_model, vocab_out] copy unless folded RMSNorm (then W_U itself); see ``unembed_factor``."""
     with torch.no_grad():
-        return _unembed_chunk(model, model.W_U.detach(), normalize)
+        return unembed_chunk(model, model.W_U.detach(), normalize)
 
 
-def _unembed_chunk(model, U: Tensor, normalize: bool) -> Tensor:
+def unembed_chunk(model, U: Tensor, normalize: bool) -> Tensor:
     """Apply the final norm's weight / centring to columns ``U`` [d_model, n] (column-local, so chunkable)."""
     norm = final_norm(model)
     if not normalize or norm.kind is None:
@@ -268,7 +268,7 @@ def unembed_factor(model, W: Float[Tensor, "k d_model"], normalize: bool = True)
     with torch.no_grad():
         out = torch.empty(W.shape[0], U.shape[1], dtype=W.dtype, device=W.device)
         for s in range(0, U.shape[1], CHUNK_ROWS):
-            out[:, s:s + CHUNK_ROWS] = W @ _unembed_chunk(model, U[:, s:s + CHUNK_ROWS], normalize)
+            out[:, s:s + CHUNK_ROWS] = W @ unembed_chunk(model, U[:, s:s + CHUNK_ROWS], normalize)
     return out
 
 
@@ -288,7 +288,7 @@ def unembed_embed(model, layer: int = 0, normalize: bool = True, center_vocab: b
         e_sum = torch.zeros(E.shape[1], dtype=E.dtype, device=E.device)
         for s in range(0, E.shape[0], CHUNK_ROWS):
             rows = E[s:s + CHUNK_ROWS]
-            Uc = _unembed_chunk(model, U[:, s:s + CHUNK_ROWS], normalize)
+            Uc = unembed_chunk(model, U[:, s:s + CHUNK_ROWS], normalize)
             En = normalize_rows(model, rows, "ln1", layer, bias=not center_vocab) if normalize else rows
             G += Uc @ En
             if center_vocab:
@@ -304,7 +304,7 @@ def full_qk(model, head: HeadsLike, normalize: bool = True) -> FactoredMatrix:
 
     Rows are query tokens, columns key tokens; biases and positions are left out. Memory: 2 · vocab · d_head.
     """
-    h = _head(model, head)
+    h = to_head(model, head)
     warn_caveats(model, "the full QK circuit")
     w = layer_weights(model, h.layer)
     return FactoredMatrix(embed_factor(model, w.W_Q[h.head], h.layer, normalize),
@@ -316,7 +316,7 @@ def full_ov(model, head: HeadsLike, normalize: bool = True) -> FactoredMatrix:
 
     Memory: the two factors (vocab · d_head each) plus one chunk.
     """
-    h = _head(model, head)
+    h = to_head(model, head)
     w = layer_weights(model, h.layer)
     return FactoredMatrix(embed_factor(model, w.W_V[h.head], h.layer, normalize),
                           unembed_factor(model, w.W_O[h.head], normalize))

@@ -51,7 +51,7 @@ from .._foundation.heads import HeadsLike
 from .._foundation.sequences import bos_id, natural_text, repeated_tokens, segment_length, text_tokens, token_pool
 from .._foundation.arch import adapter
 from .._foundation.arch.norms import block_norm, final_norm, norm_kind
-from .circuits import _head, attn_input_hook, is_folded, layer_weights, normalize_rows, unembed_cols
+from .circuits import to_head, attn_input_hook, is_folded, layer_weights, normalize_rows, unembed_cols
 
 INPUTS = ("direct", "effective", "contextual")
 CORPUS = "natural_text() (qkcircuits/data/natural_text.txt)"
@@ -263,7 +263,7 @@ def head_logits(model, head: HeadsLike, ids: Sequence[int], view: Optional[str] 
     """Logits the head's write raises for each source token of ``ids``: [n, vocab] and the inputs used.
 
     Memory: one [n, vocab] block (keep ``ids`` to a few hundred)."""
-    h = _head(model, head)
+    h = to_head(model, head)
     x = token_inputs(model, h.layer, ids, view)
     w = layer_weights(model, h.layer)
     U, scale, note = output_reader(model, x.input)
@@ -284,7 +284,7 @@ def token_qk(model, head: HeadsLike, ids: Sequence[int], view: Optional[str] = N
     X W_Q W_Kᵀ Xᵀ · scale with X the rows of ``view`` (``view="direct"`` = rows/columns of ``full_qk``)."""
     from .circuits import attn_scale
 
-    h = _head(model, head)
+    h = to_head(model, head)
     x = token_inputs(model, h.layer, ids, view)
     w = layer_weights(model, h.layer)
     with torch.no_grad():

@@ -21,7 +21,7 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import HeadsLike
 from .._foundation.io import check_int
 from .._foundation.arch.norms import block_norm, norm_kind
-from .circuits import _head, embed_factor, is_folded, layer_weights, unembed_embed, unembed_factor
+from .circuits import to_head, embed_factor, is_folded, layer_weights, unembed_embed, unembed_factor
 
 
 def eigen_copying(eigenvalues: Tensor) -> Tensor:
@@ -99,7 +99,7 @@ def copying_accuracy(model, head: Optional[HeadsLike] = None, *, normalize: bool
     _check_square_vocab(model)
     vocab = model.W_E.shape[0]
     max_bytes = check_int("max_bytes", max_bytes)
-    heads = [_head(model, head)] if head is not None else None
+    heads = [to_head(model, head)] if head is not None else None
     L, H = model.cfg.n_layers, model.cfg.n_heads
     out = torch.full((L, H), float("nan"))
     todo = [(h.layer, h.head) for h in heads] if heads else [(l, h) for l in range(L) for h in range(H)]

@@ -33,7 +33,7 @@ from .._foundation import display as show
 from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import HeadsLike
-from .circuits import CHUNK_ROWS, _head, attn_scale, is_folded, layer_weights, normalize_rows, warn_caveats
+from .circuits import CHUNK_ROWS, to_head, attn_scale, is_folded, layer_weights, normalize_rows, warn_caveats
 
 STYLES = ("halves", "pairs")
 
@@ -231,7 +231,7 @@ def qk_at_offset(model, head: HeadsLike, offset: int, *, spec: Optional[RotarySp
     Score = x_i · QK(Δ) · x_jᵀ · ``attn_scale(model, layer)``. ``affine=True`` gives the form on
     [x, 1] with b_Q/b_K (which are rotated with q/k). Memory: two [d_model(+1), d_head] factors.
     """
-    h = _head(model, head)
+    h = to_head(model, head)
     warn_caveats(model, "the QK circuit at an offset")
     spec = _spec_for(model, h.layer, spec)
     R = rotation(spec, [int(offset)], relative=True)[0]
@@ -297,7 +297,7 @@ def positional_qk(model, head: HeadsLike, normalize: bool = False) -> FactoredMa
     if getattr(model.cfg, "positional_embedding_type", "standard") not in ("standard", "shortformer"):
         raise QKCircuitsError(f"positional_qk needs learned absolute positions; this model has "
                               f"{model.cfg.positional_embedding_type!r} (use qk_at_offset for rotary models)")
-    h = _head(model, head)
+    h = to_head(model, head)
     warn_caveats(model, "the positional QK circuit")
     w = layer_weights(model, h.layer)
     P = model.W_pos.detach()
@@ -378,7 +378,7 @@ def offset_profile(model, head: HeadsLike, offsets: Iterable[int] = range(0, 65)
     for the embeddings it is computed in chunks and cached per model while W_E is unchanged.
     Memory: [n_offsets, d_head, d_head] plus one [d_model] mean row per layer kind.
     """
-    h = _head(model, head)
+    h = to_head(model, head)
     spec = _spec_for(model, h.layer, spec)
     w = layer_weights(model, h.layer)
     offs = list(offsets)

@@ -32,7 +32,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .._foundation.arch import adapter, architecture
-from .._foundation.capture import _as_tokens
+from .._foundation.capture import as_tokens
 from .._foundation.model import model_name
 from .._foundation.result import Result
 from .circuits import attn_input_hook, layer_weights, ov
@@ -131,7 +131,7 @@ def verify_circuits(model, tokens=None, *, tolerance: float = TOLERANCE) -> Circ
 
         seg = max(2, min(8, (int(model.cfg.n_ctx) - 1) // 2))
         tokens = repeated_tokens(model, n_seqs=2, seg_len=seg, seed=0)
-    toks = _as_tokens(model, tokens)
+    toks = as_tokens(model, tokens)
     L, H = int(model.cfg.n_layers), int(model.cfg.n_heads)
     qk_err, ov_err = torch.full((L, H), float("nan")), torch.full((L, H), float("nan"))
     s_src: Dict[int, str] = {}

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 import plotly.graph_objects as go
 
 from ._circuit_data import CircuitView, Edge, Node, evidence_text, load_circuit, parse_node
-from ._figures import _fig, _layout, _r
+from ._figures import figure_dict, base_layout, round_float
 
 __all__ = ["circuit_graph", "edge_width", "faithfulness_curve", "load_circuit", "MAX_EDGES", "MAX_WIDTH", "MIN_WIDTH"]
 
@@ -120,7 +120,7 @@ def circuit_graph(view: CircuitView, n_layers: Optional[int] = None, n_heads: Op
         colour = POSITIVE if e.score >= 0 else NEGATIVE
         traces.append(go.Scatter(x=[x0, x1], y=[y0, y1], mode="lines", showlegend=False, hoverinfo="skip",
                                  meta={"sender": str(e.sender), "receiver": str(e.receiver), "input": e.input,
-                                       "score": _r(e.score)},
+                                       "score": round_float(e.score)},
                                  line=dict(color=colour, width=edge_width(e.score, top),
                                            dash=INPUT_DASH.get(e.input or "", "solid"))))
         t = INPUT_AT.get(e.input or "", 0.5)
@@ -161,14 +161,14 @@ def circuit_graph(view: CircuitView, n_layers: Optional[int] = None, n_heads: Op
              + ("; ◇ = KV head (its k/v inputs are shared by its query heads)" if any(
                  n.kind == "kv" for n in nodes) else ""))
     ticks = list(range(0, L, 1 if L <= 16 else 2))
-    fig = go.Figure(traces, layout=_layout(
+    fig = go.Figure(traces, layout=base_layout(
         title, height=max(420, min(1100, 230 + 36 * (L + 2))), width=max(660, 200 + 60 * (H + 1)),
         xaxis=dict(title="head (MLP: right column)", range=[-0.7, H + 0.9], dtick=1, zeroline=False),
         yaxis=dict(title="layer", range=[L + 0.6, -1.6], zeroline=False, tickvals=[-1, *ticks, L],
                    ticktext=["emb", *map(str, ticks), "logits"]),
         margin=dict(l=60, r=20, t=64, b=130), legend=dict(orientation="h", y=-0.26, yanchor="top"),
         hovermode="closest"))
-    out = _fig(fig)
+    out = figure_dict(fig)
     out["meta"] = {"name": "circuit", "description": "edges sender → receiver input, width = |score|, colour = sign",
                    "n_edges": len(view.edges), "n_drawn": len(edges)}
     return out
@@ -180,7 +180,7 @@ def faithfulness_curve(view: CircuitView) -> Dict:
     on_axis = [(p, f) for p, f in view.curve if p > 0 and f == f]
     zero = [f for p, f in view.curve if p == 0 and f == f]
     undefined = [p for p, f in view.curve if f != f]
-    line = go.Scatter(x=[p for p, _ in on_axis], y=[_r(f) for _, f in on_axis], mode="lines+markers",
+    line = go.Scatter(x=[p for p, _ in on_axis], y=[round_float(f) for _, f in on_axis], mode="lines+markers",
                       name="f", marker=dict(size=7), line=dict(color="#2c3e50"),
                       hovertemplate="%{x}% of edges<br>f = %{y:.4f}<extra></extra>")
     cpr, cmd = view.get("cpr"), view.get("cmd")
@@ -208,11 +208,11 @@ def faithfulness_curve(view: CircuitView) -> Dict:
                            line=dict(color="#2ca02c", dash="dot", width=1)))
         notes.append(dict(text=f"circuit: {chosen:g} %", x=math.log10(chosen), xref="x", y=0, yref="paper",
                           xanchor="left", yanchor="bottom", showarrow=False, font=dict(size=9, color="#2ca02c")))
-    fig = go.Figure(line, layout=_layout(
+    fig = go.Figure(line, layout=base_layout(
         title, height=380, width=620, showlegend=False, annotations=notes, shapes=shapes,
         xaxis=dict(title="edges in the circuit (% of all edges, log scale)", type="log"),
         yaxis=dict(title="f", range=[min(ys) - 0.05, max(ys) + 0.05], zeroline=True)))
-    out = _fig(fig)
+    out = figure_dict(fig)
     out["meta"] = {"name": "faithfulness", "description": "f over the grid of circuit sizes",
                    "cpr": cpr, "cmd": cmd}
     return out
@@ -243,7 +243,7 @@ def _order(name: str):
 
 def edge_rows(view: CircuitView, k: int = 20) -> List[List]:
     """[sender, receiver, input, score, sender role, receiver role] of the ``k`` edges of largest |score|."""
-    return [[str(e.sender), str(e.receiver), e.input or "", _r(e.score), view.role(e.sender), view.role(e.receiver)]
+    return [[str(e.sender), str(e.receiver), e.input or "", round_float(e.score), view.role(e.sender), view.role(e.receiver)]
             for e in view.top_edges(k)]
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 DIGITS = 5   # significant digits kept in the figures (hover shows 4 decimals)
 
 
-def _r(x) -> Optional[float]:
+def round_float(x) -> Optional[float]:
     x = float(x)
     if math.isnan(x) or math.isinf(x):
         return None
@@ -34,7 +34,7 @@ def _r(x) -> Optional[float]:
 
 
 def _grid(t: Tensor) -> List[List[Optional[float]]]:
-    return [[_r(v) for v in row] for row in t.tolist()]
+    return [[round_float(v) for v in row] for row in t.tolist()]
 
 
 def show_token(s: str) -> str:
@@ -42,7 +42,7 @@ def show_token(s: str) -> str:
     return s.replace("\n", "⏎").replace(" ", "␣") if s.strip() != s or "\n" in s else s
 
 
-def _fig(fig: go.Figure) -> Dict:
+def figure_dict(fig: go.Figure) -> Dict:
     return json.loads(fig.to_json())
 
 
@@ -53,7 +53,7 @@ TOOLBAR_PX = 30
 TOP_MARGIN = 64
 
 
-def _layout(title: str, **kw) -> Dict:
+def base_layout(title: str, **kw) -> Dict:
     base = dict(template="none", title=dict(text=title, font=dict(size=14), x=0, xref="container", xanchor="left",
                                             y=1, yref="container", yanchor="top", pad=dict(t=TOOLBAR_PX, l=8)),
                 margin=dict(l=60, r=20, t=TOP_MARGIN, b=50), font=dict(size=11))
@@ -93,7 +93,7 @@ def score_grid(values: Tensor, name: str, description: str = "", colorscale: Opt
     custom = None
     if rows or labels is not None:
         grids = [t.tolist() for t in rows.values()]
-        custom = [[[_r(g[layer][head]) for g in grids] + [", ".join(lab.get(f"{layer}.{head}", [])) or "none"]
+        custom = [[[round_float(g[layer][head]) for g in grids] + [", ".join(lab.get(f"{layer}.{head}", [])) or "none"]
                    for head in range(H)] for layer in range(L)]
         hover += "".join(f"<br>{k} = %{{customdata[{i}]:.4f}}" for i, k in enumerate(rows))
         if labels is not None:
@@ -102,12 +102,12 @@ def score_grid(values: Tensor, name: str, description: str = "", colorscale: Opt
                     colorscale=colorscale, reversescale=colorscale == "RdBu", zmid=zmid, xgap=1, ygap=1,
                     colorbar=dict(thickness=10), hovertemplate=hover + "<extra></extra>")
     height = max(220, min(900, 60 + TOP_MARGIN + 18 * L))
-    fig = go.Figure(hm, layout=_layout(name, height=height, width=max(240, 110 + 26 * H),
+    fig = go.Figure(hm, layout=base_layout(name, height=height, width=max(240, 110 + 26 * H),
                                        # no zero lines: seen through the 1-px cell gaps they drew dots along head 0 and layer 0
                                        xaxis=dict(title="head", dtick=1, zeroline=False, showgrid=False),
                                        yaxis=dict(title="layer", autorange="reversed", dtick=1 if L <= 16 else 5,
                                                   zeroline=False, showgrid=False)))
-    out = _fig(fig)
+    out = figure_dict(fig)
     out["meta"] = {"name": name, "description": description}
     return out
 
@@ -122,11 +122,11 @@ def qk_heatmap(matrix: Tensor, labels: Sequence[str], head: str, view: str = "di
                     reversescale=True, zmid=0, colorbar=dict(thickness=10),
                     hovertemplate="query %{customdata[0]}<br>key %{customdata[1]}<br>score %{z:.4f}<extra></extra>")
     side = max(340, min(740, 114 + 16 * n))
-    fig = go.Figure(hm, layout=_layout(
+    fig = go.Figure(hm, layout=base_layout(
         f"{head} QK over tokens ({view} inputs, pre-softmax, no biases)", height=side, width=side + 80,
         xaxis=dict(title="key token", tickvals=list(range(n)), ticktext=shown, tickangle=-60),
         yaxis=dict(title="query token", tickvals=list(range(n)), ticktext=shown, autorange="reversed")))
-    return _fig(fig)
+    return figure_dict(fig)
 
 
 def ov_table(values: Tensor, out_ids: Tensor, src_labels: Sequence[str], out_labels: Sequence[Sequence[str]],
@@ -145,13 +145,13 @@ def ov_table(values: Tensor, out_ids: Tensor, src_labels: Sequence[str], out_lab
                     texttemplate="%{text}", customdata=custom, colorscale="Greens", colorbar=dict(thickness=10),
                     hovertemplate="source %{customdata[0]} → output %{customdata[1]}<br>logit %{z:.4f}"
                                   "<br>copies itself: %{customdata[2]}<extra></extra>")
-    fig = go.Figure(hm, layout=_layout(
+    fig = go.Figure(hm, layout=base_layout(
         f"{head} OV: source token → top output tokens ({view} inputs, logits)",
         height=max(340, min(940, 130 + 18 * n)), width=150 + 95 * k, xaxis=dict(title="rank", side="top"),
         margin=dict(l=60, r=20, t=TOP_MARGIN + 40, b=20),
         yaxis=dict(title="source token ⟨its own rank⟩" if ranks is not None else "source token",
                    tickvals=list(range(n)), ticktext=rows, autorange="reversed")))
-    return _fig(fig)
+    return figure_dict(fig)
 
 
 def _rank(r: float) -> str:
@@ -160,27 +160,27 @@ def _rank(r: float) -> str:
 
 def profile_line(offsets: Sequence[int], score: Sequence[float], label: str, head: str) -> Dict:
     """Score against query−key offset Δ (positional or rotary QK profile)."""
-    line = go.Scatter(x=list(offsets), y=[_r(v) for v in score], mode="lines+markers", marker=dict(size=4),
+    line = go.Scatter(x=list(offsets), y=[round_float(v) for v in score], mode="lines+markers", marker=dict(size=4),
                       hovertemplate="offset Δ = %{x}<br>score %{y:.4f}<extra></extra>")
-    fig = go.Figure(line, layout=_layout(f"{head} QK by offset", height=320, width=520,
+    fig = go.Figure(line, layout=base_layout(f"{head} QK by offset", height=320, width=520,
                                          xaxis=dict(title="offset Δ = query pos − key pos"),
                                          yaxis=dict(title="score"),
                                          annotations=[dict(text=label, showarrow=False, xref="paper", yref="paper",
                                                            x=0, y=1.0, xanchor="left", yanchor="bottom",
                                                            font=dict(size=9))]))
-    return _fig(fig)
+    return figure_dict(fig)
 
 
 def partners_bar(partners: Sequence[Sequence], head: str) -> Dict:
     """Earlier heads ranked by K-composition with this head (baseline-subtracted)."""
     names = [str(p[0]) for p in partners][::-1]
-    vals = [_r(p[1]) for p in partners][::-1]
+    vals = [round_float(p[1]) for p in partners][::-1]
     bar = go.Bar(x=vals, y=names, orientation="h",
                  hovertemplate="earlier head %{y}<br>K-composition %{x:.4f}<extra></extra>")
-    fig = go.Figure(bar, layout=_layout(f"{head} K-composition partners", height=max(220, 104 + 26 * len(names)),
+    fig = go.Figure(bar, layout=base_layout(f"{head} K-composition partners", height=max(220, 104 + 26 * len(names)),
                                         width=420, xaxis=dict(title="score − random baseline"),
                                         yaxis=dict(type="category")))
-    return _fig(fig)
+    return figure_dict(fig)
 
 
 # ------------------------------------------------------------------------------ path patching (trace)
@@ -202,23 +202,23 @@ def reads_from_bars(rows: Sequence[Dict], head: str, kind: str = "exact") -> Dic
             continue
         names = [f"{x}: {r['sender']}" for r in rs]
         order += names
-        traces.append(go.Bar(x=[_r(r["effect"]) for r in rs], y=names, orientation="h", name=f"{x} ({rs[0]['metric']})",
+        traces.append(go.Bar(x=[round_float(r["effect"]) for r in rs], y=names, orientation="h", name=f"{x} ({rs[0]['metric']})",
                              marker=dict(color=INPUT_COLOURS[x]),
-                             customdata=[[r["sender"], r["metric"], _r(r["mean"]), _r(r["p95"])] for r in rs],
+                             customdata=[[r["sender"], r["metric"], round_float(r["mean"]), round_float(r["p95"])] for r in rs],
                              hovertemplate="sender %{customdata[0]} → " + x + "<br>effect %{x:.4f} (%{customdata[1]})"
                                            "<br>baseline mean %{customdata[2]}, p95 %{customdata[3]}<extra></extra>"))
         for key, dash in (("mean", "dot"), ("p95", "dash")):
-            v = _r(rs[0][key])
+            v = round_float(rs[0][key])
             if v is not None:
                 shapes.append(dict(type="line", x0=v, x1=v, y0=names[0], y1=names[-1], yref="y",
                                    line=dict(color=INPUT_COLOURS[x], dash=dash, width=1)))
-    fig = go.Figure(traces, layout=_layout(
+    fig = go.Figure(traces, layout=base_layout(
         f"{head} reads from ({kind} path patching)",
         height=max(240, 110 + 22 * len(order)), width=600, barmode="overlay", shapes=shapes,
         xaxis=dict(title="effect = harm to the metric (dotted: mean, dashed: p95 over all senders)"),
         yaxis=dict(type="category", categoryorder="array", categoryarray=order[::-1]),
         legend=dict(x=1, xanchor="right", y=0, yanchor="bottom")))
-    return _fig(fig)
+    return figure_dict(fig)
 
 
 def circuit_graph(nodes: Sequence[Dict], edges: Sequence[Dict], n_layers: int, n_heads: int, title: str) -> Dict:
@@ -233,7 +233,7 @@ def circuit_graph(nodes: Sequence[Dict], edges: Sequence[Dict], n_layers: int, n
         # meta: the edge as data (sender, receiver, input, effect), so a figure can be checked against its result
         traces.append(go.Scatter(x=[h0, h1], y=[l0, l1], mode="lines", showlegend=False, hoverinfo="skip",
                                  meta={"src": f"{l0}.{h0}", "dst": f"{l1}.{h1}", "input": e["input"],
-                                       "effect": _r(e["effect"])},
+                                       "effect": round_float(e["effect"])},
                                  line=dict(color=INPUT_COLOURS[e["input"]], width=1 + 5 * min(1.0, abs(e["effect"])))))
         # label at 40% of the way from the receiver: edges into one receiver fan out there
         annotations.append(dict(x=h1 + 0.4 * (h0 - h1), y=l1 + 0.4 * (l0 - l1), text=f"{e['input']} {e['effect']:.2f}",
@@ -251,13 +251,13 @@ def circuit_graph(nodes: Sequence[Dict], edges: Sequence[Dict], n_layers: int, n
     # only the layers that hold traced heads (coordinates stay (head, layer), so clicks still name heads)
     lo = min([n["layer"] for n in nodes], default=0)
     hi = max([n["layer"] for n in nodes], default=n_layers - 1)
-    fig = go.Figure(traces, layout=_layout(
+    fig = go.Figure(traces, layout=base_layout(
         title, height=max(320, min(900, 140 + 40 * (hi - lo + 1))), width=max(520, 160 + 70 * n_heads),
         annotations=annotations,
         xaxis=dict(title="head", range=[-0.5, n_heads - 0.5], dtick=1),
         yaxis=dict(title="layer", range=[hi + 0.5, lo - 0.5], dtick=1 if hi - lo <= 16 else 2),
         legend=dict(orientation="h", y=-0.2)))
-    return _fig(fig)
+    return figure_dict(fig)
 
 
 def random_baseline(effect: float, random_effects: Sequence[float], heads: Sequence[str], metric: str,
@@ -266,19 +266,19 @@ def random_baseline(effect: float, random_effects: Sequence[float], heads: Seque
     heads (one dot per draw, jittered vertically so equal effects stay visible)."""
     n = len(random_effects)
     jitter = [((i * 0.618) % 1.0) - 0.5 for i in range(n)]       # deterministic, evenly spread
-    dots = go.Scatter(x=[_r(v) for v in random_effects], y=jitter, mode="markers", name="random heads",
+    dots = go.Scatter(x=[round_float(v) for v in random_effects], y=jitter, mode="markers", name="random heads",
                       marker=dict(size=7, color="#888"),
                       hovertemplate="random draw<br>effect %{x:.4f}<extra></extra>")
-    group = go.Scatter(x=[_r(effect), _r(effect)], y=[-0.7, 0.7], mode="lines", name="these heads",
+    group = go.Scatter(x=[round_float(effect), round_float(effect)], y=[-0.7, 0.7], mode="lines", name="these heads",
                        line=dict(color="#c0392b", width=3),
                        hovertemplate=f"{', '.join(heads)}<br>effect %{{x:.4f}}<extra></extra>")
-    fig = go.Figure([dots, group], layout=_layout(
+    fig = go.Figure([dots, group], layout=base_layout(
         f"ablating {', '.join(heads)} vs {n} random sets of {len(heads)} head{'s' * (len(heads) != 1)} ({method})",
         height=260, width=560,
         xaxis=dict(title=f"effect on {metric} (ablated − clean)", zeroline=True),
         yaxis=dict(visible=False, range=[-0.8, 0.95]), showlegend=False,
-        annotations=[dict(x=_r(effect), y=0.7, text="these heads", showarrow=False, yanchor="bottom",
+        annotations=[dict(x=round_float(effect), y=0.7, text="these heads", showarrow=False, yanchor="bottom",
                           font=dict(color="#c0392b")),
                      dict(x=0, xref="paper", y=0.95, text="grey: random sets", showarrow=False, xanchor="left",
                           yanchor="top", font=dict(color="#666"))]))
-    return _fig(fig)
+    return figure_dict(fig)
