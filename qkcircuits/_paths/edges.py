@@ -62,6 +62,16 @@ from .patching import (MetricLike, check_into, check_metric_tokens, check_reques
                        post_norm, replacement_from_cache, resolve_metric)
 
 
+def _cut(x: str, proj: Dict[str, Tensor], leaf: Dict[str, Tensor]):
+    """A hook that keeps input ``x``'s graph-connected value in ``proj`` and hands the attention a fresh leaf
+    (kept in ``leaf``) instead, so the gradient with respect to that input can be read off the leaf."""
+    def fn(t: Tensor, hook) -> Tensor:
+        proj[x] = t
+        leaf[x] = t.detach().clone().requires_grad_(True)
+        return leaf[x]
+    return fn
+
+
 def _grad_run(cache, layer: int, retry: bool = True):
     """Layer ``layer``'s attention on the clean residual with gradients: returns the residual leaf, each
     input's graph-connected projection (resid → ln1 → W_x, …) and the leaf the attention read instead,
@@ -71,14 +81,7 @@ def _grad_run(cache, layer: int, retry: bool = True):
     leaf: Dict[str, Tensor] = {}
     got: Dict[str, Tensor] = {}
 
-    def cut(x: str):
-        def fn(t: Tensor, hook) -> Tensor:
-            proj[x] = t
-            leaf[x] = t.detach().clone().requires_grad_(True)
-            return leaf[x]
-        return fn
-
-    hooks = [(hook_name(x, layer), cut(x)) for x in INPUTS]
+    hooks = [(hook_name(x, layer), _cut(x, proj, leaf)) for x in INPUTS]
     hooks += [(hook_name("pattern", layer), grab(got, "pattern", False)), (hook_name("z", layer), grab(got, "z", True))]
     with torch.enable_grad():
         try:
@@ -359,13 +362,6 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
             got["resid"] = t.detach().clone().requires_grad_(True)
             return got["resid"]
 
-        def cut(x: str):
-            def fn(t: Tensor, hook) -> Tensor:
-                proj[x] = t
-                leaf[x] = t.detach().clone().requires_grad_(True)
-                return leaf[x]
-            return fn
-
         def at_z(t: Tensor, hook) -> Tensor:
             try:
                 if len(proj) < 3 or "pattern" not in got:
@@ -377,7 +373,7 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
                 got.clear(), proj.clear(), leaf.clear()
             return t.detach()
 
-        return ([(f"blocks.{R}.hook_resid_pre", pre)] + [(hook_name(x, R), cut(x)) for x in INPUTS]
+        return ([(f"blocks.{R}.hook_resid_pre", pre)] + [(hook_name(x, R), _cut(x, proj, leaf)) for x in INPUTS]
                 + [(hook_name("pattern", R), grab(got, "pattern", False)), (hook_name("z", R), at_z)])
 
     first_hooks = [hk for R in sorted(by_layer) for hk in stream(R)] if stream_xs else []
