@@ -123,6 +123,21 @@ def _pool(spec, pool, ray_address, workers, threads, load_kwargs, progress) -> T
     return own, True
 
 
+def _on_shards(pool: Pool, own: bool, task: Task, job: str, desc: str, make_job
+               ) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    """Run ``job`` on the task's prompt shards (``make_job(i, rows)`` → the shard's request), cost-balanced by
+    rows; closes ``pool`` when this call opened it (``own``). Returns the shards' parts and the backend info."""
+    try:
+        t0 = time.perf_counter()
+        shards = plan_rows(task.n, pool.size)
+        parts = pool.map(JOB + job, [make_job(i, r) for i, r in enumerate(shards)], task,
+                         costs=[float(b - a) for a, b in shards], desc=desc)
+        return parts, _backend(pool, shards, parts, t0)
+    finally:
+        if own:
+            pool.close()
+
+
 def _backend(pool: Pool, shards: Sequence[Tuple[int, int]], parts: Sequence[Dict[str, Any]], t0: float
              ) -> Dict[str, Any]:
     return {"name": "ray", "workers": pool.size, "shards": len(shards), "retries": pool.retries,
@@ -144,17 +159,9 @@ def ray_edge_scores(spec, task, method: str = "eap-ig", steps: int = 5, *, rows_
         raise QKCircuitsError(f"steps must be an integer >= 1, got {steps!r}")
     task = _check_task(task)
     pool, own = _pool(spec, pool, ray_address, workers, threads, load_kwargs, progress)
-    try:
-        t0 = time.perf_counter()
-        shards = plan_rows(task.n, pool.size)
-        jobs = [{"rows": r, "method": method, "steps": steps, "copies": copies, "check": check and i == 0,
-                 "rows_per_shard": rows_per_shard} for i, r in enumerate(shards)]
-        parts = pool.map(JOB + "edge_scores_job", jobs, task, costs=[float(b - a) for a, b in shards],
-                         desc=f"edge scores ({method}, ray)")
-        backend = _backend(pool, shards, parts, t0)
-    finally:
-        if own:
-            pool.close()
+    parts, backend = _on_shards(pool, own, task, "edge_scores_job", f"edge scores ({method}, ray)",
+                                lambda i, r: {"rows": r, "method": method, "steps": steps, "copies": copies,
+                                              "check": check and i == 0, "rows_per_shard": rows_per_shard})
     first = parts[0]
     total = sum((p["sum"] for p in parts), torch.zeros_like(first["sum"]))
     scores = (total / task.n).float()
@@ -174,17 +181,9 @@ def ray_node_scores(spec, task, method: str = "eap-ig", steps: int = 5, *, progr
         raise QKCircuitsError(f"unknown node-score method {method!r}; use one of {', '.join(METHODS)}")
     task = _check_task(task)
     pool, own = _pool(spec, pool, ray_address, workers, threads, load_kwargs, progress)
-    try:
-        t0 = time.perf_counter()
-        shards = plan_rows(task.n, pool.size)
-        jobs = [{"rows": r, "method": method, "steps": steps, "copies": copies, "rows_per_shard": rows_per_shard}
-                for r in shards]
-        parts = pool.map(JOB + "node_scores_job", jobs, task, costs=[float(b - a) for a, b in shards],
-                         desc=f"node scores ({method}, ray)")
-        backend = _backend(pool, shards, parts, t0)
-    finally:
-        if own:
-            pool.close()
+    parts, backend = _on_shards(pool, own, task, "node_scores_job", f"node scores ({method}, ray)",
+                                lambda i, r: {"rows": r, "method": method, "steps": steps, "copies": copies,
+                                              "rows_per_shard": rows_per_shard})
     names = list(parts[0]["sums"])
     scores = {k: sum(p["sums"][k] for p in parts) / task.n for k in names}
     return NodeScores(scores, method, parts[0]["model"], {**parts[0]["settings"], "backend": backend})
