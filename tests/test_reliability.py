@@ -429,6 +429,21 @@ def test_ctrl_c_during_start_up_prints_interrupted_no_traceback(delay, tmp_path)
     assert not list(tmp_path.iterdir())
 
 
+def test_ctrl_c_inside_a_library_string_exec_still_exits_130_under_python_m(tmp_path):
+    # The start-up race above, made certain: the KeyboardInterrupt leaves a string exec (as when Ctrl-C lands
+    # while dataclasses builds an __init__). CPython then flags it "unhandled" although main() catches it,
+    # and `python -m` used to die by SIGINT (-2) after printing "interrupted" (seen in CI).
+    (tmp_path / "ctrl_c_probe.py").write_text(
+        "from qkcircuits import cli\n"
+        "def interrupted_import():\n"
+        "    exec('raise KeyboardInterrupt', {})\n"
+        "cli.build_parser = interrupted_import\n"
+        "cli.entry()\n")
+    r = subprocess.run([sys.executable, "-m", "ctrl_c_probe"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300, env=_env())
+    assert (r.returncode, r.stderr.strip()) == (130, "interrupted"), (r.returncode, r.stderr)
+
+
 def test_sigterm_during_an_atomic_write_leaves_no_temporary_file(tmp_path):
     code = ("import sys; from qkcircuits._foundation.io import write_atomic; print('go', flush=True); "
             "[write_atomic(sys.argv[1], 'x' * (64 << 20)) for _ in range(200)]")

@@ -95,8 +95,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             signal.signal(signal.SIGINT, previous[1])
 
 
-def entry() -> NoReturn:  # pragma: no cover  (python -m qkcircuits)
-    sys.exit(main())
+def entry() -> NoReturn:
+    """``python -m qkcircuits`` and the ``qkcircuits`` script: run :func:`main`, exit with its code."""
+    code = main()
+    # CPython (3.8-3.13) marks an interruption "unhandled" when a KeyboardInterrupt leaves code run from a
+    # *string* (exec/eval of source: dataclasses, typing and many libraries do that while importing), even
+    # though main() caught it; under `python -m` the interpreter then kills itself with SIGINT (exit -2)
+    # instead of exiting 130. Each string eval clears that mark when it starts, so evaluate one.
+    exec("None", {})
+    sys.exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover
