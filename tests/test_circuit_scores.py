@@ -290,6 +290,23 @@ def test_toy_induction_circuit_is_the_known_one(hand_built):
     assert exact.scores[k_edge] > 20 and abs(eap.scores[k_edge]) < 1
 
 
+def test_signed_circuit_follows_the_metric_direction_under_loss(hand_built):
+    # Under "loss" (lower is better) an edge that carries induction has a NEGATIVE score (corrupting it
+    # raises the loss); the signed circuit must still be the known one, not the edges that work against it.
+    known = {("emb", "0.0", "v"), ("0.0", "1.0", "k"), ("emb", "1.0", "v"), ("1.0", "logits", "in")}
+    task = qk.tasks.induction(hand_built, n=8, seg_len=6, metric="loss")
+    scores = qk.edge_scores(hand_built, task, method="exact", progress=False)
+    assert scores.task["higher_is_better"] is False
+    c = scores.circuit(edges=4)                                   # the default ranking: signed
+    assert c.by == "signed" and {e[:3] for e in c.edges()} == known
+    assert all(v < 0 for *_, v in c.edges())
+    f = qk.faithfulness(hand_built, task, scores, sizes=(100 * 4 / 29, 100), progress=False)
+    assert f.curve[100 * 4 / 29] == pytest.approx(1.0, abs=1e-4) and f.settings["by"] == "signed"
+    # read back from JSON, the direction is still known
+    back = type(scores).from_json(scores.to_json())
+    assert {e[:3] for e in back.circuit(edges=4).edges()} == known
+
+
 def test_circuit_selection_and_pruning(hand_built):
     task = qk.tasks.induction(hand_built, n=4, seg_len=5)
     scores = qk.edge_scores(hand_built, task, method="exact", progress=False)

@@ -219,7 +219,7 @@ def ray_node_faithfulness(pool: Pool, task: Task, g, heads: Sequence[str],
     return _ratio(m, clean, corrupt)
 
 
-def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: str = "abs",
+def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: str = "signed",
                      threshold: Real = THRESHOLD, rows_per_shard: Optional[int] = None, progress: bool = True,
                      ray_address: Optional[str] = None, workers: Optional[int] = None, threads: int = 1,
                      load_kwargs: Optional[Dict[str, Any]] = None, pool: Optional[Pool] = None,

@@ -125,7 +125,7 @@ class EdgeScores(Result):
         s = torch.nan_to_num(self.scores, nan=0.0).sum(1)
         return {name: float(v) for name, v in zip(self.graph.senders, s)}
 
-    def circuit(self, edges: Optional[int] = None, percent: Optional[Real] = None, by: str = "abs",
+    def circuit(self, edges: Optional[int] = None, percent: Optional[Real] = None, by: str = "signed",
                 how: str = "top"):
         """The top edges (see ``qkcircuits._tasks.circuit.select``). Without a size: the circuit that
         ``qk.faithfulness`` chose for these scores (the smallest grid size with f ≥ 0.8)."""

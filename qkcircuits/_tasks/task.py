@@ -15,7 +15,8 @@ longest are right-padded, which a causal model never sees from positions ≤ END
 
 - ``"logit-diff"`` (default): logit[answer] − logit[wrong];
 - ``"prob-diff"``: p(answer) − p(wrong) after a softmax over the vocabulary;
-- ``"loss"``: −log p(answer) (lower is better: faithfulness is a ratio, so the sign cancels there);
+- ``"loss"``: −log p(answer) (lower is better: faithfulness is a ratio, so the sign cancels there; a signed
+  circuit ranks edges by −score, the direction that carries the behaviour);
 - a callable ``fn(logits [b, pos, vocab], tokens [b, pos]) -> scalar`` (a mean over the batch, the
   ``qk.Metric`` contract): its row sum is taken as ``fn(...) × b``.
 """
@@ -99,7 +100,11 @@ class Task:
 
     @property
     def higher_is_better(self) -> bool:
-        return self.metric != "loss"
+        """False for ``"loss"``; a callable says so by a ``higher_is_better`` attribute (``qk.Metric`` has one),
+        else it is taken as higher-is-better."""
+        if isinstance(self.metric, str):
+            return self.metric != "loss"
+        return bool(getattr(self.metric, "higher_is_better", True))
 
     def rows(self, index: Union[slice, Sequence[int], Tensor]) -> "Task":
         """The sub-task of some prompt rows (a shard): its metric sums add up to the whole task's."""
@@ -152,7 +157,8 @@ class Task:
     def describe(self) -> Dict[str, object]:
         """The JSON-ready description (no tensors)."""
         return {"name": self.name, "n_prompts": self.n, "seq_len": int(self.clean.shape[1]),
-                "metric": self.metric_name, "bos_prepended": bool(self.bos),
+                "metric": self.metric_name, "higher_is_better": self.higher_is_better,
+                "bos_prepended": bool(self.bos),
                 "positions": sorted(self.positions)}
 
 

@@ -48,7 +48,9 @@ def add_parser(sub) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--edges", type=positive_int, help="circuit size in edges")
     size.add_argument("--percent", type=_percent, help="circuit size in percent of the graph's edges")
-    p.add_argument("--by", choices=("abs", "signed"), default="abs", help="rank edges by |score| (default) or score")
+    p.add_argument("--by", choices=("signed", "abs"), default="signed",
+                   help="rank edges by score in the metric's better direction (default: the edges that carry the "
+                        "behaviour) or by |score| (edges that work against it too)")
     p.add_argument("--how", choices=("top", "greedy"), default="top",
                    help="top: the top edges of the whole graph (default); greedy: grown from the logits")
     p.add_argument("--json", metavar="PATH", help="write the result (the circuit JSON contract)")
