@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--scores", default=None, help="edge-scores JSON to reuse (written when missing)")
     ap.add_argument("--heads", default="5,10,14,27,54", help="head counts for the node view")
     ap.add_argument("--out", default=None, help="write the tables as JSON")
+    ap.add_argument("--skip-curves", action="store_true", help="only the node view")
     args = ap.parse_args()
     torch.set_num_threads(1)
     import qkcircuits as qk
@@ -52,7 +53,7 @@ def main() -> None:
     out = {"model": args.model, "n_prompts": task.n, "clean": scores.clean, "corrupt": scores.corrupt,
            "n_edges": g.n_edges, "threads": 1}
 
-    for by in ("signed", "abs"):
+    for by in () if args.skip_curves else ("signed", "abs"):
         t = time.perf_counter()
         f = qk.faithfulness(model, task, scores, by=by, progress=False)
         cells = {p: {"f": round(v, 4), "edges": f.n_edges[p],
@@ -68,32 +69,40 @@ def main() -> None:
     # node view vs the node baselines at equal head counts
     heads_all = [s for s in g.senders if s[0].isdigit()]
     node = scores.node_scores()
+    t = time.perf_counter()        # the "attribution estimate": one-gradient (EAP) node scores
+    eap_node = qk.node_scores(model, task, method="eap", progress=False)
+    eap = dict(eap_node.scores)
+    print(f"EAP node scores: {time.perf_counter() - t:.0f} s", flush=True)
     logits_r = g.logits_receiver
     direct = {h: float(torch.nan_to_num(scores.scores[g.senders.index(h), logits_r])) for h in heads_all}
     ranked = [h for h in sorted(heads_all, key=lambda h: -abs(node[h]))]
 
-    def circuit_heads(k: int):
+    def circuit_heads(k: int, how: str = "top"):
         lo, hi = 1, g.n_edges                              # the smallest signed circuit touching >= k heads
         while lo < hi:
             mid = (lo + hi) // 2
-            if len(select(scores, edges=mid, by="signed").heads) >= k:
+            if len(select(scores, edges=mid, by="signed", how=how).heads) >= k:
                 hi = mid
             else:
                 lo = mid + 1
-        c = select(scores, edges=lo, by="signed")
+        c = select(scores, edges=lo, by="signed", how=how)
         return c.heads, lo
 
     rows = shard_rows(model, g, task, buffers=3)
     table = []
     for k in [int(x) for x in args.heads.split(",")]:
         ch, n_edges = circuit_heads(k)
+        gh, _ = circuit_heads(k, "greedy")
         sets = {"circuit": ch,
+                "greedy_circuit": gh,
+                "eap_abs": sorted(heads_all, key=lambda h: -abs(eap[h]))[:len(ch)],
+                "eap_signed": sorted(heads_all, key=lambda h: -eap[h])[:len(ch)],
                 "abs_attr": ranked[:len(ch)],
                 "signed_attr": sorted(heads_all, key=lambda h: -node[h])[:len(ch)],
                 "direct": sorted(heads_all, key=lambda h: -direct[h])[:len(ch)]}
         vals, clean, corrupt = circuit_metric(model, task, [node_mask(g, s) for s in sets.values()], rows)
         fs = {name: (v - corrupt) / (clean - corrupt) for name, v in zip(sets, vals)}
-        table.append({"k": k, "heads": len(ch), "circuit_edges": n_edges, **{n: round(v, 4) for n, v in fs.items()}})
+        table.append({"k": k, "heads": len(ch), "greedy_heads": len(gh), "circuit_edges": n_edges, **{n: round(v, 4) for n, v in fs.items()}})
         print(f"heads {len(ch)} (asked {k}; signed circuit of {n_edges} edges): " +
               ", ".join(f"{n} {v:.3f}" for n, v in fs.items()), flush=True)
     out["node_view"] = table

@@ -28,3 +28,18 @@ def test_ioi_on_smollm2(smollm2):
 def test_smollm2_graph_size(smollm2):
     g = qk.graph(smollm2)
     assert (g.n_nodes, g.n_receivers, g.n_edges) == (302, 481, 70651)
+
+
+def test_smollm2_ioi_circuit_carries_the_behaviour_by_5_percent_and_names_its_name_movers(smollm2):
+    # Issue 17's done-when on 16 prompts (the CLI's 64 are measured in docs/tasks.md: f 0.930 at 2 %): the
+    # default (signed) ranking's circuit reaches f >= 0.8 by 5 % of the 70,651 edges; its node view (every
+    # other head corrupted) stays near the model; its roles name layer-23 name movers.
+    task = qk.tasks.ioi(smollm2, n=16, seed=0)
+    scores = qk.edge_scores(smollm2, task, method="eap-ig", steps=5, progress=False)
+    f = qk.faithfulness(smollm2, task, scores, sizes=(2, 5, 100), progress=False)
+    assert f.settings["by"] == "signed" and f.curve[100.0] == pytest.approx(1.0, abs=1e-6)
+    assert f.chosen_percent <= 5 and f.curve[f.chosen_percent] >= 0.8, f.curve
+    assert abs(1 - f.node_faithfulness) < 0.25, f.node_faithfulness
+    roles = f.circuit.roles(smollm2, task, clean=f.clean, corrupt=f.corrupt)
+    movers = [h for h, r in roles.roles.items() if r["role"] == "name mover"]
+    assert movers and all(h.startswith("23.") for h in movers), roles.by_role()
