@@ -125,14 +125,27 @@ class Circuit(Result):
 
     @property
     def nodes(self) -> Set[str]:
-        """Heads ("L.H"), MLPs ("mlpL") touched by an edge (k/v of a KV head touch its whole group)."""
+        """Heads ("L.H"), MLPs ("mlpL") the circuit uses: every sender of a circuit edge, every head whose q
+        and every MLP whose input is a circuit receiver. An edge into a KV head's k or v (grouped-query
+        attention) adds only the query heads of that group already in the circuit: the group's other heads
+        read that key/value too, but with no output edge in the circuit they carry nothing on to the logits
+        (after pruning every kept head has one). Only when none of the group is in (an unpruned mask) does
+        such an edge add its whole group."""
         out: Set[str] = set()
+        kv: List[int] = []
         for s, r in self.mask.nonzero().tolist():
             name = self.graph.senders[s]
             if name != "emb":
                 out.add(name)
-            if self.graph.receivers[r][0] != "logits":
+            rname, into = self.graph.receivers[r]
+            if into in ("k", "v"):
+                kv.append(r)
+            elif rname != "logits":
                 out.update(self.graph.receiver_heads(r))
+        for r in kv:
+            group = self.graph.receiver_heads(r)
+            if not out.intersection(group):
+                out.update(group)
         return out
 
     @property
