@@ -21,13 +21,14 @@ then recomputed).
 Cost per receiver layer: ONE forward of that layer's attention (batch as given, not one copy per
 sender), one backward through the attention core per receiver metric (q: one for all heads; k and
 v: one per member of a KV group, because query heads of a group share their keys and values), and
-one small backward through the input norm and projection per (receiver head, input). For receiver
+the input norm and projection's VJP per (receiver head, input): closed form, all heads of a layer in one
+matmul, for RMSNorm input norms; a small backward each otherwise. For receiver
 metrics (induction, custom pattern/z metrics) that forward IS the clean forward's own attention of
 that layer: the layer is scored inside the clean pass (``clean_pass(first_hooks=...)``: gradients on
 from hook_resid_pre to hook_z of each receiver layer only), so no layer is run twice; direct-logit
 (needs the final residual) and logits metrics get a second run of each receiver layer from the cached
-residual. Where the hook value is ``ln1(resid) W_x + b`` (checked on the run), the projection's
-backward is done for the receiver head's slot only (``_input_vjps``). The gradients of
+residual. Where the hook value is ``RMSNorm(resid) W_x + b`` or ``ln1(resid) W_x + b`` (checked on the
+run), the projection's part is done for the receiver head's slot only (``_input_vjps``). The gradients of
 a block of receiver layers (up to ``GRAD_BLOCK_BYTES``) then meet every sender's Δ in ONE matmul
 [n gradients, b·p·d_model] @ [b·p·d_model, sender heads]. ``metric="loss"`` adds one forward from the
 lowest receiver layer to the logits and one backward for all receivers (``_loss_grads``). Exact path
