@@ -135,3 +135,24 @@ def test_memory_budgets_change_nothing_but_the_schedule(tmp_path_factory, monkey
             torch.testing.assert_close(got.effects[x], ref.effects[x], equal_nan=True, rtol=1e-5, atol=1e-7)
             n = int((~ref.effects[x].isnan()).sum())
             assert n == (8 * 4 + 4 * 4 if snd is None else 4 * 1 + 4 * 2), n   # senders below each receiver
+
+
+@pytest.mark.parametrize("which", ["llama", "gemma3"])
+def test_closed_form_rms_norm_vjp_matches_autograd(which, tmp_path_factory, monkeypatch):
+    # RMSNorm input norms: the residual gradients are formed in closed form (no autograd call through the
+    # norm); with that path switched off (autograd through ln1) the effects are the same to float rounding.
+    from qkcircuits._paths import edges as _edges
+
+    folder = {"llama": _tiny.llama_dir, "gemma3": _tiny.gemma3_dir}[which](tmp_path_factory)
+    model = qk.load(str(folder), device="cpu", verbose=False)
+    toks = qk.repeated_tokens(model, n_seqs=3, seg_len=9, seed=1)
+    calls = []
+    vjp = _edges._vjp
+    monkeypatch.setattr(_edges, "_vjp", lambda *a: calls.append(1) or vjp(*a))
+    fast = qk.edge_attribution(model, tokens=toks)
+    n_fast = len(calls)
+    monkeypatch.setattr(_edges, "_rms_parts", lambda ln1: None)
+    slow = qk.edge_attribution(model, tokens=toks)
+    assert n_fast == 0 and len(calls) > 0       # every receiver input took the closed form, then none did
+    for x in "qkv":
+        torch.testing.assert_close(fast.effects[x], slow.effects[x], equal_nan=True, rtol=1e-4, atol=1e-6)
