@@ -35,3 +35,20 @@ def test_greedy_grows_from_the_logits_where_top_prunes_to_nothing(hand_built):
     assert select(s, edges=g.n_edges, how="greedy").n_edges == g.n_edges
     with pytest.raises(qk.QKCircuitsError, match="how must be"):
         select(s, edges=2, how="best")
+
+
+def test_a_kv_edge_adds_only_the_group_heads_the_circuit_uses():
+    # Grouped-query graph, 4 query heads on 2 KV heads: emb -> 1.kv0 v feeds heads 1.0 and 1.1, but only 1.1
+    # writes on to the logits, so the circuit uses 1.1 alone (1.0 reads that value and carries nothing on).
+    from qkcircuits._tasks.graph import Graph
+
+    g = Graph(2, 4, 2, True, "gqa")
+    s = _scores(g, {("emb", "1.kv0", "v"): 5.0, ("1.1", "logits", "in"): 3.0})
+    c = select(s, edges=2)
+    assert {e[:3] for e in c.edges()} == {("emb", "1.kv0", "v"), ("1.1", "logits", "in")}
+    assert c.heads == ["1.1"]
+    # an unpruned mask whose KV edge has none of its group in the circuit still names the group
+    mask = torch.zeros_like(g.valid)
+    mask[g.senders.index("emb"), g.receivers.index(("1.kv1", "k"))] = True
+    c.mask = mask
+    assert c.heads == ["1.2", "1.3"]
