@@ -17,7 +17,8 @@ cancel part of it when they are kept clean: on SmolLM2 IOI the |score| ranking n
 for f ≥ 0.8, the signed one 2 % (docs/tasks.md). The signed curve overshoots (f > 1: the circuit without
 the edges that oppose the behaviour does the task better than the model) and so suits CPR, how much of
 the behaviour a circuit can carry; the |score| curve stays near 1 and suits CMD, how closely a circuit
-matches the model (MIB evaluates both rankings). Taken either as the top edges of the whole graph (``how="top"``) or grown from the logits
+matches the model (MIB evaluates both rankings). Taken either as the top edges of the whole graph
+(``how="top"``) or grown from the logits
 (``how="greedy"``, EAP-IG's ``apply_greedy``: an edge is a candidate once its receiver's node is in).
 Then edges with no path from the embedding through circuit edges, or none on to the logits, are pruned
 (they cannot change the metric through the circuit). ``percent`` counts the graph's edges before pruning
