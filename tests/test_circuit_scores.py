@@ -18,6 +18,7 @@ import torch
 import qkcircuits as qk
 from qkcircuits._foundation.stats import spearman
 from qkcircuits._tasks import runs
+from qkcircuits._tasks.task import metric_higher_is_better
 
 from _tiny import deepseek_dir, gemma3_dir, gpt2_dir, llama_dir
 
@@ -305,6 +306,11 @@ def test_signed_circuit_follows_the_metric_direction_under_loss(hand_built):
     # read back from JSON, the direction is still known
     back = type(scores).from_json(scores.to_json())
     assert {e[:3] for e in back.circuit(edges=4).edges()} == known
+    # a scores file written before "higher_is_better" was recorded: the metric name decides, by the same rule
+    del back.task["higher_is_better"]
+    assert back.task["metric"] == "loss" and {e[:3] for e in back.circuit(edges=4).edges()} == known
+    assert metric_higher_is_better("logit-diff") and not metric_higher_is_better("loss")
+    assert not metric_higher_is_better(qk.Metric("l", lambda lg, t: lg.sum(), higher_is_better=False))
 
 
 def test_circuit_selection_and_pruning(hand_built):

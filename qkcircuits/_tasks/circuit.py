@@ -51,7 +51,7 @@ from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph
 from .runs import patched_run, record
-from .task import Task
+from .task import Task, metric_higher_is_better
 
 SIZES = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
 THRESHOLD = 0.8
@@ -301,7 +301,9 @@ def behaviour_sign(scores) -> float:
     """+1 when a positive score carries the behaviour (a higher-is-better metric), −1 for a lower-is-better
     one (``"loss"``: corrupting a carrying edge raises the loss, so its score m(clean) − m(patched) < 0)."""
     task = getattr(scores, "task", None) or {}
-    better = task.get("higher_is_better", task.get("metric") != "loss")
+    better = task.get("higher_is_better")
+    if better is None:                  # a scores file written before the direction was recorded
+        better = metric_higher_is_better(task.get("metric"))
     return 1.0 if better else -1.0
 
 

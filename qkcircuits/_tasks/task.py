@@ -100,11 +100,8 @@ class Task:
 
     @property
     def higher_is_better(self) -> bool:
-        """False for ``"loss"``; a callable says so by a ``higher_is_better`` attribute (``qk.Metric`` has one),
-        else it is taken as higher-is-better."""
-        if isinstance(self.metric, str):
-            return self.metric != "loss"
-        return bool(getattr(self.metric, "higher_is_better", True))
+        """See :func:`metric_higher_is_better`."""
+        return metric_higher_is_better(self.metric)
 
     def rows(self, index: Union[slice, Sequence[int], Tensor]) -> "Task":
         """The sub-task of some prompt rows (a shard): its metric sums add up to the whole task's."""
@@ -160,6 +157,15 @@ class Task:
                 "metric": self.metric_name, "higher_is_better": self.higher_is_better,
                 "bos_prepended": bool(self.bos),
                 "positions": sorted(self.positions)}
+
+
+def metric_higher_is_better(metric) -> bool:
+    """False for ``"loss"``; a callable says so by a ``higher_is_better`` attribute (``qk.Metric`` has one),
+    else (another name, a plain callable, ``None``) it is taken as higher-is-better. The one rule: a task and
+    a scores file written before ``higher_is_better`` was recorded both go through it."""
+    if isinstance(metric, str):
+        return metric != "loss"
+    return bool(getattr(metric, "higher_is_better", True))
 
 
 def evaluate(model, task: Task, rows_per_shard: int = 16, warn: bool = True) -> Dict[str, float]:
