@@ -404,11 +404,30 @@ def _slope(xs, ys) -> float:
 
 
 def _lin_quad(ls, ys):
-    """Least squares y = a L + b L^2 (no constant); returns a, b."""
-    s2 = sum(x ** 2 for x in ls); s3 = sum(x ** 3 for x in ls); s4 = sum(x ** 4 for x in ls)   # noqa: E702
-    t1 = sum(x * y for x, y in zip(ls, ys)); t2 = sum(x * x * y for x, y in zip(ls, ys))      # noqa: E702
-    det = s2 * s4 - s3 * s3
-    return (t1 * s4 - t2 * s3) / det, (s2 * t2 - s3 * t1) / det
+    """Least squares y = c + a L + b L^2 with c, a, b >= 0; returns c, a, b.
+
+    The constant is the fixed cost (the default scan's own prompt sets, EAP's per-call work): without it
+    such an op's fit came out with b < 0 (an "L² share" of -99 %). Non-negative by trying each subset of the
+    three terms and keeping the best fit with no negative coefficient."""
+    import itertools
+
+    import numpy as np
+
+    X = np.array([[1.0, L, L * L] for L in ls])
+    y = np.array(ys, dtype=float)
+    best = None
+    for k in (3, 2, 1):
+        for cols in itertools.combinations(range(3), k):
+            coef, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
+            if (coef < 0).any():
+                continue
+            full = np.zeros(3)
+            full[list(cols)] = coef
+            err = float(((X @ full - y) ** 2).sum())
+            if best is None or err < best[0] - 1e-12:
+                best = (err, full)
+    c, a, b = best[1]
+    return float(c), float(a), float(b)
 
 
 def table(path: Path) -> int:
@@ -446,8 +465,8 @@ def table(path: Path) -> int:
     if ls:
         print(f"\n### lengths, SmolLM2-135M fp32, {get[('lengths', '135m', 'float32', ls[0], 'forward')]['n_seqs']}"
               " prompts\n")
-        print("| op | " + " | ".join(str(L) for L in ls) + " | fit CPU s = a L + b L² : L² share at the last L |"
-              " exponent last two L | extra memory exponent |")
+        print("| op | " + " | ".join(str(L) for L in ls) + " | fit CPU s = c + a L + b L² (c, a, b ≥ 0): L² share "
+              "at the last L; L where b L² = a L | exponent last two L | extra memory exponent |")
         print("|---" * (len(ls) + 4) + "|")
         for op in ALL_OPS:
             rs = [get.get(("lengths", "135m", "float32", L, op)) for L in ls]
@@ -459,9 +478,11 @@ def table(path: Path) -> int:
             ok = [(L, r) for L, r in zip(ls, rs) if r]
             fit = slope2 = mem = "–"
             if len(ok) >= 3:
-                a, b = _lin_quad([L for L, _ in ok], [r["cpu_s"] for _, r in ok])
+                c, a, b = _lin_quad([L for L, _ in ok], [r["cpu_s"] for _, r in ok])
                 Lm = ok[-1][0]
-                fit = f"a={a:.2e}, b={b:.2e}: {b * Lm ** 2 / (a * Lm + b * Lm ** 2):.0%}"
+                cross = f"{a / b:.0f}" if b > 0 and a > 0 else "–"
+                fit = (f"c={c:.2g}, a={a:.2e}, b={b:.2e}: {b * Lm ** 2 / (c + a * Lm + b * Lm ** 2):.0%}; "
+                       f"{cross}")
                 pos = [(L, r["extra"]) for L, r in ok if r["extra"] > 1e6]
                 mem = f"{_slope(*zip(*pos)):.2f}" if len(pos) >= 2 else "–"
             if len(ok) >= 2:
