@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_scaling.py [--grid sizes,lengths] [--sizes 135m,360m,1b]
         [--dtypes float32,bfloat16] [--lengths 81,161,321,641,1281] [--ops ...] [--n-seqs 4]
-        [--timeout 900] [--quick] [--out benchmarks/results]
+        [--timeout 900] [--max-rss 13] [--quick] [--out benchmarks/results]
     .venv/bin/python benchmarks/bench_scaling.py --plot [--out ...]      # PNGs into docs/figures/
 
 Two grids, each configuration in a FRESH subprocess (peak resident memory never goes back down inside
@@ -34,7 +34,9 @@ Memory: before each op the freed heap is handed back (``malloc_trim(0)``) and ``
 written ``5`` (resets VmHWM), so each op's peak is its own; ``extra`` = peak − resident set before the op. glibc's mmap threshold is pinned (MALLOC_MMAP_THRESHOLD_)
 so freed tensors go back to the system between ops. Every record carries os.getloadavg(). Results go to
 ``--out``/scaling-{sizes,lengths}.json (merged with what is there, keyed by grid/size/dtype/length/op);
-``--plot`` reads those JSON files only.
+``--plot`` reads those JSON files only. A watchdog stops a configuration's process when its resident set
+passes ``--max-rss`` GB (default 13: the machine is shared); the ops it had not finished are recorded with
+that reason instead of figures.
 """
 
 from __future__ import annotations
@@ -234,7 +236,7 @@ def child(spec: dict) -> None:
 
 # --------------------------------------------------------------------------------------------- parent
 
-def run_config(spec: dict, timeout: float, save=lambda recs: None) -> list:
+def run_config(spec: dict, timeout: float, save=lambda recs: None, max_rss: float = 0) -> list:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(4 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 20),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     recs, t0 = [], time.perf_counter()
@@ -243,6 +245,22 @@ def run_config(spec: dict, timeout: float, save=lambda recs: None) -> list:
                             stderr=errlog, text=True, env=env)
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
+    over = []                                    # the child's RSS when the watchdog stopped it
+
+    def watch():                                 # --max-rss: stop the child before it crowds the machine
+        while proc.poll() is None:
+            try:
+                with open(f"/proc/{proc.pid}/status") as f:
+                    rss = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS"))
+            except (OSError, StopIteration, ValueError):
+                return
+            if max_rss and rss > max_rss:
+                over.append(rss)
+                proc.kill()
+                return
+            time.sleep(0.1)
+
+    threading.Thread(target=watch, daemon=True).start()
     for line in proc.stdout:                     # records stream in as each op finishes
         if line.startswith("RESULT "):
             recs.append(json.loads(line[7:]))
@@ -251,7 +269,9 @@ def run_config(spec: dict, timeout: float, save=lambda recs: None) -> list:
     proc.wait()
     timer.cancel()
     errlog.seek(0)
-    err = errlog.read() + (f"\n(stopped after {timeout:.0f} s)" if time.perf_counter() - t0 >= timeout else
+    err = errlog.read() + (f"\n(stopped: resident memory {over[0] / 1e9:.1f} GB > --max-rss {max_rss / 1e9:.1f} GB)"
+                           if over else
+                           f"\n(stopped after {timeout:.0f} s)" if time.perf_counter() - t0 >= timeout else
                            f"\nprocess ended by signal {-proc.returncode}" if proc.returncode < 0 else "")
     errlog.close()
     done = {(r["length"], r["op"]) for r in recs}
@@ -296,6 +316,8 @@ def main() -> int:
     ap.add_argument("--long-from", type=int, default=641, help="lengths from here on run DEFAULT_OPS['long']")
     ap.add_argument("--long-ops", default=None, help="ops of the lengths >= --long-from (default DEFAULT_OPS['long'])")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per configuration (one subprocess)")
+    ap.add_argument("--max-rss", type=float, default=13.0, help="GB of resident memory at which a configuration's "
+                    "process is stopped (its unfinished ops are recorded as not measured; 0: no limit)")
     ap.add_argument("--quick", action="store_true", help="135m only, lengths 81,161, forward + restricted scan")
     ap.add_argument("--cache", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "qk-scaling"))
     ap.add_argument("--out", default=str(OUT))
@@ -347,7 +369,7 @@ def main() -> int:
 
         print(f"{spec['grid']}: {spec['model']} {spec['dtype']} {spec['n_seqs']} x {spec['lengths']} tokens; "
               f"load average {os.getloadavg()[0]:.1f}", flush=True)
-        recs = run_config(spec, args.timeout * len(spec["lengths"]), save)
+        recs = run_config(spec, args.timeout * len(spec["lengths"]), save, max_rss=args.max_rss * 1e9)
         for r in recs:
             if "error" in r:
                 _show(r)
@@ -382,11 +404,30 @@ def _slope(xs, ys) -> float:
 
 
 def _lin_quad(ls, ys):
-    """Least squares y = a L + b L^2 (no constant); returns a, b."""
-    s2 = sum(x ** 2 for x in ls); s3 = sum(x ** 3 for x in ls); s4 = sum(x ** 4 for x in ls)   # noqa: E702
-    t1 = sum(x * y for x, y in zip(ls, ys)); t2 = sum(x * x * y for x, y in zip(ls, ys))      # noqa: E702
-    det = s2 * s4 - s3 * s3
-    return (t1 * s4 - t2 * s3) / det, (s2 * t2 - s3 * t1) / det
+    """Least squares y = c + a L + b L^2 with c, a, b >= 0; returns c, a, b.
+
+    The constant is the fixed cost (the default scan's own prompt sets, EAP's per-call work): without it
+    such an op's fit came out with b < 0 (an "L² share" of -99 %). Non-negative by trying each subset of the
+    three terms and keeping the best fit with no negative coefficient."""
+    import itertools
+
+    import numpy as np
+
+    X = np.array([[1.0, L, L * L] for L in ls])
+    y = np.array(ys, dtype=float)
+    best = None
+    for k in (3, 2, 1):
+        for cols in itertools.combinations(range(3), k):
+            coef, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
+            if (coef < 0).any():
+                continue
+            full = np.zeros(3)
+            full[list(cols)] = coef
+            err = float(((X @ full - y) ** 2).sum())
+            if best is None or err < best[0] - 1e-12:
+                best = (err, full)
+    c, a, b = best[1]
+    return float(c), float(a), float(b)
 
 
 def table(path: Path) -> int:
@@ -424,8 +465,8 @@ def table(path: Path) -> int:
     if ls:
         print(f"\n### lengths, SmolLM2-135M fp32, {get[('lengths', '135m', 'float32', ls[0], 'forward')]['n_seqs']}"
               " prompts\n")
-        print("| op | " + " | ".join(str(L) for L in ls) + " | fit CPU s = a L + b L² : L² share at the last L |"
-              " exponent last two L | extra memory exponent |")
+        print("| op | " + " | ".join(str(L) for L in ls) + " | fit CPU s = c + a L + b L² (c, a, b ≥ 0): L² share "
+              "at the last L; L where b L² = a L | exponent last two L | extra memory exponent |")
         print("|---" * (len(ls) + 4) + "|")
         for op in ALL_OPS:
             rs = [get.get(("lengths", "135m", "float32", L, op)) for L in ls]
@@ -437,9 +478,11 @@ def table(path: Path) -> int:
             ok = [(L, r) for L, r in zip(ls, rs) if r]
             fit = slope2 = mem = "–"
             if len(ok) >= 3:
-                a, b = _lin_quad([L for L, _ in ok], [r["cpu_s"] for _, r in ok])
+                c, a, b = _lin_quad([L for L, _ in ok], [r["cpu_s"] for _, r in ok])
                 Lm = ok[-1][0]
-                fit = f"a={a:.2e}, b={b:.2e}: {b * Lm ** 2 / (a * Lm + b * Lm ** 2):.0%}"
+                cross = f"{a / b:.0f}" if b > 0 and a > 0 else "–"
+                fit = (f"c={c:.2g}, a={a:.2e}, b={b:.2e}: {b * Lm ** 2 / (c + a * Lm + b * Lm ** 2):.0%}; "
+                       f"{cross}")
                 pos = [(L, r["extra"]) for L, r in ok if r["extra"] > 1e6]
                 mem = f"{_slope(*zip(*pos)):.2f}" if len(pos) >= 2 else "–"
             if len(ok) >= 2:
@@ -493,7 +536,9 @@ def plot(path: Path) -> int:
             ax.grid(True, which="both", alpha=0.3)
         if axes[1].get_legend_handles_labels()[0]:
             axes[1].legend(fontsize=7, ncol=2)
-        fig.suptitle(f"qkcircuits cost curves ({grid}; one CPU thread, busy shared machine: see docs/benchmarks.md)")
+        la = sorted(r["loadavg"][0] for r in recs if r["grid"] == grid)
+        fig.suptitle(f"qkcircuits cost curves ({grid}; one CPU thread, load average {la[0]:.1f}-{la[-1]:.1f} "
+                     "on the machine's 2 cores: see docs/benchmarks.md)" if la else f"qkcircuits cost curves ({grid})")
         fig.tight_layout()
         dst = FIGURES / f"scaling-{grid}.png"
         fig.savefig(dst, dpi=110)
