@@ -46,9 +46,10 @@ class Record:
     rows: Optional[Tensor] = None
 
 
-def _hooks(model, g: Graph, out: Tensor, stream: Dict[Key, Tensor], splice: Optional[Callable],
+def _hooks(model, g: Graph, out: Optional[Tensor], stream: Dict[Key, Tensor], splice: Optional[Callable],
            keep: Optional[Dict[Key, Tensor]], emb_override: Optional[Tensor] = None, grad: bool = False):
-    """The hook list shared by the three runs: capture stream/outputs, optionally splice receiver inputs."""
+    """The hook list shared by the three runs: capture stream/outputs (``out`` None: no sender outputs,
+    and no head-output einsums), optionally splice receiver inputs."""
     z_of: Dict[int, Tensor] = {}
     hooks = []
 
@@ -59,7 +60,7 @@ def _hooks(model, g: Graph, out: Tensor, stream: Dict[Key, Tensor], splice: Opti
             if L == 0 and grad:           # frozen weights: the embedding is where the gradient graph starts
                 t = t.detach().requires_grad_(True)
             stream[("attn", L)] = t
-            if L == 0:
+            if L == 0 and out is not None:
                 out[0] = t.detach()
             return t
         return fn
@@ -100,14 +101,16 @@ def _hooks(model, g: Graph, out: Tensor, stream: Dict[Key, Tensor], splice: Opti
 
     for L in range(g.n_layers):
         hooks.append((f"blocks.{L}.hook_resid_pre", resid_pre(L)))
-        hooks.append((f"blocks.{L}.attn.hook_z", z_hook(L)))
-        if post_norm(model, L) is not None:
-            hooks.append((f"blocks.{L}.attn.hook_out", y_hook(L)))
+        if out is not None:
+            hooks.append((f"blocks.{L}.attn.hook_z", z_hook(L)))
+            if post_norm(model, L) is not None:
+                hooks.append((f"blocks.{L}.attn.hook_out", y_hook(L)))
         hooks += [(f"blocks.{L}.{INPUT_HOOKS[x]}", receiver(x, L)) for x in ("q", "k", "v")]
         if g.has_mlp:
             hooks.append((f"blocks.{L}.hook_resid_mid", keep_stream(("mlp", L))))
             hooks.append((f"blocks.{L}.{INPUT_HOOKS['mlp']}", receiver("mlp", L)))
-            hooks.append((f"blocks.{L}.hook_mlp_out", mlp_out(L)))
+            if out is not None:
+                hooks.append((f"blocks.{L}.hook_mlp_out", mlp_out(L)))
     hooks.append(("ln_final.hook_in", keep_stream(("final", 0))))
     hooks.append(("unembed.hook_in", receiver("logits", 0)))
     return hooks
@@ -192,9 +195,8 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
              emb_override: Optional[Tensor] = None, out: Optional[Tensor] = None) -> float:
     """Forward with every receiver reading its own residual copy, one backward of the metric SUM over
     the rows; ``on_grad(receiver slice, grad [n, b, p, d])`` per receiver group. Fills ``out`` (sender
-    outputs, detached) when given. Returns the metric sum. Holds one forward's autograd graph, in which
+    outputs, detached) when given; without it records none. Returns the metric sum. Holds one forward's autograd graph, in which
     each layer's per-head normed copies ([H + 2 G, b, p, d]) are the largest extra tensors."""
-    out = out if out is not None else _buffer(model, g, tokens)
     stream: Dict[Key, Tensor] = {}
 
     def splice(x: str, L: int, t: Tensor) -> Tensor:
