@@ -32,6 +32,9 @@ from .graph import (INPUT_HOOKS, Graph, head_outputs, logits_input, mlp_input, p
                     split_qkv_from_residuals)
 
 Key = Tuple[str, int]
+# patched_run gathers the rows of Δ its sums use when fewer than this fraction of the senders below a
+# receiver group appear in them (else one matmul over all of them reads Δ once, which is cheaper).
+GATHER_BELOW = 1 / 3
 
 
 @dataclass
@@ -224,16 +227,19 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
 
 
 def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S R"], force_split: bool = False,
-                return_logits: bool = False) -> Tensor:
+                return_logits: bool = False, buffer: Optional[Tensor] = None) -> Tensor:
     """Metric of each row of each copy [k, b] with the circuit edges ``mask`` (see the module docstring),
     or the logits [k·b, pos, vocab] (``return_logits``). ``force_split`` recomputes every receiver's input
     by the formula (no shortcut for all-in / none-in receivers): the test of the formula itself.
     Runs the shard's clean rows (k stacked copies). Holds the sender outputs of this run
-    [S, k·b, p, d] next to the corrupt record's."""
+    [S, k·b, p, d] next to the corrupt record's: in ``buffer`` when it has that shape (a caller running
+    many circuits reuses one, sparing a fresh allocation's page faults per run; every slot is written
+    before it is read)."""
     k = mask.shape[0]
     b = task.n
     tokens = task.clean.repeat(k, 1)
-    out = _buffer(model, g, tokens)
+    shape = (g.n_senders, k * b, tokens.shape[1], model.cfg.d_model)
+    out = buffer if buffer is not None and tuple(buffer.shape) == shape else _buffer(model, g, tokens)
     stream: Dict[Key, Tensor] = {}
     valid = g.valid
     m = (mask & valid[None]).to(out.device)
@@ -258,14 +264,22 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         n_in = M.sum(1)
         all_in, none_in = n_in == nb, n_in == 0
         add = int(M.sum()) <= int((~M).sum())
-        W = (M if add else ~M).to(out.dtype)
+        W = M if add else ~M
         shape = base_stream.shape
         if add:
             start = corrupt.resid[corr_key].repeat(k, 1, 1).unsqueeze(0).expand(len(rs), *shape)
         else:
             start = base_stream.unsqueeze(0).expand(len(rs), *shape)
-        if bool(W.any()):
+        used = W.any(-1).any(0)                                                  # [nb] senders in a term
+        n_used = int(used.sum())
+        if n_used:
             D = deltas(nb)                                                       # [nb, k, x]
+            # The matmul is bound by reading Δ (nb × k·b·p·d): when few senders appear in the sums (small
+            # circuits, or few edges left out) gather just those rows; the terms are the same products.
+            if n_used < GATHER_BELOW * nb:
+                idx = used.nonzero().squeeze(1)
+                D, W = D[idx], W[:, idx]
+            W = W.to(out.dtype)
             if k == 1:
                 term = (W[0].T @ D[:, 0]).view(len(rs), *shape)
             else:
