@@ -30,7 +30,7 @@ def main() -> None:
     torch.set_num_threads(1)
     import qkcircuits as qk
     from qkcircuits._tasks.runs import patched_run, record
-    from qkcircuits._tasks.scores import shard_rows
+    from qkcircuits._tasks.scores import EXACT_BYTES, shard_rows
 
     model = qk.load(args.model, device="cpu", verbose=False)
     try:
@@ -67,7 +67,7 @@ def main() -> None:
         torch.save({"eap": eap.scores, "eap_ig": ig.scores, "curve": fa.curve, "metric_values": fa.metric_values,
                     "node_faithfulness": fa.node_faithfulness, "clean": fa.clean, "corrupt": fa.corrupt}, args.save)
     # exact: args.exact_edges edges on the first shard of rows, extrapolated to all edges and all rows
-    shard = task.rows(slice(0, shard_rows(model, g, task, buffers=3)))
+    shard = task.rows(slice(0, shard_rows(model, g, task, buffers=3, budget=EXACT_BYTES)))
     corr = record(model, g, shard, shard.corrupt)
     s_idx, r_idx = g.valid.nonzero(as_tuple=True)
     pick = torch.randperm(len(s_idx), generator=torch.Generator().manual_seed(0))[:args.exact_edges]

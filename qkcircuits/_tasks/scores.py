@@ -52,6 +52,9 @@ METHODS = ("eap", "eap-ig", "exact")
 # Sender outputs (and summed receiver gradients) per shard. Fewer, larger shards: each shard pays a
 # corrupt forward (and in the curve one patched forward per size) plus per-hook Python overhead.
 DELTA_BYTES = 3 * 2**30
+# Exact patching stacks ``copies`` shards per forward, so its sender outputs are copies × the shard's:
+# its shards stay sized for 512 MiB (SmolLM2: 22 rows, 32 copies = one 8.5 GB patched buffer).
+EXACT_BYTES = 512 * 2**20
 # Receiver gradients (up to this many bytes) meet the senders' Δ in one matmul instead of one skinny,
 # memory-bound product per receiver group.
 GRAD_BLOCK_BYTES = 128 * 2**20
@@ -218,7 +221,8 @@ def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ro
     check_task(model, task)
     g = graph(model)
     task = task.to(model.W_E.device)
-    rows = rows_per_shard or shard_rows(model, g, task, gradients=method != "exact")
+    rows = rows_per_shard or (shard_rows(model, g, task, budget=EXACT_BYTES) if method == "exact"
+                              else shard_rows(model, g, task, gradients=True))
     acc = torch.zeros(g.n_senders, g.n_receivers, dtype=torch.float64)
     sums = {"clean": 0.0, "corrupt": 0.0}
     t0 = time.perf_counter()
@@ -361,7 +365,7 @@ def node_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, pr
     check_task(model, task)
     g = graph(model)
     task = task.to(model.W_E.device)
-    rows = rows_per_shard or shard_rows(model, g, task)
+    rows = rows_per_shard or shard_rows(model, g, task, budget=EXACT_BYTES)
     acc = torch.zeros(g.n_senders, dtype=torch.float64)
     for shard in task.shards(rows):
         corr = record(model, g, shard, shard.corrupt)
