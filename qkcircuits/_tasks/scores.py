@@ -25,7 +25,7 @@ EAP-IG one corrupt forward + ``steps`` forward/backward pairs (the last step IS 
 patched forward per edge (stacked ``copies`` at a time). Memory (EAP / EAP-IG): the shard's sender outputs
 of the clean and the corrupt run, 2 × [S, b, p, d] (S senders), every receiver's gradient summed over the
 steps, [R, b, p, d] in float32 (R receiver inputs), and one forward's autograd graph; shards are sized so
-those buffers fit ``DELTA_BYTES`` (3 GiB: SmolLM2's 64 IOI prompts × 17 tokens, 2.7 GB, are one shard).
+those buffers fit ``GRAD_SHARD_BYTES`` (1 GiB: SmolLM2's 64 IOI prompts × 17 tokens run as 25 + 25 + 14).
 The summed gradients meet Δ once, in blocked matmuls (``GRAD_BLOCK_BYTES`` of receivers each), and are
 reduced to [senders, receivers] scores.
 """
@@ -55,6 +55,9 @@ DELTA_BYTES = 3 * 2**30
 # Exact patching stacks ``copies`` shards per forward, so its sender outputs are copies × the shard's:
 # its shards stay sized for 512 MiB (SmolLM2: 22 rows, 32 copies = one 8.5 GB patched buffer).
 EXACT_BYTES = 512 * 2**20
+# EAP / EAP-IG shards: measured on SmolLM2 (64 IOI rows, one thread) the gradient runs are ~1.5x slower on
+# one 64-row shard than on 22-row shards (a larger autograd graph), so they keep ~1 GiB shards (25 rows).
+GRAD_SHARD_BYTES = 2**30
 # Receiver gradients (up to this many bytes) meet the senders' Δ in one matmul instead of one skinny,
 # memory-bound product per receiver group.
 GRAD_BLOCK_BYTES = 128 * 2**20
@@ -222,7 +225,7 @@ def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ro
     g = graph(model)
     task = task.to(model.W_E.device)
     rows = rows_per_shard or (shard_rows(model, g, task, budget=EXACT_BYTES) if method == "exact"
-                              else shard_rows(model, g, task, gradients=True))
+                              else shard_rows(model, g, task, budget=GRAD_SHARD_BYTES, gradients=True))
     acc = torch.zeros(g.n_senders, g.n_receivers, dtype=torch.float64)
     sums = {"clean": 0.0, "corrupt": 0.0}
     t0 = time.perf_counter()
