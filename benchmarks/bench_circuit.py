@@ -24,11 +24,13 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--exact-edges", type=int, default=64)
+    ap.add_argument("--save", default="", help="torch.save the EAP / EAP-IG scores and the curve here "
+                                                "(to check that a change keeps the results)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     import qkcircuits as qk
     from qkcircuits._tasks.runs import patched_run, record
-    from qkcircuits._tasks.scores import shard_rows
+    from qkcircuits._tasks.scores import EXACT_BYTES, shard_rows
 
     model = qk.load(args.model, device="cpu", verbose=False)
     try:
@@ -48,24 +50,28 @@ def main() -> None:
     forward()
     forward()
     rows = {}
+    cpu = {}
 
     def timed(name, fn):
         forward()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         out = fn()
-        rows[name] = time.perf_counter() - t
+        rows[name], cpu[name] = time.perf_counter() - t, time.process_time() - c
         forward()
         return out
 
-    timed("eap", lambda: qk.edge_scores(model, task, method="eap", progress=False))
+    eap = timed("eap", lambda: qk.edge_scores(model, task, method="eap", progress=False))
     ig = timed("eap-ig (5 steps)", lambda: qk.edge_scores(model, task, method="eap-ig", steps=5, progress=False))
-    timed("faithfulness curve (10 sizes) + node view", lambda: qk.faithfulness(model, task, ig, progress=False))
+    fa = timed("faithfulness curve (10 sizes) + node view", lambda: qk.faithfulness(model, task, ig, progress=False))
+    if args.save:
+        torch.save({"eap": eap.scores, "eap_ig": ig.scores, "curve": fa.curve, "metric_values": fa.metric_values,
+                    "node_faithfulness": fa.node_faithfulness, "clean": fa.clean, "corrupt": fa.corrupt}, args.save)
     # exact: args.exact_edges edges on the first shard of rows, extrapolated to all edges and all rows
-    shard = task.rows(slice(0, shard_rows(model, g, task, buffers=3)))
+    shard = task.rows(slice(0, shard_rows(model, g, task, buffers=3, budget=EXACT_BYTES)))
     corr = record(model, g, shard, shard.corrupt)
     s_idx, r_idx = g.valid.nonzero(as_tuple=True)
     pick = torch.randperm(len(s_idx), generator=torch.Generator().manual_seed(0))[:args.exact_edges]
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     for start in range(0, len(pick), 32):
         p = pick[start:start + 32]
         mask = g.valid[None].repeat(len(p), 1, 1)
@@ -73,12 +79,19 @@ def main() -> None:
         patched_run(model, g, shard, corr, mask)
     per_edge = (time.perf_counter() - t) / len(pick) * task.n / shard.n
     rows["exact, all edges (extrapolated)"] = per_edge * g.n_edges
+    cpu["exact, all edges (extrapolated)"] = ((time.process_time() - c) / len(pick) * task.n / shard.n
+                                              * g.n_edges)
+    with torch.no_grad():                  # CPU time of one plain forward (the wall-time unit's twin)
+        c = time.process_time()
+        model(task.clean)
+        fwd_cpu = time.process_time() - c
     fwd = statistics.median(fwd_times)
     print(f"model {args.model}: {g.n_edges} edges, {task.n} prompts x {task.clean.shape[1]} tokens; one forward "
           f"{fwd:.2f} s (median of {len(fwd_times)}, range {min(fwd_times):.2f}-{max(fwd_times):.2f}); "
-          f"load average {os.getloadavg()[0]:.1f}; torch threads {torch.get_num_threads()}")
+          f"load average {os.getloadavg()[0]:.1f}; torch threads {torch.get_num_threads()}; one forward's CPU "
+          f"time {fwd_cpu:.2f} s")
     for name, sec in rows.items():
-        print(f"  {name:<45} {sec:10.1f} s  {sec / fwd:10.1f} forwards")
+        print(f"  {name:<45} {sec:10.1f} s  {sec / fwd:10.1f} forwards  CPU {cpu[name]:10.1f} s")
 
 
 if __name__ == "__main__":

@@ -73,6 +73,24 @@ def test_patched_forward_identities(family):
     assert f.curve[100.0] == 1.0 and f.curve[0.0] == 0.0
 
 
+def test_patched_forward_gathered_senders_equal_the_full_matmul(family, monkeypatch):
+    # patched_run's fast path (Δ rows of only the senders a receiver group's sums use) against the full
+    # matmul over every sender below, on small, mid-sized and near-full circuits, stacked copies too
+    name, model = family
+    g = qk.graph(model)
+    task = pair_task(model, n=4)
+    corr = runs.record(model, g, task, task.corrupt)
+    gen = torch.Generator().manual_seed(0)
+    masks = torch.stack([torch.rand(g.valid.shape, generator=gen) < q for q in (0.03, 0.3, 0.97)]) & g.valid
+    got = {}
+    for frac in (0.0, 2.0):                 # 0: never gather; 2: always
+        monkeypatch.setattr(runs, "GATHER_BELOW", frac)
+        got[frac] = (runs.patched_run(model, g, task, corr, masks, return_logits=True),
+                     runs.patched_run(model, g, task, corr, masks[1:2]))
+    torch.testing.assert_close(got[2.0][0], got[0.0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[2.0][1], got[0.0][1], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("version, q_lora_rank", [(3, 32), (2, None)])
 def test_patched_forward_identities_on_latent_attention(version, q_lora_rank, tmp_path_factory):
     """DeepSeek-V2/V3 (MLA): each head's q/k/v input is recomputed through the latent from its own residual

@@ -50,7 +50,7 @@ from torch import Tensor
 from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph
-from .runs import patched_run, record
+from .runs import Record, patched_run, record
 from .task import Task, metric_higher_is_better
 
 SIZES = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
@@ -394,10 +394,13 @@ def node_mask(g: Graph, keep: Sequence[str]) -> Tensor:
 
 
 def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: int, progress: bool = False,
-                   need_clean: bool = True) -> Tuple[List[float], float, float]:
+                   need_clean: bool = True, records: Optional[Dict[int, Record]] = None
+                   ) -> Tuple[List[float], float, float]:
     """The metric mean of each circuit mask (one patched forward per mask and shard), and clean/corrupt
     (the corrupt record per shard; clean from a 100 % mask when one is among ``masks``, else one more run,
-    or NaN without ``need_clean``)."""
+    or NaN without ``need_clean``). ``records``: shard index → corrupt record, read when there and filled
+    when given (a caller that runs more circuits on the same shards skips those corrupt forwards; it
+    then holds them)."""
     g = graph(model)
     sums = [0.0] * len(masks)
     clean = corrupt = 0.0
@@ -406,16 +409,19 @@ def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: i
     bar = tqdm(total=len(masks) * ((task.n + rows_per_shard - 1) // rows_per_shard), desc="faithfulness",
                disable=not progress, leave=False, file=sys.stderr)
     full = next((i for i, m in enumerate(masks) if torch.equal(m & g.valid, g.valid)), None)
-    for shard in task.shards(rows_per_shard):
-        corr = record(model, g, shard, shard.corrupt)
+    for j, shard in enumerate(task.shards(rows_per_shard)):
+        corr = records[j] if records is not None and j in records else record(model, g, shard, shard.corrupt)
+        if records is not None:
+            records[j] = corr
         corrupt += float(corr.rows.sum())
+        buf = torch.empty_like(corr.out)                   # one sender-output buffer for all the circuits
         for i, m in enumerate(masks):
-            sums[i] += float(patched_run(model, g, shard, corr, m[None]).sum())
+            sums[i] += float(patched_run(model, g, shard, corr, m[None], buffer=buf).sum())
             bar.update(1)
         # m(full): the full circuit IS the clean run (runs.py), so a 100 % mask already measured it
         if full is None and need_clean:
-            clean += float(patched_run(model, g, shard, corr, g.valid[None]).sum())
-        del corr
+            clean += float(patched_run(model, g, shard, corr, g.valid[None], buffer=buf).sum())
+        del corr, buf
     if full is not None:
         clean = sums[full]
     elif not need_clean:
@@ -425,15 +431,17 @@ def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: i
 
 
 def node_faithfulness(model, task: Task, heads: Sequence[str], rows_per_shard: Optional[int] = None,
-                      clean: Optional[Real] = None) -> float:
+                      clean: Optional[Real] = None, records: Optional[Dict[int, Record]] = None) -> float:
     """f when every head NOT in ``heads`` has its output replaced by its corrupt-run output (per shard: one
-    corrupt forward, the node-view forward and, unless ``clean`` = m(full) is given, one clean forward)."""
+    corrupt forward unless ``records`` holds it (``circuit_metric``), the node-view forward and, unless
+    ``clean`` = m(full) is given, one clean forward)."""
     from .scores import shard_rows
 
     g = graph(model)
     task = task.to(model.W_E.device)
     rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
-    (m,), full, corrupt = circuit_metric(model, task, [node_mask(g, heads)], rows, need_clean=clean is None)
+    (m,), full, corrupt = circuit_metric(model, task, [node_mask(g, heads)], rows, need_clean=clean is None,
+                                         records=records)
     full = full if clean is None else float(clean)
     return (m - corrupt) / (full - corrupt) if full != corrupt else float("nan")
 
@@ -465,14 +473,19 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
     t0 = time.perf_counter()
     circuits = [select(scores, percent=p, by=by, how=how) for p in sizes]
-    values, clean, corrupt = circuit_metric(model, task, [c.mask for c in circuits], rows, progress)
+    # One shard: its corrupt record (held during the curve anyway) serves the node view too. More shards:
+    # each is recorded again there, so that only one shard's record is held at a time.
+    records: Optional[Dict[int, Record]] = {} if rows >= task.n else None
+    values, clean, corrupt = circuit_metric(model, task, [c.mask for c in circuits], rows, progress,
+                                            records=records)
     denom = clean - corrupt
     f = [(v - corrupt) / denom if denom != 0 else float("nan") for v in values]
     curve = dict(zip(sizes, f))
     chosen = next((p for p, v in curve.items() if v >= threshold), sizes[-1])
     circuit = circuits[sizes.index(chosen)]
     t1 = time.perf_counter()
-    nf = node_faithfulness(model, task, circuit.heads, rows, clean=clean)
+    nf = node_faithfulness(model, task, circuit.heads, rows, clean=clean, records=records)
+    del records
     xs = [p / 100 for p in sizes]
     out = Faithfulness(curve, dict(zip(sizes, values)), {p: c.n_edges for p, c in zip(sizes, circuits)}, clean,
                        corrupt, _area(xs, f), _area(xs, [abs(1 - v) for v in f]), chosen, circuit, nf, circuit.heads,

@@ -32,6 +32,9 @@ from .graph import (INPUT_HOOKS, Graph, head_outputs, logits_input, mlp_input, p
                     split_qkv_from_residuals)
 
 Key = Tuple[str, int]
+# patched_run gathers the rows of Δ its sums use when fewer than this fraction of the senders below a
+# receiver group appear in them (else one matmul over all of them reads Δ once, which is cheaper).
+GATHER_BELOW = 1 / 3
 
 
 @dataclass
@@ -46,9 +49,10 @@ class Record:
     rows: Optional[Tensor] = None
 
 
-def _hooks(model, g: Graph, out: Tensor, stream: Dict[Key, Tensor], splice: Optional[Callable],
+def _hooks(model, g: Graph, out: Optional[Tensor], stream: Dict[Key, Tensor], splice: Optional[Callable],
            keep: Optional[Dict[Key, Tensor]], emb_override: Optional[Tensor] = None, grad: bool = False):
-    """The hook list shared by the three runs: capture stream/outputs, optionally splice receiver inputs."""
+    """The hook list shared by the three runs: capture stream/outputs (``out`` None: no sender outputs,
+    and no head-output einsums), optionally splice receiver inputs."""
     z_of: Dict[int, Tensor] = {}
     hooks = []
 
@@ -59,7 +63,7 @@ def _hooks(model, g: Graph, out: Tensor, stream: Dict[Key, Tensor], splice: Opti
             if L == 0 and grad:           # frozen weights: the embedding is where the gradient graph starts
                 t = t.detach().requires_grad_(True)
             stream[("attn", L)] = t
-            if L == 0:
+            if L == 0 and out is not None:
                 out[0] = t.detach()
             return t
         return fn
@@ -100,14 +104,16 @@ def _hooks(model, g: Graph, out: Tensor, stream: Dict[Key, Tensor], splice: Opti
 
     for L in range(g.n_layers):
         hooks.append((f"blocks.{L}.hook_resid_pre", resid_pre(L)))
-        hooks.append((f"blocks.{L}.attn.hook_z", z_hook(L)))
-        if post_norm(model, L) is not None:
-            hooks.append((f"blocks.{L}.attn.hook_out", y_hook(L)))
+        if out is not None:
+            hooks.append((f"blocks.{L}.attn.hook_z", z_hook(L)))
+            if post_norm(model, L) is not None:
+                hooks.append((f"blocks.{L}.attn.hook_out", y_hook(L)))
         hooks += [(f"blocks.{L}.{INPUT_HOOKS[x]}", receiver(x, L)) for x in ("q", "k", "v")]
         if g.has_mlp:
             hooks.append((f"blocks.{L}.hook_resid_mid", keep_stream(("mlp", L))))
             hooks.append((f"blocks.{L}.{INPUT_HOOKS['mlp']}", receiver("mlp", L)))
-            hooks.append((f"blocks.{L}.hook_mlp_out", mlp_out(L)))
+            if out is not None:
+                hooks.append((f"blocks.{L}.hook_mlp_out", mlp_out(L)))
     hooks.append(("ln_final.hook_in", keep_stream(("final", 0))))
     hooks.append(("unembed.hook_in", receiver("logits", 0)))
     return hooks
@@ -192,9 +198,8 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
              emb_override: Optional[Tensor] = None, out: Optional[Tensor] = None) -> float:
     """Forward with every receiver reading its own residual copy, one backward of the metric SUM over
     the rows; ``on_grad(receiver slice, grad [n, b, p, d])`` per receiver group. Fills ``out`` (sender
-    outputs, detached) when given. Returns the metric sum. Holds one forward's autograd graph, in which
+    outputs, detached) when given; without it records none. Returns the metric sum. Holds one forward's autograd graph, in which
     each layer's per-head normed copies ([H + 2 G, b, p, d]) are the largest extra tensors."""
-    out = out if out is not None else _buffer(model, g, tokens)
     stream: Dict[Key, Tensor] = {}
 
     def splice(x: str, L: int, t: Tensor) -> Tensor:
@@ -222,16 +227,19 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
 
 
 def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S R"], force_split: bool = False,
-                return_logits: bool = False) -> Tensor:
+                return_logits: bool = False, buffer: Optional[Tensor] = None) -> Tensor:
     """Metric of each row of each copy [k, b] with the circuit edges ``mask`` (see the module docstring),
     or the logits [k·b, pos, vocab] (``return_logits``). ``force_split`` recomputes every receiver's input
     by the formula (no shortcut for all-in / none-in receivers): the test of the formula itself.
     Runs the shard's clean rows (k stacked copies). Holds the sender outputs of this run
-    [S, k·b, p, d] next to the corrupt record's."""
+    [S, k·b, p, d] next to the corrupt record's: in ``buffer`` when it has that shape (a caller running
+    many circuits reuses one, sparing a fresh allocation's page faults per run; every slot is written
+    before it is read)."""
     k = mask.shape[0]
     b = task.n
     tokens = task.clean.repeat(k, 1)
-    out = _buffer(model, g, tokens)
+    shape = (g.n_senders, k * b, tokens.shape[1], model.cfg.d_model)
+    out = buffer if buffer is not None and tuple(buffer.shape) == shape else _buffer(model, g, tokens)
     stream: Dict[Key, Tensor] = {}
     valid = g.valid
     m = (mask & valid[None]).to(out.device)
@@ -256,14 +264,22 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         n_in = M.sum(1)
         all_in, none_in = n_in == nb, n_in == 0
         add = int(M.sum()) <= int((~M).sum())
-        W = (M if add else ~M).to(out.dtype)
+        W = M if add else ~M
         shape = base_stream.shape
         if add:
             start = corrupt.resid[corr_key].repeat(k, 1, 1).unsqueeze(0).expand(len(rs), *shape)
         else:
             start = base_stream.unsqueeze(0).expand(len(rs), *shape)
-        if bool(W.any()):
+        used = W.any(-1).any(0)                                                  # [nb] senders in a term
+        n_used = int(used.sum())
+        if n_used:
             D = deltas(nb)                                                       # [nb, k, x]
+            # The matmul is bound by reading Δ (nb × k·b·p·d): when few senders appear in the sums (small
+            # circuits, or few edges left out) gather just those rows; the terms are the same products.
+            if n_used < GATHER_BELOW * nb:
+                idx = used.nonzero().squeeze(1)
+                D, W = D[idx], W[:, idx]
+            W = W.to(out.dtype)
             if k == 1:
                 term = (W[0].T @ D[:, 0]).view(len(rs), *shape)
             else:

@@ -21,12 +21,13 @@ the edge carries the behaviour (corrupting it lowers m). Node scores (a sender's
 every reader) are the same three ways; for EAP / EAP-IG a node's score is the sum of its outgoing edges'.
 
 Cost (per prompt shard): EAP one corrupt forward + one clean forward with gradients + one backward;
-EAP-IG two plain forwards + ``steps`` forward/backward pairs; exact one patched forward per edge
-(stacked ``copies`` at a time). Memory: the shard's sender outputs of the clean and the corrupt run,
-2 × [S, b, p, d] (S senders), plus one forward's autograd graph and up to ``GRAD_BLOCK_BYTES`` (128 MiB)
-of receiver gradients waiting for their matmul; shards are sized so the two buffers fit
-``DELTA_BYTES`` (512 MiB). Gradients exist one receiver layer at a time and are reduced at once to
-[senders, receivers] scores by one matmul.
+EAP-IG one corrupt forward + ``steps`` forward/backward pairs (the last step IS the clean run); exact one
+patched forward per edge (stacked ``copies`` at a time). Memory (EAP / EAP-IG): the shard's sender outputs
+of the clean and the corrupt run, 2 × [S, b, p, d] (S senders), every receiver's gradient summed over the
+steps, [R, b, p, d] in float32 (R receiver inputs), and one forward's autograd graph; shards are sized so
+those buffers fit ``GRAD_SHARD_BYTES`` (1 GiB: SmolLM2's 64 IOI prompts × 17 tokens run as 25 + 25 + 14).
+The summed gradients meet Δ once, in blocked matmuls (``GRAD_BLOCK_BYTES`` of receivers each), and are
+reduced to [senders, receivers] scores.
 """
 
 from __future__ import annotations
@@ -48,16 +49,28 @@ from .runs import check_graph, grad_run, patched_run, record
 from .task import Task, evaluate
 
 METHODS = ("eap", "eap-ig", "exact")
-DELTA_BYTES = 512 * 2**20
-# Receiver gradients wait (up to this many bytes) to meet the senders' Δ in one matmul instead of one
-# skinny, memory-bound product per receiver group.
+# Sender outputs (and summed receiver gradients) per shard. Fewer, larger shards: each shard pays a
+# corrupt forward (and in the curve one patched forward per size) plus per-hook Python overhead.
+DELTA_BYTES = 3 * 2**30
+# Exact patching stacks ``copies`` shards per forward, so its sender outputs are copies × the shard's:
+# its shards stay sized for 512 MiB (SmolLM2: 22 rows, 32 copies = one 8.5 GB patched buffer).
+EXACT_BYTES = 512 * 2**20
+# EAP / EAP-IG shards: measured on SmolLM2 (64 IOI rows, one thread) the gradient runs are ~1.5x slower on
+# one 64-row shard than on 22-row shards (a larger autograd graph), so they keep ~1 GiB shards (25 rows).
+GRAD_SHARD_BYTES = 2**30
+# Receiver gradients (up to this many bytes) meet the senders' Δ in one matmul instead of one skinny,
+# memory-bound product per receiver group.
 GRAD_BLOCK_BYTES = 128 * 2**20
 SCHEMA = "qkcircuits.edge_scores/1"
 
 
-def shard_rows(model, g: Graph, task: Task, buffers: int = 2, budget: int = DELTA_BYTES) -> int:
-    """Rows per shard so that ``buffers`` sender-output buffers [S, rows, pos, d_model] fit ``budget``."""
-    per_row = g.n_senders * task.clean.shape[1] * model.cfg.d_model * model.W_E.element_size() * buffers
+def shard_rows(model, g: Graph, task: Task, buffers: int = 2, budget: int = DELTA_BYTES,
+               gradients: bool = False) -> int:
+    """Rows per shard so that ``buffers`` sender-output buffers [S, rows, pos, d_model] (and with
+    ``gradients`` the float32 receiver-gradient sum [R, rows, pos, d_model]) fit ``budget``."""
+    elt = model.W_E.element_size()
+    per_pos = g.n_senders * elt * buffers + (g.n_receivers * max(elt, 4) if gradients else 0)
+    per_row = per_pos * task.clean.shape[1] * model.cfg.d_model
     return max(1, min(task.n, budget // max(per_row, 1)))
 
 
@@ -211,7 +224,8 @@ def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ro
     check_task(model, task)
     g = graph(model)
     task = task.to(model.W_E.device)
-    rows = rows_per_shard or shard_rows(model, g, task)
+    rows = rows_per_shard or (shard_rows(model, g, task, budget=EXACT_BYTES) if method == "exact"
+                              else shard_rows(model, g, task, budget=GRAD_SHARD_BYTES, gradients=True))
     acc = torch.zeros(g.n_senders, g.n_receivers, dtype=torch.float64)
     sums = {"clean": 0.0, "corrupt": 0.0}
     t0 = time.perf_counter()
@@ -226,48 +240,8 @@ def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ro
         if method == "exact":
             sums["clean"] += _exact_edges(model, g, shard, corr, acc, copies, bar)
             continue
-        delta: Dict[str, Tensor] = {}
-        out = torch.zeros_like(corr.out) if method == "eap" else None
-        pending: List[Tuple[slice, Tensor]] = []
-
-        def flush(delta=delta, pending=pending) -> None:
-            """Every waiting receiver gradient against every sender below it in ONE matmul (reads Δ once)."""
-            if not pending:
-                return
-            nb_max = max(g.n_below(sl.start) for sl, _ in pending)
-            G = torch.cat([gr for _, gr in pending])                                # [n, b·p·d]
-            D = delta["D"][:nb_max].reshape(nb_max, -1)
-            T = (D @ G.to(D.dtype).T).double().cpu()                               # [nb_max, n]
-            col = 0
-            for sl, gr in pending:
-                nb = g.n_below(sl.start)
-                acc[:nb, sl] += T[:nb, col:col + gr.shape[0]]
-                col += gr.shape[0]
-            pending.clear()
-
-        def on_grad(sl: slice, grad: Tensor, delta=delta, out=out, corr=corr, pending=pending) -> None:
-            if "D" not in delta:              # EAP: Δ = clean − corrupt, formed when the backward first needs it
-                delta["D"] = out.sub_(corr.out)
-            pending.append((sl, grad.detach().reshape(grad.shape[0], -1)))
-            if sum(x.numel() for _, x in pending) * grad.element_size() >= GRAD_BLOCK_BYTES:
-                flush()
-
-        if method == "eap":
-            sums["clean"] += grad_run(model, g, shard, shard.clean, on_grad, out=out)
-            flush()
-        else:
-            clean = record(model, g, shard, shard.clean)
-            sums["clean"] += float(clean.rows.sum())
-            e_clean, e_corr = clean.out[0].clone(), corr.out[0].clone()
-            delta["D"] = clean.out.sub_(corr.out)
-            del clean
-            before = acc.clone()
-            acc.zero_()
-            for j in range(1, steps + 1):
-                grad_run(model, g, shard, shard.clean, on_grad, emb_override=e_corr + (j / steps) * (e_clean - e_corr))
-                flush()
-            acc.div_(steps).add_(before)
-        del corr, delta
+        sums["clean"] += _gradient_scores(model, g, shard, corr, acc, steps if method == "eap-ig" else 1)
+        del corr
         bar.update(1)
     bar.close()
     scores = (acc / task.n).float()
@@ -276,6 +250,45 @@ def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ro
     return EdgeScores(g, scores, method, steps if method == "eap-ig" else 0, sums["clean"] / task.n,
                       sums["corrupt"] / task.n, task.describe(), model_name(model), _settings(model, task, rows, extra),
                       {"edge_scores_s": round(time.perf_counter() - t0, 3)})
+
+
+def _gradient_scores(model, g: Graph, shard: Task, corr, acc: Tensor, steps: int) -> float:
+    """EAP (``steps`` = 1) / EAP-IG on one shard, added to ``acc``; returns the shard's m(clean) sum.
+
+    The receiver gradients of the ``steps`` runs are summed in place into one [R, b, p, d] buffer (no Δ
+    is needed while they run), then meet Δ once: Σ_j Δ·∇_j = Δ·Σ_j ∇_j, so the Δ reads and the score
+    matmuls are paid once, not once per step. The j = steps run starts from e_clean itself: it IS the
+    clean run, so its sender outputs give Δ and its metric m(clean), with no separate clean forward; the
+    other steps record no sender outputs."""
+    out = torch.empty_like(corr.out)                  # the clean run writes every sender's slot
+    b, p, d = out.shape[1:]
+    # summed in float32 at least: a bf16 sum of the steps' gradients would round once per step
+    gsum = torch.zeros(g.n_receivers, b, p, d, dtype=torch.promote_types(out.dtype, torch.float32),
+                       device=out.device)
+
+    def on_grad(sl: slice, grad: Tensor) -> None:
+        gsum[sl] += grad.detach()
+
+    clean = grad_run(model, g, shard, shard.clean, on_grad, out=out)
+    e_clean, e_corr = out[0].clone(), corr.out[0]
+    for j in range(1, steps):
+        grad_run(model, g, shard, shard.clean, on_grad, emb_override=e_corr + (j / steps) * (e_clean - e_corr),
+                 out=None)
+    D = out.sub_(corr.out).view(g.n_senders, -1)       # Δ = clean − corrupt, in place
+    G = gsum.view(g.n_receivers, -1)
+    valid = g.valid.to(out.device)
+    # Consecutive receivers (up to GRAD_BLOCK_BYTES of gradients) meet every sender below them in ONE
+    # matmul: Δ is read once per block instead of once per receiver group; the few (sender, receiver)
+    # pairs of a block that are not edges are computed and dropped.
+    per_block = max(1, GRAD_BLOCK_BYTES // max(1, G.shape[1] * G.element_size()))
+    r0 = 0
+    while r0 < g.n_receivers:
+        r1 = min(g.n_receivers, r0 + per_block)
+        nb = g.n_below(r1 - 1)
+        T = D[:nb].to(G.dtype) @ G[r0:r1].T                                                     # [nb, r1 − r0]
+        acc[:nb, r0:r1] += torch.where(valid[:nb, r0:r1], T, 0).double().cpu() / steps
+        r0 = r1
+    return clean
 
 
 def _exact_edges(model, g: Graph, shard: Task, corr, acc: Tensor, copies: int, bar) -> float:
@@ -355,7 +368,7 @@ def node_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, pr
     check_task(model, task)
     g = graph(model)
     task = task.to(model.W_E.device)
-    rows = rows_per_shard or shard_rows(model, g, task)
+    rows = rows_per_shard or shard_rows(model, g, task, budget=EXACT_BYTES)
     acc = torch.zeros(g.n_senders, dtype=torch.float64)
     for shard in task.shards(rows):
         corr = record(model, g, shard, shard.corrupt)
