@@ -198,8 +198,10 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
              emb_override: Optional[Tensor] = None, out: Optional[Tensor] = None) -> float:
     """Forward with every receiver reading its own residual copy, one backward of the metric SUM over
     the rows; ``on_grad(receiver slice, grad [n, b, p, d])`` per receiver group. Fills ``out`` (sender
-    outputs, detached) when given; without it records none. Returns the metric sum. Holds one forward's autograd graph, in which
-    each layer's per-head normed copies ([H + 2 G, b, p, d]) are the largest extra tensors."""
+    outputs, detached) when given; without it records none. Returns the metric sum. Holds one forward's
+    autograd graph, in which each layer's per-head normed copies ([H + 2 G, b, p, d]) are the largest extra
+    tensors; it grows with the shard's tokens and has no cap of its own (docs/benchmarks.md: +11.8 GB for
+    SmolLM2 at 2 × 1,281 tokens)."""
     stream: Dict[Key, Tensor] = {}
 
     def splice(x: str, L: int, t: Tensor) -> Tensor:
@@ -238,8 +240,8 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
     k = mask.shape[0]
     b = task.n
     tokens = task.clean.repeat(k, 1)
-    shape = (g.n_senders, k * b, tokens.shape[1], model.cfg.d_model)
-    out = buffer if buffer is not None and tuple(buffer.shape) == shape else _buffer(model, g, tokens)
+    out_shape = (g.n_senders, k * b, tokens.shape[1], model.cfg.d_model)
+    out = buffer if buffer is not None and tuple(buffer.shape) == out_shape else _buffer(model, g, tokens)
     stream: Dict[Key, Tensor] = {}
     valid = g.valid
     m = (mask & valid[None]).to(out.device)

@@ -46,11 +46,12 @@ from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph
 from .runs import check_graph, grad_run, patched_run, record
-from .task import Task, evaluate
+from .task import Task
 
 METHODS = ("eap", "eap-ig", "exact")
-# Sender outputs (and summed receiver gradients) per shard. Fewer, larger shards: each shard pays a
-# corrupt forward (and in the curve one patched forward per size) plus per-hook Python overhead.
+# The faithfulness curve's shards (``shard_rows``' default budget, ``circuit.py``: the corrupt record and
+# one patched run's sender outputs). Fewer, larger shards: each shard pays a corrupt forward and one
+# patched forward per circuit size, plus per-hook Python overhead.
 DELTA_BYTES = 3 * 2**30
 # Exact patching stacks ``copies`` shards per forward, so its sender outputs are copies × the shard's:
 # its shards stay sized for 512 MiB (SmolLM2: 22 rows, 32 copies = one 8.5 GB patched buffer).
