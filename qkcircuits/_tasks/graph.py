@@ -189,17 +189,27 @@ def _post_gain(post) -> Tuple[Tensor, float]:
     return gain, float(eps)
 
 
-def head_outputs(model, layer: int, z: Float[Tensor, "b p h e"], y=None) -> Float[Tensor, "h b p d"]:
-    """Each head's output added to the residual (one einsum over the layer). ``y``: the attention
-    output before a post-norm (needed only where the block has one)."""
+def head_outputs(model, layer: int, z: Float[Tensor, "b p h e"], y=None, out=None) -> Float[Tensor, "h b p d"]:
+    """Each head's output added to the residual (one batched matmul over the layer's heads). ``y``: the
+    attention output before a post-norm (needed only where the block has one). ``out``: a contiguous
+    [h, b, p, d] tensor to write into (the runs' sender buffers), else a new one."""
     W_O = adapter(model, layer).W_O()            # per head [h, e, d_model], every attention family
-    out = torch.einsum("bphe,hed->hbpd", z, W_O.to(z.dtype))
+    b, p, h, e = z.shape
+    zh = z.permute(2, 0, 1, 3).reshape(h, b * p, e)                                    # [h, b·p, e], small
+    W = W_O.to(z.dtype)
     post = post_norm(model, layer)
+    if post is None and out is not None and out.is_contiguous():
+        torch.bmm(zh, W, out=out.view(h, b * p, W.shape[-1]))
+        return out
+    res = torch.bmm(zh, W).view(h, b, p, W.shape[-1])
     if post is not None:
         gain, eps = _post_gain(post)
-        inv = torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + eps).to(out.dtype)    # [b, p, 1]
-        out = out * inv[None] * gain.to(out.dtype)
-    return out
+        inv = torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + eps).to(res.dtype)    # [b, p, 1]
+        res = res * inv[None] * gain.to(res.dtype)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res
 
 
 def split_qkv_from_residuals(model, layer: int, into: str, resid: Float[Tensor, "n b p d"],
