@@ -50,7 +50,7 @@ from torch import Tensor
 from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph
-from .runs import Record, patched_run, record
+from .runs import Record, patched_run, record, reuse
 from .task import Task, metric_higher_is_better
 
 SIZES = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
@@ -409,12 +409,15 @@ def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: i
     bar = tqdm(total=len(masks) * ((task.n + rows_per_shard - 1) // rows_per_shard), desc="faithfulness",
                disable=not progress, leave=False, file=sys.stderr)
     full = next((i for i, m in enumerate(masks) if torch.equal(m & g.valid, g.valid)), None)
+    pool: Dict[str, Tensor] = {}        # one shard's buffers, reused by the next (runs.reuse)
     for j, shard in enumerate(task.shards(rows_per_shard)):
-        corr = records[j] if records is not None and j in records else record(model, g, shard, shard.corrupt)
+        corr = records[j] if records is not None and j in records else \
+            record(model, g, shard, shard.corrupt, pool=None if records is not None else pool)
         if records is not None:
             records[j] = corr
         corrupt += float(corr.rows.sum())
-        buf = torch.empty_like(corr.out)                   # one sender-output buffer for all the circuits
+        # one sender-output buffer for all the circuits of the shard
+        buf = reuse(pool, "patched", tuple(corr.out.shape), corr.out.dtype, corr.out.device)
         for i, m in enumerate(masks):
             sums[i] += float(patched_run(model, g, shard, corr, m[None], buffer=buf).sum())
             bar.update(1)

@@ -30,6 +30,7 @@ from .._foundation.capture import _Stop
 from .._foundation.errors import QKCircuitsError
 from .graph import (INPUT_HOOKS, Graph, head_outputs, logits_input, mlp_input, post_norm,
                     split_qkv_from_residuals)
+from .inputs import InputParts, closed_form, input_vjp, project
 
 Key = Tuple[str, int]
 # patched_run gathers the rows of Δ its sums use when fewer than this fraction of the senders below a
@@ -73,13 +74,13 @@ def _hooks(model, g: Graph, out: Optional[Tensor], stream: Dict[Key, Tensor], sp
             z_of[L] = t.detach()
             if post_norm(model, L) is None:
                 with torch.no_grad():
-                    out[g.head_sender(L):g.head_sender(L) + g.n_heads] = head_outputs(model, L, z_of[L])
+                    head_outputs(model, L, z_of[L], out=out[g.head_sender(L):g.head_sender(L) + g.n_heads])
         return fn
 
     def y_hook(L: int):
         def fn(t: Tensor, hook) -> None:
             with torch.no_grad():
-                out[g.head_sender(L):g.head_sender(L) + g.n_heads] = head_outputs(model, L, z_of[L], t.detach())
+                head_outputs(model, L, z_of[L], t.detach(), out=out[g.head_sender(L):g.head_sender(L) + g.n_heads])
         return fn
 
     def keep_stream(key: Key):
@@ -143,14 +144,31 @@ def _metric_rows(model, task, tokens: Tensor, hooks, copies: int = 1) -> Tensor:
     return task.at_end().row_values(logits)
 
 
-def _buffer(model, g: Graph, tokens: Tensor) -> Tensor:
+def reuse(pool: Optional[Dict[str, Tensor]], name: str, shape: Tuple[int, ...], dtype, device) -> Tensor:
+    """An uninitialised tensor of ``shape``: a view of ``pool[name]``'s first elements when that flat buffer
+    is large enough (a caller running many prompt shards allocates the first shard's buffers once, sparing
+    every later shard a fresh allocation's page faults), else a new buffer kept there."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    flat = None if pool is None else pool.get(name)
+    if flat is None or flat.numel() < n or flat.dtype != dtype or flat.device != torch.device(device):
+        flat = torch.empty(n, dtype=dtype, device=device)
+        if pool is not None:
+            pool[name] = flat
+    return flat[:n].view(shape)
+
+
+def _buffer(model, g: Graph, tokens: Tensor, pool: Optional[Dict[str, Tensor]] = None, name: str = "out") -> Tensor:
     b, p = tokens.shape
-    return torch.zeros(g.n_senders, b, p, model.cfg.d_model, dtype=model.W_E.dtype, device=model.W_E.device)
+    # uninitialised, not zeros: every run writes each sender's slot before anything reads it
+    return reuse(pool, name, (g.n_senders, b, p, model.cfg.d_model), model.W_E.dtype, model.W_E.device)
 
 
-def record(model, g: Graph, task, tokens: Tensor) -> Record:
-    """A plain forward of ``tokens`` (a shard's clean or corrupt rows) keeping what ``Record`` lists."""
-    out = _buffer(model, g, tokens)
+def record(model, g: Graph, task, tokens: Tensor, pool: Optional[Dict[str, Tensor]] = None) -> Record:
+    """A plain forward of ``tokens`` (a shard's clean or corrupt rows) keeping what ``Record`` lists; its
+    sender outputs in ``pool["record"]`` when given (``reuse``)."""
+    out = _buffer(model, g, tokens, pool, "record")
     stream: Dict[Key, Tensor] = {}
     keep: Dict[Key, Tensor] = {}
     with torch.no_grad():
@@ -162,10 +180,14 @@ def record(model, g: Graph, task, tokens: Tensor) -> Record:
     return Record(out, keep, {k: v.detach() for k, v in stream.items()}, rows)
 
 
-def check_graph(model, g: Graph, rec: Record, tokens: Tensor, atol: float = 1e-4) -> None:
+def check_graph(model, g: Graph, rec: Record, tokens: Tensor, atol: float = 1e-4, rows: int = 2) -> None:
     """The residual semantics hold on this model: per-head recomputed inputs equal the model's own, and the
     final residual is the sum of every sender's output plus a constant (the biases). Raises otherwise.
-    Tolerances are at least the residual dtype's epsilon (bf16: 0.0078), so rounding alone never fails it."""
+    Tolerances are at least the residual dtype's epsilon (bf16: 0.0078), so rounding alone never fails it.
+    Checks the record's first ``rows`` prompts: every identity is per prompt (the attention mixing is
+    inside the recorded values), so more rows would repeat the same check at the cost of a forward."""
+    rec = Record(rec.out[:, :rows], {k: v[:rows] for k, v in rec.hooks.items()},
+                 {k: v[:rows] for k, v in rec.resid.items()})
     eps = float(torch.finfo(rec.resid[("final", 0)].dtype).eps)
     atol, rtol = max(atol, eps), max(1e-3, eps)
     with torch.no_grad():
@@ -198,18 +220,41 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
              emb_override: Optional[Tensor] = None, out: Optional[Tensor] = None) -> float:
     """Forward with every receiver reading its own residual copy, one backward of the metric SUM over
     the rows; ``on_grad(receiver slice, grad [n, b, p, d])`` per receiver group. Fills ``out`` (sender
-    outputs, detached) when given; without it records none. Returns the metric sum. Holds one forward's
-    autograd graph, in which each layer's per-head normed copies ([H + 2 G, b, p, d]) are the largest extra
-    tensors; it grows with the shard's tokens and has no cap of its own (docs/benchmarks.md: +11.8 GB for
-    SmolLM2 at 2 × 1,281 tokens)."""
-    stream: Dict[Key, Tensor] = {}
+    outputs, detached) when given; without it records none. Returns the metric sum.
 
-    def splice(x: str, L: int, t: Tensor) -> Tensor:
+    Every copy of a layer's residual equals the layer's one residual in this run, so where the q/k/v
+    input has a closed form (``inputs.py``: RMSNorm or LayerNorm, checked on the run) the copies are never
+    made: the model computes its own hook_q/k/v, the backward hands their gradient [b, p, n, e], and the
+    closed-form VJP turns it into each head's ∂m/∂(own copy). Elsewhere (bf16, latent attention, other
+    norms) each head reads an expanded copy through ``split_qkv_from_residuals`` and autograd does it.
+    The MLP and the logits read a clone of their residual. Holds one forward's autograd graph (no copies
+    in it on the closed-form path; [H + 2 G, b, p, d] normed copies per layer otherwise); it grows with
+    the shard's tokens and has no cap of its own (docs/benchmarks.md: +11.8 GB for SmolLM2 at 2 × 1,281
+    tokens, measured with the copies)."""
+    stream: Dict[Key, Tensor] = {}
+    fired = {"hooked": 0, "fired": 0}
+
+    def from_hook_grad(sl: slice, parts: InputParts, xb: Tensor, n: int):
+        def fn(grad: Tensor) -> None:
+            fired["fired"] += 1
+            on_grad(sl, input_vjp(parts, xb, grad, range(n)))
+        return fn
+
+    def splice(x: str, L: int, t: Tensor) -> Optional[Tensor]:
         if x in ("q", "k", "v"):
             n = g.n_heads if x == "q" else g.n_kv
             base = stream[("attn", L)]
-            copies = base.unsqueeze(0).expand(n, *base.shape)
             sl = g.recv_slice(L, x)
+            parts = closed_form(model, L, x, base, t) if t.requires_grad else None
+            if parts is not None:
+                xb = base.detach()
+                # a NEW view carries the hook: the bridge reads an unedited hook value (the same object back)
+                # from its own pre-hook tensor, so a gradient hook on ``t`` itself would never fire
+                mine = t.view(t.shape)
+                mine.register_hook(from_hook_grad(sl, parts, xb, n))
+                fired["hooked"] += 1
+                return mine
+            copies = base.unsqueeze(0).expand(n, *base.shape)
             copies.register_hook(lambda grad, sl=sl: on_grad(sl, grad))
             return split_qkv_from_residuals(model, L, x, copies, range(n))
         base = stream[("mlp", L)] if x == "mlp" else stream[("final", 0)]
@@ -225,6 +270,9 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
         # leaf): ``total.backward()`` would also compute and KEEP a weights-sized ``.grad`` on every
         # parameter, accumulating over calls.
         torch.autograd.grad(total, stream[("attn", 0)])
+    if fired["hooked"] and not fired["fired"]:
+        raise QKCircuitsError("the backward never reached this model's hook_q/k/v values (its attention does not "
+                              "read the value the hook returns); its edge scores cannot be computed this way")
     return float(total.detach())
 
 
@@ -290,6 +338,7 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         return start, all_in, none_in
 
     layer_cache: Dict[int, Tuple[Tensor, Tensor, Tensor]] = {}
+    parts_of: Dict[Key, Optional[InputParts]] = {}
 
     def splice(x: str, L: int, t: Tensor) -> Optional[Tensor]:
         if x in ("q", "k", "v"):
@@ -319,7 +368,11 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         else:
             resid, all_in, none_in = resid_for(rs, base, corr_key)
         if x in ("q", "k", "v"):
-            new = split_qkv_from_residuals(model, L, x, resid, range(len(rs)))             # [kb, p, n, e]
+            if key not in parts_of:
+                parts_of[key] = closed_form(model, L, x, base, t)
+            parts = parts_of[key]
+            new = (project(parts, resid, range(len(rs))) if parts is not None             # [kb, p, n, e]
+                   else split_qkv_from_residuals(model, L, x, resid, range(len(rs))))
         elif x == "mlp":
             new = mlp_input(model, L, resid[0]).unsqueeze(2)
         else:

@@ -45,7 +45,7 @@ from torch import Tensor
 from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph
-from .runs import check_graph, grad_run, patched_run, record
+from .runs import check_graph, grad_run, patched_run, record, reuse
 from .task import Task
 
 METHODS = ("eap", "eap-ig", "exact")
@@ -233,15 +233,16 @@ def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ro
     shards = task.shards(rows)
     work = len(shards) * (g.n_edges if method == "exact" else 1)
     bar = _bar(work, f"edge scores ({method})", progress)
+    pool: Dict[str, Tensor] = {}            # the first shard's buffers, reused by the others (runs.reuse)
     for i, shard in enumerate(shards):
-        corr = record(model, g, shard, shard.corrupt)
+        corr = record(model, g, shard, shard.corrupt, pool=None if method == "exact" else pool)
         if check and i == 0:
             check_graph(model, g, corr, shard.corrupt)
         sums["corrupt"] += float(corr.rows.sum())
         if method == "exact":
             sums["clean"] += _exact_edges(model, g, shard, corr, acc, copies, bar)
             continue
-        sums["clean"] += _gradient_scores(model, g, shard, corr, acc, steps if method == "eap-ig" else 1)
+        sums["clean"] += _gradient_scores(model, g, shard, corr, acc, steps if method == "eap-ig" else 1, pool)
         del corr
         bar.update(1)
     bar.close()
@@ -253,7 +254,8 @@ def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ro
                       {"edge_scores_s": round(time.perf_counter() - t0, 3)})
 
 
-def _gradient_scores(model, g: Graph, shard: Task, corr, acc: Tensor, steps: int) -> float:
+def _gradient_scores(model, g: Graph, shard: Task, corr, acc: Tensor, steps: int,
+                     pool: Optional[Dict[str, Tensor]] = None) -> float:
     """EAP (``steps`` = 1) / EAP-IG on one shard, added to ``acc``; returns the shard's m(clean) sum.
 
     The receiver gradients of the ``steps`` runs are summed in place into one [R, b, p, d] buffer (no Δ
@@ -261,16 +263,26 @@ def _gradient_scores(model, g: Graph, shard: Task, corr, acc: Tensor, steps: int
     matmuls are paid once, not once per step. The j = steps run starts from e_clean itself: it IS the
     clean run, so its sender outputs give Δ and its metric m(clean), with no separate clean forward; the
     other steps record no sender outputs."""
-    out = torch.empty_like(corr.out)                  # the clean run writes every sender's slot
+    out = reuse(pool, "clean", tuple(corr.out.shape), corr.out.dtype, corr.out.device)   # every slot written
     b, p, d = out.shape[1:]
     # summed in float32 at least: a bf16 sum of the steps' gradients would round once per step
-    gsum = torch.zeros(g.n_receivers, b, p, d, dtype=torch.promote_types(out.dtype, torch.float32),
-                       device=out.device)
+    gsum = reuse(pool, "gsum", (g.n_receivers, b, p, d), torch.promote_types(out.dtype, torch.float32),
+                 out.device)
+    # uninitialised: the first run's gradients are copied in, not added (sparing a zero fill of the largest
+    # buffer); a receiver group no gradient reached by the end of that run is zeroed then
+    written = torch.zeros(g.n_receivers, dtype=torch.bool)
 
     def on_grad(sl: slice, grad: Tensor) -> None:
-        gsum[sl] += grad.detach()
+        if bool(written[sl].all()):
+            gsum[sl] += grad.detach()
+        else:
+            gsum[sl].copy_(grad.detach())
+            written[sl] = True
 
     clean = grad_run(model, g, shard, shard.clean, on_grad, out=out)
+    if not bool(written.all()):
+        gsum[~written.to(gsum.device)] = 0
+        written[:] = True
     e_clean, e_corr = out[0].clone(), corr.out[0]
     for j in range(1, steps):
         grad_run(model, g, shard, shard.clean, on_grad, emb_override=e_corr + (j / steps) * (e_clean - e_corr),
