@@ -78,6 +78,9 @@ def test_input_vjp_equals_autograd_through_the_module(family):
             scale = float(want.abs().max())
             assert scale > 0
             assert float((got - want).abs().max()) <= 1e-5 * scale + 1e-7, (name, L, into)
+            dest = torch.full_like(want, float("nan"))                 # written in place, every element
+            assert inputs.input_vjp(parts, x, c, range(n), out=dest) is dest
+            torch.testing.assert_close(dest, got, atol=0, rtol=0)
 
 
 def test_closed_form_refuses_what_it_does_not_reproduce(family):

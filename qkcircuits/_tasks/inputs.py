@@ -118,13 +118,21 @@ def project(parts: InputParts, resid: Float[Tensor, "n b p d"], heads: Sequence[
 
 
 def input_vjp(parts: InputParts, x: Float[Tensor, "b p d"], grad: Float[Tensor, "b p n e"],
-              heads: Sequence[int]) -> Float[Tensor, "n b p d"]:
+              heads: Sequence[int], out: Optional[Tensor] = None) -> Float[Tensor, "n b p d"]:
     """∂⟨input_i, grad_i⟩/∂(head i's residual) at the residual ``x`` every head read, for each head i of
-    ``heads`` (the formulas above; no autograd). Holds the [n, b, p, d] result and, for LayerNorm, x − μ."""
+    ``heads`` (the formulas above; no autograd). Holds the [n, b, p, d] result (written into ``out`` when
+    given: a contiguous tensor of that shape and the weights' dtype) and, for LayerNorm, x − μ."""
     heads = list(heads)
     x = x.detach()
-    d = x.shape[-1]
-    u = torch.einsum("bpne,nde->nbpd", grad.to(parts.W.dtype), parts.W[heads].to(grad.dtype))
+    b, p, d = x.shape
+    n = len(heads)
+    W = parts.W[heads]                                                                  # [n, d, e]
+    gh = grad.to(W.dtype).permute(2, 0, 1, 3).reshape(n, b * p, -1)                     # [n, b·p, e], small
+    if out is not None and out.is_contiguous() and out.dtype == W.dtype and tuple(out.shape) == (n, b, p, d):
+        u = out
+        torch.bmm(gh, W.transpose(1, 2), out=u.view(n, b * p, d))
+    else:
+        u = torch.bmm(gh, W.transpose(1, 2)).view(n, b, p, d)
     xr, scale = _stats(parts, x)                                                        # [b, p, d], [b, p, 1]
     if parts.kind == "RMS":
         coef = torch.einsum("nbpd,bpd->nbp", u, xr).unsqueeze(-1).mul_(scale.pow(3).div_(d))   # r³/d ⟨u, x⟩

@@ -217,10 +217,13 @@ def check_graph(model, g: Graph, rec: Record, tokens: Tensor, atol: float = 1e-4
 
 
 def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Tensor], None],
-             emb_override: Optional[Tensor] = None, out: Optional[Tensor] = None) -> float:
+             emb_override: Optional[Tensor] = None, out: Optional[Tensor] = None,
+             dest: Optional[Callable[[slice], Optional[Tensor]]] = None) -> float:
     """Forward with every receiver reading its own residual copy, one backward of the metric SUM over
     the rows; ``on_grad(receiver slice, grad [n, b, p, d])`` per receiver group. Fills ``out`` (sender
-    outputs, detached) when given; without it records none. Returns the metric sum.
+    outputs, detached) when given; without it records none. Returns the metric sum. ``dest(slice)``: where
+    the closed-form VJP may write a group's gradient (a caller summing into one buffer spares a copy; the
+    tensor handed to ``on_grad`` is then that one), or None.
 
     Every copy of a layer's residual equals the layer's one residual in this run, so where the q/k/v
     input has a closed form (``inputs.py``: RMSNorm or LayerNorm, checked on the run) the copies are never
@@ -237,7 +240,7 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
     def from_hook_grad(sl: slice, parts: InputParts, xb: Tensor, n: int):
         def fn(grad: Tensor) -> None:
             fired["fired"] += 1
-            on_grad(sl, input_vjp(parts, xb, grad, range(n)))
+            on_grad(sl, input_vjp(parts, xb, grad, range(n), out=dest(sl) if dest is not None else None))
         return fn
 
     def splice(x: str, L: int, t: Tensor) -> Optional[Tensor]:

@@ -26,8 +26,12 @@ patched forward per edge (stacked ``copies`` at a time). Memory (EAP / EAP-IG): 
 of the clean and the corrupt run, 2 × [S, b, p, d] (S senders), every receiver's gradient summed over the
 steps, [R, b, p, d] in float32 (R receiver inputs), and one forward's autograd graph; shards are sized so
 those buffers fit ``GRAD_SHARD_BYTES`` (1 GiB: SmolLM2's 64 IOI prompts × 17 tokens run as 25 + 25 + 14).
-The summed gradients meet Δ once, in blocked matmuls (``GRAD_BLOCK_BYTES`` of receivers each), and are
-reduced to [senders, receivers] scores.
+The three buffers are allocated for the first shard and reused by the others (``runs.reuse``). Where a
+layer's q/k/v input has a closed form (``inputs.py``: RMSNorm / LayerNorm, float32/64) the gradient run
+holds no per-head residual copies: the receiver gradients come from the model's own hook_q/k/v gradients
+through the closed-form VJP; elsewhere each head reads an expanded copy and autograd keeps its normed
+input ([H + 2 G, b, p, d] per layer) in the graph. The summed gradients meet Δ once, in blocked matmuls
+(``GRAD_BLOCK_BYTES`` of receivers each), and are reduced to [senders, receivers] scores.
 """
 
 from __future__ import annotations
@@ -272,14 +276,18 @@ def _gradient_scores(model, g: Graph, shard: Task, corr, acc: Tensor, steps: int
     # buffer); a receiver group no gradient reached by the end of that run is zeroed then
     written = torch.zeros(g.n_receivers, dtype=torch.bool)
 
+    def dest(sl: slice) -> Optional[Tensor]:
+        return None if bool(written[sl].all()) else gsum[sl]        # the first gradient is written in place
+
     def on_grad(sl: slice, grad: Tensor) -> None:
         if bool(written[sl].all()):
             gsum[sl] += grad.detach()
         else:
-            gsum[sl].copy_(grad.detach())
+            if grad.data_ptr() != gsum[sl].data_ptr():
+                gsum[sl].copy_(grad.detach())
             written[sl] = True
 
-    clean = grad_run(model, g, shard, shard.clean, on_grad, out=out)
+    clean = grad_run(model, g, shard, shard.clean, on_grad, out=out, dest=dest)
     if not bool(written.all()):
         gsum[~written.to(gsum.device)] = 0
         written[:] = True
