@@ -82,13 +82,26 @@ def test_patched_forward_gathered_senders_equal_the_full_matmul(family, monkeypa
     corr = runs.record(model, g, task, task.corrupt)
     gen = torch.Generator().manual_seed(0)
     masks = torch.stack([torch.rand(g.valid.shape, generator=gen) < q for q in (0.03, 0.3, 0.97)]) & g.valid
+    # a mid-sized circuit that carries something: a random circuit of a tiny graph rarely connects to the
+    # embedding (whose Δ is the only nonzero one then), so every embedding edge is in
+    mid = (torch.rand(g.valid.shape, generator=gen) < 0.35) & g.valid
+    mid[g.senders.index("emb")] = g.valid[g.senders.index("emb")]
+    masks = torch.cat([masks, mid[None]])
     got = {}
-    for frac in (0.0, 2.0):                 # 0: never gather; 2: always
+    # 0: never gather; 2: always; each with the MLP receivers' sums in the q/k/v matmul and on their own
+    for frac, ride in ((0.0, False), (2.0, False), (0.0, True), (2.0, True)):
         monkeypatch.setattr(runs, "GATHER_BELOW", frac)
-        got[frac] = (runs.patched_run(model, g, task, corr, masks, return_logits=True),
-                     runs.patched_run(model, g, task, corr, masks[1:2]))
-    torch.testing.assert_close(got[2.0][0], got[0.0][0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[2.0][1], got[0.0][1], rtol=1e-5, atol=1e-5)
+        monkeypatch.setattr(runs, "MLP_WITH_QKV", ride)
+        got[frac, ride] = (runs.patched_run(model, g, task, corr, masks, return_logits=True),
+                           runs.patched_run(model, g, task, corr, masks[1:2]),
+                           runs.patched_run(model, g, task, corr, masks[3:], return_logits=True))
+    for key in ((2.0, False), (0.0, True), (2.0, True)):
+        for a, b in zip(got[key], got[0.0, False]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # the mid-sized circuit is neither the corrupt nor the clean run (so the sums above were exercised)
+    with torch.no_grad():
+        ends = (model(task.corrupt), model(task.clean))
+    assert all(float((got[0.0, True][2] - e).abs().max()) > 1e-3 for e in ends)
 
 
 @pytest.mark.parametrize("version, q_lora_rank", [(3, 32), (2, None)])

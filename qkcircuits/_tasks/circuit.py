@@ -50,7 +50,7 @@ from torch import Tensor
 from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph
-from .runs import Record, patched_run, record, reuse
+from .runs import Record, clean_rows, patched_run, record, reuse
 from .task import Task, metric_higher_is_better
 
 SIZES = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
@@ -419,11 +419,13 @@ def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: i
         # one sender-output buffer for all the circuits of the shard
         buf = reuse(pool, "patched", tuple(corr.out.shape), corr.out.dtype, corr.out.device)
         for i, m in enumerate(masks):
-            sums[i] += float(patched_run(model, g, shard, corr, m[None], buffer=buf).sum())
+            # the full circuit IS the clean run (runs.py): a plain forward, no sender outputs to record
+            sums[i] += float(clean_rows(model, shard).sum() if i == full else
+                             patched_run(model, g, shard, corr, m[None], buffer=buf).sum())
             bar.update(1)
-        # m(full): the full circuit IS the clean run (runs.py), so a 100 % mask already measured it
+        # m(full): a 100 % mask already measured it
         if full is None and need_clean:
-            clean += float(patched_run(model, g, shard, corr, g.valid[None], buffer=buf).sum())
+            clean += float(clean_rows(model, shard).sum())
         del corr, buf
     if full is not None:
         clean = sums[full]
