@@ -73,9 +73,10 @@ def test_patched_forward_identities(family):
     assert f.curve[100.0] == 1.0 and f.curve[0.0] == 0.0
 
 
-def test_patched_forward_gathered_senders_equal_the_full_matmul(family, monkeypatch):
-    # patched_run's fast path (Δ rows of only the senders a receiver group's sums use) against the full
-    # matmul over every sender below, on small, mid-sized and near-full circuits, stacked copies too
+def test_patched_forward_every_way_of_reading_deltas_agrees(family, monkeypatch):
+    # patched_run's fast paths (only the Δ rows a receiver group's sums use, gathered or read in contiguous
+    # runs) against the full matmul over every sender below, on small, mid-sized and near-full circuits,
+    # stacked copies too
     name, model = family
     g = qk.graph(model)
     task = pair_task(model, n=4)
@@ -88,20 +89,21 @@ def test_patched_forward_gathered_senders_equal_the_full_matmul(family, monkeypa
     mid[g.senders.index("emb")] = g.valid[g.senders.index("emb")]
     masks = torch.cat([masks, mid[None]])
     got = {}
-    # 0: never gather; 2: always; each with the MLP receivers' sums in the q/k/v matmul and on their own
-    for frac, ride in ((0.0, False), (2.0, False), (0.0, True), (2.0, True)):
-        monkeypatch.setattr(runs, "GATHER_BELOW", frac)
+    # every way of reading the Δ rows, each with the MLP receivers' sums in the q/k/v matmul and on their own
+    ways = [(how, ride) for how in ("dense", "gather", "segments", "auto") for ride in (False, True)]
+    for how, ride in ways:
+        monkeypatch.setattr(runs, "DELTA_ROWS", how)
         monkeypatch.setattr(runs, "MLP_WITH_QKV", ride)
-        got[frac, ride] = (runs.patched_run(model, g, task, corr, masks, return_logits=True),
+        got[how, ride] = (runs.patched_run(model, g, task, corr, masks, return_logits=True),
                            runs.patched_run(model, g, task, corr, masks[1:2]),
                            runs.patched_run(model, g, task, corr, masks[3:], return_logits=True))
-    for key in ((2.0, False), (0.0, True), (2.0, True)):
-        for a, b in zip(got[key], got[0.0, False]):
+    for key in ways[1:]:
+        for a, b in zip(got[key], got[ways[0]]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # the mid-sized circuit is neither the corrupt nor the clean run (so the sums above were exercised)
     with torch.no_grad():
         ends = (model(task.corrupt), model(task.clean))
-    assert all(float((got[0.0, True][2] - e).abs().max()) > 1e-3 for e in ends)
+    assert all(float((got["auto", True][2] - e).abs().max()) > 1e-3 for e in ends)
 
 
 @pytest.mark.parametrize("version, q_lora_rank", [(3, 32), (2, None)])

@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from jaxtyping import Bool
@@ -33,9 +33,12 @@ from .graph import (INPUT_HOOKS, Graph, head_outputs, logits_input, mlp_input, p
 from .inputs import InputParts, closed_form, input_vjp, project
 
 Key = Tuple[str, int]
-# patched_run gathers the rows of Δ its sums use when fewer than this fraction of the senders below a
-# receiver group appear in them (else one matmul over all of them reads Δ once, which is cheaper).
-GATHER_BELOW = 1 / 3
+# How patched_run's sums read the senders' Δ rows: "auto" picks, per receiver group, the cheapest of one
+# matmul over every sender below ("dense": reads each Δ row once), a copy of only the rows the sums use
+# ("gather": those rows read, written and read again) and one matmul per contiguous run of used rows
+# ("segments": those rows read once, the output block read and written once per further run), by the rows
+# each moves. The others are for tests: every choice gives the same sums.
+DELTA_ROWS = "auto"
 # An MLP receiver's sum over the senders below its layer's attention rides in that layer's q/k/v matmul (one
 # more column instead of one more read of every sender's Δ: measured −4 s of a 76 s SmolLM2 curve). False:
 # each MLP reads Δ itself (the same sums; tests compare the two).
@@ -320,28 +323,43 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
             converted[0] = nb
         return out[:nb].view(nb, k, -1)
 
-    def mixed(W: Tensor, D: Tensor, start: Optional[Tensor], sign: float) -> Tensor:
-        """start + sign · Σ_s W[k, s, n] Δ_s as [n, k·x] (k = 1: one addmm, no separate add pass)."""
-        n, x = W.shape[-1], D.shape[-1]
-        W = W.to(D.dtype)
-        if k == 1:
-            if start is None:
-                return torch.mm(W[0].T, D[:, 0]).mul_(sign)
-            return torch.addmm(start.reshape(1, x).expand(n, x), W[0].T, D[:, 0], alpha=sign)
-        term = torch.einsum("ksn,skx->nkx", W, D).reshape(n, k * x).mul_(sign)
-        return term if start is None else term.add_(start.reshape(1, k * x))
+    def mixed(pieces: List[Tuple[Tensor, Tensor]], start: Tensor, sign: float) -> Tensor:
+        """start + sign · Σ_pieces Σ_s W[k, s, n] Δ_s as [n, k·x]: the first piece in one addmm from ``start``
+        (no separate add pass), each further one added in place."""
+        res = None
+        for W, D in pieces:
+            n, x = W.shape[-1], D.shape[-1]
+            W = W.to(D.dtype)
+            if k == 1:
+                if res is None:
+                    res = torch.addmm(start.reshape(1, x).expand(n, x), W[0].T, D[:, 0], alpha=sign)
+                else:
+                    res.addmm_(W[0].T, D[:, 0], alpha=sign)
+                continue
+            term = torch.einsum("ksn,skx->nkx", W, D).reshape(n, k * x)
+            res = (term.mul_(sign).add_(start.reshape(1, k * x)) if res is None
+                   else res.add_(term, alpha=sign))
+        return res
 
-    def gathered(W: Tensor, lo: int, hi: int) -> Tuple[Tensor, Tensor]:
-        """(W, Δ) restricted to the senders lo … hi−1 that appear in a term: the matmul is bound by reading Δ
-        ((hi − lo) × k·b·p·d), so when few senders appear (small circuits, or few edges left out) gather
-        just those rows; the products are the same."""
+    def gathered(W: Tensor, lo: int, hi: int) -> List[Tuple[Tensor, Tensor]]:
+        """(W, Δ) pieces over the senders lo … hi−1 that appear in a term (``DELTA_ROWS``); [] when none do.
+        The matmuls are bound by reading Δ ((hi − lo) × k·b·p·d), so small circuits, or circuits that leave
+        few edges out, read only the rows their sums use."""
         used = W.any(-1).any(0)                                                  # [hi − lo]
         D = deltas(hi)[lo:]                                                      # [hi − lo, k, x]
-        n_used = int(used.sum())
-        if 0 < n_used < GATHER_BELOW * (hi - lo):
-            idx = used.nonzero().squeeze(1)
-            return W[:, idx], D[idx]
-        return (W, D) if n_used else (W[:, :0], D[:0])
+        idx = used.nonzero().squeeze(1)
+        n_used, n_out = len(idx), W.shape[-1]               # the output block is n_out Δ rows
+        if not n_used:
+            return []
+        runs_at = [0] + ((idx[1:] - idx[:-1]) != 1).nonzero().squeeze(1).add(1).tolist() + [n_used]
+        segs = [(int(idx[a]), int(idx[b - 1]) + 1) for a, b in zip(runs_at[:-1], runs_at[1:])]
+        cost = {"dense": hi - lo, "gather": 3 * n_used, "segments": n_used + 2 * n_out * (len(segs) - 1)}
+        how = min(cost, key=cost.get) if DELTA_ROWS == "auto" else DELTA_ROWS
+        if how == "dense":
+            return [(W, D)]
+        if how == "gather":
+            return [(W[:, idx], D[idx])]
+        return [(W[:, a:b], D[a:b]) for a, b in segs]
 
     def resid_for(rs: Tensor, base_stream: Tensor, corr_key: Key, mlp: Optional[int] = None
                   ) -> Tuple[Tensor, Tensor, Tensor]:
@@ -359,12 +377,12 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         # the one with fewer terms costs less where Δ rows are gathered
         add = int(M.sum()) <= int((~M).sum())
         start = corrupt.resid[corr_key].repeat(k, 1, 1) if add else base_stream
-        W, D = gathered(M if add else ~M, 0, nb)
-        if not W.shape[1]:                                       # no term: every receiver reads ``start``
+        pieces = gathered(M if add else ~M, 0, nb)
+        if not pieces:                                           # no term: every receiver reads ``start``
             if mlp is not None:
                 mlp_part[mlp] = (add, None)
             return start.unsqueeze(0).expand(n, *base_stream.shape), all_in, none_in
-        res = mixed(W, D, start, 1.0 if add else -1.0)                           # [n (+1), k·b·p·d]
+        res = mixed(pieces, start, 1.0 if add else -1.0)                         # [n (+1), k·b·p·d]
         if mlp is not None:
             mlp_part[mlp] = (add, res[n])
             res = res[:n]
@@ -384,9 +402,9 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         if part is not None:
             attn_start = corrupt.resid[("attn", L)].repeat(k, 1, 1) if add else stream[("attn", L)]
             total = part - attn_start.reshape(-1) + total
-        W, D = gathered((M if add else ~M)[:, lo:], lo, nb)
-        if W.shape[1]:
-            total = mixed(W, D, total, 1.0 if add else -1.0)[0]
+        pieces = gathered((M if add else ~M)[:, lo:], lo, nb)
+        if pieces:
+            total = mixed(pieces, total, 1.0 if add else -1.0)[0]
         return total.view(1, *base_stream.shape), all_in, none_in
 
     layer_cache: Dict[int, Tuple[Tensor, Tensor, Tensor]] = {}
