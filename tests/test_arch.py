@@ -122,8 +122,10 @@ def test_capture_layouts_and_latents_equal_hf_submodules(folders, models):
     b, p = toks.shape
     assert acts["q", 1].shape == (b, p, 4, 24) and acts["v", 1].shape == (b, p, 4, 16)
     assert acts["z", 1].shape == (b, p, 4, 16) and acts.kv("k_rope", 1).shape == (b, p, 1, 8)
-    assert torch.allclose(acts["q_latent", 1], got["q_latent"], atol=1e-6)
-    assert torch.allclose(acts["kv_latent", 1], got["kv_latent"], atol=1e-6)
+    # float32 rounding only: the latents reach |x| ~ 3 and the two norms sum in a different order (measured
+    # 2.0e-6 with transformers 5.24 / transformer-lens 4.3; the 1e-6 this asserted before fails there)
+    torch.testing.assert_close(acts["q_latent", 1], got["q_latent"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(acts["kv_latent", 1], got["kv_latent"], atol=1e-5, rtol=0)
     assert torch.allclose(acts["z", 1].reshape(b, p, -1), got["z"], atol=1e-6)     # head h = columns h·16..h·16+15
     with pytest.raises(QKCircuitsError, match="q_lora_rank None"):
         qk.capture(models["v2_noq"], toks, ["q_latent"])

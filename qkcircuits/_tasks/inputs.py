@@ -2,9 +2,9 @@
 the closed-form gradient back to each receiver's residual. Both replace running the block's own ``ln1``
 (a bridge module that computes its statistics twice) on one residual copy per receiver head.
 
->>> li = closed_form(model, layer, "q", x, model_q)      # None: not an RMSNorm/LayerNorm we can reproduce
->>> q = project(li, resid, heads)                         # [b, p, n, e], head i from resid[i]
->>> grads = input_vjp(li, x, dq, heads)                   # [n, b, p, d]: ∂m/∂(head i's own residual copy)
+>>> li = closed_form(model, layer, "q", x, model_q)      # None: not an RMSNorm/LayerNorm we can reproduce  # doctest: +SKIP
+>>> q = project(li, resid, heads)                         # [b, p, n, e], head i from resid[i]  # doctest: +SKIP
+>>> grads = input_vjp(li, x, dq, heads)                   # [n, b, p, d]: ∂m/∂(head i's own residual copy)  # doctest: +SKIP
 
 A head's input is  ln1(x) W_x + b_x  (x in q, k, v; W_x [heads, d_model, d_head]). With the norm's weight w
 folded into W̃ = w ⊙ W_x (and its bias β into b̃ = β W_x + b_x), per position:
