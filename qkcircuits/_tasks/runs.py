@@ -246,8 +246,9 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
     norms) each head reads an expanded copy through ``split_qkv_from_residuals`` and autograd does it.
     The MLP and the logits read a clone of their residual. Holds one forward's autograd graph (no copies
     in it on the closed-form path; [H + 2 G, b, p, d] normed copies per layer otherwise); it grows with
-    the shard's tokens and has no cap of its own (docs/benchmarks.md: +11.8 GB for SmolLM2 at 2 × 1,281
-    tokens, measured with the copies)."""
+    the shard's tokens and has no cap of its own (docs/benchmarks.md: EAP +10.69 GB for SmolLM2 at 2 × 1,281
+    tokens on the closed-form path, +11.8 GB with the copies): mostly the model's own attention scores and
+    patterns, kept for the backward."""
     stream: Dict[Key, Tensor] = {}
     fired = {"hooked": 0, "fired": 0}
 
@@ -411,15 +412,22 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
     mlp_part: Dict[int, Tuple[bool, Optional[Tensor]]] = {}   # MLP receiver → (add form, its sum below the attention)
     parts_of: Dict[Key, Optional[InputParts]] = {}
 
-    def _mlp_rides(L: int, q0: int) -> Optional[int]:
+    def shortcut(rs: Tensor) -> Optional[str]:
+        """"all" when every copy has every edge into receivers ``rs`` (they read this run's own value), "none"
+        when no copy has any (the corrupt run's value), else None: recomputed. ``force_split``: always None."""
+        nb = g.n_below(int(rs[0]))
+        n_in = m[:, :nb][:, :, rs].sum(1)                                         # [k, n]
+        if force_split:
+            return None
+        return "all" if bool((n_in == nb).all()) else "none" if not bool(n_in.any()) else None
+
+    def _mlp_rides(L: int) -> Optional[int]:
         """Layer L's MLP receiver when its sum should ride in the q/k/v matmul: it exists and will be
-        recomputed (not all of its edges in for every copy, nor none: ``force_split`` never shortcuts)."""
+        recomputed."""
         if not g.has_mlp or not MLP_WITH_QKV:
             return None
         r = g.recv_slice(L, "mlp").start
-        n_in = m[:, :g.n_below(r), r].sum(1)                                     # [k]
-        shortcut = bool((n_in == g.n_below(r)).all()) or not bool(n_in.any())
-        return r if force_split or not shortcut else None
+        return r if shortcut(torch.tensor([r])) is None else None
 
     def splice(x: str, L: int, t: Tensor) -> Optional[Tensor]:
         if x in ("q", "k", "v"):
@@ -431,21 +439,19 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
             sl = slice(g.logits_receiver, g.logits_receiver + 1)
             base, key, corr_key = stream[("final", 0)], ("logits", 0), ("final", 0)
         rs = torch.arange(sl.start, sl.stop)
-        nb = g.n_below(sl.start)
-        n_in = m[:, :nb][:, :, rs].sum(1)
-        shortcut = not force_split and (bool((n_in == nb).all()) or not bool(n_in.any()))
-        if x == "mlp" and shortcut:
+        how = shortcut(rs)
+        if x == "mlp" and how is not None:
             mlp_part.pop(sl.start, None)
-        if not force_split and bool((n_in == nb).all()):
+        if how == "all":
             return None
-        if not force_split and not bool(n_in.any()):     # no edge in: the corrupt run's value, no matmul
+        if how == "none":                                # no edge in: the corrupt run's value, no matmul
             return corrupt.hooks[key].repeat(k, *([1] * (corrupt.hooks[key].dim() - 1)))
         if x in ("q", "k", "v"):
             # q, k and v of a layer read the same senders: their inputs come from one matmul, at hook_q
             if L not in layer_cache:
                 q0, v1 = g.recv_slice(L, "q").start, g.recv_slice(L, "v").stop
                 layer_cache.clear()
-                layer_cache[L] = resid_for(torch.arange(q0, v1), base, corr_key, mlp=_mlp_rides(L, q0))
+                layer_cache[L] = resid_for(torch.arange(q0, v1), base, corr_key, mlp=_mlp_rides(L))
             res_all, a_all, z_all = layer_cache[L]
             o0, o1 = sl.start - g.recv_slice(L, "q").start, sl.stop - g.recv_slice(L, "q").start
             resid, all_in, none_in = res_all[o0:o1], a_all[:, o0:o1], z_all[:, o0:o1]
