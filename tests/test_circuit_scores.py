@@ -97,6 +97,9 @@ def test_patched_forward_every_way_of_reading_deltas_agrees(family, monkeypatch)
         got[how, ride] = (runs.patched_run(model, g, task, corr, masks, return_logits=True),
                            runs.patched_run(model, g, task, corr, masks[1:2]),
                            runs.patched_run(model, g, task, corr, masks[3:], return_logits=True))
+    monkeypatch.setattr(runs, "DELTA_ROWS", "sparse")
+    with pytest.raises(qk.QKCircuitsError, match="DELTA_ROWS must be"):
+        runs.patched_run(model, g, task, corr, masks[3:])
     for key in ways[1:]:
         for a, b in zip(got[key], got[ways[0]]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

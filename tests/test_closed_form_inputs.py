@@ -5,7 +5,7 @@ place of one normed residual copy per receiver head, against independent computa
   DIFFERENT residual per head, so a formula that read the wrong copy would fail;
 - ``input_vjp`` against autograd through that module path;
 - edge scores with the closed form against edge scores with it switched off (the copies path), on tiny
-  random GPT-2- (LayerNorm), Llama-GQA- (RMSNorm) and Gemma-3-shaped (RMSNorm with 1 + w, QK-norm,
+  random GPT-2- (LayerNorm), Llama-GQA- and Llama-MQA- (RMSNorm, one KV head) and Gemma-3-shaped (RMSNorm with 1 + w, QK-norm,
   post-norms) models;
 - where it must not be used: a bf16 model, multi-head latent attention, a hook value it does not reproduce.
 """
@@ -16,9 +16,9 @@ import torch
 import qkcircuits as qk
 from qkcircuits._tasks import graph as graph_mod, inputs, runs
 
-from _tiny import deepseek_dir, gemma3_dir, gpt2_dir, llama_dir
+from _tiny import deepseek_dir, gemma3_dir, gpt2_dir, llama_dir, llama_mqa_dir
 
-FAMILIES = {"gpt2": gpt2_dir, "llama-gqa": llama_dir, "gemma3": gemma3_dir}
+FAMILIES = {"gpt2": gpt2_dir, "llama-gqa": llama_dir, "llama-mqa": llama_mqa_dir, "gemma3": gemma3_dir}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

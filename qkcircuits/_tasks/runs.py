@@ -356,6 +356,8 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         segs = [(int(idx[a]), int(idx[b - 1]) + 1) for a, b in zip(runs_at[:-1], runs_at[1:])]
         cost = {"dense": hi - lo, "gather": 3 * n_used, "segments": n_used + 2 * n_out * (len(segs) - 1)}
         how = min(cost, key=cost.get) if DELTA_ROWS == "auto" else DELTA_ROWS
+        if how not in cost:
+            raise QKCircuitsError(f"runs.DELTA_ROWS must be 'auto', 'dense', 'gather' or 'segments', got {DELTA_ROWS!r}")
         if how == "dense":
             return [(W, D)]
         if how == "gather":
