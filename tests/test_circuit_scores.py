@@ -89,14 +89,17 @@ def test_patched_forward_every_way_of_reading_deltas_agrees(family, monkeypatch)
     mid[g.senders.index("emb")] = g.valid[g.senders.index("emb")]
     masks = torch.cat([masks, mid[None]])
     got = {}
-    # every way of reading the Δ rows, each with the MLP receivers' sums in the q/k/v matmul and on their own
-    ways = [(how, ride) for how in ("dense", "gather", "segments", "auto") for ride in (False, True)]
-    for how, ride in ways:
+    # every way of reading the Δ rows, each with the MLP receivers' sums in the q/k/v matmul and on their own,
+    # against the plainest (one matmul, the MLPs on their own, the model's own q/k/v projections computed)
+    ways = [("dense", False, False)] + [(how, ride, True) for how in ("dense", "gather", "segments", "auto")
+                                        for ride in (False, True)]
+    for how, ride, skip in ways:
         monkeypatch.setattr(runs, "DELTA_ROWS", how)
         monkeypatch.setattr(runs, "MLP_WITH_QKV", ride)
-        got[how, ride] = (runs.patched_run(model, g, task, corr, masks, return_logits=True),
-                           runs.patched_run(model, g, task, corr, masks[1:2]),
-                           runs.patched_run(model, g, task, corr, masks[3:], return_logits=True))
+        monkeypatch.setattr(runs, "SKIP_PROJECTIONS", skip)
+        got[how, ride, skip] = (runs.patched_run(model, g, task, corr, masks, return_logits=True),
+                                 runs.patched_run(model, g, task, corr, masks[1:2]),
+                                 runs.patched_run(model, g, task, corr, masks[3:], return_logits=True))
     monkeypatch.setattr(runs, "DELTA_ROWS", "sparse")
     with pytest.raises(qk.QKCircuitsError, match="DELTA_ROWS must be"):
         runs.patched_run(model, g, task, corr, masks[3:])
@@ -106,7 +109,79 @@ def test_patched_forward_every_way_of_reading_deltas_agrees(family, monkeypatch)
     # the mid-sized circuit is neither the corrupt nor the clean run (so the sums above were exercised)
     with torch.no_grad():
         ends = (model(task.corrupt), model(task.clean))
-    assert all(float((got["auto", True][2] - e).abs().max()) > 1e-3 for e in ends)
+    assert all(float((got["auto", True, True][2] - e).abs().max()) > 1e-3 for e in ends)
+
+
+def test_patched_forward_skips_the_projections_it_replaces(family, monkeypatch):
+    # a q/k/v group the circuit forward replaces does not run the model's own projection (skips.py); an
+    # all-in group does (its value is the model's own); the logits are those of computing everything, and
+    # every projection is restored afterwards
+    from torch import nn
+
+    from qkcircuits._tasks.skips import skipped
+
+    name, model = family
+    g = qk.graph(model)
+    task = pair_task(model, n=4)
+    corr = runs.record(model, g, task, task.corrupt)
+    mask = g.valid.clone()
+    mask[:, g.recv_slice(1, "q")] = False                           # layer 1's q: no edge in (corrupt value)
+    mask[0, g.recv_slice(1, "k").start] = False                      # layer 1's k: recomputed
+    linears = {getattr(model.blocks[L].attn, x).original_component: (L, x)
+               for L in range(model.cfg.n_layers) for x in ("q", "k", "v")}
+    ran = []
+    real_forward = nn.Linear.forward
+
+    def spy(self, x):                       # the class method: what a projection that is NOT skipped runs
+        if self in linears:
+            ran.append(linears[self])
+        return real_forward(self, x)
+
+    monkeypatch.setattr(nn.Linear, "forward", spy)
+    got = runs.patched_run(model, g, task, corr, mask[None], return_logits=True)
+    everything = {(L, x) for L in range(model.cfg.n_layers) for x in ("q", "k", "v")}
+    assert set(ran) == everything - {(1, "q"), (1, "k")}, name
+    ran.clear()
+    monkeypatch.setattr(runs, "SKIP_PROJECTIONS", False)
+    want = runs.patched_run(model, g, task, corr, mask[None], return_logits=True)
+    assert set(ran) == everything
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert float((got - model(task.clean)).abs().max()) > 1e-4        # the circuit did change something
+    with skipped(model, [(1, "q"), (0, "v")]) as done:
+        assert done == {(1, "q"), (0, "v")}
+        lin = model.blocks[1].attn.q.original_component
+        assert lin(torch.randn(2, 3, model.cfg.d_model)).shape == (2, 3, lin.out_features)
+    assert all("forward" not in vars(lin) for lin in linears)
+
+
+def test_node_view_run_equals_the_patched_run_of_its_mask(family):
+    # runs.node_run (one plain forward, the left-out heads' z from the corrupt run) against patched_run of
+    # circuit.node_mask (every edge leaving those heads reads their corrupt output, receiver by receiver); on
+    # Gemma (post-attention norms) node_run refuses and node_faithfulness uses the patched run
+    from qkcircuits._tasks.circuit import node_faithfulness, node_mask
+
+    name, model = family
+    g = qk.graph(model)
+    task = pair_task(model, n=4)
+    corr = runs.record(model, g, task, task.corrupt)
+    keep = ["0.1", f"{model.cfg.n_layers - 1}.0"]
+    out = [(int(s.split(".")[0]), int(s.split(".")[1])) for s in g.senders if s[0].isdigit() and s not in keep]
+    want = runs.patched_run(model, g, task, corr, node_mask(g, keep)[None])[0]
+    got = runs.node_run(model, g, task, corr, out)
+    if name == "gemma3":
+        assert got is None
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        light = runs.node_run(model, g, task, runs.z_record(model, g, task, task.corrupt), out)
+        torch.testing.assert_close(light, got, rtol=1e-6, atol=1e-6)
+        clean = runs.clean_rows(model, task)
+        assert float((want - clean).abs().max()) > 1e-3 and float((want - corr.rows).abs().max()) > 1e-3
+    # and the f it reports is the patched run's, whichever path ran
+    f = node_faithfulness(model, task, keep)
+    m_full, m_none = float(runs.clean_rows(model, task).mean()), float(corr.rows.mean())
+    assert f == pytest.approx((float(want.mean()) - m_none) / (m_full - m_none), rel=1e-4, abs=1e-5)
+    assert runs.node_run(model, g, task, corr, []) is None or torch.allclose(
+        runs.node_run(model, g, task, corr, []), runs.clean_rows(model, task), atol=1e-5)
 
 
 @pytest.mark.parametrize("version, q_lora_rank", [(3, 32), (2, None)])

@@ -6,7 +6,8 @@ place of one normed residual copy per receiver head, against independent computa
 - ``input_vjp`` against autograd through that module path;
 - edge scores with the closed form against edge scores with it switched off (the copies path), on tiny
   random GPT-2- (LayerNorm), Llama-GQA- and Llama-MQA- (RMSNorm, one KV head) and Gemma-3-shaped (RMSNorm with 1 + w, QK-norm,
-  post-norms) models;
+  post-norms) models, each loaded folded and unfolded (fold_ln=False: the norm weights and GPT-2's LayerNorm
+  bias are not trivial, so the fold into W̃ and b̃ is exercised);
 - where it must not be used: a bf16 model, multi-head latent attention, a hook value it does not reproduce.
 """
 
@@ -21,9 +22,21 @@ from _tiny import deepseek_dir, gemma3_dir, gpt2_dir, llama_dir, llama_mqa_dir
 FAMILIES = {"gpt2": gpt2_dir, "llama-gqa": llama_dir, "llama-mqa": llama_mqa_dir, "gemma3": gemma3_dir}
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=[(name, fold) for name in FAMILIES for fold in (True, False)],
+                ids=lambda p: f"{p[0]}-{'folded' if p[1] else 'unfolded'}")
 def family(request, tmp_path_factory):
-    return request.param, qk.load(str(FAMILIES[request.param](tmp_path_factory)), verbose=False)
+    """Each family folded (the norms' weights are 1 and their biases 0 after fold_ln) and unfolded (the norm
+    weight w, GPT-2's LayerNorm bias β and Gemma's 1 + w are then real numbers the closed form must fold)."""
+    name, fold = request.param
+    model = qk.load(str(FAMILIES[name](tmp_path_factory)), fold_ln=fold, verbose=False)
+    if not fold:                       # the unfolded case carries information: the weights are not trivial
+        from qkcircuits._foundation.arch.norms import block_norm
+
+        norm = block_norm(model, 0)
+        assert float((norm.weight - 1).abs().max()) > 0.05, name
+        if name == "gpt2":
+            assert float(norm.bias.abs().max()) > 0.05
+    return name, model
 
 
 def _recorded(model, n=3, p=7, seed=0):
@@ -123,3 +136,26 @@ def test_edge_scores_with_and_without_the_closed_form_agree(family, monkeypatch)
     scale = float(slow.abs().max())
     assert scale > 0
     assert float((fast - slow).abs().max()) <= 1e-4 * scale
+
+
+def test_a_gradient_hook_the_backward_never_reaches_is_an_error(family, monkeypatch):
+    # a bridge whose attention keeps its own hook_v value (ignoring the one the hook returns) would leave every
+    # edge into a v input with no gradient: scored 0 in silence. It must raise, naming the hook.
+    name, model = family
+    tokens = torch.randint(1, model.cfg.d_vocab, (3, 7), generator=torch.Generator().manual_seed(5))
+    task = qk.Task(tokens, tokens.flip(1), tokens[:, 2], tokens[:, 3])
+    real = runs._hooks
+
+    def ignoring_v(*a, **k):
+        out = []
+        for hook_name, fn in real(*a, **k):
+            if hook_name.endswith("attn.hook_v"):
+                def fn(t, hook, inner=fn):
+                    inner(t, hook)                  # the splice runs and registers its gradient hook...
+                    return None                     # ...but the model reads its own value
+            out.append((hook_name, fn))
+        return out
+
+    monkeypatch.setattr(runs, "_hooks", ignoring_v)
+    with pytest.raises(qk.QKCircuitsError, match=r"never reached this model.s blocks\.0\.attn\.hook_v"):
+        qk.edge_scores(model, task, method="eap", progress=False, check=False)

@@ -49,8 +49,9 @@ from torch import Tensor
 
 from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
-from .graph import Graph, graph
-from .runs import Record, clean_rows, patched_run, record, reuse
+from .graph import Graph, graph, post_norm
+from .record import Record, clean_rows, record, reuse
+from .runs import node_run, patched_run, z_record
 from .task import Task, metric_higher_is_better
 
 SIZES = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
@@ -439,15 +440,33 @@ def node_faithfulness(model, task: Task, heads: Sequence[str], rows_per_shard: O
                       clean: Optional[Real] = None, records: Optional[Dict[int, Record]] = None) -> float:
     """f when every head NOT in ``heads`` has its output replaced by its corrupt-run output (per shard: one
     corrupt forward unless ``records`` holds it (``circuit_metric``), the node-view forward and, unless
-    ``clean`` = m(full) is given, one clean forward)."""
+    ``clean`` = m(full) is given, one clean forward). Without post-attention norms the node-view forward is
+    a plain one with those heads' z from the corrupt run (``runs.node_run``, the corrupt forward then keeps
+    only z); with them (Gemma), the patched run of ``node_mask``."""
     from .scores import shard_rows
 
     g = graph(model)
     task = task.to(model.W_E.device)
     rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
-    (m,), full, corrupt = circuit_metric(model, task, [node_mask(g, heads)], rows, need_clean=clean is None,
-                                         records=records)
-    full = full if clean is None else float(clean)
+    keep = set(heads)
+    out = [(int(s.split(".")[0]), int(s.split(".")[1])) for s in g.senders if s[0].isdigit() and s not in keep]
+    if all(post_norm(model, L) is None for L in range(g.n_layers)):          # else node_run cannot
+        # one plain forward per shard with the left-out heads' z taken from the corrupt run (runs.node_run):
+        # the same metric as the patched run of node_mask, without its per-receiver sums
+        m = corrupt = clean_sum = 0.0
+        for j, shard in enumerate(task.shards(rows)):
+            corr = records[j] if records is not None and j in records else z_record(model, g, shard, shard.corrupt)
+            m += float(node_run(model, g, shard, corr, out).sum())
+            corrupt += float(corr.rows.sum())
+            if clean is None:
+                clean_sum += float(clean_rows(model, shard).sum())
+            del corr
+        m, corrupt = m / task.n, corrupt / task.n
+        full = clean_sum / task.n if clean is None else float(clean)
+    else:
+        (m,), full, corrupt = circuit_metric(model, task, [node_mask(g, heads)], rows, need_clean=clean is None,
+                                             records=records)
+        full = full if clean is None else float(clean)
     return (m - corrupt) / (full - corrupt) if full != corrupt else float("nan")
 
 

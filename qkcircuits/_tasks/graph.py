@@ -198,7 +198,7 @@ def head_outputs(model, layer: int, z: Float[Tensor, "b p h e"], y=None, out=Non
     zh = z.permute(2, 0, 1, 3).reshape(h, b * p, e)                                    # [h, b·p, e], small
     W = W_O.to(z.dtype)
     post = post_norm(model, layer)
-    if post is None and out is not None and out.is_contiguous():
+    if post is None and out is not None and out.is_contiguous() and out.dtype == z.dtype:
         torch.bmm(zh, W, out=out.view(h, b * p, W.shape[-1]))
         return out
     res = torch.bmm(zh, W).view(h, b, p, W.shape[-1])

@@ -22,7 +22,9 @@ head i's residual is
 computed for all heads of a layer at once from the layer's ONE clean residual (in a gradient run every
 receiver's copy equals it, so the copies need not exist). ``closed_form`` reads the norm's kind, weight,
 bias and epsilon (``_foundation/arch/norms``) and returns the parts only after they reproduce the model's own
-hook value on the run to rounding; float32/float64 only (bf16 keeps the module path, whose rounding the
+hook value on the run to 1e-5 of its largest entry (float32 rounding: in float64, HF's RMSNorm still
+normalises in float32, so the closed form then differs from the module path by ~1e-7 relative, not 1e-15;
+a wrong epsilon, weight or bias is far outside it); float32/float64 only (bf16 keeps the module path, whose rounding the
 model's own is), and never for multi-head latent attention (its inputs have their own path in graph.py).
 """
 

@@ -1,11 +1,11 @@
-"""The three instrumented forwards every method is built from (one prompt shard each).
+"""The two instrumented forwards built on ``record.py``'s plain one (one prompt shard each).
 
-- ``record``: a plain forward (no grad) that keeps every sender's output [S, b, p, d], every receiver's
-  hook value (hook_q/k/v, mlp.hook_in, unembed.hook_in) and the metric per row.
-- ``grad_run``: a forward with gradients in which each receiver reads its OWN copy of the residual
-  (``split_qkv_from_residuals`` on per-head copies, ln2 / the final norm on a clone), then ONE backward
-  of the metric sum; each copy's gradient ∂m/∂(receiver input) [n, b, p, d] is handed to ``on_grad`` as
-  the backward reaches it and then dropped (only one layer's gradients exist at a time).
+- ``grad_run``: a forward with gradients in which each receiver reads its OWN copy of the residual, then
+  ONE backward of the metric sum; each copy's gradient ∂m/∂(receiver input) [n, b, p, d] is handed to
+  ``on_grad`` as the backward reaches it and then dropped (only one layer's gradients exist at a time).
+  The q/k/v copies are virtual where the input has a closed form (``inputs.py``: the model's own hook_q/k/v
+  gradient through the closed-form VJP), else expanded copies through ``split_qkv_from_residuals``; the
+  MLP and the logits read a clone (ln2 / the final norm).
 - ``patched_run``: the circuit forward. ``mask[k, S, R]`` (k stacked copies of the shard) says which
   edges are in the circuit; receiver r of copy c reads
 
@@ -19,20 +19,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from jaxtyping import Bool
 from torch import Tensor
 
-from .._foundation.capture import _Stop
 from .._foundation.errors import QKCircuitsError
-from .graph import (INPUT_HOOKS, Graph, head_outputs, logits_input, mlp_input, post_norm,
-                    split_qkv_from_residuals)
+from .graph import INPUT_HOOKS, Graph, logits_input, mlp_input, post_norm, split_qkv_from_residuals
 from .inputs import InputParts, closed_form, input_vjp, project
+# re-exported for the tests and tools that reach every run through this module
+from .record import Key, Record, _buffer, _hooks, _metric_rows, check_graph, clean_rows, record, reuse  # noqa: F401
+from .skips import skipped
 
-Key = Tuple[str, int]
 # How patched_run's sums read the senders' Δ rows: "auto" picks, per receiver group, the cheapest of one
 # matmul over every sender below ("dense": reads each Δ row once), a copy of only the rows the sums use
 # ("gather": those rows read, written and read again) and one matmul per contiguous run of used rows
@@ -41,193 +40,13 @@ Key = Tuple[str, int]
 DELTA_ROWS = "auto"
 # An MLP receiver's sum over the senders below its layer's attention rides in that layer's q/k/v matmul (one
 # more column instead of one more read of every sender's Δ: measured −4 s of a 76 s SmolLM2 curve). False:
-# each MLP reads Δ itself (the same sums; tests compare the two).
+# each MLP reads Δ itself (the same sums in exact arithmetic; tests compare the two). Used in float32/64 only:
+# the ride adds and removes a whole residual (part − attn_start + start), two more roundings that bf16 would
+# feel (measured: mean error vs float32 8.6e-3 → 1.07e-2 on a tiny GPT-2).
 MLP_WITH_QKV = True
-
-
-@dataclass
-class Record:
-    """One run's sender outputs ``out`` [S, b, p, d], receiver hook values ``hooks[(x, L)]`` (x in q, k,
-    v, mlp; ``("logits", 0)`` = unembed.hook_in), the residuals receivers read ``resid[(x, L)]`` (x in
-    attn, mlp, final) and the metric of each row ``rows`` [b]."""
-
-    out: Tensor
-    hooks: Dict[Key, Tensor] = field(default_factory=dict)
-    resid: Dict[Key, Tensor] = field(default_factory=dict)
-    rows: Optional[Tensor] = None
-
-
-def _hooks(model, g: Graph, out: Optional[Tensor], stream: Dict[Key, Tensor], splice: Optional[Callable],
-           keep: Optional[Dict[Key, Tensor]], emb_override: Optional[Tensor] = None, grad: bool = False):
-    """The hook list shared by the three runs: capture stream/outputs (``out`` None: no sender outputs,
-    and no head-output einsums), optionally splice receiver inputs."""
-    z_of: Dict[int, Tensor] = {}
-    hooks = []
-
-    def resid_pre(L: int):
-        def fn(t: Tensor, hook):
-            if L == 0 and emb_override is not None:
-                t = emb_override.to(t.dtype)
-            if L == 0 and grad:           # frozen weights: the embedding is where the gradient graph starts
-                t = t.detach().requires_grad_(True)
-            stream[("attn", L)] = t
-            if L == 0 and out is not None:
-                out[0] = t.detach()
-            return t
-        return fn
-
-    def z_hook(L: int):
-        def fn(t: Tensor, hook) -> None:
-            z_of[L] = t.detach()
-            if post_norm(model, L) is None:
-                with torch.no_grad():
-                    head_outputs(model, L, z_of[L], out=out[g.head_sender(L):g.head_sender(L) + g.n_heads])
-        return fn
-
-    def y_hook(L: int):
-        def fn(t: Tensor, hook) -> None:
-            with torch.no_grad():
-                head_outputs(model, L, z_of[L], t.detach(), out=out[g.head_sender(L):g.head_sender(L) + g.n_heads])
-        return fn
-
-    def keep_stream(key: Key):
-        def fn(t: Tensor, hook) -> None:
-            stream[key] = t
-        return fn
-
-    def mlp_out(L: int):
-        def fn(t: Tensor, hook) -> None:
-            out[g.mlp_sender(L)] = t.detach()
-        return fn
-
-    def receiver(x: str, L: int):
-        def fn(t: Tensor, hook):
-            if keep is not None:
-                keep[(x, L)] = t.detach()
-            if splice is None:
-                return None
-            new = splice(x, L, t)
-            return None if new is None else new.to(t.dtype)
-        return fn
-
-    for L in range(g.n_layers):
-        hooks.append((f"blocks.{L}.hook_resid_pre", resid_pre(L)))
-        if out is not None:
-            hooks.append((f"blocks.{L}.attn.hook_z", z_hook(L)))
-            if post_norm(model, L) is not None:
-                hooks.append((f"blocks.{L}.attn.hook_out", y_hook(L)))
-        hooks += [(f"blocks.{L}.{INPUT_HOOKS[x]}", receiver(x, L)) for x in ("q", "k", "v")]
-        if g.has_mlp:
-            hooks.append((f"blocks.{L}.hook_resid_mid", keep_stream(("mlp", L))))
-            hooks.append((f"blocks.{L}.{INPUT_HOOKS['mlp']}", receiver("mlp", L)))
-            if out is not None:
-                hooks.append((f"blocks.{L}.hook_mlp_out", mlp_out(L)))
-    hooks.append(("ln_final.hook_in", keep_stream(("final", 0))))
-    hooks.append(("unembed.hook_in", receiver("logits", 0)))
-    return hooks
-
-
-def clean_rows(model, task) -> Tensor:
-    """The metric per row of a plain forward of ``task``'s clean rows (no hooks, no sender outputs): what a
-    circuit holding every edge measures (``patched_run`` with the full mask reproduces this run exactly)."""
-    with torch.no_grad():
-        return _metric_rows(model, task, task.clean, [])
-
-
-def _metric_rows(model, task, tokens: Tensor, hooks, copies: int = 1) -> Tensor:
-    """Run with ``hooks`` and return the metric per row. A named metric reads one position per row, so the
-    forward stops at the unembedding's input and only those b rows are unembedded (not b × pos)."""
-    if not isinstance(task.metric, str):
-        return task.row_values(model.run_with_hooks(tokens, fwd_hooks=hooks), tokens)
-    got: Dict[str, Tensor] = {}
-
-    def stop(t: Tensor, hook):
-        got["x"] = t
-        raise _Stop
-
-    try:
-        model.run_with_hooks(tokens, fwd_hooks=list(hooks) + [("unembed.hook_in", stop)])
-    except _Stop:
-        pass
-    if "x" not in got:
-        raise QKCircuitsError("this model never fired unembed.hook_in; the circuit graph needs it")
-    x = got["x"]
-    rows = torch.arange(x.shape[0], device=x.device)
-    end = task.positions["END"].to(x.device).repeat(copies)
-    logits = model.unembed(x[rows, end].unsqueeze(1))                                   # [b, 1, vocab]
-    return task.at_end().row_values(logits)
-
-
-def reuse(pool: Optional[Dict[str, Tensor]], name: str, shape: Tuple[int, ...], dtype, device) -> Tensor:
-    """An uninitialised tensor of ``shape``: a view of ``pool[name]``'s first elements when that flat buffer
-    is large enough (a caller running many prompt shards allocates the first shard's buffers once, sparing
-    every later shard a fresh allocation's page faults), else a new buffer kept there."""
-    n = 1
-    for s in shape:
-        n *= int(s)
-    flat = None if pool is None else pool.get(name)
-    if flat is None or flat.numel() < n or flat.dtype != dtype or flat.device != torch.device(device):
-        flat = torch.empty(n, dtype=dtype, device=device)
-        if pool is not None:
-            pool[name] = flat
-    return flat[:n].view(shape)
-
-
-def _buffer(model, g: Graph, tokens: Tensor, pool: Optional[Dict[str, Tensor]] = None, name: str = "out") -> Tensor:
-    b, p = tokens.shape
-    # uninitialised, not zeros: every run writes each sender's slot before anything reads it
-    return reuse(pool, name, (g.n_senders, b, p, model.cfg.d_model), model.W_E.dtype, model.W_E.device)
-
-
-def record(model, g: Graph, task, tokens: Tensor, pool: Optional[Dict[str, Tensor]] = None) -> Record:
-    """A plain forward of ``tokens`` (a shard's clean or corrupt rows) keeping what ``Record`` lists; its
-    sender outputs in ``pool["record"]`` when given (``reuse``)."""
-    out = _buffer(model, g, tokens, pool, "record")
-    stream: Dict[Key, Tensor] = {}
-    keep: Dict[Key, Tensor] = {}
-    with torch.no_grad():
-        rows = _metric_rows(model, task, tokens, _hooks(model, g, out, stream, None, keep)).detach()
-    missing = [k for k in [("q", 0), ("logits", 0)] if k not in keep]
-    if missing or ("final", 0) not in stream:
-        raise QKCircuitsError("this model never fired hook_q / ln_final.hook_in / unembed.hook_in; the circuit "
-                              "graph needs a TransformerLens bridge (or native model) with those hook points")
-    return Record(out, keep, {k: v.detach() for k, v in stream.items()}, rows)
-
-
-def check_graph(model, g: Graph, rec: Record, tokens: Tensor, atol: float = 1e-4, rows: int = 2) -> None:
-    """The residual semantics hold on this model: per-head recomputed inputs equal the model's own, and the
-    final residual is the sum of every sender's output plus a constant (the biases). Raises otherwise.
-    Tolerances are at least the residual dtype's epsilon (bf16: 0.0078), so rounding alone never fails it.
-    Checks the record's first ``rows`` prompts: every identity is per prompt (the attention mixing is
-    inside the recorded values), so more rows would repeat the same check at the cost of a forward."""
-    rec = Record(rec.out[:, :rows], {k: v[:rows] for k, v in rec.hooks.items()},
-                 {k: v[:rows] for k, v in rec.resid.items()})
-    eps = float(torch.finfo(rec.resid[("final", 0)].dtype).eps)
-    atol, rtol = max(atol, eps), max(1e-3, eps)
-    with torch.no_grad():
-        for L in range(g.n_layers):
-            x = rec.resid[("attn", L)]
-            for into, n in (("q", g.n_heads), ("k", g.n_kv), ("v", g.n_kv)):
-                mine = split_qkv_from_residuals(model, L, into, x.unsqueeze(0).expand(n, *x.shape), range(n))
-                if not torch.allclose(mine, rec.hooks[(into, L)], atol=atol, rtol=rtol):
-                    raise QKCircuitsError(f"recomputing layer {L}'s hook_{into} from the residual (ln1, W_{into.upper()})"
-                                          f" does not reproduce the model's (max diff "
-                                          f"{float((mine - rec.hooks[(into, L)]).abs().max()):.3g}); the circuit "
-                                          f"graph does not support this architecture yet")
-            if g.has_mlp:
-                mine = mlp_input(model, L, rec.resid[("mlp", L)])
-                if not torch.allclose(mine, rec.hooks[("mlp", L)], atol=atol, rtol=rtol):
-                    raise QKCircuitsError(f"layer {L}'s MLP input is not ln2 of the residual; unsupported architecture")
-        mine = logits_input(model, rec.resid[("final", 0)])
-        if not torch.allclose(mine, rec.hooks[("logits", 0)], atol=atol, rtol=rtol):
-            raise QKCircuitsError("the unembedding's input is not the final norm of the last residual; unsupported")
-        total = rec.out.sum(0)
-        rest = rec.resid[("final", 0)] - total              # the biases: must not depend on the prompt
-        scale = float(rec.resid[("final", 0)].abs().max()) + 1.0
-        if float((rest - rest[:1, :1]).abs().max()) > atol * scale * 10:
-            raise QKCircuitsError(f"the final residual is not the sum of the embedding, the heads' and the MLPs' "
-                                  f"outputs plus a constant (max deviation {float((rest - rest[:1, :1]).abs().max()):.3g}"
-                                  f"); the circuit graph does not support this architecture yet")
+# The model's own q/k/v projection of a group that patched_run replaces is not computed (``skips.py``; measured
+# on SmolLM2: see docs/benchmarks.md). False: computed and discarded (the same values; tests compare the two).
+SKIP_PROJECTIONS = True
 
 
 def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Tensor], None],
@@ -250,11 +69,12 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
     tokens on the closed-form path, +11.8 GB with the copies): mostly the model's own attention scores and
     patterns, kept for the backward."""
     stream: Dict[Key, Tensor] = {}
-    fired = {"hooked": 0, "fired": 0}
+    hooked: List[str] = []              # every closed-form gradient hook registered, and those that fired
+    fired: set = set()
 
-    def from_hook_grad(sl: slice, parts: InputParts, xb: Tensor, n: int):
+    def from_hook_grad(sl: slice, parts: InputParts, xb: Tensor, n: int, name: str):
         def fn(grad: Tensor) -> None:
-            fired["fired"] += 1
+            fired.add(name)
             on_grad(sl, input_vjp(parts, xb, grad, range(n), out=dest(sl) if dest is not None else None))
         return fn
 
@@ -269,8 +89,8 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
                 # a NEW view carries the hook: the bridge reads an unedited hook value (the same object back)
                 # from its own pre-hook tensor, so a gradient hook on ``t`` itself would never fire
                 mine = t.view(t.shape)
-                mine.register_hook(from_hook_grad(sl, parts, xb, n))
-                fired["hooked"] += 1
+                mine.register_hook(from_hook_grad(sl, parts, xb, n, f"blocks.{L}.{INPUT_HOOKS[x]}"))
+                hooked.append(f"blocks.{L}.{INPUT_HOOKS[x]}")
                 return mine
             copies = base.unsqueeze(0).expand(n, *base.shape)
             copies.register_hook(lambda grad, sl=sl: on_grad(sl, grad))
@@ -288,9 +108,13 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
         # leaf): ``total.backward()`` would also compute and KEEP a weights-sized ``.grad`` on every
         # parameter, accumulating over calls.
         torch.autograd.grad(total, stream[("attn", 0)])
-    if fired["hooked"] and not fired["fired"]:
-        raise QKCircuitsError("the backward never reached this model's hook_q/k/v values (its attention does not "
-                              "read the value the hook returns); its edge scores cannot be computed this way")
+    # every q/k/v value is on the way to the metric: a hook the backward never reached means the attention did
+    # not read the value the hook returned, and those receivers' edges would silently score 0
+    missed = [h for h in hooked if h not in fired]
+    if missed:
+        raise QKCircuitsError(f"the backward never reached this model's {', '.join(missed[:3])}"
+                              f"{' …' if len(missed) > 3 else ''} (its attention does not read the value the hook "
+                              f"returns); its edge scores cannot be computed this way")
     return float(total.detach())
 
 
@@ -303,6 +127,8 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
     [S, k·b, p, d] next to the corrupt record's: in ``buffer`` when it has that shape (a caller running
     many circuits reuses one, sparing a fresh allocation's page faults per run; every slot is written
     before it is read)."""
+    if DELTA_ROWS not in ("auto", "dense", "gather", "segments"):
+        raise QKCircuitsError(f"runs.DELTA_ROWS must be 'auto', 'dense', 'gather' or 'segments', got {DELTA_ROWS!r}")
     k = mask.shape[0]
     b = task.n
     tokens = task.clean.repeat(k, 1)
@@ -314,6 +140,10 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
     corr_out = corrupt.out
 
     converted = [0]                 # out[:converted] already holds Δ_s = out_s(this run) − out_s(corrupt)
+
+    def stacked(t: Tensor) -> Tensor:
+        """A corrupt-record tensor for the k stacked copies, READ-only (one copy: the record itself, no copy)."""
+        return t if k == 1 else t.repeat(k, *([1] * (t.dim() - 1)))
 
     def deltas(nb: int) -> Tensor:
         """Δ of senders 0 … nb−1 as [nb, k, b·p·d], each sender converted once, in place, when first read
@@ -356,8 +186,6 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         segs = [(int(idx[a]), int(idx[b - 1]) + 1) for a, b in zip(runs_at[:-1], runs_at[1:])]
         cost = {"dense": hi - lo, "gather": 3 * n_used, "segments": n_used + 2 * n_out * (len(segs) - 1)}
         how = min(cost, key=cost.get) if DELTA_ROWS == "auto" else DELTA_ROWS
-        if how not in cost:
-            raise QKCircuitsError(f"runs.DELTA_ROWS must be 'auto', 'dense', 'gather' or 'segments', got {DELTA_ROWS!r}")
         if how == "dense":
             return [(W, D)]
         if how == "gather":
@@ -379,7 +207,7 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         # Either form gives every receiver's residual: corrupt + Σ_{s in} Δ_s, or this run's − Σ_{s out} Δ_s;
         # the one with fewer terms costs less where Δ rows are gathered
         add = int(M.sum()) <= int((~M).sum())
-        start = corrupt.resid[corr_key].repeat(k, 1, 1) if add else base_stream
+        start = stacked(corrupt.resid[corr_key]) if add else base_stream
         pieces = gathered(M if add else ~M, 0, nb)
         if not pieces:                                           # no term: every receiver reads ``start``
             if mlp is not None:
@@ -400,10 +228,10 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         M = m[:, :nb][:, :, [r]]                                                 # [k, nb, 1]
         n_in = M.sum(1)
         all_in, none_in = n_in == nb, n_in == 0
-        start = corrupt.resid[corr_key].repeat(k, 1, 1) if add else base_stream
+        start = stacked(corrupt.resid[corr_key]) if add else base_stream
         total = start.reshape(-1)
         if part is not None:
-            attn_start = corrupt.resid[("attn", L)].repeat(k, 1, 1) if add else stream[("attn", L)]
+            attn_start = stacked(corrupt.resid[("attn", L)]) if add else stream[("attn", L)]
             total = part - attn_start.reshape(-1) + total
         pieces = gathered((M if add else ~M)[:, lo:], lo, nb)
         if pieces:
@@ -426,7 +254,7 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
     def _mlp_rides(L: int) -> Optional[int]:
         """Layer L's MLP receiver when its sum should ride in the q/k/v matmul: it exists and will be
         recomputed."""
-        if not g.has_mlp or not MLP_WITH_QKV:
+        if not g.has_mlp or not MLP_WITH_QKV or out.dtype not in (torch.float32, torch.float64):
             return None
         r = g.recv_slice(L, "mlp").start
         return r if shortcut(torch.tensor([r])) is None else None
@@ -461,9 +289,11 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
             resid, all_in, none_in = mlp_resid(sl.start, L, base, corr_key)
         else:
             resid, all_in, none_in = resid_for(rs, base, corr_key)
+        real = (L, x) not in skips            # False: ``t`` is the skipped projection's uninitialised output
         if x in ("q", "k", "v"):
-            if key not in parts_of:
-                parts_of[key] = closed_form(model, L, x, base, t)
+            if key not in parts_of:            # the closed form is checked on a run where the model computed it
+                parts_of[key] = (closed_form(model, L, x, base, t) if real else
+                                 closed_form(model, L, x, corrupt.resid[("attn", L)], corrupt.hooks[key]))
             parts = parts_of[key]
             new = (project(parts, resid, range(len(rs))) if parts is not None             # [kb, p, n, e]
                    else split_qkv_from_residuals(model, L, x, resid, range(len(rs))))
@@ -473,8 +303,11 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
             new = logits_input(model, resid[0]).unsqueeze(2)
         if force_split:
             return new if x in ("q", "k", "v") else new[:, :, 0]
-        own = t if x in ("q", "k", "v") else t.unsqueeze(2)
-        corr = corrupt.hooks[key].repeat(k, *([1] * (corrupt.hooks[key].dim() - 1)))
+        # an all-in receiver keeps the model's own value where the model computed it (exact), else the formula's
+        own = (t if real else new) if x in ("q", "k", "v") else t.unsqueeze(2)
+        if not bool(all_in.any()) and not bool(none_in.any()):       # every receiver recomputed: no merge
+            return new if x in ("q", "k", "v") else new[:, :, 0]
+        corr = stacked(corrupt.hooks[key])
         corr = corr if x in ("q", "k", "v") else corr.unsqueeze(2)
         shape = (k, b) + tuple(own.shape[1:])
         new, own, corr = new.view(shape), own.reshape(shape), corr.reshape(shape)
@@ -484,9 +317,59 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         val = torch.where(a, own, torch.where(z, corr, new)).reshape((k * b,) + tuple(own.shape[2:]))
         return val if x in ("q", "k", "v") else val[:, :, 0]
 
-    with torch.no_grad():
+    # every q/k/v group that ``splice`` replaces (all but the all-in ones) skips the model's own projection
+    replaced = [(L, x) for L in range(g.n_layers) for x in ("q", "k", "v")
+                if shortcut(torch.arange(g.recv_slice(L, x).start, g.recv_slice(L, x).stop)) != "all"]
+    with torch.no_grad(), skipped(model, replaced if SKIP_PROJECTIONS else []) as skips:
         hooks = _hooks(model, g, out, stream, splice, None)
         if return_logits:
             return model.run_with_hooks(tokens, fwd_hooks=hooks)
         rows = _metric_rows(model, task, tokens, hooks, copies=k)
     return rows.view(k, b)
+
+
+def node_run(model, g: Graph, task, corrupt: Record, heads_out: Sequence[Tuple[int, int]]) -> Optional[Tensor]:
+    """The metric per row [b] when every head in ``heads_out`` ((layer, head) pairs) gives its corrupt-run
+    output to every reader and everything else is this run's: ``patched_run`` with ``circuit.node_mask``'s
+    mask, as ONE plain forward of the clean rows whose hook_z takes the corrupt record's z for those heads.
+
+    The same thing, not an estimate: a head's output is z_h W_O[h] (graph.py), a function of its z alone, so
+    with z_h patched every reader reads its corrupt output; every receiver reads the same residual
+    (no per-receiver sums, no per-head projections). Holds no sender outputs. Returns None where the graph's
+    head output is NOT a function of z alone (Gemma's post-attention norm divides by the rms of the whole
+    layer's output, so a head's share depends on the others): the caller uses ``patched_run`` there."""
+    if any(post_norm(model, L) is not None for L in range(g.n_layers)):
+        return None
+    if any(("z", L) not in corrupt.hooks for L in range(g.n_layers)):
+        raise QKCircuitsError("the corrupt record holds no hook_z values; record it with runs.record")
+    by_layer: Dict[int, List[int]] = {}
+    for L, h in heads_out:
+        by_layer.setdefault(int(L), []).append(int(h))
+
+    def patch(L: int, heads: List[int]):
+        idx = torch.tensor(sorted(set(heads)))
+
+        def fn(z: Tensor, hook) -> Tensor:
+            z = z.clone()
+            z[:, :, idx] = corrupt.hooks[("z", L)][:, :, idx].to(z.dtype)
+            return z
+        return fn
+
+    hooks = [(f"blocks.{L}.attn.hook_z", patch(L, hs)) for L, hs in by_layer.items()]
+    with torch.no_grad():
+        return _metric_rows(model, task, task.clean, hooks)
+
+
+def z_record(model, g: Graph, task, tokens: Tensor) -> Record:
+    """What ``node_run`` reads of a corrupt run, alone: each layer's hook_z [b, p, H, e] and the metric per row
+    (a plain forward; no sender outputs, so none of ``record``'s [S, b, p, d] buffer)."""
+    keep: Dict[Key, Tensor] = {}
+
+    def grab(L: int):
+        def fn(z: Tensor, hook) -> None:
+            keep[("z", L)] = z.detach()
+        return fn
+
+    with torch.no_grad():
+        rows = _metric_rows(model, task, tokens, [(f"blocks.{L}.attn.hook_z", grab(L)) for L in range(g.n_layers)])
+    return Record(torch.empty(0), keep, {}, rows.detach())

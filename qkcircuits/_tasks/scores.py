@@ -26,7 +26,7 @@ patched forward per edge (stacked ``copies`` at a time). Memory (EAP / EAP-IG): 
 of the clean and the corrupt run, 2 × [S, b, p, d] (S senders), every receiver's gradient summed over the
 steps, [R, b, p, d] in float32 (R receiver inputs), and one forward's autograd graph; shards are sized so
 those buffers fit ``GRAD_SHARD_BYTES`` (1 GiB: SmolLM2's 64 IOI prompts × 17 tokens run as 25 + 25 + 14).
-The three buffers are allocated for the first shard and reused by the others (``runs.reuse``). Where a
+The three buffers are allocated for the first shard and reused by the others (``record.reuse``). Where a
 layer's q/k/v input has a closed form (``inputs.py``: RMSNorm / LayerNorm, float32/64) the gradient run
 holds no per-head residual copies: the receiver gradients come from the model's own hook_q/k/v gradients
 through the closed-form VJP; elsewhere each head reads an expanded copy and autograd keeps its normed
@@ -49,7 +49,8 @@ from torch import Tensor
 from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph
-from .runs import check_graph, grad_run, patched_run, record, reuse
+from .record import check_graph, record, reuse
+from .runs import grad_run, patched_run
 from .task import Task
 
 METHODS = ("eap", "eap-ig", "exact")

@@ -1,0 +1,66 @@
+"""Projections a circuit forward overwrites are not computed.
+
+>>> with skipped(model, [(3, "q"), (3, "k")]) as done:     # doctest: +SKIP
+...     model.run_with_hooks(tokens, fwd_hooks=hooks)         # hooks MUST replace blocks.3.attn.hook_q / hook_k
+>>> done                                                      # doctest: +SKIP
+{(3, 'q'), (3, 'k')}
+
+In ``runs.patched_run`` most receiver groups' hook_q/k/v values are replaced (recomputed from each head's own
+residual, or taken from the corrupt run), so the model's own q/k/v matmul of that layer is wasted: on
+SmolLM2 the q/k/v projections are 16 % of a block's linear FLOPs (960 of 5,568 output columns per input
+row, with the MLP's 3 × 1,536 and W_O's 576). Inside ``skipped`` each named projection returns an
+UNINITIALISED tensor of its output's shape; the caller's hook on ``hook_q/k/v`` must replace every such value
+(``patched_run`` does: a group it does not replace is never skipped).
+
+A projection is skipped only where it is safe to know that nothing but the hook reads its output: the
+hook point ``blocks.L.attn.hook_x`` IS the projection's own output hook (TransformerLens 4's
+``LinearBridge.hook_out``; GPT-2's fused ``c_attn`` is split into such q/k/v bridges too) and the projection
+is a plain ``nn.Linear``. Anything else (latent attention, a scaled hook_k, an unknown module) computes as
+usual and is left out of the returned set.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Set, Tuple
+
+from torch import Tensor, nn
+
+Group = Tuple[int, str]
+
+
+def _projection(model, layer: int, into: str):
+    """The nn.Linear whose output is ``blocks.layer.attn.hook_<into>``, or None."""
+    try:
+        lin = getattr(model.blocks[layer].attn, into)
+        hook = model.hook_dict.get(f"blocks.{layer}.attn.hook_{into}")
+    except (AttributeError, IndexError, TypeError):
+        return None
+    orig = getattr(lin, "original_component", None)
+    if hook is None or hook is not getattr(lin, "hook_out", None) or type(orig) is not nn.Linear:
+        return None
+    return orig
+
+
+@contextmanager
+def skipped(model, groups: Iterable[Group]) -> Iterator[Set[Group]]:
+    """While open, the projections of ``groups`` ((layer, "q" | "k" | "v")) return ``x.new_empty`` of their
+    output shape; yields the groups actually skipped. Restores every projection on exit (also on error)."""
+    done: Set[Group] = set()
+    patched = []
+    try:
+        for layer, into in groups:
+            lin = _projection(model, layer, into)
+            if lin is None or "forward" in vars(lin):          # unknown, or someone else's override: compute
+                continue
+
+            def empty(x: Tensor, *_, _n: int = lin.out_features) -> Tensor:
+                return x.new_empty(*x.shape[:-1], _n)
+
+            lin.forward = empty
+            patched.append(lin)
+            done.add((layer, into))
+        yield done
+    finally:
+        for lin in patched:
+            del lin.forward
