@@ -127,6 +127,11 @@ def test_patched_forward_skips_the_projections_it_replaces(family, monkeypatch):
     mask = g.valid.clone()
     mask[:, g.recv_slice(1, "q")] = False                           # layer 1's q: no edge in (corrupt value)
     mask[0, g.recv_slice(1, "k").start] = False                      # layer 1's k: recomputed
+    mask[:, g.recv_slice(0, "mlp")] = False                          # layer 0's MLP: no edge in (not run)
+    mlp_calls = []
+    mlp_cls = type(model.blocks[0].mlp)
+    real_mlp = mlp_cls.forward
+    monkeypatch.setattr(mlp_cls, "forward", lambda self, *a, **k: (mlp_calls.append(self), real_mlp(self, *a, **k))[1])
     linears = {getattr(model.blocks[L].attn, x).original_component: (L, x)
                for L in range(model.cfg.n_layers) for x in ("q", "k", "v")}
     ran = []
@@ -141,10 +146,13 @@ def test_patched_forward_skips_the_projections_it_replaces(family, monkeypatch):
     got = runs.patched_run(model, g, task, corr, mask[None], return_logits=True)
     everything = {(L, x) for L in range(model.cfg.n_layers) for x in ("q", "k", "v")}
     assert set(ran) == everything - {(1, "q"), (1, "k")}, name
+    mlps_run = {int(L) for L in range(model.cfg.n_layers) if model.blocks[L].mlp in mlp_calls}
+    assert mlps_run == set(range(model.cfg.n_layers)) - ({0} if name != "gemma3" else set()), name
     ran.clear()
+    mlp_calls.clear()
     monkeypatch.setattr(runs, "SKIP_PROJECTIONS", False)
     want = runs.patched_run(model, g, task, corr, mask[None], return_logits=True)
-    assert set(ran) == everything
+    assert set(ran) == everything and len({id(m) for m in mlp_calls}) == model.cfg.n_layers
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert float((got - model(task.clean)).abs().max()) > 1e-4        # the circuit did change something
     with skipped(model, [(1, "q"), (0, "v")]) as done:

@@ -30,7 +30,7 @@ from .graph import INPUT_HOOKS, Graph, logits_input, mlp_input, post_norm, split
 from .inputs import InputParts, closed_form, input_vjp, project
 # re-exported for the tests and tools that reach every run through this module
 from .record import Key, Record, _buffer, _hooks, _metric_rows, check_graph, clean_rows, record, reuse  # noqa: F401
-from .skips import skipped
+from .skips import known_mlps, skipped
 
 # How patched_run's sums read the senders' Δ rows: "auto" picks, per receiver group, the cheapest of one
 # matmul over every sender below ("dense": reads each Δ row once), a copy of only the rows the sums use
@@ -44,8 +44,9 @@ DELTA_ROWS = "auto"
 # the ride adds and removes a whole residual (part − attn_start + start), two more roundings that bf16 would
 # feel (measured: mean error vs float32 8.6e-3 → 1.07e-2 on a tiny GPT-2).
 MLP_WITH_QKV = True
-# The model's own q/k/v projection of a group that patched_run replaces is not computed (``skips.py``; measured
-# on SmolLM2: see docs/benchmarks.md). False: computed and discarded (the same values; tests compare the two).
+# The model's own q/k/v projection of a group that patched_run replaces is not computed, nor an MLP with no edge
+# in (its output is the corrupt run's): ``skips.py``, measured on SmolLM2 in docs/benchmarks.md. False: both
+# computed (the same values; tests compare the two).
 SKIP_PROJECTIONS = True
 
 
@@ -320,7 +321,10 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
     # every q/k/v group that ``splice`` replaces (all but the all-in ones) skips the model's own projection
     replaced = [(L, x) for L in range(g.n_layers) for x in ("q", "k", "v")
                 if shortcut(torch.arange(g.recv_slice(L, x).start, g.recv_slice(L, x).stop)) != "all"]
-    with torch.no_grad(), skipped(model, replaced if SKIP_PROJECTIONS else []) as skips:
+    # an MLP with no edge in reads the corrupt run's input, so it gives the corrupt run's output: not run
+    known = {L: stacked(corr_out[g.mlp_sender(L)]) for L in range(g.n_layers) if g.has_mlp and SKIP_PROJECTIONS
+             and shortcut(torch.tensor([g.recv_slice(L, "mlp").start])) == "none"}
+    with torch.no_grad(), skipped(model, replaced if SKIP_PROJECTIONS else []) as skips, known_mlps(model, known):
         hooks = _hooks(model, g, out, stream, splice, None)
         if return_logits:
             return model.run_with_hooks(tokens, fwd_hooks=hooks)

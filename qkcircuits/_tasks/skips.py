@@ -1,4 +1,4 @@
-"""Projections a circuit forward overwrites are not computed.
+"""Work a circuit forward would throw away is not done: q/k/v projections it overwrites, MLPs it knows.
 
 >>> with skipped(model, [(3, "q"), (3, "k")]) as done:     # doctest: +SKIP
 ...     model.run_with_hooks(tokens, fwd_hooks=hooks)         # hooks MUST replace blocks.3.attn.hook_q / hook_k
@@ -17,12 +17,17 @@ hook point ``blocks.L.attn.hook_x`` IS the projection's own output hook (Transfo
 ``LinearBridge.hook_out``; GPT-2's fused ``c_attn`` is split into such q/k/v bridges too) and the projection
 is a plain ``nn.Linear``. Anything else (latent attention, a scaled hook_k, an unknown module) computes as
 usual and is left out of the returned set.
+
+``known_mlps(model, {L: output})``: an MLP whose input the circuit forward would set to the corrupt run's
+(no edge into it) gives the corrupt run's output, so it is not run: it returns ``output`` through its own
+``hook_out`` (which the caller's hooks still see). Only a dense ``MLPBridge`` / ``GatedMLPBridge`` whose
+hook_out IS ``hook_mlp_out`` (not Gemma's, whose post-feedforward norm comes after it).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Set, Tuple
+from typing import Dict, Iterable, Iterator, Set, Tuple
 
 from torch import Tensor, nn
 
@@ -64,3 +69,38 @@ def skipped(model, groups: Iterable[Group]) -> Iterator[Set[Group]]:
     finally:
         for lin in patched:
             del lin.forward
+
+
+def _mlp(model, layer: int):
+    try:
+        mlp = model.blocks[layer].mlp
+        hook = model.hook_dict.get(f"blocks.{layer}.hook_mlp_out")
+    except (AttributeError, IndexError, TypeError):
+        return None
+    if type(mlp).__name__ not in ("MLPBridge", "GatedMLPBridge") or hook is None or hook is not mlp.hook_out:
+        return None
+    return mlp
+
+
+@contextmanager
+def known_mlps(model, outputs: Dict[int, Tensor]) -> Iterator[Set[int]]:
+    """While open, layer L's MLP (for each L in ``outputs``) returns ``hook_out(outputs[L].clone())`` without
+    computing; yields the layers actually replaced. Restores every MLP on exit (also on error)."""
+    done: Set[int] = set()
+    patched = []
+    try:
+        for layer, value in outputs.items():
+            mlp = _mlp(model, layer)
+            if mlp is None or "forward" in vars(mlp):
+                continue
+
+            def known(x: Tensor, *_, _v: Tensor = value, _hook=mlp.hook_out, **__) -> Tensor:
+                return _hook(_v.to(x.dtype).clone())
+
+            object.__setattr__(mlp, "forward", known)     # the bridge's own __setattr__ would route it elsewhere
+            patched.append(mlp)
+            done.add(layer)
+        yield done
+    finally:
+        for mlp in patched:
+            object.__delattr__(mlp, "forward")
