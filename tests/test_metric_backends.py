@@ -207,3 +207,26 @@ def test_no_analysis_module_imports_the_scale_layer():
             "bad = [m for m in sys.modules if m.startswith('qkcircuits._scale.ray') or m == 'ray']; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_next_token_losses_in_slices_equal_cross_entropy(monkeypatch):
+    # the loss is computed a slice of positions at a time (metrics.LOSS_CHUNK_BYTES): against F.cross_entropy
+    # on the whole tensor, with slices of 1, 3 and all positions, on full and last-k logits
+    import torch.nn.functional as F
+
+    from qkcircuits._analysis import metrics
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 11, 50, generator=g) * 4
+    tokens = torch.randint(0, 50, (3, 11), generator=g)
+    want = F.cross_entropy(logits[:, :-1].reshape(-1, 50), tokens[:, 1:].reshape(-1), reduction="none").view(3, 10)
+    for chunk in (4 * 3 * 50, 3 * 4 * 3 * 50, 2**30):                 # 1 position, 3 positions, everything
+        monkeypatch.setattr(metrics, "LOSS_CHUNK_BYTES", chunk)
+        torch.testing.assert_close(metrics.next_token_losses(logits, tokens), want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(metrics.next_token_losses(logits[:, -4:], tokens), want[:, -3:], rtol=1e-6, atol=1e-6)
+    x = logits.clone().requires_grad_(True)                           # gradients pass through the slices
+    monkeypatch.setattr(metrics, "LOSS_CHUNK_BYTES", 4 * 3 * 50)
+    metrics.next_token_losses(x, tokens).sum().backward()
+    (ref,) = torch.autograd.grad(F.cross_entropy(logits.requires_grad_(True)[:, :-1].reshape(-1, 50),
+                                                 tokens[:, 1:].reshape(-1), reduction="sum"), logits)
+    torch.testing.assert_close(x.grad, ref, rtol=1e-5, atol=1e-6)

@@ -120,6 +120,10 @@ class Metric:
 
 # ------------------------------------------------------------------------------------------ logits metrics
 
+# next_token_losses' working set: at 2 × 1,281 tokens SmolLM2's full log-softmax copy would be 0.5 GB
+LOSS_CHUNK_BYTES = 64 * 2**20
+
+
 def next_token_losses(logits: Float[Tensor, "batch kept vocab"], tokens: Tokens) -> Float[Tensor, "batch kept_minus_1"]:
     """Cross-entropy of predicting ``tokens[:, i+1]`` from ``logits[:, i]`` (log-softmax + gather, float32).
 
@@ -127,8 +131,13 @@ def next_token_losses(logits: Float[Tensor, "batch kept vocab"], tokens: Tokens)
     ``p-k .. p-2`` (entry ``j`` is position ``p-k+j``).
     """
     k, p = logits.shape[1], tokens.shape[1]
-    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
-    return -logp.gather(-1, tokens[:, p - k + 1:, None].to(logits.device)).squeeze(-1)
+    x, target = logits[:, :-1], tokens[:, p - k + 1:, None].to(logits.device)
+    # in slices of positions (each ~LOSS_CHUNK_BYTES of float32 log-probabilities), not one [b, k, vocab] copy:
+    # every position's log-softmax is its own, so the values are the same
+    step = max(1, LOSS_CHUNK_BYTES // max(1, 4 * x.shape[0] * x.shape[-1]))
+    parts = [-F.log_softmax(x[:, a:a + step].float(), dim=-1).gather(-1, target[:, a:a + step]).squeeze(-1)
+             for a in range(0, x.shape[1], step)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def repeat_length(tokens: Tokens) -> int:

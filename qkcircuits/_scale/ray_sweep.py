@@ -34,12 +34,14 @@ def sweep_shard(model, shared, *, rows: Tuple[int, int], layers: List[int], metr
     if repl.method == "resample":                 # row i of the prompts gets row i of the reference
         repl.z = {L: z[rows[0]:rows[1]] for L, z in repl.z.items()}
     runner = Runner(model, tokens, from_layer=min(layers))
+    baseline = float(metric(runner.clean_logits, tokens))
+    runner.clean_logits = None          # read once (as in the local sweep): not held through the shard
     copies = copies_per_forward(model, tokens, max_batch, metric)
     values = {}
     for L in layers:
         groups = [[Head(L, h)] for h in range(model.cfg.n_heads)]
         values[L] = run_groups(runner, groups, repl, metric, copies)
-    return {"rows": rows, "weight": rows[1] - rows[0], "baseline": float(metric(runner.clean_logits, tokens)),
+    return {"rows": rows, "weight": rows[1] - rows[0], "baseline": baseline,
             "values": values, "seconds": time.perf_counter() - t0}
 
 
