@@ -155,11 +155,39 @@ def test_patched_forward_skips_the_projections_it_replaces(family, monkeypatch):
     assert set(ran) == everything and len({id(m) for m in mlp_calls}) == model.cfg.n_layers
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert float((got - model(task.clean)).abs().max()) > 1e-4        # the circuit did change something
+    # a hook someone attached to hook_k beforehand sees the model's own value: that projection is computed
+    seen = []
+    model.add_hook("blocks.1.attn.hook_k", lambda t, hook: seen.append(t.detach().clone()))
+    try:
+        monkeypatch.setattr(runs, "SKIP_PROJECTIONS", True)
+        ran.clear()
+        runs.patched_run(model, g, task, corr, mask[None])
+    finally:
+        model.reset_hooks()
+    assert (1, "k") in ran and (1, "q") not in ran and seen and all(bool(torch.isfinite(t).all()) for t in seen)
     with skipped(model, [(1, "q"), (0, "v")]) as done:
         assert done == {(1, "q"), (0, "v")}
         lin = model.blocks[1].attn.q.original_component
         assert lin(torch.randn(2, 3, model.cfg.d_model)).shape == (2, 3, lin.out_features)
     assert all("forward" not in vars(lin) for lin in linears)
+
+
+def test_node_view_refuses_a_hook_z_it_cannot_patch_by_head(family, monkeypatch):
+    # a model whose hook_z is not [b, p, H, e] (here: flattened) must not be patched feature-wise in silence
+    name, model = family
+    if name == "gemma3":
+        return                                    # post-norms: node_run is not used there
+    g = qk.graph(model)
+    task = pair_task(model, n=2)
+    real = runs._metric_rows
+
+    def flattening(model_, task_, tokens, hooks, copies=1):
+        wrapped = [(n, (lambda fn: lambda z, hook: fn(z.flatten(2), hook))(fn)) for n, fn in hooks]
+        return real(model_, task_, tokens, wrapped, copies)
+
+    monkeypatch.setattr(runs, "_metric_rows", flattening)
+    with pytest.raises(qk.QKCircuitsError, match=r"hook_z is \(2, 10, \d+\), not \[batch, pos"):
+        runs.z_record(model, g, task, task.corrupt)
 
 
 def test_node_view_run_equals_the_patched_run_of_its_mask(family):
@@ -199,6 +227,7 @@ def test_patched_forward_identities_on_latent_attention(version, q_lora_rank, tm
     model = qk.load(str(deepseek_dir(tmp_path_factory, version=version, q_lora_rank=q_lora_rank)), verbose=False)
     test_patched_forward_identities((f"deepseek-v{version}", model))
     test_exact_edges_into_logits_match_a_direct_computation((f"deepseek-v{version}", model))
+    test_node_view_run_equals_the_patched_run_of_its_mask((f"deepseek-v{version}", model))
 
 
 def test_exact_edges_into_logits_match_a_direct_computation(family):

@@ -224,6 +224,7 @@ def test_next_token_losses_in_slices_equal_cross_entropy(monkeypatch):
         monkeypatch.setattr(metrics, "LOSS_CHUNK_BYTES", chunk)
         torch.testing.assert_close(metrics.next_token_losses(logits, tokens), want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(metrics.next_token_losses(logits[:, -4:], tokens), want[:, -3:], rtol=1e-6, atol=1e-6)
+    assert metrics.next_token_losses(logits[:, -1:], tokens).shape == (3, 0)       # one position: none
     x = logits.clone().requires_grad_(True)                           # gradients pass through the slices
     monkeypatch.setattr(metrics, "LOSS_CHUNK_BYTES", 4 * 3 * 50)
     metrics.next_token_losses(x, tokens).sum().backward()

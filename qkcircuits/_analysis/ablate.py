@@ -518,6 +518,7 @@ def compare_to_random(model, heads: HeadsLike, tokens, metric="induction-loss", 
     repl = make_replacement(model, method, layers, reference=reference, tokens=tokens, per_position=per_position)
     runner = Runner(model, tokens, from_layer=layers[0])
     base = float(metric(runner.clean_logits, tokens))
+    runner.clean_logits = None          # read once: not held through the draws
     bar = progress_bar(n_draws + 1, "random draws", progress)
     values = run_groups(runner, [targets] + draws, repl, metric, copies_per_forward(model, tokens, max_batch, metric), bar)
     if bar is not None:

@@ -137,6 +137,8 @@ def next_token_losses(logits: Float[Tensor, "batch kept vocab"], tokens: Tokens)
     step = max(1, LOSS_CHUNK_BYTES // max(1, 4 * x.shape[0] * x.shape[-1]))
     parts = [-F.log_softmax(x[:, a:a + step].float(), dim=-1).gather(-1, target[:, a:a + step]).squeeze(-1)
              for a in range(0, x.shape[1], step)]
+    if not parts:                       # one kept position: nothing to predict
+        return logits.new_zeros(logits.shape[0], 0, dtype=torch.float32)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 

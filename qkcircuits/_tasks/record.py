@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .._foundation.capture import _Stop
 from .._foundation.errors import QKCircuitsError
+from .._foundation.hugepages import advise
 from .graph import INPUT_HOOKS, Graph, head_outputs, logits_input, mlp_input, post_norm, split_qkv_from_residuals
 
 Key = Tuple[str, int]
@@ -148,7 +149,7 @@ def reuse(pool: Optional[Dict[str, Tensor]], name: str, shape: Tuple[int, ...], 
         n *= int(s)
     flat = None if pool is None else pool.get(name)
     if flat is None or flat.numel() < n or flat.dtype != dtype or flat.device != torch.device(device):
-        flat = torch.empty(n, dtype=dtype, device=device)
+        flat = advise(torch.empty(n, dtype=dtype, device=device))     # huge pages: a cheap first touch
         if pool is not None:
             pool[name] = flat
     return flat[:n].view(shape)

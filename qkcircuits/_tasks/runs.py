@@ -332,6 +332,14 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
     return rows.view(k, b)
 
 
+def _check_z(z: Tensor, g: Graph, layer: int) -> None:
+    """node_run patches z[:, :, heads]: the hook value must be [b, p, H, e] (a flat or head-major layout would
+    patch features or positions instead, silently)."""
+    if z.dim() != 4 or z.shape[2] != g.n_heads:
+        raise QKCircuitsError(f"blocks.{layer}.attn.hook_z is {tuple(z.shape)}, not [batch, pos, {g.n_heads} heads, "
+                              f"d_head]: the node view cannot patch heads of this model this way")
+
+
 def node_run(model, g: Graph, task, corrupt: Record, heads_out: Sequence[Tuple[int, int]]) -> Optional[Tensor]:
     """The metric per row [b] when every head in ``heads_out`` ((layer, head) pairs) gives its corrupt-run
     output to every reader and everything else is this run's: ``patched_run`` with ``circuit.node_mask``'s
@@ -354,6 +362,7 @@ def node_run(model, g: Graph, task, corrupt: Record, heads_out: Sequence[Tuple[i
         idx = torch.tensor(sorted(set(heads)))
 
         def fn(z: Tensor, hook) -> Tensor:
+            _check_z(z, g, L)
             z = z.clone()
             z[:, :, idx] = corrupt.hooks[("z", L)][:, :, idx].to(z.dtype)
             return z
@@ -371,6 +380,7 @@ def z_record(model, g: Graph, task, tokens: Tensor) -> Record:
 
     def grab(L: int):
         def fn(z: Tensor, hook) -> None:
+            _check_z(z, g, L)
             keep[("z", L)] = z.detach()
         return fn
 

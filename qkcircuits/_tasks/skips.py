@@ -15,8 +15,10 @@ UNINITIALISED tensor of its output's shape; the caller's hook on ``hook_q/k/v`` 
 A projection is skipped only where it is safe to know that nothing but the hook reads its output: the
 hook point ``blocks.L.attn.hook_x`` IS the projection's own output hook (TransformerLens 4's
 ``LinearBridge.hook_out``; GPT-2's fused ``c_attn`` is split into such q/k/v bridges too) and the projection
-is a plain ``nn.Linear``. Anything else (latent attention, a scaled hook_k, an unknown module) computes as
-usual and is left out of the returned set.
+is a plain ``nn.Linear``, and no hook is already attached there (``model.add_hook``: it would see the
+uninitialised value). Anything else (latent attention, a scaled hook_k, an unknown module) computes as usual
+and is left out of the returned set. The stubs live on the model instance while a run is open: a model must
+not run a circuit forward and another forward at once from two threads.
 
 ``known_mlps(model, {L: output})``: an MLP whose input the circuit forward would set to the corrupt run's
 (no edge into it) gives the corrupt run's output, so it is not run: it returns ``output`` through its own
@@ -43,6 +45,8 @@ def _projection(model, layer: int, into: str):
         return None
     orig = getattr(lin, "original_component", None)
     if hook is None or hook is not getattr(lin, "hook_out", None) or type(orig) is not nn.Linear:
+        return None
+    if getattr(hook, "_forward_hooks", None):          # someone's own hook would see the uninitialised value
         return None
     return orig
 
@@ -78,6 +82,8 @@ def _mlp(model, layer: int):
     except (AttributeError, IndexError, TypeError):
         return None
     if type(mlp).__name__ not in ("MLPBridge", "GatedMLPBridge") or hook is None or hook is not mlp.hook_out:
+        return None
+    if getattr(mlp.hook_in, "_forward_hooks", None):   # someone's own hook on its input would not fire
         return None
     return mlp
 
