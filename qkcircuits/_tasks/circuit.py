@@ -49,9 +49,9 @@ from torch import Tensor
 
 from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
-from .graph import Graph, graph, post_norm
+from .graph import Graph, graph
 from .record import Record, clean_rows, record, reuse
-from .runs import node_run, patched_run, z_record
+from .runs import node_run, patched_run, z_patchable, z_record
 from .task import Task, metric_higher_is_better
 
 SIZES = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
@@ -383,14 +383,18 @@ class Faithfulness(Result):
 
 
 
+def _heads_left_out(g: Graph, keep: Sequence[str]) -> List[str]:
+    """The graph's heads ("L.H") not in ``keep``, in sender order."""
+    keep = set(keep)
+    return [name for name in g.senders if name[0].isdigit() and name not in keep]
+
+
 def node_mask(g: Graph, keep: Sequence[str]) -> Tensor:
     """Every edge, except those leaving a head NOT in ``keep`` (their readers read its corrupt output).
     The embedding and the MLPs stay clean: the node view of a circuit is its heads."""
-    keep = set(keep)
     mask = g.valid.clone()
-    for s, name in enumerate(g.senders):
-        if name[0].isdigit() and name not in keep:
-            mask[s] = False
+    for name in _heads_left_out(g, keep):
+        mask[g.senders.index(name)] = False
     return mask
 
 
@@ -448,9 +452,8 @@ def node_faithfulness(model, task: Task, heads: Sequence[str], rows_per_shard: O
     g = graph(model)
     task = task.to(model.W_E.device)
     rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
-    keep = set(heads)
-    out = [(int(s.split(".")[0]), int(s.split(".")[1])) for s in g.senders if s[0].isdigit() and s not in keep]
-    if all(post_norm(model, L) is None for L in range(g.n_layers)):          # else node_run cannot
+    out = [tuple(map(int, name.split("."))) for name in _heads_left_out(g, heads)]
+    if z_patchable(model, g):
         # one plain forward per shard with the left-out heads' z taken from the corrupt run (runs.node_run):
         # the same metric as the patched run of node_mask, without its per-receiver sums
         m = corrupt = clean_sum = 0.0

@@ -340,6 +340,12 @@ def _check_z(z: Tensor, g: Graph, layer: int) -> None:
                               f"d_head]: the node view cannot patch heads of this model this way")
 
 
+def z_patchable(model, g: Graph) -> bool:
+    """Whether ``node_run`` applies: every head's output is z_h W_O[h], a function of its own z (no block has a
+    post-attention norm, whose rms mixes the layer's heads)."""
+    return all(post_norm(model, L) is None for L in range(g.n_layers))
+
+
 def node_run(model, g: Graph, task, corrupt: Record, heads_out: Sequence[Tuple[int, int]]) -> Optional[Tensor]:
     """The metric per row [b] when every head in ``heads_out`` ((layer, head) pairs) gives its corrupt-run
     output to every reader and everything else is this run's: ``patched_run`` with ``circuit.node_mask``'s
@@ -350,7 +356,7 @@ def node_run(model, g: Graph, task, corrupt: Record, heads_out: Sequence[Tuple[i
     (no per-receiver sums, no per-head projections). Holds no sender outputs. Returns None where the graph's
     head output is NOT a function of z alone (Gemma's post-attention norm divides by the rms of the whole
     layer's output, so a head's share depends on the others): the caller uses ``patched_run`` there."""
-    if any(post_norm(model, L) is not None for L in range(g.n_layers)):
+    if not z_patchable(model, g):
         return None
     if any(("z", L) not in corrupt.hooks for L in range(g.n_layers)):
         raise QKCircuitsError("the corrupt record holds no hook_z values; record it with runs.record")

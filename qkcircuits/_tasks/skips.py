@@ -29,7 +29,7 @@ hook_out IS ``hook_mlp_out`` (not Gemma's, whose post-feedforward norm comes aft
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, Iterable, Iterator, Set, Tuple
+from typing import Callable, Dict, Iterable, Iterator, Set, Tuple
 
 from torch import Tensor, nn
 
@@ -52,27 +52,37 @@ def _projection(model, layer: int, into: str):
 
 
 @contextmanager
-def skipped(model, groups: Iterable[Group]) -> Iterator[Set[Group]]:
-    """While open, the projections of ``groups`` ((layer, "q" | "k" | "v")) return ``x.new_empty`` of their
-    output shape; yields the groups actually skipped. Restores every projection on exit (also on error)."""
-    done: Set[Group] = set()
+def _overriding(forwards: Dict[object, Tuple[nn.Module, Callable]]) -> Iterator[Set]:
+    """While open, each ``forwards[key] = (module, fn)`` module runs ``fn`` instead of its forward (an
+    instance attribute, set past any ``__setattr__`` of the bridge's own, which would route it elsewhere);
+    a module someone else already overrides keeps theirs. Yields the keys overridden; restores on exit
+    (also on error)."""
+    done: Set = set()
     patched = []
     try:
-        for layer, into in groups:
-            lin = _projection(model, layer, into)
-            if lin is None or "forward" in vars(lin):          # unknown, or someone else's override: compute
+        for key, (module, fn) in forwards.items():
+            if "forward" in vars(module):
                 continue
-
-            def empty(x: Tensor, *_, _n: int = lin.out_features) -> Tensor:
-                return x.new_empty(*x.shape[:-1], _n)
-
-            lin.forward = empty
-            patched.append(lin)
-            done.add((layer, into))
+            object.__setattr__(module, "forward", fn)
+            patched.append(module)
+            done.add(key)
         yield done
     finally:
-        for lin in patched:
-            del lin.forward
+        for module in patched:
+            object.__delattr__(module, "forward")
+
+
+def _empty_like_output(lin: nn.Linear) -> Callable:
+    def empty(x: Tensor, *_, _n: int = lin.out_features) -> Tensor:
+        return x.new_empty(*x.shape[:-1], _n)
+    return empty
+
+
+def skipped(model, groups: Iterable[Group]):
+    """While open, the projections of ``groups`` ((layer, "q" | "k" | "v")) return ``x.new_empty`` of their
+    output shape; yields the groups actually skipped. Restores every projection on exit (also on error)."""
+    lins = {(layer, into): _projection(model, layer, into) for layer, into in groups}
+    return _overriding({key: (lin, _empty_like_output(lin)) for key, lin in lins.items() if lin is not None})
 
 
 def _mlp(model, layer: int):
@@ -88,25 +98,15 @@ def _mlp(model, layer: int):
     return mlp
 
 
-@contextmanager
-def known_mlps(model, outputs: Dict[int, Tensor]) -> Iterator[Set[int]]:
+def _known_output(mlp, value: Tensor) -> Callable:
+    def known(x: Tensor, *_, **__) -> Tensor:
+        return mlp.hook_out(value.to(x.dtype).clone())
+    return known
+
+
+def known_mlps(model, outputs: Dict[int, Tensor]):
     """While open, layer L's MLP (for each L in ``outputs``) returns ``hook_out(outputs[L].clone())`` without
     computing; yields the layers actually replaced. Restores every MLP on exit (also on error)."""
-    done: Set[int] = set()
-    patched = []
-    try:
-        for layer, value in outputs.items():
-            mlp = _mlp(model, layer)
-            if mlp is None or "forward" in vars(mlp):
-                continue
-
-            def known(x: Tensor, *_, _v: Tensor = value, _hook=mlp.hook_out, **__) -> Tensor:
-                return _hook(_v.to(x.dtype).clone())
-
-            object.__setattr__(mlp, "forward", known)     # the bridge's own __setattr__ would route it elsewhere
-            patched.append(mlp)
-            done.add(layer)
-        yield done
-    finally:
-        for mlp in patched:
-            object.__delattr__(mlp, "forward")
+    mlps = {layer: (_mlp(model, layer), value) for layer, value in outputs.items()}
+    return _overriding({layer: (mlp, _known_output(mlp, value)) for layer, (mlp, value) in mlps.items()
+                        if mlp is not None})
