@@ -12,6 +12,8 @@
   (``contrast_task``): Spearman ≥ 0.9 for EAP-IG, EAP's printed.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -155,6 +157,18 @@ def test_patched_forward_skips_the_projections_it_replaces(family, monkeypatch):
     assert set(ran) == everything and len({id(m) for m in mlp_calls}) == model.cfg.n_layers
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert float((got - model(task.clean)).abs().max()) > 1e-4        # the circuit did change something
+    # two stacked copies (the second with layer 1's k all in): layer 0's MLP is known in both, its output stacked
+    # only when reached; the same logits as computing everything
+    two = torch.stack([mask, mask.clone()])
+    two[1, :, g.recv_slice(1, "k")] = g.valid[:, g.recv_slice(1, "k")]
+    want2 = runs.patched_run(model, g, task, corr, two, return_logits=True)
+    mlp_calls.clear()
+    monkeypatch.setattr(runs, "SKIP_PROJECTIONS", True)
+    got2 = runs.patched_run(model, g, task, corr, two, return_logits=True)
+    assert (model.blocks[0].mlp in mlp_calls) == (name == "gemma3")
+    torch.testing.assert_close(got2, want2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got2[:task.n], want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(runs, "SKIP_PROJECTIONS", False)
     # a hook someone attached to hook_k beforehand sees the model's own value: that projection is computed
     seen = []
     model.add_hook("blocks.1.attn.hook_k", lambda t, hook: seen.append(t.detach().clone()))
@@ -194,7 +208,7 @@ def test_node_view_run_equals_the_patched_run_of_its_mask(family):
     # runs.node_run (one plain forward, the left-out heads' z from the corrupt run) against patched_run of
     # circuit.node_mask (every edge leaving those heads reads their corrupt output, receiver by receiver); on
     # Gemma (post-attention norms) node_run refuses and node_faithfulness uses the patched run
-    from qkcircuits._tasks.circuit import node_faithfulness, node_mask
+    from qkcircuits._tasks.circuit import node_faithfulness, node_mask, node_metric
 
     name, model = family
     g = qk.graph(model)
@@ -216,6 +230,15 @@ def test_node_view_run_equals_the_patched_run_of_its_mask(family):
     f = node_faithfulness(model, task, keep)
     m_full, m_none = float(runs.clean_rows(model, task).mean()), float(corr.rows.mean())
     assert f == pytest.approx((float(want.mean()) - m_none) / (m_full - m_none), rel=1e-4, abs=1e-5)
+    # the same f from a given m(clean) and the curve's corrupt record (what faithfulness and the CLI pass), and
+    # node_metric's parts: clean NaN when not asked for, the corrupt record read, never filled
+    records = {0: corr}
+    assert node_faithfulness(model, task, keep, rows_per_shard=task.n, clean=m_full, records=records) == \
+        pytest.approx(f, rel=1e-5, abs=1e-6)
+    m, c, z = node_metric(model, task, keep, need_clean=False)
+    assert math.isnan(c) and m == pytest.approx(float(want.mean()), abs=1e-5) and z == pytest.approx(m_none, abs=1e-6)
+    assert list(records) == [0] and node_metric(model, task, keep, rows_per_shard=2, records={})[1] == \
+        pytest.approx(m_full, abs=1e-5)
     assert runs.node_run(model, g, task, corr, []) is None or torch.allclose(
         runs.node_run(model, g, task, corr, []), runs.clean_rows(model, task), atol=1e-5)
 

@@ -267,6 +267,10 @@ def test_task_scores_and_faithfulness_on_ray_equal_local(llama, ray_local):
         remote = {m: rt.ray_edge_scores(None, task, m, pool=pool, progress=False) for m in local}
         rnodes = rt.ray_node_scores(None, task, "exact", pool=pool, progress=False)
         rfaith = rt.ray_faithfulness(None, task, local["eap-ig"], sizes=(1, 10, 50, 100), pool=pool, progress=False)
+        # the node view alone, m(clean) measured on the shards too (the CLI's --edges path passes it)
+        few = faith.circuit.heads[:2]
+        rnode = rt.ray_node_faithfulness(pool, task, faith.circuit.graph, few)
+    assert rnode == pytest.approx(qk.node_faithfulness(model, task, few), abs=1e-4)
     for m, res in remote.items():
         assert res.settings["backend"]["shards"] == 4 and res.settings["backend"]["workers"] == 2
         assert sorted(r for p in res.settings["backend"]["plan"] for r in range(*p["rows"])) == list(range(task.n))

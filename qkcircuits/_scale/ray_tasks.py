@@ -7,7 +7,7 @@ Why sums are exact: a task's metric is computed per prompt row and SUMMED (``Tas
 model treats rows independently, so every score is a sum over prompts divided by ``n``: EAP and EAP-IG
 (Δ_s · ∂m/∂x_r summed over rows, the gradient of a row-sum being each row's own gradient), ``exact``
 (m(clean) − m(edge corrupted), both row sums), node scores, and each circuit's m(C) on the faithfulness
-grid. A shard job runs the LOCAL function (``edge_scores``, ``node_scores``, ``circuit_metric``) on a
+grid. A shard job runs the LOCAL function (``edge_scores``, ``node_scores``, ``circuit_metric``, ``node_metric``) on a
 sub-task of prompt rows (``Task.rows``) on its worker's model and returns its sums (its means × its rows);
 the driver adds the sums and divides by the whole set's ``n``. Faithfulness f = (m(C) − m(∅)) /
 (m(full) − m(∅)) is then computed ONCE from the summed numbers (never averaged over shards: a ratio of
@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._foundation.errors import QKCircuitsError
-from .._tasks.circuit import SIZES, THRESHOLD, Circuit, Faithfulness, circuit_metric, node_mask, select
+from .._tasks.circuit import SIZES, THRESHOLD, Circuit, Faithfulness, circuit_metric, node_metric, select
 from .._tasks.graph import graph
 from .._tasks.scores import METHODS, EdgeScores, NodeScores, edge_scores, node_scores, shard_rows
 from .._tasks.task import Task
@@ -76,6 +76,17 @@ def circuit_metric_job(model, shared: Task, *, rows: Tuple[int, int], masks: Lis
     values, clean, corrupt = circuit_metric(model, sub, masks, per)
     return {"rows": rows, "n": sub.n, "values": [v * sub.n for v in values], "clean": clean * sub.n,
             "corrupt": corrupt * sub.n, "seconds": time.perf_counter() - t0}
+
+
+def node_metric_job(model, shared: Task, *, rows: Tuple[int, int], heads: List[str], need_clean: bool,
+                    rows_per_shard: Optional[int]) -> Dict[str, Any]:
+    """``node_metric`` (the node view's forwards, the local ones) of prompt rows ``rows``: the metric sums of
+    the node view, the corrupt run and, with ``need_clean``, the clean run (else NaN)."""
+    t0 = time.perf_counter()
+    sub = _rows(shared, rows).to(model.W_E.device)
+    m, clean, corrupt = node_metric(model, sub, heads, rows_per_shard, need_clean=need_clean)
+    return {"rows": rows, "n": sub.n, "value": m * sub.n, "clean": clean * sub.n, "corrupt": corrupt * sub.n,
+            "seconds": time.perf_counter() - t0}
 
 
 def task_job(model, shared, *, spec: str, n: int, seed: int) -> Dict[str, Any]:
@@ -212,11 +223,20 @@ def _trapezoid(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 
 def ray_node_faithfulness(pool: Pool, task: Task, g, heads: Sequence[str],
-                          rows_per_shard: Optional[int] = None) -> float:
-    """``node_faithfulness`` from prompt shards on ``pool`` (f from the summed metrics, computed once)."""
-    (m, _), clean, corrupt, _ = ray_circuit_metric(pool, _check_task(task), [node_mask(g, heads), g.valid],
-                                                   rows_per_shard, desc="node view (ray)")
-    return _ratio(m, clean, corrupt)
+                          rows_per_shard: Optional[int] = None, clean: Optional[Real] = None) -> float:
+    """``node_faithfulness`` from prompt shards on ``pool``: each shard runs the local ``node_metric`` (one
+    forward with the left-out heads' corrupt z where the model allows it), f from the summed metrics,
+    computed once. ``clean``: m(clean) when the caller has it (the curve's), sparing the clean forwards.
+    ``g`` (the driver's graph) is accepted for the callers' sake; the workers use their own."""
+    task = _check_task(task)
+    shards = plan_rows(task.n, pool.size)
+    jobs = [{"rows": r, "heads": list(heads), "need_clean": clean is None, "rows_per_shard": rows_per_shard}
+            for r in shards]
+    parts = pool.map(JOB + "node_metric_job", jobs, task, costs=[float(b - a) for a, b in shards],
+                     desc="node view (ray)")
+    n = task.n
+    full = sum(p["clean"] for p in parts) / n if clean is None else float(clean)
+    return _ratio(sum(p["value"] for p in parts) / n, full, sum(p["corrupt"] for p in parts) / n)
 
 
 def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: str = "signed",
@@ -242,7 +262,7 @@ def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: s
         chosen = next((p for p, v in curve.items() if v >= threshold), sizes[-1])
         circuit = circuits[sizes.index(chosen)]
         t1 = time.perf_counter()
-        nf = ray_node_faithfulness(pool, task, g, circuit.heads, rows_per_shard)
+        nf = ray_node_faithfulness(pool, task, g, circuit.heads, rows_per_shard, clean=clean)
     finally:
         if own:
             pool.close()

@@ -440,36 +440,44 @@ def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: i
     return [s / task.n for s in sums], clean / task.n, corrupt / task.n
 
 
-def node_faithfulness(model, task: Task, heads: Sequence[str], rows_per_shard: Optional[int] = None,
-                      clean: Optional[Real] = None, records: Optional[Dict[int, Record]] = None) -> float:
-    """f when every head NOT in ``heads`` has its output replaced by its corrupt-run output (per shard: one
-    corrupt forward unless ``records`` holds it (``circuit_metric``), the node-view forward and, unless
-    ``clean`` = m(full) is given, one clean forward). Without post-attention norms the node-view forward is
-    a plain one with those heads' z from the corrupt run (``runs.node_run``, the corrupt forward then keeps
-    only z); with them (Gemma), the patched run of ``node_mask``."""
+def node_metric(model, task: Task, heads: Sequence[str], rows_per_shard: Optional[int] = None,
+                need_clean: bool = True, records: Optional[Dict[int, Record]] = None) -> Tuple[float, float, float]:
+    """(m, clean, corrupt) metric means when every head NOT in ``heads`` has its output replaced by its
+    corrupt-run output (embedding and MLPs recomputed); clean is NaN without ``need_clean``. Per shard: one
+    corrupt forward unless ``records`` holds that shard's record (``circuit_metric``'s; read, never filled:
+    the node view records only z), the node-view forward and, with ``need_clean``, one clean forward.
+    Without post-attention norms the node-view forward is a plain one with those heads' z from the corrupt
+    run (``runs.node_run``; its corrupt forward keeps only z, [b, p, H, e] per layer); with them (Gemma), the
+    patched run of ``node_mask``. A Ray shard job runs this on its rows (``ray_tasks.node_metric_job``)."""
     from .scores import shard_rows
 
     g = graph(model)
     task = task.to(model.W_E.device)
     rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
-    out = [tuple(map(int, name.split("."))) for name in _heads_left_out(g, heads)]
-    if z_patchable(model, g):
-        # one plain forward per shard with the left-out heads' z taken from the corrupt run (runs.node_run):
-        # the same metric as the patched run of node_mask, without its per-receiver sums
-        m = corrupt = clean_sum = 0.0
-        for j, shard in enumerate(task.shards(rows)):
-            corr = records[j] if records is not None and j in records else z_record(model, g, shard, shard.corrupt)
-            m += float(node_run(model, g, shard, corr, out).sum())
-            corrupt += float(corr.rows.sum())
-            if clean is None:
-                clean_sum += float(clean_rows(model, shard).sum())
-            del corr
-        m, corrupt = m / task.n, corrupt / task.n
-        full = clean_sum / task.n if clean is None else float(clean)
-    else:
-        (m,), full, corrupt = circuit_metric(model, task, [node_mask(g, heads)], rows, need_clean=clean is None,
+    if not z_patchable(model, g):
+        (m,), full, corrupt = circuit_metric(model, task, [node_mask(g, heads)], rows, need_clean=need_clean,
                                              records=records)
-        full = full if clean is None else float(clean)
+        return m, full, corrupt
+    # one plain forward per shard with the left-out heads' z taken from the corrupt run (runs.node_run): the
+    # same metric as the patched run of node_mask, without its per-receiver sums
+    out = [tuple(map(int, name.split("."))) for name in _heads_left_out(g, heads)]
+    m = corrupt = clean = 0.0
+    for j, shard in enumerate(task.shards(rows)):
+        corr = records[j] if records is not None and j in records else z_record(model, g, shard, shard.corrupt)
+        m += float(node_run(model, g, shard, corr, out).sum())
+        corrupt += float(corr.rows.sum())
+        if need_clean:
+            clean += float(clean_rows(model, shard).sum())
+        del corr
+    return m / task.n, clean / task.n if need_clean else float("nan"), corrupt / task.n
+
+
+def node_faithfulness(model, task: Task, heads: Sequence[str], rows_per_shard: Optional[int] = None,
+                      clean: Optional[Real] = None, records: Optional[Dict[int, Record]] = None) -> float:
+    """f of the node view of ``heads`` (``node_metric``): (m − m(corrupt)) / (m(clean) − m(corrupt)). ``clean``:
+    m(clean) when the caller has it (the curve's), sparing one clean forward per shard."""
+    m, full, corrupt = node_metric(model, task, heads, rows_per_shard, need_clean=clean is None, records=records)
+    full = full if clean is None else float(clean)
     return (m - corrupt) / (full - corrupt) if full != corrupt else float("nan")
 
 

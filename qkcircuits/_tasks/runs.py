@@ -322,7 +322,9 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
     replaced = [(L, x) for L in range(g.n_layers) for x in ("q", "k", "v")
                 if shortcut(torch.arange(g.recv_slice(L, x).start, g.recv_slice(L, x).stop)) != "all"]
     # an MLP with no edge in reads the corrupt run's input, so it gives the corrupt run's output: not run
-    known = {L: stacked(corr_out[g.mlp_sender(L)]) for L in range(g.n_layers) if g.has_mlp and SKIP_PROJECTIONS
+    # (k copies: stacked when the MLP is reached, so at most one layer's [k·b, p, d] copy exists at a time)
+    known = {L: (corr_out[g.mlp_sender(L)] if k == 1 else lambda s=g.mlp_sender(L): stacked(corr_out[s]))
+             for L in range(g.n_layers) if g.has_mlp and SKIP_PROJECTIONS
              and shortcut(torch.tensor([g.recv_slice(L, "mlp").start])) == "none"}
     with torch.no_grad(), skipped(model, replaced if SKIP_PROJECTIONS else []) as skips, known_mlps(model, known):
         hooks = _hooks(model, g, out, stream, splice, None)

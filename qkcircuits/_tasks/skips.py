@@ -29,7 +29,7 @@ hook_out IS ``hook_mlp_out`` (not Gemma's, whose post-feedforward norm comes aft
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterable, Iterator, Set, Tuple
+from typing import Callable, Dict, Iterable, Iterator, Set, Tuple, Union
 
 from torch import Tensor, nn
 
@@ -98,15 +98,19 @@ def _mlp(model, layer: int):
     return mlp
 
 
-def _known_output(mlp, value: Tensor) -> Callable:
+def _known_output(mlp, value: Union[Tensor, Callable[[], Tensor]]) -> Callable:
     def known(x: Tensor, *_, **__) -> Tensor:
-        return mlp.hook_out(value.to(x.dtype).clone())
+        # a callable builds a fresh tensor when the MLP is reached (no copy of it held before); a tensor is
+        # someone's (the corrupt record's) and is copied
+        return mlp.hook_out(value().to(x.dtype) if callable(value) else value.to(x.dtype).clone())
     return known
 
 
-def known_mlps(model, outputs: Dict[int, Tensor]):
-    """While open, layer L's MLP (for each L in ``outputs``) returns ``hook_out(outputs[L].clone())`` without
-    computing; yields the layers actually replaced. Restores every MLP on exit (also on error)."""
+def known_mlps(model, outputs: Dict[int, Union[Tensor, Callable[[], Tensor]]]):
+    """While open, layer L's MLP (for each L in ``outputs``) returns ``hook_out`` of its known output without
+    computing: ``outputs[L].clone()``, or ``outputs[L]()`` (a fresh tensor, made only when that MLP runs: a
+    caller's k stacked copies of a record then exist one layer at a time). Yields the layers actually
+    replaced. Restores every MLP on exit (also on error)."""
     mlps = {layer: (_mlp(model, layer), value) for layer, value in outputs.items()}
     return _overriding({layer: (mlp, _known_output(mlp, value)) for layer, (mlp, value) in mlps.items()
                         if mlp is not None})

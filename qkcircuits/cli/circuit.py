@@ -99,9 +99,11 @@ class _Here:
         from .._tasks.scores import shard_rows
 
         rows = shard_rows(self.model, self.graph, self.task, buffers=3)
-        (m,), clean, corrupt = circuit_metric(self.model, self.task, [circ.mask], rows)
+        # one shard: its corrupt record serves the node view too (as in ``faithfulness``)
+        records = {} if rows >= self.task.n else None
+        (m,), clean, corrupt = circuit_metric(self.model, self.task, [circ.mask], rows, records=records)
         f = (m - corrupt) / (clean - corrupt) if clean != corrupt else float("nan")
-        return f, node_faithfulness(self.model, self.task, circ.heads, rows)
+        return f, node_faithfulness(self.model, self.task, circ.heads, rows, clean=clean, records=records)
 
     def roles(self, circ, clean, corrupt):
         return circ.roles(self.model, self.task, clean=clean, corrupt=corrupt)
@@ -137,7 +139,7 @@ class _OnRay:
     def circuit_f(self, circ):
         (m,), clean, corrupt, _ = self.rt.ray_circuit_metric(self.pool, self.task, [circ.mask])
         f = (m - corrupt) / (clean - corrupt) if clean != corrupt else float("nan")
-        return f, self.rt.ray_node_faithfulness(self.pool, self.task, self.graph, circ.heads)
+        return f, self.rt.ray_node_faithfulness(self.pool, self.task, self.graph, circ.heads, clean=clean)
 
     def roles(self, circ, clean, corrupt):
         return self.rt.ray_roles(self.pool, self.task, circ, clean, corrupt)
