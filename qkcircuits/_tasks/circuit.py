@@ -444,8 +444,8 @@ def node_metric(model, task: Task, heads: Sequence[str], rows_per_shard: Optiona
                 need_clean: bool = True, records: Optional[Dict[int, Record]] = None) -> Tuple[float, float, float]:
     """(m, clean, corrupt) metric means when every head NOT in ``heads`` has its output replaced by its
     corrupt-run output (embedding and MLPs recomputed); clean is NaN without ``need_clean``. Per shard: one
-    corrupt forward unless ``records`` holds that shard's record (``circuit_metric``'s; read, never filled:
-    the node view records only z), the node-view forward and, with ``need_clean``, one clean forward.
+    corrupt forward unless ``records`` holds that shard's record (``circuit_metric``'s; the one-forward path
+    reads it and never fills it, as its own corrupt forward records only z), the node-view forward and, with ``need_clean``, one clean forward.
     Without post-attention norms the node-view forward is a plain one with those heads' z from the corrupt
     run (``runs.node_run``; its corrupt forward keeps only z, [b, p, H, e] per layer); with them (Gemma), the
     patched run of ``node_mask``. A Ray shard job runs this on its rows (``ray_tasks.node_metric_job``)."""
