@@ -204,7 +204,7 @@ def test_node_view_refuses_a_hook_z_it_cannot_patch_by_head(family, monkeypatch)
         runs.z_record(model, g, task, task.corrupt)
 
 
-def test_node_view_run_equals_the_patched_run_of_its_mask(family):
+def test_node_view_run_equals_the_patched_run_of_its_mask(family, monkeypatch):
     # runs.node_run (one plain forward, the left-out heads' z from the corrupt run) against patched_run of
     # circuit.node_mask (every edge leaving those heads reads their corrupt output, receiver by receiver); on
     # Gemma (post-attention norms) node_run refuses and node_faithfulness uses the patched run
@@ -230,15 +230,25 @@ def test_node_view_run_equals_the_patched_run_of_its_mask(family):
     f = node_faithfulness(model, task, keep)
     m_full, m_none = float(runs.clean_rows(model, task).mean()), float(corr.rows.mean())
     assert f == pytest.approx((float(want.mean()) - m_none) / (m_full - m_none), rel=1e-4, abs=1e-5)
-    # the same f from a given m(clean) and the curve's corrupt record (what faithfulness and the CLI pass), and
-    # node_metric's parts: clean NaN when not asked for, the corrupt record read, never filled
-    records = {0: corr}
-    assert node_faithfulness(model, task, keep, rows_per_shard=task.n, clean=m_full, records=records) == \
-        pytest.approx(f, rel=1e-5, abs=1e-6)
+    # the same f from a given m(clean) and the curve's corrupt record (what faithfulness and the CLI pass): the
+    # record is read (no corrupt forward of its own) and a given dict is never filled on the one-forward path
+    from qkcircuits._tasks import circuit as circuit_mod
+
+    def no_forward(*a, **k):
+        raise AssertionError("node_metric ran its own corrupt forward although the record was given")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(circuit_mod, "z_record", no_forward)
+        mp.setattr(circuit_mod, "record", no_forward)
+        assert node_faithfulness(model, task, keep, rows_per_shard=task.n, clean=m_full, records={0: corr}) == \
+            pytest.approx(f, rel=1e-5, abs=1e-6)
+    # node_metric's parts: clean NaN when not asked for; two-row shards sum to the same m, clean and corrupt
     m, c, z = node_metric(model, task, keep, need_clean=False)
     assert math.isnan(c) and m == pytest.approx(float(want.mean()), abs=1e-5) and z == pytest.approx(m_none, abs=1e-6)
-    assert list(records) == [0] and node_metric(model, task, keep, rows_per_shard=2, records={})[1] == \
-        pytest.approx(m_full, abs=1e-5)
+    untouched = {}
+    m2, c2, z2 = node_metric(model, task, keep, rows_per_shard=2, records=untouched)
+    assert (m2, c2, z2) == pytest.approx((float(want.mean()), m_full, m_none), abs=1e-5)
+    assert (untouched == {}) == (name != "gemma3")          # Gemma's path is circuit_metric's, which fills it
     assert runs.node_run(model, g, task, corr, []) is None or torch.allclose(
         runs.node_run(model, g, task, corr, []), runs.clean_rows(model, task), atol=1e-5)
 

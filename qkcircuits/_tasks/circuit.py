@@ -441,9 +441,11 @@ def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: i
 
 
 def node_metric(model, task: Task, heads: Sequence[str], rows_per_shard: Optional[int] = None,
-                need_clean: bool = True, records: Optional[Dict[int, Record]] = None) -> Tuple[float, float, float]:
+                need_clean: bool = True, records: Optional[Dict[int, Record]] = None
+                ) -> Tuple[float, float, float]:
     """(m, clean, corrupt) metric means when every head NOT in ``heads`` has its output replaced by its
-    corrupt-run output (embedding and MLPs recomputed); clean is NaN without ``need_clean``. Per shard: one
+    corrupt-run output (embedding and MLPs recomputed); without ``need_clean`` clean is NaN (or, where the
+    patched run is used and ``heads`` keeps every head, the full mask's value, which is m(clean)). Per shard: one
     corrupt forward unless ``records`` holds that shard's record (``circuit_metric``'s; the one-forward path
     reads it and never fills it, as its own corrupt forward records only z), the node-view forward and, with ``need_clean``, one clean forward.
     Without post-attention norms the node-view forward is a plain one with those heads' z from the corrupt
