@@ -254,13 +254,13 @@ def test_node_view_run_equals_the_patched_run_of_its_mask(family, monkeypatch):
 
 
 @pytest.mark.parametrize("version, q_lora_rank", [(3, 32), (2, None)])
-def test_patched_forward_identities_on_latent_attention(version, q_lora_rank, tmp_path_factory):
+def test_patched_forward_identities_on_latent_attention(version, q_lora_rank, tmp_path_factory, monkeypatch):
     """DeepSeek-V2/V3 (MLA): each head's q/k/v input is recomputed through the latent from its own residual
     (runs.check_graph compares them with the model's hooks), and the same identities hold."""
     model = qk.load(str(deepseek_dir(tmp_path_factory, version=version, q_lora_rank=q_lora_rank)), verbose=False)
     test_patched_forward_identities((f"deepseek-v{version}", model))
     test_exact_edges_into_logits_match_a_direct_computation((f"deepseek-v{version}", model))
-    test_node_view_run_equals_the_patched_run_of_its_mask((f"deepseek-v{version}", model))
+    test_node_view_run_equals_the_patched_run_of_its_mask((f"deepseek-v{version}", model), monkeypatch)
 
 
 def test_exact_edges_into_logits_match_a_direct_computation(family):
