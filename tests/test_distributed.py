@@ -269,7 +269,7 @@ def test_task_scores_and_faithfulness_on_ray_equal_local(llama, ray_local):
         rfaith = rt.ray_faithfulness(None, task, local["eap-ig"], sizes=(1, 10, 50, 100), pool=pool, progress=False)
         # the node view alone, m(clean) measured on the shards too (the CLI's --edges path passes it)
         few = faith.circuit.heads[:2]
-        rnode = rt.ray_node_faithfulness(pool, task, faith.circuit.graph, few)
+        rnode = rt.ray_node_faithfulness(pool, task, few)
     assert rnode == pytest.approx(qk.node_faithfulness(model, task, few), abs=1e-4)
     for m, res in remote.items():
         assert res.settings["backend"]["shards"] == 4 and res.settings["backend"]["workers"] == 2

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._foundation.errors import QKCircuitsError
-from .._tasks.circuit import SIZES, THRESHOLD, Circuit, Faithfulness, circuit_metric, node_metric, select
+from .._tasks.circuit import SIZES, THRESHOLD, Circuit, Faithfulness, circuit_metric, node_metric, ratio, select
 from .._tasks.graph import graph
 from .._tasks.scores import METHODS, EdgeScores, NodeScores, edge_scores, node_scores, shard_rows
 from .._tasks.task import Task
@@ -214,20 +214,15 @@ def ray_circuit_metric(pool: Pool, task: Task, masks: Sequence[torch.Tensor], ro
             _backend(pool, shards, parts, t0))
 
 
-def _ratio(m: float, clean: float, corrupt: float) -> float:
-    return (m - corrupt) / (clean - corrupt) if clean != corrupt else float("nan")
-
-
 def _trapezoid(xs: Sequence[float], ys: Sequence[float]) -> float:
     return float(sum((xs[i + 1] - xs[i]) * (ys[i + 1] + ys[i]) / 2 for i in range(len(xs) - 1)))
 
 
-def ray_node_faithfulness(pool: Pool, task: Task, g, heads: Sequence[str],
+def ray_node_faithfulness(pool: Pool, task: Task, heads: Sequence[str],
                           rows_per_shard: Optional[int] = None, clean: Optional[Real] = None) -> float:
     """``node_faithfulness`` from prompt shards on ``pool``: each shard runs the local ``node_metric`` (one
     forward with the left-out heads' corrupt z where the model allows it), f from the summed metrics,
-    computed once. ``clean``: m(clean) when the caller has it (the curve's), sparing the clean forwards.
-    ``g`` (the driver's graph) is accepted for the callers' sake; the workers use their own."""
+    computed once. ``clean``: m(clean) when the caller has it (the curve's), sparing the clean forwards."""
     task = _check_task(task)
     shards = plan_rows(task.n, pool.size)
     jobs = [{"rows": r, "heads": list(heads), "need_clean": clean is None, "rows_per_shard": rows_per_shard}
@@ -236,7 +231,7 @@ def ray_node_faithfulness(pool: Pool, task: Task, g, heads: Sequence[str],
                      desc="node view (ray)")
     n = task.n
     full = sum(p["clean"] for p in parts) / n if clean is None else float(clean)
-    return _ratio(sum(p["value"] for p in parts) / n, full, sum(p["corrupt"] for p in parts) / n)
+    return ratio(sum(p["value"] for p in parts) / n, full, sum(p["corrupt"] for p in parts) / n)
 
 
 def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: str = "signed",
@@ -251,18 +246,17 @@ def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: s
     if not sizes or sizes[0] < 0 or sizes[-1] > 100:
         raise QKCircuitsError(f"sizes must be percents in 0-100, got {sizes!r}")
     task = _check_task(task)
-    g = scores.graph
     circuits = [select(scores, percent=p, by=by, **selection) for p in sizes]   # the driver selects (no model)
     pool, own = _pool(spec, pool, ray_address, workers, threads, load_kwargs, progress)
     try:
         t0 = time.perf_counter()
         values, clean, corrupt, backend = ray_circuit_metric(pool, task, [c.mask for c in circuits], rows_per_shard)
-        f = [_ratio(v, clean, corrupt) for v in values]
+        f = [ratio(v, clean, corrupt) for v in values]
         curve = dict(zip(sizes, f))
         chosen = next((p for p, v in curve.items() if v >= threshold), sizes[-1])
         circuit = circuits[sizes.index(chosen)]
         t1 = time.perf_counter()
-        nf = ray_node_faithfulness(pool, task, g, circuit.heads, rows_per_shard, clean=clean)
+        nf = ray_node_faithfulness(pool, task, circuit.heads, rows_per_shard, clean=clean)
     finally:
         if own:
             pool.close()

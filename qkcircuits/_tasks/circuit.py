@@ -440,14 +440,21 @@ def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: i
     return [s / task.n for s in sums], clean / task.n, corrupt / task.n
 
 
+def ratio(m: float, clean: float, corrupt: float) -> float:
+    """f = (m − m(corrupt)) / (m(clean) − m(corrupt)); NaN when clean and corrupt are equal. The one formula
+    every faithfulness number (curve, node view, CLI, Ray) goes through."""
+    return (m - corrupt) / (clean - corrupt) if clean != corrupt else float("nan")
+
+
 def node_metric(model, task: Task, heads: Sequence[str], rows_per_shard: Optional[int] = None,
                 need_clean: bool = True, records: Optional[Dict[int, Record]] = None
                 ) -> Tuple[float, float, float]:
     """(m, clean, corrupt) metric means when every head NOT in ``heads`` has its output replaced by its
     corrupt-run output (embedding and MLPs recomputed); without ``need_clean`` clean is NaN (or, where the
-    patched run is used and ``heads`` keeps every head, the full mask's value, which is m(clean)). Per shard: one
-    corrupt forward unless ``records`` holds that shard's record (``circuit_metric``'s; the one-forward path
-    reads it and never fills it, as its own corrupt forward records only z), the node-view forward and, with ``need_clean``, one clean forward.
+    patched run is used and ``heads`` keeps every head, the full mask's value, which is m(clean)). Per
+    shard: one corrupt forward unless ``records`` holds that shard's record (``circuit_metric``'s; the
+    one-forward path reads it and never fills it, as its own corrupt forward records only z), the node-view
+    forward and, with ``need_clean``, one clean forward.
     Without post-attention norms the node-view forward is a plain one with those heads' z from the corrupt
     run (``runs.node_run``; its corrupt forward keeps only z, [b, p, H, e] per layer); with them (Gemma), the
     patched run of ``node_mask``. A Ray shard job runs this on its rows (``ray_tasks.node_metric_job``)."""
@@ -479,8 +486,7 @@ def node_faithfulness(model, task: Task, heads: Sequence[str], rows_per_shard: O
     """f of the node view of ``heads`` (``node_metric``): (m − m(corrupt)) / (m(clean) − m(corrupt)). ``clean``:
     m(clean) when the caller has it (the curve's), sparing one clean forward per shard."""
     m, full, corrupt = node_metric(model, task, heads, rows_per_shard, need_clean=clean is None, records=records)
-    full = full if clean is None else float(clean)
-    return (m - corrupt) / (full - corrupt) if full != corrupt else float("nan")
+    return ratio(m, full if clean is None else float(clean), corrupt)
 
 
 def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by: str = "signed",
@@ -515,8 +521,7 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     records: Optional[Dict[int, Record]] = {} if rows >= task.n else None
     values, clean, corrupt = circuit_metric(model, task, [c.mask for c in circuits], rows, progress,
                                             records=records)
-    denom = clean - corrupt
-    f = [(v - corrupt) / denom if denom != 0 else float("nan") for v in values]
+    f = [ratio(v, clean, corrupt) for v in values]
     curve = dict(zip(sizes, f))
     chosen = next((p for p, v in curve.items() if v >= threshold), sizes[-1])
     circuit = circuits[sizes.index(chosen)]

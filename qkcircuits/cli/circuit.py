@@ -95,15 +95,14 @@ class _Here:
         return faithfulness(self.model, self.task, scores, **kw)
 
     def circuit_f(self, circ):
-        from .._tasks.circuit import circuit_metric, node_faithfulness
+        from .._tasks.circuit import circuit_metric, node_faithfulness, ratio
         from .._tasks.scores import shard_rows
 
         rows = shard_rows(self.model, self.graph, self.task, buffers=3)
         # one shard: its corrupt record serves the node view too (as in ``faithfulness``)
         records = {} if rows >= self.task.n else None
         (m,), clean, corrupt = circuit_metric(self.model, self.task, [circ.mask], rows, records=records)
-        f = (m - corrupt) / (clean - corrupt) if clean != corrupt else float("nan")
-        return f, node_faithfulness(self.model, self.task, circ.heads, rows, clean=clean, records=records)
+        return ratio(m, clean, corrupt), node_faithfulness(self.model, self.task, circ.heads, rows, clean=clean, records=records)
 
     def roles(self, circ, clean, corrupt):
         return circ.roles(self.model, self.task, clean=clean, corrupt=corrupt)
@@ -138,8 +137,8 @@ class _OnRay:
 
     def circuit_f(self, circ):
         (m,), clean, corrupt, _ = self.rt.ray_circuit_metric(self.pool, self.task, [circ.mask])
-        f = (m - corrupt) / (clean - corrupt) if clean != corrupt else float("nan")
-        return f, self.rt.ray_node_faithfulness(self.pool, self.task, self.graph, circ.heads, clean=clean)
+        return self.rt.ratio(m, clean, corrupt), self.rt.ray_node_faithfulness(self.pool, self.task, circ.heads,
+                                                                                clean=clean)
 
     def roles(self, circ, clean, corrupt):
         return self.rt.ray_roles(self.pool, self.task, circ, clean, corrupt)
