@@ -444,6 +444,38 @@ def test_ctrl_c_inside_a_library_string_exec_still_exits_130_under_python_m(tmp_
     assert (r.returncode, r.stderr.strip()) == (130, "interrupted"), (r.returncode, r.stderr)
 
 
+def test_ctrl_c_during_the_torch_import_is_held_until_torch_is_imported(tmp_path):
+    # The 0.5 s race above once aborted the process (exit -6, "terminate called after throwing an instance
+    # of 'pybind11::error_already_set'"): the KeyboardInterrupt was raised inside a C++ call of torch's
+    # import. Made certain here: SIGINT arrives while torch.autograd is being imported. The CLI must hold
+    # it until torch is whole, then exit 130 with "interrupted" (a raise mid-import leaves torch partial).
+    (tmp_path / "ctrl_c_torch_probe.py").write_text(
+        "import os, signal, sys\n"
+        "class SignalOnAutograd:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch.autograd':\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, SignalOnAutograd())\n"
+        "from qkcircuits import cli\n"
+        "code = cli.main(['scan', 'toy-induction', '--quiet', '--json', sys.argv[1]])\n"
+        "torch = sys.modules.get('torch')\n"
+        "print(code, torch is not None and hasattr(torch, 'autograd') and hasattr(torch, 'nn'))\n")
+    out = tmp_path / "s.json"
+    r = subprocess.run([sys.executable, str(tmp_path / "ctrl_c_torch_probe.py"), str(out)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300, env=_env())
+    assert r.returncode == 0 and r.stdout.split() == ["130", "True"], (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.strip() == "interrupted" and not out.exists(), r.stderr
+
+
+def test_the_cache_command_imports_no_torch(tmp_path):
+    code = ("import sys; from qkcircuits import cli; rc = cli.main(['cache', 'show']); "
+            "print(rc, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**_env(), "QKCIRCUITS_CACHE": str(tmp_path)})
+    assert r.stdout.strip().splitlines()[-1] == "0 False", (r.stdout, r.stderr)
+
+
 def test_sigterm_during_an_atomic_write_leaves_no_temporary_file(tmp_path):
     code = ("import sys; from qkcircuits._foundation.io import write_atomic; print('go', flush=True); "
             "[write_atomic(sys.argv[1], 'x' * (64 << 20)) for _ in range(200)]")

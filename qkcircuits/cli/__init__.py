@@ -25,6 +25,8 @@ from .._foundation.io import Terminated
 # Subcommand modules, in the order `--help` lists them.
 COMMANDS = ["scan", "circuits", "ablate", "diagnose", "report", "serve", "trace", "circuit", "zoo", "cache"]
 DEBUG_HINT = "set QKCIRCUITS_DEBUG=1 for the traceback"
+# Subcommands that never import torch (the rest import it first, with Ctrl-C held: see _import_torch).
+TORCH_FREE = {"cache"}
 
 
 class Parser(argparse.ArgumentParser):
@@ -57,6 +59,27 @@ def _on_sigint(signum, frame) -> NoReturn:
     raise KeyboardInterrupt
 
 
+def _import_torch() -> None:
+    """Import torch with Ctrl-C held until the import is done, then act on it.
+
+    torch's import runs C++ (pybind11) that calls back into Python; a KeyboardInterrupt raised by the
+    handler inside such a call cannot cross the C++ frames, and the process aborts ("terminate called
+    after throwing an instance of 'pybind11::error_already_set'", exit -6; seen in CI with Ctrl-C at
+    0.5 s). Holding the signal for the import (~1.4 s here) turns that abort into a clean exit 130.
+    """
+    if "torch" in sys.modules or threading.current_thread() is not threading.main_thread():
+        import torch  # noqa: F401  (already imported, or no handler of ours to hold)
+        return
+    held: List[int] = []
+    ours = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        import torch  # noqa: F401,F811
+    finally:
+        signal.signal(signal.SIGINT, ours)
+    if held:
+        _on_sigint(signal.SIGINT, None)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run one subcommand; returns the exit code (0 ok, 1 a bug, 2 bad input, 130 Ctrl-C, 143 SIGTERM)."""
     previous = None
@@ -68,6 +91,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from ._common import check_paths
 
         check_paths(args)                         # outputs vs inputs, before any work
+        if args.command not in TORCH_FREE:
+            _import_torch()
         return int(args.func(args) or 0)
     except QKCircuitsError as e:
         print(f"error: {e}", file=sys.stderr)
