@@ -5,6 +5,8 @@
 >>> path = tiny_gguf(tmp / "llama.gguf", folder)     # doctest: +SKIP  the same Llama as an F32 GGUF
 >>> folder = tiny_llama_mqa(tmp / "mqa")             # doctest: +SKIP  one KV head for all 4 query heads
 >>> folder = tiny_gemma3(tmp / "gemma3")             # doctest: +SKIP  QK-norm, sliding window, rotary per layer type
+>>> folder = tiny_neox(tmp / "neox")                 # doctest: +SKIP  parallel blocks, partial rotary (Pythia)
+>>> folder = tiny_gptj(tmp / "gptj")                 # doctest: +SKIP  parallel blocks sharing one norm
 
 Every checkpoint carries a REAL byte-level BPE tokenizer trained on ``qkcircuits.natural_text()``
 (400 tokens, ``<|endoftext|>`` = id 0 as BOS/EOS), so text maps to many distinct ids; REFERENCE.md's
@@ -127,6 +129,36 @@ def tiny_gemma3(folder: Path, *, tokenizer=None) -> Path:
     torch.manual_seed(SEED + 2)
     model = Gemma3ForCausalLM(cfg).eval()
     _perturb(model, SEED + 2)
+    return _save(folder, model, tok)
+
+
+def tiny_neox(folder: Path, *, tokenizer=None) -> Path:
+    """GPT-NeoX / Pythia with PARALLEL blocks (``resid + attn(ln1(resid)) + mlp(ln2(resid))``): 2 layers, 4 heads
+    x 8, fused per-head [q | k | v] projection with biases, partial rotary (half of each head's dims), LayerNorm."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    tok = tokenizer if tokenizer is not None else bpe_tokenizer()
+    cfg = GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                        max_position_embeddings=N_CTX, vocab_size=len(tok), initializer_range=0.2, rotary_pct=0.5,
+                        use_parallel_residual=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(SEED + 4)
+    model = GPTNeoXForCausalLM(cfg).eval()
+    _perturb(model, SEED + 4)
+    return _save(folder, model, tok)
+
+
+def tiny_gptj(folder: Path, *, tokenizer=None) -> Path:
+    """GPT-J: PARALLEL blocks with ONE LayerNorm (ln_1) read by both attention and MLP, 2 layers, 4 heads x 8,
+    interleaved rotary on 4 dims per head, no q/k/v biases."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    tok = tokenizer if tokenizer is not None else bpe_tokenizer()
+    cfg = GPTJConfig(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=N_CTX, n_inner=64,
+                     vocab_size=len(tok), initializer_range=0.2, bos_token_id=tok.bos_token_id,
+                     eos_token_id=tok.eos_token_id)
+    torch.manual_seed(SEED + 5)
+    model = GPTJForCausalLM(cfg).eval()
+    _perturb(model, SEED + 5)
     return _save(folder, model, tok)
 
 
@@ -263,6 +295,14 @@ def llama_mqa_dir(tmp_path_factory) -> Path:
 
 def gemma3_dir(tmp_path_factory) -> Path:
     return _once("gemma3", tmp_path_factory, lambda d: tiny_gemma3(d))
+
+
+def neox_dir(tmp_path_factory) -> Path:
+    return _once("neox", tmp_path_factory, lambda d: tiny_neox(d))
+
+
+def gptj_dir(tmp_path_factory) -> Path:
+    return _once("gptj", tmp_path_factory, lambda d: tiny_gptj(d))
 
 
 def gguf_path(tmp_path_factory) -> Path:

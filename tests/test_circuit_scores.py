@@ -22,9 +22,9 @@ from qkcircuits._foundation.stats import spearman
 from qkcircuits._tasks import runs
 from qkcircuits._tasks.task import metric_higher_is_better
 
-from _tiny import deepseek_dir, gemma3_dir, gpt2_dir, llama_dir
+from _tiny import deepseek_dir, gemma3_dir, gpt2_dir, gptj_dir, llama_dir, neox_dir
 
-FAMILIES = {"gpt2": gpt2_dir, "llama-gqa": llama_dir, "gemma3": gemma3_dir}
+FAMILIES = {"gpt2": gpt2_dir, "llama-gqa": llama_dir, "gemma3": gemma3_dir, "neox": neox_dir, "gptj": gptj_dir}
 
 
 def pair_task(model, n=16, p=10, seed=0):
@@ -51,8 +51,14 @@ def test_graph_counts(hand_built, family):
     g = qk.graph(model)
     L, H, G = model.cfg.n_layers, model.cfg.n_heads, qk.n_kv_heads(model)
     per = H + 2 * G + 1                                        # q per head, k/v per KV head, the MLP
-    want = sum((H + 2 * G) * (1 + l * (H + 1)) + (1 + l * (H + 1) + H) for l in range(L)) + 1 + L * (H + 1)
+    # a sequential MLP also reads its own layer's H heads; a parallel block's MLP reads what its heads read
+    parallel = name in ("neox", "gptj")
+    assert g.parallel == parallel
+    own = 0 if parallel else H
+    want = sum((H + 2 * G) * (1 + l * (H + 1)) + (1 + l * (H + 1) + own) for l in range(L)) + 1 + L * (H + 1)
     assert g.n_receivers == L * per + 1 and g.n_edges == want
+    head_to_own_mlp = g.valid[g.senders.index("1.0"), g.receivers.index(("mlp1", "in"))]
+    assert bool(head_to_own_mlp) is not parallel and bool(g.valid[g.senders.index("0.0"), g.receivers.index(("mlp1", "in"))])
     assert ("0.kv1" if G != H else "0.1", "k") in g.receivers
 
 
@@ -73,6 +79,11 @@ def test_patched_forward_identities(family):
     scores = qk.edge_scores(model, task, method="eap", progress=False)
     f = qk.faithfulness(model, task, scores, sizes=(0, 5, 100), progress=False)
     assert f.curve[100.0] == 1.0 and f.curve[0.0] == 0.0
+    # the graph's kind of block survives JSON (a parallel model's scores have no head → own-MLP edges)
+    back = qk.EdgeScores.from_json(scores.to_json())
+    assert back.graph.parallel == g.parallel and torch.equal(back.graph.valid, g.valid)
+    circ = qk.TaskCircuit.from_json(scores.circuit(percent=50).to_json())
+    assert circ.graph.parallel == g.parallel
 
 
 def test_patched_forward_every_way_of_reading_deltas_agrees(family, monkeypatch):
@@ -330,24 +341,40 @@ def _hf_edge_effects(folder, task, edges, eps=1e-3):
     cfg = hf.config
     H = cfg.num_attention_heads
     dh = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    if hasattr(hf, "transformer"):                                   # GPT-2: fused c_attn, Conv1D (x @ W + b)
+    kind = cfg.model_type
+    lin = lambda m, x: torch.nn.functional.linear(x, m.weight, m.bias)   # noqa: E731
+    head_w = lambda W, h: W[:, h * dh:(h + 1) * dh].T                    # noqa: E731
+    post = None
+    if kind == "gpt2":                                               # fused c_attn, Conv1D (x @ W + b)
         layers, final = hf.transformer.h, hf.transformer.ln_f
         ln1, ln2 = (lambda l: l.ln_1), (lambda l: l.ln_2)
-        proj = {x: (lambda l, x=x: (l.attn.c_attn, "qkv".index(x) * cfg.hidden_size)) for x in "qkv"}
-        o_proj, mlp_out, post = (lambda l: l.attn.c_proj), (lambda l: l.mlp), None
+        proj = {x: (lambda l: l.attn.c_attn) for x in "qkv"}
+        col = lambda x, i: "qkv".index(x) * cfg.hidden_size + i * dh    # noqa: E731
+        o_proj, mlp_out = (lambda l: l.attn.c_proj), (lambda l: l.mlp)
         lin = lambda m, x: x @ m.weight + m.bias                       # noqa: E731
         head_w = lambda W, h: W[h * dh:(h + 1) * dh]                   # noqa: E731
+    elif kind == "gpt_neox":                                         # parallel: the MLP reads ln2(resid_pre)
+        layers, final = hf.gpt_neox.layers, hf.gpt_neox.final_layer_norm
+        ln1, ln2 = (lambda l: l.input_layernorm), (lambda l: l.post_attention_layernorm)
+        proj = {x: (lambda l: l.attention.query_key_value) for x in "qkv"}
+        col = lambda x, i: i * 3 * dh + "qkv".index(x) * dh            # noqa: E731  per head [q | k | v]
+        o_proj, mlp_out = (lambda l: l.attention.dense), (lambda l: l.mlp)
+    elif kind == "gptj":                                             # parallel, ONE norm for attention and MLP
+        layers, final = hf.transformer.h, hf.transformer.ln_f
+        ln1 = ln2 = (lambda l: l.ln_1)
+        proj = {x: (lambda l, x=x: getattr(l.attn, f"{x}_proj")) for x in "qkv"}
+        col = lambda x, i: i * dh                                      # noqa: E731
+        o_proj, mlp_out = (lambda l: l.attn.out_proj), (lambda l: l.mlp)
     else:
         layers, final = hf.model.layers, hf.model.norm
         gem = hasattr(layers[0], "pre_feedforward_layernorm")
         ln1 = lambda l: l.input_layernorm                              # noqa: E731
         ln2 = (lambda l: l.pre_feedforward_layernorm) if gem else (lambda l: l.post_attention_layernorm)
-        proj = {x: (lambda l, x=x: (getattr(l.self_attn, f"{x}_proj"), 0)) for x in "qkv"}
+        proj = {x: (lambda l, x=x: getattr(l.self_attn, f"{x}_proj")) for x in "qkv"}
+        col = lambda x, i: i * dh                                      # noqa: E731
         o_proj = lambda l: l.self_attn.o_proj                          # noqa: E731
         mlp_out = (lambda l: l.post_feedforward_layernorm) if gem else (lambda l: l.mlp)
         post = (lambda l: l.post_attention_layernorm) if gem else None
-        lin = lambda m, x: torch.nn.functional.linear(x, m.weight, m.bias)    # noqa: E731
-        head_w = lambda W, h: W[:, h * dh:(h + 1) * dh].T              # noqa: E731
     rec, clean, patch, handles = {}, {}, {}, []
 
     def keep(key, out=False):
@@ -358,7 +385,7 @@ def _hf_edge_effects(folder, task, edges, eps=1e-3):
             if (x, L) not in patch:
                 return None
             i, d = patch[(x, L)]
-            cols = slice(proj[x](layers[L])[1] + i * dh, proj[x](layers[L])[1] + (i + 1) * dh)
+            cols = slice(col(x, i), col(x, i) + dh)
             o = o.clone()
             o[..., cols] = lin(m, ln1(layers[L])(clean[("pre", L)] - d))[..., cols]
             return o
@@ -368,12 +395,13 @@ def _hf_edge_effects(folder, task, edges, eps=1e-3):
         return lambda m, a: (ln2(layers[L])(clean[("mid", L)] - patch[("mlp", L)]),) if ("mlp", L) in patch else None
 
     for L, lay in enumerate(layers):
+        # a parallel block's ln2 reads resid_pre, so "mid" is the residual its MLP reads in either kind
         handles += [ln1(lay).register_forward_pre_hook(keep(("pre", L))),
                     o_proj(lay).register_forward_hook(keep(("zy", L), out=True)),
                     ln2(lay).register_forward_pre_hook(keep(("mid", L))),
                     mlp_out(lay).register_forward_hook(keep(("mlp", L), out=True)),
                     lay.mlp.register_forward_pre_hook(mlp_hook(L))]
-        handles += [proj[x](lay)[0].register_forward_hook(proj_hook(L, x)) for x in "qkv"]
+        handles += [proj[x](lay).register_forward_hook(proj_hook(L, x)) for x in "qkv"]
     handles.append(final.register_forward_pre_hook(
         lambda m, a: (clean["final"] - patch["logits"],) if "logits" in patch else keep("final")(m, a)))
     rows = torch.arange(task.n)
@@ -402,7 +430,7 @@ def _hf_edge_effects(folder, task, edges, eps=1e-3):
         corr, _ = senders(task.corrupt)
         cln, clean_rec = senders(task.clean)
         clean.update(clean_rec)
-        if post is None and not hasattr(hf, "transformer"):     # Llama: the final residual is the senders' sum
+        if post is None and kind not in ("gpt2", "gpt_neox", "gptj"):   # Llama: the final residual is the senders' sum
             assert (sum(cln.values()) - clean["final"]).abs().max() < 1e-9
         m0 = metric()
         out = {}

@@ -298,3 +298,14 @@ def test_cli_errors_exit_2_without_traceback(tmp_path, gguf_file, capsys, monkey
     assert "Traceback" not in err and out == ""
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "truncated or corrupt" in errors[0], err[-2000:]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "neox"])
+def test_a_relative_folder_named_like_a_hub_alias_loads_the_folder(name, gpt2_dir, tmp_path, monkeypatch):
+    # TransformerLens reads a bare "gpt2" / "neox" as a hub name (alias of EleutherAI/gpt-neox-20b), so a local
+    # folder of that name was sent to the hub (offline: "couldn't connect"). The folder is what was asked for.
+    _tiny.copy_folder(gpt2_dir, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    model = qk.load(name, verbose=False)
+    assert model.cfg.n_layers == 2 and model.cfg.d_model == 32          # the tiny folder, not the hub model
+    assert qk._foundation.model.model_name(model) == name                # results keep the name as given

@@ -240,7 +240,11 @@ def _load_local(path: Path, dev, dtype, device_map) -> TransformerBridge:
     if gguf is not None:
         return _load_gguf(gguf, dev, dtype, device_map)
     with _hub_offline():
-        return _boot(str(path), dev, dtype, device_map, label=str(path), local=True)
+        # the absolute path: TransformerLens reads a bare folder name such as "neox" or "gpt2" as a hub alias
+        # (seen: a local ./neox folder sent to EleutherAI/gpt-neox-20b); results keep the name as given
+        bridge = _boot(str(path.resolve()), dev, dtype, device_map, label=str(path), local=True)
+    bridge.cfg.model_name = str(path)
+    return bridge
 
 
 def _hub_precheck(name: str) -> bool:

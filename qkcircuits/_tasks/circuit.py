@@ -166,7 +166,8 @@ class Circuit(Result):
     @classmethod
     def _from_dict(cls, d: Dict[str, object]) -> "Circuit":
         gd = d["graph"]
-        g = Graph(gd["n_layers"], gd["n_heads"], gd["n_kv_heads"], gd["mlps"], str(d.get("model", "")))
+        g = Graph(gd["n_layers"], gd["n_heads"], gd["n_kv_heads"], gd["mlps"], str(d.get("model", "")),
+                  bool(gd.get("parallel", False)))
         mask = torch.zeros(g.n_senders, g.n_receivers, dtype=torch.bool)
         scores = torch.full((g.n_senders, g.n_receivers), float("nan"))
         s_at = {n: i for i, n in enumerate(g.senders)}

@@ -13,7 +13,9 @@ Receiver inputs: ``("L.H", "q")`` per query head; ``("L.G", "k")`` and ``("L.G",
 (with grouped-query attention the k and v inputs belong to the KV head, written ``"L.kvG"``, which query
 heads G·group … G·group+group−1 share); ``("mlpL", "in")``; ``("logits", "in")``. An edge is a sender whose
 output is added to the residual stream before the receiver reads it (heads of layer L feed MLP L and
-everything from layer L+1).
+everything from layer L+1). In a PARALLEL block (GPT-J, GPT-NeoX / Pythia, Phi-1/2, Falcon:
+``resid_post = resid_pre + attn(ln1(resid_pre)) + mlp(ln2(resid_pre))``) MLP L reads the residual its layer's
+heads read, so they do not feed it: ``Graph.parallel``, and MLP L's senders are those of the heads of layer L.
 
 Residual semantics (the same as path patching's): every sender has one output per run, added to the
 residual — a head's is ``z_h W_O[h]`` (under Gemma's post-attention norm, its share of the normed layer
@@ -51,6 +53,7 @@ class Graph:
     n_kv: int
     has_mlp: bool
     model_name: str = ""
+    parallel: bool = False          # attention and MLP of a block read the same residual (no head → own-MLP edge)
 
     # ---------------------------------------------------------------------------------------- senders
     @cached_property
@@ -104,7 +107,8 @@ class Graph:
         if r == self.logits_receiver:
             return self.n_senders
         layer, off = divmod(r, self.per_layer)
-        return self.mlp_sender(layer) if off == self.per_layer - 1 and self.has_mlp else self.head_sender(layer)
+        own_heads = off == self.per_layer - 1 and self.has_mlp and not self.parallel
+        return self.mlp_sender(layer) if own_heads else self.head_sender(layer)
 
     @cached_property
     def valid(self) -> Tensor:
@@ -148,13 +152,13 @@ class Graph:
     def to_dict(self) -> Dict[str, object]:
         return {"n_nodes": self.n_nodes, "n_senders": self.n_senders, "n_receivers": self.n_receivers,
                 "n_edges": self.n_edges, "n_layers": self.n_layers, "n_heads": self.n_heads,
-                "n_kv_heads": self.n_kv, "mlps": self.has_mlp,
+                "n_kv_heads": self.n_kv, "mlps": self.has_mlp, "parallel": self.parallel,
                 "kv_note": "k and v inputs belong to the key-value head" if self.n_kv != self.n_heads else ""}
 
     def __repr__(self) -> str:
         kv = f", {self.n_kv} KV heads (k/v inputs per KV head)" if self.n_kv != self.n_heads else ""
         return (f"Graph({self.model_name or 'model'}: {self.n_layers} layers x {self.n_heads} heads{kv}"
-                f"{', MLPs' if self.has_mlp else ''}; {self.n_nodes} nodes, {self.n_receivers} receiver inputs, "
+                f"{', MLPs' if self.has_mlp else ''}{' (parallel blocks)' if self.parallel else ''}; {self.n_nodes} nodes, {self.n_receivers} receiver inputs, "
                 f"{self.n_edges} edges)")
 
 
@@ -164,7 +168,17 @@ def graph(model) -> Graph:
 
     cfg = model.cfg
     has_mlp = all(getattr(b, "mlp", None) is not None for b in model.blocks)
-    return Graph(cfg.n_layers, cfg.n_heads, n_kv_heads(model), has_mlp, model_name(model))
+    return Graph(cfg.n_layers, cfg.n_heads, n_kv_heads(model), has_mlp, model_name(model), parallel_blocks(model))
+
+
+def parallel_blocks(model) -> bool:
+    """Whether every block's MLP reads the block's input residual, as its attention does (GPT-J, GPT-NeoX with
+    ``use_parallel_residual``, Phi-1/2, Falcon): TransformerLens says so in ``cfg.parallel_attn_mlp`` and
+    wraps such blocks in ``ParallelBlockBridge`` (which has no ``hook_resid_mid``)."""
+    kinds = {type(b).__name__ == "ParallelBlockBridge" for b in model.blocks}
+    if len(kinds) > 1:
+        raise QKCircuitsError("this model mixes parallel and sequential blocks; the circuit graph needs one kind")
+    return bool(getattr(model.cfg, "parallel_attn_mlp", False)) or kinds == {True}
 
 
 # ------------------------------------------------------------------------------------------ architecture bits
@@ -241,8 +255,11 @@ def split_qkv_from_residuals(model, layer: int, into: str, resid: Float[Tensor, 
 
 
 def mlp_input(model, layer: int, resid: Tensor) -> Tensor:
-    """What MLP ``layer`` reads (``mlp.hook_in``) from a residual: its ln2 recomputed."""
-    return model.blocks[layer].ln2(resid)
+    """What MLP ``layer`` reads (``mlp.hook_in``) from a residual: its ln2 recomputed (GPT-J's parallel block
+    has one norm, ln1, for its attention and its MLP)."""
+    blk = model.blocks[layer]
+    ln2 = getattr(blk, "ln2", None)
+    return (ln2 if ln2 is not None else blk.ln1)(resid)
 
 
 def logits_input(model, resid: Tensor) -> Tensor:

@@ -51,6 +51,8 @@ def _hooks(model, g: Graph, out: Optional[Tensor], stream: Dict[Key, Tensor], sp
             if L == 0 and grad:           # frozen weights: the embedding is where the gradient graph starts
                 t = t.detach().requires_grad_(True)
             stream[("attn", L)] = t
+            if g.parallel and g.has_mlp:  # a parallel block's MLP reads the same residual as its attention
+                stream[("mlp", L)] = t
             if L == 0 and out is not None:
                 out[0] = t.detach()
             return t
@@ -100,7 +102,8 @@ def _hooks(model, g: Graph, out: Optional[Tensor], stream: Dict[Key, Tensor], sp
                 hooks.append((f"blocks.{L}.attn.hook_out", y_hook(L)))
         hooks += [(f"blocks.{L}.{INPUT_HOOKS[x]}", receiver(x, L)) for x in ("q", "k", "v")]
         if g.has_mlp:
-            hooks.append((f"blocks.{L}.hook_resid_mid", keep_stream(("mlp", L))))
+            if not g.parallel:
+                hooks.append((f"blocks.{L}.hook_resid_mid", keep_stream(("mlp", L))))
             hooks.append((f"blocks.{L}.{INPUT_HOOKS['mlp']}", receiver("mlp", L)))
             if out is not None:
                 hooks.append((f"blocks.{L}.hook_mlp_out", mlp_out(L)))

@@ -173,7 +173,8 @@ class EdgeScores(Result):
     @classmethod
     def _from_dict(cls, d: Dict[str, object]) -> "EdgeScores":
         gd = d["graph"]
-        g = Graph(gd["n_layers"], gd["n_heads"], gd["n_kv_heads"], gd["mlps"], d.get("model", ""))
+        g = Graph(gd["n_layers"], gd["n_heads"], gd["n_kv_heads"], gd["mlps"], d.get("model", ""),
+                  bool(gd.get("parallel", False)))
         sc = torch.tensor([[float("nan") if v is None else v for v in row] for row in d["scores"]])
         if tuple(sc.shape) != (g.n_senders, g.n_receivers):
             raise QKCircuitsError(f"scores are {tuple(sc.shape)}, but the graph has {g.n_senders} senders x "
