@@ -24,9 +24,11 @@ def _finite_difference(model, toks, receiver, sender, into, eps):
     return float((s[1] - s[2]) / (2 * eps))          # central difference: the linear term
 
 
-@pytest.mark.parametrize("which", ["gpt2", "llama", "gemma3"])
+@pytest.mark.parametrize("which", ["gpt2", "llama", "gemma3", "neox", "gptj"])
 def test_edge_attribution_is_the_derivative_of_exact_path_patching(which, tmp_path_factory):
-    folder = {"gpt2": _tiny.gpt2_dir, "llama": _tiny.llama_dir, "gemma3": _tiny.gemma3_dir}[which](tmp_path_factory)
+    # neox / gptj: parallel blocks; GPT-J's bridge fires hook_z BEFORE hook_pattern (scored once both are in)
+    folder = {"gpt2": _tiny.gpt2_dir, "llama": _tiny.llama_dir, "gemma3": _tiny.gemma3_dir, "neox": _tiny.neox_dir,
+              "gptj": _tiny.gptj_dir}[which](tmp_path_factory)
     model = qk.load(str(folder), device="cpu", verbose=False)
     toks = qk.repeated_tokens(model, n_seqs=3, seg_len=9, seed=1)
     last = model.cfg.n_layers - 1

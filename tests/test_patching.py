@@ -73,7 +73,10 @@ def _reference_effect(model, toks, sender, receiver, into, fn):
                 d[key] = t.detach().clone()
             return f
         got = {}
-        model.run_with_hooks(toks, fwd_hooks=[(f"blocks.{L}.hook_resid_mid", store(got, "clean_mid")),
+        # what the block adds from its attention: resid_mid − resid_pre, or in a parallel block (no resid_mid;
+        # GPT-J, GPT-NeoX) its attention output alone, which the sender's patch changes by the same Δ
+        mid = f"blocks.{L}.hook_resid_mid" if f"blocks.{L}.hook_resid_mid" in model.hook_dict else f"blocks.{L}.hook_attn_out"
+        model.run_with_hooks(toks, fwd_hooks=[(mid, store(got, "clean_mid")),
                                               (f"blocks.{R}.attn.hook_pattern", store(got, "clean_pattern")),
                                               (f"blocks.{R}.attn.hook_z", store(got, "clean_z"))])
 
@@ -82,7 +85,7 @@ def _reference_effect(model, toks, sender, receiver, into, fn):
             t[:, :, h] = mean
             return t
         model.run_with_hooks(toks, fwd_hooks=[(f"blocks.{L}.attn.hook_z", ablate),
-                                              (f"blocks.{L}.hook_resid_mid", store(got, "mid"))])
+                                              (mid, store(got, "mid"))])
         delta = got["mid"] - got["clean_mid"]                   # the sender's direct change (post-norm included)
         model.run_with_hooks(toks, fwd_hooks=[(f"blocks.{R}.hook_resid_pre", lambda t, hook: t + delta),
                                               (f"blocks.{R}.attn.hook_{into}", store(got, "input"))])
@@ -144,10 +147,10 @@ def _z_norm(pattern, z, toks):
     return z.square().mean()
 
 
-@pytest.mark.parametrize("which", ["gpt2", "llama", "mqa", "gemma3"])
+@pytest.mark.parametrize("which", ["gpt2", "llama", "mqa", "gemma3", "neox", "gptj"])
 def test_path_patch_equals_a_plain_reference_implementation(which, tmp_path_factory):
     folder = {"gpt2": _tiny.gpt2_dir, "llama": _tiny.llama_dir, "mqa": _tiny.llama_mqa_dir,
-              "gemma3": _tiny.gemma3_dir}[which](tmp_path_factory)
+              "gemma3": _tiny.gemma3_dir, "neox": _tiny.neox_dir, "gptj": _tiny.gptj_dir}[which](tmp_path_factory)
     model = qk.load(str(folder), device="cpu", verbose=False)
     toks = qk.repeated_tokens(model, n_seqs=3, seg_len=9, seed=1)
     last = model.cfg.n_layers - 1

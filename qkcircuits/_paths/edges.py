@@ -83,7 +83,8 @@ def _grad_run(cache, layer: int, retry: bool = True):
     got: Dict[str, Tensor] = {}
 
     hooks = [(hook_name(x, layer), _cut(x, proj, leaf)) for x in INPUTS]
-    hooks += [(hook_name("pattern", layer), grab(got, "pattern", False)), (hook_name("z", layer), grab(got, "z", True))]
+    both = ("pattern", "z")
+    hooks += [(hook_name("pattern", layer), grab(got, "pattern", both)), (hook_name("z", layer), grab(got, "z", both))]
     with torch.enable_grad():
         try:
             cache.runner.run_resid(layer, resid, hooks)
@@ -409,23 +410,38 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
         leaf: Dict[str, Tensor] = {}
 
         def pre(t: Tensor, hook) -> Tensor:
-            torch.set_grad_enabled(True)        # this layer's attention only; hook_z below switches it off
+            torch.set_grad_enabled(True)        # this layer's attention only: finish() turns it off again
             got["resid"] = t.detach().clone().requires_grad_(True)
             return got["resid"]
 
-        def at_z(t: Tensor, hook) -> Tensor:
+        def finish() -> None:
             try:
-                if len(proj) < 3 or "pattern" not in got:
-                    raise QKCircuitsError(f"layer {R}'s attention did not fire hook_q/k/v/pattern between "
-                                          f"hook_resid_pre and hook_z; edge attribution cannot run on this bridge")
-                layer_rows(R, (got["resid"], proj, leaf, got["pattern"], t), stream_xs)
+                if len(proj) < 3 or "resid" not in got:
+                    raise QKCircuitsError(f"layer {R}'s attention did not fire hook_q/k/v after hook_resid_pre; "
+                                          f"edge attribution cannot run on this bridge")
+                layer_rows(R, (got["resid"], proj, leaf, got["pattern"], got["z"]), stream_xs)
+                finished.add(R)
             finally:
                 torch.set_grad_enabled(False)
                 got.clear(), proj.clear(), leaf.clear()
+
+        # the layer is scored once both its pattern and z are in, whichever hook fires last (GPT-J's bridge
+        # fires hook_z first and reads hook_pattern off the attention's outputs); z goes on detached
+        def at_pattern(t: Tensor, hook) -> None:
+            got["pattern"] = t
+            if "z" in got:
+                finish()
+
+        def at_z(t: Tensor, hook) -> Tensor:
+            got["z"] = t
+            if "pattern" in got:
+                finish()
             return t.detach()
 
         return ([(f"blocks.{R}.hook_resid_pre", pre)] + [(hook_name(x, R), _cut(x, proj, leaf)) for x in INPUTS]
-                + [(hook_name("pattern", R), grab(got, "pattern", False)), (hook_name("z", R), at_z)])
+                + [(hook_name("pattern", R), at_pattern), (hook_name("z", R), at_z)])
+
+    finished: set = set()
 
     first_hooks = [hk for R in sorted(by_layer) for hk in stream(R)] if stream_xs else []
     def started(c) -> None:                          # the hooks above read the cache as it fills
@@ -436,6 +452,10 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
                                      need_logits=any(m.needs == "logits" for m in metrics.values()),
                                      check_all=False if later_xs else None, first_hooks=first_hooks,
                                      on_start=started)
+    unscored = [str(R) for R in sorted(by_layer) if stream_xs and R not in finished]
+    if unscored:
+        raise QKCircuitsError(f"layers {', '.join(unscored)}: the attention did not fire both hook_pattern and "
+                              f"hook_z in the clean forward; edge attribution cannot run on this bridge")
     if first is not None:
         for x in into:
             clean[x][first] = _clean_values(model, cache, 0, [recv[i].head for i in first], metrics[x])

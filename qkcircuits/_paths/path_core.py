@@ -14,7 +14,7 @@ docstring for the formulas. Nothing here linearises: the receiver layer is re-ru
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from jaxtyping import Float
@@ -118,13 +118,22 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
             raise StopForward
         return stop
 
+    def top_done(fn):                          # the top layer's z and pattern, whichever fires last (GPT-J: z)
+        def stop(t: Tensor, hook) -> None:
+            fn(t, hook)
+            if R_max in cache.z and R_max in cache.pattern:
+                raise StopForward
+        return stop
+
+    stops = not (need_final or need_logits)
     hooks = list(first_hooks)
     hooks += [(f"blocks.{L}.hook_resid_pre", keep(cache.resid, L)) for L in sorted(set(receiver_layers))]
-    hooks += [(hook_name("z", L), keep(cache.z, L) if need_final or need_logits or L < R_max
-               else last(keep(cache.z, L))) for L in range(R_max + 1)]
+    hooks += [(hook_name("z", L), top_done(keep(cache.z, L)) if stops and L == R_max else keep(cache.z, L))
+              for L in range(R_max + 1)]
     for R in sorted(set(receiver_layers)):
         hooks += [(hook_name(x, R), keep(cache.inputs, (x, R))) for x in INPUTS]
-        hooks.append((hook_name("pattern", R), keep(cache.pattern, R)))
+        hooks.append((hook_name("pattern", R), top_done(keep(cache.pattern, R)) if stops and R == R_max
+                      else keep(cache.pattern, R)))
     hooks += [(f"blocks.{L}.attn.hook_out", keep(cache.attn_out, L)) for L in range(R_max + 1)
               if post_norm(model, L) is not None]
     # Check the residual update of the first block: resid_mid − resid_pre = post(y) (or y).
@@ -266,11 +275,13 @@ def sender_deltas(model, cache: CleanCache, repl: Replacement, senders: Sequence
 
 # ------------------------------------------------------------------------------------------ receiver runs
 
-def grab(got: Dict[str, Tensor], name: str, last: bool):
-    """A hook that keeps its tensor in ``got[name]`` and, when ``last``, ends the forward there."""
+def grab(got: Dict[str, Tensor], name: str, last: Union[bool, Collection[str]]):
+    """A hook that keeps its tensor in ``got[name]`` and ends the forward there when ``last`` is True, or
+    (``last`` a set of names) once every one of them is in ``got``, whichever hook fires last: bridges differ
+    in order (GPT-J's fires hook_z before hook_pattern, which it reads off the attention's outputs)."""
     def fn(t: Tensor, hook) -> None:
         got[name] = t
-        if last:
+        if last is True or (not isinstance(last, bool) and all(n_ in got for n_ in last)):
             raise StopForward
     return fn
 
@@ -311,9 +322,10 @@ def receiver_run(cache: CleanCache, layer: int, into: str, delta: Float[Tensor, 
         return fn
 
     hooks = [(hook_name(x, layer), splice(x)) for x in INPUTS] + list(extra_hooks)
-    hooks.append((hook_name("pattern", layer), grab(got, "pattern", not need_z)))
+    wanted = ("pattern", "z") if need_z else ("pattern",)
+    hooks.append((hook_name("pattern", layer), grab(got, "pattern", wanted)))
     if need_z:
-        hooks.append((hook_name("z", layer), grab(got, "z", True)))
+        hooks.append((hook_name("z", layer), grab(got, "z", wanted)))
     with torch.set_grad_enabled(grad):
         try:
             cache.runner.run_resid(layer, resid, hooks)
