@@ -162,6 +162,19 @@ def tiny_gptj(folder: Path, *, tokenizer=None) -> Path:
     return _save(folder, model, tok)
 
 
+def tiny_olmo2(folder: Path) -> Path:
+    """OLMo-2: norms AFTER attention and MLP only (no norm before either) and a QK-norm over the full
+    n_heads x d_head width, so no head's query is a function of that head's weights alone: refused."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    tok = bpe_tokenizer()
+    cfg = Olmo2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                      intermediate_size=64, max_position_embeddings=N_CTX, vocab_size=len(tok),
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None)
+    torch.manual_seed(SEED + 6)
+    return _save(folder, Olmo2ForCausalLM(cfg).eval(), tok)
+
+
 def tiny_unsupported(folder: Path) -> Path:
     """A causal LM architecture TransformerLens has no adapter for (BigBird), saved like any checkpoint."""
     from transformers import BigBirdConfig, BigBirdForCausalLM

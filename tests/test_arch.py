@@ -276,6 +276,16 @@ def test_unknown_attention_fails_with_one_line_naming_the_architecture():
     assert "\n" not in str(e.value) and "DeepSeek" in str(e.value)
 
 
+def test_olmo2_is_refused_in_one_line_not_analysed_wrongly(tmp_path):
+    """OLMo-2 has no norm before its attention and one QK-norm across all heads: per-head W_Q views through ln1
+    would be silently wrong, so every entry point that detects the family refuses, naming why."""
+    m = qk.load(str(_tiny.tiny_olmo2(tmp_path / "olmo2")), device="cpu")
+    with pytest.raises(QKCircuitsError, match="Olmo2ForCausalLM") as e:
+        qk.scan(m, progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and ("no norm before the attention" in msg or "spans all heads" in msg)
+
+
 # ---------------------------------------------------------------------------------------------- analyses on MLA
 
 def test_scan_ablate_sweep_diagnose_paths_run_on_mla(models):

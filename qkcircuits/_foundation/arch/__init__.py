@@ -46,11 +46,31 @@ def _detect(model) -> str:
             return "latent"
         attn.W_Q
         attn.W_O
+        _check_head_separable(model)
+    except QKCircuitsError:
+        raise
     except Exception as e:       # noqa: BLE001  (TL raises NotImplementedError/AttributeError/RuntimeError)
         raise QKCircuitsError(f"qkcircuits has no attention adapter for architecture {architecture(model)} "
                               f"({type(attn).__name__}: {str(e).splitlines()[0][:80] if str(e) else type(e).__name__}); "
                               f"it works on {WORKS_ON}") from None
     return "standard"
+
+
+def _check_head_separable(model) -> None:
+    """Refuse (one line) blocks whose per-head views would be wrong: no norm before the attention (OLMo-2 norms
+    the attention's OUTPUT instead; every view here reads W_Q etc. through ln1), or a QK-norm over the whole
+    query/key width (OLMo-2's q_norm is [n_heads·d_head]: each head's normed query depends on every head's)."""
+    blk, attn = model.blocks[0], model.blocks[0].attn
+    if getattr(blk, "ln1", None) is None:
+        raise QKCircuitsError(f"qkcircuits has no adapter for architecture {architecture(model)}: its blocks have no "
+                              f"norm before the attention (post-norms only, as OLMo-2); it works on {WORKS_ON}")
+    norm = getattr(attn, "q_norm", None)
+    weight = getattr(getattr(norm, "original_component", norm), "weight", None)
+    d_head = int(getattr(model.cfg, "d_head", 0) or 0)
+    if weight is not None and d_head and weight.numel() > d_head:
+        raise QKCircuitsError(f"qkcircuits has no adapter for architecture {architecture(model)}: its QK-norm spans "
+                              f"all heads ({weight.numel()} = heads x d_head, not d_head {d_head}), so a head's query "
+                              f"depends on every head's; it works on {WORKS_ON}")
 
 
 def family(model) -> str:
