@@ -42,7 +42,7 @@ from .._foundation.model import model_name
 from .._foundation.sequences import check_seed, repeated_tokens, segment_length, text_tokens, token_pool
 from .._foundation.arch import adapter
 from .._weights.circuits import attention_scale
-from .._weights.rotary import native_rotary, rotate_native
+from .._weights.rotary import native_rotary, rotary_spec, rotate, rotate_native
 from .diagnose_result import HeadDiagnostics, MEASURES, check_thresholds
 
 # Sums that combine by max instead of addition.
@@ -182,11 +182,13 @@ def qk_statistics(q: Float[Tensor, "batch pos head d"], k: Float[Tensor, "batch 
 
 
 def _qk_source(model):
-    """(q hook, k hook, native): the hooks holding the q and k the model multiplies.
+    """(q hook, k hook, rotation): the hooks holding the q and k the model multiplies.
 
-    Rotary bridges of Hugging Face models fire ``hook_rot_q``/``hook_rot_k``. TransformerLens
-    native modules declare those hooks but never fire them, so there (``native`` True) the
-    pre-rotary q/k are read and rotated with ``_rotary.rotate_native`` (``pattern_err`` checks the result).
+    Most rotary bridges of Hugging Face models fire ``hook_rot_q``/``hook_rot_k``. TransformerLens
+    native modules declare those hooks but never fire them, so there (``"native"``) the pre-rotary
+    q/k are read and rotated with ``rotate_native``; GPT-J's and GPT-NeoX's bridges do not fire them
+    either (``"rebuilt"``): q/k are rotated with the layer's ``rotary_spec`` (verified against its
+    pattern). ``pattern_err`` checks the result either way.
     """
     return adapter(model, 0).score_inputs()
 
@@ -254,6 +256,7 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
     layer_list = check_layers(model, layers)
     qn, kn, rope = _qk_source(model)
     scales = {layer: attention_scale(model, layer) for layer in layer_list}
+    specs = {layer: rotary_spec(model, layer=layer) for layer in layer_list} if rope == "rebuilt" else {}
 
     per_set: Dict[str, Dict[int, Dict[str, Tensor]]] = {}
     perturb: Dict[int, Tuple[Tensor, Tensor]] = {}
@@ -277,8 +280,10 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
         def reducer(layer: int, t: Dict[str, Tensor]) -> Dict[str, Tensor]:
             scale, _, cap = scales[layer]
             q, k, pat, sc = t[qn], t[kn], t["pattern"], t["scores"]
-            if rope:
+            if rope == "native":
                 q, k = rotate_native(native_rotary(model, layer), q, k)
+            elif rope == "rebuilt":
+                q, k = rotate(specs[layer], q), rotate(specs[layer], k)
             real = not adapter(model, layer).scores_hook_holds_pattern and not torch.equal(sc, pat)
             scores_real[layer] = real
             if real and not cap and layer not in measured_scale:
@@ -335,8 +340,10 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
                         for s, shape in ((s, torch.as_tensor(tokens[s]).shape) for s in set_names)},
         "seed": seed, "seg_len": seg_len, "n_perturb": n_perturb, "thresholds": thr,
         "layers": layer_list,
-        "qk_hooks": [qn, kn] + (["rotary applied from the native module: hook_rot_q/k never fire there"]
-                                if rope else []),
+        "qk_hooks": [qn, kn] + ({"native": ["rotary applied from the native module: hook_rot_q/k never fire there"],
+                                 "rebuilt": ["rotary rebuilt from the model's own frequencies (pairing verified "
+                                             "against its pattern): this bridge never fires hook_rot_q/k"]
+                                 }.get(rope, [])),
         "scale_source": sorted(sources), "softcap": caps[0] if len(caps) == 1 else (caps or None),
         "scores_hook": ("real scores" if all(scores_real.values()) else
                         "carries the pattern on some layers: scores rebuilt from q·k, scale and soft-cap"),

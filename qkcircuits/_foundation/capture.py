@@ -42,6 +42,7 @@ from .arch import adapter, architecture, family
 from .attention import attention_scale, native_rotary, rotate_native
 from . import display as show
 from .result import Result
+from .rope import STYLES, RotarySpec, rotate
 from .errors import QKCircuitsError
 from .heads import Head, HeadsLike, kv_head, model_heads, n_kv_heads
 
@@ -294,9 +295,11 @@ class _ScoresFixer:
     """Give ``scores`` hooks pre-softmax scores even where TransformerLens passes the pattern.
 
     TL's generic attention path (``boot_native`` models, e.g. ``fixtures.hand_built_induction_model``)
-    fires ``hook_attn_scores`` with the softmaxed pattern. There the scores are rebuilt from this
-    layer's q and k as the module forms them: rotated (native rotary never fires ``hook_rot_q/k``,
-    so the pre-rotary q/k are rotated with the module's own rotary), times the module's own scale,
+    fires ``hook_attn_scores`` with the softmaxed pattern, and so does GPT-J's bridge. There the scores
+    are rebuilt from this layer's q and k as the module forms them: rotated (native rotary never fires
+    ``hook_rot_q/k``, so the pre-rotary q/k are rotated with the module's own rotary; GPT-J's bridge
+    fires neither, so they are rotated with the model's own frequencies in whichever pairing, ``halves``
+    or ``pairs``, reproduces the pattern), times the module's own scale,
     soft-capped where the module caps (``_attention.attention_scale``), future keys masked; accepted
     only if their softmax reproduces the pattern. Memory: one layer's q and k, dropped once its
     scores fired.
@@ -306,8 +309,11 @@ class _ScoresFixer:
         self.model, self.n_heads = model, model.cfg.n_heads
         rot = has_rotary(model)
         self.rotary = {l: native_rotary(model, l) for l in layers} if rot else {}
-        self.qk_names = {l: ("q", "k") if not rot or self.rotary[l] is not None else ("rot_q", "rot_k")
-                         for l in layers}
+        # GPT-J's bridge fires neither hook_rot_q/k nor real scores: rotate hook_q/k with its frequencies
+        self.rebuilt = {l for l in layers if rot and self.rotary[l] is None
+                        and adapter(model, l).score_inputs()[2] == "rebuilt"}
+        self.qk_names = {l: ("q", "k") if not rot or self.rotary[l] is not None or l in self.rebuilt
+                         else ("rot_q", "rot_k") for l in layers}
         self.scale = {l: attention_scale(model, l) for l in layers}     # (factor, source, soft-cap)
         self.held: Dict[Tuple[str, int], Tensor] = {}
         self.hooks = [(hook_name(n, l), self._hold(n, l)) for l in layers for n in self.qk_names[l]]
@@ -340,19 +346,28 @@ class _ScoresFixer:
         factor, source, cap = self.scale[layer]
         if self.rotary.get(layer) is not None:
             q, k = rotate_native(self.rotary[layer], q, k)
-        k = expand_kv(k, self.n_heads)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * factor
-        if cap:                                      # the module caps before masking (Gemma-2 order)
-            scores = cap * torch.tanh(scores / cap)
-        p_q, p_k = scores.shape[-2:]
-        future = torch.ones(p_q, p_k, dtype=torch.bool, device=scores.device).triu(p_k - p_q + 1)
-        scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
+        if layer in self.rebuilt:                    # whichever pairing reproduces the pattern, else the error
+            inv, scaling, _, _ = adapter(self.model, layer).rotary_frequencies()
+            specs = [RotarySpec(inv.detach().float().cpu(), style, 2 * inv.numel(), q.shape[-1], float(scaling or 1))
+                     for style in STYLES]
+            tries = [self._scores(rotate(sp, q), rotate(sp, k), factor, cap) for sp in specs]
+            scores = min(tries, key=lambda t: float((t.softmax(-1) - pattern).abs().max()))
+        else:
+            scores = self._scores(q, k, factor, cap)
         if not torch.allclose(scores.softmax(-1), pattern, atol=1e-4):
             how = f"q·k × {factor:.3g} ({source})" + (f", soft-capped at {cap:g}" if cap else "")
             raise QKCircuitsError(f"layer {layer}: this model's hook_attn_scores carries the attention pattern and "
                                   f"{how} does not reproduce it, so pre-softmax scores are unavailable; "
                                   f"capture 'pattern' (or 'q'/'k') instead")
         return scores.to(pattern.dtype)
+
+    def _scores(self, q: Tensor, k: Tensor, factor: float, cap: Optional[float]) -> Tensor:
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, expand_kv(k, self.n_heads)) * factor
+        if cap:                                      # the module caps before masking (Gemma-2 order)
+            scores = cap * torch.tanh(scores / cap)
+        p_q, p_k = scores.shape[-2:]
+        future = torch.ones(p_q, p_k, dtype=torch.bool, device=scores.device).triu(p_k - p_q + 1)
+        return scores.masked_fill(future, torch.finfo(scores.dtype).min)
 
 
 class _Stop(Exception):

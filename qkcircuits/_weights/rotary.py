@@ -18,7 +18,7 @@ k pairs with k + rotary_dim/2) or ``pairs`` (adjacent 2k, 2k+1: the TL-native mo
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -31,60 +31,10 @@ from .._foundation.attention import layer_type, native_rotary, rotate_native, sl
 from .._foundation.capture import has_rotary
 from .._foundation import display as show
 from .._foundation.result import Result
+from .._foundation.rope import STYLES, RotarySpec, rotate, rotation  # noqa: F401 (re-exported)
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import HeadsLike
 from .circuits import CHUNK_ROWS, to_head, attn_scale, is_folded, layer_weights, normalize_rows, warn_caveats
-
-STYLES = ("halves", "pairs")
-
-
-@dataclass
-class RotarySpec:
-    """Rotary frequencies ``omega`` [rotary_dim/2] (radians per position), pairing ``style``,
-    ``rotary_dim`` of ``d_head`` rotated, ``scaling`` (HF ``attention_scaling`` on cos/sin)."""
-
-    omega: Tensor
-    style: str
-    rotary_dim: int
-    d_head: int
-    scaling: float = 1.0
-    base: Optional[float] = None
-    source: str = ""
-    verified_error: Optional[float] = None
-    caveats: List[str] = field(default_factory=list)
-    layer: int = 0
-    layer_type: Optional[str] = None
-    window: Optional[int] = None
-    offset: int = 0          # first rotated coordinate (MLA: the rope part follows qk_nope_head_dim others)
-
-    def describe(self) -> Dict[str, object]:
-        return {"style": self.style, "rotary_dim": self.rotary_dim, "first_rotated": self.offset, "base": self.base, "scaling": self.scaling,
-                "source": self.source, "verified_error": self.verified_error, "layer": self.layer,
-                "layer_type": self.layer_type, "sliding_window": self.window}
-
-
-def _pair_index(spec: RotarySpec):
-    half = spec.rotary_dim // 2
-    k = torch.arange(half)
-    a, b = (k, k + half) if spec.style == "halves" else (2 * k, 2 * k + 1)
-    return a + spec.offset, b + spec.offset
-
-
-def rotation(spec: RotarySpec, positions: Iterable[int], relative: bool = False
-             ) -> Float[Tensor, "n d_head d_head"]:
-    """Row-vector rotary matrices: ``rot(x, p) = x @ R[p]``; with ``relative=True``, R(Δ) with
-    q_i·k_j = q R(i−j) kᵀ (scaling² on the rotated coordinates, identity on pass-through ones)."""
-    pos = torch.as_tensor(list(positions), dtype=torch.float64)
-    omega = spec.omega.to(torch.float64)
-    ang = pos[:, None] * omega[None]                         # [n, half]
-    c, s = ang.cos(), ang.sin()
-    gain = spec.scaling ** 2 if relative else spec.scaling
-    R = torch.eye(spec.d_head, dtype=torch.float64).repeat(len(pos), 1, 1)
-    a, b = _pair_index(spec)
-    R[:, a, a], R[:, b, b] = c * gain, c * gain
-    # x'_a = x_a c − x_b s ; x'_b = x_b c + x_a s   (row vector: x' = x R)
-    R[:, b, a], R[:, a, b] = -s * gain, s * gain
-    return R.to(spec.omega.dtype)
 
 
 def rotary_spec(model, base: Optional[float] = None, verify: bool = True, layer: int = 0) -> RotarySpec:
@@ -156,8 +106,7 @@ def _detect_style(model, spec: RotarySpec, n_pos: int = 12) -> None:
         toks = (torch.arange(n) * 7 + 3) % int(model.cfg.d_vocab)
         q, rq = _rotary_probe(model, toks, layer)
         if rq is None:
-            spec.caveats.append(f"the model does not expose its rotated queries; pairing {spec.style!r} assumed, "
-                                f"not verified")
+            _style_from_pattern(model, spec, toks)
             return
     errs = {}
     for style in STYLES:
@@ -169,6 +118,42 @@ def _detect_style(model, spec: RotarySpec, n_pos: int = 12) -> None:
     if errs[best] > 1e-4:
         spec.caveats.append(f"the rebuilt rotary does not reproduce the model's own rotated queries (relative error "
                             f"{errs[best]:.2g}); offset circuits may be wrong")
+
+
+def _style_from_pattern(model, spec: RotarySpec, toks: Tensor) -> None:
+    """No rotated queries exposed (GPT-J, GPT-NeoX bridges never fire ``hook_rot_q``): pick the pairing whose
+    rotated q·k × scale (soft-capped, causal and window masks) softmaxes to the layer's own ``hook_pattern``;
+    ``verified_error`` is the largest difference of attention probabilities."""
+    from .._foundation.attention import attention_scale
+    from .._foundation.capture import expand_kv
+
+    L, attn = spec.layer, model.blocks[spec.layer].attn
+    qn, kn = ("hook_q_normed", "hook_k_normed") if hasattr(attn, "hook_q_normed") else ("hook_q", "hook_k")
+    names = {f"blocks.{L}.attn.{x}" for x in (qn, kn, "hook_pattern")}
+    with torch.no_grad():
+        _, cache = model.run_with_cache(toks[None].to(model.W_E.device), names_filter=lambda n: n in names,
+                                        stop_at_layer=L + 1)
+    got = {k.rsplit(".", 1)[-1]: v for k, v in cache.items() if k in names}
+    if set(got) != {qn, kn, "hook_pattern"}:
+        spec.caveats.append(f"the model exposes neither its rotated queries nor its q, k and pattern; pairing "
+                            f"{spec.style!r} assumed, not verified")
+        return
+    factor, _, cap = attention_scale(model, L)
+    q, k, pat = got[qn].double(), expand_kv(got[kn].double(), int(model.cfg.n_heads)), got["hook_pattern"].double()
+    n = q.shape[1]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+    masked = (j > i) | ((i - j) >= spec.window if spec.window else torch.zeros((), dtype=torch.bool))
+    errs = {}
+    for style in STYLES:
+        trial = RotarySpec(spec.omega.double(), style, spec.rotary_dim, spec.d_head, spec.scaling)
+        sc = torch.einsum("bqhd,bkhd->bhqk", rotate(trial, q), rotate(trial, k)) * factor
+        sc = cap * torch.tanh(sc / cap) if cap else sc
+        errs[style] = float((sc.masked_fill(masked, float("-inf")).softmax(-1) - pat).abs().max())
+    best = min(errs, key=errs.get)
+    spec.style, spec.verified_error = best, errs[best]
+    if errs[best] > 1e-4:
+        spec.caveats.append(f"the rebuilt rotary does not reproduce the model's own attention pattern (largest "
+                            f"probability error {errs[best]:.2g}); offset circuits may be wrong")
 
 
 def _verify_latent(model, spec: RotarySpec, n: int = 12) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Dict, Tuple, Type
 
+import torch
+
 from ..errors import QKCircuitsError
 from .base import AttentionAdapter, LayerWeights
 from .latent import LatentAttention
@@ -61,7 +63,7 @@ def _check_head_separable(model) -> None:
     the attention's OUTPUT instead; every view here reads W_Q etc. through ln1), or a QK-norm over the whole
     query/key width (OLMo-2's q_norm is [n_heads·d_head]: each head's normed query depends on every head's)."""
     blk, attn = model.blocks[0], model.blocks[0].attn
-    if getattr(blk, "ln1", None) is None:
+    if isinstance(blk, torch.nn.Module) and getattr(blk, "ln1", None) is None:      # (duck-typed stand-ins pass)
         raise QKCircuitsError(f"qkcircuits has no adapter for architecture {architecture(model)}: its blocks have no "
                               f"norm before the attention (post-norms only, as OLMo-2); it works on {WORKS_ON}")
     norm = getattr(attn, "q_norm", None)

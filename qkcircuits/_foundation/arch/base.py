@@ -103,10 +103,11 @@ class AttentionAdapter:
         return bool(getattr(getattr(self.bridge, "original_component", None), "accepts_pattern_fn", False))
 
     # -- hooks ------------------------------------------------------------------------------------
-    def score_inputs(self) -> Tuple[str, str, bool]:
-        """(q name, k name, native): the capture names whose dot product × scale is the score; ``native``: they
-        still need the TL-native rotary (``attention.rotate_native``)."""
-        return "q", "k", False
+    def score_inputs(self) -> Tuple[str, str, str]:
+        """(q name, k name, rotation still to apply): the capture names whose dot product × scale is the score;
+        ``"native"``: rotate them with the TL-native rotary (``attention.rotate_native``), ``"rebuilt"``: with
+        the model's own frequencies (``rotary.rotate``), ``""``: nothing to apply."""
+        return "q", "k", ""
 
     def prepare(self) -> None:
         """Adjust the bridge's hooks once so they fire in qkcircuits' layout (nothing to do for most families)."""

@@ -129,15 +129,40 @@ class StandardAttention(AttentionAdapter):
             return comp.rotary
         return None
 
-    def score_inputs(self) -> Tuple[str, str, bool]:
-        """Rotary bridges of HF models fire hook_rot_q/k (the rotated q/k); TL-native ones never do (``native``)."""
+    def score_inputs(self) -> Tuple[str, str, str]:
+        """Most rotary bridges of HF models fire hook_rot_q/k (the rotated q/k); TL-native ones never do
+        (``"native"``: rotate with the module), nor do GPT-J's and GPT-NeoX's (``"rebuilt"``: rotate with the
+        model's own frequencies, ``rotary.rotary_spec``, whose pairing is verified against the pattern)."""
         rotary = hasattr(self.bridge, "hook_rot_q") and getattr(self.model.cfg, "positional_embedding_type",
                                                                    "standard") == "rotary"
         if not rotary:
-            return "q", "k", False
+            return "q", "k", ""
         if self.native_rotary() is not None:
-            return "q", "k", True
-        return "rot_q", "rot_k", False
+            return "q", "k", "native"
+        return ("rot_q", "rot_k", "") if self.rot_hooks_fire() else ("q", "k", "rebuilt")
+
+    def rot_hooks_fire(self) -> bool:
+        """Whether this bridge really fires ``hook_rot_q`` (declared on every rotary bridge, never fired by
+        GPT-J's or GPT-NeoX's): one 2-token forward through layer 0, cached on the model (``qk.load`` asks
+        once, in ``prepare``, so no analysis pays a forward for it)."""
+        fires = getattr(self.model, "_qk_rot_hooks_fire", None)
+        if fires is None:
+            seen = []
+            toks = torch.zeros(1, 2, dtype=torch.long, device=self.model.W_E.device)
+            with torch.no_grad():
+                self.model.run_with_hooks(toks, fwd_hooks=[("blocks.0.attn.hook_rot_q",
+                                                             lambda t, hook: seen.append(1))], stop_at_layer=1)
+            fires = bool(seen)
+            object.__setattr__(self.model, "_qk_rot_hooks_fire", fires)
+        return fires
+
+    def prepare(self) -> None:
+        if self.layer == 0 and getattr(self.model.cfg, "positional_embedding_type", "") == "rotary" \
+                and hasattr(self.bridge, "hook_rot_q") and self.native_rotary() is None:
+            try:
+                self.rot_hooks_fire()
+            except Exception:  # noqa: BLE001  (a model that cannot run yet: asked again when an analysis needs it)
+                pass
 
     def rotary_frequencies(self):
         """(inv_freq, attention_scaling, theta, where) of this layer's own HF rotary (per layer type where the
@@ -188,8 +213,11 @@ def layer_frequencies(model, layer: int, ltype: Optional[str]):
     """(inv_freq, attention_scaling, theta, where) of ``layer``'s own rotary (HF models)."""
     mods = _hf_rotary_modules(model)
     if not mods:
-        raise QKCircuitsError("cannot find the rotary module (no inv_freq buffer) in this model; offset circuits "
-                              "need the model's own rotary frequencies")
+        table = _sincos_table(model)
+        if table is not None:
+            return table
+        raise QKCircuitsError("cannot find the rotary module (no inv_freq buffer, no sin/cos table) in this model; "
+                              "offset circuits need the model's own rotary frequencies")
     hf_cfg = model.original_model.config
     rope = getattr(hf_cfg, "rope_parameters", None) or {}
     for mod in mods:
@@ -206,6 +234,25 @@ def layer_frequencies(model, layer: int, ltype: Optional[str]):
     raise QKCircuitsError(f"layer {int(layer)} has attention type {ltype!r} but the rotary module holds no "
                           f"'{ltype}_inv_freq' (it has per-type frequencies for other types); offset circuits need "
                           f"this layer's own frequencies")
+
+
+def _sincos_table(model):
+    """(inv_freq, 1.0, theta, where) read off a precomputed ``embed_positions`` table [n_pos, rotary_dim] =
+    [sin(p·ω) | cos(p·ω)] (GPT-J keeps no ``inv_freq``): ω = atan2(sin, cos) at position 1 (every ω < π, so
+    the angle is ω itself); its first 64 rows are checked against sin/cos(p·ω) before it is trusted."""
+    for _, mod in model.original_model.named_modules():
+        tab = getattr(mod, "embed_positions", None)
+        if not isinstance(tab, Tensor) or tab.dim() != 2 or tab.shape[0] < 2 or tab.shape[1] % 2:
+            continue
+        t = tab[:64].detach().double().cpu()           # float32 tables drift at large p·ω: check the start
+        half = t.shape[1] // 2
+        omega = torch.atan2(t[1, :half], t[1, half:])
+        ang = torch.arange(t.shape[0], dtype=torch.float64)[:, None] * omega
+        if not torch.allclose(torch.cat([ang.sin(), ang.cos()], 1), t, atol=1e-4):
+            continue
+        theta = float(omega[1]) ** (-half) if half > 1 and float(omega[1]) > 0 else None
+        return omega.float(), 1.0, theta, f"{type(mod).__name__}.embed_positions (sin|cos table)"
+    return None
 
 
 def _bias(attn, name: str) -> Optional[Tensor]:
