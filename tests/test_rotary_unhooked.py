@@ -78,3 +78,15 @@ def test_diagnose_rotates_q_and_k_and_checks_them_against_the_model(fam):
     assert any("rebuilt" in s for s in d.settings["qk_hooks"]), d.settings["qk_hooks"]
     df = d.to_frame()
     assert df["pattern_err"].max() < 1e-4 and df["scores_err"].max() < 1e-4, (name, df[["pattern_err", "scores_err"]].max())
+
+
+def test_capturing_rot_q_says_how_to_rotate_and_that_recipe_is_the_models_rotation(fam):
+    name, _, m, toks, probs = fam
+    with pytest.raises(qk.QKCircuitsError, match="never fired the hooks for rot_q@0") as e:
+        qk.capture(m, toks, names=["rot_q"], layers=[0])
+    assert "\n" not in str(e.value) and "qk.rotation(qk.rotary_spec(model, layer=L), range(pos))" in str(e.value)
+    acts = qk.capture(m, toks, names=["q", "k"], layers=[0])
+    R = qk.rotation(qk.rotary_spec(m, layer=0), range(N))                          # [pos, d, d]
+    q, k = (torch.einsum("bphd,pde->bphe", acts.tensors[(x, 0)], R) for x in ("q", "k"))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k)[0] * qk.attn_scale(m, 0)
+    torch.testing.assert_close(_causal_softmax(scores), probs[0][0], atol=1e-5, rtol=1e-4)

@@ -25,7 +25,7 @@ from .latent import LatentAttention
 from .standard import StandardAttention
 
 FAMILIES: Dict[str, Type[AttentionAdapter]] = {"standard": StandardAttention, "latent": LatentAttention}
-WORKS_ON = "multi-head/GQA/MQA attention (GPT-2, Llama, Qwen, Gemma, ...) and multi-head latent attention (DeepSeek-V2/V3)"
+WORKS_ON = "multi-head/GQA/MQA attention (GPT-2, GPT-J, GPT-NeoX/Pythia, Llama, Qwen, Gemma, ...) and multi-head latent attention (DeepSeek-V2/V3)"
 
 __all__ = ["AttentionAdapter", "FAMILIES", "LatentAttention", "LayerWeights", "StandardAttention", "adapter",
            "architecture", "family", "prepare"]

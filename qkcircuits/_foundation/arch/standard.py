@@ -1,4 +1,4 @@
-"""Multi-head, grouped-query and multi-query attention (GPT-2, Llama, Qwen, Gemma, TL-native models).
+"""Multi-head, grouped-query and multi-query attention (GPT-2, GPT-J, GPT-NeoX, Llama, Qwen, Gemma, TL-native models).
 
 >>> from qkcircuits._foundation.arch import adapter
 >>> a = adapter(model, 0)
