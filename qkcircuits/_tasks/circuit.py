@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from numbers import Real
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -400,13 +401,15 @@ def node_mask(g: Graph, keep: Sequence[str]) -> Tensor:
 
 
 def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: int, progress: bool = False,
-                   need_clean: bool = True, records: Optional[Dict[int, Record]] = None
-                   ) -> Tuple[List[float], float, float]:
+                   need_clean: bool = True, records: Optional[Dict[int, Record]] = None,
+                   known_clean: Optional[float] = None) -> Tuple[List[float], float, float]:
     """The metric mean of each circuit mask (one patched forward per mask and shard), and clean/corrupt
     (the corrupt record per shard; clean from a 100 % mask when one is among ``masks``, else one more run,
-    or NaN without ``need_clean``). ``records``: shard index → corrupt record, read when there and filled
-    when given (a caller that runs more circuits on the same shards skips those corrupt forwards; it
-    then holds them)."""
+    or NaN without ``need_clean``). ``known_clean``: m(clean) already measured on these very rows and
+    weights (``faithfulness`` passes the scores' own when their ``task_digest`` matches): the 100 % mask
+    takes it and no clean rows are run. ``records``: shard index → corrupt record, read when there and
+    filled when given (a caller that runs more circuits on the same shards skips those corrupt forwards;
+    it then holds them)."""
     g = graph(model)
     sums = [0.0] * len(masks)
     clean = corrupt = 0.0
@@ -425,15 +428,21 @@ def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: i
         # one sender-output buffer for all the circuits of the shard
         buf = reuse(pool, "patched", tuple(corr.out.shape), corr.out.dtype, corr.out.device)
         for i, m in enumerate(masks):
+            if i == full and known_clean is not None:
+                continue
             # the full circuit IS the clean run (runs.py): a plain forward, no sender outputs to record
             sums[i] += float(clean_rows(model, shard).sum() if i == full else
                              patched_run(model, g, shard, corr, m[None], buffer=buf).sum())
             bar.update(1)
         # m(full): a 100 % mask already measured it
-        if full is None and need_clean:
+        if full is None and need_clean and known_clean is None:
             clean += float(clean_rows(model, shard).sum())
         del corr, buf
-    if full is not None:
+    if known_clean is not None:
+        clean = float(known_clean) * task.n
+        if full is not None:
+            sums[full] = clean
+    elif full is not None:
         clean = sums[full]
     elif not need_clean:
         clean = float("nan")
@@ -495,8 +504,9 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
                  progress: bool = True, backend: Any = None) -> Faithfulness:
     """The faithfulness curve over ``sizes`` (percent of edges), CPR/CMD, the chosen circuit (the smallest
     grid size with f ≥ ``threshold``, else the largest) and its node view (module docstring). Cost: one
-    patched forward per size and prompt shard, one for the node view, one corrupt forward per shard (and
-    one clean patched forward per shard for m(full)). Memory: the shard's corrupt record and the patched
+    patched forward per size and prompt shard, one for the node view, one corrupt forward per shard, and
+    one clean forward per shard for m(full) unless the scores measured it on this task and these weights
+    (``scores.settings["task_digest"]`` equals ``task.digest(model)``: their m(clean) is taken). Memory: the shard's corrupt record and the patched
     run's sender outputs, ~3 × [S, rows, pos, d_model]. ``backend`` as in ``edge_scores``: on Ray, every m(C)
     is summed over prompt shards and f computed once from the sums (``qkcircuits._scale.ray_tasks``)."""
     from .scores import check_task, shard_rows
@@ -520,8 +530,14 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     # One shard: its corrupt record (held during the curve anyway) serves the node view too. More shards:
     # each is recorded again there, so that only one shard's record is held at a time.
     records: Optional[Dict[int, Record]] = {} if rows >= task.n else None
+    # m(clean) was measured by the scores' own clean run when they were computed on this task and these
+    # weights (the digest says so): the 100 % circuit IS that run, so it is not run again
+    known = getattr(scores, "clean", None)
+    digest = getattr(scores, "settings", {}).get("task_digest")
+    known = (float(known) if digest is not None and known is not None and math.isfinite(float(known))
+             and digest == task.digest(model) else None)
     values, clean, corrupt = circuit_metric(model, task, [c.mask for c in circuits], rows, progress,
-                                            records=records)
+                                            records=records, known_clean=known)
     f = [ratio(v, clean, corrupt) for v in values]
     curve = dict(zip(sizes, f))
     chosen = next((p for p, v in curve.items() if v >= threshold), sizes[-1])

@@ -204,7 +204,7 @@ def _settings(model, task: Task, rows: int, extra: Dict[str, object]) -> Dict[st
     from .._foundation.io import package_version
 
     return {"rows_per_shard": rows, "bos_prepended": bool(task.bos), "dtype": str(model.W_E.dtype),
-            "fold_ln": bool(getattr(model, "compatibility_mode", False)), **extra,
+            "fold_ln": bool(getattr(model, "compatibility_mode", False)), "task_digest": task.digest(model), **extra,
             "versions": {"qkcircuits": __version__, "transformer_lens": package_version("transformer-lens"),
                          "torch": torch.__version__}}
 

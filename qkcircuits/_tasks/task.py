@@ -23,6 +23,7 @@ longest are right-padded, which a causal model never sees from positions ≤ END
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Union
@@ -150,6 +151,23 @@ class Task:
 
     def metric_sum(self, logits: Tensor, tokens: Optional[Tensor] = None) -> Tensor:
         return self.row_values(logits, tokens).sum()
+
+    def digest(self, model) -> Optional[str]:
+        """What the clean metric of this task on ``model`` depends on, as one hex string: the token rows,
+        answers, END positions and metric name, the weights (a float64 sum of each parameter: an edit of any
+        weight changes it), their dtype and device type. None for a callable metric (its code is not
+        hashable). ``qk.faithfulness`` reads m(clean) from scores whose digest equals this one instead of
+        running the clean rows again."""
+        if not isinstance(self.metric, str):
+            return None
+        h = hashlib.sha1()
+        for t in (self.clean, self.corrupt, self.answer, self.wrong, self.positions["END"]):
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        with torch.no_grad():
+            sums = [float(p.sum(dtype=torch.float64)) for p in model.parameters()]
+        w = model.W_E
+        h.update(repr((self.metric, sums, str(w.dtype), w.device.type)).encode())
+        return h.hexdigest()
 
     def describe(self) -> Dict[str, object]:
         """The JSON-ready description (no tensors)."""
