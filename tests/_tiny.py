@@ -5,6 +5,10 @@
 >>> path = tiny_gguf(tmp / "llama.gguf", folder)     # doctest: +SKIP  the same Llama as an F32 GGUF
 >>> folder = tiny_llama_mqa(tmp / "mqa")             # doctest: +SKIP  one KV head for all 4 query heads
 >>> folder = tiny_gemma3(tmp / "gemma3")             # doctest: +SKIP  QK-norm, sliding window, rotary per layer type
+>>> folder = tiny_gemma2(tmp / "gemma2")             # doctest: +SKIP  attention and FINAL logit soft-caps, post-norms
+>>> folder = tiny_cohere(tmp / "cohere")             # doctest: +SKIP  interleaved rotary pairs, parallel blocks
+>>> folder = tiny_smollm3(tmp / "smollm3")           # doctest: +SKIP  a position-free (NoPE) middle layer
+>>> folder = tiny_gptneo(tmp / "gptneo")             # doctest: +SKIP  unscaled scores, a local (windowed) layer
 >>> folder = tiny_neox(tmp / "neox")                 # doctest: +SKIP  parallel blocks, partial rotary (Pythia)
 >>> folder = tiny_gptj(tmp / "gptj")                 # doctest: +SKIP  parallel blocks sharing one norm
 
@@ -130,6 +134,69 @@ def tiny_gemma3(folder: Path, *, tokenizer=None) -> Path:
     model = Gemma3ForCausalLM(cfg).eval()
     _perturb(model, SEED + 2)
     return _save(folder, model, tok)
+
+
+GEMMA2_FINAL_CAP = 3.0           # small enough to bend a tiny random model's logits (|logit| ~ 1-4)
+
+
+def tiny_gemma2(folder: Path, *, tokenizer=None) -> Path:
+    """Gemma-2: 2 layers (sliding window 6, then full), 4 query heads, 2 KV heads, d_head 8, attention logit
+    soft-cap 5 and FINAL logit soft-cap 3 (``logits = 3 tanh(logits / 3)`` after the unembedding, applied by the
+    model's forward), ``query_pre_attn_scalar`` 6, pre- and post-norms (RMS with 1 + w), tied embeddings."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    tok = tokenizer if tokenizer is not None else bpe_tokenizer()
+    cfg = Gemma2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, intermediate_size=64, max_position_embeddings=N_CTX, vocab_size=len(tok),
+                       initializer_range=0.2, rms_norm_eps=1e-6, sliding_window=GEMMA3_WINDOW,
+                       layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=5.0,
+                       final_logit_softcapping=GEMMA2_FINAL_CAP, query_pre_attn_scalar=6, tie_word_embeddings=True,
+                       pad_token_id=tok.bos_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(SEED + 7)
+    model = Gemma2ForCausalLM(cfg).eval()
+    _perturb(model, SEED + 7)
+    return _save(folder, model, tok)
+
+
+def _tiny_family(folder: Path, config_cls: str, model_cls: str, seed: int, tokenizer=None, **kw) -> Path:
+    import transformers
+
+    tok = tokenizer if tokenizer is not None else bpe_tokenizer()
+    cfg = getattr(transformers, config_cls)(vocab_size=len(tok), initializer_range=0.2, bos_token_id=tok.bos_token_id,
+                                            eos_token_id=tok.eos_token_id, **kw)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    _perturb(model, seed)
+    return _save(folder, model, tok)
+
+
+def tiny_cohere(folder: Path, *, tokenizer=None) -> Path:
+    """Cohere: INTERLEAVED rotary pairs (2k, 2k+1), no QK-norm (its bridge declares hook_q_normed but never
+    fires it then), parallel attention and MLP on one LayerNorm, 2 layers, 4 query / 2 KV heads."""
+    return _tiny_family(folder, "CohereConfig", "CohereForCausalLM", SEED + 8, tokenizer, hidden_size=32,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                        max_position_embeddings=N_CTX, pad_token_id=0,
+                        rope_parameters={"rope_type": "default", "rope_theta": 600.0})
+
+
+def tiny_smollm3(folder: Path, *, tokenizer=None) -> Path:
+    """SmolLM3: 3 layers whose middle one is position-free (``no_rope_layers`` = [1, 0, 1]: NoPE, no rotary),
+    4 query / 2 KV heads, RMSNorm, gated MLP."""
+    return _tiny_family(folder, "SmolLM3Config", "SmolLM3ForCausalLM", SEED + 9, tokenizer, hidden_size=32,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                        max_position_embeddings=N_CTX, pad_token_id=0, no_rope_layers=[1, 0, 1],
+                        rope_parameters={"rope_type": "default", "rope_theta": 600.0})
+
+
+GPTNEO_WINDOW = 4
+
+
+def tiny_gptneo(folder: Path, *, tokenizer=None) -> Path:
+    """GPT-Neo: learned positions, UNSCALED scores (softmax(q·k), no 1/√d_head), layer 0 global and layer 1 local
+    (keys fewer than ``window_size`` = 4 positions back), 4 heads x 8."""
+    return _tiny_family(folder, "GPTNeoConfig", "GPTNeoForCausalLM", SEED + 10, tokenizer, hidden_size=32,
+                        num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+                        window_size=GPTNEO_WINDOW, max_position_embeddings=N_CTX)
 
 
 def tiny_neox(folder: Path, *, tokenizer=None) -> Path:
@@ -308,6 +375,10 @@ def llama_mqa_dir(tmp_path_factory) -> Path:
 
 def gemma3_dir(tmp_path_factory) -> Path:
     return _once("gemma3", tmp_path_factory, lambda d: tiny_gemma3(d))
+
+
+def gemma2_dir(tmp_path_factory) -> Path:
+    return _once("gemma2", tmp_path_factory, lambda d: tiny_gemma2(d))
 
 
 def neox_dir(tmp_path_factory) -> Path:

@@ -197,6 +197,62 @@ def test_patched_forward_skips_the_projections_it_replaces(family, monkeypatch):
     assert all("forward" not in vars(lin) for lin in linears)
 
 
+def test_patched_forward_skips_attention_layers_that_read_only_corrupt_values(family, monkeypatch):
+    # a layer none of whose q/k/v inputs has an edge in reads the corrupt run's q, k and v, so its attention gives
+    # the corrupt run's output and its heads Δ = 0: the attention module does not run (skips.known_attention),
+    # the logits are those of computing everything (one copy and two stacked copies), a hook of someone's inside
+    # that attention keeps it running (and firing), and every module is restored afterwards
+    name, model = family
+    _skips_attention_layers(name, model, monkeypatch)
+
+
+def _skips_attention_layers(name, model, monkeypatch):
+    g = qk.graph(model)
+    task = pair_task(model, n=4)
+    corr = runs.record(model, g, task, task.corrupt)
+    quiet = 1                                                     # the layer whose q/k/v have no edge in
+    # a mid-sized circuit (its receivers' sums read the quiet layer's heads' Δ, which must be exactly 0), every
+    # embedding edge in so that it carries something
+    mask = (torch.rand(g.valid.shape, generator=torch.Generator().manual_seed(1)) < 0.4) & g.valid
+    mask[g.senders.index("emb")] = g.valid[g.senders.index("emb")]
+    for x in ("q", "k", "v"):
+        mask[:, g.recv_slice(quiet, x)] = False
+    attn_cls = {type(model.blocks[L].attn) for L in range(g.n_layers)}
+    calls = []
+    for cls in attn_cls:
+        real = cls.forward
+        monkeypatch.setattr(cls, "forward", (lambda real: lambda self, *a, **k: (calls.append(self), real(self, *a, **k))[1])(real))
+    ran = lambda: {L for L in range(g.n_layers) if any(c is model.blocks[L].attn for c in calls)}
+    two = torch.stack([mask, mask.clone()])
+    two[1, :, g.recv_slice(0, "mlp")] = False                     # the copies differ elsewhere: still all-corrupt q/k/v
+    # buffers full of NaN: a sender slot the skipped layer left unwritten would show
+    nan = lambda m: torch.full((g.n_senders, len(m) * task.n, task.clean.shape[1], model.cfg.d_model), float("nan"))
+    got = [runs.patched_run(model, g, task, corr, m, return_logits=True, buffer=nan(m)) for m in (mask[None], two)]
+    assert ran() == set(range(g.n_layers)) - {quiet}, name
+    monkeypatch.setattr(runs, "SKIP_PROJECTIONS", False)
+    calls.clear()
+    want = [runs.patched_run(model, g, task, corr, m, return_logits=True) for m in (mask[None], two)]
+    assert ran() == set(range(g.n_layers))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert float((got[0] - model(task.clean)).abs().max()) > 1e-4         # the circuit did change something
+    assert float((got[0] - model(task.corrupt)).abs().max()) > 1e-4
+    # the metric path too (it stops at the unembedding: the skipped layer's heads' Δ must be 0, not stale)
+    monkeypatch.setattr(runs, "SKIP_PROJECTIONS", True)
+    torch.testing.assert_close(runs.patched_run(model, g, task, corr, two),
+                               task.row_values(want[1]).view(2, task.n), rtol=1e-5, atol=1e-5)
+    # someone's hook on the quiet layer's pattern: the attention runs and the hook fires
+    seen = []
+    model.add_hook(f"blocks.{quiet}.attn.hook_pattern", lambda t, hook: seen.append(1))
+    try:
+        calls.clear()
+        runs.patched_run(model, g, task, corr, mask[None])
+    finally:
+        model.reset_hooks()
+    assert quiet in ran() and seen
+    assert all("forward" not in vars(model.blocks[L].attn) for L in range(g.n_layers))
+
+
 def test_node_view_refuses_a_hook_z_it_cannot_patch_by_head(family, monkeypatch):
     # a model whose hook_z is not [b, p, H, e] (here: flattened) must not be patched feature-wise in silence
     name, model = family
@@ -272,6 +328,7 @@ def test_patched_forward_identities_on_latent_attention(version, q_lora_rank, tm
     test_patched_forward_identities((f"deepseek-v{version}", model))
     test_exact_edges_into_logits_match_a_direct_computation((f"deepseek-v{version}", model))
     test_node_view_run_equals_the_patched_run_of_its_mask((f"deepseek-v{version}", model), monkeypatch)
+    _skips_attention_layers(f"deepseek-v{version}", model, monkeypatch)
 
 
 def test_exact_edges_into_logits_match_a_direct_computation(family):

@@ -267,4 +267,15 @@ def logits_input(model, resid: Tensor) -> Tensor:
     return model.ln_final(resid)
 
 
+def unembed_logits(model, x: Tensor) -> Tensor:
+    """The model's logits from what the unembedding reads (``unembed.hook_in``): ``model.unembed`` and then the
+    architecture's own post-unembedding transform, which the model's forward applies after the unembedding
+    (Gemma-2's final soft-cap ``cap · tanh(logits / cap)``, Cohere's logit scale: TransformerLens'
+    ``adapter.apply_output_logits_transform``; the identity for most models). ``check_graph`` checks the result
+    against the model's own logits."""
+    logits = model.unembed(x)
+    transform = getattr(getattr(model, "adapter", None), "apply_output_logits_transform", None)
+    return transform(logits) if callable(transform) else logits
+
+
 INPUT_HOOKS = {"q": "attn.hook_q", "k": "attn.hook_k", "v": "attn.hook_v", "mlp": "mlp.hook_in"}

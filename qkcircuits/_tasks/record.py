@@ -21,14 +21,16 @@ from torch import Tensor
 from .._foundation.capture import _Stop
 from .._foundation.errors import QKCircuitsError
 from .._foundation.hugepages import advise
-from .graph import INPUT_HOOKS, Graph, head_outputs, logits_input, mlp_input, post_norm, split_qkv_from_residuals
+from .graph import (INPUT_HOOKS, Graph, head_outputs, logits_input, mlp_input, post_norm, split_qkv_from_residuals,
+                    unembed_logits)
 
 Key = Tuple[str, int]
 
 @dataclass
 class Record:
     """One run's sender outputs ``out`` [S, b, p, d], receiver hook values ``hooks[(x, L)]`` (x in q, k,
-    v, mlp; ``("logits", 0)`` = unembed.hook_in; also ``("z", L)``, each layer's hook_z [b, p, H, e]), the
+    v, mlp; ``("logits", 0)`` = unembed.hook_in; also ``("z", L)``, each layer's hook_z [b, p, H, e], and
+    ``("attn_out", L)``, its attention module's output [b, p, d] (attn.hook_out)), the
     residuals receivers read ``resid[(x, L)]`` (x in attn, mlp, final) and the metric of each row ``rows`` [b]."""
 
     out: Tensor
@@ -79,6 +81,11 @@ def _hooks(model, g: Graph, out: Optional[Tensor], stream: Dict[Key, Tensor], sp
             stream[key] = t
         return fn
 
+    def attn_out(L: int):
+        def fn(t: Tensor, hook) -> None:
+            keep[("attn_out", L)] = t.detach()
+        return fn
+
     def mlp_out(L: int):
         def fn(t: Tensor, hook) -> None:
             out[g.mlp_sender(L)] = t.detach()
@@ -100,6 +107,8 @@ def _hooks(model, g: Graph, out: Optional[Tensor], stream: Dict[Key, Tensor], sp
             hooks.append((f"blocks.{L}.attn.hook_z", z_hook(L)))
             if post_norm(model, L) is not None:
                 hooks.append((f"blocks.{L}.attn.hook_out", y_hook(L)))
+        if keep is not None:              # a circuit forward whose layer reads only corrupt q/k/v returns it
+            hooks.append((f"blocks.{L}.attn.hook_out", attn_out(L)))
         hooks += [(f"blocks.{L}.{INPUT_HOOKS[x]}", receiver(x, L)) for x in ("q", "k", "v")]
         if g.has_mlp:
             if not g.parallel:
@@ -139,7 +148,7 @@ def _metric_rows(model, task, tokens: Tensor, hooks, copies: int = 1) -> Tensor:
     x = got["x"]
     rows = torch.arange(x.shape[0], device=x.device)
     end = task.positions["END"].to(x.device).repeat(copies)
-    logits = model.unembed(x[rows, end].unsqueeze(1))                                   # [b, 1, vocab]
+    logits = unembed_logits(model, x[rows, end].unsqueeze(1))                          # [b, 1, vocab]
     return task.at_end().row_values(logits)
 
 
@@ -206,6 +215,16 @@ def check_graph(model, g: Graph, rec: Record, tokens: Tensor, atol: float = 1e-4
         mine = logits_input(model, rec.resid[("final", 0)])
         if not torch.allclose(mine, rec.hooks[("logits", 0)], atol=atol, rtol=rtol):
             raise QKCircuitsError("the unembedding's input is not the final norm of the last residual; unsupported")
+        # a named metric's logits are computed from the unembedding's input (``_metric_rows``): they must be the
+        # model's own, post-unembedding transforms (soft-caps, logit scales) included
+        own = model(tokens[:rows])
+        own = own.logits if hasattr(own, "logits") else own
+        mine = unembed_logits(model, rec.hooks[("logits", 0)])
+        scale = float(own.abs().max()) + 1.0
+        if float((mine - own).abs().max()) > atol * scale * 10:
+            raise QKCircuitsError(f"the unembedding of unembed.hook_in does not reproduce this model's logits (max "
+                                  f"difference {float((mine - own).abs().max()):.3g}): it transforms its logits after "
+                                  f"the unembedding in a way TransformerLens does not declare; unsupported")
         total = rec.out.sum(0)
         rest = rec.resid[("final", 0)] - total              # the biases: must not depend on the prompt
         scale = float(rec.resid[("final", 0)].abs().max()) + 1.0

@@ -30,7 +30,7 @@ from .graph import INPUT_HOOKS, Graph, logits_input, mlp_input, post_norm, split
 from .inputs import InputParts, closed_form, input_vjp, project
 # re-exported for the tests and tools that reach every run through this module
 from .record import Key, Record, _buffer, _hooks, _metric_rows, check_graph, clean_rows, record, reuse  # noqa: F401
-from .skips import known_mlps, skipped
+from .skips import known_attention, known_mlps, skipped
 
 # How patched_run's sums read the senders' Δ rows: "auto" picks, per receiver group, the cheapest of one
 # matmul over every sender below ("dense": reads each Δ row once), a copy of only the rows the sums use
@@ -318,6 +318,16 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         val = torch.where(a, own, torch.where(z, corr, new)).reshape((k * b,) + tuple(own.shape[2:]))
         return val if x in ("q", "k", "v") else val[:, :, 0]
 
+    def attention_known(L: int) -> Callable[[], Tensor]:
+        def value() -> Tensor:
+            h0 = g.head_sender(L)
+            # the heads' slots hold the corrupt outputs, so their Δ is exactly 0 when first read
+            out[h0:h0 + g.n_heads].view(g.n_heads, k, b, *out.shape[2:]).copy_(
+                corr_out[h0:h0 + g.n_heads].unsqueeze(1))
+            a = corrupt.hooks[("attn_out", L)]
+            return a.clone() if k == 1 else stacked(a)
+        return value
+
     # every q/k/v group that ``splice`` replaces (all but the all-in ones) skips the model's own projection
     replaced = [(L, x) for L in range(g.n_layers) for x in ("q", "k", "v")
                 if shortcut(torch.arange(g.recv_slice(L, x).start, g.recv_slice(L, x).stop)) != "all"]
@@ -326,7 +336,14 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
     known = {L: (corr_out[g.mlp_sender(L)] if k == 1 else lambda s=g.mlp_sender(L): stacked(corr_out[s]))
              for L in range(g.n_layers) if g.has_mlp and SKIP_PROJECTIONS
              and shortcut(torch.tensor([g.recv_slice(L, "mlp").start])) == "none"}
-    with torch.no_grad(), skipped(model, replaced if SKIP_PROJECTIONS else []) as skips, known_mlps(model, known):
+    # a layer whose q, k and v all take the corrupt run's values gives the corrupt run's attention output, and its
+    # heads the corrupt run's outputs (Δ = 0): not run either (the small circuits' many layers with no edge in)
+    known_attn = {L: attention_known(L) for L in range(g.n_layers) if SKIP_PROJECTIONS and not force_split
+                  and ("attn_out", L) in corrupt.hooks
+                  and all(shortcut(torch.arange(g.recv_slice(L, x).start, g.recv_slice(L, x).stop)) == "none"
+                          for x in ("q", "k", "v"))}
+    with torch.no_grad(), skipped(model, replaced if SKIP_PROJECTIONS else []) as skips, known_mlps(model, known), \
+            known_attention(model, known_attn):
         hooks = _hooks(model, g, out, stream, splice, None)
         if return_logits:
             return model.run_with_hooks(tokens, fwd_hooks=hooks)

@@ -24,6 +24,14 @@ not run a circuit forward and another forward at once from two threads.
 (no edge into it) gives the corrupt run's output, so it is not run: it returns ``output`` through its own
 ``hook_out`` (which the caller's hooks still see). Only a dense ``MLPBridge`` / ``GatedMLPBridge`` whose
 hook_out IS ``hook_mlp_out`` (not Gemma's, whose post-feedforward norm comes after it).
+
+``known_attention(model, {L: output})``: an attention layer whose q, k and v inputs the circuit forward would
+ALL set to the corrupt run's gives the corrupt run's attention output (it reads nothing else of the residual),
+so it is not run: it returns ``output()`` in the attention module's own output form, ``(attn_output, None)``.
+Its hooks do not fire (hook_q/k/v, hook_pattern, hook_z, hook_out: ``output()`` is the caller's place to write
+what those hooks would have recorded). Only the attention bridges whose output form is known (they all return
+``(attn_output, attn_weights)``, as transformers' attention modules do) and only where no hook of anyone else
+is attached inside the layer's attention.
 """
 
 from __future__ import annotations
@@ -104,6 +112,43 @@ def _known_output(mlp, value: Union[Tensor, Callable[[], Tensor]]) -> Callable:
         # someone's (the corrupt record's) and is copied
         return mlp.hook_out(value().to(x.dtype) if callable(value) else value.to(x.dtype).clone())
     return known
+
+
+# attention bridges that return (attn_output, attn_weights) and whose callers (transformers' decoder layers
+# through TransformerLens' block bridges) read only attn_output: checked for GPT-2, Llama, Gemma-3, GPT-NeoX,
+# GPT-J and DeepSeek's latent attention in tests/test_circuit_scores.py
+KNOWN_ATTENTION = ("AttentionBridge", "JointQKVAttentionBridge", "PositionEmbeddingsAttentionBridge",
+                   "JointQKVPositionEmbeddingsAttentionBridge", "MLAAttentionBridge")
+
+
+def _attention(model, layer: int):
+    try:
+        attn = model.blocks[layer].attn
+    except (AttributeError, IndexError, TypeError):
+        return None
+    if type(attn).__name__ not in KNOWN_ATTENTION:
+        return None
+    # a hook of someone's on a hook point inside would not fire (transformers' own output-capturing hooks on the
+    # wrapped module only act when attention weights are asked for, which a circuit forward does not)
+    if any(getattr(m, "_forward_hooks", None) for m in attn.modules() if type(m).__name__ == "HookPoint"):
+        return None
+    return attn
+
+
+def _known_attention_output(value: Callable[[], Tensor]) -> Callable:
+    def known(*_, **__):
+        return value(), None
+    return known
+
+
+def known_attention(model, outputs: Dict[int, Callable[[], Tensor]]):
+    """While open, layer L's attention (for each L in ``outputs``) returns ``(outputs[L](), None)`` without
+    computing (the caller's function makes a fresh tensor when the layer is reached, and writes whatever the
+    skipped hooks would have). Yields the layers actually replaced. Restores every module on exit (also on
+    error)."""
+    mods = {layer: (_attention(model, layer), value) for layer, value in outputs.items()}
+    return _overriding({layer: (attn, _known_attention_output(value)) for layer, (attn, value) in mods.items()
+                        if attn is not None})
 
 
 def known_mlps(model, outputs: Dict[int, Union[Tensor, Callable[[], Tensor]]]):
