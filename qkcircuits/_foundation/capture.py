@@ -316,6 +316,7 @@ class _ScoresFixer:
         self.qk_names = {l: ("q", "k") if not rot or self.rotary[l] is not None or l in self.rebuilt
                          else ("rot_q", "rot_k") for l in layers}
         self.scale = {l: attention_scale(model, l) for l in layers}     # (factor, source, soft-cap)
+        self.window = {l: adapter(model, l).window() for l in layers}   # keys this far back are masked (GPT-Neo local)
         self.held: Dict[Tuple[str, int], Tensor] = {}
         self.hooks = [(hook_name(n, l), self._hold(n, l)) for l in layers for n in self.qk_names[l]]
 
@@ -351,10 +352,10 @@ class _ScoresFixer:
             inv, scaling, _, _ = adapter(self.model, layer).rotary_frequencies()
             specs = [RotarySpec(inv.detach().float().cpu(), style, 2 * inv.numel(), q.shape[-1], float(scaling or 1))
                      for style in STYLES]
-            tries = [self._scores(rotate(sp, q), rotate(sp, k), factor, cap) for sp in specs]
+            tries = [self._scores(rotate(sp, q), rotate(sp, k), factor, cap, self.window[layer]) for sp in specs]
             scores = min(tries, key=lambda t: float((t.softmax(-1) - pattern).abs().max()))
         else:
-            scores = self._scores(q, k, factor, cap)
+            scores = self._scores(q, k, factor, cap, self.window[layer])
         if not torch.allclose(scores.softmax(-1), pattern, atol=1e-4):
             how = f"q·k × {factor:.3g} ({source})" + (f", soft-capped at {cap:g}" if cap else "")
             raise QKCircuitsError(f"layer {layer}: this model's hook_attn_scores carries the attention pattern and "
@@ -362,13 +363,15 @@ class _ScoresFixer:
                                   f"capture 'pattern' (or 'q'/'k') instead")
         return scores.to(pattern.dtype)
 
-    def _scores(self, q: Tensor, k: Tensor, factor: float, cap: Optional[float]) -> Tensor:
+    def _scores(self, q: Tensor, k: Tensor, factor: float, cap: Optional[float], window: Optional[int] = None) -> Tensor:
         scores = torch.einsum("bqhd,bkhd->bhqk", q, expand_kv(k, self.n_heads)) * factor
         if cap:                                      # the module caps before masking (Gemma-2 order)
             scores = cap * torch.tanh(scores / cap)
         p_q, p_k = scores.shape[-2:]
-        future = torch.ones(p_q, p_k, dtype=torch.bool, device=scores.device).triu(p_k - p_q + 1)
-        return scores.masked_fill(future, torch.finfo(scores.dtype).min)
+        masked = torch.ones(p_q, p_k, dtype=torch.bool, device=scores.device).triu(p_k - p_q + 1)
+        if window:                                   # keys `window` or more positions back are masked too
+            masked |= torch.ones(p_q, p_k, dtype=torch.bool, device=scores.device).tril(p_k - p_q - window)
+        return scores.masked_fill(masked, torch.finfo(scores.dtype).min)
 
 
 class _Stop(Exception):

@@ -66,6 +66,11 @@ def rotary_spec(model, base: Optional[float] = None, verify: bool = True, layer:
         rd = int(native.rotary_dim)
         eff_base, pos_scale, inv = _resolve_rope_scaling(model.cfg, rd)
         spec = RotarySpec(inv.float() / float(pos_scale), "pairs", rd, d_head, 1.0, float(eff_base), "TL-native rotary")
+    elif not getattr(att, "uses_rotary", lambda: True)():
+        # a position-free layer of a rotary model (SmolLM3, Llama-4 NoPE layers): R(Δ) = I for every offset
+        spec = RotarySpec(torch.zeros(d_head // 2), "halves", 2 * (d_head // 2), d_head, 1.0, None,
+                          "no rotary on this layer (NoPE: config.no_rope_layers)")
+        verify = False
     else:
         inv, scaling, theta, where = att.rotary_frequencies()
         inv = inv.detach().float().cpu()
@@ -127,13 +132,16 @@ def _style_from_pattern(model, spec: RotarySpec, toks: Tensor) -> None:
     from .._foundation.attention import attention_scale
     from .._foundation.capture import expand_kv
 
-    L, attn = spec.layer, model.blocks[spec.layer].attn
-    qn, kn = ("hook_q_normed", "hook_k_normed") if hasattr(attn, "hook_q_normed") else ("hook_q", "hook_k")
-    names = {f"blocks.{L}.attn.{x}" for x in (qn, kn, "hook_pattern")}
+    L = spec.layer
+    # QK-norm: the rotary input is the normalised q/k, where the bridge fires those hooks (Cohere's declares them
+    # and fires them only with its QK-norm on: the plain hook_q/k are the rotary input then)
+    names = {f"blocks.{L}.attn.{x}" for x in ("hook_q_normed", "hook_k_normed", "hook_q", "hook_k", "hook_pattern")}
     with torch.no_grad():
         _, cache = model.run_with_cache(toks[None].to(model.W_E.device), names_filter=lambda n: n in names,
                                         stop_at_layer=L + 1)
     got = {k.rsplit(".", 1)[-1]: v for k, v in cache.items() if k in names}
+    qn, kn = ("hook_q_normed", "hook_k_normed") if {"hook_q_normed", "hook_k_normed"} <= set(got) else ("hook_q", "hook_k")
+    got = {x: got[x] for x in (qn, kn, "hook_pattern") if x in got}
     if set(got) != {qn, kn, "hook_pattern"}:
         spec.caveats.append(f"the model exposes neither its rotated queries nor its q, k and pattern; pairing "
                             f"{spec.style!r} assumed, not verified")
@@ -189,15 +197,15 @@ def _verify_latent(model, spec: RotarySpec, n: int = 12) -> None:
 def _rotary_probe(model, toks: Tensor, layer: int):
     """``layer``'s queries just before rotary and the model's own rotated queries, [pos, head, d_head] each.
 
-    With QK-norm (Gemma 3) the rotary input is the normalised query (``hook_q_normed``), not ``hook_q``.
+    With QK-norm (Gemma 3) the rotary input is the normalised query (``hook_q_normed``), not ``hook_q``: where
+    the bridge fires it (Cohere's bridge declares it but fires it only with its QK-norm on).
     """
-    attn = model.blocks[int(layer)].attn
-    pre = "hook_q_normed" if hasattr(attn, "hook_q_normed") else "hook_q"
-    names = {f"blocks.{int(layer)}.attn.{pre}", f"blocks.{int(layer)}.attn.hook_rot_q"}
+    names = {f"blocks.{int(layer)}.attn.{x}" for x in ("hook_q_normed", "hook_q", "hook_rot_q")}
     with torch.no_grad():
         _, cache = model.run_with_cache(toks[None].to(model.W_E.device), names_filter=lambda n: n in names,
                                         stop_at_layer=int(layer) + 1)
     got = {k.rsplit(".", 1)[-1]: v for k, v in cache.items()}
+    pre = "hook_q_normed" if "hook_q_normed" in got else "hook_q"
     if "hook_rot_q" not in got or pre not in got:
         return None, None
     q = got[pre][0]

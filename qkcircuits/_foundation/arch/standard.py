@@ -23,6 +23,9 @@ from ..errors import QKCircuitsError
 from .base import AttentionAdapter, LayerWeights
 
 QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm")
+# transformers' attention modules that keep no ``scaling`` and apply none (GPT-Neo's softmax(q·k), unscaled),
+# where TransformerLens' config says 1/√d_head
+UNSCALED = ("GPTNeoSelfAttention", "GPTNeoFlashAttention2")
 
 
 class StandardAttention(AttentionAdapter):
@@ -89,6 +92,8 @@ class StandardAttention(AttentionAdapter):
         divisor = getattr(comp, "scale", None)
         if isinstance(divisor, (int, float)) and divisor > 0:
             return 1.0 / float(divisor), f"1 / {type(comp).__name__}.scale", cap
+        if type(comp).__name__ in UNSCALED:
+            return 1.0, f"{type(comp).__name__} does not scale its scores", cap
         if getattr(cfg, "use_attn_scale", True):
             a = float(getattr(cfg, "attn_scale", -1.0))
             return (1.0 / a if a > 0 else self.d_qk ** -0.5), "model.cfg.attn_scale (assumed; module has no scale)", cap
@@ -108,6 +113,9 @@ class StandardAttention(AttentionAdapter):
         TL's ``use_local_attn``/``window_size`` or the HF config's ``sliding_window`` (unless
         ``use_sliding_window`` is False, as on Qwen2)."""
         comp, cfg = self.module, self.model.cfg
+        if getattr(comp, "attention_type", None) in ("local", "global"):     # GPT-Neo: local layers see window_size
+            w = getattr(_hf_config(self.model), "window_size", None)
+            return int(w) if comp.attention_type == "local" and isinstance(w, int) and w > 0 else None
         if hasattr(comp, "sliding_window") or hasattr(comp, "is_sliding"):
             w = getattr(comp, "sliding_window", None)
             return int(w) if isinstance(w, int) and w > 0 else None
@@ -135,11 +143,22 @@ class StandardAttention(AttentionAdapter):
         model's own frequencies, ``rotary.rotary_spec``, whose pairing is verified against the pattern)."""
         rotary = hasattr(self.bridge, "hook_rot_q") and getattr(self.model.cfg, "positional_embedding_type",
                                                                    "standard") == "rotary"
-        if not rotary:
+        if not rotary or not self.uses_rotary():
             return "q", "k", ""
         if self.native_rotary() is not None:
             return "q", "k", "native"
         return ("rot_q", "rot_k", "") if self.rot_hooks_fire() else ("q", "k", "rebuilt")
+
+    def uses_rotary(self) -> bool:
+        """False on a rotary model's position-free (NoPE) layers: SmolLM3 and Llama-4 rotate only where
+        ``config.no_rope_layers[layer]`` is 1 (the HF module's ``use_rope``); True everywhere else."""
+        flag = getattr(self.module, "use_rope", None)
+        if isinstance(flag, (bool, int)):
+            return bool(flag)
+        nope = getattr(_hf_config(self.model), "no_rope_layers", None)
+        if isinstance(nope, (list, tuple)) and self.layer < len(nope) and isinstance(nope[self.layer], (bool, int)):
+            return bool(nope[self.layer])
+        return True
 
     def rot_hooks_fire(self) -> bool:
         """Whether this bridge really fires ``hook_rot_q`` (declared on every rotary bridge, never fired by
