@@ -61,6 +61,19 @@ def test_jsonl_task_on_a_local_hf_folder(tmp_path_factory, tmp_path, capsys):
     bad.write_text(json.dumps(lines[0]) + "\n" + json.dumps({**lines[1], "answer": " would asked"}) + "\n")
     assert main(["circuit", str(folder), "--task", str(bad), "--quiet", "--device", "cpu"]) == 2
     assert "bad.jsonl line 2: answer ' would asked' is 2 tokens" in capsys.readouterr().err
+    # the same prompts with answer and wrong swapped: the model does not do that task, which is a warning on stderr
+    # (one line, the CLI's own words, not a Python warning), and the run goes on
+    assert main(["circuit", str(folder), "--task", str(task_file), "--method", "eap", "--percent", "20",
+                 "--quiet", "--device", "cpu"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    swapped = tmp_path / "swapped.jsonl"
+    swapped.write_text("\n".join(json.dumps({**x, "answer": x["wrong"], "wrong": x["answer"]}) for x in lines))
+    assert main(["circuit", str(folder), "--task", str(swapped), "--method", "eap", "--percent", "20",
+                 "--quiet", "--device", "cpu"]) == 0
+    got = capsys.readouterr()
+    assert "warning" not in got.out
+    warned = [x for x in got.err.splitlines() if "does not do this task" in x]
+    assert len(warned) == 1 and warned[0].startswith("warning: the model does not do this task (clean ")
 
 
 def test_gguf_file(tmp_path_factory, tmp_path):

@@ -72,6 +72,18 @@ def test_digest_changes_with_what_m_clean_depends_on(fam):
             assert task.digest(model) != d
         finally:
             w[3, 0] -= 0.5
+    # weights moved around with every sum unchanged: the unembedding rows of the answer and the wrong token
+    # swapped (which flips the sign of every logit difference)
+    U = model.W_U
+    a, b = int(task.answer[0]), int(task.wrong[0])
+    d = task.digest(model)                                            # (+0.5 − 0.5 above need not restore exactly)
+    with torch.no_grad():
+        U[:, [a, b]] = U[:, [b, a]]
+        try:
+            assert task.digest(model) != d
+        finally:
+            U[:, [a, b]] = U[:, [b, a]]
+    assert task.digest(model) == d
 
 
 def test_edited_weights_after_scoring_rerun_the_clean_rows(fam, monkeypatch):

@@ -103,11 +103,31 @@ def test_from_jsonl_reads_and_pads(gpt2, tmp_path):
     ('{"clean": "old", "corrupt": "new", "answer": " would", "wrong": " asked", "x": 1}', "line 1: unknown key"),
     ('{"clean": "old", "corrupt": "new", "answer": " would"}', "line 1: missing key"),
     ('{"clean": "old", ', "line 1: not valid JSON"),
+    ('{"clean": "old", "corrupt": "new", "answer": " would", "wrong": " asked", "answer": " old"}',
+     "line 1: key\\(s\\) 'answer' given more than once"),
+    ('{"clean": "old", "corrupt": "new", "answer": "<|endoftext|>", "wrong": " asked"}',
+     "line 1: answer '<\\|endoftext\\|>' is the tokenizer's special token 0"),
 ])
 def test_from_jsonl_errors_are_one_line(gpt2, tmp_path, line, message):
     with pytest.raises(qk.QKCircuitsError, match=message) as e:
         qk.tasks.from_jsonl(gpt2, _write(tmp_path, [line]))
     assert "\n" not in str(e.value)
+
+
+def test_from_jsonl_lines_end_at_newline_only(gpt2, tmp_path):
+    # JSON strings may hold U+2028 / U+0085 raw (json.dumps(..., ensure_ascii=False) writes them so); CRLF files
+    # and a UTF-8 byte-order mark are read; a byte that is not UTF-8 is named with its line
+    rows = [{"clean": "the old\u2028town", "corrupt": "the new\u2028town", "answer": " would", "wrong": " asked"},
+            {"clean": "them\u0085", "corrupt": "their\u0085", "answer": " old", "wrong": " new"}]
+    p = tmp_path / "u.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows).encode() + b"\r\n")
+    task = qk.tasks.from_jsonl(gpt2, p)
+    assert task.n == 2 and task.prompts == [r["clean"] for r in rows]
+    lens = [len(gpt2.tokenizer(r["clean"], add_special_tokens=False)["input_ids"]) for r in rows]
+    assert task.positions["END"].tolist() == [n - 1 for n in lens]
+    p.write_bytes(json.dumps(rows[1]).encode() + b"\n" + b'{"clean": "a\xff"}\n')
+    with pytest.raises(qk.QKCircuitsError, match=r"^u.jsonl line 2: not UTF-8 text \(invalid start byte at byte 13\)"):
+        qk.tasks.from_jsonl(gpt2, p)
 
 
 def test_from_jsonl_empty_and_missing(gpt2, tmp_path):
@@ -126,3 +146,11 @@ def test_model_that_does_not_do_the_task_warns(hand_built):
         warnings.simplefilter("always")
         evaluate(hand_built, swapped)
     assert any("does not do task" in str(x.message) for x in w)
+    # the API a researcher calls says so too (a warning, not an error), once per call, and not for a task it does
+    for call in (lambda t: qk.edge_scores(hand_built, t, method="eap", progress=False),
+                 lambda t: qk.node_scores(hand_built, t, method="exact", progress=False)):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            call(swapped)
+            call(task)
+        assert sum("does not do task" in str(x.message) for x in w) == 1

@@ -94,10 +94,16 @@ def write_atomic(path: Union[str, Path], text: str) -> None:
             raise
 
 
-def json_number(x) -> Optional[float]:
-    """A float for JSON: NaN and infinities become ``null``; others rounded to 6 decimals."""
+def json_number(x, significant: Optional[int] = None) -> Optional[float]:
+    """A float for JSON: NaN and infinities become ``null``; others rounded to 6 decimals, or to ``significant``
+    digits (9 give a float32 back exactly: edge scores, whose order decides a circuit, keep it through JSON)."""
     x = float(x)
-    return None if math.isnan(x) or math.isinf(x) else round(x, 6)
+    if math.isnan(x) or math.isinf(x):
+        return None
+    return round(x, 6) if significant is None else float(f"{x:.{int(significant)}g}")
+
+
+SCORE_DIGITS = 9     # float32 → 9 significant digits → the same float32
 
 
 def dump_json(data: Dict[str, Any], path: Optional[Union[str, Path]] = None, indent: Optional[int] = 1) -> str:

@@ -22,6 +22,8 @@ Memory per worker: its model plus what the local function holds for one shard (`
 from __future__ import annotations
 
 import time
+import warnings
+from contextlib import contextmanager
 from numbers import Real
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -31,7 +33,7 @@ from .._foundation.errors import QKCircuitsError
 from .._tasks.circuit import SIZES, THRESHOLD, Circuit, Faithfulness, circuit_metric, node_metric, ratio, select
 from .._tasks.graph import graph
 from .._tasks.scores import METHODS, EdgeScores, NodeScores, edge_scores, node_scores, shard_rows
-from .._tasks.task import Task
+from .._tasks.task import NOT_DONE, Task, warn_if_not_done
 from .distributed import Pool
 
 JOB = "qkcircuits._scale.ray_tasks:"
@@ -44,13 +46,22 @@ def _rows(task: Task, rows: Tuple[int, int]) -> Task:
     return task.rows(slice(rows[0], rows[1]))
 
 
+@contextmanager
+def _quiet_about_the_task():
+    """A shard's own clean/corrupt says nothing of the whole task's: the driver warns once, from the sums."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=NOT_DONE)
+        yield
+
+
 def edge_scores_job(model, shared: Task, *, rows: Tuple[int, int], method: str, steps: int, copies: int,
                     check: bool, rows_per_shard: Optional[int]) -> Dict[str, Any]:
     """``edge_scores`` of prompt rows ``rows`` of the task ``shared``; its sums (scores × rows, NaN → 0)."""
     t0 = time.perf_counter()
     sub = _rows(shared, rows)
-    es = edge_scores(model, sub, method, steps, rows_per_shard=rows_per_shard, copies=copies, progress=False,
-                     check=check)
+    with _quiet_about_the_task():
+        es = edge_scores(model, sub, method, steps, rows_per_shard=rows_per_shard, copies=copies, progress=False,
+                         check=check)
     return {"rows": rows, "n": sub.n, "sum": torch.nan_to_num(es.scores.double(), nan=0.0) * sub.n,
             "clean": es.clean * sub.n, "corrupt": es.corrupt * sub.n, "graph": es.graph, "method": es.method,
             "steps": es.steps, "model": es.model, "settings": es.settings, "seconds": time.perf_counter() - t0}
@@ -61,7 +72,8 @@ def node_scores_job(model, shared: Task, *, rows: Tuple[int, int], method: str, 
     """``node_scores`` of prompt rows ``rows``; its sums (score × rows per node)."""
     t0 = time.perf_counter()
     sub = _rows(shared, rows)
-    ns = node_scores(model, sub, method, steps, progress=False, rows_per_shard=rows_per_shard, copies=copies)
+    with _quiet_about_the_task():
+        ns = node_scores(model, sub, method, steps, progress=False, rows_per_shard=rows_per_shard, copies=copies)
     return {"rows": rows, "n": sub.n, "sums": {k: v * sub.n for k, v in ns.scores.items()}, "model": ns.model,
             "settings": ns.settings, "seconds": time.perf_counter() - t0}
 
@@ -178,9 +190,10 @@ def ray_edge_scores(spec, task, method: str = "eap-ig", steps: int = 5, *, rows_
     scores = (total / task.n).float()
     scores[~first["graph"].valid] = float("nan")
     settings = {**first["settings"], "rows_per_shard": rows_per_shard, "backend": backend}
-    return EdgeScores(first["graph"], scores, first["method"], first["steps"], sum(p["clean"] for p in parts) / task.n,
-                      sum(p["corrupt"] for p in parts) / task.n, task.describe(), first["model"], settings,
-                      {"edge_scores_s": backend["run_s"]})
+    clean, corrupt = sum(p["clean"] for p in parts) / task.n, sum(p["corrupt"] for p in parts) / task.n
+    warn_if_not_done(task, clean, corrupt)
+    return EdgeScores(first["graph"], scores, first["method"], first["steps"], clean, corrupt, task.describe(),
+                      first["model"], settings, {"edge_scores_s": backend["run_s"]})
 
 
 def ray_node_scores(spec, task, method: str = "eap-ig", steps: int = 5, *, progress: bool = True,

@@ -141,10 +141,20 @@ def induction(model, n: int = 32, seg_len: int = 10, seed: int = 0, metric="logi
 KEYS = ("clean", "corrupt", "answer", "wrong")
 
 
+def _no_repeated_keys(pairs):
+    keys = [k for k, _ in pairs]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise ValueError(f"key(s) {', '.join(map(repr, repeated))} given more than once")
+    return dict(pairs)
+
+
 def from_jsonl(model, path: Union[str, Path], *, prepend_bos: bool = False, metric="logit-diff") -> Task:
     """One JSON object per line: ``{"clean": str, "corrupt": str, "answer": str, "wrong": str}``;
     ``answer``/``wrong`` are the text that would follow the prompt (" Mary", leading space included) and
-    must be ONE token each. Blank lines are skipped. Every problem is one line naming the line number.
+    must be ONE token each, and text (not a special token such as ``<|im_end|>``). Blank lines are skipped; lines
+    end at "\n" (a "\r" before it is dropped), a UTF-8 byte-order mark is allowed. Every problem is one line
+    naming the line number (invalid UTF-8 or JSON, a key given twice, unknown or missing keys, ...).
 
     >>> p = tmp / "t.jsonl"
     >>> _ = p.write_text('{"clean": "a b", "corrupt": "a c", "answer": " d", "wrong": " e"}\\n')
@@ -157,19 +167,27 @@ def from_jsonl(model, path: Union[str, Path], *, prepend_bos: bool = False, metr
     if not path.is_file():
         raise QKCircuitsError(f"task file {str(path)!r} does not exist (expected a .jsonl file, one JSON object a line)")
     tok = tokenizer_of(model)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise QKCircuitsError(f"{path}: not UTF-8 text ({e.reason}); expected one JSON object per line")
+    special = set(getattr(tok, "all_special_ids", None) or [])
+    # lines end at "\n" only (JSON strings may hold U+2028, U+0085 ... which str.splitlines would break at); a
+    # UTF-8 byte-order mark at the start is allowed
+    raw = path.read_bytes()
+    raw = raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
     clean_rows, corrupt_rows, answers, wrongs, prompts = [], [], [], [], []
-    for no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for no, data in enumerate(raw.split(b"\n"), 1):
         where = f"{path.name} line {no}"
         try:
-            obj = json.loads(line)
+            line = data.decode("utf-8").rstrip("\r")
+        except UnicodeDecodeError as e:
+            raise QKCircuitsError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start + 1}); expected one JSON "
+                                  f"object per line")
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line, object_pairs_hook=_no_repeated_keys)
         except json.JSONDecodeError as e:
-            raise QKCircuitsError(f"{where}: not valid JSON ({e.msg} at column {e.colno})")
+            raise QKCircuitsError(f"{where}: not valid JSON ({e.msg.rstrip(' at')} at column {e.colno})")
+        except ValueError as e:
+            raise QKCircuitsError(f"{where}: {e}")
         if not isinstance(obj, dict):
             raise QKCircuitsError(f"{where}: expected an object with keys {', '.join(KEYS)}, got "
                                   f"{type(obj).__name__}")
@@ -189,6 +207,9 @@ def from_jsonl(model, path: Union[str, Path], *, prepend_bos: bool = False, metr
             if len(t) != 1:
                 raise QKCircuitsError(f"{where}: {k} {obj[k]!r} is {len(t)} tokens {t}; it must be one token "
                                       f"(the text that follows the prompt, leading space included)")
+            if t[0] in special:
+                raise QKCircuitsError(f"{where}: {k} {obj[k]!r} is the tokenizer's special token {t[0]}; it must be "
+                                      f"text that follows the prompt")
             ids[k] = t[0]
         if ids["answer"] == ids["wrong"]:
             raise QKCircuitsError(f"{where}: answer and wrong are the same token {obj['answer']!r}")

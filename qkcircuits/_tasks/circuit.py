@@ -156,10 +156,10 @@ class Circuit(Result):
         return sorted((n for n in self.nodes if n[0].isdigit()), key=lambda h: tuple(map(int, h.split("."))))
 
     def to_dict(self) -> Dict[str, object]:
-        from .._foundation.io import json_number
+        from .._foundation.io import SCORE_DIGITS, json_number
 
         return {"graph": self.graph.to_dict(), "model": self.model,          # what from_json rebuilds the graph from
-                "edges": [[s, r, x, json_number(v)] for s, r, x, v in self.edges()], "heads": self.heads,
+                "edges": [[s, r, x, json_number(v, SCORE_DIGITS)] for s, r, x, v in self.edges()], "heads": self.heads,
                 "mlps": sorted(n for n in self.nodes if n.startswith("mlp")), "n_edges": self.n_edges,
                 "requested_edges": self.requested, "percent": self.percent, "by": self.by,
                 "how": self.how}

@@ -51,7 +51,7 @@ from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph
 from .record import check_graph, record, reuse
 from .runs import grad_run, patched_run
-from .task import Task
+from .task import Task, warn_if_not_done
 
 METHODS = ("eap", "eap-ig", "exact")
 # The faithfulness curve's shards (``shard_rows``' default budget, ``circuit.py``: the corrupt record and
@@ -161,13 +161,14 @@ class EdgeScores(Result):
 
     # ---------------------------------------------------------------------------------------- data
     def to_dict(self) -> Dict[str, object]:
-        from .._foundation.io import json_number
+        from .._foundation.io import SCORE_DIGITS, json_number
 
         return {"schema": SCHEMA, "model": self.model, "method": self.method, "steps": self.steps,
-                "clean": json_number(self.clean), "corrupt": json_number(self.corrupt), "task": self.task,
+                "clean": json_number(self.clean, SCORE_DIGITS), "corrupt": json_number(self.corrupt, SCORE_DIGITS),
+                "task": self.task,
                 "graph": self.graph.to_dict(), "senders": list(self.graph.senders),
                 "receivers": [list(r) for r in self.graph.receivers],
-                "scores": [[json_number(v) for v in row] for row in self.scores.tolist()],
+                "scores": [[json_number(v, SCORE_DIGITS) for v in row] for row in self.scores.tolist()],
                 "settings": self.settings, "timing": self.timing}
 
     @classmethod
@@ -254,6 +255,7 @@ def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ro
     bar.close()
     scores = (acc / task.n).float()
     scores[~g.valid] = float("nan")
+    warn_if_not_done(task, sums["clean"] / task.n, sums["corrupt"] / task.n)
     extra = {"n_edges": g.n_edges, "copies": copies if method == "exact" else None}
     return EdgeScores(g, scores, method, steps if method == "eap-ig" else 0, sums["clean"] / task.n,
                       sums["corrupt"] / task.n, task.describe(), model_name(model), _settings(model, task, rows, extra),
@@ -352,10 +354,10 @@ class NodeScores(Result):
         return pd.DataFrame(list(self.scores.items()), columns=["node", "score"])
 
     def to_dict(self) -> Dict[str, object]:
-        from .._foundation.io import json_number
+        from .._foundation.io import SCORE_DIGITS, json_number
 
         return {"schema": self.SCHEMA, "model": self.model, "method": self.method,
-                "scores": {n: json_number(v) for n, v in self.scores.items()}, "settings": self.settings}
+                "scores": {n: json_number(v, SCORE_DIGITS) for n, v in self.scores.items()}, "settings": self.settings}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, object]) -> "NodeScores":
@@ -393,13 +395,17 @@ def node_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, pr
     task = task.to(model.W_E.device)
     rows = rows_per_shard or shard_rows(model, g, task, budget=EXACT_BYTES)
     acc = torch.zeros(g.n_senders, dtype=torch.float64)
+    sums = {"clean": 0.0, "corrupt": 0.0}
     for shard in task.shards(rows):
         corr = record(model, g, shard, shard.corrupt)
         clean_sum = float(patched_run(model, g, shard, corr, g.valid[None]).sum())
+        sums["clean"] += clean_sum
+        sums["corrupt"] += float(corr.rows.sum())
         for start in range(0, g.n_senders, copies):
             ss = torch.arange(start, min(start + copies, g.n_senders))
             mask = g.valid[None].repeat(len(ss), 1, 1)
             mask[torch.arange(len(ss)), ss] = False
             acc[ss] += clean_sum - patched_run(model, g, shard, corr, mask).sum(1).double().cpu()
     vals = (acc / task.n).tolist()
+    warn_if_not_done(task, sums["clean"] / task.n, sums["corrupt"] / task.n)
     return NodeScores(dict(zip(g.senders, vals)), "exact", model_name(model), _settings(model, task, rows, {}))

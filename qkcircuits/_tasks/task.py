@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -154,8 +154,9 @@ class Task:
 
     def digest(self, model) -> Optional[str]:
         """What the clean metric of this task on ``model`` depends on, as one hex string: the token rows,
-        answers, END positions and metric name, the weights (a float64 sum of each parameter: an edit of any
-        weight changes it), their dtype and device type. None for a callable metric (its code is not
+        answers, END positions and metric name, the weights (per parameter its float64 sum and a bilinear form
+        vᵀ P u with fixed pseudo-random u, v, so that moving values around, e.g. swapping two unembedding rows,
+        changes it as well as editing one), their dtype and device type. None for a callable metric (its code is not
         hashable). ``qk.faithfulness`` reads m(clean) from scores whose digest equals this one instead of
         running the clean rows again."""
         if not isinstance(self.metric, str):
@@ -164,7 +165,7 @@ class Task:
         for t in (self.clean, self.corrupt, self.answer, self.wrong, self.positions["END"]):
             h.update(t.detach().cpu().contiguous().numpy().tobytes())
         with torch.no_grad():
-            sums = [float(p.sum(dtype=torch.float64)) for p in model.parameters()]
+            sums = [_fingerprint(p) for p in model.parameters()]
         w = model.W_E
         h.update(repr((self.metric, sums, str(w.dtype), w.device.type)).encode())
         return h.hexdigest()
@@ -175,6 +176,20 @@ class Task:
                 "metric": self.metric_name, "higher_is_better": self.higher_is_better,
                 "bos_prepended": bool(self.bos),
                 "positions": sorted(self.positions)}
+
+
+def _probe(n: int, salt: int, like: Tensor) -> Tensor:
+    """A fixed pseudo-random vector of ``n`` entries in (0.5, 1.5) (seeded by n and salt), on ``like``'s device."""
+    g = torch.Generator().manual_seed(n * 2 + salt)
+    return (torch.rand(n, generator=g) + 0.5).to(device=like.device, dtype=like.dtype)
+
+
+def _fingerprint(p: Tensor) -> Tuple[float, float]:
+    """(Σ p, vᵀ P u) of a parameter viewed as [rows, -1], in float64 at the end: one pass over the weights each."""
+    x = p.detach()
+    x = x.reshape(x.shape[0], -1) if x.dim() > 1 else x.reshape(1, -1)
+    form = (_probe(x.shape[0], 1, x).double() @ (x @ _probe(x.shape[1], 2, x)).double())
+    return float(p.sum(dtype=torch.float64)), float(form)
 
 
 def metric_higher_is_better(metric) -> bool:
@@ -196,11 +211,27 @@ def evaluate(model, task: Task, rows_per_shard: int = 16, warn: bool = True) -> 
                 toks = getattr(shard, which)
                 sums[which] += float(shard.metric_sum(model(toks), toks))
     out = {k: v / task.n for k, v in sums.items()}
-    better = out["clean"] > out["corrupt"] if task.higher_is_better else out["clean"] < out["corrupt"]
-    if warn and not better:
-        warnings.warn(f"the model does not do task {task.name!r}: clean {task.metric_name} {out['clean']:.3g} vs "
-                      f"corrupt {out['corrupt']:.3g}; circuits and faithfulness will say little", stacklevel=2)
+    if warn:
+        warn_if_not_done(task, out["clean"], out["corrupt"], stacklevel=3)
     return out
+
+
+NOT_DONE = "the model does not do task"
+
+
+def does_the_task(task: Task, clean: float, corrupt: float) -> bool:
+    """clean > corrupt for a higher-is-better metric, clean < corrupt for a loss."""
+    return clean > corrupt if task.higher_is_better else clean < corrupt
+
+
+def warn_if_not_done(task: Task, clean: float, corrupt: float, stacklevel: int = 2) -> bool:
+    """A ``UserWarning`` (not an error) when the model does not do the task (``does_the_task``); returns whether
+    it does. ``evaluate``, ``qk.edge_scores`` and ``qk.node_scores`` call it with the means they measured."""
+    done = does_the_task(task, clean, corrupt)
+    if not done:
+        warnings.warn(f"{NOT_DONE} {task.name!r}: clean {task.metric_name} {clean:.3g} vs corrupt {corrupt:.3g}; "
+                      f"circuits and faithfulness will say little", stacklevel=stacklevel + 1)
+    return done
 
 
 # -------------------------------------------------------------------------------------------- text helpers

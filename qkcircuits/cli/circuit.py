@@ -13,6 +13,7 @@ import argparse
 import html
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
@@ -159,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, here, t0: float) -> int:
+    from .._tasks.task import NOT_DONE, does_the_task
+
     progress = not args.quiet
     task, g = here.task, here.graph
     t_load = time.perf_counter() - t0
@@ -167,11 +170,14 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
           f"nodes, {g.n_edges} edges" + (f"; on Ray, {here.pool.size} workers" if args.ray is not None else ""),
           flush=True)
     t1 = time.perf_counter()
-    scores = here.edge_scores(method=args.method, steps=args.steps, progress=progress)
+    with warnings.catch_warnings():                 # said once below, in the CLI's own words
+        warnings.filterwarnings("ignore", message=NOT_DONE)
+        scores = here.edge_scores(method=args.method, steps=args.steps, progress=progress)
     t2 = time.perf_counter()
-    better = scores.clean > scores.corrupt if task.higher_is_better else scores.clean < scores.corrupt
-    print(f"  clean {task.metric_name} {scores.clean:.4f}, corrupt {scores.corrupt:.4f}"
-          + ("" if better else "  (warning: the model does not do this task)"), flush=True)
+    print(f"  clean {task.metric_name} {scores.clean:.4f}, corrupt {scores.corrupt:.4f}", flush=True)
+    if not does_the_task(task, scores.clean, scores.corrupt):
+        print(f"warning: the model does not do this task (clean {scores.clean:.4g} vs corrupt {scores.corrupt:.4g}); "
+              f"circuits and faithfulness will say little", file=sys.stderr, flush=True)
     faith = here.faithfulness(scores, by=args.by, how=args.how, progress=progress)
     t3 = time.perf_counter()
     if args.edges is not None or args.percent is not None:
