@@ -74,7 +74,36 @@ def test_each_threshold_moves_its_boundary(key, value, head, role):
 
 
 def test_other_tasks_direct_logit_heads_and_the_rest():
+    # no detector labels: large direct effect → direct-logit head; a large node effect alone → unclassified
     out = classify({h: dict(e) for h, (e, _) in EVIDENCE.items()}, {}, ioi=False, denom=4.0)
     direct = sorted(h for h, r in out.items() if r["role"] == "direct-logit head")
     assert direct == ["10.0", "10.1", "5.2", "7.5", "9.0", "9.1", "9.2", "9.3"]
-    assert all(r["role"] == "feeds the circuit" for h, r in out.items() if h not in direct)
+    large_node = {"7.0", "7.3", "5.0", "3.0", "2.0", "2.1"}                  # |node| ≥ 0.2 (0.1 × 2.0)
+    assert {h for h, r in out.items() if r["role"] == "unclassified"} == large_node
+    assert all(r["role"] == "minor" for h, r in out.items() if h not in direct and h not in large_node)
+
+
+def _det(labels, ind=0.0, prev=0.0, dup=0.0):
+    return {"detectors": {"induction": ind, "previous_token": prev, "duplicate_token": dup}, "labels": labels}
+
+
+def test_other_tasks_use_the_detectors_labels():
+    # the scan's labels name the heads that act through later heads; a head that writes the answer stays a
+    # direct-logit head whatever it looks like, and a label without an effect is minor
+    ev = {"5.0": {**_ev(0.0, node=0.5), **_det(["induction"], ind=0.8)},
+          "2.0": {**_ev(0.0, node=0.3), **_det(["previous-token"], prev=0.9)},
+          "3.0": {**_ev(0.0, node=-0.4), **_det(["duplicate-token"], dup=0.7)},
+          "5.1": {**_ev(0.0, node=0.01), **_det(["induction"], ind=0.8)},
+          "9.1": {**_ev(2.0), **_det(["previous-token"], prev=0.5)},
+          "4.0": {**_ev(0.0, node=0.6), **_det([])}}
+    out = classify(ev, {}, ioi=False, denom=4.0)
+    assert {h: r["role"] for h, r in out.items()} == {
+        "5.0": "induction head", "2.0": "previous-token head", "3.0": "duplicate-token head", "5.1": "minor",
+        "9.1": "direct-logit head", "4.0": "unclassified"}
+    assert "the scan labels it (induction 0.80)" in out["5.0"]["why"]
+    text = Roles(out, "pairs", {}).sentences()
+    assert any(t.startswith("induction head 5.0 (") and "scan induction 0.80" in t for t in text)
+    # many small heads are summarised, never listed one by one
+    many = {f"1.{i}": {**_ev(0.001, node=0.001), **_det([])} for i in range(40)}
+    text = Roles(classify({**ev, **many}, {}, ioi=False, denom=4.0), "pairs", {}).sentences()
+    assert any(t.startswith("minor ") and "(+33 more)" in t for t in text)

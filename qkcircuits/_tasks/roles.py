@@ -4,7 +4,7 @@
 >>> scores = qk.edge_scores(model, task, method="exact", progress=False)
 >>> r = scores.circuit(edges=4).roles(model, task)
 >>> r.roles["1.0"]["role"], r.roles["0.0"]["role"]
-('direct-logit head', 'feeds the circuit')
+('direct-logit head', 'previous-token head')
 
 Evidence per head (one clean forward with the attention patterns of the circuit's layers):
 
@@ -36,7 +36,17 @@ logit-difference scale; "large" = at least the fraction given of the largest one
 5. unclassified: a large direct or node effect that fits no class, kept with its evidence;
 6. minor: the rest (small effects, no class); their evidence is kept, ``patterns`` says what they look like.
 
-Other tasks: "direct-logit head" (a large direct effect as in 1-2) or "feeds the circuit".
+Other tasks (no IOI positions): the detectors' labels and the direct effect. Evidence adds ``detectors``
+{induction, previous_token, duplicate_token}: each head's score from the restricted scan (``qk.scan`` on its own
+[BOS]+R+R prompts, one pattern-only pass) and ``labels``, the scan's labels it earns (``HeadScores.labels``).
+Classes, in this order:
+
+1. direct-logit head: a large direct effect (as in 1-2; its sign is in the evidence);
+2. induction / previous-token / duplicate-token head: that detector label, a large node effect and not a large
+   direct effect;
+3. unclassified: a large direct or node effect that fits no class, kept with its evidence;
+4. minor: the rest.
+
 ``classify`` is the rule on the evidence alone (tested on constructed evidence); ``roles`` gathers it.
 """
 
@@ -59,6 +69,9 @@ IOI_POSITIONS = ("IO", "S1", "S1+1", "S2", "END")
 ORDER = ("name mover", "negative name mover", "S-inhibition head", "induction head", "duplicate-token head",
          "previous-token head", "unclassified", "minor", "direct-logit head", "feeds the circuit")
 PATTERNS = (("induction head", "S2->S1+1"), ("duplicate-token head", "S2->S1"), ("previous-token head", "S1+1->S1"))
+# other tasks: (role, the scan's score, its label); "feeds the circuit" is only read back from older files
+DETECTORS = (("induction head", "induction", "induction"), ("duplicate-token head", "duplicate_token", "duplicate-token"),
+             ("previous-token head", "previous_token", "previous-token"))
 
 
 @dataclass(repr=False)      # the repr is _text (Result)
@@ -107,8 +120,11 @@ class Roles(Result):
                 text += ", END → S2 " + ", ".join(f"{e['END->S2']:.2f}" for e in ev) + "; into name movers' q " + \
                     "; ".join(", ".join(f"{m} {v:+.3f}" for m, v in e["feeds_name_movers_q"].items()) for e in ev)
             key = dict(PATTERNS).get(role)
-            if key:
+            if key and all(key in e for e in ev):
                 text += f"; {key} " + ", ".join(f"{e[key]:.2f}" for e in ev)
+            det = {r: k for r, k, _ in DETECTORS}.get(role)
+            if det and all(det in e.get("detectors", {}) for e in ev):
+                text += f"; scan {det} " + ", ".join(f"{float(e['detectors'][det]):.2f}" for e in ev)
             if role == "unclassified":
                 text += "; END attends most to position " + ", ".join(str(e["END_top_position"]) for e in ev)
             lines.append(text + ")")
@@ -193,9 +209,21 @@ def classify(evidence: Dict[str, Dict[str, object]], q_edges: Dict[Tuple[str, st
     for name, e in evidence.items():
         de = float(e["direct_effect"])
         if not ioi:
-            role = "direct-logit head" if large_direct(e) else "feeds the circuit"
-            why = (f"|direct effect| {abs(de):.3g} {'≥' if large_direct(e) else '<'} {d_cut:.3g} "
-                   f"({t['direct_relative']:g} × the largest {max_de:.3g})")
+            labels = [role for role, _, label in DETECTORS if label in e.get("labels", ())]
+            if large_direct(e):
+                role, why = "direct-logit head", (f"|direct effect| {abs(de):.3g} ≥ {d_cut:.3g} "
+                                                  f"({t['direct_relative']:g} × the largest {max_de:.3g})")
+            elif labels and large_node(e):
+                role = labels[0]
+                score = dict((r, k) for r, k, _ in DETECTORS)[role]
+                why = (f"the scan labels it ({score} {float(e['detectors'][score]):.2f}); |node effect| "
+                       f"{abs(float(e['node_effect'])):.3g} ≥ {t['effect_relative']:g} × {max_ne:.3g}")
+            elif large_node(e):
+                role, why = "unclassified", (f"large node effect {float(e['node_effect']):+.3g} but no detector label "
+                                             f"and a small direct effect")
+            else:
+                role, why = "minor", (f"|direct| {abs(de):.3g} < {d_cut:.3g}, |node effect| "
+                                      f"{abs(float(e['node_effect'])):.3g} < {t['effect_relative'] * max_ne:.3g}")
             out[name] = {"role": role, "evidence": e, "why": why}
             continue
         feeds = {m: round(v, 6) for (s, m), v in sorted(into.items()) if s == name
@@ -269,6 +297,16 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
             e["S2->S1+1"] = round(attn(L, h, "S2", "S1+1"), 4)
             e["S1+1->S1"] = round(attn(L, h, "S1+1", "S1"), 4)
         evidence[name] = e
+    if not ioi and heads:
+        # other tasks: the detectors' own scores and labels (the restricted scan: one pattern-only pass)
+        from .._analysis.detect import scan
+
+        hs = scan(model, scores=[k for _, k, _ in DETECTORS], progress=False)
+        labelled = {label: {f"{h.layer}.{h.head}" for h in hs.heads_labelled(label)} for _, _, label in DETECTORS}
+        for name, e in evidence.items():
+            L, h = map(int, name.split("."))
+            e["detectors"] = {k: round(float(hs.scores[k][L, h]), 4) for _, k, _ in DETECTORS}
+            e["labels"] = [label for _, _, label in DETECTORS if name in labelled[label]]
     q_edges: Dict[Tuple[str, str], float] = {}
     if ioi:
         in_circuit = set(heads)
