@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -154,9 +154,9 @@ class Task:
 
     def digest(self, model) -> Optional[str]:
         """What the clean metric of this task on ``model`` depends on, as one hex string: the token rows,
-        answers, END positions and metric name, the weights (per parameter its float64 sum and a bilinear form
-        vᵀ P u with fixed pseudo-random u, v, so that moving values around, e.g. swapping two unembedding rows,
-        changes it as well as editing one), their dtype and device type. None for a callable metric (its code is not
+        answers, END positions and metric name, the weights (per parameter a bilinear form vᵀ P u with fixed
+        pseudo-random u, v > 0: editing a weight changes it, and so does moving values around, e.g. swapping
+        two unembedding rows, which keeps every sum), their dtype and device type. None for a callable metric (its code is not
         hashable). ``qk.faithfulness`` reads m(clean) from scores whose digest equals this one instead of
         running the clean rows again."""
         if not isinstance(self.metric, str):
@@ -184,12 +184,13 @@ def _probe(n: int, salt: int, like: Tensor) -> Tensor:
     return (torch.rand(n, generator=g) + 0.5).to(device=like.device, dtype=like.dtype)
 
 
-def _fingerprint(p: Tensor) -> Tuple[float, float]:
-    """(Σ p, vᵀ P u) of a parameter viewed as [rows, -1], in float64 at the end: one pass over the weights each."""
-    x = p.detach()
+def _fingerprint(p: Tensor) -> float:
+    """vᵀ P u of a parameter viewed as [rows, -1] (u, v > 0.5: editing any one weight changes it, and so does
+    moving rows or columns around, which a plain sum would not see): one matrix-vector pass over the weights
+    (SmolLM2: 0.07 s of CPU for all 135 M, against 0.26 s for a float64 sum)."""
+    x = p.detach() if p.is_floating_point() else p.detach().float()
     x = x.reshape(x.shape[0], -1) if x.dim() > 1 else x.reshape(1, -1)
-    form = (_probe(x.shape[0], 1, x).double() @ (x @ _probe(x.shape[1], 2, x)).double())
-    return float(p.sum(dtype=torch.float64)), float(form)
+    return float(_probe(x.shape[0], 1, x).double() @ (x @ _probe(x.shape[1], 2, x)).double())
 
 
 def metric_higher_is_better(metric) -> bool:
