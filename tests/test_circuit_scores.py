@@ -257,6 +257,44 @@ def _skips_attention_layers(name, model, monkeypatch):
     assert all("forward" not in vars(model.blocks[L].attn) for L in range(g.n_layers))
 
 
+def test_gradient_scores_read_the_heads_delta_from_z(family, monkeypatch):
+    # EAP / EAP-IG take the heads' Δ as (z_clean − z_corrupt) W_O (the corrupt record keeps z, not the heads'
+    # outputs): the same scores as subtracting the two runs' head outputs, and the record's head slots unwritten
+    from qkcircuits._tasks import record as record_mod, scores as scores_mod
+
+    name, model = family
+    task = pair_task(model, n=6)
+    g = qk.graph(model)
+    if not runs.z_patchable(model, g):
+        return                                    # post-norms: the heads' outputs are not linear in z
+    seen = []
+    real_record = record_mod.record
+
+    def spy(*a, **k):
+        rec = real_record(*a, **k)
+        seen.append(rec.heads)
+        return rec
+
+    monkeypatch.setattr(scores_mod, "record", spy)
+    for method, steps in (("eap", 1), ("eap-ig", 3)):
+        seen.clear()
+        fast = qk.edge_scores(model, task, method=method, steps=steps, progress=False)
+        assert seen == [False], name
+        with monkeypatch.context() as m:
+            m.setattr(scores_mod, "z_patchable", lambda *a: False)
+            seen.clear()
+            slow = qk.edge_scores(model, task, method=method, steps=steps, progress=False)
+            assert seen == [True]
+        top = float(slow.scores.nan_to_num(0).abs().max())
+        torch.testing.assert_close(fast.scores, slow.scores, atol=1e-5 * top, rtol=0, equal_nan=True)
+        assert fast.clean == pytest.approx(slow.clean, abs=1e-6) and fast.corrupt == slow.corrupt
+    rec = runs.record(model, g, task, task.corrupt, heads=False)
+    full = runs.record(model, g, task, task.corrupt)
+    h0 = g.head_sender(0)
+    assert not rec.heads and torch.equal(rec.out[:h0], full.out[:h0])
+    runs.check_graph(model, g, rec, task.corrupt)           # the heads' outputs of its rows rebuilt from z
+
+
 def test_node_view_refuses_a_hook_z_it_cannot_patch_by_head(family, monkeypatch):
     # a model whose hook_z is not [b, p, H, e] (here: flattened) must not be patched feature-wise in silence
     name, model = family
@@ -333,6 +371,7 @@ def test_patched_forward_identities_on_latent_attention(version, q_lora_rank, tm
     test_exact_edges_into_logits_match_a_direct_computation((f"deepseek-v{version}", model))
     test_node_view_run_equals_the_patched_run_of_its_mask((f"deepseek-v{version}", model), monkeypatch)
     _skips_attention_layers(f"deepseek-v{version}", model, monkeypatch)
+    test_gradient_scores_read_the_heads_delta_from_z((f"deepseek-v{version}", model), monkeypatch)
 
 
 def test_exact_edges_into_logits_match_a_direct_computation(family):

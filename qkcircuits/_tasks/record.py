@@ -37,12 +37,16 @@ class Record:
     hooks: Dict[Key, Tensor] = field(default_factory=dict)
     resid: Dict[Key, Tensor] = field(default_factory=dict)
     rows: Optional[Tensor] = None
+    heads: bool = True            # False: the heads' slots of ``out`` were not written (record(heads=False))
 
 
 def _hooks(model, g: Graph, out: Optional[Tensor], stream: Dict[Key, Tensor], splice: Optional[Callable],
-           keep: Optional[Dict[Key, Tensor]], emb_override: Optional[Tensor] = None, grad: bool = False):
+           keep: Optional[Dict[Key, Tensor]], emb_override: Optional[Tensor] = None, grad: bool = False,
+           heads: bool = True, z_minus: Optional[Dict[Key, Tensor]] = None):
     """The hook list shared by the three runs: capture stream/outputs (``out`` None: no sender outputs,
-    and no head-output einsums), optionally splice receiver inputs."""
+    and no head-output einsums), optionally splice receiver inputs. ``heads=False``: the heads' slots of ``out``
+    are not written (only z is kept); ``z_minus`` ({("z", L): z}): the heads' slots get the outputs of z − that
+    z, i.e. the heads' Δ against that run (only where a head's output is linear in its z: no post-norm)."""
     z_of: Dict[int, Tensor] = {}
     hooks = []
 
@@ -65,9 +69,10 @@ def _hooks(model, g: Graph, out: Optional[Tensor], stream: Dict[Key, Tensor], sp
             z_of[L] = t.detach()
             if keep is not None:          # the record keeps z (small: [b, p, H, e]) for node patching
                 keep[("z", L)] = z_of[L]
-            if post_norm(model, L) is None:
+            if post_norm(model, L) is None and heads:
+                z = z_of[L] if z_minus is None else z_of[L] - z_minus[("z", L)].to(z_of[L].dtype)
                 with torch.no_grad():
-                    head_outputs(model, L, z_of[L], out=out[g.head_sender(L):g.head_sender(L) + g.n_heads])
+                    head_outputs(model, L, z, out=out[g.head_sender(L):g.head_sender(L) + g.n_heads])
         return fn
 
     def y_hook(L: int):
@@ -105,6 +110,8 @@ def _hooks(model, g: Graph, out: Optional[Tensor], stream: Dict[Key, Tensor], sp
         hooks.append((f"blocks.{L}.hook_resid_pre", resid_pre(L)))
         if out is not None:
             hooks.append((f"blocks.{L}.attn.hook_z", z_hook(L)))
+            if post_norm(model, L) is not None and (not heads or z_minus is not None):
+                raise QKCircuitsError("heads=False / z_minus need head outputs linear in z (no post-attention norm)")
             if post_norm(model, L) is not None:
                 hooks.append((f"blocks.{L}.attn.hook_out", y_hook(L)))
         if keep is not None:              # a circuit forward whose layer reads only corrupt q/k/v returns it
@@ -173,19 +180,22 @@ def _buffer(model, g: Graph, tokens: Tensor, pool: Optional[Dict[str, Tensor]] =
     return reuse(pool, name, (g.n_senders, b, p, model.cfg.d_model), model.W_E.dtype, model.W_E.device)
 
 
-def record(model, g: Graph, task, tokens: Tensor, pool: Optional[Dict[str, Tensor]] = None) -> Record:
+def record(model, g: Graph, task, tokens: Tensor, pool: Optional[Dict[str, Tensor]] = None,
+           heads: bool = True) -> Record:
     """A plain forward of ``tokens`` (a shard's clean or corrupt rows) keeping what ``Record`` lists; its
-    sender outputs in ``pool["record"]`` when given (``reuse``)."""
+    sender outputs in ``pool["record"]`` when given (``reuse``). ``heads=False`` (only without post-attention
+    norms): the heads' slots of ``out`` are left unwritten (a caller that needs only their Δ computes it from
+    z, ``runs.grad_run(z_minus=)``); ``Record.heads`` says which."""
     out = _buffer(model, g, tokens, pool, "record")
     stream: Dict[Key, Tensor] = {}
     keep: Dict[Key, Tensor] = {}
     with torch.no_grad():
-        rows = _metric_rows(model, task, tokens, _hooks(model, g, out, stream, None, keep)).detach()
+        rows = _metric_rows(model, task, tokens, _hooks(model, g, out, stream, None, keep, heads=heads)).detach()
     missing = [k for k in [("q", 0), ("logits", 0)] if k not in keep]
     if missing or ("final", 0) not in stream:
         raise QKCircuitsError("this model never fired hook_q / ln_final.hook_in / unembed.hook_in; the circuit "
                               "graph needs a TransformerLens bridge (or native model) with those hook points")
-    return Record(out, keep, {k: v.detach() for k, v in stream.items()}, rows)
+    return Record(out, keep, {k: v.detach() for k, v in stream.items()}, rows, heads)
 
 
 def check_graph(model, g: Graph, rec: Record, tokens: Tensor, atol: float = 1e-4, rows: int = 2) -> None:
@@ -194,8 +204,12 @@ def check_graph(model, g: Graph, rec: Record, tokens: Tensor, atol: float = 1e-4
     Tolerances are at least the residual dtype's epsilon (bf16: 0.0078), so rounding alone never fails it.
     Checks the record's first ``rows`` prompts: every identity is per prompt (the attention mixing is
     inside the recorded values), so more rows would repeat the same check at the cost of a forward."""
-    rec = Record(rec.out[:, :rows], {k: v[:rows] for k, v in rec.hooks.items()},
-                 {k: v[:rows] for k, v in rec.resid.items()})
+    out = rec.out[:, :rows]
+    if not rec.heads:                 # the heads' outputs of these rows, from the z the record kept
+        out = out.clone()
+        for L in range(g.n_layers):
+            head_outputs(model, L, rec.hooks[("z", L)][:rows], out=out[g.head_sender(L):g.head_sender(L) + g.n_heads])
+    rec = Record(out, {k: v[:rows] for k, v in rec.hooks.items()}, {k: v[:rows] for k, v in rec.resid.items()})
     eps = float(torch.finfo(rec.resid[("final", 0)].dtype).eps)
     atol, rtol = max(atol, eps), max(1e-3, eps)
     with torch.no_grad():

@@ -52,12 +52,15 @@ SKIP_PROJECTIONS = True
 
 def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Tensor], None],
              emb_override: Optional[Tensor] = None, out: Optional[Tensor] = None,
-             dest: Optional[Callable[[slice], Optional[Tensor]]] = None) -> float:
+             dest: Optional[Callable[[slice], Optional[Tensor]]] = None,
+             z_minus: Optional[Dict[Key, Tensor]] = None) -> float:
     """Forward with every receiver reading its own residual copy, one backward of the metric SUM over
     the rows; ``on_grad(receiver slice, grad [n, b, p, d])`` per receiver group. Fills ``out`` (sender
     outputs, detached) when given; without it records none. Returns the metric sum. ``dest(slice)``: where
     the closed-form VJP may write a group's gradient (a caller summing into one buffer spares a copy; the
-    tensor handed to ``on_grad`` is then that one), or None.
+    tensor handed to ``on_grad`` is then that one), or None. ``z_minus``: another run's hook_z per layer
+    (``record``'s): the heads' slots of ``out`` then hold their Δ against that run, (z − z') W_O, not their
+    outputs (no post-attention norms).
 
     Every copy of a layer's residual equals the layer's one residual in this run, so where the q/k/v
     input has a closed form (``inputs.py``: RMSNorm or LayerNorm, checked on the run) the copies are never
@@ -103,7 +106,8 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
         return mlp_input(model, L, own) if x == "mlp" else logits_input(model, own)
 
     with torch.enable_grad():
-        rows = _metric_rows(model, task, tokens, _hooks(model, g, out, stream, splice, None, emb_override, True))
+        rows = _metric_rows(model, task, tokens, _hooks(model, g, out, stream, splice, None, emb_override, True,
+                                                        z_minus=z_minus))
         total = rows.sum()
         # Gradients of the activations only (the receiver copies' hooks fire on the way to the embedding
         # leaf): ``total.backward()`` would also compute and KEEP a weights-sized ``.grad`` on every

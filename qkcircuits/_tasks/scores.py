@@ -50,7 +50,7 @@ from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph
 from .record import check_graph, record, reuse
-from .runs import grad_run, patched_run
+from .runs import grad_run, patched_run, z_patchable
 from .task import Task, warn_if_not_done
 
 METHODS = ("eap", "eap-ig", "exact")
@@ -241,8 +241,12 @@ def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ro
     work = len(shards) * (g.n_edges if method == "exact" else 1)
     bar = _bar(work, f"edge scores ({method})", progress)
     pool: Dict[str, Tensor] = {}            # the first shard's buffers, reused by the others (runs.reuse)
+    # the gradient methods need only the heads' Δ = (z_clean − z_corrupt) W_O: the corrupt record keeps z, not the
+    # heads' outputs (one head-output pass and a [heads, b, p, d] subtraction fewer), where outputs are linear in z
+    deltas_from_z = method != "exact" and z_patchable(model, g)
     for i, shard in enumerate(shards):
-        corr = record(model, g, shard, shard.corrupt, pool=None if method == "exact" else pool)
+        corr = record(model, g, shard, shard.corrupt, pool=None if method == "exact" else pool,
+                      heads=not deltas_from_z)
         if check and i == 0:
             check_graph(model, g, corr, shard.corrupt)
         sums["corrupt"] += float(corr.rows.sum())
@@ -291,7 +295,9 @@ def _gradient_scores(model, g: Graph, shard: Task, corr, acc: Tensor, steps: int
                 gsum[sl].copy_(grad.detach())
             written[sl] = True
 
-    clean = grad_run(model, g, shard, shard.clean, on_grad, out=out, dest=dest)
+    # with a record of z only (record(heads=False)) the heads' slots of ``out`` come out as Δ already
+    z_minus = None if corr.heads else corr.hooks
+    clean = grad_run(model, g, shard, shard.clean, on_grad, out=out, dest=dest, z_minus=z_minus)
     if not bool(written.all()):
         gsum[~written.to(gsum.device)] = 0
         written[:] = True
@@ -299,7 +305,12 @@ def _gradient_scores(model, g: Graph, shard: Task, corr, acc: Tensor, steps: int
     for j in range(1, steps):
         grad_run(model, g, shard, shard.clean, on_grad, emb_override=e_corr + (j / steps) * (e_clean - e_corr),
                  out=None)
-    D = out.sub_(corr.out).view(g.n_senders, -1)       # Δ = clean − corrupt, in place
+    if corr.heads:
+        D = out.sub_(corr.out).view(g.n_senders, -1)       # Δ = clean − corrupt, in place
+    else:                                                    # the heads' slots hold Δ: the embedding's and MLPs' too
+        for lo, hi in _non_head_runs(g):
+            out[lo:hi].sub_(corr.out[lo:hi])
+        D = out.view(g.n_senders, -1)
     G = gsum.view(g.n_receivers, -1)
     valid = g.valid.to(out.device)
     # Consecutive receivers (up to GRAD_BLOCK_BYTES of gradients) meet every sender below them in ONE
@@ -314,6 +325,20 @@ def _gradient_scores(model, g: Graph, shard: Task, corr, acc: Tensor, steps: int
         acc[:nb, r0:r1] += torch.where(valid[:nb, r0:r1], T, 0).double().cpu() / steps
         r0 = r1
     return clean
+
+
+def _non_head_runs(g: Graph) -> List[Tuple[int, int]]:
+    """The sender slots that are not heads, as [lo, hi) runs: the embedding and each layer's MLP."""
+    heads = {g.head_sender(L, h) for L in range(g.n_layers) for h in range(g.n_heads)}
+    runs: List[Tuple[int, int]] = []
+    for s in range(g.n_senders):
+        if s in heads:
+            continue
+        if runs and runs[-1][1] == s:
+            runs[-1] = (runs[-1][0], s + 1)
+        else:
+            runs.append((s, s + 1))
+    return runs
 
 
 def _exact_edges(model, g: Graph, shard: Task, corr, acc: Tensor, copies: int, bar) -> float:

@@ -44,11 +44,20 @@ from torch import Tensor, nn
 Group = Tuple[int, str]
 
 
-def _projection(model, layer: int, into: str):
+def _hook_points(model) -> Dict[str, object]:
+    """name → HookPoint, aliases included. TransformerLens 4 rebuilds this dict on every ``hook_dict`` access
+    (~2 ms for SmolLM2): asked once per context, not once per layer."""
+    try:
+        return model.hook_dict
+    except AttributeError:
+        return {}
+
+
+def _projection(model, layer: int, into: str, hooks: Dict[str, object]):
     """The nn.Linear whose output is ``blocks.layer.attn.hook_<into>``, or None."""
     try:
         lin = getattr(model.blocks[layer].attn, into)
-        hook = model.hook_dict.get(f"blocks.{layer}.attn.hook_{into}")
+        hook = hooks.get(f"blocks.{layer}.attn.hook_{into}")
     except (AttributeError, IndexError, TypeError):
         return None
     orig = getattr(lin, "original_component", None)
@@ -89,14 +98,16 @@ def _empty_like_output(lin: nn.Linear) -> Callable:
 def skipped(model, groups: Iterable[Group]):
     """While open, the projections of ``groups`` ((layer, "q" | "k" | "v")) return ``x.new_empty`` of their
     output shape; yields the groups actually skipped. Restores every projection on exit (also on error)."""
-    lins = {(layer, into): _projection(model, layer, into) for layer, into in groups}
+    groups = list(groups)
+    hooks = _hook_points(model) if groups else {}
+    lins = {(layer, into): _projection(model, layer, into, hooks) for layer, into in groups}
     return _overriding({key: (lin, _empty_like_output(lin)) for key, lin in lins.items() if lin is not None})
 
 
-def _mlp(model, layer: int):
+def _mlp(model, layer: int, hooks: Dict[str, object]):
     try:
         mlp = model.blocks[layer].mlp
-        hook = model.hook_dict.get(f"blocks.{layer}.hook_mlp_out")
+        hook = hooks.get(f"blocks.{layer}.hook_mlp_out")
     except (AttributeError, IndexError, TypeError):
         return None
     if type(mlp).__name__ not in ("MLPBridge", "GatedMLPBridge") or hook is None or hook is not mlp.hook_out:
@@ -156,6 +167,7 @@ def known_mlps(model, outputs: Dict[int, Union[Tensor, Callable[[], Tensor]]]):
     computing: ``outputs[L].clone()``, or ``outputs[L]()`` (a fresh tensor, made only when that MLP runs: a
     caller's k stacked copies of a record then exist one layer at a time). Yields the layers actually
     replaced. Restores every MLP on exit (also on error)."""
-    mlps = {layer: (_mlp(model, layer), value) for layer, value in outputs.items()}
+    hooks = _hook_points(model) if outputs else {}
+    mlps = {layer: (_mlp(model, layer, hooks), value) for layer, value in outputs.items()}
     return _overriding({layer: (mlp, _known_output(mlp, value)) for layer, (mlp, value) in mlps.items()
                         if mlp is not None})
