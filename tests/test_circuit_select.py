@@ -52,3 +52,48 @@ def test_a_kv_edge_adds_only_the_group_heads_the_circuit_uses():
     mask[g.senders.index("emb"), g.receivers.index(("1.kv1", "k"))] = True
     c.mask = mask
     assert c.heads == ["1.2", "1.3"]
+
+
+def _prune_reference(g, mask):
+    """The first prune (one sender at a time, plain loops): the reference the vectorised one must equal."""
+    from qkcircuits._tasks.circuit import _consumers
+
+    S, R = g.n_senders, g.n_receivers
+    cons = [_consumers(g, r) for r in range(R)]
+    reach = torch.zeros(S, dtype=torch.bool)
+    reach[0] = True
+    feeds = [[] for _ in range(S)]
+    for r in range(R):
+        for c in cons[r]:
+            if c >= 0:
+                feeds[c].append(r)
+    for s in range(1, S):
+        reach[s] = any(bool((mask[:, r] & reach).any()) for r in feeds[s])
+    useful = torch.zeros(S, dtype=torch.bool)
+    recv_useful = torch.zeros(R, dtype=torch.bool)
+    recv_useful[g.logits_receiver] = True
+    for s in range(S - 1, -1, -1):
+        outs = mask[s].nonzero().flatten().tolist()
+        for r in outs:
+            if not recv_useful[r]:
+                recv_useful[r] = any(c >= 0 and bool(useful[c]) for c in cons[r])
+        useful[s] = any(bool(recv_useful[r]) for r in outs)
+    for r in range(R):
+        recv_useful[r] = recv_useful[r] or any(c >= 0 and bool(useful[c]) for c in cons[r])
+    return mask & reach[:, None] & recv_useful[None, :]
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 4, True, False), (4, 6, 2, True, False), (3, 4, 1, True, False),
+                                   (3, 4, 4, True, True), (2, 2, 2, False, False)])
+def test_prune_equals_the_path_definition_on_random_masks(shape):
+    # layers, heads, KV heads, MLPs, parallel blocks: GQA, MQA, parallel and attention-only graphs, masks from
+    # nearly empty to nearly full
+    from qkcircuits._tasks.circuit import prune
+    from qkcircuits._tasks.graph import Graph
+
+    g = Graph(*shape[:4], parallel=shape[4])
+    gen = torch.Generator().manual_seed(sum(shape))
+    for q in (0.02, 0.05, 0.1, 0.3, 0.7, 1.0):
+        for _ in range(4):
+            mask = (torch.rand(g.valid.shape, generator=gen) < q) & g.valid
+            assert torch.equal(prune(g, mask), _prune_reference(g, mask)), (shape, q)

@@ -70,30 +70,45 @@ def _consumers(g: Graph, r: int) -> List[int]:
     return [g.head_sender(int(h.split(".")[0]), int(h.split(".")[1])) for h in g.receiver_heads(r)]
 
 
+def _reads(g: Graph) -> Tensor:
+    """[S, R] bool: node s (a head, an MLP) reads receiver input r (a head its q and its KV head's k, v)."""
+    reads = torch.zeros(g.n_senders, g.n_receivers, dtype=torch.bool)
+    for r in range(g.n_receivers):
+        for c in _consumers(g, r):
+            if c >= 0:
+                reads[c, r] = True
+    return reads
+
+
 def prune(g: Graph, mask: Tensor) -> Tensor:
-    """Keep the edges of ``mask`` [S, R] that lie on a path embedding → … → logits inside ``mask``."""
+    """Keep the edges of ``mask`` [S, R] that lie on a path embedding → … → logits inside ``mask``: sender s
+    reached from the embedding through ``mask`` edges, and receiver r read by a node from which the logits are
+    reached. One sweep up the layers (a layer's heads, then its MLP) and one down, each a few boolean
+    reductions per layer."""
+    mask = mask.bool().cpu()
+    reads = _reads(g)
     S, R = g.n_senders, g.n_receivers
-    cons = [_consumers(g, r) for r in range(R)]
     reach = torch.zeros(S, dtype=torch.bool)
     reach[0] = True
-    feeds: List[List[int]] = [[] for _ in range(S)]          # receivers read by sender s's node
-    for r in range(R):
-        for c in cons[r]:
-            if c >= 0:
-                feeds[c].append(r)
-    for s in range(1, S):
-        reach[s] = any(bool((mask[:, r] & reach).any()) for r in feeds[s])
+    for L in range(g.n_layers):
+        hs = slice(g.head_sender(L), g.head_sender(L) + g.n_heads)
+        rs = slice(g.recv_slice(L, "q").start, g.recv_slice(L, "v").stop)
+        fed = (mask[:, rs] & reach[:, None]).any(0)                        # each q/k/v input reached
+        reach[hs] = (reads[hs, rs] & fed[None]).any(1)
+        if g.has_mlp:
+            reach[g.mlp_sender(L)] = bool((mask[:, g.recv_slice(L, "mlp").start] & reach).any())
     useful = torch.zeros(S, dtype=torch.bool)
     recv_useful = torch.zeros(R, dtype=torch.bool)
     recv_useful[g.logits_receiver] = True
-    for s in range(S - 1, -1, -1):
-        outs = mask[s].nonzero().flatten().tolist()
-        for r in outs:
-            if not recv_useful[r]:
-                recv_useful[r] = any(c >= 0 and bool(useful[c]) for c in cons[r])
-        useful[s] = any(bool(recv_useful[r]) for r in outs)
-    for r in range(R):            # receivers whose consumer became useful after their row was visited
-        recv_useful[r] = recv_useful[r] or any(c >= 0 and bool(useful[c]) for c in cons[r])
+    for L in range(g.n_layers - 1, -1, -1):
+        if g.has_mlp:
+            m = g.mlp_sender(L)
+            useful[m] = bool((mask[m] & recv_useful).any())
+            recv_useful[g.recv_slice(L, "mlp").start] = useful[m]
+        hs = slice(g.head_sender(L), g.head_sender(L) + g.n_heads)
+        useful[hs] = (mask[hs] & recv_useful[None]).any(1)
+        rs = slice(g.recv_slice(L, "q").start, g.recv_slice(L, "v").stop)
+        recv_useful[rs] = (reads[hs, rs] & useful[hs, None]).any(0)
     return mask & reach[:, None] & recv_useful[None, :]
 
 
