@@ -313,16 +313,26 @@ def _gradient_scores(model, g: Graph, shard: Task, corr, acc: Tensor, steps: int
         D = out.view(g.n_senders, -1)
     G = gsum.view(g.n_receivers, -1)
     valid = g.valid.to(out.device)
-    # Consecutive receivers (up to GRAD_BLOCK_BYTES of gradients) meet every sender below them in ONE
-    # matmul: Δ is read once per block instead of once per receiver group; the few (sender, receiver)
-    # pairs of a block that are not edges are computed and dropped.
+    # Consecutive receivers (up to GRAD_BLOCK_BYTES of gradients) meet the senders below ALL of them in ONE
+    # matmul (Δ is read once per block instead of once per receiver group); the senders below only some of
+    # them (the block's own layers) meet them in quarter-blocks, so that of the pairs computed and dropped
+    # as non-edges (27 % more products than edges with whole blocks on SmolLM2) only a quarter remain.
     per_block = max(1, GRAD_BLOCK_BYTES // max(1, G.shape[1] * G.element_size()))
+    per_part = max(1, per_block // 4)
+
+    def meet(lo: int, hi: int, r0: int, r1: int) -> None:
+        if hi > lo:
+            T = D[lo:hi].to(G.dtype) @ G[r0:r1].T                                               # [hi − lo, r1 − r0]
+            acc[lo:hi, r0:r1] += torch.where(valid[lo:hi, r0:r1], T, 0).double().cpu() / steps
+
     r0 = 0
     while r0 < g.n_receivers:
         r1 = min(g.n_receivers, r0 + per_block)
-        nb = g.n_below(r1 - 1)
-        T = D[:nb].to(G.dtype) @ G[r0:r1].T                                                     # [nb, r1 − r0]
-        acc[:nb, r0:r1] += torch.where(valid[:nb, r0:r1], T, 0).double().cpu() / steps
+        shared = g.n_below(r0)
+        meet(0, shared, r0, r1)
+        for a in range(r0, r1, per_part):
+            b = min(r1, a + per_part)
+            meet(shared, g.n_below(b - 1), a, b)
         r0 = r1
     return clean
 
