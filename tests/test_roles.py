@@ -103,6 +103,7 @@ def test_other_tasks_use_the_detectors_labels():
     assert "the scan labels it (induction 0.80)" in out["5.0"]["why"]
     text = Roles(out, "pairs", {}).sentences()
     assert any(t.startswith("induction head 5.0 (") and "scan induction 0.80" in t for t in text)
+    assert text[0].startswith("direct-logit head 9.1 (") and text[-1].startswith("minor 5.1 (")   # the heads first
     # many small heads are summarised, never listed one by one
     many = {f"1.{i}": {**_ev(0.001, node=0.001), **_det([])} for i in range(40)}
     text = Roles(classify({**ev, **many}, {}, ioi=False, denom=4.0), "pairs", {}).sentences()

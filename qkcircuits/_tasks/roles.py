@@ -66,8 +66,8 @@ THRESHOLDS = {"direct_relative": 0.1, "direct_share_min": 0.01, "effect_relative
               "names_attention": 0.1, "pattern": 0.3}
 IOI_POSITIONS = ("IO", "S1", "S1+1", "S2", "END")
 # IOI classes in the order they are tested, then the two catch-alls; (role, the attention key of a pattern class)
-ORDER = ("name mover", "negative name mover", "S-inhibition head", "induction head", "duplicate-token head",
-         "previous-token head", "unclassified", "minor", "direct-logit head", "feeds the circuit")
+ORDER = ("name mover", "negative name mover", "direct-logit head", "S-inhibition head", "induction head",
+         "duplicate-token head", "previous-token head", "unclassified", "minor", "feeds the circuit")
 PATTERNS = (("induction head", "S2->S1+1"), ("duplicate-token head", "S2->S1"), ("previous-token head", "S1+1->S1"))
 # other tasks: (role, the scan's score, its label); "feeds the circuit" is only read back from older files
 DETECTORS = (("induction head", "induction", "induction"), ("duplicate-token head", "duplicate_token", "duplicate-token"),
