@@ -74,6 +74,17 @@ def test_jsonl_task_on_a_local_hf_folder(tmp_path_factory, tmp_path, capsys):
     assert "warning" not in got.out
     warned = [x for x in got.err.splitlines() if "does not do this task" in x]
     assert len(warned) == 1 and warned[0].startswith("warning: the model does not do this task (clean ")
+    # clean = corrupt: f has no value, which is said in words (not a line of NaNs), and the JSON holds nulls
+    same = tmp_path / "same.jsonl"
+    same.write_text("\n".join(json.dumps({**x, "corrupt": x["clean"]}) for x in lines))
+    out = tmp_path / "same.json"
+    assert main(["circuit", str(folder), "--task", str(same), "--method", "eap", "--json", str(out), "--quiet",
+                 "--device", "cpu"]) == 0
+    got = capsys.readouterr()
+    assert "faithfulness is undefined: clean and corrupt logit-diff are equal" in got.out and "nan%" not in got.out
+    assert "faithfulness f by percent" not in got.out and "no grid size reaches f >= 0.8" in got.out
+    d = json.loads(out.read_text())
+    assert d["cpr"] is None and set(d["curve"].values()) == {None}
 
 
 def test_gguf_file(tmp_path_factory, tmp_path):

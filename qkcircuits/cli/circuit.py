@@ -160,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, here, t0: float) -> int:
+    from .._tasks.circuit import THRESHOLD
     from .._tasks.task import NOT_DONE, does_the_task
 
     progress = not args.quiet
@@ -188,10 +189,16 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
     t4 = time.perf_counter()
     roles = here.roles(circ, scores.clean, scores.corrupt)
     t5 = time.perf_counter()
-    print("  faithfulness f by percent of edges: " + ", ".join(f"{k:g}%: {v:.3f}" for k, v in faith.curve.items()))
-    print(f"  CPR {faith.cpr:.3f} (higher is better), CMD {faith.cmd:.3f} (lower is better)")
+    if scores.clean == scores.corrupt:          # f = (m − m(corrupt)) / (m(clean) − m(corrupt)) has no value
+        print(f"  faithfulness is undefined: clean and corrupt {task.metric_name} are equal ({scores.clean:.4g}); the "
+              f"curve, CPR and CMD are NaN (null in the JSON) and the circuit is the largest grid size")
+    else:
+        print("  faithfulness f by percent of edges: " + ", ".join(f"{k:g}%: {v:.3f}" for k, v in faith.curve.items()))
+        print(f"  CPR {faith.cpr:.3f} (higher is better), CMD {faith.cmd:.3f} (lower is better)")
     how = (f"{args.edges} edges requested" if args.edges is not None else f"{args.percent:g}% requested"
-           if args.percent is not None else f"smallest grid size with f >= 0.8: {faith.chosen_percent:g}%")
+           if args.percent is not None else f"smallest grid size with f >= 0.8: {faith.chosen_percent:g}%"
+           if any(v >= THRESHOLD for v in faith.curve.values()) else
+           f"no grid size reaches f >= 0.8: the largest, {faith.chosen_percent:g}%")
     print(f"  circuit ({how}): {circ.n_edges} edges after pruning, f {f_circ:.3f}; {len(circ.heads)} heads, node "
           f"view f {node_f:.3f} (every other head's output corrupted)")
     for s, r, x, v in circ.edges()[:10]:
