@@ -82,7 +82,7 @@ def test_jsonl_task_on_a_local_hf_folder(tmp_path_factory, tmp_path, capsys):
                  "--device", "cpu"]) == 0
     got = capsys.readouterr()
     assert "faithfulness is undefined: clean and corrupt logit-diff are equal" in got.out and "nan%" not in got.out
-    assert "faithfulness f by percent" not in got.out and "no grid size reaches f >= 0.8" in got.out
+    assert "faithfulness f by percent" not in got.out and "f undefined: the largest grid size, 100%" in got.out
     d = json.loads(out.read_text())
     assert d["cpr"] is None and set(d["curve"].values()) == {None}
 

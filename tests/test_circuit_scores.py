@@ -295,6 +295,32 @@ def test_gradient_scores_read_the_heads_delta_from_z(family, monkeypatch):
     runs.check_graph(model, g, rec, task.corrupt)           # the heads' outputs of its rows rebuilt from z
 
 
+def test_gradient_scores_in_small_receiver_blocks_equal_one_block(family, monkeypatch):
+    # the Δ·∇ products per block of receivers (one shared matmul below the block, quarter-blocks inside it): with
+    # blocks of 3 receivers (many blocks, shared parts and quarter-parts) the scores of one block covering all
+    from qkcircuits._tasks import scores as scores_mod
+
+    name, model = family
+    task = pair_task(model, n=4)
+    one = qk.edge_scores(model, task, method="eap", progress=False)
+    b, p = task.n, task.clean.shape[1]
+    monkeypatch.setattr(scores_mod, "GRAD_BLOCK_BYTES", 3 * b * p * model.cfg.d_model * 4)
+    small = qk.edge_scores(model, task, method="eap", progress=False)
+    top = float(one.scores.nan_to_num(0).abs().max())
+    torch.testing.assert_close(small.scores, one.scores, atol=1e-6 * top, rtol=0, equal_nan=True)
+
+
+def test_patched_run_refuses_a_record_without_the_heads_outputs(family):
+    name, model = family
+    g = qk.graph(model)
+    if not runs.z_patchable(model, g):
+        return
+    task = pair_task(model, n=2)
+    rec = runs.record(model, g, task, task.corrupt, heads=False)
+    with pytest.raises(qk.QKCircuitsError, match="kept only their z"):
+        runs.patched_run(model, g, task, rec, g.valid[None])
+
+
 def test_node_view_refuses_a_hook_z_it_cannot_patch_by_head(family, monkeypatch):
     # a model whose hook_z is not [b, p, H, e] (here: flattened) must not be patched feature-wise in silence
     name, model = family

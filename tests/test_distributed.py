@@ -12,6 +12,8 @@ import os
 import signal
 import sys
 
+import warnings
+
 import pytest
 import torch
 
@@ -270,6 +272,15 @@ def test_task_scores_and_faithfulness_on_ray_equal_local(llama, ray_local):
         # the node view alone, m(clean) measured on the shards too (the CLI's --edges path passes it)
         few = faith.circuit.heads[:2]
         rnode = rt.ray_node_faithfulness(pool, task, few)
+        # the answer and the wrong token swapped: a task the model does not do warns once, on the driver, from the
+        # shards' sums (each shard stays quiet), for edge and node scores alike
+        swapped = qk.Task(task.clean, task.corrupt, task.wrong, task.answer)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rt.ray_edge_scores(None, swapped, "eap", pool=pool, progress=False)
+            rt.ray_node_scores(None, swapped, "exact", pool=pool, progress=False)
+            rt.ray_node_scores(None, task, "exact", pool=pool, progress=False)
+        assert sum("does not do task" in str(w.message) for w in caught) == 2
     assert rnode == pytest.approx(qk.node_faithfulness(model, task, few), abs=1e-4)
     for m, res in remote.items():
         assert res.settings["backend"]["shards"] == 4 and res.settings["backend"]["workers"] == 2

@@ -9,6 +9,7 @@ import torch
 import qkcircuits as qk
 from qkcircuits._tasks import circuit as circuit_mod
 
+from _tiny import llama_dir
 from test_circuit_scores import FAMILIES, pair_task
 
 SIZES = (0, 5, 50, 100)
@@ -83,6 +84,34 @@ def test_digest_changes_with_what_m_clean_depends_on(fam):
             assert task.digest(model) != d
         finally:
             U[:, [a, b]] = U[:, [b, a]]
+    assert task.digest(model) == d
+
+
+def test_digest_sees_single_weight_edits_in_bf16(tmp_path_factory):
+    # half-precision weights are fingerprinted in float32: each of these single-weight edits (a weight zeroed or
+    # doubled, two rows swapped) changes the digest. The edits are to the smallest weights, whose change is below a
+    # bf16 row product's rounding: in bf16 arithmetic most of them left the digest as it was
+    model = qk.load(str(llama_dir(tmp_path_factory)), dtype="bfloat16", verbose=False)
+    task = pair_task(model, n=2)
+    d = task.digest(model)
+    W = model.blocks[0].attn.q.original_component.weight
+    with torch.no_grad():
+        for i in W.detach().float().abs().view(-1).argsort()[:40].tolist():
+            old = W.view(-1)[i].clone()
+            for new in (torch.zeros_like(old), old * 2):
+                if bool(new == old):
+                    continue
+                W.view(-1)[i] = new
+                try:
+                    assert task.digest(model) != d, i
+                finally:
+                    W.view(-1)[i] = old
+        rows = W[[0, 1]].clone()
+        W[[0, 1]] = rows.flip(0)
+        try:
+            assert task.digest(model) != d
+        finally:
+            W[[0, 1]] = rows
     assert task.digest(model) == d
 
 

@@ -59,3 +59,12 @@ def test_each_family_reads_its_own_positional_scheme(family):
         for L in range(2):
             torch.testing.assert_close(acts["scores", L].softmax(-1), want[L], atol=1e-5, rtol=0)
         assert float(want[1][0, :, 10, :10 - GPTNEO_WINDOW + 1].abs().max()) == 0.0
+
+
+def test_circuit_forwards_skip_quiet_attention_layers_here_too(family, monkeypatch):
+    # the attention-layer skip of the circuit forwards (skips.known_attention) on these bridges, SmolLM3's
+    # NoPE-aware subclass included: not run, the same logits as running it (tests/test_circuit_scores.py)
+    from test_circuit_scores import _skips_attention_layers
+
+    name, model, _ = family
+    _skips_attention_layers(name, model, monkeypatch)

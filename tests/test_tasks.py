@@ -103,6 +103,8 @@ def test_from_jsonl_reads_and_pads(gpt2, tmp_path):
     ('{"clean": "old", "corrupt": "new", "answer": " would", "wrong": " asked", "x": 1}', "line 1: unknown key"),
     ('{"clean": "old", "corrupt": "new", "answer": " would"}', "line 1: missing key"),
     ('{"clean": "old", ', "line 1: not valid JSON"),
+    ('{"clean": "old", "corrupt": "new", "answer": " would", "wrong": " asked"} x',
+     r"line 1: not valid JSON \(Extra data at column 75\)"),
     ('{"clean": "old", "corrupt": "new", "answer": " would", "wrong": " asked", "answer": " old"}',
      "line 1: key\\(s\\) 'answer' given more than once"),
     ('{"clean": "old", "corrupt": "new", "answer": "<|endoftext|>", "wrong": " asked"}',

@@ -75,6 +75,7 @@ def node_scores_job(model, shared: Task, *, rows: Tuple[int, int], method: str, 
     with _quiet_about_the_task():
         ns = node_scores(model, sub, method, steps, progress=False, rows_per_shard=rows_per_shard, copies=copies)
     return {"rows": rows, "n": sub.n, "sums": {k: v * sub.n for k, v in ns.scores.items()}, "model": ns.model,
+            "clean": ns.settings["clean"] * sub.n, "corrupt": ns.settings["corrupt"] * sub.n,
             "settings": ns.settings, "seconds": time.perf_counter() - t0}
 
 
@@ -210,7 +211,10 @@ def ray_node_scores(spec, task, method: str = "eap-ig", steps: int = 5, *, progr
                                               "rows_per_shard": rows_per_shard})
     names = list(parts[0]["sums"])
     scores = {k: sum(p["sums"][k] for p in parts) / task.n for k in names}
-    return NodeScores(scores, method, parts[0]["model"], {**parts[0]["settings"], "backend": backend})
+    clean, corrupt = sum(p["clean"] for p in parts) / task.n, sum(p["corrupt"] for p in parts) / task.n
+    warn_if_not_done(task, clean, corrupt)
+    return NodeScores(scores, method, parts[0]["model"], {**parts[0]["settings"], "clean": clean, "corrupt": corrupt,
+                                                          "backend": backend})
 
 
 def ray_circuit_metric(pool: Pool, task: Task, masks: Sequence[torch.Tensor], rows_per_shard: Optional[int] = None,

@@ -185,7 +185,7 @@ def from_jsonl(model, path: Union[str, Path], *, prepend_bos: bool = False, metr
         try:
             obj = json.loads(line, object_pairs_hook=_no_repeated_keys)
         except json.JSONDecodeError as e:
-            raise QKCircuitsError(f"{where}: not valid JSON ({e.msg.rstrip(' at')} at column {e.colno})")
+            raise QKCircuitsError(f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})")
         except ValueError as e:
             raise QKCircuitsError(f"{where}: {e}")
         if not isinstance(obj, dict):

@@ -270,9 +270,9 @@ def logits_input(model, resid: Tensor) -> Tensor:
 def unembed_logits(model, x: Tensor) -> Tensor:
     """The model's logits from what the unembedding reads (``unembed.hook_in``): ``model.unembed`` and then the
     architecture's own post-unembedding transform, which the model's forward applies after the unembedding
-    (Gemma-2's final soft-cap ``cap · tanh(logits / cap)``, Cohere's logit scale: TransformerLens'
-    ``adapter.apply_output_logits_transform``; the identity for most models). ``check_graph`` checks the result
-    against the model's own logits."""
+    (Gemma-2's final soft-cap ``cap · tanh(logits / cap)``, and whatever else TransformerLens'
+    ``adapter.apply_output_logits_transform`` declares; the identity for most models). ``check_graph`` checks the
+    result against the model's own logits."""
     logits = model.unembed(x)
     transform = getattr(getattr(model, "adapter", None), "apply_output_logits_transform", None)
     return transform(logits) if callable(transform) else logits

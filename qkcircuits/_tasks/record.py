@@ -114,7 +114,7 @@ def _hooks(model, g: Graph, out: Optional[Tensor], stream: Dict[Key, Tensor], sp
                 raise QKCircuitsError("heads=False / z_minus need head outputs linear in z (no post-attention norm)")
             if post_norm(model, L) is not None:
                 hooks.append((f"blocks.{L}.attn.hook_out", y_hook(L)))
-        if keep is not None:              # a circuit forward whose layer reads only corrupt q/k/v returns it
+        if keep is not None and heads:    # a circuit forward whose layer reads only corrupt q/k/v returns it
             hooks.append((f"blocks.{L}.attn.hook_out", attn_out(L)))
         hooks += [(f"blocks.{L}.{INPUT_HOOKS[x]}", receiver(x, L)) for x in ("q", "k", "v")]
         if g.has_mlp:

@@ -134,6 +134,9 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
     before it is read)."""
     if DELTA_ROWS not in ("auto", "dense", "gather", "segments"):
         raise QKCircuitsError(f"runs.DELTA_ROWS must be 'auto', 'dense', 'gather' or 'segments', got {DELTA_ROWS!r}")
+    if not getattr(corrupt, "heads", True):
+        raise QKCircuitsError("patched_run needs a corrupt record with the heads' outputs (record(..., heads=True)); "
+                              "this one kept only their z")
     k = mask.shape[0]
     b = task.n
     tokens = task.clean.repeat(k, 1)

@@ -424,7 +424,7 @@ def node_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, pr
 
     if method != "exact":
         es = edge_scores(model, task, method, steps, progress=progress, rows_per_shard=rows_per_shard)
-        return NodeScores(es.node_scores(), method, es.model, es.settings)
+        return NodeScores(es.node_scores(), method, es.model, {**es.settings, "clean": es.clean, "corrupt": es.corrupt})
     check_task(model, task)
     g = graph(model)
     task = task.to(model.W_E.device)
@@ -442,5 +442,7 @@ def node_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, pr
             mask[torch.arange(len(ss)), ss] = False
             acc[ss] += clean_sum - patched_run(model, g, shard, corr, mask).sum(1).double().cpu()
     vals = (acc / task.n).tolist()
-    warn_if_not_done(task, sums["clean"] / task.n, sums["corrupt"] / task.n)
-    return NodeScores(dict(zip(g.senders, vals)), "exact", model_name(model), _settings(model, task, rows, {}))
+    clean, corrupt = sums["clean"] / task.n, sums["corrupt"] / task.n
+    warn_if_not_done(task, clean, corrupt)
+    return NodeScores(dict(zip(g.senders, vals)), "exact", model_name(model),
+                      _settings(model, task, rows, {"clean": clean, "corrupt": corrupt}))

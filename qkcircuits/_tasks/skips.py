@@ -31,7 +31,8 @@ so it is not run: it returns ``output()`` in the attention module's own output f
 Its hooks do not fire (hook_q/k/v, hook_pattern, hook_z, hook_out: ``output()`` is the caller's place to write
 what those hooks would have recorded). Only the attention bridges whose output form is known (they all return
 ``(attn_output, attn_weights)``, as transformers' attention modules do) and only where no hook of anyone else
-is attached inside the layer's attention.
+is attached inside the layer's attention (only TransformerLens hook points are looked at: a plain PyTorch hook
+on the wrapped transformers module or its q/k/v linears does not fire for a skipped layer).
 """
 
 from __future__ import annotations
@@ -127,9 +128,10 @@ def _known_output(mlp, value: Union[Tensor, Callable[[], Tensor]]) -> Callable:
 
 # attention bridges that return (attn_output, attn_weights) and whose callers (transformers' decoder layers
 # through TransformerLens' block bridges) read only attn_output: checked for GPT-2, Llama, Gemma-3, GPT-NeoX,
-# GPT-J and DeepSeek's latent attention in tests/test_circuit_scores.py
+# GPT-J and DeepSeek's latent attention in tests/test_circuit_scores.py, SmolLM3 (its NoPE-aware subclass),
+# Cohere and GPT-Neo in tests/test_more_families.py. Exact class names: a subclass may change what it returns.
 KNOWN_ATTENTION = ("AttentionBridge", "JointQKVAttentionBridge", "PositionEmbeddingsAttentionBridge",
-                   "JointQKVPositionEmbeddingsAttentionBridge", "MLAAttentionBridge")
+                   "JointQKVPositionEmbeddingsAttentionBridge", "MLAAttentionBridge", "_SmolLM3AttentionBridge")
 
 
 def _attention(model, layer: int):

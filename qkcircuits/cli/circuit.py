@@ -198,6 +198,7 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
     how = (f"{args.edges} edges requested" if args.edges is not None else f"{args.percent:g}% requested"
            if args.percent is not None else f"smallest grid size with f >= 0.8: {faith.chosen_percent:g}%"
            if any(v >= THRESHOLD for v in faith.curve.values()) else
+           f"f undefined: the largest grid size, {faith.chosen_percent:g}%" if scores.clean == scores.corrupt else
            f"no grid size reaches f >= 0.8: the largest, {faith.chosen_percent:g}%")
     print(f"  circuit ({how}): {circ.n_edges} edges after pruning, f {f_circ:.3f}; {len(circ.heads)} heads, node "
           f"view f {node_f:.3f} (every other head's output corrupted)")
