@@ -56,7 +56,7 @@ def test_a_kv_edge_adds_only_the_group_heads_the_circuit_uses():
 
 def _prune_reference(g, mask):
     """The first prune (one sender at a time, plain loops): the reference the vectorised one must equal."""
-    from qkcircuits._tasks.circuit import _consumers
+    from qkcircuits._tasks.selection import _consumers
 
     S, R = g.n_senders, g.n_receivers
     cons = [_consumers(g, r) for r in range(R)]

@@ -9,20 +9,7 @@
 >>> round(f.curve[100.0], 6)
 1.0
 
-Selection: edges ranked by the signed score (``by="signed"``, the default: the edges that carry the
-behaviour, score in the metric's better direction, i.e. −score for ``"loss"``) or by |score| (``by="abs"``,
-as the EAP-IG library's default: an edge whose corruption *helps* the metric joins too). Why signed: a
-circuit is asked to carry the behaviour, and the edges that work against it (IOI's negative name movers)
-cancel part of it when they are kept clean: on SmolLM2 IOI the |score| ranking needs 20 % of the edges
-for f ≥ 0.8, the signed one 2 % (docs/tasks.md). The signed curve overshoots (f > 1: the circuit without
-the edges that oppose the behaviour does the task better than the model) and so suits CPR, how much of
-the behaviour a circuit can carry; the |score| curve stays near 1 and suits CMD, how closely a circuit
-matches the model (MIB evaluates both rankings). Taken either as the top edges of the whole graph
-(``how="top"``) or grown from the logits
-(``how="greedy"``, EAP-IG's ``apply_greedy``: an edge is a candidate once its receiver's node is in).
-Then edges with no path from the embedding through circuit edges, or none on to the logits, are pruned
-(they cannot change the metric through the circuit). ``percent`` counts the graph's edges before pruning
-(as MIB's grid does); ``Circuit.n_edges`` says how many are left.
+Selection (``EdgeScores.circuit``, ``select``, ``prune``, the ``Circuit`` result): ``selection.py``.
 
 Faithfulness of a circuit C: ONE patched forward (runs.py) in which every edge not in C carries its
 sender's corrupt-run output and every edge in C the sender's output in this patched run;
@@ -34,7 +21,6 @@ arXiv 2504.13151) defines them, by the trapezoidal rule on the grid:
 
     CPR = ∫ f(C_k) dk   (higher is better),      CMD = ∫ |1 − f(C_k)| dk   (lower is better).
 """
-
 from __future__ import annotations
 
 from numbers import Real
@@ -43,7 +29,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -53,276 +39,14 @@ from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph
 from .record import Record, clean_rows, record, reuse
 from .runs import node_run, patched_run, z_patchable, z_record
-from .task import Task, metric_higher_is_better
+# selection lives in selection.py; Circuit, select and prune are re-exported here, where ray_tasks, the benchmarks
+# and older imports look for them
+from .selection import Circuit, prune, select  # noqa: F401
+from .task import Task
 
 SIZES = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
 THRESHOLD = 0.8
 SCHEMA = "qkcircuits.faithfulness/1"
-
-
-def _consumers(g: Graph, r: int) -> List[int]:
-    """Sender indices of the nodes that read receiver input r (the logits: none, -1)."""
-    name, into = g.receivers[r]
-    if name == "logits":
-        return [-1]
-    if into == "in":
-        return [g.mlp_sender(int(name[3:]))]
-    return [g.head_sender(int(h.split(".")[0]), int(h.split(".")[1])) for h in g.receiver_heads(r)]
-
-
-def _reads(g: Graph) -> Tensor:
-    """[S, R] bool: node s (a head, an MLP) reads receiver input r (a head its q and its KV head's k, v)."""
-    reads = torch.zeros(g.n_senders, g.n_receivers, dtype=torch.bool)
-    for r in range(g.n_receivers):
-        for c in _consumers(g, r):
-            if c >= 0:
-                reads[c, r] = True
-    return reads
-
-
-def prune(g: Graph, mask: Tensor) -> Tensor:
-    """Keep the edges of ``mask`` [S, R] that lie on a path embedding → … → logits inside ``mask``: sender s
-    reached from the embedding through ``mask`` edges, and receiver r read by a node from which the logits are
-    reached. One sweep up the layers (a layer's heads, then its MLP) and one down, each a few boolean
-    reductions per layer."""
-    mask = mask.bool().cpu()
-    reads = _reads(g)
-    S, R = g.n_senders, g.n_receivers
-    reach = torch.zeros(S, dtype=torch.bool)
-    reach[0] = True
-    for L in range(g.n_layers):
-        hs = slice(g.head_sender(L), g.head_sender(L) + g.n_heads)
-        rs = slice(g.recv_slice(L, "q").start, g.recv_slice(L, "v").stop)
-        fed = (mask[:, rs] & reach[:, None]).any(0)                        # each q/k/v input reached
-        reach[hs] = (reads[hs, rs] & fed[None]).any(1)
-        if g.has_mlp:
-            reach[g.mlp_sender(L)] = bool((mask[:, g.recv_slice(L, "mlp").start] & reach).any())
-    useful = torch.zeros(S, dtype=torch.bool)
-    recv_useful = torch.zeros(R, dtype=torch.bool)
-    recv_useful[g.logits_receiver] = True
-    for L in range(g.n_layers - 1, -1, -1):
-        if g.has_mlp:
-            m = g.mlp_sender(L)
-            useful[m] = bool((mask[m] & recv_useful).any())
-            recv_useful[g.recv_slice(L, "mlp").start] = useful[m]
-        hs = slice(g.head_sender(L), g.head_sender(L) + g.n_heads)
-        useful[hs] = (mask[hs] & recv_useful[None]).any(1)
-        rs = slice(g.recv_slice(L, "q").start, g.recv_slice(L, "v").stop)
-        recv_useful[rs] = (reads[hs, rs] & useful[hs, None]).any(0)
-    return mask & reach[:, None] & recv_useful[None, :]
-
-
-@dataclass(repr=False)      # the repr is _text (Result)
-class Circuit(Result):
-    """A set of edges (``mask`` [S, R]) of ``graph``, chosen from edge scores. Its JSON holds the circuit's
-    edges with their scores and the graph's counts (the other edges' scores are not kept: NaN when read)."""
-
-    SCHEMA = "qkcircuits.task_circuit/1"
-    WHAT = "a task-circuit JSON (scores.circuit(...).to_json())"
-    KEYS = ("edges", "graph")
-
-    graph: Graph
-    mask: Tensor
-    scores: Tensor
-    by: str = "signed"
-    percent: Optional[Real] = None
-    requested: int = 0
-    model: str = ""
-    how: str = "top"
-
-    @property
-    def n_edges(self) -> int:
-        return int(self.mask.sum())
-
-    def edges(self) -> List[Tuple[str, str, str, float]]:
-        s_idx, r_idx = self.mask.nonzero(as_tuple=True)
-        vals = self.scores[s_idx, r_idx]
-        order = torch.argsort(vals.abs(), descending=True, stable=True).tolist()
-        return [(self.graph.senders[int(s_idx[i])], *self.graph.receivers[int(r_idx[i])], float(vals[i]))
-                for i in order]
-
-    @property
-    def nodes(self) -> Set[str]:
-        """Heads ("L.H"), MLPs ("mlpL") the circuit uses: every sender of a circuit edge, every head whose q
-        and every MLP whose input is a circuit receiver. An edge into a KV head's k or v (grouped-query
-        attention) adds only the query heads of that group already in the circuit: the group's other heads
-        read that key/value too, but with no output edge in the circuit they carry nothing on to the logits
-        (after pruning every kept head has one). Only when none of the group is in (an unpruned mask) does
-        such an edge add its whole group."""
-        out: Set[str] = set()
-        kv: List[int] = []
-        for s, r in self.mask.nonzero().tolist():
-            name = self.graph.senders[s]
-            if name != "emb":
-                out.add(name)
-            rname, into = self.graph.receivers[r]
-            if into in ("k", "v"):
-                kv.append(r)
-            elif rname != "logits":
-                out.update(self.graph.receiver_heads(r))
-        for r in kv:
-            group = self.graph.receiver_heads(r)
-            if not out.intersection(group):
-                out.update(group)
-        return out
-
-    @property
-    def heads(self) -> List[str]:
-        return sorted((n for n in self.nodes if n[0].isdigit()), key=lambda h: tuple(map(int, h.split("."))))
-
-    def to_dict(self) -> Dict[str, object]:
-        from .._foundation.io import SCORE_DIGITS, json_number
-
-        return {"graph": self.graph.to_dict(), "model": self.model,          # what from_json rebuilds the graph from
-                "edges": [[s, r, x, json_number(v, SCORE_DIGITS)] for s, r, x, v in self.edges()], "heads": self.heads,
-                "mlps": sorted(n for n in self.nodes if n.startswith("mlp")), "n_edges": self.n_edges,
-                "requested_edges": self.requested, "percent": self.percent, "by": self.by,
-                "how": self.how}
-
-    @classmethod
-    def _from_dict(cls, d: Dict[str, object]) -> "Circuit":
-        gd = d["graph"]
-        g = Graph(gd["n_layers"], gd["n_heads"], gd["n_kv_heads"], gd["mlps"], str(d.get("model", "")),
-                  bool(gd.get("parallel", False)))
-        mask = torch.zeros(g.n_senders, g.n_receivers, dtype=torch.bool)
-        scores = torch.full((g.n_senders, g.n_receivers), float("nan"))
-        s_at = {n: i for i, n in enumerate(g.senders)}
-        r_at = {r: i for i, r in enumerate(g.receivers)}
-        for s, r, x, v in d["edges"]:
-            if s not in s_at or (r, x) not in r_at or not g.valid[s_at[s], r_at[(r, x)]]:
-                raise QKCircuitsError(f"edge {s} -> {r} {x} is not an edge of the graph {g!r}")
-            mask[s_at[s], r_at[(r, x)]] = True
-            scores[s_at[s], r_at[(r, x)]] = float("nan") if v is None else float(v)
-        from dataclasses import fields
-
-        pct = d.get("percent")
-        known = {"graph", "mask", "scores", "by", "percent", "requested", "model"}
-        other = {f.name: d[f.name] for f in fields(cls) if f.name not in known and f.name in d}   # e.g. later settings
-        return cls(g, mask, scores, by=str(d.get("by", "abs")), percent=None if pct is None else float(pct),
-                   requested=int(d.get("requested_edges", 0)), model=str(d.get("model", "")), **other)
-
-    def top(self, k: int = 10) -> List[Tuple[str, str, str, float]]:
-        """The circuit's ``k`` edges of largest |score|: ``(sender, receiver, input, score)``."""
-        return self.edges()[:k]
-
-    def to_frame(self):
-        import pandas as pd
-
-        return pd.DataFrame(self.edges(), columns=["sender", "receiver", "input", "score"])
-
-    def roles(self, model, task: Task, **kw):
-        """Each head of the circuit with the evidence for its role (see ``qkcircuits._tasks.roles``)."""
-        from .roles import roles
-
-        return roles(model, task, self, **kw)
-
-    def _text(self) -> str:
-        top = "; ".join(f"{s}->{r} {x} {v:+.3g}" for s, r, x, v in self.edges()[:4])
-        return (f"Circuit({self.model}: {self.n_edges} edges of {self.graph.n_edges}, heads "
-                f"{', '.join(self.heads[:12])}{' …' if len(self.heads) > 12 else ''}; top: {top})")
-
-    def _html(self) -> str:
-        import html
-
-        return f"<p>{html.escape(self._text())}</p>"
-
-
-
-def _node_inputs(g: Graph) -> Dict[int, List[int]]:
-    """Sender index → the receiver inputs of the same node (a head: its q and its KV head's k and v; an
-    MLP: its input). The embedding has none."""
-    out: Dict[int, List[int]] = {}
-    group = g.n_heads // g.n_kv
-    for L in range(g.n_layers):
-        for h in range(g.n_heads):
-            out[g.head_sender(L, h)] = [g.recv_slice(L, x).start + (h if x == "q" else h // group) for x in "qkv"]
-        if g.has_mlp:
-            out[g.mlp_sender(L)] = [g.recv_slice(L, "mlp").start]
-    return out
-
-
-def greedy_mask(g: Graph, key: Tensor, k: int) -> Tensor:
-    """``k`` edges grown from the logits (EAP-IG's ``apply_greedy``, Hanna et al. 2024): the candidates are
-    the edges into the logits; repeatedly the candidate with the largest ``key`` joins, and when its sender
-    joins for the first time the edges into that node's inputs become candidates. Every chosen edge has a
-    path on to the logits by construction."""
-    import heapq
-
-    inputs = _node_inputs(g)
-    kk = key.tolist()
-    heap: List[Tuple[float, int, int]] = []
-    pushed: Set[int] = set()
-    joined: Set[int] = set()
-
-    def add(r: int) -> None:
-        if r not in pushed:
-            pushed.add(r)
-            for s in range(g.n_below(r)):
-                heapq.heappush(heap, (-kk[s][r], s, r))
-
-    add(g.logits_receiver)
-    chosen: List[Tuple[int, int]] = []
-    while len(chosen) < k and heap:
-        _, s, r = heapq.heappop(heap)
-        chosen.append((s, r))
-        if s != 0 and s not in joined:
-            joined.add(s)
-            for r2 in inputs[s]:
-                add(r2)
-    mask = torch.zeros_like(g.valid)
-    if chosen:
-        idx = torch.tensor(chosen)
-        mask[idx[:, 0], idx[:, 1]] = True
-    return mask
-
-
-SELECTIONS = ("top", "greedy")
-
-
-def select(scores, edges: Optional[int] = None, percent: Optional[Real] = None, by: str = "signed",
-           how: str = "top") -> Circuit:
-    """``edges`` (or ``percent`` % of the graph's edges) ranked by ``by`` ("signed": the score in the
-    metric's better direction, −score for a lower-is-better metric; "abs": |score|), chosen
-    ``how``: "top" (the top edges of the whole graph) or "greedy" (grown from the logits,
-    ``greedy_mask``), then pruned."""
-    g = scores.graph
-    if (edges is None) == (percent is None):
-        raise QKCircuitsError("give exactly one of edges=N or percent=P")
-    if by not in ("abs", "signed"):
-        raise QKCircuitsError(f"by must be 'abs' or 'signed', got {by!r}")
-    if how not in SELECTIONS:
-        raise QKCircuitsError(f"how must be 'top' or 'greedy', got {how!r}")
-    if percent is not None:
-        if isinstance(percent, bool) or not 0 <= float(percent) <= 100:
-            raise QKCircuitsError(f"percent must be a number in 0-100, got {percent!r}")
-        k = int(round(g.n_edges * float(percent) / 100.0))
-        if float(percent) > 0:
-            k = max(k, 1)
-    else:
-        if isinstance(edges, bool) or not isinstance(edges, int) or edges < 0:
-            raise QKCircuitsError(f"edges must be an integer >= 0, got {edges!r}")
-        k = min(edges, g.n_edges)
-    vals = torch.nan_to_num(scores.scores, nan=0.0)
-    key = vals.abs() if by == "abs" else vals * behaviour_sign(scores)
-    if how == "greedy":
-        mask = greedy_mask(g, key, k)
-    else:
-        s_idx, r_idx = g.valid.nonzero(as_tuple=True)
-        order = torch.argsort(key[s_idx, r_idx], descending=True, stable=True)[:k]
-        mask = torch.zeros_like(g.valid)
-        mask[s_idx[order], r_idx[order]] = True
-    return Circuit(g, prune(g, mask), scores.scores, by, None if percent is None else float(percent), k,
-                   getattr(scores, "model", ""), how)
-
-
-def behaviour_sign(scores) -> float:
-    """+1 when a positive score carries the behaviour (a higher-is-better metric), −1 for a lower-is-better
-    one (``"loss"``: corrupting a carrying edge raises the loss, so its score m(clean) − m(patched) < 0)."""
-    task = getattr(scores, "task", None) or {}
-    better = task.get("higher_is_better")
-    if better is None:                  # a scores file written before the direction was recorded
-        better = metric_higher_is_better(task.get("metric"))
-    return 1.0 if better else -1.0
 
 
 def _area(xs: Sequence[float], ys: Sequence[float]) -> float:

@@ -148,7 +148,7 @@ class EdgeScores(Result):
                 how: str = "top"):
         """The top edges (see ``qkcircuits._tasks.circuit.select``). Without a size: the circuit that
         ``qk.faithfulness`` chose for these scores (the smallest grid size with f ≥ 0.8)."""
-        from .circuit import select
+        from .selection import select
 
         if edges is None and percent is None:
             chosen = self.settings.get("chosen_percent")
