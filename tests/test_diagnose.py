@@ -105,6 +105,53 @@ def test_row_measures_equal_a_direct_computation():
     assert float(s["future_weight"].max()) == 0.0 and float(s["pattern_err"].max()) < 1e-6
 
 
+def test_row_measures_of_a_sliding_window_layer_equal_a_direct_computation():
+    # a local layer attends the `window` latest keys only: every statistic is over those pairs (its own scores
+    # are −inf outside them, which had made the measured scale NaN and the score check infinite)
+    g = torch.Generator().manual_seed(3)
+    w = 4
+    q, k = 2 * torch.randn(2, 10, 2, 8, generator=g), torch.randn(2, 10, 2, 8, generator=g)
+    raw = torch.einsum("bqhd,bkhd->bhqk", q, k)
+    mask = torch.ones(10, 10, dtype=torch.bool).tril() & ~torch.ones(10, 10, dtype=torch.bool).tril(-w)
+    model_scores = (0.5 * raw).masked_fill(~mask, float("-inf"))
+    sums = head_sums(q, k, scale=0.5, scores=model_scores, pattern=model_scores.softmax(-1), window=w)
+    s = qk_statistics(q, k, scale=0.5, pattern=model_scores.softmax(-1), window=w)
+    assert float(sums["scores_err"].max()) == 0.0 and float(s["pattern_err"].max()) < 1e-6
+    ent, frac, var = [[], []], [[], []], [[], []]
+    for b in range(2):
+        for h in range(2):
+            for i in range(10):
+                keys = slice(max(0, i - w + 1), i + 1)
+                var[h] += raw[b, h, i, keys].tolist()
+                if i == 0:
+                    continue
+                p = torch.softmax(0.5 * raw[b, h, i, keys], -1)
+                e = float(-(p * p.log()).sum())
+                ent[h].append(e), frac[h].append(e / math.log(p.numel()))
+    for h in range(2):
+        assert abs(float(s["entropy_mean"][h]) - sum(ent[h]) / len(ent[h])) < 1e-5
+        assert abs(float(s["entropy_frac_mean"][h]) - sum(frac[h]) / len(frac[h])) < 1e-5
+        assert abs(float(s["qk_var"][h]) - float(torch.tensor(var[h], dtype=torch.float64).var(unbiased=False))) < 1e-4
+
+
+def test_diagnose_reads_windowed_layers_and_writes_finite_json(tmp_path_factory, tmp_path):
+    # tiny Gemma-3: two sliding-window layers (window 6) under prompts longer than that; the measured scale equals
+    # the module's on every layer, the score check is exact, and the JSON is strict JSON (no NaN / Infinity)
+    from _tiny import gemma3_dir
+
+    model = qk.load(str(gemma3_dir(tmp_path_factory)), verbose=False)
+    d = qk.diagnose(model, progress=False)
+    want = 6 ** -0.5
+    assert {int(k): round(v, 6) for k, v in d.settings["scale_measured"].items()} == {0: round(want, 6), 1: round(want, 6),
+                                                                                      2: round(want, 6)}
+    assert float(d.measures["scores_err"].max()) < 1e-4
+    text = d.to_json(tmp_path / "d.json")
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    from qkcircuits._foundation.io import dump_json
+
+    assert json.loads(dump_json({"x": float("nan"), "y": (float("inf"), 1.5)})) == {"x": None, "y": [None, 1.5]}
+
+
 def test_uniform_and_sink_attention_by_construction():
     # q = 0: every score is 0, attention is exactly uniform: entropy = log(i+1), Σp(1-p) = 1 - 1/(i+1).
     q, k = torch.zeros(2, 10, 1, 4), torch.randn(2, 10, 1, 4)

@@ -123,6 +123,22 @@ def test_views_agree_with_circuits_module_on_gpt2_with_biases(tmp_path_factory):
     assert "no biases" in json.dumps(source_data(fig)["panels"]["1.0"]["figures"]["qk"]["layout"]["title"])
 
 
+def test_default_prompt_fits_a_short_context(tmp_path_factory):
+    # the default prompt (a sentence said twice, ~79 tokens) does not fit a 64-token context: a shorter start of the
+    # sentence, said twice, does (a report with no --prompt works on every model); a prompt the user gives is
+    # never cut: it is refused in one line
+    model = qk.load(str(_tiny.gpt2_dir(tmp_path_factory)), device="cpu", verbose=False)
+    assert model.cfg.n_ctx == 64
+    tok = model.tokenizer
+    assert len(tok.encode(qk.viz._panels.DEFAULT_PROMPT, add_special_tokens=False)) + 1 > 64
+    ids = prompt_ids(model, None)
+    half = (len(ids) - 1) // 2
+    assert len(ids) <= 64 and ids[1:1 + half] == ids[1 + half:] and half >= 20
+    assert tok.decode(ids[1:1 + half]).startswith("Maria kept the old maps")
+    with pytest.raises(qk.QKCircuitsError, match=r"the prompt is \d+ tokens \(with BOS\); at most 64 are shown"):
+        prompt_ids(model, " ".join(["the"] * 80))
+
+
 def test_left_out_heads_are_stated(hand_built, toy_scores):
     data = source_data(report_html(hand_built, scores=toy_scores, grid_k=0, heads="1.1", progress=False))
     assert data["heads"] == ["1.1"]

@@ -58,21 +58,31 @@ def _masked_softmax(scores: Tensor, causal: Tensor) -> Tensor:
     return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
 
 
+def attended(p: int, window: Optional[int] = None, device=None) -> Tensor:
+    """[q, k] bool: the pairs a query attends, keys at or before it (and, with a sliding ``window``, fewer than
+    ``window`` positions back, as Gemma's and Mistral's local layers and GPT-Neo's local ones mask)."""
+    mask = torch.ones(p, p, dtype=torch.bool, device=device).tril()
+    return mask & ~torch.ones(p, p, dtype=torch.bool, device=device).tril(-int(window)) if window else mask
+
+
 def head_sums(q: Float[Tensor, "batch pos head d"], k: Float[Tensor, "batch pos head d"], *, scale: float,
               softcap: Optional[float] = None, scores: Optional[Float[Tensor, "batch head q k"]] = None,
-              pattern: Optional[Float[Tensor, "batch head q k"]] = None) -> Dict[str, Tensor]:
+              pattern: Optional[Float[Tensor, "batch head q k"]] = None, window: Optional[int] = None
+              ) -> Dict[str, Tensor]:
     """Additive per-head sums over one batch; ``combine_sums`` merges batches, ``finish_sums`` turns them into measures.
 
     ``q``/``k`` are what the model multiplies (post-rotary; k per query head). ``scores`` are the
     model's pre-softmax scores (default ``softcap(scale · q·k)``), ``pattern`` its attention
-    (default the causal softmax of ``scores``). Memory: a few [batch, head, pos, pos] tensors.
+    (default the masked softmax of ``scores``). Every statistic is over the pairs the layer attends: causal,
+    and within its sliding ``window`` where it has one (a windowed layer's own scores are −inf outside it).
+    Memory: a few [batch, head, pos, pos] tensors.
     """
     b, p, h, d = q.shape
     if k.shape != q.shape:
         raise QKCircuitsError(f"q and k must have the same [batch, pos, head, d] shape, got {tuple(q.shape)} "
                               f"and {tuple(k.shape)} (expand K per query head first)")
     dev = q.device
-    causal = torch.ones(p, p, dtype=torch.bool, device=dev).tril()
+    causal = attended(p, window, dev)
     raw = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float())
     rebuilt = _softcap(raw * scale, softcap)
     model_scores = rebuilt if scores is None else scores.float()
@@ -93,8 +103,8 @@ def head_sums(q: Float[Tensor, "batch pos head d"], k: Float[Tensor, "batch pos 
     # Moments of q and k under the marginals of the causal pair distribution: query i pairs with
     # i+1 keys, key j with p-j queries. The variance independence predicts is then exact for pairs
     # drawn as (query, key) independently from those marginals.
-    pos = torch.arange(p, device=dev, dtype=torch.float64)
-    for name, x, w in (("q", q, pos + 1), ("k", k, p - pos)):
+    # (causal: query i pairs with i + 1 keys, key j with p − j queries; a window caps both)
+    for name, x, w in (("q", q, tri.sum(1)), ("k", k, tri.sum(0))):
         x64 = x.double()
         out[f"w{name}"] = torch.full((h,), b * float(w.sum()), dtype=torch.float64, device=dev)
         out[f"m{name}"] = torch.einsum("bihd,i->hd", x64, w)
@@ -103,7 +113,7 @@ def head_sums(q: Float[Tensor, "batch pos head d"], k: Float[Tensor, "batch pos 
 
     # Row statistics on rows i >= 1 (row 0 has a single key: entropy 0, weight 1, no information).
     rows = slice(1, p)
-    log_n = torch.log(pos[1:] + 1).float()                      # log(i+1): the entropy of uniform attention
+    log_n = torch.log(tri.sum(1)[1:]).float()                   # log(keys attended): uniform attention's entropy
     unscaled = _masked_softmax(raw, causal)
     out["n_rows"] = torch.full((h,), b * float(p - 1), dtype=torch.float64, device=dev)
     for suffix, pp in (("", pat), ("_u", unscaled)):
@@ -174,10 +184,13 @@ def finish_sums(s: Dict[str, Tensor], d_head: int) -> Dict[str, Float[Tensor, "h
 
 def qk_statistics(q: Float[Tensor, "batch pos head d"], k: Float[Tensor, "batch pos head d"], *,
                   scale: Optional[float] = None, softcap: Optional[float] = None,
-                  pattern: Optional[Float[Tensor, "batch head q k"]] = None) -> Dict[str, Float[Tensor, "head"]]:
-    """Every measure of ``MEASURES`` except the perturbation test, for given q and k (scale default 1/√d)."""
+                  pattern: Optional[Float[Tensor, "batch head q k"]] = None, window: Optional[int] = None
+                  ) -> Dict[str, Float[Tensor, "head"]]:
+    """Every measure of ``MEASURES`` except the perturbation test, for given q and k (scale default 1/√d), over
+    the pairs a causal layer attends (within ``window`` keys back when given)."""
     d = q.shape[-1]
-    sums = head_sums(q, k, scale=d ** -0.5 if scale is None else float(scale), softcap=softcap, pattern=pattern)
+    sums = head_sums(q, k, scale=d ** -0.5 if scale is None else float(scale), softcap=softcap, pattern=pattern,
+                     window=window)
     return finish_sums(sums, d)
 
 
@@ -256,6 +269,7 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
     layer_list = check_layers(model, layers)
     qn, kn, rope = _qk_source(model)
     scales = {layer: attention_scale(model, layer) for layer in layer_list}
+    windows = {layer: adapter(model, layer).window() for layer in layer_list}
     specs = {layer: rotary_spec(model, layer=layer) for layer in layer_list} if rope == "rebuilt" else {}
 
     per_set: Dict[str, Dict[int, Dict[str, Tensor]]] = {}
@@ -287,13 +301,14 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
             real = not adapter(model, layer).scores_hook_holds_pattern and not torch.equal(sc, pat)
             scores_real[layer] = real
             if real and not cap and layer not in measured_scale:
-                # The factor the model really applied: least squares of its scores on raw q·k (causal pairs).
+                # The factor the model really applied: least squares of its scores on raw q·k (the attended pairs:
+                # a windowed layer's scores are −inf outside its window)
                 raw = torch.einsum("bqhd,bkhd->bhqk", q[:n_clean].double(), k[:n_clean].double())
-                causal = torch.ones(raw.shape[-1], raw.shape[-1], dtype=torch.bool, device=raw.device).tril()
+                causal = attended(raw.shape[-1], windows[layer], raw.device)
                 s64 = sc[:n_clean].double()
                 measured_scale[layer] = float((raw * s64)[..., causal].sum() / raw[..., causal].square().sum())
             sums = head_sums(q[:n_clean], k[:n_clean], scale=scale, softcap=cap,
-                             scores=sc[:n_clean] if real else None, pattern=pat[:n_clean])
+                             scores=sc[:n_clean] if real else None, pattern=pat[:n_clean], window=windows[layer])
             # Future weight over every row, the perturbed copies included.
             sums["future_weight"] = torch.maximum(sums["future_weight"], future_weight(pat))
             if n_pert:

@@ -106,9 +106,22 @@ def json_number(x, significant: Optional[int] = None) -> Optional[float]:
 SCORE_DIGITS = 9     # float32 → 9 significant digits → the same float32
 
 
+def finite_json(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float (anywhere in dicts, lists, tuples) replaced by ``None``: JSON has no
+    NaN or Infinity, and a file holding them is refused by strict readers (``read_json`` among them)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
 def dump_json(data: Dict[str, Any], path: Optional[Union[str, Path]] = None, indent: Optional[int] = 1) -> str:
-    """JSON text of ``data``, also written atomically to ``path`` when given."""
-    text = json.dumps(data, indent=indent)
+    """JSON text of ``data`` (non-finite floats as ``null``: ``finite_json``), also written atomically to ``path``
+    when given."""
+    text = json.dumps(finite_json(data), indent=indent, allow_nan=False)
     if path is not None:
         write_atomic(path, text)
     return text

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
 from .._foundation.errors import QKCircuitsError
-from .._foundation.io import check_writable, write_atomic  # noqa: F401  (re-exported for the subcommands)
+from .._foundation.io import check_writable, finite_json, write_atomic  # noqa: F401  (re-exported for the subcommands)
 
 # Argument names (dest) that always name files read / written, whichever command adds them.
 INPUT_NAMES = ("model", "models", "scores", "ablation", "diagnostics", "trace", "task", "circuit")

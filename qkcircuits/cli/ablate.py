@@ -9,7 +9,7 @@ import time
 
 from .._foundation.backends import Ray
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, load_model, non_negative_int, positive_int, write_atomic, renamed_arg
+from ._common import add_model_args, finite_json, load_model, non_negative_int, positive_int, write_atomic, renamed_arg
 
 METRICS = ("induction-loss", "text-loss")
 
@@ -128,5 +128,5 @@ def _print_sweep(args, res, out: dict) -> dict:
 
 def _write(args, out: dict) -> None:
     if args.json:
-        write_atomic(args.json, json.dumps(out, indent=1))
+        write_atomic(args.json, json.dumps(finite_json(out), indent=1, allow_nan=False))
         print(f"wrote {args.json}", file=sys.stderr)

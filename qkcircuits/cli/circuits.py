@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, load_model, positive_int, write_atomic, renamed_arg
+from ._common import add_model_args, finite_json, load_model, positive_int, write_atomic, renamed_arg
 
 
 def add_parser(sub) -> None:
@@ -184,6 +184,6 @@ def run(args) -> int:
             print(f"  head {row['head']}: QK {row['qk_error']:.2e} (vs {row['score_source']}), "
                   f"OV {row['ov_error']:.2e}")
     if args.json:
-        write_atomic(str(Path(args.json).expanduser()), json.dumps(s, indent=1))
+        write_atomic(str(Path(args.json).expanduser()), json.dumps(finite_json(s), indent=1, allow_nan=False))
         print(f"wrote {args.json}", file=sys.stderr)
     return 1 if check is not None and not check.passed else 0

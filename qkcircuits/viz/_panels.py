@@ -129,6 +129,10 @@ def prompt_ids(model, prompt: Optional[str]) -> List[int]:
         body = tok.encode(prompt, add_special_tokens=False)
     ids = [bos] + list(body) if not body or body[0] != bos else list(body)
     limit = min(MAX_PROMPT, int(model.cfg.n_ctx))
+    if len(ids) > limit and prompt == DEFAULT_PROMPT:
+        # the default sentence said twice does not fit this model's context: a shorter start of it, said twice
+        half = tok.encode(DEFAULT_PROMPT[:len(DEFAULT_PROMPT) // 2], add_special_tokens=False)[:(limit - 1) // 2]
+        return [bos] + half + half
     if len(ids) > limit:
         raise QKCircuitsError(f"the prompt is {len(ids)} tokens (with BOS); at most {limit} are shown")
     return ids
