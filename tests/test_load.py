@@ -88,6 +88,7 @@ def test_gguf_round_trip_equals_the_original_llama(gguf_file, llama_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = qk.load(gguf_file, device="cpu", fold_ln=False, verbose=False)
+    assert model.cfg.model_name == str(gguf_file)          # results name the file, not its folder
     folder_tok = AutoTokenizer.from_pretrained(llama_dir)
     text = qk.natural_text()
     assert model.tokenizer(text, add_special_tokens=False)["input_ids"] == folder_tok(text)["input_ids"]

@@ -122,3 +122,19 @@ def test_zoo_task_ioi_adds_each_models_circuit(tmp_path, tmp_path_factory, capsy
     out = capsys.readouterr().out
     assert "IOI (logit difference" in out and "name movers" in out and "CPR" in out
     assert "IOI circuits" in page.read_text()
+
+
+def test_zoo_cli_in_a_fresh_interpreter(tmp_path):
+    # every registry reader sees the built-in detectors whichever module it came through: `qkcircuits zoo` in a new
+    # process (where nothing imported the scan first) exited 2 with "unknown score 'induction'"
+    import subprocess
+    import sys
+
+    out = tmp_path / "z.json"
+    proc = subprocess.run([sys.executable, "-m", "qkcircuits", "zoo", "toy-induction", "--confirm", "0", "--quiet",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-500:]
+    assert "induction" in out.read_text()
+    code = "import qkcircuits._analysis.detectors as d; print(sorted(x.name for x in d.detectors()))"
+    names = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stdout
+    assert "'induction'" in names and "'previous_token'" in names

@@ -328,7 +328,10 @@ def _load_gguf(path: Path, dev, dtype, device_map, model_name: Optional[str] = N
     if dev is not None:
         hf_model = hf_model.to(dev)
     with _hub_offline():
-        return _boot(model_name or folder, dev, dtype, None, label=str(path), hf_model=hf_model, tokenizer=tokenizer)
+        bridge = _boot(model_name or folder, dev, dtype, None, label=str(path), hf_model=hf_model, tokenizer=tokenizer)
+    if model_name is None:          # results name the file the user gave, not its folder (as for a local folder)
+        bridge.cfg.model_name = str(path)
+    return bridge
 
 
 def _check_gguf(path: Path) -> None:
