@@ -108,6 +108,26 @@ def test_cli_circuits_prints_each_caveat_on_its_own_line(gemma3, capsys):
     assert "offset profile (rotary) over 0-5" in out and "window 6" in out   # masked offsets left out
 
 
+def test_cli_warnings_are_one_line_and_the_callers_format_comes_back(gemma3):
+    # a warning raised while a command runs prints as "warning: <message>", not as Python's file:line: Category
+    # plus the source line; main() called from Python restores the caller's own format
+    import subprocess
+    import sys
+    import warnings
+
+    folder, _ = gemma3
+    proc = subprocess.run([sys.executable, "-W", "always", "-m", "qkcircuits", "circuits", str(folder), "--head", "1.0",
+                           "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-500:]
+    lines = [x for x in proc.stderr.splitlines() if "offset profile is not the whole attention score" in x]
+    assert lines and all(x.startswith("warning: the offset profile") for x in lines)
+    assert "UserWarning" not in proc.stderr
+    from qkcircuits.cli import main
+
+    before = warnings.formatwarning
+    assert main(["cache", "show"]) == 0 and warnings.formatwarning is before
+
+
 @pytest.mark.parametrize("which", ["llama", "mqa"])
 def test_single_setting_models_keep_one_frequency_set(which, tmp_path_factory):
     folder = _tiny.llama_dir(tmp_path_factory) if which == "llama" else _tiny.llama_mqa_dir(tmp_path_factory)

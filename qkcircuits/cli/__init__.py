@@ -81,9 +81,14 @@ def _import_torch() -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Run one subcommand; returns the exit code (0 ok, 1 a bug, 2 bad input, 130 Ctrl-C, 143 SIGTERM)."""
+    """Run one subcommand; returns the exit code (0 ok, 1 a bug, 2 bad input, 130 Ctrl-C, 143 SIGTERM). While it
+    runs, a warning prints as ``warning: <message>`` on one line (not Python's file:line, category and source
+    line); the caller's format is restored afterwards."""
+    import warnings
+
     previous = None
     _SIGNALLED["int"] = False
+    formatwarning, warnings.formatwarning = warnings.formatwarning, _one_line_warning
     try:
         if threading.current_thread() is threading.main_thread():
             previous = (signal.signal(signal.SIGTERM, _on_sigterm), signal.signal(signal.SIGINT, _on_sigint))
@@ -115,9 +120,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: unexpected {type(e).__name__}: {first} ({DEBUG_HINT})", file=sys.stderr)
         return 1
     finally:
+        warnings.formatwarning = formatwarning
         if previous is not None:
             signal.signal(signal.SIGTERM, previous[0])
             signal.signal(signal.SIGINT, previous[1])
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"
 
 
 def entry() -> NoReturn:
