@@ -231,6 +231,23 @@ def test_verify_circuits_passes_on_every_family(models, standard):
     assert qk.verify_circuits(toy).passed
 
 
+def test_verify_circuits_in_bf16_passes_at_the_dtypes_rounding_and_still_fails_a_wrong_circuit(tmp_path_factory,
+                                                                                                 monkeypatch):
+    # bf16 scores carry bf16 rounding (~0.01 relative): the default tolerance is 4 x its epsilon there, which a
+    # right circuit meets and a wrong one (the scale off by √2) does not
+    import _tiny
+
+    m = qk.load(str(_tiny.gpt2_dir(tmp_path_factory)), dtype="bfloat16", verbose=False)
+    check = qk.verify_circuits(m)
+    assert check.tolerance == pytest.approx(4 * torch.finfo(torch.bfloat16).eps)
+    assert check.passed and check.max_error > 1e-4, check                  # 1e-4 would refuse bf16 rounding
+    assert qk.verify_circuits(m, tolerance=1e-4).passed is False
+    att = adapter(m, 1)
+    factor, src, cap = att.scale()
+    monkeypatch.setattr(att, "scale", lambda: (factor * 2 ** 0.5, "wrong on purpose", cap))
+    assert not qk.verify_circuits(m).passed
+
+
 def test_verify_circuits_fails_when_the_circuit_math_is_wrong(models, monkeypatch):
     """A wrong score scale (1/√24 where YaRN's mscale² applies) must fail: the check can fail."""
     m = models["v3_noq_yarn"]

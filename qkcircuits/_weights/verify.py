@@ -19,7 +19,8 @@ Per head h of layer L, on real inputs x (the rows W_Q/W_K/W_V read, ``attn_input
   head's own output: the model's output projection module applied to its own z with every other head zeroed.
 
 Errors are relative: max |factored − model| / max |model| over the head's entries. ``passed``: every error
-≤ ``tolerance`` (1e-4). Memory: one layer's activations at a time ([batch, head, pos, pos] scores).
+≤ ``tolerance`` (1e-4 in float32/64; 4 × the dtype's epsilon in bf16/fp16, whose rounding the model's own scores
+carry). Memory: one layer's activations at a time ([batch, head, pos, pos] scores).
 """
 
 from __future__ import annotations
@@ -120,12 +121,17 @@ class CircuitCheck(Result):
 
 
 
-def verify_circuits(model, tokens=None, *, tolerance: float = TOLERANCE) -> CircuitCheck:
+def verify_circuits(model, tokens=None, *, tolerance: Optional[float] = None) -> CircuitCheck:
     """Compare every head's factored QK and OV at real inputs with the model's own scores and head outputs.
 
     ``tokens``: [batch, pos] ids (default: 2 rows of a repeated random segment, ``repeated_tokens(seg_len=8)``).
     Works on every architecture with an adapter (standard, GQA/MQA, rotary, QK-norm, soft-cap, windows, MLA).
+    ``tolerance`` (relative): default ``TOLERANCE`` (1e-4) for float32/64 weights, and 4 × the dtype's epsilon for
+    half precision (bf16: 0.031), whose own rounding a model's scores carry (a wrong circuit errs by ~1).
     """
+    if tolerance is None:
+        dtype = model.W_E.dtype
+        tolerance = TOLERANCE if dtype in (torch.float32, torch.float64) else max(TOLERANCE, 4 * torch.finfo(dtype).eps)
     if tokens is None:
         from .._foundation.sequences import repeated_tokens
 
