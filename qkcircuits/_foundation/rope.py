@@ -75,3 +75,17 @@ def rotate(spec: RotarySpec, x: Float[Tensor, "batch pos head d"], start: int = 
     fires ``hook_rot_q/k`` (GPT-J, GPT-NeoX) multiplies. Memory: one [pos, d_head, d_head] table and one copy."""
     R = rotation(spec, range(start, start + x.shape[1])).to(device=x.device, dtype=x.dtype)   # [pos, d, d]
     return torch.einsum("bphd,pde->bphe", x, R)
+
+
+def rotate_at(spec: RotarySpec, y: Float[Tensor, "... d"], positions: Tensor) -> Float[Tensor, "... d"]:
+    """``y`` rotated by ``spec`` where each row sits at ``positions`` (broadcast against ``y.shape[:-1]``):
+    the same map as ``y @ rotation(spec, [p])[0]``, elementwise (no [pos, d, d] table), in ``y``'s dtype."""
+    a, b = _pair_index(spec)
+    a, b = a.to(y.device), b.to(y.device)
+    ang = positions.to(device=y.device, dtype=torch.float64).unsqueeze(-1) * spec.omega.to(y.device, torch.float64)
+    c, s = (ang.cos() * spec.scaling).to(y.dtype), (ang.sin() * spec.scaling).to(y.dtype)
+    ya, yb = y[..., a], y[..., b]
+    out = y.clone()
+    out[..., a] = ya * c - yb * s
+    out[..., b] = yb * c + ya * s
+    return out

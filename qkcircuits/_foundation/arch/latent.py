@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..errors import QKCircuitsError
 from .base import AttentionAdapter, LayerWeights
+from .qkmap import LatentQKMap
 
 
 class LatentAttention(AttentionAdapter):
@@ -162,6 +163,20 @@ class LatentAttention(AttentionAdapter):
             if isinstance(getattr(mod, "inv_freq", None), Tensor):
                 return mod
         raise QKCircuitsError("cannot find the rotary module (no inv_freq buffer) of this DeepSeek model")
+
+    def query_map(self, head: int) -> LatentQKMap:
+        return self._map("q", int(head))
+
+    def key_map(self, kv_head: int) -> LatentQKMap:
+        return self._map("k", int(kv_head))
+
+    def _map(self, side: str, head: int) -> LatentQKMap:
+        """The effective per-head map through the latent (``weights()``), the input norm's weight in front."""
+        w = self.weights()
+        Wx = (w.W_Q if side == "q" else w.W_K)[head].double()
+        norm = self.input_norm()
+        M = Wx if norm.weight is None else norm.weight.double()[:, None] * Wx
+        return LatentQKMap(side, head, M, norm, self.rotary(), self.latent_scales, self.d_nope)
 
     # -- hooks ------------------------------------------------------------------------------------
     def prepare(self) -> None:
