@@ -93,7 +93,7 @@ def attend(model, head, tokens=None, *, task=None, query=None, key=None, versus=
                 "bias_spread": max(p["bias_spread"] for p in parts), "family": att.family}
     if cap:
         settings["caveats"] = [f"the layer soft-caps its scores at {cap:g}: the pre-cap score is decomposed"]
-    expanded = _merge_expansions([p["expanded"] for p in parts], len(rows)) if expand else []
+    expanded = _merge_expansions([p["expanded"] for p in parts], len(rows)) if expand else {}
     return summarise(model, str(h), reading, rows, names_q, names_k, Q * factor, K, cat["attention"][order],
                      max(settings["score_error"], settings["pattern_error"]), stamped(settings), expanded, expand)
 
@@ -221,17 +221,20 @@ def _exactness(att, w: Writes, h: Head, q_tot: Tensor, k_total: Tensor, rb: Tens
 
 def _expand(att, w: Writes, h: Head, qkmap, frozen, names: List[str], Q: Tensor, K: Tensor, wr: Tensor,
             rb: Tensor, ri: Tensor, side: str, k: int, sel: Tensor, chosen: Optional[List[str]]) -> Dict[str, Dict]:
-    """For the ``k`` head sources with the largest |value| on ``side`` (or those ``chosen``): value per row and source
+    """For the ``k`` head sources with the largest |value| on ``side`` (at least 5 % of the largest; or those
+    ``chosen``): value per row and source
     position m of what that head read at m (pattern · v through OV) and wrote where ``side`` reads it."""
     factor = att.scale()[0]
     if side == "key":
         vals = (Q.sum(1)[:, None] * K).sum(-1) * factor                               # [n, s]
     else:
         vals = (Q * K.sum(1)[:, None]).sum(-1) * factor
-    # heads carrying at least 5 % of the side's total |value| (tiny ones split into noise), largest first
+    # the largest head sources, leaving out those under 5 % of the largest one (a tiny value splits into noise)
     mass = vals.abs().sum(0)
-    head_idx = [n for n, name in enumerate(names) if "." in name and float(mass[n]) >= 0.05 * float(mass.sum())]
-    ranked = sorted(head_idx, key=lambda n: -float(mass[n]))[:k] if chosen is None else [names.index(c) for c in chosen]
+    head_idx = [n for n, name in enumerate(names) if "." in name]
+    top = max((float(mass[n]) for n in head_idx), default=0.0)
+    ranked = sorted((n for n in head_idx if float(mass[n]) >= 0.05 * top > 0), key=lambda n: -float(mass[n]))[:k] \
+        if chosen is None else [names.index(c) for c in chosen]
     out = {}
     for n in ranked:
         l, hh = (int(x) for x in names[n].split("."))

@@ -22,14 +22,14 @@ Rows whose key the head cannot attend (after the query, or outside a sliding win
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .._foundation.errors import QKCircuitsError
 
-Pos = Union[int, str, Sequence[int], None]
+Pos = Any          # int, str, a list of ints or None: checked here, with one-line errors
 
 
 @dataclass

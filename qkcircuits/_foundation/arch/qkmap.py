@@ -83,7 +83,7 @@ class QKMap:
             y = self.qk_norm.linear(y, self._norm_row()) * post
         return self._rotate(y, pos)
 
-    def constant(self, fr: Frozen, rows: Optional[Tuple[Tensor, Tensor]] = None) -> Float[Tensor, "n d_qk"]:
+    def constant(self, fr: Frozen, rows: Optional[Tuple[Tensor, Tensor]] = None) -> Float[Tensor, "... d_qk"]:
         """What the score reads from the constants (c, the QK-norm's bias), [b, p, d_qk] (or [n, d_qk] at ``rows``)."""
         s, post, pos = fr.at(rows)
         y = self.c.expand(*s.shape[:-1], -1)
