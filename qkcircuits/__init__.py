@@ -40,7 +40,7 @@ __all__ = sorted([
     "INTO", "VIEWS", "Backend", "Local", "Ray", "as_backend",
     "PathEffects", "edge_attribution", "path_patch", "trace_induction", "Zoo", "zoo",
     # why a head attends
-    "Attribution", "attend",
+    "Attribution", "attend", "attend_heads",
     # tasks and circuits over the whole graph
     "EdgeScores", "Faithfulness", "Graph", "NodeScores", "Roles", "Task", "TaskCircuit", "edge_scores", "faithfulness",
     "graph", "node_faithfulness", "node_scores", "tasks",

@@ -47,7 +47,7 @@ from ._weights.contextual import INPUTS as VIEWS     # the token views ("direct"
 from ._paths.trace import trace_induction
 
 # Why a head attends: exact QK attribution of its scores into pairs of upstream sources.
-from ._explain.attend import attend
+from ._explain.attend import attend, attend_heads
 from ._explain.attribution import Attribution
 
 # Explain a behaviour: tasks, the whole graph's edge scores, circuits and their faithfulness.

@@ -158,7 +158,8 @@ def test_rows_from_a_task_equal_explicit_positions(family):
     a = qk.attend(model, head, task=task, query="Q", key="K", versus="V")
     b = qk.attend(model, head, t[:1], query=QUERY[0], key=KEY[0], versus=VERSUS[0])
     c = qk.attend(model, head, t[1:], query=QUERY[1], key=KEY[1], versus=VERSUS[1])
-    assert [r["value"] for r in a.rows] == pytest.approx([b.rows[0]["value"], c.rows[0]["value"]], abs=1e-9)
+    # (one prompt vs two per forward: float32 rounding of the parts differs, ~1e-7)
+    assert [r["value"] for r in a.rows] == pytest.approx([b.rows[0]["value"], c.rows[0]["value"]], rel=1e-5, abs=1e-5)
     assert a.settings["positions"] == {"query": "Q", "key": "K", "versus": "V"}
 
 

@@ -25,21 +25,22 @@ decomposed before its cap.
 ``exact_error``: the largest of |softmax of the rebuilt score rows − the model's own pattern| and, where the
 bridge exposes real scores, |rebuilt − captured| / max |captured|.
 
-Memory: per prompt shard one ``Writes`` (each earlier layer's z and MLP output), one source block's [n, b, p, d_qk]
-at a time on the key side; kept for all rows: Q [rows, sources, d_qk] and the reading's K [rows, sources, d_qk].
-Never [sources, sources, positions, positions], nor one residual copy per source.
+Memory: per prompt shard one ``Writes`` (each earlier layer's z and MLP output); per target layer one source
+block's projections [s, b, p, heads, d_qk] at a time (float64); per head the pair table summed over rows
+[sources, sources] and the marginals per row [rows, sources]. Never [sources, sources, positions, positions], nor
+one residual copy per source.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from .._foundation.arch import adapter
 from .._foundation.errors import QKCircuitsError
-from .._foundation.heads import Head, model_heads
+from .._foundation.heads import Head, HeadsLike, all_heads, model_heads
 from .._foundation.io import check_int
 from .._foundation.result import stamped
 from .attribution import Attribution, summarise
@@ -51,7 +52,7 @@ READINGS = ("raw", "contrast", "versus")
 
 def attend(model, head, tokens=None, *, task=None, query=None, key=None, versus=None, reading: str = "contrast",
            expand: Optional[str] = None, k: int = 5, labels: Optional[Dict[str, str]] = None,
-           batch_size: int = 32) -> Attribution:
+           batch_size: int = 64) -> Attribution:
     """Split ``head``'s score on the chosen rows into (query source, key source) pairs (module docstring).
 
     Rows (``rows.py``): ``tokens`` (ids or text) with ``query``/``key`` positions or ``key="induction"``, or a
@@ -60,7 +61,61 @@ def attend(model, head, tokens=None, *, task=None, query=None, key=None, versus=
     splits the ``k`` largest head sources on that side by the position each read from. ``labels``: names for
     sources ({"16.0": "previous-token"}), shown next to them. ``batch_size``: prompts per forward.
     """
-    h = _one_head(model, head)
+    heads = model_heads(model, [head] if isinstance(head, Head) else head)
+    if len(heads) != 1:
+        raise QKCircuitsError(f"attend explains one head at a time, got {len(heads)} from {head!r}; name one, e.g. "
+                              f"'5.1' (qk.attend_heads explains several in one forward)")
+    return attend_heads(model, heads, tokens, task=task, query=query, key=key, versus=versus, reading=reading,
+                        expand=expand, k=k, labels=labels, batch_size=batch_size)[str(heads[0])]
+
+
+def attend_heads(model, heads: HeadsLike = None, tokens=None, *, task=None, query=None, key=None, versus=None,
+                 reading: str = "contrast", expand: Optional[str] = None, k: int = 5,
+                 labels: Optional[Dict[str, str]] = None, batch_size: int = 64) -> Dict[str, Attribution]:
+    """``attend`` for several heads (default: every head) from ONE forward per prompt shard: {head: Attribution}.
+    The same rows for every head (a key outside a head's window is refused for that head's layer). Memory: the
+    pair table [sources, sources] of every head, summed over rows."""
+    heads = all_heads(int(model.cfg.n_layers), int(model.cfg.n_heads)) if heads is None else model_heads(model, heads)
+    reading = _check(reading, versus, expand)
+    k, batch_size = check_int("k", k), check_int("batch_size", batch_size)
+    by_layer: Dict[int, List[int]] = {}
+    for h in heads:
+        by_layer.setdefault(h.layer, []).append(h.head)
+    layers = sorted(by_layer)
+    rows = {L: rows_for(model, L, tokens, task=task, query=query, key=key, versus=versus,
+                        window=adapter(model, L).window()) for L in layers}
+    acc: Dict[str, Dict] = {}
+    chosen: Dict[str, List[str]] = {}
+    n_prompts = next(iter(rows.values())).tokens.shape[0]
+    shards = torch.arange(n_prompts).split(batch_size)
+    for prompts in shards:
+        toks = rows[layers[0]].tokens[prompts].to(model.W_E.device)
+        w = capture_writes(model, toks, layers, expand=expand is not None)
+        for L in layers:
+            for name, part in _layer(model, w, L, by_layer[L], rows[L], prompts, reading, expand, k, chosen).items():
+                _add(acc, name, part, whole=len(shards) == 1)
+                if expand and name not in chosen:
+                    chosen[name] = list(part["expanded"])
+    out = {}
+    for h in heads:
+        a, L = acc[str(h)], h.layer
+        att = adapter(model, L)
+        factor, source, cap = att.scale()
+        settings = {"scale": factor, "scale_source": source, "softcap": cap, "rows": rows[L].what,
+                    "positions": rows[L].names, "n_rows": len(rows[L]), "dropped_rows": rows[L].dropped,
+                    "frozen": _frozen_note(att), "labels": dict(labels or {}), "score_error": a["score_error"],
+                    "pattern_error": a["pattern_error"], "bias_spread": a["bias_spread"], "family": att.family}
+        if cap:
+            settings["caveats"] = [f"the layer soft-caps its scores at {cap:g}: the pre-cap score is decomposed"]
+        expanded = _merge_expansions(a["expanded"], len(rows[L])) if expand else {}
+        pairs = a["QK"] if "QK" in a else a["P"] / len(rows[L])
+        out[str(h)] = summarise(model, str(h), reading, rows[L], a["names"], pairs, torch.cat(a["q_vals"]),
+                                torch.cat(a["k_vals"]), torch.cat(a["attention"]),
+                                max(a["score_error"], a["pattern_error"]), stamped(settings), expanded, expand)
+    return out
+
+
+def _check(reading: str, versus, expand) -> str:
     if versus is not None:
         if reading not in ("contrast", "versus"):
             raise QKCircuitsError(f"versus= compares two keys; it has no reading {reading!r} (leave reading out)")
@@ -71,38 +126,29 @@ def attend(model, head, tokens=None, *, task=None, query=None, key=None, versus=
         raise QKCircuitsError("reading 'versus' needs versus= (the key position to compare with)")
     if expand not in (None, "key", "query"):
         raise QKCircuitsError(f"expand must be 'key', 'query' or None, got {expand!r}")
-    k = check_int("k", k)
-    batch_size = check_int("batch_size", batch_size)
-    att = adapter(model, h.layer)
-    rows = rows_for(model, h.layer, tokens, task=task, query=query, key=key, versus=versus, window=att.window())
-    parts, chosen = [], None
-    for idx in torch.arange(rows.tokens.shape[0]).split(batch_size):
-        part = _shard(model, att, h, rows, idx, reading, expand, k, chosen)
-        if part is not None:
-            parts.append(part)
-            chosen = chosen or (list(part["expanded"]) if expand else None)
-    names_q, names_k = parts[0]["names_q"], parts[0]["names_k"]
-    cat = {key_: torch.cat([p[key_] for p in parts]) for key_ in ("Q", "K", "attention", "row_index")}
-    order = torch.argsort(cat["row_index"])
-    Q, K = cat["Q"][order], cat["K"][order]
-    factor, source, cap = att.scale()
-    settings = {"scale": factor, "scale_source": source, "softcap": cap,
-                "rows": rows.what, "positions": rows.names, "n_rows": len(rows), "dropped_rows": rows.dropped,
-                "frozen": _frozen_note(att), "labels": dict(labels or {}),
-                "score_error": max(p["score_error"] for p in parts), "pattern_error": max(p["pattern_error"] for p in parts),
-                "bias_spread": max(p["bias_spread"] for p in parts), "family": att.family}
-    if cap:
-        settings["caveats"] = [f"the layer soft-caps its scores at {cap:g}: the pre-cap score is decomposed"]
-    expanded = _merge_expansions([p["expanded"] for p in parts], len(rows)) if expand else {}
-    return summarise(model, str(h), reading, rows, names_q, names_k, Q * factor, K, cat["attention"][order],
-                     max(settings["score_error"], settings["pattern_error"]), stamped(settings), expanded, expand)
+    return reading
 
 
-def _one_head(model, head) -> Head:
-    heads = model_heads(model, [head] if isinstance(head, Head) else head)
-    if len(heads) != 1:
-        raise QKCircuitsError(f"attend explains one head at a time, got {len(heads)} from {head!r}; name one, e.g. '5.1'")
-    return heads[0]
+def _add(acc: Dict[str, Dict], name: str, part: Dict, whole: bool) -> None:
+    """Accumulate one shard of one head: per-row marginals extend, errors take the max; the parts Q, K are kept
+    when this shard holds every row (``whole``: the pair table is then computed for the kept sources only), else
+    the full pair table [Sq, Sk] is summed over shards."""
+    Q, K = part.pop("Q"), part.pop("K")
+    part["q_vals"] = torch.einsum("nad,nd->na", Q, K.sum(1))
+    part["k_vals"] = torch.einsum("nd,nbd->nb", Q.sum(1), K)
+    if whole:
+        part["QK"] = (Q, K)
+    else:
+        part["P"] = torch.einsum("nad,nbd->ab", Q, K)
+    a = acc.get(name)
+    if a is None:
+        acc[name] = {**part, **{x: [part[x]] for x in ("q_vals", "k_vals", "attention", "expanded")}}
+        return
+    a["P"] = a["P"] + part["P"]
+    for x in ("q_vals", "k_vals", "attention", "expanded"):
+        a[x].append(part[x])
+    for e in ("score_error", "pattern_error", "bias_spread"):
+        a[e] = max(a[e], part[e])
 
 
 def _frozen_note(att) -> List[str]:
@@ -127,117 +173,155 @@ def key_weights(rows: Rows, idx: Tensor, p: int, reading: str, window: Optional[
         ok = (pos[None] <= i[:, None]) & (pos[None] != j[:, None])
         if window is not None:
             ok &= (i[:, None] - pos[None]) < window
-        count = ok.sum(1, keepdim=True).clamp_min(1)
-        w -= ok.double() / count
+        w -= ok.double() / ok.sum(1, keepdim=True).clamp_min(1)
     return w
 
 
-def _shard(model, att, h: Head, rows: Rows, prompts: Tensor, reading: str, expand: Optional[str], k: int,
-           chosen: Optional[List[str]] = None):
-    """Q and the reading's K per row for the rows whose prompt is in ``prompts`` (one forward); ``chosen``: the
-    head sources to expand (the first shard picks them)."""
+def _layer(model, w: Writes, L: int, heads: List[int], rows: Rows, prompts: Tensor, reading: str,
+           expand: Optional[str], k: int, chosen: Dict[str, List[str]]) -> Dict[str, Dict]:
+    """Each of layer ``L``'s ``heads`` on the rows of ``prompts``: its pair sums, per-row marginals and errors."""
     sel = torch.isin(rows.b, prompts).nonzero().flatten()
     if sel.numel() == 0:
-        return None
+        return {}
+    att = adapter(model, L)
+    dev = w.resid[L].device
     local = {int(b): n for n, b in enumerate(prompts.tolist())}
-    tokens = rows.tokens[prompts].to(model.W_E.device)
-    w = capture_writes(model, tokens, h.layer, expand=expand is not None)
-    dev = w.resid.device
     rb = torch.tensor([local[int(b)] for b in rows.b[sel]], device=dev)
     ri, rj = rows.i[sel].to(dev), rows.j[sel].to(dev)
-    p = tokens.shape[1]
-    qm, km = att.query_map(h.head), att.key_map(h.head // (att.n_heads // att.n_kv_heads))
-    qm.W, qm.c, km.W, km.c = (t.to(dev) for t in (qm.W, qm.c, km.W, km.c))
-    fq, fk = qm.frozen(w.resid), km.frozen(w.resid)
-    wr = key_weights(rows, sel, p, reading, att.window()).to(dev)                     # [n, p]
-    names, Qs, Ks = [], [], []
-    k_total = torch.zeros(*tokens.shape, km.W.shape[1], dtype=torch.float64, device=dev)
-    for name, q_rows, k_all in _blocks(w, qm, km, rb, ri):
-        Qs.append(qm.finish(q_rows, fq, rows=(rb, ri)).transpose(0, 1))             # [n, s, d]
-        k_fin = km.finish(k_all, fk)                                                 # [s, b, p, d]
-        k_total += k_fin.sum(0)
-        Ks.append(torch.einsum("np,snpd->nsd", wr, k_fin[:, rb]))
+    group = att.n_heads // att.n_kv_heads
+    kv = sorted({h // group for h in heads})
+    qmaps = [att.query_map(h) for h in heads]
+    kmaps = {g: att.key_map(g) for g in kv}
+    for m in qmaps + list(kmaps.values()):
+        m.W, m.c = m.W.to(dev), m.c.to(dev)
+    # the parts are computed in float32 (float64 weights: float64) and summed in float64: every part's rounding is
+    # ~1e-7 of it, far inside the exactness check, and float32 matmuls are twice as fast on a CPU
+    dt = torch.float64 if w.resid[L].dtype == torch.float64 else torch.float32
+    fq = [m.frozen(w.resid[L]) for m in qmaps]
+    fk = {g: kmaps[g].frozen(w.resid[L]) for g in kv}
+    fq_dt, fk_dt = [f.to(dt) for f in fq], {g: f.to(dt) for g, f in fk.items()}
+    Wq = torch.stack([m.W for m in qmaps], 1).to(dt)                                   # [d_model, H', d]
+    Wk = torch.stack([kmaps[g].W for g in kv], 1).to(dt)                               # [d_model, G', d]
+    wr = key_weights(rows, sel, w.tokens.shape[1], reading, att.window()).to(dev)      # [n, p]
+    wr_dt = wr.to(dt)
+    one_row_per_prompt = rb.numel() == w.tokens.shape[0] and bool((rb == torch.arange(rb.numel(), device=dev)).all())
+    names: List[str] = []
+    Qs: List[List[Tensor]] = [[] for _ in heads]
+    Ks: Dict[int, List[Tensor]] = {g: [] for g in kv}
+    for name, q_rows, k_all in _chunks(_blocks(w, L, Wq, Wk, rb, ri)):                # [s, n, H', d], [s, b, p, G', d]
         names += name
-    Qc = qm.constant(fq, rows=(rb, ri))[:, None]                                     # [n, 1, d]
-    kc = km.constant(fk)                                                             # [b, p, d]
-    k_total += kc
-    Q = torch.cat(Qs + [Qc], 1)
-    K = torch.cat(Ks + [torch.einsum("np,npd->nd", wr, kc[rb])[:, None]], 1)
-    errs = _exactness(att, w, h, Q.sum(1), k_total, rb, ri)
-    out = {"names_q": names + ["bias_q"], "names_k": names + ["bias_k"], "Q": Q.cpu(), "K": K.cpu(),
-           "attention": w.pattern[rb, h.head, ri, rj].double().cpu(), "row_index": sel,
-           "bias_spread": w.bias_spread(), **errs, "expanded": None}
-    if expand:
-        out["expanded"] = _expand(att, w, h, qm if expand == "query" else km, fq if expand == "query" else fk,
-                                  names, Q, K, wr, rb, ri, expand, k, sel, chosen)
+        for t, (m, f) in enumerate(zip(qmaps, fq_dt)):
+            Qs[t].append(m.finish(q_rows[:, :, t], f, rows=(rb, ri)).transpose(0, 1).double())  # [n, s, d]
+        for u, g in enumerate(kv):
+            fin = kmaps[g].finish(k_all[:, :, :, u], fk_dt[g])                        # [s, b, p, d]
+            if one_row_per_prompt:                                                     # no [s, n, p, d] gather
+                Ks[g].append(torch.einsum("np,snpd->nsd", wr_dt, fin).double())
+            else:
+                Ks[g].append(torch.einsum("np,snpd->nsd", wr_dt, fin[:, rb]).double())
+    k_total = {}
+    for g in kv:
+        kc = kmaps[g].constant(fk[g])                                                  # [b, p, d]
+        Ks[g].append(torch.einsum("np,npd->nd", wr, kc[rb])[:, None])
+        # every key, rebuilt from the whole residual (the parts add up to it by construction: ``bias`` is the rest)
+        k_total[g] = kmaps[g].finish(w.resid[L].double() @ kmaps[g].W, fk[g]) + kc
+    factor = att.scale()[0]
+    out = {}
+    for t, h in enumerate(heads):
+        g = h // group
+        Q = torch.cat(Qs[t] + [qmaps[t].constant(fq[t], rows=(rb, ri))[:, None]], 1) * factor    # [n, Sq, d]
+        K = torch.cat(Ks[g], 1)                                                        # [n, Sk, d]
+        part = {"names": names, "Q": Q.cpu(), "K": K.cpu(),
+                "attention": w.pattern[L][rb, h, ri, rj].double().cpu(), "bias_spread": w.bias_spread(L),
+                **_exactness(att, w, L, h, Q.sum(1) / factor, k_total[g], rb, ri), "expanded": None}
+        if expand:
+            side_map, side_frozen = (qmaps[t], fq[t]) if expand == "query" else (kmaps[g], fk[g])
+            part["expanded"] = _expand(w, L, side_map, side_frozen, names, Q, K, wr, rb, ri, expand, k, sel,
+                                       chosen.get(f"{L}.{h}"), factor)
+        out[f"{L}.{h}"] = part
     return out
 
 
-def _blocks(w: Writes, qm, km, rb: Tensor, ri: Tensor):
-    """(names, the query-side x W_q at the rows [s, n, d], the key-side x W_k everywhere [s, b, p, d]) per source
-    block, in ``w.names()`` order (the residual bias last); heads are projected from z (W_O·W fused first)."""
+def _blocks(w: Writes, L: int, Wq: Tensor, Wk: Tensor, rb: Tensor, ri: Tensor):
+    """(names, the query side's x W_q at the rows [s, n, H', d], the key side's x W_k everywhere [s, b, p, G', d])
+    per source block of layer ``L``, in ``w.names(L)`` order (the residual bias last); heads are projected from
+    z (W_O·W fused first), every target head of the layer at once."""
+    H, G, d = Wq.shape[1], Wk.shape[1], Wq.shape[2]
+    Wq2, Wk2 = Wq.reshape(Wq.shape[0], -1), Wk.reshape(Wk.shape[0], -1)
+    b, p = w.tokens.shape
+
     def dense(x: Tensor):
-        x = x.double()
-        return (x[rb, ri] @ qm.W)[None], (x @ km.W)[None]
+        x = x.to(Wq.dtype)
+        return (x[rb, ri] @ Wq2).view(1, -1, H, d), (x @ Wk2).view(1, b, p, G, d)
 
     yield ["emb"], *dense(w.emb)
     if w.pos is not None:
         yield ["pos"], *dense(w.pos)
-    for l, heads in w.head_blocks():
-        M = w.head_out_map(l)                                                        # [H, e, d_model]
-        z = w.z[l].double()
-        q_rows = torch.einsum("nhe,hed->hnd", z[rb, ri], M @ qm.W)
-        k_all = torch.einsum("bphe,hed->hbpd", z, M @ km.W)
+    for l, names in w.head_blocks(L):
+        M = w.head_out_map(l).to(Wq.dtype)                                            # [Hs, e, d_model]
+        z = w.z[l].to(Wq.dtype)
+        q_rows = torch.einsum("nhe,hef->hnf", z[rb, ri], M @ Wq2).view(len(names), -1, H, d)
+        k_all = torch.einsum("bphe,hef->hbpf", z, M @ Wk2).view(len(names), b, p, G, d)
         s = w.post_scale(l)
         if s is not None:
-            q_rows, k_all = q_rows * s[rb, ri], k_all * s
-        yield heads, q_rows, k_all
+            s = s.to(Wq.dtype)
+            q_rows, k_all = q_rows * s[rb, ri][None, :, :, None], k_all * s[None, :, :, :, None]
+        yield names, q_rows, k_all
         for name, x in w.mlp_parts(l):
             yield [name], *dense(x)
-    yield ["bias"], *dense(w.bias())
+    yield ["bias"], *dense(w.bias(L))
 
 
-def _exactness(att, w: Writes, h: Head, q_tot: Tensor, k_total: Tensor, rb: Tensor, ri: Tensor) -> Dict[str, float]:
+def _chunks(blocks, size: int = 64):
+    """Consecutive source blocks concatenated up to ``size`` sources: the per-head work after the projections
+    (norm scales, rotary, the sum over key positions) runs once per chunk instead of once per MLP or layer."""
+    names, qs, ks = [], [], []
+    for name, q, k in blocks:
+        names, qs, ks = names + name, qs + [q], ks + [k]
+        if len(names) >= size:
+            yield names, torch.cat(qs), torch.cat(ks)
+            names, qs, ks = [], [], []
+    if names:
+        yield names, torch.cat(qs), torch.cat(ks)
+
+
+def _exactness(att, w: Writes, L: int, h: int, q_tot: Tensor, k_total: Tensor, rb: Tensor, ri: Tensor
+               ) -> Dict[str, float]:
     """Rebuild each row's whole score row from the summed parts and compare with the model's own."""
     factor, _, cap = att.scale()
     S = torch.einsum("nd,npd->np", q_tot, k_total[rb]) * factor                    # [n, p]
     if cap:
         S = cap * torch.tanh(S / cap)
-    p = S.shape[1]
-    pos = torch.arange(p, device=S.device)
+    pos = torch.arange(S.shape[1], device=S.device)
     ok = pos[None] <= ri[:, None]
     win = att.window()
     if win is not None:
         ok &= (ri[:, None] - pos[None]) < win
     A = S.masked_fill(~ok, float("-inf")).softmax(-1)
-    pattern_error = float((A - w.pattern[rb, h.head, ri].double()).abs().max())
+    pattern_error = float((A - w.pattern[L][rb, h, ri].double()).abs().max())
     score_error = 0.0
-    if w.scores is not None:
-        real = w.scores[rb, h.head, ri].double()
+    if w.scores[L] is not None:
+        real = w.scores[L][rb, h, ri].double()
         diff = torch.where(ok, (S - real).abs(), torch.zeros_like(S))            # masked entries are -inf or -3e38
         score_error = float(diff.max() / torch.where(ok, real.abs(), torch.zeros_like(S)).max().clamp_min(1e-30))
     return {"pattern_error": pattern_error, "score_error": score_error}
 
 
-def _expand(att, w: Writes, h: Head, qkmap, frozen, names: List[str], Q: Tensor, K: Tensor, wr: Tensor,
-            rb: Tensor, ri: Tensor, side: str, k: int, sel: Tensor, chosen: Optional[List[str]]) -> Dict[str, Dict]:
+def _expand(w: Writes, L: int, qkmap, frozen, names: List[str], Q: Tensor, K: Tensor, wr: Tensor, rb: Tensor,
+            ri: Tensor, side: str, k: int, sel: Tensor, chosen: Optional[List[str]], factor: float) -> Dict[str, Dict]:
     """For the ``k`` head sources with the largest |value| on ``side`` (at least 5 % of the largest; or those
-    ``chosen``): value per row and source
-    position m of what that head read at m (pattern · v through OV) and wrote where ``side`` reads it."""
-    factor = att.scale()[0]
-    if side == "key":
-        vals = (Q.sum(1)[:, None] * K).sum(-1) * factor                               # [n, s]
-    else:
-        vals = (Q * K.sum(1)[:, None]).sum(-1) * factor
-    # the largest head sources, leaving out those under 5 % of the largest one (a tiny value splits into noise)
-    mass = vals.abs().sum(0)
-    head_idx = [n for n, name in enumerate(names) if "." in name]
-    top = max((float(mass[n]) for n in head_idx), default=0.0)
-    ranked = sorted((n for n in head_idx if float(mass[n]) >= 0.05 * top > 0), key=lambda n: -float(mass[n]))[:k] \
-        if chosen is None else [names.index(c) for c in chosen]
+    ``chosen``): value per row and source position m of what that head read at m (pattern · v through OV) and
+    wrote where ``side`` reads it. ``Q`` is already × the layer's scale."""
+    vals = (Q.sum(1)[:, None] * K).sum(-1) if side == "key" else (Q * K.sum(1)[:, None]).sum(-1)      # [n, s]
+    if chosen is None:
+        # the largest head sources, leaving out those under 5 % of the largest one (a tiny value splits into noise)
+        mass = vals.abs().sum(0)
+        head_idx = [n for n, name in enumerate(names) if "." in name]
+        top = max((float(mass[n]) for n in head_idx), default=0.0)
+        chosen = [names[n] for n in sorted((n for n in head_idx if float(mass[n]) >= 0.05 * top > 0),
+                                           key=lambda n: -float(mass[n]))[:k]]
     out = {}
-    for n in ranked:
-        l, hh = (int(x) for x in names[n].split("."))
+    for name in chosen:
+        l, hh = (int(x) for x in name.split("."))
         A = w.patterns[l][:, hh].double()                                              # [b, p, m]
         v = w.values[l]                                                                # [b, m, heads or KV heads, e]
         v = v[:, :, hh // (w.z[l].shape[2] // v.shape[2])].double()
@@ -248,12 +332,11 @@ def _expand(att, w: Writes, h: Head, qkmap, frozen, names: List[str], Q: Tensor,
             T = T * s
         if side == "key":
             T = qkmap.finish(T, frozen)                                               # [m, b, p, d]
-            per = torch.einsum("np,mnpd->nmd", wr, T[:, rb])                           # [n, m, d]
-            val = torch.einsum("nd,nmd->nm", Q.sum(1), per) * factor
+            val = torch.einsum("nd,nmd->nm", Q.sum(1), torch.einsum("np,mnpd->nmd", wr, T[:, rb]))
         else:
             T = qkmap.finish(T[:, rb, ri], frozen, rows=(rb, ri))                     # [m, n, d]
             val = torch.einsum("mnd,nd->nm", T, K.sum(1)) * factor
-        out[names[n]] = {"values": val.cpu(), "whole": vals[:, n].cpu(), "row_index": sel}
+        out[name] = {"values": val.cpu(), "whole": vals[:, names.index(name)].cpu(), "row_index": sel}
     return out
 
 
@@ -265,7 +348,7 @@ def _merge_expansions(shards: Sequence[Optional[Dict]], n_rows: int) -> Dict[str
     out = {}
     for name in shards[0]:
         width = max(s[name]["values"].shape[1] for s in shards)
-        vals = torch.full((n_rows, width), 0.0, dtype=torch.float64)
+        vals = torch.zeros(n_rows, width, dtype=torch.float64)
         whole = torch.zeros(n_rows, dtype=torch.float64)
         for s in shards:
             v = s[name]["values"]

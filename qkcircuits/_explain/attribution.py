@@ -204,24 +204,29 @@ def _top_offsets(expanded: List[Dict[str, Any]], per_source: int = 1) -> List[Di
     return out
 
 
-def summarise(model, head: str, reading: str, rows, names_q: List[str], names_k: List[str], Q: Tensor, K: Tensor,
+def summarise(model, head: str, reading: str, rows, names: List[str], pairs, q_vals: Tensor, k_vals: Tensor,
               attention: Tensor, exact_error: float, settings: Dict[str, Any], expanded: Dict[str, Dict[str, Tensor]],
               side: Optional[str], keep: int = KEEP) -> Attribution:
-    """The ``Attribution`` of per-row query parts ``Q`` [n, Sq, d] (already × the layer's scale) and the reading's
-    key parts ``K`` [n, Sk, d]: marginals per row, the kept pair table with its "other" row and column, the rows'
-    tokens and the expansion grouped by offset."""
-    q_vals = torch.einsum("nad,nd->na", Q, K.sum(1))                                   # [n, Sq]
-    k_vals = torch.einsum("nd,nbd->nb", Q.sum(1), K)                                   # [n, Sk]
-    kq = _kept(q_vals, keep)
-    kk = _kept(k_vals, keep)
-    Qk = torch.cat([Q[:, kq], Q[:, [i for i in range(Q.shape[1]) if i not in set(kq)]].sum(1, keepdim=True)], 1)
-    Kk = torch.cat([K[:, kk], K[:, [i for i in range(K.shape[1]) if i not in set(kk)]].sum(1, keepdim=True)], 1)
-    P = torch.einsum("nad,nbd->ab", Qk, Kk) / Q.shape[0]
+    """The ``Attribution`` of the per-row marginals ``q_vals`` [n, Sq], ``k_vals`` [n, Sk] (query sources: ``names``
+    then bias_q; key sources: ``names`` then bias_k) and ``pairs``: the mean pair table [Sq, Sk] over every source,
+    or the parts (Q [n, Sq, d] × the scale, K [n, Sk, d]) to compute it for the kept sources only. Gives the kept
+    pair table with its "other" row and column, the rows' tokens, the expansion grouped by offset."""
+    names_q, names_k = names + ["bias_q"], names + ["bias_k"]
+    kq, kk = _kept(q_vals, keep), _kept(k_vals, keep)
+    rq = [i for i in range(q_vals.shape[1]) if i not in set(kq)]
+    rk = [j for j in range(k_vals.shape[1]) if j not in set(kk)]
+    if isinstance(pairs, tuple):
+        Q, K = pairs
+        Qk = torch.cat([Q[:, kq], Q[:, rq].sum(1, keepdim=True)], 1)
+        Kk = torch.cat([K[:, kk], K[:, rk].sum(1, keepdim=True)], 1)
+        Pk = torch.einsum("nad,nbd->ab", Qk, Kk) / Q.shape[0]
+    else:
+        rows_kept = torch.cat([pairs[kq], pairs[rq].sum(0, keepdim=True)], 0)
+        Pk = torch.cat([rows_kept[:, kk], rows_kept[:, rk].sum(1, keepdim=True)], 1)
     decode = _decoder(model)
-    n = Q.shape[0]
     totals = k_vals.sum(1)
     row_list = []
-    for r in range(n):
+    for r in range(k_vals.shape[0]):
         b, i, j = int(rows.b[r]), int(rows.i[r]), int(rows.j[r])
         entry = {"prompt": b, "query": i, "key": j, "query_token": decode(rows.tokens[b, i]),
                  "key_token": decode(rows.tokens[b, j]), "attention": float(attention[r]), "value": float(totals[r])}
@@ -230,10 +235,11 @@ def summarise(model, head: str, reading: str, rows, names_q: List[str], names_k:
             entry["versus_token"] = decode(rows.tokens[b, int(rows.v[r])])
         row_list.append(entry)
     exp = _offsets(expanded, rows, side, decode) if side else []
-    if exp:
-        settings["expand_error"] = max(float((e["values"].sum(1) - e["whole"]).abs().max()) for e in expanded.values())
-    return Attribution(model_name(model), head, reading, row_list, names_q, names_k, q_vals.cpu(), k_vals.cpu(),
-                       [names_q[i] for i in kq] + ["other"], [names_k[i] for i in kk] + ["other"], P.cpu(),
+    if side:
+        settings["expand_error"] = max((float((e["values"].sum(1) - e["whole"]).abs().max()) for e in expanded.values()),
+                                       default=0.0)
+    return Attribution(model_name(model), head, reading, row_list, names_q, names_k, q_vals, k_vals,
+                       [names_q[i] for i in kq] + ["other"], [names_k[i] for i in kk] + ["other"], Pk,
                        float(exact_error), settings, exp)
 
 

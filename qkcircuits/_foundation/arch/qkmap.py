@@ -35,7 +35,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..rope import RotarySpec, rotate_at
+from ..rope import RotarySpec, rotate_at, rotate_tables
 from .norms import Norm
 
 
@@ -51,9 +51,25 @@ class Frozen:
         """(s, post, positions) for ``y`` laid out [..., b, p, d] (rows None) or [..., n, d] (rows = (b_idx, p_idx))."""
         if rows is None:
             b, p = self.s.shape[:2]
-            return self.s, self.post, torch.arange(p, device=self.s.device).expand(b, p)
+            return self.s, self.post, _positions(b, p, self.s.device)
         bi, pi = rows
         return self.s[bi, pi], self.post[bi, pi], pi
+
+    def to(self, dtype: torch.dtype) -> "Frozen":
+        """The same factors in ``dtype`` (what the parts are computed in)."""
+        return Frozen(self.s.to(dtype), self.post.to(dtype))
+
+
+_POSITIONS = {}
+
+
+def _positions(b: int, p: int, device) -> Tensor:
+    """One [b, p] position grid per shape (the rotary tables of every part are keyed on it)."""
+    key = (b, p, str(device))
+    if key not in _POSITIONS:
+        _POSITIONS.clear()
+        _POSITIONS[key] = torch.arange(p, device=device).expand(b, p)
+    return _POSITIONS[key]
 
 
 class QKMap:
@@ -96,7 +112,15 @@ class QKMap:
         return self.head if w is not None and w.dim() == 2 else None
 
     def _rotate(self, y: Tensor, positions: Tensor) -> Tensor:
-        return y if self.rotary is None else rotate_at(self.rotary, y, positions)
+        if self.rotary is None:
+            return y
+        # the tables depend only on the positions: kept for the next part at the same positions
+        key = (positions.data_ptr(), tuple(positions.shape), positions.stride(), y.dtype)
+        cache = self.__dict__.setdefault("_tables", {})
+        if key not in cache:
+            cache.clear()
+            cache[key] = (positions, rotate_tables(self.rotary, positions.to(y.device), y.dtype))
+        return rotate_at(self.rotary, y, positions, cache[key][1])
 
 
 class LatentQKMap(QKMap):
