@@ -190,8 +190,8 @@ def _layer(model, w: Writes, L: int, heads: List[int], rows: Rows, prompts: Tens
     ri, rj = rows.i[sel].to(dev), rows.j[sel].to(dev)
     group = att.n_heads // att.n_kv_heads
     kv = sorted({h // group for h in heads})
-    qmaps = [att.query_map(h) for h in heads]
-    kmaps = {g: att.key_map(g) for g in kv}
+    qmaps = att.query_maps(heads)
+    kmaps = dict(zip(kv, att.key_maps(kv)))
     for m in qmaps + list(kmaps.values()):
         m.W, m.c = m.W.to(dev), m.c.to(dev)
     # the parts are computed in float32 (float64 weights: float64) and summed in float64: every part's rounding is
@@ -204,34 +204,31 @@ def _layer(model, w: Writes, L: int, heads: List[int], rows: Rows, prompts: Tens
     Wk = torch.stack([kmaps[g].W for g in kv], 1).to(dt)                               # [d_model, G', d]
     wr = key_weights(rows, sel, w.tokens.shape[1], reading, att.window()).to(dev)      # [n, p]
     wr_dt = wr.to(dt)
-    one_row_per_prompt = rb.numel() == w.tokens.shape[0] and bool((rb == torch.arange(rb.numel(), device=dev)).all())
-    names: List[str] = []
-    Qs: List[List[Tensor]] = [[] for _ in heads]
-    Ks: Dict[int, List[Tensor]] = {g: [] for g in kv}
-    for name, q_rows, k_all in _chunks(_blocks(w, L, Wq, Wk, rb, ri)):                # [s, n, H', d], [s, b, p, G', d]
-        names += name
+    names = w.names(L)
+    n, S = rb.numel(), len(names)
+    Q_all = torch.empty(len(heads), n, S + 1, Wq.shape[-1], dtype=torch.float64, device=dev)   # + bias_q
+    K_all = {g: torch.empty(n, S + 1, Wk.shape[-1], dtype=torch.float64, device=dev) for g in kv}   # + bias_k
+    for lo, hi, q_rows, k_all in _chunks(w, L, Wq, Wk, rb, ri):                      # [s, n, H', d], [s, b, p, G', d]
         for t, (m, f) in enumerate(zip(qmaps, fq_dt)):
-            Qs[t].append(m.finish(q_rows[:, :, t], f, rows=(rb, ri)).transpose(0, 1).double())  # [n, s, d]
+            Q_all[t, :, lo:hi] = m.finish(q_rows[:, :, t], f, rows=(rb, ri)).transpose(0, 1)
         for u, g in enumerate(kv):
-            fin = kmaps[g].finish(k_all[:, :, :, u], fk_dt[g])                        # [s, b, p, d]
-            if one_row_per_prompt:                                                     # no [s, n, p, d] gather
-                Ks[g].append(torch.einsum("np,snpd->nsd", wr_dt, fin).double())
-            else:
-                Ks[g].append(torch.einsum("np,snpd->nsd", wr_dt, fin[:, rb]).double())
+            K_all[g][:, lo:hi] = kmaps[g].contract(k_all[:, :, :, u], fk_dt[g], wr_dt, rb)
+    for t, m in enumerate(qmaps):
+        Q_all[t, :, S] = m.constant(fq[t], rows=(rb, ri))
     k_total = {}
     for g in kv:
         kc = kmaps[g].constant(fk[g])                                                  # [b, p, d]
-        Ks[g].append(torch.einsum("np,npd->nd", wr, kc[rb])[:, None])
+        K_all[g][:, S] = torch.einsum("np,npd->nd", wr, kc[rb])
         # every key, rebuilt from the whole residual (the parts add up to it by construction: ``bias`` is the rest)
         k_total[g] = kmaps[g].finish(w.resid[L].double() @ kmaps[g].W, fk[g]) + kc
     factor = att.scale()[0]
+    spread = w.bias_spread(L)
     out = {}
     for t, h in enumerate(heads):
         g = h // group
-        Q = torch.cat(Qs[t] + [qmaps[t].constant(fq[t], rows=(rb, ri))[:, None]], 1) * factor    # [n, Sq, d]
-        K = torch.cat(Ks[g], 1)                                                        # [n, Sk, d]
+        Q, K = Q_all[t].mul_(factor), K_all[g]                                         # [n, Sq, d], [n, Sk, d]
         part = {"names": names, "Q": Q.cpu(), "K": K.cpu(),
-                "attention": w.pattern[L][rb, h, ri, rj].double().cpu(), "bias_spread": w.bias_spread(L),
+                "attention": w.pattern[L][rb, h, ri, rj].double().cpu(), "bias_spread": spread,
                 **_exactness(att, w, L, h, Q.sum(1) / factor, k_total[g], rb, ri), "expanded": None}
         if expand:
             side_map, side_frozen = (qmaps[t], fq[t]) if expand == "query" else (kmaps[g], fk[g])
@@ -241,47 +238,57 @@ def _layer(model, w: Writes, L: int, heads: List[int], rows: Rows, prompts: Tens
     return out
 
 
-def _blocks(w: Writes, L: int, Wq: Tensor, Wk: Tensor, rb: Tensor, ri: Tensor):
-    """(names, the query side's x W_q at the rows [s, n, H', d], the key side's x W_k everywhere [s, b, p, G', d])
-    per source block of layer ``L``, in ``w.names(L)`` order (the residual bias last); heads are projected from
-    z (W_O·W fused first), every target head of the layer at once."""
+def _chunks(w: Writes, L: int, Wq: Tensor, Wk: Tensor, rb: Tensor, ri: Tensor, size: int = 64):
+    """(lo, hi, the query side's x W_q at the rows [s, n, H', d], the key side's x W_k everywhere [s, b, p, G', d])
+    for the sources ``lo``…``hi``−1 of layer ``L`` (``w.names(L)`` order: the residual bias last), up to ``size`` at a
+    time, every target head of the layer at once. Heads are projected from z (W_O·W fused first: [e, H'·d], not
+    d_model). The projections are written into two buffers reused for every chunk (no concatenation), so the
+    per-head work after them (norm scales, rotary, the sum over key positions) runs once per chunk."""
     H, G, d = Wq.shape[1], Wk.shape[1], Wq.shape[2]
     Wq2, Wk2 = Wq.reshape(Wq.shape[0], -1), Wk.reshape(Wk.shape[0], -1)
     b, p = w.tokens.shape
-
-    def dense(x: Tensor):
-        x = x.to(Wq.dtype)
-        return (x[rb, ri] @ Wq2).view(1, -1, H, d), (x @ Wk2).view(1, b, p, G, d)
-
-    yield ["emb"], *dense(w.emb)
-    if w.pos is not None:
-        yield ["pos"], *dense(w.pos)
+    n = rb.numel()
+    items = [("dense", w.emb)] + ([("dense", w.pos)] if w.pos is not None else [])
     for l, names in w.head_blocks(L):
-        M = w.head_out_map(l).to(Wq.dtype)                                            # [Hs, e, d_model]
-        z = w.z[l].to(Wq.dtype)
-        q_rows = torch.einsum("nhe,hef->hnf", z[rb, ri], M @ Wq2).view(len(names), -1, H, d)
-        k_all = torch.einsum("bphe,hef->hbpf", z, M @ Wk2).view(len(names), b, p, G, d)
-        s = w.post_scale(l)
-        if s is not None:
-            s = s.to(Wq.dtype)
-            q_rows, k_all = q_rows * s[rb, ri][None, :, :, None], k_all * s[None, :, :, :, None]
-        yield names, q_rows, k_all
-        for name, x in w.mlp_parts(l):
-            yield [name], *dense(x)
-    yield ["bias"], *dense(w.bias(L))
-
-
-def _chunks(blocks, size: int = 64):
-    """Consecutive source blocks concatenated up to ``size`` sources: the per-head work after the projections
-    (norm scales, rotary, the sum over key positions) runs once per chunk instead of once per MLP or layer."""
-    names, qs, ks = [], [], []
-    for name, q, k in blocks:
-        names, qs, ks = names + name, qs + [q], ks + [k]
-        if len(names) >= size:
-            yield names, torch.cat(qs), torch.cat(ks)
-            names, qs, ks = [], [], []
-    if names:
-        yield names, torch.cat(qs), torch.cat(ks)
+        items += [("heads", l, h) for h in range(len(names))] + [("dense", x) for _, x in w.mlp_parts(l)]
+    items.append(("dense", w.bias(L)))
+    qbuf = torch.empty(min(size, len(items)), n, H * d, dtype=Wq.dtype, device=Wq.device)
+    kbuf = torch.empty(min(size, len(items)), b * p, G * d, dtype=Wq.dtype, device=Wq.device)
+    fused: Dict[int, Tuple[Tensor, Tensor, Tensor]] = {}
+    for lo in range(0, len(items), size):
+        chunk = items[lo:lo + size]
+        c = 0
+        while c < len(chunk):
+            item = chunk[c]
+            if item[0] == "dense":
+                x = item[1].to(Wq.dtype)
+                torch.mm(x[rb, ri], Wq2, out=qbuf[c])
+                torch.mm(x.reshape(b * p, -1), Wk2, out=kbuf[c])
+                c += 1
+                continue
+            l = item[1]                                   # consecutive heads of one source layer: one bmm each side
+            run = 1
+            while c + run < len(chunk) and chunk[c + run][0] == "heads" and chunk[c + run][1] == l:
+                run += 1
+            h0 = item[2]
+            if l not in fused:
+                M = w.head_out_map(l).to(Wq.dtype)                                     # [Hs, e, d_model]
+                zl = w.z[l].to(Wq.dtype)                                               # [b, p, Hs, e]
+                # [Hs, e, H'd], [Hs, e, G'd]; z per head at the rows [Hs, n, e] and everywhere [Hs, b·p, e]
+                fused = {l: (M @ Wq2, M @ Wk2, zl[rb, ri].transpose(0, 1).contiguous(),
+                             zl.permute(2, 0, 1, 3).reshape(zl.shape[2], b * p, -1))}
+            Mq, Mk, z_rows, z_all = fused[l]
+            hs = slice(h0, h0 + run)
+            torch.bmm(z_rows[hs], Mq[hs], out=qbuf[c:c + run])
+            torch.bmm(z_all[hs], Mk[hs], out=kbuf[c:c + run])
+            post = w.post_scale(l)
+            if post is not None:
+                post = post.to(Wq.dtype)
+                qbuf[c:c + run] *= post[rb, ri].view(1, n, 1)
+                kbuf[c:c + run] *= post.view(1, b * p, 1)
+            c += run
+        m = len(chunk)
+        yield lo, lo + m, qbuf[:m].view(m, n, H, d), kbuf[:m].view(m, b, p, G, d)
 
 
 def _exactness(att, w: Writes, L: int, h: int, q_tot: Tensor, k_total: Tensor, rb: Tensor, ri: Tensor

@@ -250,14 +250,16 @@ def _kept(vals: Tensor, keep: int) -> List[int]:
 
 def _decoder(model):
     tok = getattr(model, "tokenizer", None)
+    seen: Dict[int, Any] = {}
 
     def decode(t) -> Any:
-        if tok is None:
-            return int(t)
-        try:
-            return tok.decode([int(t)])
-        except Exception:  # noqa: BLE001  (an id the tokenizer cannot decode: keep the id)
-            return int(t)
+        t = int(t)
+        if t not in seen:
+            try:
+                seen[t] = t if tok is None else tok.decode([t])
+            except Exception:  # noqa: BLE001  (an id the tokenizer cannot decode: keep the id)
+                seen[t] = t
+        return seen[t]
     return decode
 
 

@@ -136,6 +136,13 @@ class AttentionAdapter:
         """KV head ``kv_head``'s key as a function of the residual entering the block (``arch/qkmap``)."""
         raise NotImplementedError
 
+    def query_maps(self, heads) -> List[QKMap]:
+        """``query_map`` of each of ``heads``, the layer's weights and norms read once."""
+        return [self.query_map(h) for h in heads]
+
+    def key_maps(self, kv_heads) -> List[QKMap]:
+        return [self.key_map(g) for g in kv_heads]
+
     def uses_rotary(self) -> bool:
         return True
 

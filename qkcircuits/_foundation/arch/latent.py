@@ -165,18 +165,28 @@ class LatentAttention(AttentionAdapter):
         raise QKCircuitsError("cannot find the rotary module (no inv_freq buffer) of this DeepSeek model")
 
     def query_map(self, head: int) -> LatentQKMap:
-        return self._map("q", int(head))
+        return self.query_maps([int(head)])[0]
 
     def key_map(self, kv_head: int) -> LatentQKMap:
-        return self._map("k", int(kv_head))
+        return self.key_maps([int(kv_head)])[0]
 
-    def _map(self, side: str, head: int) -> LatentQKMap:
-        """The effective per-head map through the latent (``weights()``), the input norm's weight in front."""
+    def query_maps(self, heads) -> List[LatentQKMap]:
+        return self._maps("q", [int(h) for h in heads])
+
+    def key_maps(self, kv_heads) -> List[LatentQKMap]:
+        return self._maps("k", [int(g) for g in kv_heads])
+
+    def _maps(self, side: str, heads: List[int]) -> List[LatentQKMap]:
+        """The effective per-head maps through the latent (``weights()``), the input norm's weight in front."""
         w = self.weights()
-        Wx = (w.W_Q if side == "q" else w.W_K)[head].double()
         norm = self.input_norm()
-        M = Wx if norm.weight is None else norm.weight.double()[:, None] * Wx
-        return LatentQKMap(side, head, M, norm, self.rotary(), self.latent_scales, self.d_nope)
+        rotary = self.rotary()
+        out = []
+        for head in heads:
+            Wx = (w.W_Q if side == "q" else w.W_K)[head].double()
+            M = Wx if norm.weight is None else norm.weight.double()[:, None] * Wx
+            out.append(LatentQKMap(side, head, M, norm, rotary, self.latent_scales, self.d_nope))
+        return out
 
     # -- hooks ------------------------------------------------------------------------------------
     def prepare(self) -> None:

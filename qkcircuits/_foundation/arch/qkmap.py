@@ -107,6 +107,20 @@ class QKMap:
             y = self.qk_norm.linear(y, self._norm_row()) * post + self.qk_norm.constant(y, self._norm_row())
         return self._rotate(y, pos)
 
+    def contract(self, y: Float[Tensor, "s b p d_qk"], fr: Frozen, weights: Float[Tensor, "n p"], rows: Tensor
+                 ) -> Float[Tensor, "n s d_qk"]:
+        """Σ_pos weights[n, pos] · finish(y)[:, rows[n], pos] for each row n, without forming finish(y): the
+        per-position factors and the rotary's cosines and sines are folded into the weights, so ``y`` is read twice
+        and nothing of its size is written. (Rotated: out[c] = Σ_p w_p (f_p[c] C_p[c] y_p[c] + f_p[π c] S_p[c]
+        y_p[π c]) with π the rotary's pair partner; the second sum is V[π c] with V = Σ_p w_p f_p S_p[π ·] y_p.)"""
+        if self.qk_norm is not None:
+            y = self.qk_norm.linear(y, self._norm_row())
+        return _contract(y, self._factors(fr, y.dtype), weights.to(y.dtype), rows, self.rotary)
+
+    def _factors(self, fr: Frozen, dtype: torch.dtype) -> Tensor:
+        """The frozen factor every part is multiplied by at each position before the rotary: [b, p, 1 or d]."""
+        return (fr.s * fr.post).to(dtype) if self.qk_norm is not None else fr.s.to(dtype)
+
     def _norm_row(self) -> Optional[int]:
         w = None if self.qk_norm is None else self.qk_norm.weight
         return self.head if w is not None and w.dim() == 2 else None
@@ -150,3 +164,41 @@ class LatentQKMap(QKMap):
     def constant(self, fr: Frozen, rows: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
         s, _, _ = fr.at(rows)
         return torch.zeros(*s.shape[:-1], self.W.shape[1], dtype=torch.float64, device=s.device)
+
+    def contract(self, y: Tensor, fr: Frozen, weights: Tensor, rows: Tensor) -> Tensor:
+        return _contract(y, (fr.s * fr.post).to(y.dtype), weights.to(y.dtype), rows, self.rotary)
+
+
+def _contract(y: Tensor, f: Tensor, weights: Tensor, rows: Tensor, rotary: Optional[RotarySpec]) -> Tensor:
+    """``QKMap.contract`` once the QK-norm's linear part is applied: ``f`` [b, p, 1 or d] the frozen factors."""
+    b, p, d = y.shape[1], y.shape[2], y.shape[3]
+    wf = weights[:, :, None] * f[rows]                                                # [n, p, 1 or d]
+    grouped = _grouped(rows, b)
+    Y = y if grouped is not None else y[:, rows]                                      # [s, b, p, d] or [s, n, p, d]
+    if rotary is None:
+        return _sum_positions(wf.expand(-1, -1, d), Y, grouped)
+    C, S, perm = rotate_tables(rotary, torch.arange(p, device=y.device), y.dtype)     # [p, d] each
+    A = wf * C
+    B = wf * S[:, perm]
+    return _sum_positions(A, Y, grouped) + _sum_positions(B, Y, grouped)[..., perm]
+
+
+def _grouped(rows: Tensor, b: int) -> Optional[int]:
+    """Rows per prompt when ``rows`` is every prompt in order, each the same number of times (no gather needed)."""
+    n = rows.numel()
+    if n % b:
+        return None
+    r = n // b
+    return r if bool((rows == torch.arange(b, device=rows.device).repeat_interleave(r)).all()) else None
+
+
+def _sum_positions(W: Tensor, Y: Tensor, grouped: Optional[int]) -> Tensor:
+    """out[n, s, d] = Σ_p W[n, p, d] · Y[s, row n's prompt, p, d] (Y already gathered per row when not grouped).
+    A product and a sum over p (memory-bound, one pass): as a batched matmul it would be [1, p] @ [p, s] per
+    (row, coordinate), far slower."""
+    if grouped is None:
+        return (Y * W[None]).sum(2).transpose(0, 1)
+    b = Y.shape[1]
+    Wg = W.view(b, grouped, *W.shape[1:])                                              # [b, r, p, d]
+    out = (Y[:, :, None] * Wg[None]).sum(3)                                           # [s, b, r, d]
+    return out.permute(1, 2, 0, 3).reshape(W.shape[0], Y.shape[0], -1)

@@ -213,24 +213,35 @@ class StandardAttention(AttentionAdapter):
         return out[0], out[1]
 
     def query_map(self, head: int) -> QKMap:
-        return self._map("q", int(head))
+        return self.query_maps([int(head)])[0]
 
     def key_map(self, kv_head: int) -> QKMap:
-        return self._map("k", int(kv_head))
+        return self.key_maps([int(kv_head)])[0]
 
-    def _map(self, side: str, head: int) -> QKMap:
-        """W = P·diag(w)·W_x[h], c = β W_x[h] + b_x[h] (``arch/qkmap``); the key side per KV head."""
+    def query_maps(self, heads) -> List[QKMap]:
+        return self._maps("q", [int(h) for h in heads])
+
+    def key_maps(self, kv_heads) -> List[QKMap]:
+        return self._maps("k", [int(g) for g in kv_heads])
+
+    def _maps(self, side: str, heads: List[int]) -> List[QKMap]:
+        """W = P·diag(w)·W_x[h], c = β W_x[h] + b_x[h] (``arch/qkmap``); the key side per KV head. The weights, norms
+        and rotary are read once for all ``heads``."""
         w = self.weights()
-        idx = head if side == "q" else head * (self.n_heads // self.n_kv_heads)
-        Wx = (w.W_Q if side == "q" else w.W_K)[idx].double()
-        bx = (w.b_Q if side == "q" else w.b_K)[idx].double()
         norm = self.input_norm()
-        M = Wx if norm.weight is None else norm.weight.double()[:, None] * Wx
-        if norm.kind == "LN":
-            M = M - M.mean(0, keepdim=True)                  # x P M = (x − mean x) M
-        c = bx if norm.bias is None else bx + norm.bias.double() @ Wx
         qn, kn = self.qk_norms()
-        return QKMap(side, head, M, c, norm, qn if side == "q" else kn, self.rotary())
+        rotary = self.rotary()
+        out = []
+        for head in heads:
+            idx = head if side == "q" else head * (self.n_heads // self.n_kv_heads)
+            Wx = (w.W_Q if side == "q" else w.W_K)[idx].double()
+            bx = (w.b_Q if side == "q" else w.b_K)[idx].double()
+            M = Wx if norm.weight is None else norm.weight.double()[:, None] * Wx
+            if norm.kind == "LN":
+                M = M - M.mean(0, keepdim=True)                  # x P M = (x − mean x) M
+            c = bx if norm.bias is None else bx + norm.bias.double() @ Wx
+            out.append(QKMap(side, head, M, c, norm, qn if side == "q" else kn, rotary))
+        return out
 
     # -- hooks ------------------------------------------------------------------------------------
     def head_inputs(self, resid: Float[Tensor, "batch pos d_model"], into: str) -> Tensor:
