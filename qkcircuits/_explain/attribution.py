@@ -16,6 +16,7 @@ the choice has a negative share). The pair table keeps the ``KEEP`` largest sour
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -213,8 +214,9 @@ def summarise(model, head: str, reading: str, rows, names: List[str], pairs, q_v
     pair table with its "other" row and column, the rows' tokens, the expansion grouped by offset."""
     names_q, names_k = names + ["bias_q"], names + ["bias_k"]
     kq, kk = _kept(q_vals, keep), _kept(k_vals, keep)
-    rq = [i for i in range(q_vals.shape[1]) if i not in set(kq)]
-    rk = [j for j in range(k_vals.shape[1]) if j not in set(kk)]
+    kq_set, kk_set = set(kq), set(kk)
+    rq = [i for i in range(q_vals.shape[1]) if i not in kq_set]
+    rk = [j for j in range(k_vals.shape[1]) if j not in kk_set]
     if isinstance(pairs, tuple):
         Q, K = pairs
         Qk = torch.cat([Q[:, kq], Q[:, rq].sum(1, keepdim=True)], 1)
@@ -248,9 +250,16 @@ def _kept(vals: Tensor, keep: int) -> List[int]:
     return sorted(int(i) for i in order)
 
 
+_DECODED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _decoder(model):
+    """Token id → its text (the id itself without a tokenizer), remembered per tokenizer."""
     tok = getattr(model, "tokenizer", None)
-    seen: Dict[int, Any] = {}
+    try:
+        seen = _DECODED.setdefault(tok, {}) if tok is not None else {}
+    except TypeError:
+        seen = {}
 
     def decode(t) -> Any:
         t = int(t)
