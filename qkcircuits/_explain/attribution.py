@@ -219,22 +219,24 @@ def summarise(model, head: str, reading: str, rows, names: List[str], pairs, q_v
     rk = [j for j in range(k_vals.shape[1]) if j not in kk_set]
     if isinstance(pairs, tuple):
         Q, K = pairs
-        Qk = torch.cat([Q[:, kq], Q[:, rq].sum(1, keepdim=True)], 1)
-        Kk = torch.cat([K[:, kk], K[:, rk].sum(1, keepdim=True)], 1)
+        Qk, Kk = Q[:, kq], K[:, kk]                                                   # "other": all minus the kept
+        Qk = torch.cat([Qk, (Q.sum(1) - Qk.sum(1))[:, None]], 1)
+        Kk = torch.cat([Kk, (K.sum(1) - Kk.sum(1))[:, None]], 1)
         Pk = torch.einsum("nad,nbd->ab", Qk, Kk) / Q.shape[0]
     else:
         rows_kept = torch.cat([pairs[kq], pairs[rq].sum(0, keepdim=True)], 0)
         Pk = torch.cat([rows_kept[:, kk], rows_kept[:, rk].sum(1, keepdim=True)], 1)
     decode = _decoder(model)
-    totals = k_vals.sum(1)
+    toks = rows.tokens.tolist()
+    vs = rows.v.tolist() if rows.v is not None else None
     row_list = []
-    for r in range(k_vals.shape[0]):
-        b, i, j = int(rows.b[r]), int(rows.i[r]), int(rows.j[r])
-        entry = {"prompt": b, "query": i, "key": j, "query_token": decode(rows.tokens[b, i]),
-                 "key_token": decode(rows.tokens[b, j]), "attention": float(attention[r]), "value": float(totals[r])}
-        if rows.v is not None:
-            entry["versus"] = int(rows.v[r])
-            entry["versus_token"] = decode(rows.tokens[b, int(rows.v[r])])
+    for r, (b, i, j, a, v) in enumerate(zip(rows.b.tolist(), rows.i.tolist(), rows.j.tolist(), attention.tolist(),
+                                            k_vals.sum(1).tolist())):
+        entry = {"prompt": b, "query": i, "key": j, "query_token": decode(toks[b][i]), "key_token": decode(toks[b][j]),
+                 "attention": a, "value": v}
+        if vs is not None:
+            entry["versus"] = vs[r]
+            entry["versus_token"] = decode(toks[b][vs[r]])
         row_list.append(entry)
     exp = _offsets(expanded, rows, side, decode) if side else []
     if side:
