@@ -436,16 +436,20 @@ def test_eap_and_eap_ig_against_exact(family, capsys):
     task = contrast_task(model)
     res = {m: qk.edge_scores(model, task, method=m, steps=5, progress=False)
            for m in ("eap", "eap-ig", "exact")}
+    res["eap-ig right"] = qk.edge_scores(model, task, method="eap-ig", steps=5, rule="right", progress=False)
     assert res["exact"].clean > res["exact"].corrupt
     ex = res["exact"].scores[g.valid]
-    rho = {m: spearman(res[m].scores[g.valid], ex) for m in ("eap", "eap-ig")}
+    rho = {m: spearman(res[m].scores[g.valid], ex) for m in ("eap", "eap-ig", "eap-ig right")}
     with capsys.disabled():
-        print(f"\n  {name}: Spearman vs exact over {g.n_edges} edges: EAP {rho['eap']:.3f}, EAP-IG {rho['eap-ig']:.3f}")
-    # measured over task seeds 0-9 (docs/tasks.md): EAP-IG gpt2 0.959-0.993, llama 0.868-0.988 (one seed of ten
-    # below 0.9), gemma3 0.915-0.942; EAP 0.81-0.99. This test runs seed 0 (the first drawn, not a chosen one).
-    assert rho["eap-ig"] >= 0.9 and rho["eap"] > 0.7
-    # EAP-IG with one step is EAP (the single point is the clean run)
-    one = qk.edge_scores(model, task, method="eap-ig", steps=1, progress=False)
+        print(f"\n  {name}: Spearman vs exact over {g.n_edges} edges: EAP {rho['eap']:.3f}, EAP-IG {rho['eap-ig']:.3f} "
+              f"(left rule), {rho['eap-ig right']:.3f} (right rule)")
+    # measured over task seeds 0-9, 5 steps (docs/tasks.md): EAP-IG left rule (the default) gpt2 0.932-0.989, llama
+    # 0.872-0.977, gemma3 0.886-0.920; right rule gpt2 0.959-0.993, llama 0.868-0.988 (one seed of ten below 0.9),
+    # gemma3 0.915-0.942; EAP 0.81-0.99. Exact corrupts one edge of the CLEAN run, and the right rule's points lie
+    # nearer that end. This test runs seed 0 (the first drawn, not a chosen one).
+    assert rho["eap-ig"] >= 0.85 and rho["eap-ig right"] >= 0.9 and rho["eap"] > 0.7
+    # EAP-IG with one step under the right rule is EAP (the single point is the clean run)
+    one = qk.edge_scores(model, task, method="eap-ig", steps=1, rule="right", progress=False)
     assert torch.allclose(one.scores[g.valid], res["eap"].scores[g.valid], atol=1e-5)
     # node scores: EAP's are the sums of the outgoing edge scores; exact nodes are their own runs
     nodes = qk.node_scores(model, task, method="exact", progress=False)
