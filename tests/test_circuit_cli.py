@@ -92,6 +92,14 @@ def test_jsonl_task_on_a_local_hf_folder(tmp_path_factory, tmp_path, capsys):
     d = json.loads(out.read_text())
     assert len(d["warnings"]) == 1 and d["warnings"][0] in first and d["roles"] == {}
     assert d["circuit"]["named"] is False and d["circuit"]["edges"] == []
+    # with progress bars (no --quiet): the warning is printed after every bar has closed, so no redraw ('\r' + a
+    # bar) follows it on its line: what a terminal shows of that line is the whole warning
+    assert main(["circuit", str(folder), "--task", str(swapped), "--method", "eap", "--percent", "20", "--device",
+                 "cpu", "--no-sign-check"]) == 0
+    got = capsys.readouterr()
+    lines = [x for x in got.err.split("\n") if "does not do task" in x]
+    assert len(lines) == 1 and lines[0].split("\r")[-1].startswith("warning: the model does not do task 'swapped'")
+    assert got.out.startswith("warning: the model does not do task 'swapped'")
     # --force names them anyway; the warning stays
     assert main(["circuit", str(folder), "--task", str(swapped), "--method", "eap", "--percent", "20", "--json",
                  str(out), "--quiet", "--device", "cpu", "--no-sign-check", "--force"]) == 0
