@@ -97,8 +97,8 @@ def test_jsonl_task_on_a_local_hf_folder(tmp_path_factory, tmp_path, capsys):
     assert main(["circuit", str(folder), "--task", str(swapped), "--method", "eap", "--percent", "20", "--device",
                  "cpu", "--no-sign-check"]) == 0
     got = capsys.readouterr()
-    lines = [x for x in got.err.split("\n") if "does not do task" in x]
-    assert len(lines) == 1 and lines[0].split("\r")[-1].startswith("warning: the model does not do task 'swapped'")
+    shown = [x for x in got.err.split("\n") if "does not do task" in x]
+    assert len(shown) == 1 and shown[0].split("\r")[-1].startswith("warning: the model does not do task 'swapped'")
     assert got.out.startswith("warning: the model does not do task 'swapped'")
     # --force names them anyway; the warning stays
     assert main(["circuit", str(folder), "--task", str(swapped), "--method", "eap", "--percent", "20", "--json",
