@@ -83,8 +83,8 @@ def test_induction_always_starts_with_bos(plain):
 
 
 def test_gguf_tokenizer_is_read_before_transformerlens(tmp_path):
-    # the GGUF route hands transformers' tokenizer to TransformerLens, which replaces it by one with add_bos_token;
-    # what the file's tokenizer does is recorded from the tokenizer as transformers built it
+    # the GGUF route hands transformers' tokenizer to TransformerLens, which may reload it with add_bos_token; what
+    # the file's tokenizer does is recorded from the tokenizer as transformers built it, before that
     from transformers import AutoTokenizer
 
     path = tiny_gguf(tmp_path / "t.gguf", tiny_llama_gqa(tmp_path / "llama"))

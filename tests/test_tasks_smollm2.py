@@ -26,13 +26,13 @@ def test_ioi_on_smollm2(smollm2):
 
 
 def test_smollm2_tasks_follow_its_tokenizer_which_adds_no_bos(smollm2):
-    # SmolLM2's tokenizer adds no BOS on its own; TransformerLens' copy of it does (add_bos_token=True), and its
-    # default_prepend_bos is True: neither is what the checkpoint does. Prepending <|im_start|> (a chat marker)
-    # lowers the IOI logit difference (docs: 4.35 -> 3.23 on 64 prompts)
+    # SmolLM2's tokenizer adds no BOS on its own, read from the GGUF's tokenizer before TransformerLens touches it;
+    # TransformerLens' default_prepend_bos is True all the same. Prepending <|im_start|> (a chat marker) lowers the
+    # IOI logit difference (docs: 4.35 -> 3.23 on 64 prompts)
     from qkcircuits._foundation.own_tokenizer import own_affixes
 
     assert own_affixes(smollm2)["prefix"] == [] and own_affixes(smollm2)["source"] == "the checkpoint's tokenizer"
-    assert smollm2.tokenizer("a")["input_ids"][0] == smollm2.tokenizer.bos_token_id
+    assert smollm2.cfg.default_prepend_bos is True
     auto, yes = qk.tasks.ioi(smollm2, n=16, seed=0), qk.tasks.ioi(smollm2, n=16, seed=0, prepend_bos=True)
     assert (auto.bos, auto.bos_mode, yes.bos) == (False, "auto", True)
     assert torch.equal(yes.clean[:, 1:], auto.clean) and smollm2.tokenizer.decode(yes.clean[0, :1]) == "<|im_start|>"

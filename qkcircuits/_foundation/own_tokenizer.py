@@ -5,9 +5,10 @@
 >>> own_affixes(smollm2)                                    # doctest: +SKIP  SmolLM2 adds nothing
 {'prefix': [], 'suffix': [], 'source': 'the checkpoint's tokenizer'}
 
-TransformerLens is no guide: it reloads every tokenizer with ``add_bos_token=True`` (``get_tokenizer_with_bos``),
-so a bridge's ``model.tokenizer(text)`` starts with BOS whatever the checkpoint's tokenizer does, and its
-``cfg.default_prepend_bos`` is True for SmolLM2, whose tokenizer adds none (its ``<|im_start|>`` is a chat marker
+TransformerLens is no guide: it reloads the tokenizer with ``add_bos_token=True`` where it can
+(``get_tokenizer_with_bos``; a Hugging Face folder's: then a bridge's ``model.tokenizer(text)`` starts with BOS
+whatever the checkpoint's tokenizer does), and its ``cfg.default_prepend_bos`` is True for SmolLM2, whose
+tokenizer adds none (its ``<|im_start|>`` is a chat marker
 that lowers the IOI logit difference from 4.35 to 3.23). So ``qk.load`` reads the tokenizer the checkpoint
 ships (before TransformerLens touches it) and records what it adds (``model.qk_tokenizer_own``); the task
 builders' ``prepend_bos=None`` follows that.

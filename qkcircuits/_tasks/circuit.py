@@ -1,13 +1,13 @@
 """Circuits (the top edges of a score) and their faithfulness.
 
 >>> task = qk.tasks.induction(model, n=8, seg_len=6)
->>> scores = qk.edge_scores(model, task, method="eap-ig", steps=3, progress=False)
+>>> scores = qk.edge_scores(model, task, method="exact", progress=False)
 >>> c = scores.circuit(edges=4)
 >>> sorted(c.heads)
 ['0.0', '1.0']
 >>> f = qk.faithfulness(model, task, scores, sizes=(10, 50, 100), progress=False)
->>> round(f.curve[100.0], 6)
-1.0
+>>> round(f.curve[100.0], 6), f.chosen_percent, sorted(f.circuit.heads)
+(1.0, 50.0, ['0.0', '1.0'])
 
 Selection (``EdgeScores.circuit``, ``select``, ``prune``, the ``Circuit`` result): ``selection.py``.
 

@@ -4,7 +4,7 @@ edge patching.
 >>> task = qk.tasks.induction(model, n=8, seg_len=6)
 >>> s = qk.edge_scores(model, task, method="eap-ig", steps=3, progress=False)
 >>> [e[:3] for e in s.top(2)]
-[('emb', '1.0', 'v'), ('1.0', 'logits', 'in')]
+[('1.0', 'logits', 'in'), ('emb', '1.0', 'v')]
 
 For an edge s → r (sender s, receiver input r) with Δ_s = out_s(clean) − out_s(corrupt) [b, p, d]:
 
@@ -34,7 +34,7 @@ layer's q/k/v input has a closed form (``inputs.py``: RMSNorm / LayerNorm, float
 holds no per-head residual copies: the receiver gradients come from the model's own hook_q/k/v gradients
 through the closed-form VJP; elsewhere each head reads an expanded copy and autograd keeps its normed
 input ([H + 2 G, b, p, d] per layer) in the graph. The summed gradients meet Δ once, in blocked matmuls
-(``GRAD_BLOCK_BYTES`` of receivers each), and are reduced to [senders, receivers] scores.
+(``gradients.GRAD_BLOCK_BYTES`` of receivers each), and are reduced to [senders, receivers] scores.
 """
 
 from __future__ import annotations
