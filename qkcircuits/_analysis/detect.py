@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from .._foundation.capture import stream
 from .._foundation.errors import QKCircuitsError
+from .._foundation.arch.model import folded
 from .._foundation.args import check_model
 from .._foundation.io import check_int
 from .._foundation.renamed import renamed
@@ -332,7 +333,7 @@ def confirm_induction(model, scores: HeadScores, *, k: int = 5, n_draws: int = 1
 
 
 def _settings(model, **kw) -> Dict[str, object]:
-    return stamped({**kw, "fold_ln": bool(getattr(model, "compatibility_mode", False)), "dtype": str(model.W_E.dtype),
+    return stamped({**kw, "fold_ln": folded(model), "dtype": str(model.W_E.dtype),
                     "device": str(model.W_E.device)})
 
 

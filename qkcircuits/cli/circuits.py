@@ -57,6 +57,7 @@ def summarize(model, head, text=None, top: int = 5, max_offset: int = 64, input=
     from .._weights.rotary import offset_profile, positional_qk, rotary_spec
     from .._weights.kv_cache import kv_cache
     from .._foundation.arch import adapter
+    from .._foundation.arch.model import positional
 
     h = model_heads(model, head)[0]
     input = check_input(input, h.layer)
@@ -93,7 +94,7 @@ def summarize(model, head, text=None, top: int = 5, max_offset: int = 64, input=
                             **prof.summary(), "layer_type": spec.layer_type,
                             "mean_score": [round(float(v), 5) for v in prof.mean_score]}
         out["caveats"] = out["caveats"] + list(spec.caveats)
-    elif getattr(model.cfg, "positional_embedding_type", "standard") in ("standard", "shortformer"):
+    elif positional(model) in ("standard", "shortformer"):
         P = positional_qk(model, h)
         n = min(P.ldim, 4 * (max_offset + 1))
         grid = (P.A[:n] @ P.B[:, :n]) * attn_scale(model, h.layer)

@@ -124,6 +124,16 @@ class AttentionAdapter:
         """(query norm, key norm) applied per head before the rotary (QK-norm), each None where absent."""
         return None, None
 
+    def qk_norm_modules(self) -> Tuple[Optional[torch.nn.Module], Optional[torch.nn.Module]]:
+        """The QK-norm modules themselves (query, key), for replaying them exactly; None where absent."""
+        return None, None
+
+    def output_module(self) -> Optional[torch.nn.Module]:
+        """The module that maps the heads' concatenated z to the attention output (``o_proj``), or None (TL-native
+        attention applies W_O itself)."""
+        o = getattr(self.bridge, "o", None)
+        return getattr(o, "original_component", None) if o is not None else None
+
     def rotary(self, verify: bool = True) -> Optional[RotarySpec]:
         """This layer's rotary (``arch/rotary``), None without rotary; NoPE layers give the identity."""
         return layer_rotary(self, verify)
