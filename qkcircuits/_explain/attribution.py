@@ -206,13 +206,14 @@ def _top_offsets(expanded: List[Dict[str, Any]], per_source: int = 1) -> List[Di
 
 
 def summarise(model, head: str, reading: str, rows, names: List[str], pairs, q_vals: Tensor, k_vals: Tensor,
-              attention: Tensor, exact_error: float, settings: Dict[str, Any], expanded: Dict[str, Dict[str, Tensor]],
-              side: Optional[str], keep: int = KEEP) -> Attribution:
+              attention: Tensor, *, exact_error: float, settings: Dict[str, Any],
+              expanded: Dict[str, Dict[str, Tensor]], side: Optional[str], extra: Sequence[str] = (),
+              keep: int = KEEP) -> Attribution:
     """The ``Attribution`` of the per-row marginals ``q_vals`` [n, Sq], ``k_vals`` [n, Sk] (query sources: ``names``
     then bias_q; key sources: ``names`` then bias_k) and ``pairs``: the mean pair table [Sq, Sk] over every source,
     or the parts (Q [n, Sq, d] × the scale, K [n, Sk, d]) to compute it for the kept sources only. Gives the kept
     pair table with its "other" row and column, the rows' tokens, the expansion grouped by offset."""
-    names_q, names_k = names + ["bias_q"], names + ["bias_k"]
+    names_q, names_k = names + ["bias_q", *extra], names + ["bias_k", *extra]
     kq, kk = _kept(q_vals, keep), _kept(k_vals, keep)
     kq_set, kk_set = set(kq), set(kk)
     rq = [i for i in range(q_vals.shape[1]) if i not in kq_set]

@@ -102,6 +102,14 @@ class AttentionAdapter:
     def qk_norm(self) -> bool:
         return False
 
+    def alibi_slopes(self) -> Optional[Tensor]:
+        """ALiBi's per-head slopes [n_heads] (Bloom, MPT: the score gains slope_h · j for key position j), or None."""
+        if getattr(self.model.cfg, "positional_embedding_type", "standard") != "alibi":
+            return None
+        from transformer_lens.model_bridge.generalized_components.alibi_utils import build_alibi_slopes
+
+        return build_alibi_slopes(self.n_heads, torch.device("cpu")).double()
+
     def softcap(self) -> Optional[float]:
         """The soft-cap the module applies to its scores (cap · tanh(score / cap)), or None."""
         return self.scale()[2]
