@@ -347,8 +347,9 @@ def _expand(w: Writes, L: int, qkmap, frozen, names: List[str], Q: Tensor, K: Te
     d = qkmap.W.shape[1]
     Q, K = Q[..., :d], K[..., :d]                       # (an ALiBi coordinate, if any, is no head's)
     if chosen is None:
-        # the largest head sources, leaving out those under 5 % of the largest one (a tiny value splits into noise)
-        mass = vals.abs().sum(0)
+        # the largest head sources by |mean value|, leaving out those under 5 % of the largest one (a tiny value
+        # splits into noise)
+        mass = vals.mean(0).abs()
         head_idx = [n for n, name in enumerate(names) if "." in name]
         top = max((float(mass[n]) for n in head_idx), default=0.0)
         chosen = [names[n] for n in sorted((n for n in head_idx if float(mass[n]) >= 0.05 * top > 0),

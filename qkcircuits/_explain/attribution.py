@@ -123,8 +123,11 @@ class Attribution(Result):
         for e in _top_offsets(self.expanded):
             where = "key" if e["side"] == "key" else "query"
             pos = "j" if where == "key" else "i"
-            off = int(e["offset"])
-            at = pos if off == 0 else f"{pos}{-off:+d}"
+            if "position" in e:
+                at = e["position"]
+            else:
+                off = int(e["offset"])
+                at = pos if off == 0 else f"{pos}{-off:+d}"
             example = f"; e.g. token {e['example']!r}" if e.get("example") is not None else ""
             out.append(f"{self.label(e['source'])}'s write at the {where}, which {self.head} reads, came from position "
                        f"{at} ({_pct(e['share'])} of its {show.number(e['whole'])}{example}).")
@@ -276,20 +279,29 @@ def _decoder(model):
 
 
 def _offsets(expanded: Dict[str, Dict[str, Tensor]], rows, side: str, decode, k: int = 3) -> List[Dict[str, Any]]:
-    """Per expanded source: its value by offset (key or query position − the position it read), averaged over
-    rows, the ``k`` largest |value| first, with the share of the source's whole value there and an example token."""
+    """Per expanded source: its value by where it read, averaged over rows, the ``k`` largest |value| first, with
+    the share of the source's whole value there and an example token. Where it read is a task's named position
+    when the rows come from a task ("S2") and the source position is one of that prompt's, else the offset from
+    the key (or query) position (``offset`` 1: the position before)."""
     out = []
-    anchor = rows.j if side == "key" else rows.i
+    anchor = (rows.j if side == "key" else rows.i).tolist()
+    named = {name: pos.tolist() for name, pos in (rows.named or {}).items()}
+    prompts = rows.b.tolist()
     for name, e in expanded.items():
         vals, whole = e["values"], float(e["whole"].mean())
-        n, m = vals.shape
-        off = anchor[:, None] - torch.arange(m)[None]                                  # [n, m]
-        by: Dict[int, float] = {}
-        for o, v in zip(off.flatten().tolist(), vals.flatten().tolist()):
-            by[o] = by.get(o, 0.0) + v / n
-        for o in sorted(by, key=lambda x: -abs(by[x]))[:k]:
-            r = next((r for r in range(n) if 0 <= int(anchor[r]) - o < rows.tokens.shape[1]), None)
-            ex = decode(rows.tokens[int(rows.b[r]), int(anchor[r]) - o]) if r is not None else None
-            out.append({"source": name, "side": side, "offset": int(o), "value": by[o], "share": _share(by[o], whole),
-                        "whole": whole, "example": ex})
+        n = vals.shape[0]
+        by: Dict[Any, float] = {}
+        example: Dict[Any, Any] = {}
+        for r, row in enumerate(vals.tolist()):
+            b, a = prompts[r], anchor[r]
+            for m, v in enumerate(row):
+                where = next((p for p, pos in named.items() if pos[b] == m), a - m)
+                by[where] = by.get(where, 0.0) + v / n
+                if where not in example and m < rows.tokens.shape[1]:
+                    example[where] = decode(rows.tokens[b, m])
+        for where in sorted(by, key=lambda x: -abs(by[x]))[:k]:
+            entry = {"source": name, "side": side, "value": by[where], "share": _share(by[where], whole),
+                     "whole": whole, "example": example.get(where)}
+            entry.update({"position": where} if isinstance(where, str) else {"offset": int(where)})
+            out.append(entry)
     return out

@@ -46,6 +46,7 @@ class Rows:
     what: str
     names: dict
     dropped: int = 0
+    named: Optional[dict] = None      # a task's named positions per prompt {name: [b]}: where an expansion read from
 
     def __len__(self) -> int:
         return int(self.b.numel())
@@ -144,7 +145,8 @@ def _named(task, t: Tensor, query, key, versus, window) -> Rows:
     n = t.shape[0]
     rows = Rows(t, torch.arange(n), got["query"], got["key"], got.get("versus"),
                 f"from {names['query']} to {names['key']}" + (f" (versus {versus})" if versus else ""),
-                {k: v for k, v in names.items() if v is not None})
+                {k: v for k, v in names.items() if v is not None},
+                named={k: v.long() for k, v in task.positions.items()})
     _check_attendable(rows, window)
     return rows
 
