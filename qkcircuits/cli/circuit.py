@@ -46,6 +46,12 @@ def add_parser(sub) -> None:
     p.add_argument("--method", choices=("eap", "eap-ig", "exact"), default="eap-ig",
                    help="eap-ig (default), eap, or exact (one patched run per edge: small models only)")
     p.add_argument("--steps", type=positive_int, default=5, help="EAP-IG interpolation steps (default 5)")
+    p.add_argument("--gqa", choices=("grouped", "ungrouped"), default="grouped",
+                   help="k/v inputs per KV head (default) or per query head, as the EAP-IG authors and MIB count edges "
+                        "(the same graph without grouped-query attention)")
+    p.add_argument("--positions", action="store_true",
+                   help="split every edge by the task's named positions (IO, S1, S2, END, ...; the rest pooled as "
+                        "'other'): node names like 20.0@END")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--edges", type=positive_int, help="circuit size in edges")
     size.add_argument("--percent", type=_percent, help="circuit size in percent of the graph's edges")
@@ -79,11 +85,11 @@ class _Here:
     """The command's heavy steps in this process (the model loaded here)."""
 
     def __init__(self, args):
-        from .._tasks.graph import graph
+        from .._tasks.scores import task_graph
 
         self.model = load_model(args)
         self.task = build_task(self.model, args.task, args.n, args.seed)
-        self.graph = graph(self.model)
+        self.graph = task_graph(self.model, self.task, args.gqa, args.positions)
 
     def edge_scores(self, **kw):
         from .._tasks.scores import edge_scores
@@ -102,7 +108,8 @@ class _Here:
         rows = shard_rows(self.model, self.graph, self.task, buffers=3)
         # one shard: its corrupt record serves the node view too (as in ``faithfulness``)
         records = {} if rows >= self.task.n else None
-        (m,), clean, corrupt = circuit_metric(self.model, self.task, [circ.mask], rows, records=records)
+        mask = circ.mask if circ.position_mask is None else circ.position_mask
+        (m,), clean, corrupt = circuit_metric(self.model, self.task, [mask], rows, records=records, g=self.graph)
         return ratio(m, clean, corrupt), node_faithfulness(self.model, self.task, circ.heads, rows, clean=clean, records=records)
 
     def roles(self, circ, clean, corrupt):
@@ -119,6 +126,8 @@ class _OnRay:
         from .._scale import ray_tasks
         from .._scale.distributed import Pool
 
+        if args.gqa != "grouped" or args.positions:
+            raise QKCircuitsError("--gqa ungrouped and --positions run in this process only (not with --ray)")
         self.rt = ray_tasks
         self.pool = Pool(args.model, load_kwargs={"device": args.device, "dtype": args.dtype,
                                                   "fold_ln": not args.no_fold_ln},
@@ -173,7 +182,9 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
     t1 = time.perf_counter()
     with warnings.catch_warnings():                 # said once below, in the CLI's own words
         warnings.filterwarnings("ignore", message=NOT_DONE)
-        scores = here.edge_scores(method=args.method, steps=args.steps, progress=progress)
+        scores = here.edge_scores(method=args.method, steps=args.steps, progress=progress,
+                                  **({"gqa": args.gqa, "positions": args.positions}
+                                     if args.gqa != "grouped" or args.positions else {}))
     t2 = time.perf_counter()
     print(f"  clean {task.metric_name} {scores.clean:.4f}, corrupt {scores.corrupt:.4f}", flush=True)
     if not does_the_task(task, scores.clean, scores.corrupt):
@@ -204,6 +215,10 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
           f"view f {node_f:.3f} (every other head's output corrupted)")
     for s, r, x, v in circ.edges()[:10]:
         print(f"    {s:>7} -> {r:<8} {x:<3} {v:+.4f}")
+    if circ.position_mask is not None:
+        where = circ.position_nodes
+        print(f"  where its nodes act ({len(where)} node@position): {', '.join(where[:24])}"
+              f"{' …' if len(where) > 24 else ''}")
     for line in roles.sentences():
         print(f"  {line}")
     timing = {"load_s": round(t_load, 2), "edge_scores_s": round(t2 - t1, 2), "faithfulness_s": round(t3 - t2, 2),
