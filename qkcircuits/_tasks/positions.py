@@ -100,8 +100,12 @@ def grouped_sum(W: Bool[Tensor, "k G nb n"], D: Tensor, start: Tensor, flat: Seq
         used = Wg.any(-1).any(0).nonzero().squeeze(1)
         if not len(idx) or not len(used):
             continue
-        term = torch.einsum("ksn,skmd->nkmd", Wg[:, used].to(D.dtype), D[used][:, :, idx])
-        res[:, :, idx] += term
+        # one copy of Δ at the group's positions (of only the senders used, when that is under half of them)
+        if 2 * len(used) < Wg.shape[1]:
+            Wg, Dg = Wg[:, used], D.index_select(0, used)[:, :, idx]
+        else:
+            Dg = D[:, :, idx]
+        res[:, :, idx] += torch.einsum("ksn,skmd->nkmd", Wg.to(D.dtype), Dg)
     return res
 
 

@@ -54,7 +54,8 @@ from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph
 from .positions import at, flat_groups, gather_positions, group_index, position_groups
 from .record import check_graph, record, reuse
-from .runs import grad_run, patched_run, z_patchable
+from .exact import exact_edges, exact_nodes
+from .runs import grad_run, z_patchable
 from .ungrouped import check as check_ungrouped
 from .task import Task, warn_if_not_done
 
@@ -300,7 +301,7 @@ def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ro
             check_ungrouped(model, g, shard.corrupt)
         sums["corrupt"] += float(corr.rows.sum())
         if method == "exact":
-            sums["clean"] += _exact_edges(model, g, shard, corr, acc, copies, bar)
+            sums["clean"] += exact_edges(model, g, shard, corr, acc, copies, bar)
             continue
         sums["clean"] += _gradient_scores(model, g, shard, corr, acc, steps if method == "eap-ig" else 1, pool)
         del corr
@@ -416,23 +417,6 @@ def _non_head_runs(g: Graph) -> List[Tuple[int, int]]:
     return runs
 
 
-def _exact_edges(model, g: Graph, shard: Task, corr, acc: Tensor, copies: int, bar) -> float:
-    """One patched run per edge (``copies`` edges stacked per forward): acc[γ, s, r] += m(clean) − m(edge off)
-    (position-aware: the edge off at the positions of group γ only)."""
-    clean_sum = float(patched_run(model, g, shard, corr, g.valid[None]).sum())
-    full = g.valid[None].expand(g.n_groups, -1, -1)
-    gg, s_idx, r_idx = full.nonzero(as_tuple=True)
-    pos = group_index(shard, g.positions) if g.positions else None
-    for start in range(0, len(s_idx), copies):
-        ga, ss, rr = gg[start:start + copies], s_idx[start:start + copies], r_idx[start:start + copies]
-        mask = full[None].repeat(len(ss), 1, 1, 1)
-        mask[torch.arange(len(ss)), ga, ss, rr] = False
-        vals = patched_run(model, g, shard, corr, mask if g.positions else mask[:, 0], positions=pos)
-        acc[ga, ss, rr] += clean_sum - vals.sum(1).double().cpu()      # [copies]
-        bar.update(len(ss))
-    return clean_sum
-
-
 @dataclass(repr=False)      # the repr is _text (Result)
 class NodeScores(Result):
     """A score per sender node (embedding, heads ``"L.H"``, MLPs ``"mlpL"``): m(clean) − m(node corrupted)."""
@@ -502,24 +486,8 @@ def node_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, pr
     g = task_graph(model, task, gqa, positions)       # a node's score does not depend on how k/v are counted
     task = task.to(model.W_E.device)
     rows = rows_per_shard or shard_rows(model, g, task, budget=EXACT_BYTES)
-    acc = torch.zeros(g.n_groups, g.n_senders, dtype=torch.float64)
-    sums = {"clean": 0.0, "corrupt": 0.0}
-    full = g.valid[None].expand(g.n_groups, -1, -1)
-    nodes = [(gi, s) for gi in range(g.n_groups) for s in range(g.n_senders)]
-    for shard in task.shards(rows):
-        corr = record(model, g, shard, shard.corrupt)
-        pos = group_index(shard, g.positions) if g.positions else None
-        clean_sum = float(patched_run(model, g, shard, corr, g.valid[None]).sum())
-        sums["clean"] += clean_sum
-        sums["corrupt"] += float(corr.rows.sum())
-        for start in range(0, len(nodes), copies):
-            gs, ss = (torch.tensor(c) for c in zip(*nodes[start:start + copies]))
-            mask = full[None].repeat(len(ss), 1, 1, 1)
-            mask[torch.arange(len(ss)), gs, ss] = False
-            vals = patched_run(model, g, shard, corr, mask if g.positions else mask[:, 0], positions=pos)
-            acc[gs, ss] += clean_sum - vals.sum(1).double().cpu()
+    acc, clean, corrupt = exact_nodes(model, g, task, rows, copies)
     vals = (acc / task.n).tolist()
-    clean, corrupt = sums["clean"] / task.n, sums["corrupt"] / task.n
     warn_if_not_done(task, clean, corrupt)
     names = (list(g.senders) if not g.positions else
              [at(name, grp) for grp in g.positions for name in g.senders])
