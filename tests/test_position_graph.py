@@ -216,6 +216,9 @@ def test_toy_heads_act_where_they_are_built_to(hand_built):
     assert set(c.position_nodes) >= {"0.0@other", "1.0@END"} and c.heads == ["0.0", "1.0"]
     assert ("1.0@END", "logits@END", "in") in {e[:3] for e in c.edges()}
     assert qk.TaskCircuit.from_json(c.to_json()).edges() == c.edges()
+    # grown from the logits, position by position: the same four edges
+    greedy = eap.circuit(edges=4, how="greedy")
+    assert {e[:3] for e in greedy.edges()} == {e[:3] for e in c.edges()}
 
 
 def test_pruning_with_one_group_is_the_plain_pruning():

@@ -1,7 +1,7 @@
 """Exact patching over the whole graph: one patched run per edge or per node (``copies`` stacked per forward).
 
->>> acc = torch.zeros(g.n_groups, g.n_senders, g.n_receivers, dtype=torch.float64)   # doctest: +SKIP
->>> clean_sum = exact_edges(model, g, shard, corrupt_record, acc, copies=32, bar=bar)  # doctest: +SKIP
+>>> acc = torch.zeros(g.n_groups, g.n_senders, g.n_receivers, dtype=torch.float64)   # doctest: +SKIP (needs a corrupt record and a shard)
+>>> clean_sum = exact_edges(model, g, shard, corrupt_record, acc, copies=32, bar=bar)  # doctest: +SKIP (needs a corrupt record and a shard)
 
 - edge (s, r) [position-aware: (γ, s, r)]: m(clean) − m(clean with only r reading out_s(corrupt)) [at the
   positions of group γ only];

@@ -6,6 +6,8 @@ input, each MLP's input, the logits) and the edges between them.
 (5, 13, 29)
 >>> g.senders[:3], g.receivers[:3]
 (('emb', '0.0', '0.1'), (('0.0', 'q'), ('0.1', 'q'), ('0.0', 'k')))
+>>> qk.graph(model, positions=qk.tasks.induction(model, n=2)).n_edges     # every edge at END and at the other positions
+58
 
 Nodes, in the order the forward computes them: ``emb`` (token + positional embedding, i.e. the residual
 entering block 0); per layer L the heads ``"L.H"`` and the MLP ``"mlpL"`` (models with MLPs); ``logits``.

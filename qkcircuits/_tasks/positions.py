@@ -1,10 +1,12 @@
 """Position-aware graphs: edges (sender, receiver input, position group) over the task's named positions.
 
->>> task = qk.tasks.ioi(model, n=8)                                     # doctest: +SKIP
->>> position_groups(task)                                               # doctest: +SKIP
-('IO', 'S1', 'S1+1', 'S2', 'END', 'other')
->>> group_index(task, position_groups(task)).shape                      # [n, pos]: each position's group  # doctest: +SKIP
-torch.Size([8, 17])
+>>> task = qk.tasks.induction(model, n=2, seg_len=5)                    # [BOS] + R + R[:-1]: END is position 9
+>>> position_groups(task)                                               # IOI: ('IO', 'S1', 'S1+1', 'S2', 'END', 'other')
+('END', 'other')
+>>> group_index(task, position_groups(task))[0].tolist()                # [n, pos]: each position's group
+[1, 1, 1, 1, 1, 1, 1, 1, 1, 0]
+>>> at("20.0", "END"), split("mlp3@S2")
+('20.0@END', ('mlp3', 'S2'))
 
 The residual stream is per position: a sender's write at position p is read by every receiver at position p
 and nowhere else, while attention moves information across positions INSIDE a receiving head (from its k/v at

@@ -1,6 +1,6 @@
 """The ungrouped graph's attention: k and v inputs per QUERY head under grouped-query attention.
 
->>> with per_query_kv(model, g):                      # doctest: +SKIP
+>>> with per_query_kv(model, g):                      # doctest: +SKIP (needs a grouped-query model)
 ...     model.run_with_hooks(tokens, fwd_hooks=hooks)   # hooks return hook_k/hook_v as [b, p, n_heads, d_head]
 
 With grouped-query attention query head h reads the keys and values of KV head h // group. The EAP-IG authors
