@@ -9,7 +9,9 @@
   z, and that head's z is the grouped run's with the whole group's k patched (its keys are the only thing it reads
   from the group's k);
 - on a model without grouped-query attention the ungrouped graph is the grouped one (GPT-2: same edges, scores
-  bit for bit).
+  bit for bit);
+- EAP-IG on activations, clean-corrupted and EAP-IG's left rule keep the group-sum identity, and their ungrouped
+  position-aware scores add up over the groups to the ungrouped ones (Llama-GQA, 1e-6 of the largest score).
 """
 
 import pytest
@@ -174,3 +176,28 @@ def test_an_attention_that_cannot_take_keys_per_query_head_is_refused(gqa_model,
     monkeypatch.setattr(ungrouped, "per_query_kv", ignored)
     with pytest.raises(qk.QKCircuitsError, match="does not take k/v per query head"):
         qk.edge_scores(model, task, method="eap", progress=False, gqa="ungrouped")
+
+
+@pytest.mark.parametrize("method", ["eap-ig-activations", "clean-corrupted", "eap-ig"])
+def test_every_gradient_method_keeps_both_identities(gqa_model, method):
+    # issue 35's other gradient methods (left rule by default; activations: right) on the graph options: the
+    # ungrouped k/v scores of a KV head's query heads add up to its grouped score, and the ungrouped position-aware
+    # scores summed over the groups are the ungrouped ones (both: the same Δ·∇ sums, split)
+    name, model = gqa_model
+    if name != "llama-gqa":
+        pytest.skip("one family is enough: the identities are the EAP test's above")
+    pos = {"X": torch.full((4,), 6)}
+    t = pair_task(model)
+    task = qk.Task(t.clean, t.corrupt, t.answer, t.wrong, positions=pos)
+    grouped = qk.edge_scores(model, task, method=method, steps=2, progress=False)
+    ung = qk.edge_scores(model, task, method=method, steps=2, progress=False, gqa="ungrouped")
+    split = qk.edge_scores(model, task, method=method, steps=2, progress=False, gqa="ungrouped", positions=True)
+    gg, gu = grouped.graph, ung.graph
+    scale = float(grouped.scores.nan_to_num().abs().max())
+    assert scale > 1e-3 and split.graph.positions == ("X", "END", "other") and split.rule == grouped.rule
+    for L in range(gg.n_layers):
+        for x in ("k", "v"):
+            summed = ung.scores[:, gu.recv_slice(L, x)].nan_to_num().view(gg.n_senders, gg.n_kv, gg.group).sum(-1)
+            torch.testing.assert_close(summed, grouped.scores[:, gg.recv_slice(L, x)].nan_to_num(), rtol=0,
+                                       atol=1e-6 * scale)
+    torch.testing.assert_close(split.position_scores.nansum(0), ung.scores.nan_to_num(), rtol=0, atol=1e-6 * scale)
