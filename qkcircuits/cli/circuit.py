@@ -10,7 +10,9 @@ named unless ``--force``.
 ``--json`` keys (the contract the views read): model, task, n_prompts, metric, clean, corrupt, method,
 steps, rule, curve {percent: f}, cpr, cmd, circuit {edges: [[sender, receiver, input, score], ...], heads,
 node_faithfulness, named, ...}, roles {head: {role, evidence}}, warnings [one line each], bos {prepended, mode},
-timing; plus schema, graph, bos_prepended (old readers).
+timing; plus schema, graph, bos_prepended (old readers). ``--gqa ungrouped`` / ``--positions`` score another
+graph (``graph.gqa`` / ``graph.positions`` in the JSON; a position-aware circuit's edges name their group, as
+``20.0@END``, and ``circuit.position_nodes`` lists where its nodes act); this process only, not with ``--ray``.
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ def add_parser(sub) -> None:
                    help="EAP-IG's points: left (alpha = k/steps, k = 0..steps-1; the authors' and MIB's, the default "
                         "of eap-ig), right (k = 1..steps: one clean forward fewer; the default of eap-ig-activations, "
                         "as the authors run it) or midpoint")
+    p.add_argument("--gqa", choices=("grouped", "ungrouped"), default="grouped",
+                   help="k/v inputs per KV head (default) or per query head, as the EAP-IG authors and MIB count edges "
+                        "(the same graph without grouped-query attention)")
+    p.add_argument("--positions", action="store_true",
+                   help="split every edge by the task's named positions (IO, S1, S2, END, ...; the rest pooled as "
+                        "'other'): node names like 20.0@END")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--edges", type=positive_int, help="circuit size in edges")
     size.add_argument("--percent", type=_percent, help="circuit size in percent of the graph's edges (truncated to "
@@ -104,12 +112,12 @@ class _Here:
     """The command's heavy steps in this process (the model loaded here)."""
 
     def __init__(self, args):
-        from .._tasks.graph import graph
+        from .._tasks.scores import task_graph
         from .._tasks.task import bos_mode_arg
 
         self.model = load_model(args)
         self.task = build_task(self.model, args.task, args.n, args.seed, bos_mode_arg(args.bos), args.metric)
-        self.graph = graph(self.model)
+        self.graph = task_graph(self.model, self.task, args.gqa, args.positions)
 
     def edge_scores(self, task=None, **kw):
         from .._tasks.scores import edge_scores
@@ -128,7 +136,8 @@ class _Here:
         rows = shard_rows(self.model, self.graph, self.task, buffers=3)
         # one shard: its corrupt record serves the node view too (as in ``faithfulness``)
         records = {} if rows >= self.task.n else None
-        (m,), clean, corrupt = circuit_metric(self.model, self.task, [circ.mask], rows, records=records)
+        mask = circ.mask if circ.position_mask is None else circ.position_mask
+        (m,), clean, corrupt = circuit_metric(self.model, self.task, [mask], rows, records=records, g=self.graph)
         return ratio(m, clean, corrupt), node_faithfulness(self.model, self.task, circ.heads, rows, clean=clean, records=records)
 
     def roles(self, circ, clean, corrupt, force=False):
@@ -153,6 +162,8 @@ class _OnRay:
         from .._scale.distributed import Pool
         from .._tasks.task import bos_mode_arg
 
+        if args.gqa != "grouped" or args.positions:
+            raise QKCircuitsError("--gqa ungrouped and --positions run in this process only (not with --ray)")
         self.rt = ray_tasks
         self.pool = Pool(args.model, load_kwargs={"device": args.device, "dtype": args.dtype,
                                                   "fold_ln": not args.no_fold_ln},
@@ -246,7 +257,8 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
 
     with _quiet_python_warnings():
         t1 = time.perf_counter()
-        scores = here.edge_scores(method=args.method, steps=args.steps, rule=args.rule, progress=progress)
+        scores = here.edge_scores(method=args.method, steps=args.steps, rule=args.rule, progress=progress,
+                                  **_graph_kw(args))
         t2 = time.perf_counter()
         print(f"  clean {task.metric_name} {scores.clean:.4f}, corrupt {scores.corrupt:.4f}", file=sys.stderr,
               flush=True)
@@ -295,6 +307,10 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
         lines.append(f"  circuit ({how}): {circ.n_edges} edges after pruning, f {f_circ:.3f}; {len(circ.heads)} heads, "
                      f"node view f {node_f:.3f} (every other head's output corrupted)")
         lines += [f"    {s:>7} -> {r:<8} {x:<3} {v:+.4f}" for s, r, x, v in circ.edges()[:10]]
+        if circ.position_mask is not None:
+            where = circ.position_nodes
+            lines.append(f"  where its nodes act ({len(where)} node@position): {', '.join(where[:24])}"
+                         f"{' …' if len(where) > 24 else ''}")
     else:
         lines.append(f"  no circuit named ({how}): " + (
             "the model does not do the task" if not done or undefined else "it would be the whole graph")
@@ -306,7 +322,8 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
               "total_s": round(t5 - t0, 2)}
     circuit = {**circ.to_dict(), "faithfulness": f_circ, "node_faithfulness": node_f, "named": bool(named)}
     if not named:                       # the edges of no circuit are not drawn as one (the CSV keeps every score)
-        circuit.update(edges=[], heads=[], mlps=[], n_edges=0)
+        circuit.update(edges=[], heads=[], mlps=[], n_edges=0, **({"position_nodes": []} if "position_nodes" in circuit
+                                                                   else {}))
     data = {"schema": SCHEMA, "model": args.model, "task": task.name, "n_prompts": task.n,
             "metric": task.metric_name, "clean": scores.clean, "corrupt": scores.corrupt, "method": args.method,
             "steps": scores.steps, "rule": scores.rule, "curve": {f"{k:g}": v for k, v in faith.curve.items()},
@@ -323,13 +340,20 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
     return 0
 
 
+def _graph_kw(args) -> dict:
+    """The edge-score keywords of a graph other than the default (grouped, not position-aware); none otherwise, so
+    that Ray's edge scores (the default graph only) take the same call."""
+    return {"gqa": args.gqa, "positions": args.positions} if args.gqa != "grouped" or args.positions else {}
+
+
 def _sign_check(args, here, scores, warn_now):
     """EAP-IG (5 steps, left rule) on the first ``SIGN_ROWS`` prompts against ``scores``' top 100 edges by |score|:
     the share of opposite signs (``caveats.sign_disagreement``); a warning above ``caveats.SIGN_LIMIT``."""
     from .._tasks import caveats
 
     rows = min(SIGN_ROWS, here.task.n)
-    ref = here.edge_scores(task=here.task.rows(slice(0, rows)), method="eap-ig", steps=5, progress=not args.quiet)
+    ref = here.edge_scores(task=here.task.rows(slice(0, rows)), method="eap-ig", steps=5, progress=not args.quiet,
+                           **_graph_kw(args))
     found = caveats.sign_disagreement(scores.scores, ref.scores, scores.graph.valid)
     g = scores.graph
     names = {(s, r): f"{g.senders[s]} -> {g.receivers[r][0]} {g.receivers[r][1]}" for s, r, _, _ in found["worst"]}
