@@ -27,7 +27,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ._foundation.errors import QKCircuitsError
-from ._foundation.arch.model import is_model
+from ._foundation.arch.model import has_config, is_model
 from ._foundation.heads import Head, HeadsLike, model_heads
 from ._foundation.renamed import renamed
 from .viz import _figures as F
@@ -157,7 +157,7 @@ def circuit(result, max_edges: int = 300, model=None, roles=None) -> Figure:
         from ._foundation.heads import n_kv_heads
         from .viz._circuit_data import check_against_model
 
-        if not is_model(model):
+        if not has_config(model):
             raise QKCircuitsError(f"model must come from qk.load(...), got {type(model).__name__}")
         L, H, kv = int(model.cfg.n_layers), int(model.cfg.n_heads), n_kv_heads(model)
         check_against_model(view, L, H, kv)

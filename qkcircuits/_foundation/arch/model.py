@@ -25,6 +25,11 @@ def is_model(obj) -> bool:
     return hasattr(obj, "cfg") and hasattr(obj, "blocks")
 
 
+def has_config(obj) -> bool:
+    """Whether ``obj`` carries a model config (``cfg``): enough for views that only need the model's shape."""
+    return hasattr(obj, "cfg")
+
+
 def positional(model) -> str:
     """TransformerLens' positional embedding type: "standard" (learned absolute), "rotary", "shortformer",
     "alibi", ..."""
