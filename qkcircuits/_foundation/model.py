@@ -36,6 +36,7 @@ import torch
 from transformer_lens.model_bridge import TransformerBridge
 
 from .errors import QKCircuitsError
+from .arch import model as arch_model
 from .fetch import SMOLLM2_HUB_NAME, smollm2_gguf
 
 ALIASES = {"smollm2-135m": "smollm2-135m", "smollm2": "smollm2-135m"}
@@ -428,5 +429,5 @@ def _first_line(e: BaseException) -> str:
 
 def model_name(model: TransformerBridge) -> str:
     """A readable name for results and reports."""
-    return str(getattr(model.cfg, "model_name", None) or "model")
+    return arch_model.model_name(model)
 

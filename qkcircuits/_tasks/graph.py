@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
 from jaxtyping import Float
@@ -50,7 +50,9 @@ from torch import Tensor
 
 from .._foundation.arch import adapter
 from .._foundation.errors import QKCircuitsError
+from .._foundation.arch.model import has_mlps, model_name, parallel_blocks  # noqa: F401  (re-exported)
 from .._foundation.heads import n_kv_heads
+from .task import Task
 
 Receiver = Tuple[str, str]
 
@@ -213,35 +215,51 @@ class Graph:
 
 
 GQA = ("grouped", "ungrouped")
+OTHER = "other"          # the position group of the positions no name points at
+
+
+def position_groups(spec, task=None) -> Tuple[str, ...]:
+    """The position groups: a ``Task`` gives its named positions (in its order) then ``other``; a sequence of
+    names gives those (each must be one of ``task``'s names when a task is given) then ``other``; ``True`` with a
+    task is the task's names."""
+    if isinstance(spec, Task):
+        task, spec = spec, True
+    if spec is True:
+        if task is None:
+            raise QKCircuitsError("positions=True needs the task whose named positions split the graph: pass "
+                                  "positions=task (qk.graph) or call edge_scores(model, task, positions=True)")
+        names = list(task.positions)
+    elif isinstance(spec, str) or not isinstance(spec, Iterable):
+        raise QKCircuitsError(f"positions must be True, a Task or a sequence of position names, got {spec!r}")
+    else:
+        names = [str(n) for n in spec]
+    if task is not None:
+        unknown = [n for n in names if n not in task.positions]
+        if unknown:
+            raise QKCircuitsError(f"position {unknown[0]!r} is not one of the task's named positions "
+                                  f"({', '.join(task.positions)})")
+    for n in names:
+        if "@" in n or not n or n == OTHER:
+            raise QKCircuitsError(f"position name {n!r} cannot name a position group (no '@', not empty, not "
+                                  f"{OTHER!r}: the group of the positions no name points at)")
+    if len(set(names)) != len(names):
+        raise QKCircuitsError(f"position names repeat: {names}")
+    return tuple(names) + (OTHER,)
+
 
 
 def graph(model, gqa: str = "grouped", positions=None) -> Graph:
     """The graph of ``model`` (counts only; see the module docstring). ``gqa="ungrouped"``: k/v inputs per
     query head. ``positions``: a ``Task`` (its named positions, then ``other``), or a sequence of position names
     (``"other"`` added): a position-aware graph (``positions.py``)."""
-    from .._foundation.model import model_name
-
     if gqa not in GQA:
         raise QKCircuitsError(f"gqa must be one of {', '.join(GQA)}, got {gqa!r}")
     groups: Tuple[str, ...] = ()
     if positions is not None and positions is not False:
-        from .positions import position_groups
-
         groups = position_groups(positions)
     cfg = model.cfg
-    has_mlp = all(getattr(b, "mlp", None) is not None for b in model.blocks)
-    return Graph(cfg.n_layers, cfg.n_heads, n_kv_heads(model), has_mlp, model_name(model), parallel_blocks(model),
-                 gqa == "ungrouped" and n_kv_heads(model) != cfg.n_heads, groups)
-
-
-def parallel_blocks(model) -> bool:
-    """Whether every block's MLP reads the block's input residual, as its attention does (GPT-J, GPT-NeoX with
-    ``use_parallel_residual``, Phi-1/2, Falcon): TransformerLens says so in ``cfg.parallel_attn_mlp`` and
-    wraps such blocks in ``ParallelBlockBridge`` (which has no ``hook_resid_mid``)."""
-    kinds = {type(b).__name__ == "ParallelBlockBridge" for b in model.blocks}
-    if len(kinds) > 1:
-        raise QKCircuitsError("this model mixes parallel and sequential blocks; the circuit graph needs one kind")
-    return bool(getattr(model.cfg, "parallel_attn_mlp", False)) or kinds == {True}
+    return Graph(cfg.n_layers, cfg.n_heads, n_kv_heads(model), has_mlps(model), model_name(model),
+                 parallel_blocks(model), gqa == "ungrouped" and n_kv_heads(model) != cfg.n_heads, groups)
 
 
 # ------------------------------------------------------------------------------------------ architecture bits
