@@ -50,7 +50,8 @@ from torch import Tensor
 
 from .._foundation.arch import adapter
 from .._foundation.errors import QKCircuitsError
-from .._foundation.arch.model import has_mlps, model_name, parallel_blocks  # noqa: F401  (re-exported)
+from .._foundation.arch.model import (has_mlps, logits_transform, mlp_input, model_name,  # noqa: F401  (re-exported)
+                                      parallel_blocks, post_norm_module)
 from .._foundation.heads import n_kv_heads
 from .task import Task
 
@@ -262,26 +263,12 @@ def graph(model, gqa: str = "grouped", positions=None) -> Graph:
                  parallel_blocks(model), gqa == "ungrouped" and n_kv_heads(model) != cfg.n_heads, groups)
 
 
-# ------------------------------------------------------------------------------------------ architecture bits
-# Everything below reads the architecture; the adapters of _foundation/arch will replace these bodies.
+# ------------------------------------------------------------------------------------------ the graph's reads
+# Every module and config read goes through the adapters (``_foundation/arch``).
 
 def post_norm(model, layer: int):
     """The norm a block applies to its attention output before adding it (Gemma's ln1_post), or None."""
-    return getattr(model.blocks[layer], "ln1_post", None)
-
-
-def _post_gain(post) -> Tuple[Tensor, float]:
-    """An RMS post-norm as ``y · gain / rms(y)``: its eps and gain vector (read off the module itself)."""
-    oc = getattr(post, "_original_component", post)
-    eps = getattr(oc, "eps", getattr(oc, "variance_epsilon", None))
-    if eps is None:
-        raise QKCircuitsError(f"cannot read the epsilon of post-attention norm {type(oc).__name__}; the graph "
-                              f"needs an RMS post-norm")
-    d = oc.weight.shape[-1]
-    one = torch.ones(1, 1, d, dtype=oc.weight.dtype, device=oc.weight.device)
-    with torch.no_grad():
-        gain = post(one)[0, 0] * (1.0 + float(eps)) ** 0.5
-    return gain, float(eps)
+    return post_norm_module(model, layer)
 
 
 def head_outputs(model, layer: int, z: Float[Tensor, "b p h e"], y=None, out=None) -> Float[Tensor, "h b p d"]:
@@ -297,10 +284,9 @@ def head_outputs(model, layer: int, z: Float[Tensor, "b p h e"], y=None, out=Non
         torch.bmm(zh, W, out=out.view(h, b * p, W.shape[-1]))
         return out
     res = torch.bmm(zh, W).view(h, b, p, W.shape[-1])
-    if post is not None:
-        gain, eps = _post_gain(post)
-        inv = torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + eps).to(res.dtype)    # [b, p, 1]
-        res = res * inv[None] * gain.to(res.dtype)
+    if post is not None:                          # the norm's linear part per head at the layer's frozen 1/σ(y)
+        norm = adapter(model, layer).post_norm()
+        res = norm.linear(res) * norm.inv_scale(y.float()).to(res.dtype)[None]
     if out is not None:
         out.copy_(res)
         return out
@@ -326,21 +312,11 @@ def split_qkv_from_residuals(model, layer: int, into: str, resid: Float[Tensor, 
     blk = model.blocks[layer]
     n, b, p, d = resid.shape
     normed = blk.ln1(resid.reshape(n * b, p, d)).view(n, b, p, d)
-    X = into.upper()
-    W = getattr(blk.attn, f"W_{X}")[heads]                                         # [n, d, e]
+    W, bias = ad.input_maps(into, heads)                                           # [n, d, e], [n, e] or None
     out = torch.einsum("nbpd,nde->bpne", normed, W.to(normed.dtype))
-    bias = getattr(blk.attn, f"b_{X}", None)
     if bias is not None:
-        out = out + bias[heads].to(out.dtype)
+        out = out + bias.to(out.dtype)
     return out
-
-
-def mlp_input(model, layer: int, resid: Tensor) -> Tensor:
-    """What MLP ``layer`` reads (``mlp.hook_in``) from a residual: its ln2 recomputed (GPT-J's parallel block
-    has one norm, ln1, for its attention and its MLP)."""
-    blk = model.blocks[layer]
-    ln2 = getattr(blk, "ln2", None)
-    return (ln2 if ln2 is not None else blk.ln1)(resid)
 
 
 def logits_input(model, resid: Tensor) -> Tensor:
@@ -355,8 +331,8 @@ def unembed_logits(model, x: Tensor) -> Tensor:
     ``adapter.apply_output_logits_transform`` declares; the identity for most models). ``check_graph`` checks the
     result against the model's own logits."""
     logits = model.unembed(x)
-    transform = getattr(getattr(model, "adapter", None), "apply_output_logits_transform", None)
-    return transform(logits) if callable(transform) else logits
+    transform = logits_transform(model)
+    return transform(logits) if transform is not None else logits
 
 
 INPUT_HOOKS = {"q": "attn.hook_q", "k": "attn.hook_k", "v": "attn.hook_v", "mlp": "mlp.hook_in"}
