@@ -28,13 +28,11 @@ Attention to BOS is never renormalised away: a head parked on BOS scores low, wh
 
 from __future__ import annotations
 
-import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from .._foundation.capture import stream
 from .._foundation.errors import QKCircuitsError
@@ -43,6 +41,7 @@ from .._foundation.io import check_int
 from .._foundation.renamed import renamed
 from .._foundation.result import stamped
 from .._foundation.model import model_name
+from .._foundation.progress import progress_bar
 from .._foundation.sequences import check_seed, repeated_tokens, segment_length, text_tokens, token_pool
 from .._weights import contextual as _contextual
 from .._weights.circuits import unembed_chunk, layer_weights
@@ -267,8 +266,8 @@ def scan(model, *, scores: Optional[Sequence[str]] = None, n_seqs: int = 8, seg_
     chosen = [detector(n) for n in names]
     streamed = [k for k in PROMPT_SETS if k != "model" and any(d.prompts == k for d in chosen)]
     L = model.cfg.n_layers
-    bar = tqdm(total=(len(streamed) + sum(d.prompts == "model" for d in chosen)) * L, desc="scan", unit="layer",
-               disable=not progress, file=sys.stderr, leave=False)
+    bar = progress_bar(total=(len(streamed) + sum(d.prompts == "model" for d in chosen)) * L, desc="scan",
+                       unit="layer", enabled=progress)
     out: Dict[str, Tensor] = {}
     extra: Dict[str, object] = {"eigen_copying_circuit": None}
     with torch.no_grad():

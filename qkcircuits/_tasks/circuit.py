@@ -26,7 +26,6 @@ from __future__ import annotations
 from numbers import Real
 
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -152,10 +151,10 @@ def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: i
     g = graph(model)
     sums = [0.0] * len(masks)
     clean = corrupt = 0.0
-    from tqdm.auto import tqdm
+    from .._foundation.progress import progress_bar
 
-    bar = tqdm(total=len(masks) * ((task.n + rows_per_shard - 1) // rows_per_shard), desc="faithfulness",
-               disable=not progress, leave=False, file=sys.stderr)
+    bar = progress_bar(total=len(masks) * ((task.n + rows_per_shard - 1) // rows_per_shard), desc="faithfulness",
+                       enabled=progress)
     full = next((i for i, m in enumerate(masks) if torch.equal(m & g.valid, g.valid)), None)
     pool: Dict[str, Tensor] = {}        # one shard's buffers, reused by the next (runs.reuse)
     for j, shard in enumerate(task.shards(rows_per_shard)):

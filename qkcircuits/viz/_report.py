@@ -20,11 +20,11 @@ import os
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
-from tqdm.auto import tqdm
 
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, model_heads, n_kv_heads
 from .._foundation.io import write_atomic
+from .._foundation.progress import progress_bar
 from .._foundation.renamed import renamed
 from .._weights.contextual import INPUTS
 from ._circuit_data import check_against_model, load_circuit, parse_node
@@ -101,7 +101,7 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
         raise QKCircuitsError("no heads to show: give grid_k >= 1 or some heads")
     patterns = attention(ctx, chosen, pids)
     panels = {}
-    for h in tqdm(chosen, desc="report", unit="head", disable=not progress, leave=False):
+    for h in progress_bar(chosen, desc="report", unit="head", enabled=progress):
         panels[str(h)] = panel(ctx, h, ids, pids, patterns[h], scores=scores, effects=effects,
                                diagnostics=diagnostics, k=k, view=view, trace=trace)
     total = L * H
