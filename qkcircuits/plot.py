@@ -189,8 +189,10 @@ def ov(model, head, tokens: Optional[Sequence[str]] = None, k: int = 5, **option
 
 
 def offsets(model, head) -> Figure:
-    """One head's QK score against the offset Δ = query position − key position (rotary: mean token query
-    rotated by Δ against the mean token key; learned positions: W_pos QK W_posᵀ along diagonals)."""
+    """One head's QK score against the offset Δ = query position − key position: the profile `qkcircuits circuits
+    --head` prints and the report draws (``_weights/offsets``; rotary: the mean query rotated by Δ against the mean
+    key of the rows the head's layer reads over the packaged corpus; learned positions: W_pos QK W_posᵀ along
+    diagonals). The peak is marked; ``fig.layout.meta["preferred_offset"]`` holds it (None for a flat profile)."""
     fig = V.offsets_figure(_ctx(model), _one_head(model, head))
     if fig is None:
         raise QKCircuitsError("this model has neither rotary nor learned absolute positions in its QK circuit: "

@@ -124,7 +124,9 @@ def test_offsets_learned_positions(tmp_path_factory):
 def test_offsets_rotary(tmp_path_factory):
     model = qk.load(str(_tiny.llama_dir(tmp_path_factory)), device="cpu", verbose=False)
     fig = plot.offsets(model, "1.3")
-    prof = qk.offset_profile(model, "1.3", list(fig.data[0].x))
+    from test_offsets import corpus_mean_row     # the rows layer 1 reads over the corpus, from a plain forward
+
+    prof = qk.offset_profile(model, "1.3", list(fig.data[0].x), corpus_mean_row(model, 1))
     assert list(fig.data[0].y) == pytest.approx(prof.mean_score.tolist(), rel=2e-4, abs=1e-6)
 
 

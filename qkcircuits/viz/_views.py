@@ -98,7 +98,10 @@ def ov_figure(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, view
 def offsets_figure(ctx: ViewContext, head: Head) -> Optional[Dict]:
     """Score against query−key offset, or None when the QK circuit has no position in it."""
     prof = positional_profile(ctx, head)
-    return F.profile_line(prof["offsets"], prof["score"], prof["label"], str(head)) if prof else None
+    if prof is None:
+        return None
+    return F.profile_line(prof["offsets"], prof["score"], prof["label"], str(head),
+                          None if prof["flat"] else prof["preferred_offset"])
 
 
 def partners_figure(ctx: ViewContext, head: Head) -> Optional[Dict]:
