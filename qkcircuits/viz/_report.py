@@ -127,7 +127,21 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
     return page(data["title"], f"window.QK_SOURCE = {embed_json(data)};", scripts, server=False)
 
 
-def report_sections(cview, scores, n_layers: int, n_heads: int, n_kv: int) -> List[Dict]:
+def circuit_page(circuit, title: Optional[str] = None, source: Optional[str] = None) -> str:
+    """A page with the circuit section alone (``qkcircuits circuit -o``): the report's own section (the same blocks:
+    warnings, summary, faithfulness curve, graph, roles, core, top edges) drawn by the same script, no model
+    needed. ``circuit``: what ``report_html(circuit=...)`` takes; ``source``: the file name the section names."""
+    view = load_circuit(circuit)
+    if source:
+        view.source = str(source)
+    name = title or str(view.get("model") or "circuit")
+    data = {"mode": "static", "title": f"qkcircuits circuit: {name}", "summary": "", "grids": [], "heads": [],
+            "panels": {}, "left_out": "", "sections": report_sections(view, None, None, None, None)}
+    return page(data["title"], f"window.QK_SOURCE = {embed_json(data)};", f"<script>{script_text('plotly')}</script>",
+                server=False)
+
+
+def report_sections(cview, scores, n_layers: Optional[int], n_heads: Optional[int], n_kv: Optional[int]) -> List[Dict]:
     """The sections above the head grids, in order (each ``{id, title, blocks}``; ``_page`` draws the blocks): the
     circuit of ``--circuit``, then the scan's causal check. A new panel is one more entry here."""
     out: List[Dict] = []
