@@ -360,3 +360,15 @@ def test_the_cli_json():
     s = summary(load_circuit(CLI))
     assert "metric logit-diff;" in s and "method eap;" in s and "3 edges (chosen at 5 %" in s
     assert [x.x0 for x in plot.faithfulness(CLI).layout.shapes if x.xref == "x"] == [5.0]
+
+
+def test_app_shows_the_circuit_section(hand_built):
+    from qkcircuits.viz import create_app
+
+    app = create_app(hand_built, circuit=CHAIN)
+    info = app.test_client().get("/api/info").get_json()
+    sec = [s for s in info["sections"] if s["id"] == "circuit-section"][0]
+    graph = [f for b in sec["blocks"] if b["type"] == "figures" for f in b["figures"] if f["id"] == "circuit-graph"]
+    assert graph and graph[0]["figure"]["meta"]["which"] == "edges"              # no core in CHAIN: the edge circuit
+    with pytest.raises(qk.QKCircuitsError, match="names 2.3, but the model has 2 layers x 2 heads"):
+        create_app(hand_built, circuit=WIDE)

@@ -68,6 +68,11 @@ WARN_SIZE = 12
 WARN_COLOUR = "#b00000"
 
 
+def _esc(text: str) -> str:
+    """File text for plotly's pseudo-HTML (titles, legend, hover, annotations): < > & as entities, shown as typed."""
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def edge_width(score: float, top: float) -> float:
     """Line width in px: ``MAX_WIDTH`` × |score| / ``top`` (the largest drawn |score|), at least ``MIN_WIDTH``."""
     return max(MIN_WIDTH, MAX_WIDTH * abs(score) / top)
@@ -149,7 +154,7 @@ def _row_name(n: Node) -> str:
 
 def _node_hover(view: CircuitView, n: Node, group: Optional[int], core_rank: Dict[Node, int]) -> str:
     r = view.roles.get(str(n)) or (view.roles.get(n.base) if n.pos else None)
-    role = view.role(n) or ("none" if n.kind == "head" else n.kind)
+    role = _esc(view.role(n) or ("none" if n.kind == "head" else n.kind))
     text = f"<b>{n}</b><br>role: {role}"
     if n.kind == "kv":
         shared = (f"query heads {n.layer}.{n.index * group}-{n.layer}.{(n.index + 1) * group - 1}" if group
@@ -160,12 +165,12 @@ def _node_hover(view: CircuitView, n: Node, group: Optional[int], core_rank: Dic
         text += f"<br>core: chosen {core_rank[n] + 1} of {len(core_rank)}"
     ev = r.get("evidence") if isinstance(r, dict) else None
     if isinstance(ev, dict):                  # one line per item: the hover stays narrow
-        text += "".join(f"<br>{k}: {evidence_text(v)}" for k, v in ev.items())
+        text += "".join(f"<br>{_esc(k)}: {_esc(evidence_text(v))}" for k, v in ev.items())
     elif ev is not None:
-        text += "<br>" + evidence_text(ev)
+        text += "<br>" + _esc(evidence_text(ev))
     qk = r.get("qk") if isinstance(r, dict) else None      # QK evidence (query/key sources), when the file has it
     if isinstance(qk, dict):
-        text += "".join(f"<br>{side}: {evidence_text(v)}" for side, v in qk.items())
+        text += "".join(f"<br>{_esc(side)}: {_esc(evidence_text(v))}" for side, v in qk.items())
     return text
 
 
@@ -244,8 +249,8 @@ def circuit_graph(view: CircuitView, n_layers: Optional[int] = None, n_heads: Op
         into = f" ({e.input})" if e.input and e.input != "in" else ""
         htext.append(f"{e.sender} → {e.receiver}{into}<br>score {e.score:.4g}"
                      + (f"<br>{note}" if note else "")
-                     + f"<br>{e.sender}: {view.role(e.sender) or 'no role'}; "
-                       f"{e.receiver}: {view.role(e.receiver) or 'no role'}")
+                     + f"<br>{e.sender}: {_esc(view.role(e.sender) or 'no role')}; "
+                       f"{e.receiver}: {_esc(view.role(e.receiver) or 'no role')}")
     if pairs:
         traces.append(go.Scatter(x=hx, y=hy, mode="markers", name="edges", showlegend=False, text=htext,
                                  marker=dict(size=7, color="rgba(0,0,0,0.15)"),
@@ -259,7 +264,7 @@ def circuit_graph(view: CircuitView, n_layers: Optional[int] = None, n_heads: Op
     for name, ns in by_group.items():
         colour = KIND_COLOURS[plain[name]] if name in plain else _role_colour(name, seen)
         traces.append(go.Scatter(x=[round(mark[n][0], 1) for n in ns], y=[mark[n][1] for n in ns],
-                                 mode="markers+text", name=name, text=[label[n] for n in ns],
+                                 mode="markers+text", name=_esc(name), text=[label[n] for n in ns],
                                  textposition="middle right", textfont=dict(size=FONT),
                                  customdata=[[n.base, _node_hover(view, n, group, core_rank), str(n)] for n in ns],
                                  marker=dict(size=MARKER, color=colour, line=dict(color="#000", width=1),
@@ -297,13 +302,13 @@ def _figure(view, which, traces, spots, nodes, rank, width, order, pairs, legend
     ticks = [(y, row_names[r]) for r, y in rows]
     left = int(max((text_px(t, FONT) for _, t in ticks), default=20) + 18)
     right = int(max((text_px(t, FONT) for t in legend), default=20) + 56)
-    plot_w = max(x1 - x0, 320.0)
+    plot_w = max(x1 - x0, 420.0)
     if plot_w > x1 - x0:                                   # a narrow graph: centred in a readable figure
         extra = (plot_w - (x1 - x0)) / 2
         x0, x1 = x0 - extra, x1 + extra
     W = int(round(left + plot_w + right))
     title = _title(view, which, pairs, nodes)
-    warn_lines = [line for w in view.warnings for line in wrap("⚠ " + w, W - 24, WARN_SIZE)]
+    warn_lines = [_esc(line) for w in view.warnings for line in wrap("⚠ " + w, W - 24, WARN_SIZE)]
     warn_px = int(round(len(warn_lines) * WARN_SIZE * 1.35)) + (8 if warn_lines else 0)
     top = 64 + warn_px
     H = int(round(top + (y1 - y0) + 16))

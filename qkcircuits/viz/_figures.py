@@ -55,10 +55,10 @@ TOP_MARGIN = 64
 
 
 # Text widths are estimated, not measured (the figure is built in Python): CHAR_EM × font size per character is
-# above the mean width of a sans-serif character (~0.5 em for lower case, ~0.65 em for capitals and digits
-# mixed in labels like "18.6 OV"), so an estimated line is never shorter than the drawn one; the browser
-# tests (tests/test_report_layout.py) measure that no text is cut by its figure's edge.
-CHAR_EM = 0.62
+# above the mean width of the labels and titles drawn here (measured in Chromium's default sans-serif: ~0.45 em
+# for a title, ~0.55 em for labels of digits like "23.7"); the browser tests (tests/test_report_layout.py,
+# tests/test_circuit_graph.py) measure that no text is cut by its figure's edge and no label overlaps another.
+CHAR_EM = 0.56
 TITLE_SIZE = 14
 LINE_PX = 1.3           # line height in font sizes
 
