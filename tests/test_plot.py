@@ -235,8 +235,8 @@ def drawn_edges(fig):
 
 
 def expected_edges(res, per_input):
-    """Independent of the builder: per receiver and input, senders above 0 and above the raw 95th percentile of
-    that receiver's non-NaN effects, the ``per_input`` largest."""
+    """Independent of the builder: per receiver and input, senders above 0, above the raw 95th percentile of that
+    receiver's non-NaN effects and at least 10 % of its clean value (docs/mechanism.md), the ``per_input`` largest."""
     out = []
     for i, r in enumerate(res.receivers):
         for x in res.into:
@@ -244,7 +244,8 @@ def expected_edges(res, per_input):
             vals = row[~row.isnan()].double()
             p95 = float(torch.quantile(vals, 0.95))
             cand = sorted(((float(row[l, h]), f"{l}.{h}") for l, h in (~row.isnan()).nonzero().tolist()), reverse=True)
-            out += [(s, str(r), x, float(f"{e:.5g}")) for e, s in cand[:per_input] if e > p95 and e > 0]
+            floor = 0.1 * abs(float(res.clean[x][i]))
+            out += [(s, str(r), x, float(f"{e:.5g}")) for e, s in cand[:per_input] if e > p95 and e > 0 and e >= floor]
     return sorted(out)
 
 

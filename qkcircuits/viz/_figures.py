@@ -250,7 +250,8 @@ def partners_bar(partners: Sequence[Sequence], head: str) -> Dict:
     vals = [round_float(p[1]) for p in partners][::-1]
     bar = go.Bar(x=vals, y=names, orientation="h",
                  hovertemplate="earlier head %{y}<br>K-composition %{x:.4f}<extra></extra>")
-    fig = go.Figure(bar, layout=base_layout(f"{head} K-composition partners", height=max(220, 104 + 26 * len(names)),
+    fig = go.Figure(bar, layout=base_layout(f"{head} K-composition partners (weights only)",
+                                        height=max(220, 104 + 26 * len(names)),
                                         width=420, xaxis=dict(title="score − random baseline"),
                                         yaxis=dict(type="category")))
     return figure_dict(fig)
@@ -300,7 +301,7 @@ def circuit_graph(nodes: Sequence[Dict], edges: Sequence[Dict], n_layers: int, n
     ``nodes``: [{"head": "L.H", "layer", "index", "label"}]; ``edges``: [{"src", "dst", "input", "effect"}] with
     src/dst as (layer, head). Nodes are coloured by their first scan label; edges by input, labelled q/k/v."""
     traces = []
-    annotations = []
+    hx, hy, htext = [], [], []
     for e in edges:
         (l0, h0), (l1, h1) = e["src"], e["dst"]
         # meta: the edge as data (sender, receiver, input, effect), so a figure can be checked against its result
@@ -308,10 +309,21 @@ def circuit_graph(nodes: Sequence[Dict], edges: Sequence[Dict], n_layers: int, n
                                  meta={"src": f"{l0}.{h0}", "dst": f"{l1}.{h1}", "input": e["input"],
                                        "effect": round_float(e["effect"])},
                                  line=dict(color=INPUT_COLOURS[e["input"]], width=1 + 5 * min(1.0, abs(e["effect"])))))
-        # label at 40% of the way from the receiver: edges into one receiver fan out there
-        annotations.append(dict(x=h1 + 0.4 * (h0 - h1), y=l1 + 0.4 * (l0 - l1), text=f"{e['input']} {e['effect']:.2f}",
-                                showarrow=False, font=dict(size=9, color=INPUT_COLOURS[e["input"]]),
-                                bgcolor="rgba(255,255,255,0.7)"))
+        # the effect in the hover of a marker at 40% of the way from the receiver (no text on the edges: labels of
+        # edges into one receiver overlapped)
+        hx.append(h1 + 0.4 * (h0 - h1))
+        hy.append(l1 + 0.4 * (l0 - l1))
+        share = f" ({e['effect'] / abs(e['clean']):.0%} of the clean {e['clean']:.3g})" if e.get("clean") else ""
+        htext.append(f"{l0}.{h0} → {l1}.{h1} ({e['input']})<br>effect {e['effect']:.3f}{share}")
+    if edges:
+        traces.append(go.Scatter(x=hx, y=hy, mode="markers", name="edges", showlegend=False, text=htext,
+                                 marker=dict(size=8, color=[INPUT_COLOURS[e["input"]] for e in edges], opacity=0.5),
+                                 hovertemplate="%{text}<extra></extra>"))
+    for x in INPUT_COLOURS:                   # the legend of the edge colours (no data: one entry per input)
+        if any(e["input"] == x for e in edges):
+            traces.append(go.Scatter(x=[None], y=[None], mode="markers", name=f"into {x}",
+                                     marker=dict(color=INPUT_COLOURS[x], symbol="line-ew-open", size=14,
+                                                 line=dict(width=3, color=INPUT_COLOURS[x]))))
     by_label: Dict[str, List[Dict]] = {}
     for n in nodes:
         by_label.setdefault(n["label"] or "no label", []).append(n)
@@ -326,7 +338,6 @@ def circuit_graph(nodes: Sequence[Dict], edges: Sequence[Dict], n_layers: int, n
     hi = max([n["layer"] for n in nodes], default=n_layers - 1)
     fig = go.Figure(traces, layout=base_layout(
         title, height=max(320, min(900, 140 + 40 * (hi - lo + 1))), width=max(520, 160 + 70 * n_heads),
-        annotations=annotations,
         xaxis=dict(title="head", range=[-0.5, n_heads - 0.5], dtick=1),
         yaxis=dict(title="layer", range=[hi + 0.5, lo - 0.5], dtick=1 if hi - lo <= 16 else 2),
         legend=dict(orientation="h", y=-0.2)))
