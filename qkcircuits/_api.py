@@ -5,12 +5,6 @@ Add new public names here (the import) and to ``__all__`` in ``qkcircuits/__init
 """
 
 # ruff: noqa: F401
-# First, before transformers / TransformerLens import tqdm.auto: in a Jupyter kernel without ipywidgets that import
-# prints "TqdmWarning: IProgress not found" into the notebook (our own bars do not use tqdm there).
-from ._foundation.progress import quiet_tqdm_auto
-
-quiet_tqdm_auto()
-
 # Foundation: loading, heads, prompt sets, hooks.
 from ._foundation.capture import Activations, capture, edit, has_rotary, hook_name, stream
 from ._foundation.errors import QKCircuitsError

@@ -52,6 +52,7 @@ def figure_dict(fig: go.Figure) -> Dict:
 # the title's and the toolbar's boxes intersect). The title now starts below the toolbar, left-aligned.
 TOOLBAR_PX = 30
 TOP_MARGIN = 64
+MULTILINE_PX = 12
 
 
 # Text widths are estimated, not measured (the figure is built in Python): CHAR_EM × font size per character is
@@ -104,10 +105,13 @@ def base_layout(title: str, **kw) -> Dict:
     (its plot area stays the size asked for), so no title runs past the right edge."""
     width = kw.get("width")
     lines = wrap(title, width - 16, TITLE_SIZE) if width else [title]
-    extra = int(round(LINE_PX * TITLE_SIZE * (len(lines) - 1)))
+    # plotly draws a title of several lines ~10 px higher than one of a single line (measured in Chromium: the
+    # box's top at 17 px instead of 27 px below the figure's top), into the toolbar: pushed down by MULTILINE_PX
+    shift = MULTILINE_PX if len(lines) > 1 else 0
+    extra = int(round(LINE_PX * TITLE_SIZE * (len(lines) - 1))) + shift
     base = dict(template="none", title=dict(text="<br>".join(lines), font=dict(size=TITLE_SIZE), x=0,
                                             xref="container", xanchor="left", y=1, yref="container", yanchor="top",
-                                            pad=dict(t=TOOLBAR_PX, l=8)),
+                                            pad=dict(t=TOOLBAR_PX + shift, l=8)),
                 margin=dict(l=60, r=20, t=TOP_MARGIN, b=50), font=dict(size=11))
     base.update(kw)
     if extra:
@@ -178,10 +182,17 @@ def qk_heatmap(matrix: Tensor, labels: Sequence[str], head: str, view: str = "di
                     reversescale=True, zmid=0, colorbar=dict(thickness=10),
                     hovertemplate="query %{customdata[0]}<br>key %{customdata[1]}<br>score %{z:.4f}<extra></extra>")
     side = max(340, min(740, 114 + 16 * n))
+    # margins hold the tick labels and the axis titles: the left one the longest label, the bottom one the longest
+    # label turned by 60° (sin 60° of its length plus half a line); the plot area keeps its size
+    longest = text_px(max(shown, key=len, default=""), 11)
+    left, bottom = int(longest) + 44, int(0.87 * longest + 6) + 42
     fig = go.Figure(hm, layout=base_layout(
-        f"{head} QK over tokens ({view} inputs, pre-softmax, no biases)", height=side, width=side + 80,
-        xaxis=dict(title="key token", tickvals=list(range(n)), ticktext=shown, tickangle=-60),
-        yaxis=dict(title="query token", tickvals=list(range(n)), ticktext=shown, autorange="reversed")))
+        f"{head} QK over tokens ({view} inputs, pre-softmax, no biases)", height=side - 50 + bottom,
+        width=side + 20 + left, margin=dict(l=left, r=20, t=TOP_MARGIN, b=bottom),
+        xaxis=dict(title=dict(text="key token", standoff=4), tickvals=list(range(n)), ticktext=shown, tickangle=-60,
+                   automargin=False),
+        yaxis=dict(title=dict(text="query token", standoff=4), tickvals=list(range(n)), ticktext=shown,
+                   autorange="reversed", automargin=False)))
     return figure_dict(fig)
 
 
