@@ -58,7 +58,7 @@ ROLE_COLOURS = {"name mover": "#2ca02c", "negative name mover": "#9467bd", "s-in
                 "direct-logit head": "#e377c2", "feeds the circuit": "#17becf", "unclassified": "#7f7f7f",
                 "minor": "#c7c7c7"}
 SYMBOLS = {"head": "circle", "kv": "diamond"}        # embed, MLPs, logits: squares
-KIND_COLOURS = {"embed": "#444444", "logits": "#444444", "mlp": "#bcbd22", "head": "#c7c7c7", "kv": "#ffffff"}
+KIND_COLOURS = {"embed": "#444444", "logits": "#444444", "mlp": "#bcbd22", "head": "#ffffff", "kv": "#ffffff"}
 FALLBACK = ["#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5", "#c49c94", "#dbdb8d"]
 CORE_IN_EDGES = 3      # the core graph draws the 3 strongest edges (by |score|) into each node
 MARKER = 12            # px, node marker size
@@ -285,7 +285,7 @@ def _title(view: CircuitView, which: str, pairs, nodes) -> str:
         n = len(view.edges)
         cut = f"top {len(pairs)} of {n} edges by |score|" if len(pairs) < n else f"{len(pairs)} edges"
         head = f"edge circuit{how}: {cut}, {len(nodes)} nodes"
-    kv = "; ◇ = KV head (its k/v inputs are shared by its query heads)" if any(n.kind == "kv" for n in nodes) else ""
+    kv = "<br>◇ = KV head (its k/v inputs are shared by its query heads)" if any(n.kind == "kv" for n in nodes) else ""
     return (f"{head}<br>width ∝ |score| (≥ {MIN_WIDTH:g} px), red +, blue −; q solid, k dashed, v dotted{kv}")
 
 

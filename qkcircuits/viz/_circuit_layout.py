@@ -6,7 +6,7 @@
 >>> sorted(spots.nodes)                        # (x, y) of each node's centre, in px
 ['0.0', '1.0', 'emb', 'logits']
 >>> [round(spots.nodes[n][1]) for n in ("emb", "0.0", "1.0", "logits")]   # y: one row per used rank
-[0, 64, 128, 192]
+[0, 46, 92, 138]
 >>> len(spots.routes[("emb", "1.0")])          # a long edge bends through a point on each row it crosses
 3
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
-ROW_PX = 64.0        # between two rows (a label is ~15 px tall, a marker 12)
+ROW_PX = 46.0        # between two rows (a label is ~15 px tall, a marker 12)
 GAP_PX = 16.0        # padding a node box keeps beside its label (part of its width in the layout)
 SPACE_PX = 3.0       # between any two items of a row (node boxes, bend points)
 COLUMN_GAP_PX = 60.0 # between two position columns
