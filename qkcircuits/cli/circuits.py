@@ -1,13 +1,15 @@
 """``qkcircuits circuits MODEL --head 3.1 [--tokens TEXT] [--json PATH]``: one head's circuits in brief.
 
-    $ qkcircuits circuits smollm2-135m --head 29.2 [--verify]
-    head 29.2 of HuggingFaceTB/SmolLM2-135M-Instruct  (fold_ln True, scale 0.125, rotary halves base 100000)
-    eigen copying: OV 0.999, full OV (W_E·OV·W_U) 0.999  (rank 1 of 270 by full OV)
-    K-composition partners (baseline 0.0416 subtracted): 22.4 0.031, 6.4 0.027, 0.2 0.026, 0.0 0.025, 2.4 0.022
-    offset profile (rotary) over 0-64 (rows: 66 tokens of natural text): prefers offset 1 (score 5.53; at 0: 5.49; range 2.6)
+    $ qkcircuits circuits smollm2-135m --head 16.0 [--verify]
+    head 16.0 of HuggingFaceTB/SmolLM2-135M-Instruct  (fold_ln True, scale 0.125, rotary halves base 100000)
+    eigen copying: OV -0.225, full OV (W_E·OV·W_U) -0.208  (rank 192 of 270 by full OV)
+    KV cache: 1,536 B per token per layer (GQA 3 of 9), 0.33x of multi-head attention (4,608 B), fp32
+    K-composition partners (baseline 0.0416 subtracted): 14.3 0.017, 15.7 0.017, 15.2 0.016, 14.5 0.016, 15.8 0.015
+    offset profile (rotary) over 0-64 (rows: layer 16's input over 869 corpus tokens (contextual mean, BOS left out)): prefers offset 1 (score 2.45; at 0: -2.5; range 25.8)
+    copying rank (contextual inputs): median 22448 of 49152, top-1 for 0% of 64 corpus tokens in the token pool (271)
 
 Prints the eigenvalue copying scores, the earlier heads the head's keys read most (K-composition),
-positions (rotary: the offset profile; learned: the positional QK by offset), and for ``--tokens``
+positions (the offset profile the report and ``qk.plot.offsets`` draw: ``_weights/offsets``), and for ``--tokens``
 the output tokens the full OV circuit sends the first tokens to. ``--json`` writes all of it.
 """
 
