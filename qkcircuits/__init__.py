@@ -39,6 +39,8 @@ __all__ = sorted([
     "text_loss",
     "INTO", "VIEWS", "Backend", "Local", "Ray", "as_backend",
     "PathEffects", "edge_attribution", "path_patch", "trace_induction", "Zoo", "zoo",
+    # why a head attends
+    "Attribution", "attend", "attend_heads",
     # tasks and circuits over the whole graph
     "EdgeScores", "Faithfulness", "Graph", "NodeScores", "Roles", "Task", "TaskCircuit", "edge_scores", "faithfulness",
     "graph", "node_faithfulness", "node_scores", "tasks",

@@ -46,6 +46,10 @@ from ._paths.path_effects import PathEffects
 from ._weights.contextual import INPUTS as VIEWS     # the token views ("direct", ...); qk.INPUTS is the old name
 from ._paths.trace import trace_induction
 
+# Why a head attends: exact QK attribution of its scores into pairs of upstream sources.
+from ._explain.attend import attend, attend_heads
+from ._explain.attribution import Attribution
+
 # Explain a behaviour: tasks, the whole graph's edge scores, circuits and their faithfulness.
 from ._tasks import builders as tasks
 from ._tasks.circuit import Circuit as TaskCircuit

@@ -35,8 +35,8 @@ from .viz._notebook import AttentionView, Figure, as_figure, set_bundle, setup
 from .viz._panels import ViewContext, prompt_ids, token_set, token_strings
 from .viz._panels import attention as _patterns
 
-__all__ = ["AttentionView", "Figure", "attention", "circuit", "diagnostics", "effects", "faithfulness", "offsets", "ov",
-           "qk", "reads_from", "scores", "set_bundle", "setup", "trace"]
+__all__ = ["AttentionView", "Figure", "attend", "attention", "circuit", "diagnostics", "effects", "faithfulness", "offsets",
+           "ov", "qk", "reads_from", "scores", "set_bundle", "setup", "trace"]
 
 # One ViewContext per model (its caches: layer weights, unembedding, weight-only scores); dropped with the model.
 _contexts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -165,6 +165,26 @@ def circuit(result, max_edges: int = 300, model=None, roles=None, which: str = "
         L, H, kv = int(model.cfg.n_layers), int(model.cfg.n_heads), n_kv_heads(model)
         check_against_model(view, L, H, kv)
     return as_figure(circuit_graph(view, L, H, max_edges, n_kv=kv, which=which))
+
+
+def attend(result, k: int = 12) -> Figure:
+    """Why a head attends (``qk.attend(...)``, or its ``--json`` file's path or text): the pair heatmap of the ``k``
+    largest query sources (rows) × key sources (columns), the rest merged into one "rest" row and column so the
+    cells add up to the total, with each side's marginal as bars; sources labelled with their roles when the
+    result carries labels (``settings["labels"]``, e.g. from ``qkcircuits attend``)."""
+    from ._explain.attribution import Attribution
+    from ._foundation.io import check_int
+    from .viz._attend_view import attend_figure
+
+    check_int("k", k)
+    if not isinstance(result, Attribution):
+        from pathlib import Path
+
+        if not isinstance(result, (str, Path)):
+            raise QKCircuitsError(f"plot.attend draws an Attribution (qk.attend(...)) or its JSON, got "
+                                  f"{type(result).__name__}")
+        result = Attribution.from_json(result)
+    return as_figure(attend_figure(result, k))
 
 
 def faithfulness(result) -> Figure:

@@ -7,6 +7,7 @@
 >>> folder = tiny_gemma3(tmp / "gemma3")             # doctest: +SKIP  QK-norm, sliding window, rotary per layer type
 >>> folder = tiny_gemma2(tmp / "gemma2")             # doctest: +SKIP  attention and FINAL logit soft-caps, post-norms
 >>> folder = tiny_cohere(tmp / "cohere")             # doctest: +SKIP  interleaved rotary pairs, parallel blocks
+>>> folder = tiny_cohere_qknorm(tmp / "cohere_qk")   # doctest: +SKIP  + a per-head LayerNorm QK-norm
 >>> folder = tiny_smollm3(tmp / "smollm3")           # doctest: +SKIP  a position-free (NoPE) middle layer
 >>> folder = tiny_gptneo(tmp / "gptneo")             # doctest: +SKIP  unscaled scores, a local (windowed) layer
 >>> folder = tiny_neox(tmp / "neox")                 # doctest: +SKIP  parallel blocks, partial rotary (Pythia)
@@ -176,6 +177,15 @@ def tiny_cohere(folder: Path, *, tokenizer=None) -> Path:
     return _tiny_family(folder, "CohereConfig", "CohereForCausalLM", SEED + 8, tokenizer, hidden_size=32,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
                         max_position_embeddings=N_CTX, pad_token_id=0,
+                        rope_parameters={"rope_type": "default", "rope_theta": 600.0})
+
+
+def tiny_cohere_qknorm(folder: Path, *, tokenizer=None) -> Path:
+    """Cohere with its QK-norm on: a LayerNorm per head (weights [heads, d_head], centring each head's query and key
+    on its own), interleaved rotary after it, parallel blocks; 2 layers, 4 query / 2 KV heads."""
+    return _tiny_family(folder, "CohereConfig", "CohereForCausalLM", SEED + 11, tokenizer, hidden_size=32,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                        max_position_embeddings=N_CTX, pad_token_id=0, use_qk_norm=True,
                         rope_parameters={"rope_type": "default", "rope_theta": 600.0})
 
 

@@ -43,3 +43,22 @@ def test_edge_attribution_agrees_with_exact_path_patching(traced):
               f"over all {len(e)} edges = {spearman(e, a):.3f}")
         # Goal 0.7 (issue 10); measured 1.00 / 0.92 / 0.82 (docs/mechanism.md), deterministic prompts.
         assert rho >= 0.7, (r, rho)
+
+
+def test_attend_reads_the_same_key_source_in_one_forward(traced, smollm2):
+    # QK attribution (one forward per head) names the key source path patching finds with one patched run per
+    # sender; the query side's largest source is the token-identity path (MLP 0 of the token alone)
+    _, recv, exact, _ = traced
+    task = qk.tasks.induction(smollm2)
+    for r in recv:
+        res = qk.attend(smollm2, r, task=task)
+        assert res.exact_error <= 1e-5, (r, res.exact_error)
+        assert res.key_sources(1)[0][0] == str(exact.top(r, "k", 1)[0][0]), (r, res.key_sources(3))
+        assert res.query_sources(1)[0][0] == "mlp0[token]", (r, res.query_sources(3))
+
+
+def test_attend_on_ioi_positions_is_exact(smollm2):
+    task = qk.tasks.ioi(smollm2, n=16)
+    res = qk.attend(smollm2, "23.0", task=task, query="END", key="IO", versus="S1")
+    assert res.exact_error <= 1e-5 and len(res.rows) == 16
+    assert res.total == pytest.approx(sum(r["value"] for r in res.rows) / 16, rel=1e-9)

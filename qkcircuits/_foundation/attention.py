@@ -15,10 +15,9 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-from jaxtyping import Float
-from torch import Tensor
 
 from .arch import adapter
+from .arch.rotary import rotate_native  # noqa: F401  (re-exported: rotate hook-layout q/k with a TL-native rotary)
 
 
 def attention_component(model, layer: int):
@@ -49,16 +48,3 @@ def sliding_window(model, layer: int) -> Optional[int]:
 def native_rotary(model, layer: int = 0) -> Optional[torch.nn.Module]:
     """The rotary module of a TransformerLens-native attention layer, or None (HF bridges fire the rot hooks)."""
     return adapter(model, layer).native_rotary()
-
-
-def rotate_native(rotary: torch.nn.Module, q: Float[Tensor, "batch pos head d"], k: Float[Tensor, "batch pos kv d"]
-                  ) -> "tuple[Tensor, Tensor]":
-    """q and k rotated exactly as the native module does (its own ``apply_rope``), in hook layout.
-
-    ``q``/``k`` are [batch, pos, head, d_head] as ``hook_q``/``hook_k`` hold them (k may have fewer,
-    KV, heads); the result is on their device, in their layout. Memory: one copy of each.
-    """
-    dev = rotary.cos_cached.device
-    with torch.no_grad():
-        rq, rk = rotary.apply_rope(q.transpose(1, 2).to(dev), k.transpose(1, 2).to(dev))
-    return rq.transpose(1, 2).to(q.device), rk.transpose(1, 2).to(k.device)

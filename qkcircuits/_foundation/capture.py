@@ -39,6 +39,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .arch import adapter, architecture, family
+from .arch.rotary import has_rotary  # noqa: F401  (re-exported)
 from .attention import attention_scale, native_rotary, rotate_native
 from . import display as show
 from .result import Result
@@ -71,12 +72,6 @@ def hook_name(name: str, layer: int) -> str:
     """``hook_name("rot_q", 3) == "blocks.3.attn.hook_rot_q"``."""
     _check_names([name])
     return f"blocks.{layer}.attn.{NAMES[name][0]}"
-
-
-def has_rotary(model) -> bool:
-    """Whether the model applies rotary embeddings (it then exposes ``hook_rot_q``/``hook_rot_k``)."""
-    attn = model.blocks[0].attn
-    return hasattr(attn, "hook_rot_q") and getattr(model.cfg, "positional_embedding_type", "standard") == "rotary"
 
 
 def _check_names(names: Iterable[str]) -> List[str]:

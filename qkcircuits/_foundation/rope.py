@@ -75,3 +75,38 @@ def rotate(spec: RotarySpec, x: Float[Tensor, "batch pos head d"], start: int = 
     fires ``hook_rot_q/k`` (GPT-J, GPT-NeoX) multiplies. Memory: one [pos, d_head, d_head] table and one copy."""
     R = rotation(spec, range(start, start + x.shape[1])).to(device=x.device, dtype=x.dtype)   # [pos, d, d]
     return torch.einsum("bphd,pde->bphe", x, R)
+
+
+def rotate_tables(spec: RotarySpec, positions: Tensor, dtype: torch.dtype):
+    """(C, S, perm) with ``y`` at ``positions`` rotated = y · C + y[..., perm] · S: per coordinate its cosine (1 where
+    it passes through) and signed sine, ``perm`` its pair partner; C and S are [*positions.shape, d_head]."""
+    a, b = _pair_index(spec)
+    ang = positions.to(torch.float64).unsqueeze(-1) * spec.omega.to(positions.device, torch.float64)
+    c, s = ang.cos() * spec.scaling, ang.sin() * spec.scaling
+    C = torch.ones(*positions.shape, spec.d_head, dtype=torch.float64, device=positions.device)
+    S = torch.zeros_like(C)
+    a, b = a.to(positions.device), b.to(positions.device)
+    C[..., a], C[..., b] = c, c
+    S[..., a], S[..., b] = -s, s                     # x'_a = x_a c − x_b s ; x'_b = x_b c + x_a s
+    perm = torch.arange(spec.d_head, device=positions.device)
+    perm[a], perm[b] = b, a
+    return C.to(dtype), S.to(dtype), perm
+
+
+def rotate_at(spec: RotarySpec, y: Float[Tensor, "... d"], positions: Tensor, tables=None) -> Float[Tensor, "... d"]:
+    """``y`` rotated by ``spec`` where each row sits at ``positions`` (broadcast against ``y.shape[:-1]``):
+    the same map as ``y @ rotation(spec, [p])[0]``, elementwise (no [pos, d, d] table), in ``y``'s dtype;
+    ``tables``: ``rotate_tables(spec, positions, y.dtype)`` when the caller keeps them."""
+    C, S, _ = tables if tables is not None else rotate_tables(spec, positions.to(y.device), y.dtype)
+    return torch.addcmul(y * C, _partners(spec, y), S)
+
+
+def _partners(spec: RotarySpec, y: Tensor) -> Tensor:
+    """``y`` with each rotated coordinate replaced by its pair partner (pass-through ones unchanged), by slicing:
+    a gather along the last axis is several times slower on CPU."""
+    o, rd, h = spec.offset, spec.rotary_dim, spec.rotary_dim // 2
+    if spec.style == "halves":
+        mid = [y[..., o + h:o + rd], y[..., o:o + h]]
+    else:
+        mid = [y[..., o:o + rd].unflatten(-1, (h, 2)).flip(-1).flatten(-2)]
+    return torch.cat([y[..., :o], *mid, y[..., o + rd:]], -1)

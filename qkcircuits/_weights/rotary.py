@@ -17,6 +17,7 @@ k pairs with k + rotary_dim/2) or ``pairs`` (adjacent 2k, 2k+1: the TL-native mo
 
 from __future__ import annotations
 
+import copy
 import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -27,8 +28,8 @@ from torch import Tensor
 from transformer_lens.FactoredMatrix import FactoredMatrix
 
 from .._foundation.arch import adapter
-from .._foundation.attention import layer_type, native_rotary, rotate_native, sliding_window  # noqa: F401 (re-exported)
-from .._foundation.capture import has_rotary
+from .._foundation.arch.rotary import has_rotary, rotate_native  # noqa: F401 (re-exported)
+from .._foundation.attention import layer_type, native_rotary, sliding_window  # noqa: F401 (re-exported)
 from .._foundation import display as show
 from .._foundation.result import Result
 from .._foundation.rope import STYLES, RotarySpec, rotate, rotation  # noqa: F401 (re-exported)
@@ -38,10 +39,11 @@ from .circuits import CHUNK_ROWS, to_head, attn_scale, is_folded, layer_weights,
 
 
 def rotary_spec(model, base: Optional[float] = None, verify: bool = True, layer: int = 0) -> RotarySpec:
-    """The rotary settings of ``layer`` (its own frequencies where the model keeps one set per layer type);
-    ``base`` replaces the frequencies with base^(−2k/rotary_dim) (e.g. to show that a wrong base breaks the
-    identity). ``verify`` rotates the layer's queries of a short sequence and compares them with the
-    model's own ``hook_rot_q`` (one partial forward)."""
+    """The rotary settings of ``layer`` (its own frequencies where the model keeps one set per layer type), as
+    its architecture adapter reads them (``_foundation/arch/rotary``); ``base`` replaces the frequencies with
+    base^(−2k/rotary_dim) (e.g. to show that a wrong base breaks the identity). ``verify`` rotates the layer's
+    queries of a short sequence and compares them with the model's own ``hook_rot_q`` (one partial forward,
+    once per layer: the adapter keeps the verified spec). Returns a copy the caller may change."""
     if not has_rotary(model):
         raise QKCircuitsError(f"this model has positional embedding type "
                               f"{getattr(model.cfg, 'positional_embedding_type', 'standard')!r}, not rotary; use "
@@ -49,40 +51,7 @@ def rotary_spec(model, base: Optional[float] = None, verify: bool = True, layer:
     n_layers = int(model.cfg.n_layers)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
         raise QKCircuitsError(f"layer {layer!r} is out of range: the model has layers 0-{n_layers - 1}")
-    att = adapter(model, layer)
-    d_head, caveats = int(att.d_qk), []
-    native = getattr(model.original_model, "rotary", None)
-    if att.family == "latent":
-        # the decoupled rotary part: d_rope coordinates after the d_nope content ones, one frequency set
-        rot = att.rotary_module()
-        rope = getattr(model.original_model.config, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-        spec = RotarySpec(rot.inv_freq.detach().float().cpu(), att.rope_style, att.d_rope, d_head,
-                          float(getattr(rot, "attention_scaling", 1.0) or 1.0), float(theta) if theta else None,
-                          f"HF {type(rot).__name__}.inv_freq ({'complex pairs' if att.rope_style == 'pairs' and not att.rope_permuted else 'interleaved pairs' if att.rope_permuted else 'halves'})",
-                          offset=att.d_nope)
-    elif native is not None and hasattr(native, "cos_cached"):
-        from transformer_lens.model_bridge.sources.native.model import _resolve_rope_scaling
-        rd = int(native.rotary_dim)
-        eff_base, pos_scale, inv = _resolve_rope_scaling(model.cfg, rd)
-        spec = RotarySpec(inv.float() / float(pos_scale), "pairs", rd, d_head, 1.0, float(eff_base), "TL-native rotary")
-    elif not getattr(att, "uses_rotary", lambda: True)():
-        # a position-free layer of a rotary model (SmolLM3, Llama-4 NoPE layers): R(Δ) = I for every offset
-        spec = RotarySpec(torch.zeros(d_head // 2), "halves", 2 * (d_head // 2), d_head, 1.0, None,
-                          "no rotary on this layer (NoPE: config.no_rope_layers)")
-        verify = False
-    else:
-        inv, scaling, theta, where = att.rotary_frequencies()
-        inv = inv.detach().float().cpu()
-        style = "pairs" if getattr(model.cfg, "rotary_adjacent_pairs", False) else "halves"
-        spec = RotarySpec(inv, style, 2 * inv.numel(), d_head, float(scaling or 1.0),
-                          float(theta) if theta else None, f"HF {where}")
-    spec.layer, spec.layer_type, spec.window = int(layer), layer_type(model, layer), sliding_window(model, layer)
-    spec.caveats = caveats
-    if verify and att.family == "latent":
-        _verify_latent(model, spec)
-    elif verify:
-        _detect_style(model, spec)
+    spec = copy.deepcopy(adapter(model, layer).rotary(verify=verify))
     if base is not None:
         if not base > 1:
             raise QKCircuitsError(f"rotary base must be > 1, got {base!r}")
@@ -95,126 +64,6 @@ def rotary_spec(model, base: Optional[float] = None, verify: bool = True, layer:
 def _spec_for(model, layer: int, spec: Optional[RotarySpec]) -> RotarySpec:
     """``spec`` if given (the caller's choice, e.g. a wrong base on purpose), else ``layer``'s own."""
     return spec if spec is not None else rotary_spec(model, layer=int(layer))
-
-
-def _detect_style(model, spec: RotarySpec, n_pos: int = 12) -> None:
-    """Pick the pairing that reproduces the model's own ``hook_rot_q`` from ``hook_q``; flag a miss."""
-    n = min(n_pos, int(model.cfg.n_ctx))
-    n = n + 1 if n == int(model.cfg.n_heads) and n < int(model.cfg.n_ctx) else n   # keep [pos, head] unambiguous
-    layer = spec.layer
-    native = native_rotary(model, layer)
-    if native is not None:
-        # TL-native attention does not fire hook_rot_q: ask its rotary module to rotate a probe
-        probe = torch.randn(1, n, 1, spec.d_head, generator=torch.Generator().manual_seed(0))
-        q, rq = probe[0].float(), rotate_native(native, probe, probe)[0][0].float().cpu()   # [pos, 1, d_head]
-    else:
-        toks = (torch.arange(n) * 7 + 3) % int(model.cfg.d_vocab)
-        q, rq = _rotary_probe(model, toks, layer)
-        if rq is None:
-            _style_from_pattern(model, spec, toks)
-            return
-    errs = {}
-    for style in STYLES:
-        trial = RotarySpec(spec.omega, style, spec.rotary_dim, spec.d_head, spec.scaling)
-        R = rotation(trial, range(n))                                             # [pos, d, d]
-        errs[style] = float((torch.einsum("phd,pde->phe", q, R) - rq).abs().max() / rq.abs().max().clamp_min(1e-12))
-    best = min(errs, key=errs.get)
-    spec.style, spec.verified_error = best, errs[best]
-    if errs[best] > 1e-4:
-        spec.caveats.append(f"the rebuilt rotary does not reproduce the model's own rotated queries (relative error "
-                            f"{errs[best]:.2g}); offset circuits may be wrong")
-
-
-def _style_from_pattern(model, spec: RotarySpec, toks: Tensor) -> None:
-    """No rotated queries exposed (GPT-J, GPT-NeoX bridges never fire ``hook_rot_q``): pick the pairing whose
-    rotated q·k × scale (soft-capped, causal and window masks) softmaxes to the layer's own ``hook_pattern``;
-    ``verified_error`` is the largest difference of attention probabilities."""
-    from .._foundation.attention import attention_scale
-    from .._foundation.capture import expand_kv
-
-    L = spec.layer
-    # QK-norm: the rotary input is the normalised q/k, where the bridge fires those hooks (Cohere's declares them
-    # and fires them only with its QK-norm on: the plain hook_q/k are the rotary input then)
-    names = {f"blocks.{L}.attn.{x}" for x in ("hook_q_normed", "hook_k_normed", "hook_q", "hook_k", "hook_pattern")}
-    with torch.no_grad():
-        _, cache = model.run_with_cache(toks[None].to(model.W_E.device), names_filter=lambda n: n in names,
-                                        stop_at_layer=L + 1)
-    got = {k.rsplit(".", 1)[-1]: v for k, v in cache.items() if k in names}
-    qn, kn = ("hook_q_normed", "hook_k_normed") if {"hook_q_normed", "hook_k_normed"} <= set(got) else ("hook_q", "hook_k")
-    got = {x: got[x] for x in (qn, kn, "hook_pattern") if x in got}
-    if set(got) != {qn, kn, "hook_pattern"}:
-        spec.caveats.append(f"the model exposes neither its rotated queries nor its q, k and pattern; pairing "
-                            f"{spec.style!r} assumed, not verified")
-        return
-    factor, _, cap = attention_scale(model, L)
-    q, k, pat = got[qn].double(), expand_kv(got[kn].double(), int(model.cfg.n_heads)), got["hook_pattern"].double()
-    n = q.shape[1]
-    i, j = torch.arange(n)[:, None], torch.arange(n)[None]
-    masked = (j > i) | ((i - j) >= spec.window if spec.window else torch.zeros((), dtype=torch.bool))
-    errs = {}
-    for style in STYLES:
-        trial = RotarySpec(spec.omega.double(), style, spec.rotary_dim, spec.d_head, spec.scaling)
-        sc = torch.einsum("bqhd,bkhd->bhqk", rotate(trial, q), rotate(trial, k)) * factor
-        sc = cap * torch.tanh(sc / cap) if cap else sc
-        errs[style] = float((sc.masked_fill(masked, float("-inf")).softmax(-1) - pat).abs().max())
-    best = min(errs, key=errs.get)
-    spec.style, spec.verified_error = best, errs[best]
-    if errs[best] > 1e-4:
-        spec.caveats.append(f"the rebuilt rotary does not reproduce the model's own attention pattern (largest "
-                            f"probability error {errs[best]:.2g}); offset circuits may be wrong")
-
-
-def _verify_latent(model, spec: RotarySpec, n: int = 12) -> None:
-    """MLA: the rebuilt R(i−j) must give the model's own rotary-part dot products rot(q_r,i)·rot(k_r,j).
-
-    (DeepSeek-V3 de-interleaves after rotating, so the rotated vectors are permuted; their dot products,
-    all the score sees, are not.) Pre-rotary parts come from the projections' own output hooks."""
-    att = adapter(model, spec.layer)
-    L = spec.layer
-    n = min(n, int(model.cfg.n_ctx))
-    toks = ((torch.arange(n) * 7 + 3) % int(model.cfg.d_vocab))[None].to(model.W_E.device)
-    qproj = "q_proj" if att.q_lora_rank is None else "q_b_proj"
-    names = {f"blocks.{L}.attn.{qproj}.hook_out", f"blocks.{L}.attn.kv_a_proj_with_mqa.hook_out",
-             f"blocks.{L}.attn.hook_rot_q", f"blocks.{L}.attn.hook_rot_k"}
-    with torch.no_grad():
-        _, cache = model.run_with_cache(toks, names_filter=lambda x: x in names, stop_at_layer=L + 1)
-    if not names <= set(cache.keys()):
-        spec.caveats.append("the model does not expose its rotary parts; the MLA rotary pairing is assumed, not verified")
-        return
-    q = cache[f"blocks.{L}.attn.{qproj}.hook_out"][0].view(n, att.n_heads, att.d_qk)[..., att.d_nope:].double()
-    k = cache[f"blocks.{L}.attn.kv_a_proj_with_mqa.hook_out"][0][:, att.kv_lora_rank:].double()      # [pos, d_rope]
-    real = torch.einsum("qhd,kd->hqk", cache[f"blocks.{L}.attn.hook_rot_q"][0].double(),
-                        cache[f"blocks.{L}.attn.hook_rot_k"][0, :, 0].double())
-    Rs = rotation(spec, range(n), relative=True).double()[:, spec.offset:, spec.offset:]           # [Δ, r, r]
-    i, j = torch.tril_indices(n, n)
-    got = torch.einsum("nhd,nde,ne->hn", q[i], Rs[i - j], k[j])
-    spec.verified_error = float((got - real[:, i, j]).abs().max() / real[:, i, j].abs().max().clamp_min(1e-12))
-    if spec.verified_error > 1e-4:
-        spec.caveats.append(f"the rebuilt rotary does not reproduce the model's own rotary-part scores (relative "
-                            f"error {spec.verified_error:.2g}); offset circuits may be wrong")
-
-
-def _rotary_probe(model, toks: Tensor, layer: int):
-    """``layer``'s queries just before rotary and the model's own rotated queries, [pos, head, d_head] each.
-
-    With QK-norm (Gemma 3) the rotary input is the normalised query (``hook_q_normed``), not ``hook_q``: where
-    the bridge fires it (Cohere's bridge declares it but fires it only with its QK-norm on).
-    """
-    names = {f"blocks.{int(layer)}.attn.{x}" for x in ("hook_q_normed", "hook_q", "hook_rot_q")}
-    with torch.no_grad():
-        _, cache = model.run_with_cache(toks[None].to(model.W_E.device), names_filter=lambda n: n in names,
-                                        stop_at_layer=int(layer) + 1)
-    got = {k.rsplit(".", 1)[-1]: v for k, v in cache.items()}
-    pre = "hook_q_normed" if "hook_q_normed" in got else "hook_q"
-    if "hook_rot_q" not in got or pre not in got:
-        return None, None
-    q = got[pre][0]
-    if q.dim() == 3 and q.shape[0] == model.cfg.n_heads and q.shape[1] == toks.numel():
-        q = q.transpose(0, 1)                                  # some bridges hold [head, pos, d]
-    rq = got["hook_rot_q"][0]
-    if rq.dim() == 3 and rq.shape[0] == model.cfg.n_heads and rq.shape[1] == toks.numel():
-        rq = rq.transpose(0, 1)
-    return q.float().cpu(), rq.float().cpu()
 
 
 def qk_at_offset(model, head: HeadsLike, offset: int, *, spec: Optional[RotarySpec] = None,

@@ -1,4 +1,5 @@
-"""``qkcircuits`` command line: ``scan | circuits | ablate | diagnose | report | serve | trace | zoo | cache``.
+"""``qkcircuits`` command line: ``scan | circuits | ablate | diagnose | report | serve | trace | attend | circuit | zoo
+| cache``.
 
 Each subcommand lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> int``; the
 modules import torch and TransformerLens inside ``run`` only, so ``--help`` and argument errors answer at
@@ -23,7 +24,7 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.io import Terminated
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ["scan", "circuits", "ablate", "diagnose", "report", "serve", "trace", "circuit", "zoo", "cache"]
+COMMANDS = ["scan", "circuits", "ablate", "diagnose", "report", "serve", "trace", "attend", "circuit", "zoo", "cache"]
 DEBUG_HINT = "set QKCIRCUITS_DEBUG=1 for the traceback"
 # Subcommands that never import torch (the rest import it first, with Ctrl-C held: see _import_torch).
 TORCH_FREE = {"cache"}

@@ -69,7 +69,8 @@ def _check_head_separable(model) -> None:
     norm = getattr(attn, "q_norm", None)
     weight = getattr(getattr(norm, "original_component", norm), "weight", None)
     d_head = int(getattr(model.cfg, "d_head", 0) or 0)
-    if weight is not None and d_head and weight.numel() > d_head:
+    # a [heads, d_head] weight (Cohere) normalises each head on its own; a flat [heads·d_head] one (OLMo-2) does not
+    if weight is not None and d_head and weight.dim() == 1 and weight.numel() > d_head:
         raise QKCircuitsError(f"qkcircuits has no adapter for architecture {architecture(model)}: its QK-norm spans "
                               f"all heads ({weight.numel()} = heads x d_head, not d_head {d_head}), so a head's query "
                               f"depends on every head's; it works on {WORKS_ON}")

@@ -20,6 +20,11 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from ..rope import RotarySpec
+from .norms import Norm, block_norm, module_eps, read_norm
+from .qkmap import QKMap
+from .rotary import layer_rotary
+
 
 @dataclass
 class LayerWeights:
@@ -96,6 +101,50 @@ class AttentionAdapter:
     @property
     def qk_norm(self) -> bool:
         return False
+
+    def softcap(self) -> Optional[float]:
+        """The soft-cap the module applies to its scores (cap · tanh(score / cap)), or None."""
+        return self.scale()[2]
+
+    # -- norms and positions ----------------------------------------------------------------------
+    def input_norm(self) -> Norm:
+        """The norm in front of this attention (``ln1``): kind, eps, effective weight and bias, read off the module."""
+        return block_norm(self.model, self.layer)
+
+    def post_norm(self) -> Optional[Norm]:
+        """The norm the block applies to this attention's output before adding it (Gemma's ``ln1_post``), or None."""
+        mod = getattr(self.block, "ln1_post", None)
+        if mod is None:
+            return None
+        d = int(self.model.cfg.d_model)
+        return read_norm(mod, (d,), eps=module_eps(mod, getattr(self.model.cfg, "eps", 1e-6)), kind="RMS",
+                         what=f"layer {self.layer}'s post-attention norm")
+
+    def qk_norms(self) -> Tuple[Optional[Norm], Optional[Norm]]:
+        """(query norm, key norm) applied per head before the rotary (QK-norm), each None where absent."""
+        return None, None
+
+    def rotary(self, verify: bool = True) -> Optional[RotarySpec]:
+        """This layer's rotary (``arch/rotary``), None without rotary; NoPE layers give the identity."""
+        return layer_rotary(self, verify)
+
+    def query_map(self, head: int) -> QKMap:
+        """Query head ``head``'s query as a function of the residual entering the block (``arch/qkmap``)."""
+        raise NotImplementedError
+
+    def key_map(self, kv_head: int) -> QKMap:
+        """KV head ``kv_head``'s key as a function of the residual entering the block (``arch/qkmap``)."""
+        raise NotImplementedError
+
+    def query_maps(self, heads) -> List[QKMap]:
+        """``query_map`` of each of ``heads``, the layer's weights and norms read once."""
+        return [self.query_map(h) for h in heads]
+
+    def key_maps(self, kv_heads) -> List[QKMap]:
+        return [self.key_map(g) for g in kv_heads]
+
+    def uses_rotary(self) -> bool:
+        return True
 
     @property
     def scores_hook_holds_pattern(self) -> bool:

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..errors import QKCircuitsError
 from .base import AttentionAdapter, LayerWeights
+from .qkmap import LatentQKMap
 
 
 class LatentAttention(AttentionAdapter):
@@ -162,6 +163,30 @@ class LatentAttention(AttentionAdapter):
             if isinstance(getattr(mod, "inv_freq", None), Tensor):
                 return mod
         raise QKCircuitsError("cannot find the rotary module (no inv_freq buffer) of this DeepSeek model")
+
+    def query_map(self, head: int) -> LatentQKMap:
+        return self.query_maps([int(head)])[0]
+
+    def key_map(self, kv_head: int) -> LatentQKMap:
+        return self.key_maps([int(kv_head)])[0]
+
+    def query_maps(self, heads) -> List[LatentQKMap]:
+        return self._maps("q", [int(h) for h in heads])
+
+    def key_maps(self, kv_heads) -> List[LatentQKMap]:
+        return self._maps("k", [int(g) for g in kv_heads])
+
+    def _maps(self, side: str, heads: List[int]) -> List[LatentQKMap]:
+        """The effective per-head maps through the latent (``weights()``), the input norm's weight in front."""
+        w = self.weights()
+        norm = self.input_norm()
+        rotary = self.rotary()
+        out = []
+        for head in heads:
+            Wx = (w.W_Q if side == "q" else w.W_K)[head].double()
+            M = Wx if norm.weight is None else norm.weight.double()[:, None] * Wx
+            out.append(LatentQKMap(side, head, M, norm, rotary, self.latent_scales, self.d_nope))
+        return out
 
     # -- hooks ------------------------------------------------------------------------------------
     def prepare(self) -> None:

@@ -21,6 +21,9 @@ from torch import Tensor
 
 from ..errors import QKCircuitsError
 from .base import AttentionAdapter, LayerWeights
+from .norms import Norm, module_eps, read_norm
+from .qkmap import QKMap
+from .rotary import layer_frequencies
 
 QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm")
 # transformers' attention modules that keep no ``scaling`` and apply none (GPT-Neo's softmax(q·k), unscaled),
@@ -193,6 +196,53 @@ class StandardAttention(AttentionAdapter):
         return bool(getattr(self.model.cfg, "use_qk_norm", False)) or any(
             getattr(self.module, n, None) is not None for n in QK_NORM_NAMES)
 
+    def qk_norms(self) -> Tuple[Optional[Norm], Optional[Norm]]:
+        """The HF module's own q/k norms (``q_norm``/``k_norm``, Cohere's ``q_layernorm``, ...), read off their
+        outputs (``norms.read_norm``): per head, shared ([d_head] weight) or per head ([heads, d_head])."""
+        out = []
+        for side, n in (("q", self.n_heads), ("k", self.n_kv_heads)):
+            names = [x for x in QK_NORM_NAMES if x.startswith(side) or x.startswith("query" if side == "q" else "key")]
+            mod = next((getattr(self.module, x) for x in names if getattr(self.module, x, None) is not None), None)
+            if mod is None:
+                out.append(None)
+                continue
+            w = getattr(getattr(mod, "original_component", mod), "weight", None)
+            shape = (n, self.d_qk) if isinstance(w, Tensor) and w.dim() == 2 else (self.d_qk,)
+            out.append(read_norm(mod, shape, eps=module_eps(mod, getattr(self.model.cfg, "eps", 1e-6)),
+                                 kind="RMS", what=f"layer {self.layer}'s {side}-norm"))
+        return out[0], out[1]
+
+    def query_map(self, head: int) -> QKMap:
+        return self.query_maps([int(head)])[0]
+
+    def key_map(self, kv_head: int) -> QKMap:
+        return self.key_maps([int(kv_head)])[0]
+
+    def query_maps(self, heads) -> List[QKMap]:
+        return self._maps("q", [int(h) for h in heads])
+
+    def key_maps(self, kv_heads) -> List[QKMap]:
+        return self._maps("k", [int(g) for g in kv_heads])
+
+    def _maps(self, side: str, heads: List[int]) -> List[QKMap]:
+        """W = P·diag(w)·W_x[h], c = β W_x[h] + b_x[h] (``arch/qkmap``); the key side per KV head. The weights, norms
+        and rotary are read once for all ``heads``."""
+        w = self.weights()
+        norm = self.input_norm()
+        qn, kn = self.qk_norms()
+        rotary = self.rotary()
+        out = []
+        for head in heads:
+            idx = head if side == "q" else head * (self.n_heads // self.n_kv_heads)
+            Wx = (w.W_Q if side == "q" else w.W_K)[idx].double()
+            bx = (w.b_Q if side == "q" else w.b_K)[idx].double()
+            M = Wx if norm.weight is None else norm.weight.double()[:, None] * Wx
+            if norm.kind == "LN":
+                M = M - M.mean(0, keepdim=True)                  # x P M = (x − mean x) M
+            c = bx if norm.bias is None else bx + norm.bias.double() @ Wx
+            out.append(QKMap(side, head, M, c, norm, qn if side == "q" else kn, rotary))
+        return out
+
     # -- hooks ------------------------------------------------------------------------------------
     def head_inputs(self, resid: Float[Tensor, "batch pos d_model"], into: str) -> Tensor:
         """hook_q (per query head) or hook_k/hook_v (per KV head) from the residual entering the block:
@@ -212,66 +262,6 @@ class StandardAttention(AttentionAdapter):
     def kv_floats(self) -> Tuple[int, int]:
         """(floats this layer caches per token: K and V of each KV head, its multi-head equivalent)."""
         return 2 * self.n_kv_heads * self.d_qk, 2 * self.n_heads * self.d_qk
-
-
-def _hf_rotary_modules(model) -> List[torch.nn.Module]:
-    """Modules holding rotary frequencies: an ``inv_freq`` buffer, or per layer type ``<type>_inv_freq``
-    (transformers 5 for models that mix sliding-window and global layers, e.g. Gemma 3)."""
-    seen, mods = set(), []
-    for _, mod in model.original_model.named_modules():
-        for name, buf in mod.named_buffers(recurse=False):
-            if (name == "inv_freq" or name.endswith("_inv_freq") and not name.endswith("original_inv_freq")) \
-                    and buf.data_ptr() not in seen:
-                seen.add(buf.data_ptr())
-                if not mods or mods[-1] is not mod:
-                    mods.append(mod)
-    return mods
-
-
-def layer_frequencies(model, layer: int, ltype: Optional[str]):
-    """(inv_freq, attention_scaling, theta, where) of ``layer``'s own rotary (HF models)."""
-    mods = _hf_rotary_modules(model)
-    if not mods:
-        table = _sincos_table(model)
-        if table is not None:
-            return table
-        raise QKCircuitsError("cannot find the rotary module (no inv_freq buffer, no sin/cos table) in this model; "
-                              "offset circuits need the model's own rotary frequencies")
-    hf_cfg = model.original_model.config
-    rope = getattr(hf_cfg, "rope_parameters", None) or {}
-    for mod in mods:
-        if ltype is not None and isinstance(getattr(mod, f"{ltype}_inv_freq", None), Tensor):
-            inv = getattr(mod, f"{ltype}_inv_freq")
-            scaling = getattr(mod, f"{ltype}_attention_scaling", 1.0)
-            params = rope.get(ltype) if isinstance(rope, dict) else None
-            theta = params.get("rope_theta") if isinstance(params, dict) else None
-            return inv, scaling, theta, f"{type(mod).__name__}.{ltype}_inv_freq (layer {int(layer)})"
-    for mod in mods:
-        if isinstance(getattr(mod, "inv_freq", None), Tensor):
-            theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or getattr(hf_cfg, "rope_theta", None)
-            return mod.inv_freq, getattr(mod, "attention_scaling", 1.0), theta, f"{type(mod).__name__}.inv_freq"
-    raise QKCircuitsError(f"layer {int(layer)} has attention type {ltype!r} but the rotary module holds no "
-                          f"'{ltype}_inv_freq' (it has per-type frequencies for other types); offset circuits need "
-                          f"this layer's own frequencies")
-
-
-def _sincos_table(model):
-    """(inv_freq, 1.0, theta, where) read off a precomputed ``embed_positions`` table [n_pos, rotary_dim] =
-    [sin(p·ω) | cos(p·ω)] (GPT-J keeps no ``inv_freq``): ω = atan2(sin, cos) at position 1 (every ω < π, so
-    the angle is ω itself); its first 64 rows are checked against sin/cos(p·ω) before it is trusted."""
-    for _, mod in model.original_model.named_modules():
-        tab = getattr(mod, "embed_positions", None)
-        if not isinstance(tab, Tensor) or tab.dim() != 2 or tab.shape[0] < 2 or tab.shape[1] % 2:
-            continue
-        t = tab[:64].detach().double().cpu()           # float32 tables drift at large p·ω: check the start
-        half = t.shape[1] // 2
-        omega = torch.atan2(t[1, :half], t[1, half:])
-        ang = torch.arange(t.shape[0], dtype=torch.float64)[:, None] * omega
-        if not torch.allclose(torch.cat([ang.sin(), ang.cos()], 1), t, atol=1e-4):
-            continue
-        theta = float(omega[1]) ** (-half) if half > 1 and float(omega[1]) > 0 else None
-        return omega.float(), 1.0, theta, f"{type(mod).__name__}.embed_positions (sin|cos table)"
-    return None
 
 
 def _bias(attn, name: str) -> Optional[Tensor]:

@@ -1,0 +1,283 @@
+"""``Attribution``: what ``qk.attend`` returns — a head's score on some rows split into (query source, key source)
+pairs, with the two marginals, per-row values and how exactly the parts rebuild the model's own attention.
+
+>>> r = qk.attend(model, "0.0", torch.tensor([[0, 5, 6, 7, 5, 6, 7]]), query=4, key=3)
+>>> round(r.total, 2), [(n, round(s, 2)) for n, _, s in r.key_sources(1)]   # it attends by position
+(30.0, [('pos', 1.0)])
+>>> r.exact_error < 1e-5
+True
+
+Values are the reading's (``raw``, ``contrast`` or ``versus``; see ``attend``) averaged over rows, in score units
+(after the layer's scale). ``share`` = value / total: shares of one side add up to 1 (a source working against
+the choice has a negative share). The pair table keeps the ``KEEP`` largest sources of each side and one
+``other`` row and column holding the rest, so its entries still add up to the total exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .._foundation import display as show
+from .._foundation.model import model_name
+from .._foundation.result import Result
+
+KEEP = 40            # sources per side in the pair table (the rest in "other")
+
+
+@dataclass(repr=False)      # the repr is _text (Result)
+class Attribution(Result):
+    """``query_values``/``key_values`` [rows, sources]: each row's marginal per source (its pairs summed over the
+    other side); ``pair_values`` [Nq + 1, Nk + 1] the mean pair values over the kept sources (``pair_query`` /
+    ``pair_key`` name them, "other" last); ``rows``: per row its prompt, positions, tokens, attention and value;
+    ``expanded``: per expanded head source and offset, the value and share of what it read there."""
+
+    SCHEMA = "qkcircuits.attribution/1"
+    WHAT = "a qkcircuits attend JSON (qkcircuits attend --json)"
+    KEYS = ("model", "head", "reading", "rows", "attention", "total", "exact_error", "query_sources", "key_sources",
+            "pairs", "settings")
+
+    model: str
+    head: str
+    reading: str
+    rows: List[Dict[str, Any]]
+    query_names: List[str]
+    key_names: List[str]
+    query_values: Tensor
+    key_values: Tensor
+    pair_query: List[str]
+    pair_key: List[str]
+    pair_values: Tensor
+    exact_error: float
+    settings: Dict[str, Any]
+    expanded: List[Dict[str, Any]] = field(default_factory=list)
+
+    # ------------------------------------------------------------------------------------------ numbers
+    @property
+    def total(self) -> float:
+        """The reading, averaged over rows (= the sum of either side's sources)."""
+        return float(self.key_values.sum(1).mean())
+
+    @property
+    def attention(self) -> float:
+        """The head's mean attention from the query to the key position over the rows."""
+        return float(sum(r["attention"] for r in self.rows) / max(1, len(self.rows)))
+
+    def _side(self, names: List[str], values: Tensor, k: Optional[int]) -> List[Tuple[str, float, float]]:
+        mean = values.mean(0)
+        total = float(mean.sum())
+        order = sorted(range(len(names)), key=lambda n: -abs(float(mean[n])))
+        out = [(names[n], float(mean[n]), _share(float(mean[n]), total)) for n in order]
+        return out if k is None else out[:k]
+
+    def query_sources(self, k: Optional[int] = None) -> List[Tuple[str, float, float]]:
+        """(source, value, share) on the query side, largest |value| first (all, or the first ``k``)."""
+        return self._side(self.query_names, self.query_values, k)
+
+    def key_sources(self, k: Optional[int] = None) -> List[Tuple[str, float, float]]:
+        """(source, value, share) on the key side, largest |value| first."""
+        return self._side(self.key_names, self.key_values, k)
+
+    def pairs(self, k: Optional[int] = 10) -> List[Tuple[str, str, float, float]]:
+        """(query source, key source, value, share), largest |value| first, among the kept sources."""
+        total = self.total
+        cells = [(a, b, float(self.pair_values[i, j])) for i, a in enumerate(self.pair_query)
+                 for j, b in enumerate(self.pair_key) if a != "other" and b != "other"]
+        cells.sort(key=lambda c: -abs(c[2]))
+        out = [(a, b, v, _share(v, total)) for a, b, v in cells]
+        return out if k is None else out[:k]
+
+    def top(self, k: int = 5) -> List[Tuple[Any, float]]:
+        """The ``k`` largest pairs as ((query source, key source), value)."""
+        return [((a, b), v) for a, b, v, _ in self.pairs(k)]
+
+    def label(self, source: str) -> str:
+        lab = self.settings.get("labels", {}).get(source)
+        return f"{source} ({lab})" if lab else source
+
+    # ------------------------------------------------------------------------------------------ words
+    def sentences(self, k: int = 3) -> List[str]:
+        """What a researcher can quote: where the head attends, which sources shape its key and its query, the top
+        pair, how exact the split is, and what the expansion found."""
+        what = {"raw": "score", "contrast": "contrast (score at the key minus the mean over the other keys)",
+                "versus": "score at the key minus the score at the versus position"}[self.reading]
+
+        def side(items):
+            return ", ".join(f"{self.label(n)} {_pct(s)}" for n, _, s in items)
+
+        out = [f"{self.head} attends {self.settings.get('rows', '')} (attention {self.attention:.2f}, "
+               f"{len(self.rows)} rows); {what}: {show.number(self.total)}.",
+               f"Key side: {side(self.key_sources(k))}.",
+               f"Query side: {side(self.query_sources(k))}."]
+        top = self.pairs(1)
+        if top:
+            a, b, v, s = top[0]
+            out.append(f"Top pair: query {self.label(a)} x key {self.label(b)} ({_pct(s)}, {show.number(v)}).")
+        out.append(f"Exact to {self.exact_error:.1e} (softmax of the rebuilt rows vs the model's pattern"
+                   f"{', and the captured scores' if self.settings.get('score_error') else ''}).")
+        for e in _top_offsets(self.expanded):
+            where = "key" if e["side"] == "key" else "query"
+            pos = "j" if where == "key" else "i"
+            off = int(e["offset"])
+            at = pos if off == 0 else f"{pos}{-off:+d}"
+            example = f"; e.g. token {e['example']!r}" if e.get("example") is not None else ""
+            out.append(f"{self.label(e['source'])}'s write at the {where}, which {self.head} reads, came from position "
+                       f"{at} ({_pct(e['share'])} of its {show.number(e['whole'])}{example}).")
+        for c in self.settings.get("caveats", []):
+            out.append(f"Caveat: {c}.")
+        return out
+
+    def summary(self) -> str:
+        return "\n".join(self.sentences())
+
+    # ------------------------------------------------------------------------------------------ data
+    def to_frame(self):
+        """One row per (row, side, source): row, prompt, query, key, side, source, value."""
+        import pandas as pd
+
+        recs = []
+        for side, names, vals in (("query", self.query_names, self.query_values), ("key", self.key_names, self.key_values)):
+            for r, row in enumerate(self.rows):
+                recs += [{"row": r, "prompt": row["prompt"], "query": row["query"], "key": row["key"], "side": side,
+                          "source": n, "value": float(vals[r, s])} for s, n in enumerate(names)]
+        return pd.DataFrame(recs)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"model": self.model, "head": self.head, "reading": self.reading, "rows": self.rows,
+                "attention": self.attention, "total": self.total, "exact_error": self.exact_error,
+                "query_sources": [list(x) for x in self.query_sources()],
+                "key_sources": [list(x) for x in self.key_sources()],
+                "pairs": [[a, b, float(self.pair_values[i, j])] for i, a in enumerate(self.pair_query)
+                          for j, b in enumerate(self.pair_key)],
+                "per_row": {"query": {"names": self.query_names, "values": self.query_values.tolist()},
+                            "key": {"names": self.key_names, "values": self.key_values.tolist()}},
+                "expanded": self.expanded, "settings": self.settings}
+
+    @classmethod
+    def _from_dict(cls, d: Dict[str, Any]) -> "Attribution":
+        pq = list(dict.fromkeys(a for a, _, _ in d["pairs"]))
+        pk = list(dict.fromkeys(b for _, b, _ in d["pairs"]))
+        P = torch.zeros(len(pq), len(pk), dtype=torch.float64)
+        for a, b, v in d["pairs"]:
+            P[pq.index(a), pk.index(b)] = float(v) if v is not None else math.nan
+        q, k = d["per_row"]["query"], d["per_row"]["key"]
+        as_t = lambda x: torch.tensor(x, dtype=torch.float64).reshape(len(d["rows"]), -1)   # noqa: E731
+        return cls(str(d["model"]), str(d["head"]), str(d["reading"]), list(d["rows"]), list(q["names"]),
+                   list(k["names"]), as_t(q["values"]), as_t(k["values"]), pq, pk, P,
+                   float(d["exact_error"]), dict(d.get("settings", {})), list(d.get("expanded", [])))
+
+    def _text(self) -> str:
+        return (f"Attribution({self.head} on {self.model}: {self.reading} {show.number(self.total)} over "
+                f"{len(self.rows)} rows; key side {', '.join(n for n, _, _ in self.key_sources(3))}; query side "
+                f"{', '.join(n for n, _, _ in self.query_sources(3))}; exact to {self.exact_error:.1e})")
+
+    def _html(self) -> str:
+        rows = [(self.label(a), self.label(b), show.number(v), _pct(s)) for a, b, v, s in self.pairs(8)]
+        sides = [(self.label(n), show.number(v), _pct(s)) for n, v, s in self.key_sources(8)]
+        qs = [(self.label(n), show.number(v), _pct(s)) for n, v, s in self.query_sources(8)]
+        text = "".join(f"<div>{show.escape(s)}</div>" for s in self.sentences())
+        return show.box(f"Attribution: why {self.head} attends", text,
+                        show.table(sides, ("key source", "value", "share")),
+                        show.table(qs, ("query source", "value", "share")),
+                        show.table(rows, ("query source", "key source", "value", "share")))
+
+
+def _share(v: float, total: float) -> float:
+    return v / total if total != 0 and math.isfinite(total) else math.nan
+
+
+def _pct(s: float) -> str:
+    return "n/a" if s is None or (isinstance(s, float) and math.isnan(s)) else f"{100 * s:.0f} %"
+
+
+def _top_offsets(expanded: List[Dict[str, Any]], per_source: int = 1) -> List[Dict[str, Any]]:
+    seen: Dict[str, int] = {}
+    out = []
+    for e in expanded:
+        if seen.get(e["source"], 0) < per_source:
+            out.append(e)
+            seen[e["source"]] = seen.get(e["source"], 0) + 1
+    return out
+
+
+def summarise(model, head: str, reading: str, rows, names: List[str], pairs, q_vals: Tensor, k_vals: Tensor,
+              attention: Tensor, exact_error: float, settings: Dict[str, Any], expanded: Dict[str, Dict[str, Tensor]],
+              side: Optional[str], keep: int = KEEP) -> Attribution:
+    """The ``Attribution`` of the per-row marginals ``q_vals`` [n, Sq], ``k_vals`` [n, Sk] (query sources: ``names``
+    then bias_q; key sources: ``names`` then bias_k) and ``pairs``: the mean pair table [Sq, Sk] over every source,
+    or the parts (Q [n, Sq, d] × the scale, K [n, Sk, d]) to compute it for the kept sources only. Gives the kept
+    pair table with its "other" row and column, the rows' tokens, the expansion grouped by offset."""
+    names_q, names_k = names + ["bias_q"], names + ["bias_k"]
+    kq, kk = _kept(q_vals, keep), _kept(k_vals, keep)
+    rq = [i for i in range(q_vals.shape[1]) if i not in set(kq)]
+    rk = [j for j in range(k_vals.shape[1]) if j not in set(kk)]
+    if isinstance(pairs, tuple):
+        Q, K = pairs
+        Qk = torch.cat([Q[:, kq], Q[:, rq].sum(1, keepdim=True)], 1)
+        Kk = torch.cat([K[:, kk], K[:, rk].sum(1, keepdim=True)], 1)
+        Pk = torch.einsum("nad,nbd->ab", Qk, Kk) / Q.shape[0]
+    else:
+        rows_kept = torch.cat([pairs[kq], pairs[rq].sum(0, keepdim=True)], 0)
+        Pk = torch.cat([rows_kept[:, kk], rows_kept[:, rk].sum(1, keepdim=True)], 1)
+    decode = _decoder(model)
+    totals = k_vals.sum(1)
+    row_list = []
+    for r in range(k_vals.shape[0]):
+        b, i, j = int(rows.b[r]), int(rows.i[r]), int(rows.j[r])
+        entry = {"prompt": b, "query": i, "key": j, "query_token": decode(rows.tokens[b, i]),
+                 "key_token": decode(rows.tokens[b, j]), "attention": float(attention[r]), "value": float(totals[r])}
+        if rows.v is not None:
+            entry["versus"] = int(rows.v[r])
+            entry["versus_token"] = decode(rows.tokens[b, int(rows.v[r])])
+        row_list.append(entry)
+    exp = _offsets(expanded, rows, side, decode) if side else []
+    if side:
+        settings["expand_error"] = max((float((e["values"].sum(1) - e["whole"]).abs().max()) for e in expanded.values()),
+                                       default=0.0)
+    return Attribution(model_name(model), head, reading, row_list, names_q, names_k, q_vals, k_vals,
+                       [names_q[i] for i in kq] + ["other"], [names_k[i] for i in kk] + ["other"], Pk,
+                       float(exact_error), settings, exp)
+
+
+def _kept(vals: Tensor, keep: int) -> List[int]:
+    order = torch.argsort(vals.mean(0).abs(), descending=True)[:keep]
+    return sorted(int(i) for i in order)
+
+
+def _decoder(model):
+    tok = getattr(model, "tokenizer", None)
+    seen: Dict[int, Any] = {}
+
+    def decode(t) -> Any:
+        t = int(t)
+        if t not in seen:
+            try:
+                seen[t] = t if tok is None else tok.decode([t])
+            except Exception:  # noqa: BLE001  (an id the tokenizer cannot decode: keep the id)
+                seen[t] = t
+        return seen[t]
+    return decode
+
+
+def _offsets(expanded: Dict[str, Dict[str, Tensor]], rows, side: str, decode, k: int = 3) -> List[Dict[str, Any]]:
+    """Per expanded source: its value by offset (key or query position − the position it read), averaged over
+    rows, the ``k`` largest |value| first, with the share of the source's whole value there and an example token."""
+    out = []
+    anchor = rows.j if side == "key" else rows.i
+    for name, e in expanded.items():
+        vals, whole = e["values"], float(e["whole"].mean())
+        n, m = vals.shape
+        off = anchor[:, None] - torch.arange(m)[None]                                  # [n, m]
+        by: Dict[int, float] = {}
+        for o, v in zip(off.flatten().tolist(), vals.flatten().tolist()):
+            by[o] = by.get(o, 0.0) + v / n
+        for o in sorted(by, key=lambda x: -abs(by[x]))[:k]:
+            r = next((r for r in range(n) if 0 <= int(anchor[r]) - o < rows.tokens.shape[1]), None)
+            ex = decode(rows.tokens[int(rows.b[r]), int(anchor[r]) - o]) if r is not None else None
+            out.append({"source": name, "side": side, "offset": int(o), "value": by[o], "share": _share(by[o], whole),
+                        "whole": whole, "example": ex})
+    return out

@@ -1,0 +1,114 @@
+"""``qkcircuits attend MODEL --head L.H``: why a head attends where it does (exact QK attribution).
+
+Rows from a task (``--task induction`` by default; ``ioi`` or a .jsonl file with ``--from END --to IO [--versus S1]``)
+or from a prompt (``--prompt TEXT --query I --key J``, or ``--key induction``). Prints sentences a researcher can
+quote; ``--json`` keys (keep them): model, head, reading, rows, attention, total, exact_error, query_sources
+[[name, value, share], …], key_sources, pairs [[query source, key source, value], …], settings (plus per_row,
+expanded, schema). ``-o`` writes a standalone page with the pair heatmap and the two marginals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .._foundation.errors import QKCircuitsError
+from ._common import add_model_args, input_arg, load_model, output_arg, positive_int
+
+
+def _position(text: str):
+    if text == "induction":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a position (an integer, negative from the end) or 'induction', "
+                                         f"got {text!r}") from None
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("attend", help="why a head attends where it does: its score split into pairs of sources",
+                       description="Split one head's attention score (query position -> key position) exactly into "
+                                   "pairs (query-side source, key-side source) of upstream components: the "
+                                   "embedding, every earlier head and MLP, constant biases. Norm scales are held at "
+                                   "their values in the run, so the parts add up to the model's own score.")
+    add_model_args(p)
+    p.add_argument("--head", required=True, help="the head to explain, e.g. 18.6")
+    p.add_argument("--task", default=None, help="induction (default without --prompt), ioi, or a .jsonl task file")
+    p.add_argument("--from", dest="query_name", metavar="POS", help="the task's query position (default END)")
+    p.add_argument("--to", dest="key_name", metavar="POS", help="the task's key position, e.g. IO")
+    p.add_argument("--versus", metavar="POS", help="compare with this key position (task name, or an integer "
+                                                    "with --prompt): score(to) - score(versus)")
+    p.add_argument("--prompt", action="append", help="a prompt text (repeat for several); tokenized as the "
+                                                      "model's tokenizer does on its own")
+    p.add_argument("--query", type=_position, help="with --prompt: the query position (negative: from the end)")
+    p.add_argument("--key", type=_position, help="with --prompt: the key position, or 'induction'")
+    p.add_argument("--reading", choices=("contrast", "raw"), default="contrast",
+                   help="contrast (default): the score at the key minus the mean over the other keys the head may "
+                        "attend; raw: the score itself")
+    p.add_argument("--expand", choices=("key", "query"), help="split the largest head sources on that side by the "
+                                                              "position they read from")
+    p.add_argument("--top", type=positive_int, default=5, help="sources listed per side (default 5)")
+    p.add_argument("--n", type=positive_int, default=32, help="prompts for ioi/induction (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the ioi/induction prompts (default 0)")
+    input_arg(p, "--scores", metavar="SCAN.json", help="label sources from this scan (default: a quick scan of the "
+                                                       "labelled detectors)")
+    p.add_argument("--no-labels", action="store_true", help="do not label sources (no scan)")
+    output_arg(p, "--json", metavar="PATH", help="write the result (the attend JSON contract)")
+    output_arg(p, "-o", "--output", metavar="HTML", help="write a standalone page (heatmap and marginals)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .._explain.attend import attend
+    from .._explain.labels import source_labels
+
+    if args.prompt and args.task:
+        raise QKCircuitsError("give --task or --prompt, not both")
+    if args.prompt:
+        if args.query_name or args.key_name:
+            raise QKCircuitsError("--from/--to name a task's positions; with --prompt give --query I --key J")
+        if args.key is None:
+            raise QKCircuitsError("with --prompt give --key J (and --query I), or --key induction")
+    elif args.query is not None or args.key is not None:
+        raise QKCircuitsError("--query/--key are positions in a --prompt; with a task use --from/--to")
+    task_spec = args.task or (None if args.prompt else "induction")
+    if task_spec not in (None, "ioi", "induction") and not Path(task_spec).is_file():
+        raise QKCircuitsError(f"--task {task_spec!r}: expected ioi, induction, or an existing .jsonl file")
+    if task_spec == "induction" and (args.query_name or args.key_name or args.versus):
+        raise QKCircuitsError("--task induction picks its own rows (each repeated token -> the token after its earlier "
+                              "copy); --from/--to/--versus are for ioi or a .jsonl task")
+    if task_spec not in (None, "induction") and not args.key_name:
+        raise QKCircuitsError(f"--task {task_spec}: name the key position with --to (e.g. --from END --to IO)")
+    model = load_model(args)
+    kw = dict(reading=args.reading, expand=args.expand, k=args.top)
+    if task_spec is not None:
+        from .circuit import build_task
+
+        task = build_task(model, task_spec, args.n, args.seed)
+        res = attend(model, args.head, task=task, query=args.query_name, key=args.key_name, versus=args.versus, **kw)
+    else:
+        versus = None
+        if args.versus is not None:
+            try:
+                versus = int(args.versus)
+            except ValueError:
+                raise QKCircuitsError(f"--versus {args.versus!r}: with --prompt give an integer position") from None
+        res = attend(model, args.head, args.prompt, query=args.query, key=args.key, versus=versus, **kw)
+    if not args.no_labels:
+        res.settings["labels"] = source_labels(model, res, scores_path=args.scores)
+    print(f"{args.model}: head {res.head}, {len(res.rows)} rows, reading {res.reading}")
+    for line in res.sentences(k=args.top):
+        print(f"  {line}")
+    if args.json:
+        res.to_json(args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.output:
+        from ..viz._attend_view import attend_page
+
+        from .._foundation.io import write_atomic
+
+        write_atomic(args.output, attend_page(res))
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0

@@ -1,0 +1,106 @@
+"""The "why it attends" figure of an ``Attribution`` (``qk.attend``): the pair heatmap of the top query sources ×
+the top key sources, with each side's marginal as bars, sources labelled with their roles; and a standalone page.
+
+>>> r = qk.attend(model, "1.0", torch.tensor([[0, 5, 6, 7, 5, 6, 7]]), key="induction")
+>>> fig = attend_figure(r, k=3)
+>>> [t["type"] for t in fig["data"]]
+['heatmap', 'bar', 'bar']
+>>> fig["data"][0]["y"][-1], fig["data"][0]["x"][-1]      # the rest of each side, so the cells add up to the total
+('rest', 'rest')
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Dict, List, Tuple
+
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+from .._explain.attribution import Attribution
+from ._figures import TOP_MARGIN, base_layout, figure_dict, round_float
+
+LABEL_CHARS = 28        # longer source labels are shortened on the axes (the hover has them whole)
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= LABEL_CHARS else text[: LABEL_CHARS - 1] + "…"
+
+
+def _table(res: Attribution, k: int) -> Tuple[List[str], List[str], torch.Tensor]:
+    """The ``k`` largest sources of each side (by |marginal|) and the pair values between them, every other kept
+    source and the pair table's own "other" merged into one "rest" row and column (so the cells still add up)."""
+    P = res.pair_values.double()
+
+    def pick(names: List[str], sources) -> List[int]:
+        order = [n for n, _, _ in sources if n in names and n != "other"][:k]
+        return [names.index(n) for n in order]
+
+    qi, ki = pick(res.pair_query, res.query_sources()), pick(res.pair_key, res.key_sources())
+    q_rest = [i for i in range(P.shape[0]) if i not in qi]
+    k_rest = [j for j in range(P.shape[1]) if j not in ki]
+    rows = torch.cat([P[qi], P[q_rest].sum(0, keepdim=True)], 0)
+    M = torch.cat([rows[:, ki], rows[:, k_rest].sum(1, keepdim=True)], 1)
+    return [res.pair_query[i] for i in qi] + ["rest"], [res.pair_key[j] for j in ki] + ["rest"], M
+
+
+def attend_figure(res: Attribution, k: int = 12) -> Dict:
+    """Heatmap (rows: query sources, columns: key sources, value = that pair's mean contribution, red > 0 > blue)
+    with the key-side marginals as bars above and the query-side marginals as bars on the left."""
+    qn, kn, M = _table(res, k)
+    qm = dict((n, v) for n, v, _ in res.query_sources())
+    km = dict((n, v) for n, v, _ in res.key_sources())
+    q_bar = [qm.get(n, 0.0) if n != "rest" else float(M[-1].sum()) for n in qn]
+    k_bar = [km.get(n, 0.0) if n != "rest" else float(M[:, -1].sum()) for n in kn]
+    ql, kl = [_short(res.label(n)) for n in qn], [_short(res.label(n)) for n in kn]
+    total = res.total
+    lim = float(M.abs().max()) or 1.0
+    fig = make_subplots(rows=2, cols=2, column_widths=[0.22, 0.78], row_heights=[0.22, 0.78], shared_xaxes="columns",
+                        shared_yaxes="rows", horizontal_spacing=0.02, vertical_spacing=0.02)
+    hover = [[f"query {res.label(a)}<br>key {res.label(b)}<br>value {round_float(v)}"
+              f"<br>share {_pct(v, total)}" for b, v in zip(kn, row)] for a, row in zip(qn, M.tolist())]
+    fig.add_trace(go.Heatmap(z=[[round_float(v) for v in row] for row in M.tolist()], x=kn, y=qn, text=hover,
+                             hoverinfo="text", colorscale="RdBu", reversescale=True, zmin=-lim, zmax=lim,
+                             colorbar=dict(title=dict(text="pair value"), len=0.7, y=0.36, x=1.01)), row=2, col=2)
+    fig.add_trace(go.Bar(x=kn, y=[round_float(v) for v in k_bar], marker_color="#8a5a9e", name="key side",
+                         hovertext=[f"key {res.label(n)}: {round_float(v)} ({_pct(v, total)})" for n, v in zip(kn, k_bar)],
+                         hoverinfo="text", showlegend=False), row=1, col=2)
+    fig.add_trace(go.Bar(y=qn, x=[round_float(v) for v in q_bar], orientation="h", marker_color="#3f7f5f",
+                         name="query side", showlegend=False, hoverinfo="text",
+                         hovertext=[f"query {res.label(n)}: {round_float(v)} ({_pct(v, total)})" for n, v in zip(qn, q_bar)]),
+                  row=2, col=1)
+    height = max(420, 150 + 24 * len(qn) + 110)
+    title = (f"why {res.head} attends: {res.reading} {round_float(total)} over {len(res.rows)} rows "
+             f"(exact to {res.exact_error:.0e})")
+    fig.update_layout(**base_layout(title, height=height, width=max(640, 260 + 46 * len(kn) + 180),
+                                    margin=dict(l=8, r=20, t=TOP_MARGIN + 10, b=8)))
+    fig.update_xaxes(tickmode="array", tickvals=kn, ticktext=kl, tickangle=-40, row=2, col=2, side="bottom",
+                     automargin=True)
+    fig.update_yaxes(autorange="reversed", showticklabels=False, row=2, col=2)
+    fig.update_yaxes(tickmode="array", tickvals=qn, ticktext=ql, autorange="reversed", automargin=True, row=2, col=1)
+    fig.update_xaxes(title_text="query side", row=2, col=1, autorange="reversed")
+    fig.update_yaxes(title_text="key side", row=1, col=2)
+    fig.update_xaxes(showticklabels=False, row=1, col=2)
+    out = figure_dict(fig)
+    out["meta"] = {"kind": "attend", "head": res.head, "reading": res.reading, "total": total}
+    return out
+
+
+def _pct(v: float, total: float) -> str:
+    return f"{100 * v / total:.0f} %" if total else "n/a"
+
+
+def attend_section(res: Attribution, figure_html: str) -> str:
+    """The "why it attends" block the report and ``attend -o`` show: the sentences, then the figure."""
+    items = "".join(f"<li>{html.escape(s)}</li>" for s in res.sentences())
+    return (f'<section class="qk-attend"><h2>Why {html.escape(res.head)} attends</h2><ul>{items}</ul>'
+            f"{figure_html}</section>")
+
+
+def attend_page(res: Attribution) -> str:
+    """A standalone offline page (plotly inlined) for ``qkcircuits attend -o``."""
+    from ._notebook import _page_html, as_figure, figure_html
+
+    body = attend_section(res, figure_html(as_figure(attend_figure(res)), libraries=True))
+    return _page_html(f"why {res.head} attends ({res.model})", body)
