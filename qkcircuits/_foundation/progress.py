@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from typing import Iterable, Iterator, Optional
 
 KERNEL_EVERY_S = 0.5          # seconds between two in-place updates of the notebook line
@@ -106,6 +107,8 @@ class _KernelLine(_Silent):
         self._draw(force=True)
 
     def _text(self) -> str:
+        if not self.unit:                                  # a step without counts: its name and time
+            return f"{self.desc} ({time.perf_counter() - self.t0:.0f} s)"
         of = f"/{self.total}" if self.total else ""
         return f"{self.desc}: {self.n}{of} {self.unit} ({time.perf_counter() - self.t0:.0f} s)"
 
@@ -131,6 +134,44 @@ class _KernelLine(_Silent):
         if not self.closed and self.handle is not None:
             self.handle.update({"text/plain": ""}, raw=True)   # the line goes; nothing stays in the notebook
         self.closed = True
+
+
+class _NoRedraws:
+    """stderr while another library's step runs in a kernel without ipywidgets: tqdm's redraws (writes that begin
+    with a carriage return) and the blank line a finished bar leaves are dropped, everything else passes."""
+
+    def __init__(self, stream):
+        self.stream, self.dropped = stream, False
+
+    def write(self, text: str) -> int:
+        if text.startswith("\r") or (self.dropped and not text.strip()):
+            self.dropped = True
+            return len(text)
+        self.dropped = False
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextmanager
+def quiet_other_bars(desc: str):
+    """Around a step whose bars are another library's (transformers' GGUF conversion and weight loading, the hub's
+    downloads): in a kernel without ipywidgets their tqdm text bars would be stored as output chunks, so they are
+    dropped and one line (``desc`` and its time) shows instead, emptied when the step ends. Elsewhere: nothing."""
+    if where() != "line":
+        yield
+        return
+    line = _KernelLine(None, None, desc, "")
+    stderr, sys.stderr = sys.stderr, _NoRedraws(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stderr = stderr
+        line.close()
 
 
 def _len(iterable) -> Optional[int]:
