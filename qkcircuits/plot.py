@@ -27,6 +27,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ._foundation.errors import QKCircuitsError
+from ._foundation.arch.model import is_model
 from ._foundation.heads import Head, HeadsLike, model_heads
 from ._foundation.renamed import renamed
 from .viz import _figures as F
@@ -43,7 +44,7 @@ _contexts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _ctx(model) -> ViewContext:
-    if not hasattr(model, "cfg"):
+    if not is_model(model):
         raise QKCircuitsError(f"expected a model from qk.load(...), got {type(model).__name__}")
     ctx = _contexts.get(model)
     if ctx is None:
@@ -160,7 +161,7 @@ def circuit(result, max_edges: int = 300, model=None, roles=None, which: str = "
         from ._foundation.heads import n_kv_heads
         from .viz._circuit_data import check_against_model
 
-        if not hasattr(model, "cfg"):
+        if not is_model(model):
             raise QKCircuitsError(f"model must come from qk.load(...), got {type(model).__name__}")
         L, H, kv = int(model.cfg.n_layers), int(model.cfg.n_heads), n_kv_heads(model)
         check_against_model(view, L, H, kv)

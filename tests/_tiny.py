@@ -38,8 +38,10 @@ LLAMA_THETA = 500.0   # not TL's default 10000: a hand-rebuilt rotary that ignor
 SEED = 0
 
 
-def bpe_tokenizer(vocab_size: int = VOCAB):
-    """A GPT-2-style byte-level BPE tokenizer trained on the packaged natural text (deterministic)."""
+def bpe_tokenizer(vocab_size: int = VOCAB, add_bos: bool = False):
+    """A GPT-2-style byte-level BPE tokenizer trained on the packaged natural text (deterministic). ``add_bos``:
+    ``tokenizer(text)`` puts ``<|endoftext|>`` (id 0) first, as Llama's and Gemma's tokenizers put their BOS
+    (``add_bos_token=True``, kept by save_pretrained); by default it adds nothing, as GPT-2's."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GPT2TokenizerFast
 
@@ -51,9 +53,11 @@ def bpe_tokenizer(vocab_size: int = VOCAB):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[SPECIAL], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([natural_text()], trainer)
-    fast = GPT2TokenizerFast(tokenizer_object=tok, bos_token=SPECIAL, eos_token=SPECIAL, unk_token=SPECIAL)
+    fast = GPT2TokenizerFast(tokenizer_object=tok, bos_token=SPECIAL, eos_token=SPECIAL, unk_token=SPECIAL,
+                             add_bos_token=add_bos)
     assert len(fast) == vocab_size > 1, "empty tokenizer (REFERENCE.md trap)"
     assert len(set(fast("attention heads move information")["input_ids"])) > 1
+    assert (fast("a b")["input_ids"][0] == 0) == add_bos
     return fast
 
 
@@ -187,6 +191,13 @@ def tiny_cohere_qknorm(folder: Path, *, tokenizer=None) -> Path:
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
                         max_position_embeddings=N_CTX, pad_token_id=0, use_qk_norm=True,
                         rope_parameters={"rope_type": "default", "rope_theta": 600.0})
+
+
+def tiny_bloom(folder: Path, *, tokenizer=None) -> Path:
+    """Bloom: ALiBi (no position embedding: the score gains slope_h · key position), fused per-head qkv with biases,
+    LayerNorm on the embeddings too; 2 layers, 4 heads x 8."""
+    return _tiny_family(folder, "BloomConfig", "BloomForCausalLM", SEED + 12, tokenizer, hidden_size=32, n_layer=2,
+                        n_head=4)
 
 
 def tiny_smollm3(folder: Path, *, tokenizer=None) -> Path:
@@ -373,6 +384,11 @@ def _once(key: str, tmp_path_factory, build: Callable[[Path], Path]) -> Path:
 
 def gpt2_dir(tmp_path_factory) -> Path:
     return _once("gpt2", tmp_path_factory, lambda d: tiny_gpt2(d))
+
+
+def gpt2_bos_dir(tmp_path_factory) -> Path:
+    """The tiny GPT-2 (same weights) with a tokenizer that prepends its BOS on its own (``add_bos_token=True``)."""
+    return _once("gpt2_bos", tmp_path_factory, lambda d: tiny_gpt2(d, tokenizer=bpe_tokenizer(add_bos=True)))
 
 
 def llama_dir(tmp_path_factory) -> Path:

@@ -22,8 +22,8 @@ import qkcircuits as qk
 from qkcircuits._foundation.arch import adapter
 
 from _cli import errors, run
-from _tiny import (_once, tiny_cohere_qknorm, tiny_deepseek, tiny_gemma2, tiny_gemma3, tiny_gpt2, tiny_gptj,
-                   tiny_gptneo, tiny_llama_gqa, tiny_llama_mqa, tiny_neox, tiny_smollm3)
+from _tiny import (_once, tiny_bloom, tiny_cohere_qknorm, tiny_deepseek, tiny_gemma2, tiny_gemma3, tiny_gpt2,
+                   tiny_gptj, tiny_gptneo, tiny_llama_gqa, tiny_llama_mqa, tiny_neox, tiny_smollm3)
 
 FAMILIES = {
     "gpt2": tiny_gpt2,                  # learned positions (a pos source), biases everywhere, LayerNorm
@@ -36,6 +36,7 @@ FAMILIES = {
     "cohere_qk": tiny_cohere_qknorm,    # a per-head LayerNorm QK-norm (centring), interleaved rotary
     "gptneo": tiny_gptneo,              # unscaled scores, a local layer (window 4)
     "smollm3": tiny_smollm3,            # a NoPE layer between rotary ones
+    "bloom": tiny_bloom,                # ALiBi: a position_bias source on both sides
     "deepseek_v3": lambda d: tiny_deepseek(d),                            # MLA, query latent, interleaved rope
     "deepseek_v2_yarn": lambda d: tiny_deepseek(d, version=2, yarn=True),  # MLA, YaRN: scale is not 1/sqrt(d)
 }
@@ -249,3 +250,28 @@ def test_cli_errors_are_one_line(args, msg, tmp_path, capsys):
     err = errors(stderr)
     assert len(err) == 1 and msg in err[0], stderr
     assert "Traceback" not in stderr and not out.exists()
+
+
+def test_alibi_is_its_own_source(family):
+    name, model, _ = family
+    t = _tokens(int(model.cfg.d_vocab))
+    r = qk.attend(model, f"{int(model.cfg.n_layers) - 1}.1", t, query=QUERY, key=KEY, reading="raw")
+    if name != "bloom":
+        assert "position_bias" not in r.key_names
+        return
+    # the raw score's position bias is slope_h · j: its pair (position_bias, position_bias) is exactly that
+    slope = float(adapter(model, int(model.cfg.n_layers) - 1).alibi_slopes()[1])
+    i = r.pair_query.index("position_bias") if "position_bias" in r.pair_query else None
+    q = {n: v for n, v, _ in r.query_sources()}
+    assert q["position_bias"] == pytest.approx(slope * sum(KEY) / len(KEY) * 1.0, rel=1e-6), (q, i)
+
+
+def test_an_attention_the_parts_do_not_rebuild_is_refused(hand_built, monkeypatch):
+    from qkcircuits._foundation.arch.standard import StandardAttention
+
+    t = qk.repeated_tokens(hand_built, n_seqs=1, seg_len=6, seed=0)
+    real = StandardAttention.scale
+    monkeypatch.setattr(StandardAttention, "scale", lambda self: (-real(self)[0], "wrong", None))   # sign flipped
+    with pytest.raises(qk.QKCircuitsError, match="do not rebuild .* own attention") as e:
+        qk.attend(hand_built, "1.0", t, key="induction")
+    assert "\n" not in str(e.value)

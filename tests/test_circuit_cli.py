@@ -14,12 +14,18 @@ KEYS = {"model", "task", "n_prompts", "metric", "clean", "corrupt", "method", "s
 
 
 def test_toy_induction_end_to_end(tmp_path, capsys):
+    # exact scores: the toy's two saturated-softmax edges are ±1e-4 under EAP-IG (docs/tasks.md), so its signed
+    # EAP-IG ranking is no test of the command
     out = tmp_path / "c.json"
-    rc = main(["circuit", "toy-induction", "--task", "induction", "--n", "8", "--json", str(out), "--csv",
-               str(tmp_path / "c.csv"), "-o", str(tmp_path / "c.html"), "--quiet", "--device", "cpu"])
+    rc = main(["circuit", "toy-induction", "--task", "induction", "--n", "8", "--method", "exact", "--json", str(out),
+               "--csv", str(tmp_path / "c.csv"), "-o", str(tmp_path / "c.html"), "--quiet", "--device", "cpu"])
     assert rc == 0
-    text = capsys.readouterr().out
+    got = capsys.readouterr()
+    text = got.out
     assert "clean logit-diff" in text and "CPR" in text and "direct-logit head 1.0" in text
+    # the first line of the run (stderr, before any work) and of the summary say how the prompts start
+    assert "BOS id 0 prepended (induction prompts always start with BOS)" in got.err.splitlines()[0]
+    assert text.splitlines()[0].startswith("toy-induction: task induction") and "warning" not in text
     d = json.loads(out.read_text())
     assert KEYS <= set(d)
     assert set(d["circuit"]) >= {"edges", "heads", "node_faithfulness"}
@@ -29,6 +35,7 @@ def test_toy_induction_end_to_end(tmp_path, capsys):
     assert d["roles"]["1.0"]["role"] == "direct-logit head"
     assert d["roles"]["1.0"]["evidence"]["direct_share"] == pytest.approx(1.0, abs=1e-3)
     assert float(d["curve"]["20"]) == pytest.approx(1.0, abs=1e-4) and d["bos_prepended"] is True
+    assert d["bos"] == {"prepended": True, "mode": "yes"} and d["warnings"] == [] and d["circuit"]["named"] is True
     rows = (tmp_path / "c.csv").read_text().splitlines()
     assert rows[0] == "sender,receiver,input,score,in_circuit" and len(rows) == 1 + 29
     # -o: the report's own circuit section (the same blocks as report --circuit on this JSON), no other section
@@ -80,25 +87,51 @@ def test_jsonl_task_on_a_local_hf_folder(tmp_path_factory, tmp_path, capsys):
     bad.write_text(json.dumps(lines[0]) + "\n" + json.dumps({**lines[1], "answer": " would asked"}) + "\n")
     assert main(["circuit", str(folder), "--task", str(bad), "--quiet", "--device", "cpu"]) == 2
     assert "bad.jsonl line 2: answer ' would asked' is 2 tokens" in capsys.readouterr().err
-    # the same prompts with answer and wrong swapped: the model does not do that task, which is a warning on stderr
-    # (one line, the CLI's own words, not a Python warning), and the run goes on
+    # the same prompts with answer and wrong swapped: the model does not do that task. The summary on stdout STARTS
+    # with the warning (one line, the CLI's own words, naming the causes to check), stderr had it once when found,
+    # the JSON holds it, and neither a circuit nor roles are named (unless --force)
     assert main(["circuit", str(folder), "--task", str(task_file), "--method", "eap", "--percent", "20",
-                 "--quiet", "--device", "cpu"]) == 0
-    assert "warning" not in capsys.readouterr().err
+                 "--quiet", "--device", "cpu", "--no-sign-check"]) == 0
+    got = capsys.readouterr()
+    assert "warning" not in got.err and "warning" not in got.out
     swapped = tmp_path / "swapped.jsonl"
     swapped.write_text("\n".join(json.dumps({**x, "answer": x["wrong"], "wrong": x["answer"]}) for x in lines))
-    assert main(["circuit", str(folder), "--task", str(swapped), "--method", "eap", "--percent", "20",
-                 "--quiet", "--device", "cpu"]) == 0
+    out = tmp_path / "swapped.json"
+    assert main(["circuit", str(folder), "--task", str(swapped), "--method", "eap", "--percent", "20", "--json",
+                 str(out), "--quiet", "--device", "cpu", "--no-sign-check"]) == 0
     got = capsys.readouterr()
-    assert "warning" not in got.out
-    warned = [x for x in got.err.splitlines() if "does not do this task" in x]
-    assert len(warned) == 1 and warned[0].startswith("warning: the model does not do this task (clean ")
+    first = got.out.splitlines()[0]
+    assert first.startswith("warning: the model does not do task 'swapped': clean logit-diff ")
+    for cause in ("no BOS is prepended (auto: what the tokenizer does on its own", "the answer tokens (row 0: answer "
+                  "' asked'", "the metric's direction (logit-diff: higher is better"):
+        assert cause in first, cause
+    assert sum("does not do task" in x for x in got.out.splitlines()) == 1
+    assert sum("does not do task" in x for x in got.err.splitlines()) == 1
+    assert "no circuit named" in got.out and "no roles named" in got.out and "name mover" not in got.out
+    d = json.loads(out.read_text())
+    assert len(d["warnings"]) == 1 and d["warnings"][0] in first and d["roles"] == {}
+    assert d["circuit"]["named"] is False and d["circuit"]["edges"] == []
+    # with progress bars (no --quiet): the warning is printed after every bar has closed, so no redraw ('\r' + a
+    # bar) follows it on its line: what a terminal shows of that line is the whole warning
+    assert main(["circuit", str(folder), "--task", str(swapped), "--method", "eap", "--percent", "20", "--device",
+                 "cpu", "--no-sign-check"]) == 0
+    got = capsys.readouterr()
+    shown = [x for x in got.err.split("\n") if "does not do task" in x]
+    assert len(shown) == 1 and shown[0].split("\r")[-1].startswith("warning: the model does not do task 'swapped'")
+    assert got.out.startswith("warning: the model does not do task 'swapped'")
+    # --force names them anyway; the warning stays
+    assert main(["circuit", str(folder), "--task", str(swapped), "--method", "eap", "--percent", "20", "--json",
+                 str(out), "--quiet", "--device", "cpu", "--no-sign-check", "--force"]) == 0
+    got = capsys.readouterr()
+    d = json.loads(out.read_text())
+    assert got.out.startswith("warning: the model does not do task") and d["circuit"]["named"] is True
+    assert d["circuit"]["edges"] and d["roles"]
     # clean = corrupt: f has no value, which is said in words (not a line of NaNs), and the JSON holds nulls
     same = tmp_path / "same.jsonl"
     same.write_text("\n".join(json.dumps({**x, "corrupt": x["clean"]}) for x in lines))
     out = tmp_path / "same.json"
     assert main(["circuit", str(folder), "--task", str(same), "--method", "eap", "--json", str(out), "--quiet",
-                 "--device", "cpu"]) == 0
+                 "--device", "cpu", "--no-sign-check"]) == 0
     got = capsys.readouterr()
     assert "faithfulness is undefined: clean and corrupt logit-diff are equal" in got.out and "nan%" not in got.out
     assert "faithfulness f by percent" not in got.out and "f undefined: the largest grid size, 100%" in got.out

@@ -344,7 +344,8 @@ def test_cli_circuit_ray_equals_local(tmp_path, ray_local, capsys):
     from qkcircuits.cli import main
 
     a, b = tmp_path / "local.json", tmp_path / "ray.json"
-    common = ["circuit", "toy-induction", "--task", "induction", "--n", "6", "--quiet", "--device", "cpu"]
+    common = ["circuit", "toy-induction", "--task", "induction", "--n", "6", "--method", "exact", "--quiet", "--device",
+              "cpu"]
     assert main(common + ["--json", str(a)]) == 0
     assert main(common + ["--ray", "local:2", "--json", str(b)]) == 0
     assert "on Ray, 2 workers" in capsys.readouterr().out

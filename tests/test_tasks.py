@@ -156,3 +156,61 @@ def test_model_that_does_not_do_the_task_warns(hand_built):
             call(swapped)
             call(task)
         assert sum("does not do task" in str(x.message) for x in w) == 1
+
+
+def test_from_jsonl_named_positions(gpt2, tmp_path):
+    # issue 37 ask 7: positions named by the word they hold in the clean prompt (first occurrence, or the n-th)
+    tok = gpt2.tokenizer
+    clean = "them old town and old them"
+    ids = tok(clean, add_special_tokens=False)["input_ids"]
+    old = tok(" old", add_special_tokens=False)["input_ids"]
+    assert len(old) == 1 and ids.count(old[0]) == 2                # the fixture: " old" twice, one token
+    at = [j for j, t in enumerate(ids) if t == old[0]]
+    rows = [{"clean": clean, "corrupt": "them new town and new them", "answer": " would", "wrong": " asked",
+             "positions": {"S": " old", "S2": {"text": " old", "occurrence": 2}, "T": " town"}},
+            {"clean": "them town and old town", "corrupt": "them town and new town", "answer": " would",
+             "wrong": " asked", "positions": {"S": " and", "S2": {"text": " town", "occurrence": 2}, "T": " old"}}]
+    task = qk.tasks.from_jsonl(gpt2, _write(tmp_path, [json.dumps(r) for r in rows]))
+    assert sorted(task.positions) == ["END", "S", "S2", "T"]
+    assert task.positions["S"][0] == at[0] and task.positions["S2"][0] == at[1]
+    # each named position holds the named word's token in the clean rows
+    for i, r in enumerate(rows):
+        for name, want in r["positions"].items():
+            text = want if isinstance(want, str) else want["text"]
+            assert task.clean[i, task.positions[name][i]] == tok(text, add_special_tokens=False)["input_ids"][0]
+    # the same with a BOS prepended: every position moves one token to the right
+    bos = qk.tasks.from_jsonl(gpt2, _write(tmp_path, [json.dumps(r) for r in rows]), prepend_bos=True)
+    for k in task.positions:
+        assert torch.equal(bos.positions[k], task.positions[k] + 1), k
+    # named positions reach the roles' evidence (attention from END to each)
+    scores = qk.edge_scores(gpt2, task, method="eap", progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = scores.circuit(percent=50).roles(gpt2, task, force=True)
+    assert all(set(x["evidence"]["attn_from_END"]) == {"END", "S", "S2", "T"} for x in r.roles.values())
+
+
+@pytest.mark.parametrize("positions,message", [
+    ({"S": " would"}, r"line 1: position 'S': ' would' \(token \d+\) does not occur in the clean prompt"),
+    ({"S": " old town"}, r"line 1: position 'S': ' old town' is 2 tokens"),
+    ({"S": {"text": " old", "occurrence": 3}}, r"line 1: position 'S': ' old' occurs 2 times in the clean prompt, "
+                                               r"occurrence 3 asked"),
+    ({"S": {"text": " old", "occurrence": 0}}, r"occurrence must be an integer >= 1, got 0"),
+    ({"S": {"word": " old"}}, r"expected \{\"text\": word, \"occurrence\": n\}, got keys 'word'"),
+    ({"END": " old"}, r"position 'END': END is where the metric reads"),
+    ({}, r"positions must be a non-empty object"),
+    ([" old"], r"positions must be a non-empty object .* got list"),
+])
+def test_from_jsonl_named_position_errors(gpt2, tmp_path, positions, message):
+    line = {"clean": "them old town and old them", "corrupt": "them new town and new them", "answer": " would",
+            "wrong": " asked", "positions": positions}
+    with pytest.raises(qk.QKCircuitsError, match=message) as e:
+        qk.tasks.from_jsonl(gpt2, _write(tmp_path, [json.dumps(line)]))
+    assert "\n" not in str(e.value)
+
+
+def test_from_jsonl_every_line_names_the_same_positions(gpt2, tmp_path):
+    a = {"clean": "old town", "corrupt": "new town", "answer": " would", "wrong": " asked", "positions": {"S": " town"}}
+    b = {k: v for k, v in a.items() if k != "positions"}
+    with pytest.raises(qk.QKCircuitsError, match=r"line 2: names positions none, but line 1 named S; every line"):
+        qk.tasks.from_jsonl(gpt2, _write(tmp_path, [json.dumps(a), json.dumps(b)]))

@@ -25,13 +25,28 @@ def test_ioi_on_smollm2(smollm2):
     assert (last[rows, task.answer] > last[rows, task.wrong]).float().mean() >= 0.9   # IO beats S
 
 
+def test_smollm2_tasks_follow_its_tokenizer_which_adds_no_bos(smollm2):
+    # SmolLM2's tokenizer adds no BOS on its own, read from the GGUF's tokenizer before TransformerLens touches it;
+    # TransformerLens' default_prepend_bos is True all the same. Prepending <|im_start|> (a chat marker) lowers the
+    # IOI logit difference (docs: 4.35 -> 3.23 on 64 prompts)
+    from qkcircuits._foundation.own_tokenizer import own_affixes
+
+    assert own_affixes(smollm2)["prefix"] == [] and own_affixes(smollm2)["source"] == "the checkpoint's tokenizer"
+    assert smollm2.cfg.default_prepend_bos is True
+    auto, yes = qk.tasks.ioi(smollm2, n=16, seed=0), qk.tasks.ioi(smollm2, n=16, seed=0, prepend_bos=True)
+    assert (auto.bos, auto.bos_mode, yes.bos) == (False, "auto", True)
+    assert torch.equal(yes.clean[:, 1:], auto.clean) and smollm2.tokenizer.decode(yes.clean[0, :1]) == "<|im_start|>"
+    without, with_bos = evaluate(smollm2, auto)["clean"], evaluate(smollm2, yes)["clean"]
+    assert without > with_bos + 0.5, (without, with_bos)
+
+
 def test_smollm2_graph_size(smollm2):
     g = qk.graph(smollm2)
     assert (g.n_nodes, g.n_receivers, g.n_edges) == (302, 481, 70651)
 
 
 def test_smollm2_ioi_circuit_carries_the_behaviour_by_5_percent_and_names_its_name_movers(smollm2):
-    # Issue 17's done-when on 16 prompts (the CLI's 64 are measured in docs/tasks.md: f 0.930 at 2 %): the
+    # Issue 17's done-when on 16 prompts (the CLI's 64 are measured in docs/tasks.md: f 0.971 at 2 %): the
     # default (signed) ranking's circuit reaches f >= 0.8 by 5 % of the 70,651 edges; its node view (every
     # other head corrupted) stays near the model; its roles name layer-23 name movers.
     task = qk.tasks.ioi(smollm2, n=16, seed=0)

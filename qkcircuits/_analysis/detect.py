@@ -36,6 +36,7 @@ from torch import Tensor
 
 from .._foundation.capture import stream
 from .._foundation.errors import QKCircuitsError
+from .._foundation.arch.model import folded
 from .._foundation.args import check_model
 from .._foundation.io import check_int
 from .._foundation.renamed import renamed
@@ -346,7 +347,7 @@ def confirmation_sentence(conf: Dict) -> str:
 
 
 def _settings(model, **kw) -> Dict[str, object]:
-    return stamped({**kw, "fold_ln": bool(getattr(model, "compatibility_mode", False)), "dtype": str(model.W_E.dtype),
+    return stamped({**kw, "fold_ln": folded(model), "dtype": str(model.W_E.dtype),
                     "device": str(model.W_E.device)})
 
 

@@ -109,10 +109,25 @@ def attend_heads(model, heads: HeadsLike = None, tokens=None, *, task=None, quer
             settings["caveats"] = [f"the layer soft-caps its scores at {cap:g}: the pre-cap score is decomposed"]
         expanded = _merge_expansions(a["expanded"], len(rows[L])) if expand else {}
         pairs = a["QK"] if "QK" in a else a["P"] / len(rows[L])
+        if a["extra"]:
+            settings["position_bias"] = "ALiBi: slope_h · key position, a source of its own on both sides"
+        _check_exact(model, str(h), max(a["score_error"], a["pattern_error"]))
         out[str(h)] = summarise(model, str(h), reading, rows[L], a["names"], pairs, torch.cat(a["q_vals"]),
-                                torch.cat(a["k_vals"]), torch.cat(a["attention"]),
-                                max(a["score_error"], a["pattern_error"]), stamped(settings), expanded, expand)
+                                torch.cat(a["k_vals"]), torch.cat(a["attention"]), extra=a["extra"],
+                                exact_error=max(a["score_error"], a["pattern_error"]), settings=stamped(settings),
+                                expanded=expanded, side=expand)
     return out
+
+
+def _check_exact(model, head: str, error: float) -> None:
+    """Refuse (one line) an attribution whose parts do not rebuild the model's own attention: the architecture does
+    something to the score this decomposition does not know (an unsupported position bias, a norm it cannot read)."""
+    tol = max(1e-3, 32 * float(torch.finfo(model.W_E.dtype).eps))
+    if not error <= tol:
+        from .._foundation.arch import architecture
+
+        raise QKCircuitsError(f"head {head}: the attribution's parts do not rebuild {architecture(model)}'s own attention "
+                              f"(largest error {error:.3g} > {tol:.0e}); qkcircuits cannot decompose this attention yet")
 
 
 def _check(reading: str, versus, expand) -> str:
@@ -205,20 +220,26 @@ def _layer(model, w: Writes, L: int, heads: List[int], rows: Rows, prompts: Tens
     wr = key_weights(rows, sel, w.tokens.shape[1], reading, att.window()).to(dev)      # [n, p]
     wr_dt = wr.to(dt)
     names = w.names(L)
-    n, S = rb.numel(), len(names)
-    Q_all = torch.empty(len(heads), n, S + 1, Wq.shape[-1], dtype=torch.float64, device=dev)   # + bias_q
-    K_all = {g: torch.empty(n, S + 1, Wk.shape[-1], dtype=torch.float64, device=dev) for g in kv}   # + bias_k
+    n, S, d = rb.numel(), len(names), Wq.shape[-1]
+    slopes = att.alibi_slopes()
+    # + bias_q / bias_k; with ALiBi one more source on each side, "position_bias", on a coordinate of its own:
+    # its query part is the head's slope, its key part Σ_pos w(pos) · pos, so its pair is the bias's share
+    extra = 0 if slopes is None else 1
+    Q_all = torch.zeros(len(heads), n, S + 1 + extra, d + extra, dtype=torch.float64, device=dev)
+    K_all = {g: torch.zeros(n, S + 1 + extra, d + extra, dtype=torch.float64, device=dev) for g in kv}
     for lo, hi, q_rows, k_all in _chunks(w, L, Wq, Wk, rb, ri):                      # [s, n, H', d], [s, b, p, G', d]
         for t, (m, f) in enumerate(zip(qmaps, fq_dt)):
-            Q_all[t, :, lo:hi] = m.finish(q_rows[:, :, t], f, rows=(rb, ri)).transpose(0, 1)
+            Q_all[t, :, lo:hi, :d] = m.finish(q_rows[:, :, t], f, rows=(rb, ri)).transpose(0, 1)
         for u, g in enumerate(kv):
-            K_all[g][:, lo:hi] = kmaps[g].contract(k_all[:, :, :, u], fk_dt[g], wr_dt, rb)
+            K_all[g][:, lo:hi, :d] = kmaps[g].contract(k_all[:, :, :, u], fk_dt[g], wr_dt, rb)
     for t, m in enumerate(qmaps):
-        Q_all[t, :, S] = m.constant(fq[t], rows=(rb, ri))
+        Q_all[t, :, S, :d] = m.constant(fq[t], rows=(rb, ri))
     k_total = {}
     for g in kv:
         kc = kmaps[g].constant(fk[g])                                                  # [b, p, d]
-        K_all[g][:, S] = torch.einsum("np,npd->nd", wr, kc[rb])
+        K_all[g][:, S, :d] = torch.einsum("np,npd->nd", wr, kc[rb])
+        if slopes is not None:
+            K_all[g][:, S + 1, d] = wr @ torch.arange(wr.shape[1], dtype=wr.dtype, device=dev)
         # every key, rebuilt from the whole residual (the parts add up to it by construction: ``bias`` is the rest)
         k_total[g] = kmaps[g].finish(w.resid[L].double() @ kmaps[g].W, fk[g]) + kc
     factor = att.scale()[0]
@@ -226,10 +247,12 @@ def _layer(model, w: Writes, L: int, heads: List[int], rows: Rows, prompts: Tens
     out = {}
     for t, h in enumerate(heads):
         g = h // group
+        if slopes is not None:
+            Q_all[t, :, S + 1, d] = float(slopes[h]) / factor           # × factor below: the slope itself
         Q, K = Q_all[t].mul_(factor), K_all[g]                                         # [n, Sq, d], [n, Sk, d]
-        part = {"names": names, "Q": Q.cpu(), "K": K.cpu(),
+        part = {"names": names, "extra": ["position_bias"] if extra else [], "Q": Q.cpu(), "K": K.cpu(),
                 "attention": w.pattern[L][rb, h, ri, rj].double().cpu(), "bias_spread": spread,
-                **_exactness(att, w, L, h, Q.sum(1) / factor, k_total[g], rb, ri), "expanded": None}
+                **_exactness(att, w, L, h, Q.sum(1)[:, :d] / factor, k_total[g], rb, ri, slopes), "expanded": None}
         if expand:
             side_map, side_frozen = (qmaps[t], fq[t]) if expand == "query" else (kmaps[g], fk[g])
             part["expanded"] = _expand(w, L, side_map, side_frozen, names, Q, K, wr, rb, ri, expand, k, sel,
@@ -291,11 +314,13 @@ def _chunks(w: Writes, L: int, Wq: Tensor, Wk: Tensor, rb: Tensor, ri: Tensor, s
         yield lo, lo + m, qbuf[:m].view(m, n, H, d), kbuf[:m].view(m, b, p, G, d)
 
 
-def _exactness(att, w: Writes, L: int, h: int, q_tot: Tensor, k_total: Tensor, rb: Tensor, ri: Tensor
-               ) -> Dict[str, float]:
+def _exactness(att, w: Writes, L: int, h: int, q_tot: Tensor, k_total: Tensor, rb: Tensor, ri: Tensor,
+               slopes: Optional[Tensor] = None) -> Dict[str, float]:
     """Rebuild each row's whole score row from the summed parts and compare with the model's own."""
     factor, _, cap = att.scale()
     S = torch.einsum("nd,npd->np", q_tot, k_total[rb]) * factor                    # [n, p]
+    if slopes is not None:                                                          # ALiBi: + slope · key position
+        S = S + float(slopes[h]) * torch.arange(S.shape[1], dtype=S.dtype, device=S.device)
     if cap:
         S = cap * torch.tanh(S / cap)
     pos = torch.arange(S.shape[1], device=S.device)
@@ -319,9 +344,12 @@ def _expand(w: Writes, L: int, qkmap, frozen, names: List[str], Q: Tensor, K: Te
     ``chosen``): value per row and source position m of what that head read at m (pattern · v through OV) and
     wrote where ``side`` reads it. ``Q`` is already × the layer's scale."""
     vals = (Q.sum(1)[:, None] * K).sum(-1) if side == "key" else (Q * K.sum(1)[:, None]).sum(-1)      # [n, s]
+    d = qkmap.W.shape[1]
+    Q, K = Q[..., :d], K[..., :d]                       # (an ALiBi coordinate, if any, is no head's)
     if chosen is None:
-        # the largest head sources, leaving out those under 5 % of the largest one (a tiny value splits into noise)
-        mass = vals.abs().sum(0)
+        # the largest head sources by |mean value|, leaving out those under 5 % of the largest one (a tiny value
+        # splits into noise)
+        mass = vals.mean(0).abs()
         head_idx = [n for n, name in enumerate(names) if "." in name]
         top = max((float(mass[n]) for n in head_idx), default=0.0)
         chosen = [names[n] for n in sorted((n for n in head_idx if float(mass[n]) >= 0.05 * top > 0),

@@ -16,6 +16,7 @@ the choice has a negative share). The pair table keeps the ``KEEP`` largest sour
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -122,8 +123,11 @@ class Attribution(Result):
         for e in _top_offsets(self.expanded):
             where = "key" if e["side"] == "key" else "query"
             pos = "j" if where == "key" else "i"
-            off = int(e["offset"])
-            at = pos if off == 0 else f"{pos}{-off:+d}"
+            if "position" in e:
+                at = e["position"]
+            else:
+                off = int(e["offset"])
+                at = pos if off == 0 else f"{pos}{-off:+d}"
             example = f"; e.g. token {e['example']!r}" if e.get("example") is not None else ""
             out.append(f"{self.label(e['source'])}'s write at the {where}, which {self.head} reads, came from position "
                        f"{at} ({_pct(e['share'])} of its {show.number(e['whole'])}{example}).")
@@ -205,34 +209,38 @@ def _top_offsets(expanded: List[Dict[str, Any]], per_source: int = 1) -> List[Di
 
 
 def summarise(model, head: str, reading: str, rows, names: List[str], pairs, q_vals: Tensor, k_vals: Tensor,
-              attention: Tensor, exact_error: float, settings: Dict[str, Any], expanded: Dict[str, Dict[str, Tensor]],
-              side: Optional[str], keep: int = KEEP) -> Attribution:
+              attention: Tensor, *, exact_error: float, settings: Dict[str, Any],
+              expanded: Dict[str, Dict[str, Tensor]], side: Optional[str], extra: Sequence[str] = (),
+              keep: int = KEEP) -> Attribution:
     """The ``Attribution`` of the per-row marginals ``q_vals`` [n, Sq], ``k_vals`` [n, Sk] (query sources: ``names``
     then bias_q; key sources: ``names`` then bias_k) and ``pairs``: the mean pair table [Sq, Sk] over every source,
     or the parts (Q [n, Sq, d] × the scale, K [n, Sk, d]) to compute it for the kept sources only. Gives the kept
     pair table with its "other" row and column, the rows' tokens, the expansion grouped by offset."""
-    names_q, names_k = names + ["bias_q"], names + ["bias_k"]
+    names_q, names_k = names + ["bias_q", *extra], names + ["bias_k", *extra]
     kq, kk = _kept(q_vals, keep), _kept(k_vals, keep)
-    rq = [i for i in range(q_vals.shape[1]) if i not in set(kq)]
-    rk = [j for j in range(k_vals.shape[1]) if j not in set(kk)]
+    kq_set, kk_set = set(kq), set(kk)
+    rq = [i for i in range(q_vals.shape[1]) if i not in kq_set]
+    rk = [j for j in range(k_vals.shape[1]) if j not in kk_set]
     if isinstance(pairs, tuple):
         Q, K = pairs
-        Qk = torch.cat([Q[:, kq], Q[:, rq].sum(1, keepdim=True)], 1)
-        Kk = torch.cat([K[:, kk], K[:, rk].sum(1, keepdim=True)], 1)
+        Qk, Kk = Q[:, kq], K[:, kk]                                                   # "other": all minus the kept
+        Qk = torch.cat([Qk, (Q.sum(1) - Qk.sum(1))[:, None]], 1)
+        Kk = torch.cat([Kk, (K.sum(1) - Kk.sum(1))[:, None]], 1)
         Pk = torch.einsum("nad,nbd->ab", Qk, Kk) / Q.shape[0]
     else:
         rows_kept = torch.cat([pairs[kq], pairs[rq].sum(0, keepdim=True)], 0)
         Pk = torch.cat([rows_kept[:, kk], rows_kept[:, rk].sum(1, keepdim=True)], 1)
     decode = _decoder(model)
-    totals = k_vals.sum(1)
+    toks = rows.tokens.tolist()
+    vs = rows.v.tolist() if rows.v is not None else None
     row_list = []
-    for r in range(k_vals.shape[0]):
-        b, i, j = int(rows.b[r]), int(rows.i[r]), int(rows.j[r])
-        entry = {"prompt": b, "query": i, "key": j, "query_token": decode(rows.tokens[b, i]),
-                 "key_token": decode(rows.tokens[b, j]), "attention": float(attention[r]), "value": float(totals[r])}
-        if rows.v is not None:
-            entry["versus"] = int(rows.v[r])
-            entry["versus_token"] = decode(rows.tokens[b, int(rows.v[r])])
+    for r, (b, i, j, a, v) in enumerate(zip(rows.b.tolist(), rows.i.tolist(), rows.j.tolist(), attention.tolist(),
+                                            k_vals.sum(1).tolist())):
+        entry = {"prompt": b, "query": i, "key": j, "query_token": decode(toks[b][i]), "key_token": decode(toks[b][j]),
+                 "attention": a, "value": v}
+        if vs is not None:
+            entry["versus"] = vs[r]
+            entry["versus_token"] = decode(toks[b][vs[r]])
         row_list.append(entry)
     exp = _offsets(expanded, rows, side, decode) if side else []
     if side:
@@ -248,9 +256,16 @@ def _kept(vals: Tensor, keep: int) -> List[int]:
     return sorted(int(i) for i in order)
 
 
+_DECODED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _decoder(model):
+    """Token id → its text (the id itself without a tokenizer), remembered per tokenizer."""
     tok = getattr(model, "tokenizer", None)
-    seen: Dict[int, Any] = {}
+    try:
+        seen = _DECODED.setdefault(tok, {}) if tok is not None else {}
+    except TypeError:
+        seen = {}
 
     def decode(t) -> Any:
         t = int(t)
@@ -264,20 +279,29 @@ def _decoder(model):
 
 
 def _offsets(expanded: Dict[str, Dict[str, Tensor]], rows, side: str, decode, k: int = 3) -> List[Dict[str, Any]]:
-    """Per expanded source: its value by offset (key or query position − the position it read), averaged over
-    rows, the ``k`` largest |value| first, with the share of the source's whole value there and an example token."""
+    """Per expanded source: its value by where it read, averaged over rows, the ``k`` largest |value| first, with
+    the share of the source's whole value there and an example token. Where it read is a task's named position
+    when the rows come from a task ("S2") and the source position is one of that prompt's, else the offset from
+    the key (or query) position (``offset`` 1: the position before)."""
     out = []
-    anchor = rows.j if side == "key" else rows.i
+    anchor = (rows.j if side == "key" else rows.i).tolist()
+    named = {name: pos.tolist() for name, pos in (rows.named or {}).items()}
+    prompts = rows.b.tolist()
     for name, e in expanded.items():
         vals, whole = e["values"], float(e["whole"].mean())
-        n, m = vals.shape
-        off = anchor[:, None] - torch.arange(m)[None]                                  # [n, m]
-        by: Dict[int, float] = {}
-        for o, v in zip(off.flatten().tolist(), vals.flatten().tolist()):
-            by[o] = by.get(o, 0.0) + v / n
-        for o in sorted(by, key=lambda x: -abs(by[x]))[:k]:
-            r = next((r for r in range(n) if 0 <= int(anchor[r]) - o < rows.tokens.shape[1]), None)
-            ex = decode(rows.tokens[int(rows.b[r]), int(anchor[r]) - o]) if r is not None else None
-            out.append({"source": name, "side": side, "offset": int(o), "value": by[o], "share": _share(by[o], whole),
-                        "whole": whole, "example": ex})
+        n = vals.shape[0]
+        by: Dict[Any, float] = {}
+        example: Dict[Any, Any] = {}
+        for r, row in enumerate(vals.tolist()):
+            b, a = prompts[r], anchor[r]
+            for m, v in enumerate(row):
+                where = next((p for p, pos in named.items() if pos[b] == m), a - m)
+                by[where] = by.get(where, 0.0) + v / n
+                if where not in example and m < rows.tokens.shape[1]:
+                    example[where] = decode(rows.tokens[b, m])
+        for where in sorted(by, key=lambda x: -abs(by[x]))[:k]:
+            entry = {"source": name, "side": side, "value": by[where], "share": _share(by[where], whole),
+                     "whole": whole, "example": example.get(where)}
+            entry.update({"position": where} if isinstance(where, str) else {"offset": int(where)})
+            out.append(entry)
     return out

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .._foundation.errors import QKCircuitsError
+from .._foundation.own_tokenizer import own_affixes
 
 Pos = Any          # int, str, a list of ints or None: checked here, with one-line errors
 
@@ -45,21 +46,24 @@ class Rows:
     what: str
     names: dict
     dropped: int = 0
+    named: Optional[dict] = None      # a task's named positions per prompt {name: [b]}: where an expansion read from
 
     def __len__(self) -> int:
         return int(self.b.numel())
 
 
 def tokenize(model, tokens) -> Tuple[Tensor, Tensor]:
-    """Token ids [b, p]: ids as given (checked), or text tokenized as the tokenizer does on its own (its own
-    special tokens: a BOS where it adds one), several texts right-padded with the pad (else EOS) id; and each
-    prompt's length before padding [b]."""
+    """Token ids [b, p]: ids as given (checked), or text tokenized as the checkpoint's tokenizer does on its own
+    (its prefix: a BOS where it adds one; ``_foundation/own_tokenizer``), several texts right-padded with the pad
+    (else EOS) id; and each prompt's length before padding [b]."""
     if isinstance(tokens, str) or (isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], str)):
         tok = getattr(model, "tokenizer", None)
         if tok is None:
             raise QKCircuitsError("this model has no tokenizer; pass token ids as a [batch, pos] tensor")
         texts = [tokens] if isinstance(tokens, str) else list(tokens)
-        ids = [list(tok(t)["input_ids"]) for t in texts]
+        # the checkpoint's tokenizer's own prefix (a BOS where it adds one; TransformerLens' add_bos_token is no guide)
+        prefix = [int(t) for t in own_affixes(model)["prefix"]]
+        ids = [prefix + list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
         if not all(ids):
             raise QKCircuitsError("a prompt tokenizes to no tokens; give text with at least one token")
         pad = next((x for x in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None)) if isinstance(x, int)), 0)
@@ -141,7 +145,8 @@ def _named(task, t: Tensor, query, key, versus, window) -> Rows:
     n = t.shape[0]
     rows = Rows(t, torch.arange(n), got["query"], got["key"], got.get("versus"),
                 f"from {names['query']} to {names['key']}" + (f" (versus {versus})" if versus else ""),
-                {k: v for k, v in names.items() if v is not None})
+                {k: v for k, v in names.items() if v is not None},
+                named={k: v.long() for k, v in task.positions.items()})
     _check_attendable(rows, window)
     return rows
 

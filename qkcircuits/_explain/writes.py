@@ -105,12 +105,20 @@ class Writes:
         start = max(l for l in cum if l <= layer)
         t = cum[start]
         for l in range(start, layer):
-            if l in self.z:
-                t = t + self.head_writes(l).sum(0)
+            if l in self.z:          # the layer's heads summed: one [b·p, H·e] @ [H·e, d] product (float32 is enough:
+                t = t + self._heads_sum(l)   # ``bias`` is the remainder, so the parts still add up exactly)
             for _, x in self.mlp_parts(l):
                 t = t + x.double()
             cum[l + 1] = t
         return t + self.bias(layer) if with_bias else t
+
+    def _heads_sum(self, l: int) -> Tensor:
+        z = self.z[l]
+        b, p, H, e = z.shape
+        M = self.head_out_map(l).to(z.dtype)                                         # [H, e, d]
+        out = (z.reshape(b * p, H * e) @ M.reshape(H * e, -1)).view(b, p, -1).double()
+        s = self.post_scale(l)
+        return out if s is None else out * s
 
     def bias(self, layer: int) -> Float[Tensor, "b p d"]:
         """``layer``'s input residual minus every component's write: the constant output biases (float64)."""

@@ -249,10 +249,13 @@ def _load_local(path: Path, dev, dtype, device_map) -> TransformerBridge:
     if gguf is not None:
         return _load_gguf(gguf, dev, dtype, device_map)
     with _hub_offline():
+        # what the checkpoint's own tokenizer adds (TransformerLens reloads it with add_bos_token=True)
+        own = _own_affixes(str(path.resolve()))
         # the absolute path: TransformerLens reads a bare folder name such as "neox" or "gpt2" as a hub alias
         # (seen: a local ./neox folder sent to EleutherAI/gpt-neox-20b); results keep the name as given
         bridge = _boot(str(path.resolve()), dev, dtype, device_map, label=str(path), local=True)
     bridge.cfg.model_name = str(path)
+    _record_own(bridge, own)
     return bridge
 
 
@@ -273,7 +276,26 @@ def _load_hub(name: str, dev, dtype, device_map) -> TransformerBridge:
     cached = _hub_precheck(name)
     ctx = _hub_offline() if cached else contextlib.nullcontext()
     with ctx:
-        return _boot(name, dev, dtype, device_map, label=name)
+        own = _own_affixes(name)
+        bridge = _boot(name, dev, dtype, device_map, label=name)
+    _record_own(bridge, own)
+    return bridge
+
+
+def _own_affixes(name: str):
+    """What the tokenizer saved at ``name`` (a folder or a hub name) adds on its own, or None."""
+    from transformers import AutoTokenizer
+
+    from .own_tokenizer import read
+
+    return read(lambda: AutoTokenizer.from_pretrained(name), "the checkpoint's tokenizer")
+
+
+def _record_own(bridge, own) -> None:
+    from .own_tokenizer import ATTR
+
+    if own is not None and getattr(bridge, "tokenizer", None) is not None:
+        setattr(bridge, ATTR, own)
 
 
 def _boot(name: str, dev, dtype, device_map, label: str, local: bool = False, **kwargs: Any) -> TransformerBridge:
@@ -336,8 +358,12 @@ def _load_gguf(path: Path, dev, dtype, device_map, model_name: Optional[str] = N
         hf_model.config.architectures = [type(hf_model).__name__]
     if dev is not None:
         hf_model = hf_model.to(dev)
+    from .own_tokenizer import read
+
+    own = read(lambda: tokenizer, "the checkpoint's tokenizer")     # before TransformerLens sets add_bos_token
     with _hub_offline():
         bridge = _boot(model_name or folder, dev, dtype, None, label=str(path), hf_model=hf_model, tokenizer=tokenizer)
+    _record_own(bridge, own)
     if model_name is None:          # results name the file the user gave, not its folder (as for a local folder)
         bridge.cfg.model_name = str(path)
     return bridge

@@ -47,6 +47,7 @@ from .._analysis.metrics import INDUCTION, Metric
 from .._foundation.backends import BackendLike, as_backend
 from .._foundation.capture import as_tokens
 from .._foundation.errors import QKCircuitsError
+from .._foundation.arch.model import folded
 from .._foundation.args import check_int, check_model, check_tokens
 from .._foundation.heads import Head, HeadsLike, model_heads
 from .._foundation.io import package_version
@@ -319,4 +320,4 @@ def patch_settings(model, tokens: Tensor, per_position: bool, reference: str, n_
 
     return stamped({"n_prompts": int(tokens.shape[0]), "n_positions": int(tokens.shape[1]), "per_position": per_position,
             "reference": reference, "n_edges": n_edges, "receiver_layers": n_layers_recv,
-            "fold_ln": bool(getattr(model, "compatibility_mode", False)), "dtype": str(model.W_E.dtype)})
+            "fold_ln": folded(model), "dtype": str(model.W_E.dtype)})

@@ -32,7 +32,9 @@ import torch
 from .._foundation.errors import QKCircuitsError
 from .._tasks.circuit import SIZES, THRESHOLD, Circuit, Faithfulness, circuit_metric, node_metric, ratio, select
 from .._tasks.graph import graph
-from .._tasks.scores import METHODS, EdgeScores, NodeScores, edge_scores, node_scores, shard_rows
+from .._tasks.caveats import reached, unreached_message
+from .._tasks.gradients import resolve_rule
+from .._tasks.scores import EdgeScores, NodeScores, check_method, edge_scores, node_scores, shard_rows
 from .._tasks.task import NOT_DONE, Task, warn_if_not_done
 from .distributed import Pool
 
@@ -55,25 +57,26 @@ def _quiet_about_the_task():
 
 
 def edge_scores_job(model, shared: Task, *, rows: Tuple[int, int], method: str, steps: int, copies: int,
-                    check: bool, rows_per_shard: Optional[int]) -> Dict[str, Any]:
+                    check: bool, rows_per_shard: Optional[int], rule: Optional[str] = None) -> Dict[str, Any]:
     """``edge_scores`` of prompt rows ``rows`` of the task ``shared``; its sums (scores × rows, NaN → 0)."""
     t0 = time.perf_counter()
     sub = _rows(shared, rows)
     with _quiet_about_the_task():
-        es = edge_scores(model, sub, method, steps, rows_per_shard=rows_per_shard, copies=copies, progress=False,
-                         check=check)
+        es = edge_scores(model, sub, method, steps, rule=rule, rows_per_shard=rows_per_shard, copies=copies,
+                         progress=False, check=check)
     return {"rows": rows, "n": sub.n, "sum": torch.nan_to_num(es.scores.double(), nan=0.0) * sub.n,
             "clean": es.clean * sub.n, "corrupt": es.corrupt * sub.n, "graph": es.graph, "method": es.method,
             "steps": es.steps, "model": es.model, "settings": es.settings, "seconds": time.perf_counter() - t0}
 
 
 def node_scores_job(model, shared: Task, *, rows: Tuple[int, int], method: str, steps: int, copies: int,
-                    rows_per_shard: Optional[int]) -> Dict[str, Any]:
+                    rows_per_shard: Optional[int], rule: Optional[str] = None) -> Dict[str, Any]:
     """``node_scores`` of prompt rows ``rows``; its sums (score × rows per node)."""
     t0 = time.perf_counter()
     sub = _rows(shared, rows)
     with _quiet_about_the_task():
-        ns = node_scores(model, sub, method, steps, progress=False, rows_per_shard=rows_per_shard, copies=copies)
+        ns = node_scores(model, sub, method, steps, rule=rule, progress=False, rows_per_shard=rows_per_shard,
+                         copies=copies)
     return {"rows": rows, "n": sub.n, "sums": {k: v * sub.n for k, v in ns.scores.items()}, "model": ns.model,
             "clean": ns.settings["clean"] * sub.n, "corrupt": ns.settings["corrupt"] * sub.n,
             "settings": ns.settings, "seconds": time.perf_counter() - t0}
@@ -102,23 +105,19 @@ def node_metric_job(model, shared: Task, *, rows: Tuple[int, int], heads: List[s
             "seconds": time.perf_counter() - t0}
 
 
-def task_job(model, shared, *, spec: str, n: int, seed: int) -> Dict[str, Any]:
+def task_job(model, shared, *, spec: str, n: int, seed: int, prepend_bos: Optional[bool] = None,
+             metric: str = "logit-diff") -> Dict[str, Any]:
     """The CLI's task (``ioi``, ``induction`` or a .jsonl path the workers can read) built with this worker's
-    tokenizer, and the graph (the driver has no model)."""
-    from .._tasks import builders
+    tokenizer (``builders.build_task``), and the graph (the driver has no model)."""
+    from .._tasks.builders import build_task
 
-    if spec == "ioi":
-        task = builders.ioi(model, n=n, seed=seed)
-    elif spec == "induction":
-        task = builders.induction(model, n=n, seed=seed)
-    else:
-        task = builders.from_jsonl(model, spec)
+    task = build_task(model, spec, n, seed, prepend_bos=prepend_bos, metric=metric)
     return {"task": task.to("cpu"), "graph": graph(model)}
 
 
-def roles_job(model, shared: Task, *, circuit: Circuit, clean: Real, corrupt: Real):
+def roles_job(model, shared: Task, *, circuit: Circuit, clean: Real, corrupt: Real, force: bool = False):
     """``circuit.roles`` on this worker's model (one clean forward for the attention patterns)."""
-    return circuit.roles(model, shared, clean=clean, corrupt=corrupt)
+    return circuit.roles(model, shared, clean=clean, corrupt=corrupt, force=force)
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -170,22 +169,21 @@ def _backend(pool: Pool, shards: Sequence[Tuple[int, int]], parts: Sequence[Dict
             "plan": [{"rows": list(r), "seconds": round(p["seconds"], 3)} for r, p in zip(shards, parts)]}
 
 
-def ray_edge_scores(spec, task, method: str = "eap-ig", steps: int = 5, *, rows_per_shard: Optional[int] = None,
-                    copies: int = 32, progress: bool = True, check: bool = True, ray_address: Optional[str] = None,
-                    workers: Optional[int] = None, threads: int = 1, load_kwargs: Optional[Dict[str, Any]] = None,
-                    pool: Optional[Pool] = None) -> EdgeScores:
+def ray_edge_scores(spec, task, method: str = "eap-ig", steps: int = 5, *, rule: Optional[str] = None,
+                    rows_per_shard: Optional[int] = None, copies: int = 32, progress: bool = True, check: bool = True,
+                    ray_address: Optional[str] = None, workers: Optional[int] = None, threads: int = 1,
+                    load_kwargs: Optional[Dict[str, Any]] = None, pool: Optional[Pool] = None) -> EdgeScores:
     """``edge_scores(..., backend=qk.Ray(...))``: prompt shards on Ray workers, their score sums added (exact,
     module docstring). ``rows_per_shard`` is each worker's memory knob inside its shard. ``pool``: an open
     ``Pool`` to reuse."""
-    if method not in METHODS:
-        raise QKCircuitsError(f"unknown edge-score method {method!r}; use one of {', '.join(METHODS)}")
-    if method == "eap-ig" and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise QKCircuitsError(f"steps must be an integer >= 1, got {steps!r}")
+    check_method(method, steps)
+    rule = resolve_rule(method, rule)
     task = _check_task(task)
     pool, own = _pool(spec, pool, ray_address, workers, threads, load_kwargs, progress)
     parts, backend = _on_shards(pool, own, task, "edge_scores_job", f"edge scores ({method}, ray)",
                                 lambda i, r: {"rows": r, "method": method, "steps": steps, "copies": copies,
-                                              "check": check and i == 0, "rows_per_shard": rows_per_shard})
+                                              "check": check and i == 0, "rows_per_shard": rows_per_shard,
+                                              "rule": rule})
     first = parts[0]
     total = sum((p["sum"] for p in parts), torch.zeros_like(first["sum"]))
     scores = (total / task.n).float()
@@ -197,18 +195,19 @@ def ray_edge_scores(spec, task, method: str = "eap-ig", steps: int = 5, *, rows_
                       first["model"], settings, {"edge_scores_s": backend["run_s"]})
 
 
-def ray_node_scores(spec, task, method: str = "eap-ig", steps: int = 5, *, progress: bool = True,
+def ray_node_scores(spec, task, method: str = "eap-ig", steps: int = 5, *, rule: Optional[str] = None,
+                    progress: bool = True,
                     rows_per_shard: Optional[int] = None, copies: int = 32, ray_address: Optional[str] = None,
                     workers: Optional[int] = None, threads: int = 1, load_kwargs: Optional[Dict[str, Any]] = None,
                     pool: Optional[Pool] = None) -> NodeScores:
     """``node_scores(..., backend=qk.Ray(...))``: per-node sums of prompt shards, added (exact)."""
-    if method not in METHODS:
-        raise QKCircuitsError(f"unknown node-score method {method!r}; use one of {', '.join(METHODS)}")
+    check_method(method, steps)
+    rule = resolve_rule(method, rule)
     task = _check_task(task)
     pool, own = _pool(spec, pool, ray_address, workers, threads, load_kwargs, progress)
     parts, backend = _on_shards(pool, own, task, "node_scores_job", f"node scores ({method}, ray)",
                                 lambda i, r: {"rows": r, "method": method, "steps": steps, "copies": copies,
-                                              "rows_per_shard": rows_per_shard})
+                                              "rows_per_shard": rows_per_shard, "rule": rule})
     names = list(parts[0]["sums"])
     scores = {k: sum(p["sums"][k] for p in parts) / task.n for k in names}
     clean, corrupt = sum(p["clean"] for p in parts) / task.n, sum(p["corrupt"] for p in parts) / task.n
@@ -284,17 +283,20 @@ def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: s
                        {"by": by, **selection, "threshold": threshold, "rows_per_shard": rows_per_shard,
                         "cpr_cmd": "trapezoid over the grid, x = fraction of edges", "backend": backend},
                        {"curve_s": round(t1 - t0, 3), "node_view_s": round(time.perf_counter() - t1, 3)})
-    scores.settings["chosen_percent"] = chosen
-    scores.settings["chosen_by"] = by
+    if not reached(curve, threshold) and clean != corrupt:
+        warnings.warn(unreached_message(curve, threshold), stacklevel=2)
     return out
 
 
-def ray_task_and_graph(pool: Pool, spec: str, n: int, seed: int) -> Tuple[Task, Any]:
+def ray_task_and_graph(pool: Pool, spec: str, n: int, seed: int, prepend_bos: Optional[bool] = None,
+                       metric: str = "logit-diff") -> Tuple[Task, Any]:
     """The CLI's task and the model's graph, built on a worker (the driver has no tokenizer)."""
-    out = pool.call(JOB + "task_job", {"spec": spec, "n": n, "seed": seed})
+    out = pool.call(JOB + "task_job", {"spec": spec, "n": n, "seed": seed, "prepend_bos": prepend_bos,
+                                       "metric": metric})
     return out["task"], out["graph"]
 
 
-def ray_roles(pool: Pool, task: Task, circuit: Circuit, clean: Real, corrupt: Real):
+def ray_roles(pool: Pool, task: Task, circuit: Circuit, clean: Real, corrupt: Real, force: bool = False):
     """``circuit.roles(model, task)`` on a worker."""
-    return pool.call(JOB + "roles_job", {"circuit": circuit, "clean": clean, "corrupt": corrupt}, task)
+    return pool.call(JOB + "roles_job", {"circuit": circuit, "clean": clean, "corrupt": corrupt, "force": force},
+                     task)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -120,7 +121,7 @@ def _head(head, value: float, n_layers: int) -> Dict[str, Any]:
 @renamed(confirm_top="confirm_k", max_heads="k")
 def scan_one(spec: str, *, load_kwargs: Optional[Dict[str, Any]] = None, confirm_k: int = 5, n_seqs: int = 8,
              seed: int = 0, k: int = 10, model=None, task: Optional[str] = None,
-             task_n: int = 32) -> Dict[str, Any]:
+             task_n: int = 32, task_bos: Optional[bool] = None) -> Dict[str, Any]:
     """Load ``spec`` (unless ``model`` is given), scan it with the causal check, summarise, release it."""
     from .._analysis.detect import scan
     from .._foundation.model import load
@@ -141,7 +142,7 @@ def scan_one(spec: str, *, load_kwargs: Optional[Dict[str, Any]] = None, confirm
                        "k_sources": round(time.perf_counter() - t2, 3)}
     if task == "ioi":
         t3 = time.perf_counter()
-        out["ioi"] = ioi_summary(model, n=task_n, seed=seed)
+        out["ioi"] = ioi_summary(model, n=task_n, seed=seed, prepend_bos=task_bos)
         out["timing_s"]["ioi"] = round(time.perf_counter() - t3, 3)
     if own:
         del model
@@ -175,28 +176,32 @@ def k_sources(model, heads: Sequence[str], *, n_seqs: int = 8, seed: int = 0) ->
     return out
 
 
-def ioi_summary(model, *, n: int = 32, seed: int = 0, method: str = "eap-ig", steps: int = 5) -> Dict[str, Any]:
-    """The zoo's IOI entry of one loaded model: ``qk.tasks.ioi(model, n, seed)``, EAP-IG edge scores, the
-    faithfulness curve (MIB grid) with CPR/CMD, the chosen circuit (smallest size with f ≥ 0.8) and its node
-    view, and the name movers among its roles (largest direct effect first). ``{"skipped": reason}`` when the
-    task cannot be built for this model. Cost: as ``qkcircuits circuit MODEL --task ioi --n n``."""
+def ioi_summary(model, *, n: int = 32, seed: int = 0, method: str = "eap-ig", steps: int = 5,
+                prepend_bos: Optional[bool] = None) -> Dict[str, Any]:
+    """The zoo's IOI entry of one loaded model: ``qk.tasks.ioi(model, n, seed, prepend_bos=...)`` (None: what the
+    model's tokenizer does on its own), EAP-IG edge scores, the faithfulness curve (MIB grid) with CPR/CMD, the
+    chosen circuit (smallest size with f ≥ 0.8) and its node view, and the name movers among its roles (largest
+    direct effect first; none when the model does not do the task: ``roles`` refuses). ``{"skipped": reason}`` when
+    the task cannot be built for this model. Cost: as ``qkcircuits circuit MODEL --task ioi --n n``."""
     from .._tasks.builders import ioi
     from .._tasks.circuit import faithfulness
     from .._tasks.scores import edge_scores
 
     try:
-        task = ioi(model, n=n, seed=seed)
+        task = ioi(model, n=n, seed=seed, prepend_bos=prepend_bos)
     except QKCircuitsError as e:
         return {"skipped": str(e)}
-    scores = edge_scores(model, task, method=method, steps=steps, progress=False)
-    faith = faithfulness(model, task, scores, progress=False)
+    with warnings.catch_warnings():          # the entry says it: does_task, and no name movers
+        warnings.simplefilter("ignore", UserWarning)
+        scores = edge_scores(model, task, method=method, steps=steps, progress=False)
+        faith = faithfulness(model, task, scores, progress=False)
     roles = faith.circuit.roles(model, task, clean=scores.clean, corrupt=scores.corrupt)
     movers = sorted(((h, r["evidence"]) for h, r in roles.roles.items() if r["role"] == "name mover"),
                     key=lambda t: -float(t[1]["direct_effect"]))
     counts: Dict[str, int] = {}
     for r in roles.roles.values():
         counts[str(r["role"])] = counts.get(str(r["role"]), 0) + 1
-    return {"n_prompts": task.n, "method": method, "steps": steps,
+    return {"n_prompts": task.n, "method": method, "steps": steps, "rule": scores.rule, "bos": task.bos_info(),
             "logit_diff": {"clean": json_number(scores.clean), "corrupt": json_number(scores.corrupt)},
             "does_task": bool(scores.clean > scores.corrupt),
             "curve": {f"{k:g}": json_number(v) for k, v in faith.curve.items()}, "cpr": json_number(faith.cpr),
@@ -218,7 +223,7 @@ def zoo_job(model, shared, **kwargs) -> Dict[str, Any]:
 def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Optional[str] = None,
         workers: Optional[int] = None, confirm_k: int = 5, n_seqs: int = 8, seed: int = 0, k: int = 10,
         load_kwargs: Optional[Dict[str, Any]] = None, progress: bool = True, task: Optional[str] = None,
-        task_n: int = 32) -> Zoo:
+        task_n: int = 32, task_bos: Optional[bool] = None) -> Zoo:
     """Scan every model in ``specs`` (as for ``qk.load``) and collect one comparison: per detector at most
     ``k`` heads over its threshold.
 
@@ -226,7 +231,8 @@ def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Op
     On Ray: one model per shard on Ray workers (``ray_address`` as in ``sweep``; at most
     one worker per model), handed out in the given order as workers free up (put the largest
     model first). ``confirm_k``: induction heads ablated together for the causal check (0: none).
-    ``task``: None, or ``"ioi"``: each entry also gets ``ioi`` (``ioi_summary`` on ``task_n`` prompts).
+    ``task``: None, or ``"ioi"``: each entry also gets ``ioi`` (``ioi_summary`` on ``task_n`` prompts, BOS as
+    ``task_bos``: None = what each model's tokenizer does on its own, True / False forced).
     Old names (one release, with a DeprecationWarning): ``models=``, ``confirm_top=``, ``max_heads=``. The
     ``settings`` JSON keys stay ``confirm_top`` and ``max_heads`` (old files and readers agree).
     """
@@ -248,9 +254,10 @@ def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Op
     for m in models:                     # every spec checked before the first model loads
         check_spec(m)
     kwargs = dict(load_kwargs=load_kwargs or {}, confirm_k=confirm_k, n_seqs=n_seqs, seed=seed, k=k,
-                  task=task, task_n=task_n)
+                  task=task, task_n=task_n, task_bos=task_bos)
     settings = {"confirm_top": confirm_k, "n_seqs": n_seqs, "seed": seed, "max_heads": k,
-                **({"task": task, "task_n": task_n, "task_method": "eap-ig, 5 steps"} if task else {}),
+                **({"task": task, "task_n": task_n, "task_method": "eap-ig, 5 steps, left rule",
+                    "task_bos": {None: "auto", True: "yes", False: "no"}[task_bos]} if task else {}),
                 "thresholds": {k: detector(k).threshold for k in ZOO_DETECTORS}, "depth": "layer / n_layers",
                 "backend": backend}
     t0 = time.perf_counter()

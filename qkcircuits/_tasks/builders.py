@@ -12,7 +12,13 @@ place and object with three fresh names, so nothing in the corrupt prompt says w
 Names, places and objects are kept only when they are ONE token (with their leading space) for THIS
 model's tokenizer. Frames differ in length: rows are right-padded to one length and the metric reads
 each row's ``END`` (its last real token); clean and corrupt rows of a prompt always have the same length.
-No BOS is prepended by default (``prepend_bos=False``: SmolLM2's tokenizer adds none itself).
+
+BOS: ``prepend_bos=None`` (the default of ``ioi`` and ``from_jsonl``) does what the model's tokenizer does on
+its own, ``tokenizer(text)`` with its default special tokens (read from the checkpoint's tokenizer, not
+TransformerLens' copy, which always adds one: ``qkcircuits._foundation.own_tokenizer``): Llama and Gemma
+tokenizers prepend ``<bos>``, GPT-2's and SmolLM2's nothing. True / False force one BOS / none. ``induction``
+always starts with BOS (its prompts are the scan's [BOS] + R + R). ``Task.bos`` says whether one was prepended,
+``Task.bos_mode`` how it was decided.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 
 from .._foundation.errors import QKCircuitsError
-from .task import Task, bos_id, encode, pad_rows, tokenizer_of
+from .task import Task, bos_prefix, encode, pad_rows, tokenizer_of
 
 NAMES = ("Mary", "John", "Alice", "Bob", "Tom", "James", "Sarah", "David", "Michael", "Emma", "Anna", "Paul",
          "Mark", "Kate", "Lisa", "Peter", "Jack", "Laura", "Daniel", "Rachel", "Chris", "Steve", "Linda", "Susan",
@@ -51,18 +57,20 @@ def single_tokens(model, words: Sequence[str]) -> List[str]:
     return [w for w in words if len(tok(" " + w, add_special_tokens=False)["input_ids"]) == 1]
 
 
-def ioi(model, n: int = 64, seed: int = 0, *, prepend_bos: bool = False, names: Optional[Sequence[str]] = None,
+def ioi(model, n: int = 64, seed: int = 0, *, prepend_bos: Optional[bool] = None, names: Optional[Sequence[str]] = None,
         places: Optional[Sequence[str]] = None, objects: Optional[Sequence[str]] = None,
         frames: Sequence[str] = FRAMES, metric="logit-diff") -> Task:
     """``n`` IOI prompts (half ABBA, half BABA, frames in turn), ABC-corrupted; seeded.
 
     Positions per row: ``IO``, ``S1``, ``S1+1``, ``S2``, ``END``. ``answer`` = " IO", ``wrong`` = " S".
+    ``prepend_bos``: None = what the tokenizer does on its own (module docstring), True / False = forced.
 
     >>> task = qk.tasks.ioi(smollm2, n=8)        # needs SmolLM2  # doctest: +SKIP
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise QKCircuitsError(f"n must be an integer >= 1, got {n!r}")
     tok = tokenizer_of(model)
+    prefix, mode = bos_prefix(model, prepend_bos)
     pool = {k: single_tokens(model, v) for k, v in (("names", names or NAMES), ("places", places or PLACES),
                                                       ("objects", objects or OBJECTS))}
     need = {"names": 5, "places": 1, "objects": 1}
@@ -88,7 +96,7 @@ def ioi(model, n: int = 64, seed: int = 0, *, prepend_bos: bool = False, names: 
         a, b = (io, s) if abba else (s, io)
         text = frame.format(A=a, B=b, S=s, P=place, O=obj)
         bad = frame.format(A=c1, B=c2, S=c3, P=place, O=obj)
-        row, crow = encode(model, text, prepend_bos), encode(model, bad, prepend_bos)
+        row, crow = encode(model, text, prefix), encode(model, bad, prefix)
         if len(row) != len(crow):            # a name that merges with its neighbour: cannot happen for
             raise QKCircuitsError(f"IOI prompt {text!r} and its corruption tokenize to {len(row)} and "
                                   f"{len(crow)} tokens; pass other names=")
@@ -108,15 +116,16 @@ def ioi(model, n: int = 64, seed: int = 0, *, prepend_bos: bool = False, names: 
         wrongs.append(s_id)
         prompts.append(text)
     return Task(pad_rows(model, clean_rows), pad_rows(model, corrupt_rows), torch.tensor(answers),
-                torch.tensor(wrongs), metric, {k: torch.tensor(v) for k, v in pos.items()}, "ioi", prepend_bos,
-                prompts)
+                torch.tensor(wrongs), metric, {k: torch.tensor(v) for k, v in pos.items()}, "ioi", bool(prefix),
+                prompts, mode)
 
 
 def induction(model, n: int = 32, seg_len: int = 10, seed: int = 0, metric="logit-diff") -> Task:
     """The scan's ``[BOS] + R + R`` prompts cut before their last token: clean = [BOS] + R + R[:-1]
     (answer R[-1], the induction target); corrupt = [BOS] + R' + R[:-1] with another segment R' (drawn
     from the tokens NOT in R where the token pool allows), wrong = R'[-1], the token that sits where the
-    corrupt run's induction target would be. A BOS is prepended (``bos=True``)."""
+    corrupt run's induction target would be. A BOS is always prepended (``bos=True``, ``bos_mode="yes"``):
+    the prompts are the scan's [BOS] + R + R, whatever the tokenizer does."""
     from .._foundation.sequences import repeated_tokens, token_pool
 
     if isinstance(seg_len, bool) or not isinstance(seg_len, int) or seg_len < 3:
@@ -135,10 +144,11 @@ def induction(model, n: int = 32, seg_len: int = 10, seed: int = 0, metric="logi
     other = torch.stack(other)
     clean = rep[:, :-1]
     corrupt = torch.cat([rep[:, :1], other, rep[:, seg_len + 1:-1]], 1)
-    return Task(clean, corrupt, rep[:, -1], other[:, -1], metric, {}, "induction", True)
+    return Task(clean, corrupt, rep[:, -1], other[:, -1], metric, {}, "induction", True, None, "yes")
 
 
 KEYS = ("clean", "corrupt", "answer", "wrong")
+OPTIONAL = ("positions",)
 
 
 def _no_repeated_keys(pairs):
@@ -149,12 +159,59 @@ def _no_repeated_keys(pairs):
     return dict(pairs)
 
 
-def from_jsonl(model, path: Union[str, Path], *, prepend_bos: bool = False, metric="logit-diff") -> Task:
-    """One JSON object per line: ``{"clean": str, "corrupt": str, "answer": str, "wrong": str}``;
-    ``answer``/``wrong`` are the text that would follow the prompt (" Mary", leading space included) and
-    must be ONE token each, and text (not a special token such as ``<|im_end|>``). Blank lines are skipped; lines
-    end at "\n" (a "\r" before it is dropped), a UTF-8 byte-order mark is allowed. Every problem is one line
-    naming the line number (invalid UTF-8 or JSON, a key given twice, unknown or missing keys, ...).
+def named_positions(tok, spec, row: Sequence[int], start: int, where: str) -> Dict[str, int]:
+    """A JSONL line's ``"positions"`` {name: word} as {name: index in ``row``}: the word's first occurrence in the
+    clean prompt, or {"text": word, "occurrence": n} for the n-th (n ≥ 1). A word is ONE token of this tokenizer,
+    leading space included, as it stands in the prompt; it is looked for from ``start`` on (after the BOS).
+    ``END`` is the metric's own position (the last token) and cannot be named. One-line errors name the line."""
+    if not isinstance(spec, dict) or not spec:
+        raise QKCircuitsError(f"{where}: positions must be a non-empty object {{name: word or {{\"text\": word, "
+                              f"\"occurrence\": n}}}}, got {type(spec).__name__}")
+    out: Dict[str, int] = {}
+    for name, want in spec.items():
+        label = f"{where}: position {name!r}"
+        if not name.strip():
+            raise QKCircuitsError(f"{where}: a position name must not be empty")
+        if name == "END":
+            raise QKCircuitsError(f"{label}: END is where the metric reads (the prompt's last token) and is set by "
+                                  f"the task itself; give this position another name")
+        occurrence = 1
+        if isinstance(want, dict):
+            extra = sorted(set(want) - {"text", "occurrence"})
+            if extra or "text" not in want:
+                raise QKCircuitsError(f"{label}: expected {{\"text\": word, \"occurrence\": n}}, got keys "
+                                      f"{', '.join(map(repr, sorted(want)))}")
+            occurrence = want.get("occurrence", 1)
+            want = want["text"]
+            if isinstance(occurrence, bool) or not isinstance(occurrence, int) or occurrence < 1:
+                raise QKCircuitsError(f"{label}: occurrence must be an integer >= 1, got {occurrence!r}")
+        if not isinstance(want, str) or not want:
+            raise QKCircuitsError(f"{label}: the word must be a non-empty string, got {want!r}")
+        ids = tok(want, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise QKCircuitsError(f"{label}: {want!r} is {len(ids)} tokens {ids}; a named position is one token "
+                                  f"(leading space included, as the word stands in the prompt)")
+        at = [j for j in range(start, len(row)) if row[j] == ids[0]]
+        if not at:
+            raise QKCircuitsError(f"{label}: {want!r} (token {ids[0]}) does not occur in the clean prompt; give the "
+                                  f"word as it is tokenized there (leading space included)")
+        if occurrence > len(at):
+            raise QKCircuitsError(f"{label}: {want!r} occurs {len(at)} time{'s' if len(at) > 1 else ''} in the clean "
+                                  f"prompt, occurrence {occurrence} asked")
+        out[name] = at[occurrence - 1]
+    return out
+
+
+def from_jsonl(model, path: Union[str, Path], *, prepend_bos: Optional[bool] = None, metric="logit-diff") -> Task:
+    """One JSON object per line: ``{"clean": str, "corrupt": str, "answer": str, "wrong": str}`` and optionally
+    ``"positions": {"S": " John", "IO": " Mary"}`` (named positions: each word's first occurrence in the clean
+    prompt, ``{"text": " John", "occurrence": 2}`` for the n-th; one token each; every line names the same
+    positions; ``named_positions``). ``answer``/``wrong`` are the text that would follow the prompt (" Mary",
+    leading space included) and must be ONE token each, and text (not a special token such as ``<|im_end|>``).
+    ``prepend_bos``: None = what the tokenizer does on its own (module docstring), True / False = forced. Blank
+    lines are skipped; lines end at "\n" (a "\r" before it is dropped), a UTF-8 byte-order mark is allowed.
+    Every problem is one line naming the line number (invalid UTF-8 or JSON, a key given twice, unknown or
+    missing keys, a position word not found ...).
 
     >>> p = tmp / "t.jsonl"
     >>> _ = p.write_text('{"clean": "a b", "corrupt": "a c", "answer": " d", "wrong": " e"}\\n')
@@ -167,12 +224,15 @@ def from_jsonl(model, path: Union[str, Path], *, prepend_bos: bool = False, metr
     if not path.is_file():
         raise QKCircuitsError(f"task file {str(path)!r} does not exist (expected a .jsonl file, one JSON object a line)")
     tok = tokenizer_of(model)
+    prefix, mode = bos_prefix(model, prepend_bos)
     special = set(getattr(tok, "all_special_ids", None) or [])
     # lines end at "\n" only (JSON strings may hold U+2028, U+0085 ... which str.splitlines would break at); a
     # UTF-8 byte-order mark at the start is allowed
     raw = path.read_bytes()
     raw = raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
     clean_rows, corrupt_rows, answers, wrongs, prompts = [], [], [], [], []
+    named: Dict[str, List[int]] = {}
+    first_named = None                      # (line number, names) of the first line
     for no, data in enumerate(raw.split(b"\n"), 1):
         where = f"{path.name} line {no}"
         try:
@@ -191,10 +251,10 @@ def from_jsonl(model, path: Union[str, Path], *, prepend_bos: bool = False, metr
         if not isinstance(obj, dict):
             raise QKCircuitsError(f"{where}: expected an object with keys {', '.join(KEYS)}, got "
                                   f"{type(obj).__name__}")
-        unknown = sorted(set(obj) - set(KEYS))
+        unknown = sorted(set(obj) - set(KEYS) - set(OPTIONAL))
         if unknown:
             raise QKCircuitsError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; expected exactly "
-                                  f"{', '.join(KEYS)}")
+                                  f"{', '.join(KEYS)} (and optionally positions)")
         missing = [k for k in KEYS if k not in obj]
         if missing:
             raise QKCircuitsError(f"{where}: missing key(s) {', '.join(missing)}")
@@ -213,12 +273,21 @@ def from_jsonl(model, path: Union[str, Path], *, prepend_bos: bool = False, metr
             ids[k] = t[0]
         if ids["answer"] == ids["wrong"]:
             raise QKCircuitsError(f"{where}: answer and wrong are the same token {obj['answer']!r}")
-        row, crow = encode(model, obj["clean"], prepend_bos), encode(model, obj["corrupt"], prepend_bos)
+        row, crow = encode(model, obj["clean"], prefix), encode(model, obj["corrupt"], prefix)
         if len(row) != len(crow):
             raise QKCircuitsError(f"{where}: clean has {len(row)} tokens and corrupt {len(crow)}; they must "
                                   f"have the same token count")
         if len(row) > model.cfg.n_ctx:
             raise QKCircuitsError(f"{where}: {len(row)} tokens exceed the model's context of {model.cfg.n_ctx}")
+        here = named_positions(tok, obj["positions"], row, len(prefix), where) if "positions" in obj else {}
+        if first_named is None:
+            first_named = (no, sorted(here))
+        elif sorted(here) != first_named[1]:
+            said = ", ".join(first_named[1]) or "none"
+            raise QKCircuitsError(f"{where}: names positions {', '.join(sorted(here)) or 'none'}, but line "
+                                  f"{first_named[0]} named {said}; every line names the same positions")
+        for k, v in here.items():
+            named.setdefault(k, []).append(v)
         clean_rows.append(row)
         corrupt_rows.append(crow)
         answers.append(ids["answer"])
@@ -228,8 +297,23 @@ def from_jsonl(model, path: Union[str, Path], *, prepend_bos: bool = False, metr
         raise QKCircuitsError(f"task file {path.name} is empty; expected one JSON object per line with keys "
                               f"{', '.join(KEYS)}")
     end = torch.tensor([len(r) - 1 for r in clean_rows])
+    positions = {"END": end, **{k: torch.tensor(v) for k, v in named.items()}}
     return Task(pad_rows(model, clean_rows), pad_rows(model, corrupt_rows), torch.tensor(answers),
-                torch.tensor(wrongs), metric, {"END": end}, path.stem, prepend_bos, prompts)
+                torch.tensor(wrongs), metric, positions, path.stem, bool(prefix), prompts, mode)
 
 
-__all__ = ["ioi", "induction", "from_jsonl", "single_tokens", "FRAMES", "NAMES", "PLACES", "OBJECTS"]
+def build_task(model, spec: str, n: int = 64, seed: int = 0, *, prepend_bos: Optional[bool] = None,
+               metric="logit-diff") -> Task:
+    """The command line's task: ``spec`` "ioi", "induction" or a .jsonl path (``n``/``seed`` for the first two).
+    ``induction`` always starts with BOS: ``prepend_bos=False`` is refused for it (one line)."""
+    if spec == "ioi":
+        return ioi(model, n=n, seed=seed, prepend_bos=prepend_bos, metric=metric)
+    if spec == "induction":
+        if prepend_bos is False:
+            raise QKCircuitsError("--bos no: the induction task's prompts are [BOS] + R + R and always start with BOS; "
+                                  "use --bos auto or yes")
+        return induction(model, n=n, seed=seed, metric=metric)
+    return from_jsonl(model, spec, prepend_bos=prepend_bos, metric=metric)
+
+
+__all__ = ["build_task", "ioi", "induction", "from_jsonl", "named_positions", "single_tokens", "FRAMES", "NAMES", "PLACES", "OBJECTS"]

@@ -1,13 +1,13 @@
 """Circuits (the top edges of a score) and their faithfulness.
 
 >>> task = qk.tasks.induction(model, n=8, seg_len=6)
->>> scores = qk.edge_scores(model, task, method="eap-ig", steps=3, progress=False)
+>>> scores = qk.edge_scores(model, task, method="exact", progress=False)
 >>> c = scores.circuit(edges=4)
 >>> sorted(c.heads)
 ['0.0', '1.0']
 >>> f = qk.faithfulness(model, task, scores, sizes=(10, 50, 100), progress=False)
->>> round(f.curve[100.0], 6)
-1.0
+>>> round(f.curve[100.0], 6), f.chosen_percent, sorted(f.circuit.heads)
+(1.0, 50.0, ['0.0', '1.0'])
 
 Selection (``EdgeScores.circuit``, ``select``, ``prune``, the ``Circuit`` result): ``selection.py``.
 
@@ -27,6 +27,7 @@ from numbers import Real
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -41,7 +42,8 @@ from .runs import node_run, patched_run, z_patchable, z_record
 # selection lives in selection.py; Circuit, select and prune are re-exported here, where ray_tasks, the benchmarks
 # and older imports look for them
 from .selection import Circuit, prune, select  # noqa: F401
-from .task import Task
+from .caveats import reached, unreached_message
+from .task import Task, with_reference
 
 SIZES = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
 THRESHOLD = 0.8
@@ -54,7 +56,9 @@ def _area(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 @dataclass(repr=False)      # the repr is _text (Result)
 class Faithfulness(Result):
-    """The faithfulness curve ``curve`` {percent: f}, CPR, CMD, the chosen circuit and its node view."""
+    """The faithfulness curve ``curve`` {percent: f}, CPR, CMD, the chosen circuit and its node view. ``reached``:
+    whether a grid size below 100 % reaches the threshold (else the chosen circuit is the largest size, most
+    often every edge: no circuit of the behaviour, and ``qk.faithfulness`` warns)."""
 
     SCHEMA = SCHEMA
     WHAT = "a faithfulness JSON (qk.faithfulness(...).to_json())"
@@ -98,6 +102,10 @@ class Faithfulness(Result):
                    num(d["cpr"]), num(d["cmd"]), float(d["chosen_percent"]), c,
                    num(d["circuit"].get("node_faithfulness")), c.heads, str(d.get("model", "")),
                    dict(d.get("settings", {})), dict(d.get("timing", {})))
+
+    @property
+    def reached(self) -> bool:
+        return reached(self.curve, float(self.settings.get("threshold", THRESHOLD)))
 
     def top(self, k: int = 10) -> List[Tuple[str, str, str, float]]:
         """The chosen circuit's ``k`` edges of largest |score|."""
@@ -149,6 +157,7 @@ def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: i
     filled when given (a caller that runs more circuits on the same shards skips those corrupt forwards;
     it then holds them)."""
     g = graph(model)
+    task = with_reference(model, task)
     sums = [0.0] * len(masks)
     clean = corrupt = 0.0
     from .._foundation.progress import progress_bar
@@ -209,7 +218,7 @@ def node_metric(model, task: Task, heads: Sequence[str], rows_per_shard: Optiona
     from .scores import shard_rows
 
     g = graph(model)
-    task = task.to(model.W_E.device)
+    task = with_reference(model, task.to(model.W_E.device))
     rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
     if not z_patchable(model, g):
         (m,), full, corrupt = circuit_metric(model, task, [node_mask(g, heads)], rows, need_clean=need_clean,
@@ -240,8 +249,10 @@ def node_faithfulness(model, task: Task, heads: Sequence[str], rows_per_shard: O
 def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by: str = "signed",
                  how: str = "top", threshold: Real = THRESHOLD, rows_per_shard: Optional[int] = None,
                  progress: bool = True, backend: Any = None) -> Faithfulness:
-    """The faithfulness curve over ``sizes`` (percent of edges), CPR/CMD, the chosen circuit (the smallest
-    grid size with f ≥ ``threshold``, else the largest) and its node view (module docstring). Cost: one
+    """The faithfulness curve over ``sizes`` (percent of edges, truncated to whole edges as MIB does), CPR/CMD,
+    the chosen circuit (the smallest grid size with f ≥ ``threshold``, else the largest, with a warning: no size
+    below 100 % reaching it means no circuit) and its node view (module docstring). ``scores`` are read, never
+    changed (``scores.circuit()`` needs a size; this result's ``circuit`` is the chosen one). Cost: one
     patched forward per size and prompt shard, one for the node view, one corrupt forward per shard, and
     one clean forward per shard for m(full) unless the scores measured it on this task and these weights
     (``scores.settings["task_digest"]`` equals ``task.digest(model)``: their m(clean) is taken). Memory: the shard's corrupt record and the patched
@@ -261,7 +272,7 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
         raise QKCircuitsError(f"sizes must be percents in 0-100, got {sizes!r}")
     check_task(model, task)
     g = graph(model)
-    task = task.to(model.W_E.device)
+    task = with_reference(model, task.to(model.W_E.device))
     rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
     t0 = time.perf_counter()
     circuits = [select(scores, percent=p, by=by, how=how) for p in sizes]
@@ -289,7 +300,97 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
                        getattr(scores, "model", ""), {"by": by, "how": how, "threshold": threshold, "rows_per_shard": rows,
                                                        "cpr_cmd": "trapezoid over the grid, x = fraction of edges"},
                        {"curve_s": round(t1 - t0, 3), "node_view_s": round(time.perf_counter() - t1, 3)})
-    scores.settings["chosen_percent"] = chosen
-    scores.settings["chosen_by"] = by
-    scores.settings["chosen_how"] = how
+    if not reached(curve, threshold) and clean != corrupt:
+        warnings.warn(unreached_message(curve, threshold), stacklevel=2)
     return out
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """f and m of one edge set or node set (``evaluate``): ``f`` = (m − corrupt) / (clean − corrupt), the three
+    metric means (per prompt), what was evaluated (``kind`` "edges" | "nodes") and its size (``n``: edges, or
+    heads + MLPs kept)."""
+
+    f: float
+    m: float
+    clean: float
+    corrupt: float
+    kind: str
+    n: int
+
+    def to_dict(self) -> Dict[str, object]:
+        from .._foundation.io import json_number
+
+        return {"f": json_number(self.f), "m": json_number(self.m), "clean": json_number(self.clean),
+                "corrupt": json_number(self.corrupt), "kind": self.kind, "n": self.n}
+
+
+def _edge_mask(g: Graph, edges) -> Tensor:
+    """Edge tuples (sender, receiver, input[, score]) as a mask [S, R]; one-line errors for edges not in ``g``."""
+    mask = torch.zeros_like(g.valid)
+    s_at = {n: i for i, n in enumerate(g.senders)}
+    r_at = {r: i for i, r in enumerate(g.receivers)}
+    for e in edges:
+        if not isinstance(e, (tuple, list)) or len(e) < 3:
+            raise QKCircuitsError(f"an edge is (sender, receiver, input), e.g. ('emb', '1.0', 'v'); got {e!r}")
+        s, r, x = e[0], e[1], e[2]
+        if s not in s_at or (r, x) not in r_at or not g.valid[s_at[s], r_at[(r, x)]]:
+            raise QKCircuitsError(f"edge {s} -> {r} {x} is not an edge of {g!r}")
+        mask[s_at[s], r_at[(r, x)]] = True
+    return mask
+
+
+def evaluate(model, task: Task, circuit, *, rows_per_shard: Optional[int] = None) -> Evaluation:
+    """f (and m) of ANY edge set or node set of ``qk.graph(model)`` on ``task``.
+
+    ``circuit``: a circuit (``scores.circuit(...)``, ``faithfulness(...).circuit``), a bool mask [senders,
+    receivers], edge tuples ``(sender, receiver, input)`` (e.g. ``("20.0", "23.0", "q")``; a 4th item, a score,
+    is ignored), or node names (``"23.0"``, ``"mlp5"``; ``"emb"`` allowed): an EDGE set is one patched forward per
+    shard in which every edge outside the set carries its sender's corrupt output (the curve's definition); a NODE
+    set keeps the named heads and MLPs, every other head and MLP gives its corrupt output to every reader, and
+    the embedding stays clean (with every MLP named this is the node view of ``qk.faithfulness``, run the same
+    way: one plain forward with the other heads' corrupt z where the model allows it). The scores and the
+    circuit given are not changed.
+
+    >>> task = qk.tasks.induction(model, n=8, seg_len=6)
+    >>> round(qk.evaluate(model, task, ["0.0", "1.0"]).f, 4), round(qk.evaluate(model, task, ["1.0"]).f, 4)
+    (1.0, 0.0)
+    >>> round(qk.evaluate(model, task, [("emb", "0.0", "v"), ("0.0", "1.0", "k"), ("emb", "1.0", "v"),
+    ...                                  ("1.0", "logits", "in")]).f, 4)
+    1.0
+    """
+    from .scores import check_task, shard_rows
+
+    check_task(model, task)
+    g = graph(model)
+    task = with_reference(model, task.to(model.W_E.device))
+    rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
+    if isinstance(circuit, Circuit):
+        mask, kind = circuit.mask, "edges"
+    elif isinstance(circuit, Tensor):
+        if circuit.shape != g.valid.shape or circuit.dtype != torch.bool:
+            raise QKCircuitsError(f"a mask must be a bool tensor of shape {tuple(g.valid.shape)} [senders, receivers],"
+                                  f" got {circuit.dtype} {tuple(circuit.shape)}")
+        mask, kind = circuit, "edges"
+    else:
+        items = list(circuit)
+        if items and all(isinstance(x, str) for x in items):
+            bad = [x for x in items if x not in g.senders]
+            if bad:
+                raise QKCircuitsError(f"node(s) {', '.join(map(repr, bad[:5]))} are not nodes of {g!r}; name heads "
+                                      f"'L.H', MLPs 'mlpL' or 'emb'")
+            keep = set(items)
+            out = [n for n in g.senders if n != "emb" and n not in keep]
+            n_kept = len([n for n in keep if n != "emb"])
+            if g.has_mlp and any(n.startswith("mlp") for n in out):
+                mask = g.valid.clone()
+                for name in out:
+                    mask[g.senders.index(name)] = False
+                (m,), clean, corrupt = circuit_metric(model, task, [mask], rows)
+            else:                 # every MLP kept: the node view's own (faster) run
+                m, clean, corrupt = node_metric(model, task, [n for n in keep if n[0].isdigit()], rows)
+            return Evaluation(ratio(m, clean, corrupt), m, clean, corrupt, "nodes", n_kept)
+        mask, kind = _edge_mask(g, items), "edges"
+    mask = mask.to(g.valid.device) & g.valid
+    (m,), clean, corrupt = circuit_metric(model, task, [mask], rows)
+    return Evaluation(ratio(m, clean, corrupt), m, clean, corrupt, kind, int(mask.sum()))

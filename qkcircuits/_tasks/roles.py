@@ -101,7 +101,15 @@ class Roles(Result):
     def counts(self) -> Dict[str, int]:
         return {k: len(v) for k, v in self.by_role().items()}
 
+    @property
+    def not_named(self) -> Optional[str]:
+        """Why no roles were named (the model does not do the task, no circuit; ``force`` names them anyway), or
+        None."""
+        return self.settings.get("not_named")
+
     def sentences(self) -> List[str]:
+        if self.not_named:
+            return [f"no roles named: {self.not_named}"]
         lines = []
         for role, heads in self.by_role().items():
             shown = heads[:8] if role == "minor" else heads
@@ -257,16 +265,23 @@ def classify(evidence: Dict[str, Dict[str, object]], q_edges: Dict[Tuple[str, st
 
 
 def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[Real] = None,
-          thresholds: Optional[Dict[str, float]] = None) -> Roles:
+          thresholds: Optional[Dict[str, float]] = None, force: bool = False) -> Roles:
     """Each head of ``circuit`` with its role and evidence (module docstring). ``clean``/``corrupt``: the
     task's metric means (computed with two forwards per 16 rows when not given). ``thresholds`` override
-    ``THRESHOLDS``."""
-    from .task import evaluate
+    ``THRESHOLDS``. When the model does not do the task (clean not better than corrupt) no roles are named
+    (a "negative name mover" with a positive effect says nothing): the result holds none and says why
+    (``Roles.not_named``), unless ``force=True``."""
+    from .task import does_the_task, evaluate, not_done_message, with_reference
 
     g = circuit.graph
+    task = with_reference(model, task)
     if clean is None or corrupt is None:
         ev = evaluate(model, task, warn=False)
         clean, corrupt = ev["clean"], ev["corrupt"]
+    if not force and not does_the_task(task, float(clean), float(corrupt)):
+        t = {**THRESHOLDS, **(thresholds or {})}
+        why = not_done_message(task, float(clean), float(corrupt), model) + " (force=True / --force names them anyway)"
+        return Roles({}, task.name, {"thresholds": t, "clean": clean, "corrupt": corrupt, "not_named": why})
     denom = float(clean - corrupt) or float("nan")
     heads = circuit.heads
     layers = sorted({int(h.split(".")[0]) for h in heads})

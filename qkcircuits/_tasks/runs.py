@@ -53,7 +53,8 @@ SKIP_PROJECTIONS = True
 def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Tensor], None],
              emb_override: Optional[Tensor] = None, out: Optional[Tensor] = None,
              dest: Optional[Callable[[slice], Optional[Tensor]]] = None,
-             z_minus: Optional[Dict[Key, Tensor]] = None) -> float:
+             z_minus: Optional[Dict[Key, Tensor]] = None, extra_hooks: Sequence = (),
+             cut_layers: Sequence[int] = ()) -> float:
     """Forward with every receiver reading its own residual copy, one backward of the metric SUM over
     the rows; ``on_grad(receiver slice, grad [n, b, p, d])`` per receiver group. Fills ``out`` (sender
     outputs, detached) when given; without it records none. Returns the metric sum. ``dest(slice)``: where
@@ -71,7 +72,11 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
     in it on the closed-form path; [H + 2 G, b, p, d] normed copies per layer otherwise); it grows with
     the shard's tokens and has no cap of its own (docs/benchmarks.md: EAP +10.69 GB for SmolLM2 at 2 × 1,281
     tokens on the closed-form path, +11.8 GB with the copies): mostly the model's own attention scores and
-    patterns, kept for the backward."""
+    patterns, kept for the backward.
+
+    ``extra_hooks``: more (hook name, fn) pairs for this forward (EAP-IG on activations replaces one node's
+    output by a constant); ``cut_layers``: the layers whose attention output such a hook replaces, so that no
+    gradient reaches their q/k/v (their receivers get none, which is then not an error)."""
     stream: Dict[Key, Tensor] = {}
     hooked: List[str] = []              # every closed-form gradient hook registered, and those that fired
     fired: set = set()
@@ -107,7 +112,7 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
 
     with torch.enable_grad():
         rows = _metric_rows(model, task, tokens, _hooks(model, g, out, stream, splice, None, emb_override, True,
-                                                        z_minus=z_minus))
+                                                        z_minus=z_minus) + list(extra_hooks))
         total = rows.sum()
         # Gradients of the activations only (the receiver copies' hooks fire on the way to the embedding
         # leaf): ``total.backward()`` would also compute and KEEP a weights-sized ``.grad`` on every
@@ -115,12 +120,26 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
         torch.autograd.grad(total, stream[("attn", 0)])
     # every q/k/v value is on the way to the metric: a hook the backward never reached means the attention did
     # not read the value the hook returned, and those receivers' edges would silently score 0
-    missed = [h for h in hooked if h not in fired]
+    cut = {f"blocks.{L}.{INPUT_HOOKS[x]}" for L in cut_layers for x in ("q", "k", "v")}
+    missed = [h for h in hooked if h not in fired and h not in cut]
     if missed:
         raise QKCircuitsError(f"the backward never reached this model's {', '.join(missed[:3])}"
                               f"{' …' if len(missed) > 3 else ''} (its attention does not read the value the hook "
                               f"returns); its edge scores cannot be computed this way")
     return float(total.detach())
+
+
+def plain_run(model, g: Graph, task, tokens: Tensor, out: Tensor, z_minus: Optional[Dict[Key, Tensor]] = None,
+              keep: Optional[Dict[Key, Tensor]] = None) -> float:
+    """A forward (no grad) of ``tokens`` that fills ``out`` with the sender outputs (with ``z_minus``, the heads'
+    slots with their Δ against that run, as ``grad_run``) and ``keep`` with the hook values ``record`` keeps
+    (each layer's attention output among them); returns the metric sum. The gradient methods whose points do
+    not include the clean run itself (EAP-IG's left and midpoint rules, on activations) take Δ and m(clean)
+    from it."""
+    stream: Dict[Key, Tensor] = {}
+    with torch.no_grad():
+        rows = _metric_rows(model, task, tokens, _hooks(model, g, out, stream, None, keep, z_minus=z_minus))
+    return float(rows.sum())
 
 
 def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S R"], force_split: bool = False,

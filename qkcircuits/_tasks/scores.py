@@ -1,19 +1,21 @@
-"""Edge and node scores over the whole graph: EAP, EAP-IG (inputs) and exact edge patching.
+"""Edge and node scores over the whole graph: EAP, EAP-IG (inputs, activations), clean-corrupted and exact
+edge patching.
 
 >>> task = qk.tasks.induction(model, n=8, seg_len=6)
 >>> s = qk.edge_scores(model, task, method="eap-ig", steps=3, progress=False)
 >>> [e[:3] for e in s.top(2)]
-[('emb', '1.0', 'v'), ('1.0', 'logits', 'in')]
+[('1.0', 'logits', 'in'), ('emb', '1.0', 'v')]
 
 For an edge s → r (sender s, receiver input r) with Δ_s = out_s(clean) − out_s(corrupt) [b, p, d]:
 
 - exact:   score = m(clean) − m(clean with r reading out_s(corrupt) instead of out_s(clean))
 - EAP:     score ≈ Σ_{b,p,d} Δ_s · ∂m/∂x_r  at the clean run          (Syed et al. 2023)
-- EAP-IG:  score ≈ Σ_{b,p,d} Δ_s · (1/k) Σ_{j=1..k} ∂m/∂x_r |_(e_corrupt + (j/k)(e_clean − e_corrupt))
+- EAP-IG:  score ≈ Σ_{b,p,d} Δ_s · (1/k) Σ_j ∂m/∂x_r |_(e_corrupt + α_j (e_clean − e_corrupt))
   (Hanna et al. 2024, arXiv 2403.17806, "inputs" variant: the *input embeddings* e are interpolated;
-  right endpoints j = 1..k, so k = 1 is EAP; their code takes j = 0..k−1). As k grows it tends to the
-  integrated gradient along the joint corrupt → clean path, not to exact (the integral along the edge's own
-  segment); agreement with exact on tiny models is measured in docs/tasks.md.
+  ``rule="left"``, the default and the authors' code: α_j = j/k, j = 0..k−1; "right": j = 1..k, so k = 1 is
+  EAP; "midpoint": (j + ½)/k). As k grows it tends to the integrated gradient along the joint corrupt → clean
+  path, not to exact (the integral along the edge's own segment); agreement with exact on tiny models is
+  measured in docs/tasks.md. EAP-IG on activations and clean-corrupted: ``gradients.py``.
 
 where x_r is the receiver's own copy of the residual (graph.py) and m the task metric SUMMED over rows;
 scores are divided by the number of prompts, so they are in metric units per prompt. A positive score:
@@ -21,7 +23,8 @@ the edge carries the behaviour (corrupting it lowers m). Node scores (a sender's
 every reader) are the same three ways; for EAP / EAP-IG a node's score is the sum of its outgoing edges'.
 
 Cost (per prompt shard): EAP one corrupt forward + one clean forward with gradients + one backward;
-EAP-IG one corrupt forward + ``steps`` forward/backward pairs (the last step IS the clean run); exact one
+EAP-IG one corrupt forward + ``steps`` forward/backward pairs + one clean forward without gradients (the right
+rule's last step IS the clean run, so it spares that forward); exact one
 patched forward per edge (stacked ``copies`` at a time). Memory (EAP / EAP-IG): the shard's sender outputs
 of the clean and the corrupt run, 2 × [S, b, p, d] (S senders), every receiver's gradient summed over the
 steps, [R, b, p, d] in float32 (R receiver inputs), and one forward's autograd graph; shards are sized so
@@ -31,7 +34,7 @@ layer's q/k/v input has a closed form (``inputs.py``: RMSNorm / LayerNorm, float
 holds no per-head residual copies: the receiver gradients come from the model's own hook_q/k/v gradients
 through the closed-form VJP; elsewhere each head reads an expanded copy and autograd keeps its normed
 input ([H + 2 G, b, p, d] per layer) in the graph. The summed gradients meet Δ once, in blocked matmuls
-(``GRAD_BLOCK_BYTES`` of receivers each), and are reduced to [senders, receivers] scores.
+(``gradients.GRAD_BLOCK_BYTES`` of receivers each), and are reduced to [senders, receivers] scores.
 """
 
 from __future__ import annotations
@@ -47,12 +50,13 @@ from torch import Tensor
 
 from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
+from .gradients import gradient_scores, n_runs, points, resolve_rule
 from .graph import Graph, graph
-from .record import check_graph, record, reuse
-from .runs import grad_run, patched_run, z_patchable
-from .task import Task, warn_if_not_done
+from .record import check_graph, record
+from .runs import patched_run, z_patchable
+from .task import Task, warn_if_not_done, with_reference
 
-METHODS = ("eap", "eap-ig", "exact")
+METHODS = ("eap", "eap-ig", "exact", "eap-ig-activations", "clean-corrupted")
 # The faithfulness curve's shards (``shard_rows``' default budget, ``circuit.py``: the corrupt record and
 # one patched run's sender outputs). Fewer, larger shards: each shard pays a corrupt forward and one
 # patched forward per circuit size, plus per-hook Python overhead.
@@ -63,9 +67,6 @@ EXACT_BYTES = 512 * 2**20
 # EAP / EAP-IG shards: measured on SmolLM2 (64 IOI rows, one thread) the gradient runs are ~1.5x slower on
 # one 64-row shard than on 22-row shards (a larger autograd graph), so they keep ~1 GiB shards (25 rows).
 GRAD_SHARD_BYTES = 2**30
-# Receiver gradients (up to this many bytes) meet the senders' Δ in one matmul instead of one skinny,
-# memory-bound product per receiver group.
-GRAD_BLOCK_BYTES = 128 * 2**20
 SCHEMA = "qkcircuits.edge_scores/1"
 
 
@@ -143,19 +144,26 @@ class EdgeScores(Result):
         s = torch.nan_to_num(self.scores, nan=0.0).sum(1)
         return {name: float(v) for name, v in zip(self.graph.senders, s)}
 
+    @property
+    def rule(self) -> Optional[str]:
+        """EAP-IG's interpolation rule ("left", "right", "midpoint"; None for the other methods). A file written
+        before the rule was recorded holds EAP-IG scores of the right rule, the one used then."""
+        known = self.settings.get("rule")
+        if known is not None or self.method not in ("eap-ig", "eap-ig-activations"):
+            return known
+        return "right"
+
     def circuit(self, edges: Optional[int] = None, percent: Optional[Real] = None, by: str = "signed",
                 how: str = "top"):
-        """The top edges (see ``qkcircuits._tasks.circuit.select``). Without a size: the circuit that
-        ``qk.faithfulness`` chose for these scores (the smallest grid size with f ≥ 0.8)."""
+        """The top ``edges`` (or ``percent`` % of the graph's edges, truncated as MIB does), ranked ``by``,
+        chosen ``how`` (``qkcircuits._tasks.selection.select``). A size is required: the circuit of the smallest
+        grid size with f ≥ 0.8 is ``qk.faithfulness(model, task, scores).circuit`` (the scores are never
+        changed by a call, so this answer depends on nothing but its arguments)."""
         from .selection import select
 
         if edges is None and percent is None:
-            chosen = self.settings.get("chosen_percent")
-            if chosen is None:
-                raise QKCircuitsError("give edges=N or percent=P, or run qk.faithfulness(model, task, scores) first: "
-                                      "it picks the smallest grid size whose faithfulness reaches 0.8")
-            percent, by = float(chosen), str(self.settings.get("chosen_by", by))
-            how = str(self.settings.get("chosen_how", how))
+            raise QKCircuitsError("give edges=N or percent=P; the circuit of the smallest grid size with f >= 0.8 is "
+                                  "qk.faithfulness(model, task, scores).circuit")
         return select(self, edges=edges, percent=percent, by=by, how=how)
 
     # ---------------------------------------------------------------------------------------- data
@@ -209,28 +217,31 @@ def _settings(model, task: Task, rows: int, extra: Dict[str, object]) -> Dict[st
                          "torch": torch.__version__}}
 
 
-def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, rows_per_shard: Optional[int] = None,
-                copies: int = 32, progress: bool = True, check: bool = True, backend: Any = None) -> EdgeScores:
+def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, rule: Optional[str] = None,
+                rows_per_shard: Optional[int] = None, copies: int = 32, progress: bool = True, check: bool = True,
+                backend: Any = None) -> EdgeScores:
     """Score every edge of ``qk.graph(model)`` for ``task`` (see the module docstring for formulas and cost).
 
-    ``backend``: None (this process), ``qk.Local()``, ``qk.Ray(...)`` or a string as ``qk.as_backend``: on Ray,
-    prompt shards on workers, the sums added (exact to float rounding; ``qkcircuits._scale.ray_tasks``)."""
+    ``method``: "eap-ig" (default), "eap", "exact", "eap-ig-activations" or "clean-corrupted" (``gradients.py``).
+    ``rule`` (EAP-IG's interpolation points): "left" (α = k/steps, k = 0 … steps−1: the authors' code and MIB,
+    the default for "eap-ig"), "right" (k = 1 … steps: one clean forward fewer; the default of
+    "eap-ig-activations", as the authors' code runs it) or "midpoint". ``backend``: None (this process),
+    ``qk.Local()``, ``qk.Ray(...)`` or a string as ``qk.as_backend``: on Ray, prompt shards on workers, the sums
+    added (exact to float rounding; ``qkcircuits._scale.ray_tasks``)."""
     from .._foundation.model import model_name
 
     if backend is not None:
         from .._foundation.backends import as_backend
 
         return as_backend(backend).run("edge_scores", model, local=edge_scores, task=task, method=method,
-                                       steps=steps, rows_per_shard=rows_per_shard, copies=copies,
+                                       steps=steps, rule=rule, rows_per_shard=rows_per_shard, copies=copies,
                                        progress=progress, check=check)
 
-    if method not in METHODS:
-        raise QKCircuitsError(f"unknown edge-score method {method!r}; use one of {', '.join(METHODS)}")
-    if method == "eap-ig" and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise QKCircuitsError(f"steps must be an integer >= 1, got {steps!r}")
+    check_method(method, steps)
+    rule = resolve_rule(method, rule)
     check_task(model, task)
     g = graph(model)
-    task = task.to(model.W_E.device)
+    task = with_reference(model, task.to(model.W_E.device))
     rows = rows_per_shard or (shard_rows(model, g, task, budget=EXACT_BYTES) if method == "exact"
                               else shard_rows(model, g, task, budget=GRAD_SHARD_BYTES, gradients=True))
     acc = torch.zeros(g.n_senders, g.n_receivers, dtype=torch.float64)
@@ -241,8 +252,9 @@ def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ro
     bar = _bar(work, f"edge scores ({method})", progress)
     pool: Dict[str, Tensor] = {}            # the first shard's buffers, reused by the others (runs.reuse)
     # the gradient methods need only the heads' Δ = (z_clean − z_corrupt) W_O: the corrupt record keeps z, not the
-    # heads' outputs (one head-output pass and a [heads, b, p, d] subtraction fewer), where outputs are linear in z
-    deltas_from_z = method != "exact" and z_patchable(model, g)
+    # heads' outputs (one head-output pass and a [heads, b, p, d] subtraction fewer), where outputs are linear in z;
+    # on activations the record keeps each layer's attention output (which it records with the heads' outputs)
+    deltas_from_z = method not in ("exact", "eap-ig-activations") and z_patchable(model, g)
     for i, shard in enumerate(shards):
         corr = record(model, g, shard, shard.corrupt, pool=None if method == "exact" else pool,
                       heads=not deltas_from_z)
@@ -252,102 +264,30 @@ def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ro
         if method == "exact":
             sums["clean"] += _exact_edges(model, g, shard, corr, acc, copies, bar)
             continue
-        sums["clean"] += _gradient_scores(model, g, shard, corr, acc, steps if method == "eap-ig" else 1, pool)
+        sums["clean"] += gradient_scores(model, g, shard, corr, acc, method, steps, rule, pool)
         del corr
         bar.update(1)
     bar.close()
     scores = (acc / task.n).float()
     scores[~g.valid] = float("nan")
-    warn_if_not_done(task, sums["clean"] / task.n, sums["corrupt"] / task.n)
-    extra = {"n_edges": g.n_edges, "copies": copies if method == "exact" else None}
-    return EdgeScores(g, scores, method, steps if method == "eap-ig" else 0, sums["clean"] / task.n,
+    warn_if_not_done(task, sums["clean"] / task.n, sums["corrupt"] / task.n, model=model)
+    extra = {"n_edges": g.n_edges, "copies": copies if method == "exact" else None, "rule": rule,
+             "alphas": None if method == "exact" else points(method, steps, rule),
+             "gradient_runs": None if method == "exact" else n_runs(g, method, steps, rule)}
+    return EdgeScores(g, scores, method, steps if method in STEPPED else 0, sums["clean"] / task.n,
                       sums["corrupt"] / task.n, task.describe(), model_name(model), _settings(model, task, rows, extra),
                       {"edge_scores_s": round(time.perf_counter() - t0, 3)})
 
 
-def _gradient_scores(model, g: Graph, shard: Task, corr, acc: Tensor, steps: int,
-                     pool: Optional[Dict[str, Tensor]] = None) -> float:
-    """EAP (``steps`` = 1) / EAP-IG on one shard, added to ``acc``; returns the shard's m(clean) sum.
-
-    The receiver gradients of the ``steps`` runs are summed in place into one [R, b, p, d] buffer (no Δ
-    is needed while they run), then meet Δ once: Σ_j Δ·∇_j = Δ·Σ_j ∇_j, so the Δ reads and the score
-    matmuls are paid once, not once per step. The j = steps run starts from e_clean itself: it IS the
-    clean run, so its sender outputs give Δ and its metric m(clean), with no separate clean forward; the
-    other steps record no sender outputs."""
-    out = reuse(pool, "clean", tuple(corr.out.shape), corr.out.dtype, corr.out.device)   # every slot written
-    b, p, d = out.shape[1:]
-    # summed in float32 at least: a bf16 sum of the steps' gradients would round once per step
-    gsum = reuse(pool, "gsum", (g.n_receivers, b, p, d), torch.promote_types(out.dtype, torch.float32),
-                 out.device)
-    # uninitialised: the first run's gradients are copied in, not added (sparing a zero fill of the largest
-    # buffer); a receiver group no gradient reached by the end of that run is zeroed then
-    written = torch.zeros(g.n_receivers, dtype=torch.bool)
-
-    def dest(sl: slice) -> Optional[Tensor]:
-        return None if bool(written[sl].all()) else gsum[sl]        # the first gradient is written in place
-
-    def on_grad(sl: slice, grad: Tensor) -> None:
-        if bool(written[sl].all()):
-            gsum[sl] += grad.detach()
-        else:
-            if grad.data_ptr() != gsum[sl].data_ptr():
-                gsum[sl].copy_(grad.detach())
-            written[sl] = True
-
-    # with a record of z only (record(heads=False)) the heads' slots of ``out`` come out as Δ already
-    z_minus = None if corr.heads else corr.hooks
-    clean = grad_run(model, g, shard, shard.clean, on_grad, out=out, dest=dest, z_minus=z_minus)
-    if not bool(written.all()):
-        gsum[~written.to(gsum.device)] = 0
-        written[:] = True
-    e_clean, e_corr = out[0].clone(), corr.out[0]
-    for j in range(1, steps):
-        grad_run(model, g, shard, shard.clean, on_grad, emb_override=e_corr + (j / steps) * (e_clean - e_corr),
-                 out=None)
-    if corr.heads:
-        D = out.sub_(corr.out).view(g.n_senders, -1)       # Δ = clean − corrupt, in place
-    else:                                                    # the heads' slots hold Δ: the embedding's and MLPs' too
-        for lo, hi in _non_head_runs(g):
-            out[lo:hi].sub_(corr.out[lo:hi])
-        D = out.view(g.n_senders, -1)
-    G = gsum.view(g.n_receivers, -1)
-    valid = g.valid.to(out.device)
-    # Consecutive receivers (up to GRAD_BLOCK_BYTES of gradients) meet the senders below ALL of them in ONE
-    # matmul (Δ is read once per block instead of once per receiver group); the senders below only some of
-    # them (the block's own layers) meet them in quarter-blocks, so that of the pairs computed and dropped
-    # as non-edges (27 % more products than edges with whole blocks on SmolLM2) only a quarter remain.
-    per_block = max(1, GRAD_BLOCK_BYTES // max(1, G.shape[1] * G.element_size()))
-    per_part = max(1, per_block // 4)
-
-    def meet(lo: int, hi: int, r0: int, r1: int) -> None:
-        if hi > lo:
-            T = D[lo:hi].to(G.dtype) @ G[r0:r1].T                                               # [hi − lo, r1 − r0]
-            acc[lo:hi, r0:r1] += torch.where(valid[lo:hi, r0:r1], T, 0).double().cpu() / steps
-
-    r0 = 0
-    while r0 < g.n_receivers:
-        r1 = min(g.n_receivers, r0 + per_block)
-        shared = g.n_below(r0)
-        meet(0, shared, r0, r1)
-        for a in range(r0, r1, per_part):
-            b = min(r1, a + per_part)
-            meet(shared, g.n_below(b - 1), a, b)
-        r0 = r1
-    return clean
+STEPPED = ("eap-ig", "eap-ig-activations")
 
 
-def _non_head_runs(g: Graph) -> List[Tuple[int, int]]:
-    """The sender slots that are not heads, as [lo, hi) runs: the embedding and each layer's MLP."""
-    heads = {g.head_sender(L, h) for L in range(g.n_layers) for h in range(g.n_heads)}
-    runs: List[Tuple[int, int]] = []
-    for s in range(g.n_senders):
-        if s in heads:
-            continue
-        if runs and runs[-1][1] == s:
-            runs[-1] = (runs[-1][0], s + 1)
-        else:
-            runs.append((s, s + 1))
-    return runs
+def check_method(method: str, steps) -> None:
+    """One-line errors for an unknown method or bad ``steps`` (the stepped methods)."""
+    if method not in METHODS:
+        raise QKCircuitsError(f"unknown edge-score method {method!r}; use one of {', '.join(METHODS)}")
+    if method in STEPPED and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise QKCircuitsError(f"steps must be an integer >= 1, got {steps!r}")
 
 
 def _exact_edges(model, g: Graph, shard: Task, corr, acc: Tensor, copies: int, bar) -> float:
@@ -408,25 +348,29 @@ class NodeScores(Result):
 
 
 
-def node_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, progress: bool = True,
-                rows_per_shard: Optional[int] = None, copies: int = 32, backend: Any = None) -> NodeScores:
-    """Heads, MLPs and the embedding scored by EAP / EAP-IG (sums of the edge scores) or exactly (one
-    patched run per node, every reader of the node reading its corrupt output). ``backend`` as in
-    ``edge_scores``."""
+def node_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, rule: Optional[str] = None,
+                progress: bool = True, rows_per_shard: Optional[int] = None, copies: int = 32,
+                backend: Any = None) -> NodeScores:
+    """Heads, MLPs and the embedding scored by a gradient method (sums of the edge scores; ``rule`` as in
+    ``edge_scores``) or exactly (one patched run per node, every reader of the node reading its corrupt
+    output). ``backend`` as in ``edge_scores``."""
     from .._foundation.model import model_name
 
     if backend is not None:
         from .._foundation.backends import as_backend
 
         return as_backend(backend).run("node_scores", model, local=node_scores, task=task, method=method,
-                                       steps=steps, progress=progress, rows_per_shard=rows_per_shard, copies=copies)
+                                       steps=steps, rule=rule, progress=progress, rows_per_shard=rows_per_shard,
+                                       copies=copies)
 
     if method != "exact":
-        es = edge_scores(model, task, method, steps, progress=progress, rows_per_shard=rows_per_shard)
+        es = edge_scores(model, task, method, steps, rule=rule, progress=progress, rows_per_shard=rows_per_shard)
         return NodeScores(es.node_scores(), method, es.model, {**es.settings, "clean": es.clean, "corrupt": es.corrupt})
+    check_method(method, steps)
+    resolve_rule(method, rule)
     check_task(model, task)
     g = graph(model)
-    task = task.to(model.W_E.device)
+    task = with_reference(model, task.to(model.W_E.device))
     rows = rows_per_shard or shard_rows(model, g, task, budget=EXACT_BYTES)
     acc = torch.zeros(g.n_senders, dtype=torch.float64)
     sums = {"clean": 0.0, "corrupt": 0.0}
@@ -442,6 +386,6 @@ def node_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, pr
             acc[ss] += clean_sum - patched_run(model, g, shard, corr, mask).sum(1).double().cpu()
     vals = (acc / task.n).tolist()
     clean, corrupt = sums["clean"] / task.n, sums["corrupt"] / task.n
-    warn_if_not_done(task, clean, corrupt)
+    warn_if_not_done(task, clean, corrupt, model=model)
     return NodeScores(dict(zip(g.senders, vals)), "exact", model_name(model),
                       _settings(model, task, rows, {"clean": clean, "corrupt": corrupt}))

@@ -17,6 +17,10 @@ longest are right-padded, which a causal model never sees from positions ≤ END
 - ``"prob-diff"``: p(answer) − p(wrong) after a softmax over the vocabulary;
 - ``"loss"``: −log p(answer) (lower is better: faithfulness is a ratio, so the sign cancels there; a signed
   circuit ranks edges by −score, the direction that carries the behaviour);
+- ``"kl"``: KL(p_clean ‖ p) = Σ_v p_clean(v) (log p_clean(v) − log p(v)) at END, p_clean the clean run's
+  next-token distribution (``reference``, filled by ``with_reference``: every entry point does it); lower is
+  better, 0 on the clean run. Its gradient at the clean run is 0, so EAP (and EAP-IG's right rule at its last
+  point) gets nothing from that point;
 - a callable ``fn(logits [b, pos, vocab], tokens [b, pos]) -> scalar`` (a mean over the batch, the
   ``qk.Metric`` contract): its row sum is taken as ``fn(...) × b``.
 """
@@ -26,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +40,8 @@ from torch import Tensor
 from .._foundation.args import check_tokens
 from .._foundation.errors import QKCircuitsError
 
-METRICS = ("logit-diff", "prob-diff", "loss")
+METRICS = ("logit-diff", "prob-diff", "loss", "kl")
+BOS_MODES = ("auto", "yes", "no")
 MetricSpec = Union[str, Callable]
 
 
@@ -45,7 +50,10 @@ class Task:
     """Clean and corrupt token rows [n, pos] (same shape, checked), per-row ``answer``/``wrong`` token
     ids [n], a ``metric`` (see the module docstring), named positions per row (``positions[name]`` is
     a [n] tensor of indices; ``END`` is where the metric reads and defaults to the last position), a
-    ``name``, whether a BOS token was prepended (``bos``) and the prompt texts when built from text."""
+    ``name``, whether a BOS token was prepended (``bos``), the prompt texts when built from text, how the BOS
+    was decided (``bos_mode``: "auto" = what the tokenizer does on its own, "yes"/"no" = forced; None for a
+    task built from ids, described as "yes"/"no" by ``bos``) and, for ``metric="kl"``, the clean run's
+    log-probabilities at END (``reference`` [n, vocab]: ``with_reference`` fills it)."""
 
     # what __init__ accepts (ids as tensors or nested lists; one answer id for every row, or one per row);
     # __post_init__ stores [n, pos] / [n] long tensors
@@ -58,6 +66,8 @@ class Task:
     name: str = "custom"
     bos: bool = False
     prompts: Optional[List[str]] = None
+    bos_mode: Optional[str] = None
+    reference: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         check_tokens(self.clean, "clean"), check_tokens(self.corrupt, "corrupt")     # ids, not text or floats
@@ -82,6 +92,11 @@ class Task:
         if not isinstance(self.metric, str) and not callable(self.metric):
             raise QKCircuitsError(f"metric must be a name ({', '.join(METRICS)}) or a callable, not "
                                   f"{type(self.metric).__name__}")
+        if self.bos_mode is not None and self.bos_mode not in BOS_MODES:
+            raise QKCircuitsError(f"bos_mode must be one of {', '.join(BOS_MODES)} or None, got {self.bos_mode!r}")
+        if self.reference is not None and (self.reference.dim() != 2 or self.reference.shape[0] != n):
+            raise QKCircuitsError(f"reference must be the clean log-probabilities at END, [{n}, vocab]; got "
+                                  f"{tuple(self.reference.shape)}")
         pos = {k: torch.as_tensor(v).long().reshape(-1) for k, v in self.positions.items()}
         pos.setdefault("END", torch.full((n,), self.clean.shape[1] - 1, dtype=torch.long))
         for k, v in pos.items():
@@ -107,15 +122,15 @@ class Task:
     def rows(self, index: Union[slice, Sequence[int], Tensor]) -> "Task":
         """The sub-task of some prompt rows (a shard): its metric sums add up to the whole task's."""
         idx = torch.arange(self.n)[index] if isinstance(index, slice) else torch.as_tensor(index).long()
+        ref = None if self.reference is None else self.reference[idx.to(self.reference.device)]
         return Task(self.clean[idx], self.corrupt[idx], self.answer[idx], self.wrong[idx], self.metric,
                     {k: v[idx] for k, v in self.positions.items()}, self.name, self.bos,
-                    [self.prompts[i] for i in idx.tolist()] if self.prompts else None)
+                    [self.prompts[i] for i in idx.tolist()] if self.prompts else None, self.bos_mode, ref)
 
     def at_end(self) -> "Task":
         """The same rows with END = 0: for logits already taken at each row's END position ([b, 1, vocab])."""
-        t = Task(self.clean[:, :1], self.corrupt[:, :1], self.answer, self.wrong, self.metric, {}, self.name,
-                 self.bos)
-        return t
+        return Task(self.clean[:, :1], self.corrupt[:, :1], self.answer, self.wrong, self.metric, {}, self.name,
+                    self.bos, None, self.bos_mode, self.reference)
 
     def shards(self, rows_per_shard: int) -> List["Task"]:
         return [self.rows(slice(i, i + rows_per_shard)) for i in range(0, self.n, max(1, rows_per_shard))]
@@ -123,7 +138,7 @@ class Task:
     def to(self, device) -> "Task":
         return Task(self.clean.to(device), self.corrupt.to(device), self.answer.to(device), self.wrong.to(device),
                     self.metric, {k: v.to(device) for k, v in self.positions.items()}, self.name, self.bos,
-                    self.prompts)
+                    self.prompts, self.bos_mode, None if self.reference is None else self.reference.to(device))
 
     # ---------------------------------------------------------------------------------------- metric
 
@@ -147,6 +162,13 @@ class Task:
         logp = F.log_softmax(last, -1)
         if self.metric == "prob-diff":
             return logp[rows, a].exp() - logp[rows, w].exp()
+        if self.metric == "kl":
+            if self.reference is None:
+                raise QKCircuitsError("metric 'kl' needs the clean run's next-token distribution: pass the task "
+                                      "through qk.edge_scores / qk.faithfulness / qk.evaluate (they fill it), or "
+                                      "task = qkcircuits._tasks.task.with_reference(model, task)")
+            ref = self.reference.to(logits.device).float().repeat(copies, 1)               # [b, vocab] log p_clean
+            return (ref.exp() * (ref - logp)).sum(-1)
         return -logp[rows, a]
 
     def metric_sum(self, logits: Tensor, tokens: Optional[Tensor] = None) -> Tensor:
@@ -164,6 +186,8 @@ class Task:
         h = hashlib.sha1()
         for t in (self.clean, self.corrupt, self.answer, self.wrong, self.positions["END"]):
             h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        if self.reference is not None:
+            h.update(self.reference.detach().float().cpu().contiguous().numpy().tobytes())
         with torch.no_grad():
             sums = [_fingerprint(p) for p in model.parameters()]
         w = model.W_E
@@ -174,8 +198,13 @@ class Task:
         """The JSON-ready description (no tensors)."""
         return {"name": self.name, "n_prompts": self.n, "seq_len": int(self.clean.shape[1]),
                 "metric": self.metric_name, "higher_is_better": self.higher_is_better,
-                "bos_prepended": bool(self.bos),
+                "bos_prepended": bool(self.bos), "bos": self.bos_info(),
                 "positions": sorted(self.positions)}
+
+    def bos_info(self) -> Dict[str, object]:
+        """``{"prepended": bool, "mode": "auto" | "yes" | "no"}`` (the circuit JSON's ``bos``): a task built from
+        ids says "yes"/"no" by whether its rows start with a BOS."""
+        return {"prepended": bool(self.bos), "mode": self.bos_mode or ("yes" if self.bos else "no")}
 
 
 def _probe(n: int, salt: int, like: Tensor) -> Tensor:
@@ -196,17 +225,37 @@ def _fingerprint(p: Tensor) -> float:
 
 
 def metric_higher_is_better(metric) -> bool:
-    """False for ``"loss"``; a callable says so by a ``higher_is_better`` attribute (``qk.Metric`` has one),
+    """False for ``"loss"`` and ``"kl"``; a callable says so by a ``higher_is_better`` attribute (``qk.Metric`` has one),
     else (another name, a plain callable, ``None``) it is taken as higher-is-better. The one rule: a task and
     a scores file written before ``higher_is_better`` was recorded both go through it."""
     if isinstance(metric, str):
-        return metric != "loss"
+        return metric not in ("loss", "kl")
     return bool(getattr(metric, "higher_is_better", True))
+
+
+def with_reference(model, task: Task) -> Task:
+    """``task`` ready for ``model``: for ``metric="kl"`` without a ``reference``, a copy holding the clean run's
+    log-probabilities at each row's END ([n, vocab], float32; one no-grad forward per 16 rows); any other task
+    as it is. Entry points (edge and node scores, faithfulness, ``qk.evaluate``, roles) call it."""
+    if task.metric != "kl" or task.reference is not None:
+        return task
+    dev = model.W_E.device
+    parts = []
+    with torch.no_grad():
+        for shard in task.shards(16):
+            logits = model(shard.clean.to(dev))
+            logits = logits.logits if hasattr(logits, "logits") else logits
+            rows = torch.arange(shard.n, device=logits.device)
+            parts.append(F.log_softmax(logits[rows, shard.positions["END"].to(logits.device)].float(), -1).cpu())
+    ref = torch.cat(parts)
+    return Task(task.clean, task.corrupt, task.answer, task.wrong, task.metric, task.positions, task.name, task.bos,
+                task.prompts, task.bos_mode, ref.to(task.clean.device))
 
 
 def evaluate(model, task: Task, rows_per_shard: int = 16, warn: bool = True) -> Dict[str, float]:
     """The clean and corrupt metric means (two forwards per shard). Warns, does not fail, when the model
     does not do the task (clean ≤ corrupt for a higher-is-better metric)."""
+    task = with_reference(model, task)
     sums = {"clean": 0.0, "corrupt": 0.0}
     with torch.no_grad():
         for shard in task.shards(rows_per_shard):
@@ -215,7 +264,7 @@ def evaluate(model, task: Task, rows_per_shard: int = 16, warn: bool = True) -> 
                 sums[which] += float(shard.metric_sum(model(toks), toks))
     out = {k: v / task.n for k, v in sums.items()}
     if warn:
-        warn_if_not_done(task, out["clean"], out["corrupt"], stacklevel=3)
+        warn_if_not_done(task, out["clean"], out["corrupt"], stacklevel=3, model=model)
     return out
 
 
@@ -227,13 +276,44 @@ def does_the_task(task: Task, clean: float, corrupt: float) -> bool:
     return clean > corrupt if task.higher_is_better else clean < corrupt
 
 
-def warn_if_not_done(task: Task, clean: float, corrupt: float, stacklevel: int = 2) -> bool:
-    """A ``UserWarning`` (not an error) when the model does not do the task (``does_the_task``); returns whether
-    it does. ``evaluate``, ``qk.edge_scores`` and ``qk.node_scores`` call it with the means they measured."""
+def not_done_message(task: Task, clean: float, corrupt: float, model=None) -> str:
+    """One line: the two means, then the likely causes a user can check, in the order they usually are: the BOS
+    (what was prepended and how to change it), the answer tokens (row 0's, as text where the model has a
+    tokenizer) and the metric's direction. Not a verdict on the model: each of these alone turns a model that
+    does the task into one that seems not to."""
+    better = "higher" if task.higher_is_better else "lower"
+    how = {"auto": "auto: what the tokenizer does on its own", "yes": "forced", "no": "forced"}.get(
+        task.bos_mode or "", "built from ids")
+    if task.bos_mode is None:
+        bos = (f"the rows {'start' if task.bos else 'do not start'} with a BOS (a task built from ids: "
+               f"{'is it the one this model was trained with?' if task.bos else 'many models need one first'})")
+    elif task.bos:
+        bos = f"a BOS is prepended ({how}; --bos no / prepend_bos=False leaves it out)"
+    else:
+        bos = f"no BOS is prepended ({how}; --bos yes / prepend_bos=True adds one: many models need it)"
+    tok = getattr(model, "tokenizer", None) if model is not None else None
+
+    def word(i: int) -> str:
+        try:
+            return f"{tok.decode([i])!r} (id {i})" if tok is not None else f"id {i}"
+        except Exception:     # a tokenizer that cannot decode this id: the id is enough
+            return f"id {i}"
+    answers = (f"the answer tokens (row 0: answer {word(int(task.answer[0]))}, wrong {word(int(task.wrong[0]))}: "
+               f"is the answer the token the model should predict next, leading space included?)"
+               if task.metric != "kl" else "the corrupt prompts (they must change the next-token distribution)")
+    return (f"{NOT_DONE} {task.name!r}: clean {task.metric_name} {clean:.4g} vs corrupt {corrupt:.4g} ({better} is "
+            f"better). Likely causes to check: {bos}; {answers}; the metric's direction ({task.metric_name}: {better} "
+            f"is better on the clean prompts; answer and wrong swapped?). Circuits, faithfulness and roles say little "
+            f"until clean beats corrupt")
+
+
+def warn_if_not_done(task: Task, clean: float, corrupt: float, stacklevel: int = 2, model=None) -> bool:
+    """A ``UserWarning`` (not an error) when the model does not do the task (``does_the_task``), worded by
+    ``not_done_message``; returns whether it does. ``evaluate``, ``qk.edge_scores`` and ``qk.node_scores`` call it
+    with the means they measured."""
     done = does_the_task(task, clean, corrupt)
     if not done:
-        warnings.warn(f"{NOT_DONE} {task.name!r}: clean {task.metric_name} {clean:.3g} vs corrupt {corrupt:.3g}; "
-                      f"circuits and faithfulness will say little", stacklevel=stacklevel + 1)
+        warnings.warn(not_done_message(task, clean, corrupt, model), stacklevel=stacklevel + 1)
     return done
 
 
@@ -256,10 +336,32 @@ def bos_id(model) -> int:
     return 0
 
 
-def encode(model, text: str, prepend_bos: bool) -> List[int]:
-    """``text`` as token ids, the tokenizer's own special tokens left out; BOS first when asked."""
+def bos_prefix(model, prepend_bos: Optional[bool]) -> Tuple[List[int], str]:
+    """(the ids every prompt starts with, the mode "auto" | "yes" | "no") for ``prepend_bos`` None (what the
+    model's tokenizer puts before a text on its own: ``own_tokenizer.own_affixes``, e.g. Llama's and Gemma's
+    ``<bos>``, nothing for GPT-2's and SmolLM2's), True (one BOS, ``bos_id``) or False (nothing). What a tokenizer
+    appends (an EOS) is never added: the metric reads the token that follows the prompt."""
+    if prepend_bos is None:
+        from .._foundation.own_tokenizer import own_affixes
+
+        return [int(t) for t in own_affixes(model)["prefix"]], "auto"
+    if not isinstance(prepend_bos, bool):
+        raise QKCircuitsError(f"prepend_bos must be None (what the tokenizer does on its own), True or False, got "
+                              f"{prepend_bos!r}")
+    return ([bos_id(model)] if prepend_bos else []), ("yes" if prepend_bos else "no")
+
+
+def bos_mode_arg(text: str) -> Optional[bool]:
+    """The CLI's ``--bos auto|yes|no`` as ``prepend_bos`` (None, True, False)."""
+    if text not in BOS_MODES:
+        raise QKCircuitsError(f"--bos {text!r}: expected auto (what the tokenizer does on its own), yes or no")
+    return {"auto": None, "yes": True, "no": False}[text]
+
+
+def encode(model, text: str, prefix: Sequence[int] = ()) -> List[int]:
+    """``text`` as token ids, the tokenizer's own special tokens left out, ``prefix`` (``bos_prefix``) first."""
     ids = list(tokenizer_of(model)(text, add_special_tokens=False)["input_ids"])
-    return ([bos_id(model)] if prepend_bos else []) + ids
+    return [int(t) for t in prefix] + ids
 
 
 def pad_rows(model, rows: Sequence[Sequence[int]]) -> Tensor:

@@ -30,6 +30,7 @@ from typing import Dict, Optional
 
 import torch
 
+from .._foundation.arch.model import learned_positions
 from .._foundation.capture import has_rotary
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import HeadsLike
@@ -89,8 +90,7 @@ def head_offset_profile(model, head: HeadsLike, max_offset: int = 64, *, text: O
         score = offset_profile(model, h, offs, x, spec=spec).mean_score.tolist()
         kind = "rotary"
         label = f"rotary: mean query · R(Δ) · mean key; rows: {what}"
-    elif getattr(model, "W_pos", None) is not None and str(getattr(model.cfg, "positional_embedding_type",
-                                                                    "standard")) in ("standard", "shortformer"):
+    elif learned_positions(model):
         from .rotary import positional_qk
 
         P = positional_qk(model, h)

@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f".{name}", __name__).add_parser(sub)
+    from ._common import add_threads_arg
+
+    for name, p in sub.choices.items():
+        if name not in TORCH_FREE:
+            add_threads_arg(p)
     return parser
 
 
@@ -87,7 +92,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     line); the caller's format is restored afterwards."""
     import warnings
 
-    previous = None
+    previous = threads = None
     _SIGNALLED["int"] = False
     formatwarning, warnings.formatwarning = warnings.formatwarning, _one_line_warning
     try:
@@ -99,6 +104,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         check_paths(args)                         # outputs vs inputs, before any work
         if args.command not in TORCH_FREE:
             _import_torch()
+            if getattr(args, "threads", None):
+                import torch
+
+                threads = torch.get_num_threads()        # restored afterwards (main() may run inside a process)
+                torch.set_num_threads(args.threads)
         return int(args.func(args) or 0)
     except QKCircuitsError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -122,6 +132,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     finally:
         warnings.formatwarning = formatwarning
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous[0])
             signal.signal(signal.SIGINT, previous[1])

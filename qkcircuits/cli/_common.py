@@ -149,6 +149,13 @@ def check_paths(args: argparse.Namespace) -> None:
             seen.append((flag, value, out))
 
 
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    """``--threads N`` (every command that runs torch; ``cli.main`` applies it before the command runs)."""
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="CPU threads torch uses (default: what torch chooses, torch.get_num_threads(): usually the "
+                        "machine's physical cores; on a shared machine fewer can be faster)")
+
+
 def load_model(args):
     from .._foundation.model import load
 

@@ -51,6 +51,9 @@ def add_parser(sub) -> None:
                                                               "position they read from")
     p.add_argument("--top", type=positive_int, default=5, help="sources listed per side (default 5)")
     p.add_argument("--n", type=positive_int, default=32, help="prompts for ioi/induction (default 32)")
+    p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
+                   help="BOS before ioi / .jsonl prompts: auto (default: what the model's tokenizer does on its own), "
+                        "yes, no (induction prompts always start with one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the ioi/induction prompts (default 0)")
     input_arg(p, "--scores", metavar="SCAN.json", help="label sources from this scan (default: a quick scan of the "
                                                        "labelled detectors)")
@@ -84,9 +87,10 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args)
     kw = dict(reading=args.reading, expand=args.expand, k=args.top)
     if task_spec is not None:
-        from .circuit import build_task
+        from .._tasks.builders import build_task
+        from .._tasks.task import bos_mode_arg
 
-        task = build_task(model, task_spec, args.n, args.seed)
+        task = build_task(model, task_spec, args.n, args.seed, prepend_bos=bos_mode_arg(args.bos))
         res = attend(model, args.head, task=task, query=args.query_name, key=args.key_name, versus=args.versus, **kw)
     else:
         versus = None

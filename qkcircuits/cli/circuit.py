@@ -1,10 +1,16 @@
 """``qkcircuits circuit MODEL --task ioi|induction|FILE.jsonl``: a task's circuit over the whole graph.
 
-Scores every edge (EAP-IG by default), measures the faithfulness curve over the MIB grid (CPR/CMD), picks
-the circuit (``--edges``/``--percent``, else the smallest grid size with f ≥ 0.8), names its heads' roles.
+Scores every edge (EAP-IG by default, the authors' left rule), measures the faithfulness curve over the MIB grid
+(CPR/CMD), picks the circuit (``--edges``/``--percent``, else the smallest grid size with f ≥ 0.8), names its
+heads' roles. Progress goes to stderr (its first line names the model, the task and its BOS); the summary goes to
+stdout once everything ran and STARTS with the warnings (the model does not do the task, no grid size reaches
+f ≥ 0.8, the method's scores disagree in sign with EAP-IG on the top edges), printed after every progress bar
+closed. When the model does not do the task or no size below 100 % reaches f ≥ 0.8, no circuit and no roles are
+named unless ``--force``.
 ``--json`` keys (the contract the views read): model, task, n_prompts, metric, clean, corrupt, method,
-steps, curve {percent: f}, cpr, cmd, circuit {edges: [[sender, receiver, input, score], ...], heads,
-node_faithfulness, ...}, roles {head: {role, evidence}}, timing; plus schema, graph, bos_prepended.
+steps, rule, curve {percent: f}, cpr, cmd, circuit {edges: [[sender, receiver, input, score], ...], heads,
+node_faithfulness, named, ...}, roles {head: {role, evidence}}, warnings [one line each], bos {prepended, mode},
+timing; plus schema, graph, bos_prepended (old readers).
 """
 
 from __future__ import annotations
@@ -13,12 +19,17 @@ import argparse
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
 from ._common import add_model_args, load_model, positive_int
 
 SCHEMA = "qkcircuits.circuit/1"
+METHODS = ("eap-ig", "eap", "exact", "eap-ig-activations", "clean-corrupted")
+METRICS = ("logit-diff", "prob-diff", "loss", "kl")
+# the sign check's EAP-IG runs on this many prompts (the first ones): a quarter of the default 64's cost
+SIGN_ROWS = 16
 
 
 def _percent(text: str) -> float:
@@ -39,20 +50,38 @@ def add_parser(sub) -> None:
                                    "the circuit's heads.")
     add_model_args(p)
     p.add_argument("--task", required=True, help="ioi, induction, or a .jsonl file (one {clean, corrupt, answer, "
-                                                 "wrong} object per line)")
+                                                 "wrong[, positions]} object per line)")
     p.add_argument("--n", type=positive_int, default=64, help="prompts for ioi/induction (default 64)")
     p.add_argument("--seed", type=int, default=0, help="seed of the ioi/induction prompts (default 0)")
-    p.add_argument("--method", choices=("eap", "eap-ig", "exact"), default="eap-ig",
-                   help="eap-ig (default), eap, or exact (one patched run per edge: small models only)")
+    p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
+                   help="prepend a BOS to each prompt: auto (default) = what the model's tokenizer does on its own "
+                        "(Llama/Gemma add <bos>, GPT-2 and SmolLM2 add none), yes / no = forced; induction prompts "
+                        "always start with BOS")
+    p.add_argument("--metric", choices=METRICS, default="logit-diff",
+                   help="logit-diff (default), prob-diff, loss, or kl (KL(clean || patched) at END, lower is better)")
+    p.add_argument("--method", choices=METHODS, default="eap-ig",
+                   help="eap-ig (default; integrated gradients on the input embeddings), eap, exact (one patched "
+                        "run per edge: small models only), eap-ig-activations, clean-corrupted")
     p.add_argument("--steps", type=positive_int, default=5, help="EAP-IG interpolation steps (default 5)")
+    p.add_argument("--rule", choices=("left", "right", "midpoint"), default=None,
+                   help="EAP-IG's points: left (alpha = k/steps, k = 0..steps-1; the authors' and MIB's, the default "
+                        "of eap-ig), right (k = 1..steps: one clean forward fewer; the default of eap-ig-activations, "
+                        "as the authors run it) or midpoint")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--edges", type=positive_int, help="circuit size in edges")
-    size.add_argument("--percent", type=_percent, help="circuit size in percent of the graph's edges")
+    size.add_argument("--percent", type=_percent, help="circuit size in percent of the graph's edges (truncated to "
+                                                       "whole edges, as MIB does)")
     p.add_argument("--by", choices=("signed", "abs"), default="signed",
                    help="rank edges by score in the metric's better direction (default: the edges that carry the "
                         "behaviour) or by |score| (edges that work against it too)")
     p.add_argument("--how", choices=("top", "greedy"), default="top",
                    help="top: the top edges of the whole graph (default); greedy: grown from the logits")
+    p.add_argument("--force", action="store_true",
+                   help="name a circuit and roles even when the model does not do the task or no grid size reaches "
+                        "f >= 0.8 (the warnings stay)")
+    p.add_argument("--no-sign-check", action="store_true",
+                   help=f"skip the comparison with EAP-IG (run on the first {SIGN_ROWS} prompts) that warns when "
+                        f"another method's top edges disagree with it in sign")
     p.add_argument("--json", metavar="PATH", help="write the result (the circuit JSON contract)")
     p.add_argument("--csv", metavar="PATH", help="write every edge's score (sender, receiver, input, score, in_circuit)")
     p.add_argument("-o", "--output", metavar="HTML", help="write the report's circuit section as one offline HTML "
@@ -66,14 +95,10 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def build_task(model, spec: str, n: int, seed: int):
-    from .._tasks import builders
+def build_task(model, spec: str, n: int, seed: int, prepend_bos=None, metric: str = "logit-diff"):
+    from .._tasks.builders import build_task as build
 
-    if spec == "ioi":
-        return builders.ioi(model, n=n, seed=seed)
-    if spec == "induction":
-        return builders.induction(model, n=n, seed=seed)
-    return builders.from_jsonl(model, spec)
+    return build(model, spec, n, seed, prepend_bos=prepend_bos, metric=metric)
 
 
 class _Here:
@@ -81,15 +106,16 @@ class _Here:
 
     def __init__(self, args):
         from .._tasks.graph import graph
+        from .._tasks.task import bos_mode_arg
 
         self.model = load_model(args)
-        self.task = build_task(self.model, args.task, args.n, args.seed)
+        self.task = build_task(self.model, args.task, args.n, args.seed, bos_mode_arg(args.bos), args.metric)
         self.graph = graph(self.model)
 
-    def edge_scores(self, **kw):
+    def edge_scores(self, task=None, **kw):
         from .._tasks.scores import edge_scores
 
-        return edge_scores(self.model, self.task, **kw)
+        return edge_scores(self.model, self.task if task is None else task, **kw)
 
     def faithfulness(self, scores, **kw):
         from .._tasks.circuit import faithfulness
@@ -106,8 +132,15 @@ class _Here:
         (m,), clean, corrupt = circuit_metric(self.model, self.task, [circ.mask], rows, records=records)
         return ratio(m, clean, corrupt), node_faithfulness(self.model, self.task, circ.heads, rows, clean=clean, records=records)
 
-    def roles(self, circ, clean, corrupt):
-        return circ.roles(self.model, self.task, clean=clean, corrupt=corrupt)
+    def roles(self, circ, clean, corrupt, force=False):
+        return circ.roles(self.model, self.task, clean=clean, corrupt=corrupt, force=force)
+
+    def token_text(self, i: int) -> str:
+        tok = getattr(self.model, "tokenizer", None)
+        try:
+            return repr(tok.decode([int(i)])) if tok is not None else f"id {int(i)}"
+        except Exception:      # an id the tokenizer cannot decode: its number says enough
+            return f"id {int(i)}"
 
     def close(self) -> None:
         pass
@@ -119,20 +152,22 @@ class _OnRay:
     def __init__(self, args):
         from .._scale import ray_tasks
         from .._scale.distributed import Pool
+        from .._tasks.task import bos_mode_arg
 
         self.rt = ray_tasks
         self.pool = Pool(args.model, load_kwargs={"device": args.device, "dtype": args.dtype,
                                                   "fold_ln": not args.no_fold_ln},
-                         address=args.ray or None, progress=not args.quiet)
+                         address=args.ray or None, progress=not args.quiet, threads=args.threads or 1)
         self.pool.start()
         try:
-            self.task, self.graph = ray_tasks.ray_task_and_graph(self.pool, args.task, args.n, args.seed)
+            self.task, self.graph = ray_tasks.ray_task_and_graph(self.pool, args.task, args.n, args.seed,
+                                                                 bos_mode_arg(args.bos), args.metric)
         except BaseException:
             self.pool.close()
             raise
 
-    def edge_scores(self, **kw):
-        return self.rt.ray_edge_scores(None, self.task, pool=self.pool, **kw)
+    def edge_scores(self, task=None, **kw):
+        return self.rt.ray_edge_scores(None, self.task if task is None else task, pool=self.pool, **kw)
 
     def faithfulness(self, scores, **kw):
         return self.rt.ray_faithfulness(None, self.task, scores, pool=self.pool, **kw)
@@ -142,8 +177,11 @@ class _OnRay:
         return self.rt.ratio(m, clean, corrupt), self.rt.ray_node_faithfulness(self.pool, self.task, circ.heads,
                                                                                 clean=clean)
 
-    def roles(self, circ, clean, corrupt):
-        return self.rt.ray_roles(self.pool, self.task, circ, clean, corrupt)
+    def roles(self, circ, clean, corrupt, force=False):
+        return self.rt.ray_roles(self.pool, self.task, circ, clean, corrupt, force=force)
+
+    def token_text(self, i: int) -> str:
+        return f"id {int(i)}"           # the driver has no tokenizer
 
     def close(self) -> None:
         self.pool.close()
@@ -152,6 +190,11 @@ class _OnRay:
 def run(args: argparse.Namespace) -> int:
     if args.task not in ("ioi", "induction") and not Path(args.task).is_file():
         raise QKCircuitsError(f"--task {args.task!r}: expected ioi, induction, or an existing .jsonl file")
+    if args.rule is not None and args.method not in ("eap-ig", "eap-ig-activations"):
+        raise QKCircuitsError(f"--rule {args.rule}: applies to --method eap-ig and eap-ig-activations, not {args.method}")
+    if args.task == "induction" and args.bos == "no":
+        raise QKCircuitsError("--bos no: the induction task's prompts are [BOS] + R + R and always start with BOS; use "
+                              "--bos auto or yes")
     t0 = time.perf_counter()
     here = _OnRay(args) if args.ray is not None else _Here(args)
     try:
@@ -160,70 +203,143 @@ def run(args: argparse.Namespace) -> int:
         here.close()
 
 
+def bos_text(task, here, args) -> str:
+    """How the prompts start, in words (the first line says it)."""
+    if task.name == "induction" and args.task == "induction":
+        return f"BOS {here.token_text(int(task.clean[0, 0]))} prepended (induction prompts always start with BOS)"
+    mode = task.bos_mode or ("yes" if task.bos else "no")
+    if mode == "auto":
+        return (f"BOS {here.token_text(int(task.clean[0, 0]))} prepended (--bos auto: the tokenizer adds it)" if task.bos
+                else "no BOS (--bos auto: the tokenizer adds none; --bos yes prepends one)")
+    return f"BOS {here.token_text(int(task.clean[0, 0]))} prepended (--bos yes)" if task.bos else "no BOS (--bos no)"
+
+
+@contextmanager
+def _quiet_python_warnings():
+    """The run's own Python warnings that the CLI says itself, once, in its own words (stdout summary, JSON)."""
+    from .._tasks.caveats import UNREACHED
+    from .._tasks.task import NOT_DONE
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=NOT_DONE)
+        warnings.filterwarnings("ignore", message=UNREACHED)
+        yield
+
+
 def _run(args: argparse.Namespace, here, t0: float) -> int:
+    from .._tasks import caveats
     from .._tasks.circuit import THRESHOLD
-    from .._tasks.task import NOT_DONE, does_the_task
+    from .._tasks.task import does_the_task, not_done_message
 
     progress = not args.quiet
     task, g = here.task, here.graph
     t_load = time.perf_counter() - t0
-    print(f"{args.model}: task {task.name}, {task.n} prompts x {task.clean.shape[1]} tokens "
-          f"(BOS {'prepended' if task.bos else 'not prepended'}), metric {task.metric_name}; graph {g.n_nodes} "
-          f"nodes, {g.n_edges} edges" + (f"; on Ray, {here.pool.size} workers" if args.ray is not None else ""),
-          flush=True)
-    t1 = time.perf_counter()
-    with warnings.catch_warnings():                 # said once below, in the CLI's own words
-        warnings.filterwarnings("ignore", message=NOT_DONE)
-        scores = here.edge_scores(method=args.method, steps=args.steps, progress=progress)
-    t2 = time.perf_counter()
-    print(f"  clean {task.metric_name} {scores.clean:.4f}, corrupt {scores.corrupt:.4f}", flush=True)
-    if not does_the_task(task, scores.clean, scores.corrupt):
-        print(f"warning: the model does not do this task (clean {scores.clean:.4g} vs corrupt {scores.corrupt:.4g}); "
-              f"circuits and faithfulness will say little", file=sys.stderr, flush=True)
-    faith = here.faithfulness(scores, by=args.by, how=args.how, progress=progress)
-    t3 = time.perf_counter()
-    if args.edges is not None or args.percent is not None:
-        circ = scores.circuit(edges=args.edges, percent=args.percent, by=args.by, how=args.how)
-        f_circ, node_f = here.circuit_f(circ)
+    header = (f"{args.model}: task {task.name}, {task.n} prompts x {task.clean.shape[1]} tokens, {bos_text(task, here, args)}"
+              f", metric {task.metric_name}; graph {g.n_nodes} nodes, {g.n_edges} edges"
+              + (f"; on Ray, {here.pool.size} workers" if args.ray is not None else ""))
+    print(header, file=sys.stderr, flush=True)             # the first line: the BOS is said before anything runs
+    warned = []
+
+    def warn_now(line: str) -> None:
+        """A warning found: kept for the summary, and on stderr now (every progress bar is closed here)."""
+        warned.append(line)
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+
+    with _quiet_python_warnings():
+        t1 = time.perf_counter()
+        scores = here.edge_scores(method=args.method, steps=args.steps, rule=args.rule, progress=progress)
+        t2 = time.perf_counter()
+        print(f"  clean {task.metric_name} {scores.clean:.4f}, corrupt {scores.corrupt:.4f}", file=sys.stderr,
+              flush=True)
+        done = does_the_task(task, scores.clean, scores.corrupt)
+        if not done:
+            warn_now(not_done_message(task, scores.clean, scores.corrupt, getattr(here, "model", None)))
+        faith = here.faithfulness(scores, by=args.by, how=args.how, progress=progress)
+        t3 = time.perf_counter()
+        explicit = args.edges is not None or args.percent is not None
+        undefined = scores.clean == scores.corrupt
+        if done and not undefined and not explicit and not faith.reached:
+            warn_now(caveats.unreached_message(faith.curve, THRESHOLD))
+        sign = None
+        if args.method not in ("eap-ig", "exact") and not args.no_sign_check:
+            sign = _sign_check(args, here, scores, warn_now)
+        t_sign = time.perf_counter()
+        named = args.force or (done and not undefined and (explicit or faith.reached))
+        if explicit:
+            circ = scores.circuit(edges=args.edges, percent=args.percent, by=args.by, how=args.how)
+            f_circ, node_f = here.circuit_f(circ)
+        else:
+            circ, f_circ, node_f = faith.circuit, faith.curve[faith.chosen_percent], faith.node_faithfulness
+        t4 = time.perf_counter()
+        if named:
+            roles = here.roles(circ, scores.clean, scores.corrupt, force=args.force)
+        else:
+            from .._tasks.roles import Roles
+
+            why = ("the model does not do the task (warning above)" if not done or undefined else
+                   "no grid size below 100% reaches f >= 0.8 (warning above)")
+            roles = Roles({}, task.name, {"not_named": f"{why}; --force names them anyway"})
+        t5 = time.perf_counter()
+    lines = [f"warning: {w}" for w in warned] + [header,
+             f"  clean {task.metric_name} {scores.clean:.4f}, corrupt {scores.corrupt:.4f}"]
+    if undefined:                         # f = (m − m(corrupt)) / (m(clean) − m(corrupt)) has no value
+        lines.append(f"  faithfulness is undefined: clean and corrupt {task.metric_name} are equal ({scores.clean:.4g});"
+                     f" the curve, CPR and CMD are NaN (null in the JSON)")
     else:
-        circ, f_circ, node_f = faith.circuit, faith.curve[faith.chosen_percent], faith.node_faithfulness
-    t4 = time.perf_counter()
-    roles = here.roles(circ, scores.clean, scores.corrupt)
-    t5 = time.perf_counter()
-    if scores.clean == scores.corrupt:          # f = (m − m(corrupt)) / (m(clean) − m(corrupt)) has no value
-        print(f"  faithfulness is undefined: clean and corrupt {task.metric_name} are equal ({scores.clean:.4g}); the "
-              f"curve, CPR and CMD are NaN (null in the JSON) and the circuit is the largest grid size")
-    else:
-        print("  faithfulness f by percent of edges: " + ", ".join(f"{k:g}%: {v:.3f}" for k, v in faith.curve.items()))
-        print(f"  CPR {faith.cpr:.3f} (higher is better), CMD {faith.cmd:.3f} (lower is better)")
+        lines.append("  faithfulness f by percent of edges: " + ", ".join(f"{k:g}%: {v:.3f}" for k, v in faith.curve.items()))
+        lines.append(f"  CPR {faith.cpr:.3f} (higher is better), CMD {faith.cmd:.3f} (lower is better)")
     how = (f"{args.edges} edges requested" if args.edges is not None else f"{args.percent:g}% requested"
            if args.percent is not None else f"smallest grid size with f >= 0.8: {faith.chosen_percent:g}%"
-           if any(v >= THRESHOLD for v in faith.curve.values()) else
-           f"f undefined: the largest grid size, {faith.chosen_percent:g}%" if scores.clean == scores.corrupt else
-           f"no grid size reaches f >= 0.8: the largest, {faith.chosen_percent:g}%")
-    print(f"  circuit ({how}): {circ.n_edges} edges after pruning, f {f_circ:.3f}; {len(circ.heads)} heads, node "
-          f"view f {node_f:.3f} (every other head's output corrupted)")
-    for s, r, x, v in circ.edges()[:10]:
-        print(f"    {s:>7} -> {r:<8} {x:<3} {v:+.4f}")
-    for line in roles.sentences():
-        print(f"  {line}")
+           if faith.reached else f"f undefined: the largest grid size, {faith.chosen_percent:g}%" if undefined else
+           f"no grid size below 100% reaches f >= 0.8: the largest, {faith.chosen_percent:g}%")
+    if named:
+        lines.append(f"  circuit ({how}): {circ.n_edges} edges after pruning, f {f_circ:.3f}; {len(circ.heads)} heads, "
+                     f"node view f {node_f:.3f} (every other head's output corrupted)")
+        lines += [f"    {s:>7} -> {r:<8} {x:<3} {v:+.4f}" for s, r, x, v in circ.edges()[:10]]
+    else:
+        lines.append(f"  no circuit named ({how}): " + (
+            "the model does not do the task" if not done or undefined else "it would be the whole graph")
+            + "; --force names it anyway")
+    lines += [f"  {line}" for line in roles.sentences()]
+    print("\n".join(lines), flush=True)
     timing = {"load_s": round(t_load, 2), "edge_scores_s": round(t2 - t1, 2), "faithfulness_s": round(t3 - t2, 2),
-              "circuit_s": round(t4 - t3, 2), "roles_s": round(t5 - t4, 2), "total_s": round(t5 - t0, 2)}
+              "sign_check_s": round(t_sign - t3, 2), "circuit_s": round(t4 - t_sign, 2), "roles_s": round(t5 - t4, 2),
+              "total_s": round(t5 - t0, 2)}
+    circuit = {**circ.to_dict(), "faithfulness": f_circ, "node_faithfulness": node_f, "named": bool(named)}
+    if not named:                       # the edges of no circuit are not drawn as one (the CSV keeps every score)
+        circuit.update(edges=[], heads=[], mlps=[], n_edges=0)
     data = {"schema": SCHEMA, "model": args.model, "task": task.name, "n_prompts": task.n,
             "metric": task.metric_name, "clean": scores.clean, "corrupt": scores.corrupt, "method": args.method,
-            "steps": scores.steps, "curve": {f"{k:g}": v for k, v in faith.curve.items()}, "cpr": faith.cpr,
-            "cmd": faith.cmd,
-            "circuit": {**circ.to_dict(), "faithfulness": f_circ, "node_faithfulness": node_f},
-            "roles": dict(roles.roles), "timing": timing, "bos_prepended": bool(task.bos), "graph": g.to_dict(),
+            "steps": scores.steps, "rule": scores.rule, "curve": {f"{k:g}": v for k, v in faith.curve.items()},
+            "cpr": faith.cpr, "cmd": faith.cmd, "circuit": circuit, "roles": dict(roles.roles), "warnings": warned,
+            "timing": timing, "bos": task.bos_info(), "bos_prepended": bool(task.bos), "graph": g.to_dict(),
             "n_edges_by_percent": {f"{k:g}": v for k, v in faith.n_edges.items()},
-            "chosen_percent": faith.chosen_percent, "by": args.by, "how": args.how,
-            "versions": scores.settings.get("versions", {})}
-    if args.ray is not None:
-        data["backend"] = {k: v for k, v in scores.settings.get("backend", {}).items() if k != "plan"}
+            "chosen_percent": faith.chosen_percent, "by": args.by, "how": args.how, "force": bool(args.force),
+            "positions": sorted(task.positions), "versions": scores.settings.get("versions", {})}
+    if sign is not None:
+        data["sign_check"] = sign
     if args.timing:
         print("  timing: " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in timing.items()))
-    _write(args, data, scores, circ, roles)
+    if args.ray is not None:
+        data["backend"] = {k: v for k, v in scores.settings.get("backend", {}).items() if k != "plan"}
+    _write(args, data, scores, circ if named else None, roles)
     return 0
+
+
+def _sign_check(args, here, scores, warn_now):
+    """EAP-IG (5 steps, left rule) on the first ``SIGN_ROWS`` prompts against ``scores``' top 100 edges by |score|:
+    the share of opposite signs (``caveats.sign_disagreement``); a warning above ``caveats.SIGN_LIMIT``."""
+    from .._tasks import caveats
+
+    rows = min(SIGN_ROWS, here.task.n)
+    ref = here.edge_scores(task=here.task.rows(slice(0, rows)), method="eap-ig", steps=5, progress=not args.quiet)
+    found = caveats.sign_disagreement(scores.scores, ref.scores, scores.graph.valid)
+    g = scores.graph
+    names = {(s, r): f"{g.senders[s]} -> {g.receivers[r][0]} {g.receivers[r][1]}" for s, r, _, _ in found["worst"]}
+    if found["fraction"] > caveats.SIGN_LIMIT:
+        warn_now(caveats.sign_message(args.method, found, names, rows))
+    return {"fraction": found["fraction"], "top": found["top"], "prompts": rows, "limit": caveats.SIGN_LIMIT,
+            "worst": [[names[(s, r)], a, b] for s, r, a, b in found["worst"]]}
 
 
 def _finite(o):
@@ -246,12 +362,12 @@ def _write(args, data, scores, circ, roles) -> None:
         dump_json(_finite(data), args.json)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.csv:
-        inside = {tuple(e[:3]) for e in circ.edges()}
+        inside = {tuple(e[:3]) for e in circ.edges()} if circ is not None else set()
         lines = ["sender,receiver,input,score,in_circuit"]
         lines += [f"{s},{r},{x},{v:.6g},{int((s, r, x) in inside)}" for s, r, x, v in scores.edge_list()]
         write_atomic(args.csv, "\n".join(lines) + "\n")
         print(f"wrote {args.csv}", file=sys.stderr)
-    if args.output:
+    if args.output:          # the report's own circuit section (warnings, curve, graph, roles, top edges), alone
         from ..viz._report import circuit_page, write_report
 
         write_report(args.output, circuit_page(_finite(data), source=args.json or f"{data['model']}, {data['task']}"))

@@ -26,6 +26,9 @@ def add_parser(sub) -> None:
                    help="also find each model's IOI circuit: logit difference, CPR/CMD, name movers")
     p.add_argument("--task-n", type=positive_int, default=32, metavar="N",
                    help="prompts of the --task (default 32)")
+    p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
+                   help="BOS before each --task prompt: auto (default) = what each model's tokenizer does on its "
+                        "own, yes / no = forced")
     p.add_argument("--json", metavar="PATH", help="write the comparison as JSON")
     p.add_argument("-o", "--output", metavar="PATH", help="write a self-contained HTML page (works offline)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -40,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
         check_spec(spec)
     z = zoo(args.models, backend="ray" if args.ray is not None else "local", ray_address=args.ray or None,
             confirm_k=args.confirm, n_seqs=args.n_seqs, seed=args.seed, progress=not args.quiet,
-            load_kwargs={"device": args.device, "dtype": args.dtype}, task=args.task, task_n=args.task_n)
+            load_kwargs={"device": args.device, "dtype": args.dtype}, task=args.task, task_n=args.task_n,
+            task_bos={"auto": None, "yes": True, "no": False}[args.bos])
     print(format_zoo(z.models))
     if args.json:
         z.to_json(args.json)

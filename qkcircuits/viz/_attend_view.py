@@ -75,6 +75,11 @@ def attend_figure(res: Attribution, k: int = 12) -> Dict:
              f"(exact to {res.exact_error:.0e})")
     fig.update_layout(**base_layout(title, height=height, width=max(640, 260 + 46 * len(kn) + 180),
                                     margin=dict(l=8, r=20, t=TOP_MARGIN + 10, b=8)))
+    # source names such as "16.0" would make plotly draw a numeric axis: every axis of names is categorical
+    for r, c in ((2, 2), (1, 2)):
+        fig.update_xaxes(type="category", categoryorder="array", categoryarray=kn, row=r, col=c)
+    for r, c in ((2, 2), (2, 1)):
+        fig.update_yaxes(type="category", categoryorder="array", categoryarray=qn, row=r, col=c)
     fig.update_xaxes(tickmode="array", tickvals=kn, ticktext=kl, tickangle=-40, row=2, col=2, side="bottom",
                      automargin=True)
     fig.update_yaxes(autorange="reversed", showticklabels=False, row=2, col=2)

@@ -36,20 +36,38 @@ def has_rotary(model) -> bool:
 
 
 def layer_rotary(att, verify: bool = True) -> Optional[RotarySpec]:
-    """The rotary of adapter ``att``'s layer, or None on a model without rotary. Verified specs are cached on
-    the adapter (one short partial forward the first time)."""
+    """The rotary of adapter ``att``'s layer, or None on a model without rotary. ``verify``: check this layer's
+    pairing against the model (one short partial forward, then cached on the adapter); ``False``: take the pairing
+    verified on another layer of the model (the pairing is the architecture's), verifying this one only when no
+    layer has been (QK attribution checks every layer's result against the model's own pattern anyway)."""
     model = att.model
     if not has_rotary(model):
         return None
     cached = getattr(att, "_rotary_spec", None)
-    if cached is not None and (cached.verified_error is not None or not verify or "NoPE" in cached.source):
+    if cached is not None and (cached.verified_error is not None or "NoPE" in cached.source):
         return cached
     spec = _read(att)
-    if verify and "NoPE" not in spec.source:
-        _verify_latent(att, spec) if att.family == "latent" else _detect_style(att, spec)
-    if verify or "NoPE" in spec.source:
+    if "NoPE" in spec.source:
         att._rotary_spec = spec
+        return spec
+    other = None if verify else _verified_elsewhere(att)
+    if other is not None:
+        spec.style = other.style
+        spec.caveats = [f"pairing {other.style!r} verified on layer {other.layer}"]
+        return spec
+    _verify_latent(att, spec) if att.family == "latent" else _detect_style(att, spec)
+    att._rotary_spec = spec
     return spec
+
+
+def _verified_elsewhere(att) -> Optional[RotarySpec]:
+    """A verified rotary spec of another layer of the same model and family (adapters are cached on the model)."""
+    for other in (getattr(att.model, "_qk_adapters", None) or {}).values():
+        spec = getattr(other, "_rotary_spec", None)
+        if other is not att and other.family == att.family and spec is not None and spec.verified_error is not None \
+                and spec.verified_error <= 1e-4:
+            return spec
+    return None
 
 
 def _read(att) -> RotarySpec:

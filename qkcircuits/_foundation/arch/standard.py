@@ -196,13 +196,18 @@ class StandardAttention(AttentionAdapter):
         return bool(getattr(self.model.cfg, "use_qk_norm", False)) or any(
             getattr(self.module, n, None) is not None for n in QK_NORM_NAMES)
 
+    def qk_norm_modules(self) -> Tuple[Optional[torch.nn.Module], Optional[torch.nn.Module]]:
+        out = []
+        for side in ("q", "k"):
+            names = [x for x in QK_NORM_NAMES if x.startswith(side) or x.startswith("query" if side == "q" else "key")]
+            out.append(next((getattr(self.module, x) for x in names if getattr(self.module, x, None) is not None), None))
+        return out[0], out[1]
+
     def qk_norms(self) -> Tuple[Optional[Norm], Optional[Norm]]:
         """The HF module's own q/k norms (``q_norm``/``k_norm``, Cohere's ``q_layernorm``, ...), read off their
         outputs (``norms.read_norm``): per head, shared ([d_head] weight) or per head ([heads, d_head])."""
         out = []
-        for side, n in (("q", self.n_heads), ("k", self.n_kv_heads)):
-            names = [x for x in QK_NORM_NAMES if x.startswith(side) or x.startswith("query" if side == "q" else "key")]
-            mod = next((getattr(self.module, x) for x in names if getattr(self.module, x, None) is not None), None)
+        for mod, n, side in zip(self.qk_norm_modules(), (self.n_heads, self.n_kv_heads), "qk"):
             if mod is None:
                 out.append(None)
                 continue
@@ -230,7 +235,7 @@ class StandardAttention(AttentionAdapter):
         w = self.weights()
         norm = self.input_norm()
         qn, kn = self.qk_norms()
-        rotary = self.rotary()
+        rotary = self.rotary(verify=False)                # the callers check the result against the model's pattern
         out = []
         for head in heads:
             idx = head if side == "q" else head * (self.n_heads // self.n_kv_heads)
