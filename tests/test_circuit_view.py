@@ -295,10 +295,10 @@ def test_gqa_kv_heads():
     assert any(h.startswith("1.2 → logits<br>") for h in hover)     # the single input "in" is not named
     # the model's own counts win over the file's; a KV head the model lacks is one line
     with pytest.raises(qk.QKCircuitsError, match="names 0.3, but the model has 2 layers x 2 heads"):
-        load_circuit(GQA) and plot.circuit(GQA, model=type("M", (), {"cfg": type("C", (), {
+        load_circuit(GQA) and plot.circuit(GQA, model=type("M", (), {"blocks": [], "cfg": type("C", (), {
             "n_layers": 2, "n_heads": 2, "n_key_value_heads": 1})()})())
     with pytest.raises(qk.QKCircuitsError, match="names 1.kv1, but the model has 2 layers x 4 heads"):
-        plot.circuit(GQA, model=type("M", (), {"cfg": type("C", (), {
+        plot.circuit(GQA, model=type("M", (), {"blocks": [], "cfg": type("C", (), {
             "n_layers": 2, "n_heads": 4, "n_key_value_heads": 1})()})())
 
 
