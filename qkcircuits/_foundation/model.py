@@ -109,6 +109,15 @@ def load(
     """
     if isinstance(spec, TransformerBridge):
         return spec
+    from .progress import quiet_other_bars
+
+    with quiet_other_bars(f"loading {os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else spec!r}"):
+        return _load_folded(spec, device=device, dtype=dtype, fold_ln=fold_ln, device_map=device_map, verbose=verbose,
+                            lean=lean)
+
+
+def _load_folded(spec, *, device, dtype, fold_ln: bool, device_map, verbose: bool, lean: bool) -> TransformerBridge:
+    """``load`` itself (lean folding first, the plain one when it does not fit)."""
     bridge = None
     if fold_ln and lean:
         from .lean import LeanIncomplete
@@ -120,7 +129,7 @@ def load(
             import warnings
 
             warnings.warn(f"qkcircuits: lean LayerNorm folding did not fit this model ({e}); reloading with "
-                          f"lean=False (TransformerLens's enable_compatibility_mode, more memory)", stacklevel=2)
+                          f"lean=False (TransformerLens's enable_compatibility_mode, more memory)", stacklevel=3)
     if bridge is None:
         bridge = _load(spec, device=device, dtype=dtype, fold_ln=fold_ln, device_map=device_map, verbose=verbose,
                        lean=False)
