@@ -155,18 +155,18 @@ class Attribution(Result):
                 "attention": self.attention, "total": self.total, "exact_error": self.exact_error,
                 "query_sources": [list(x) for x in self.query_sources()],
                 "key_sources": [list(x) for x in self.key_sources()],
-                "pairs": [[a, b, float(self.pair_values[i, j])] for i, a in enumerate(self.pair_query)
-                          for j, b in enumerate(self.pair_key)],
+                "pairs": [[a, b, float(self.pair_values[i, j]), _share(float(self.pair_values[i, j]), self.total)]
+                          for i, a in enumerate(self.pair_query) for j, b in enumerate(self.pair_key)],
                 "per_row": {"query": {"names": self.query_names, "values": self.query_values.tolist()},
                             "key": {"names": self.key_names, "values": self.key_values.tolist()}},
                 "expanded": self.expanded, "settings": self.settings}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, Any]) -> "Attribution":
-        pq = list(dict.fromkeys(a for a, _, _ in d["pairs"]))
-        pk = list(dict.fromkeys(b for _, b, _ in d["pairs"]))
+        pq = list(dict.fromkeys(p[0] for p in d["pairs"]))
+        pk = list(dict.fromkeys(p[1] for p in d["pairs"]))
         P = torch.zeros(len(pq), len(pk), dtype=torch.float64)
-        for a, b, v in d["pairs"]:
+        for a, b, v, *_ in d["pairs"]:
             P[pq.index(a), pk.index(b)] = float(v) if v is not None else math.nan
         q, k = d["per_row"]["query"], d["per_row"]["key"]
         as_t = lambda x: torch.tensor(x, dtype=torch.float64).reshape(len(d["rows"]), -1)   # noqa: E731

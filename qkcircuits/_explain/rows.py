@@ -21,6 +21,7 @@ Rows whose key the head cannot attend (after the query, or outside a sliding win
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -56,6 +57,14 @@ def tokenize(model, tokens) -> Tuple[Tensor, Tensor]:
     """Token ids [b, p]: ids as given (checked), or text tokenized as the checkpoint's tokenizer does on its own
     (its prefix: a BOS where it adds one; ``_foundation/own_tokenizer``), several texts right-padded with the pad
     (else EOS) id; and each prompt's length before padding [b]."""
+    if isinstance(tokens, (list, tuple)) and tokens:
+        kinds = {type(t).__name__ for t in tokens}
+        if any(isinstance(t, str) for t in tokens) and not all(isinstance(t, str) for t in tokens):
+            raise QKCircuitsError(f"tokens must be text, a list of texts, or token ids [batch, pos]; got a list mixing "
+                                  f"{', '.join(sorted(kinds))}")
+        if all(isinstance(t, (list, tuple)) for t in tokens) and len({len(t) for t in tokens}) > 1:
+            raise QKCircuitsError(f"tokens must be a [batch, pos] grid of ids; got rows of lengths "
+                                  f"{sorted({len(t) for t in tokens})} (give texts to have them padded)")
     if isinstance(tokens, str) or (isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], str)):
         tok = getattr(model, "tokenizer", None)
         if tok is None:
@@ -71,7 +80,11 @@ def tokenize(model, tokens) -> Tuple[Tensor, Tensor]:
         t = torch.tensor([r + [pad] * (width - len(r)) for r in ids], dtype=torch.long)
         lengths = torch.tensor([len(r) for r in ids])
     else:
-        t = torch.as_tensor(tokens)
+        try:
+            t = torch.as_tensor(tokens)
+        except (TypeError, ValueError, RuntimeError):
+            raise QKCircuitsError(f"tokens must be text, a list of texts, or token ids [batch, pos]; got "
+                                  f"{type(tokens).__name__}") from None
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise QKCircuitsError(f"tokens must be integer token ids or text, got {t.dtype}")
         t = t.long()[None] if t.dim() == 1 else t.long()
@@ -155,10 +168,21 @@ def _explicit(t: Tensor, lengths: Tensor, query, key, versus, window) -> Rows:
     def as_list(x, role) -> Optional[List[int]]:
         if x is None:
             return None
-        xs = [x] if isinstance(x, int) and not isinstance(x, bool) else list(x) if isinstance(x, (list, tuple)) else None
-        if xs is None or not xs or any(isinstance(v, bool) or not isinstance(v, int) for v in xs):
-            raise QKCircuitsError(f"{role} must be a position (an integer, negative from the end) or a list of them, "
-                                  f"got {x!r}")
+        if isinstance(x, Tensor):
+            x = x.tolist()
+        xs = [x] if not isinstance(x, (list, tuple)) else list(x)
+        out = []
+        for v in xs:
+            try:
+                if isinstance(v, bool):
+                    raise TypeError
+                out.append(operator.index(v))           # ints, numpy and 0-d tensor integers
+            except TypeError:
+                raise QKCircuitsError(f"{role} must be a position (an integer, negative from the end) or a list of "
+                                      f"them, got {x!r}") from None
+        if not out:
+            raise QKCircuitsError(f"{role} must name at least one position, got {x!r}")
+        xs = out
         return xs
 
     q, k, v = as_list(query, "query"), as_list(key, "key"), as_list(versus, "versus")
