@@ -43,7 +43,7 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike, all_heads, model_heads
 from .._foundation.io import check_int
 from .._foundation.result import stamped
-from .attribution import Attribution, summarise
+from .attribution import Attribution, pair_table, summarise
 from .rows import Rows, rows_for
 from .writes import Writes, capture_writes
 
@@ -73,9 +73,10 @@ def attend(model, head, tokens=None, *, task=None, query=None, key=None, versus=
 def attend_heads(model, heads: HeadsLike = None, tokens=None, *, task=None, query=None, key=None, versus=None,
                  reading: str = "contrast", expand: Optional[str] = None, k: int = 5,
                  labels: Optional[object] = None, batch_size: int = 64) -> Dict[str, Attribution]:
-    """``attend`` for several heads (default: every head) from ONE forward per prompt shard: {head: Attribution}.
-    The same rows for every head (a key outside a head's window is refused for that head's layer). Memory: the
-    pair table [sources, sources] of every head, summed over rows."""
+    """``attend`` for several heads (default: every head) from one forward per prompt shard (plus block 0 once more,
+    to split MLP 0): {head: Attribution}. The same rows for every head (a key outside a head's window is refused for
+    that head's layer). Memory: per head its kept pair table [41, 41] and marginals [rows, sources] when one shard
+    holds every prompt; the full pair table [sources, sources], summed over shards, otherwise."""
     heads = all_heads(int(model.cfg.n_layers), int(model.cfg.n_heads)) if heads is None else model_heads(model, heads)
     reading = _check(reading, versus, expand)
     if labels is not None and not (isinstance(labels, dict) and all(isinstance(x, str) for kv in labels.items()
@@ -109,7 +110,7 @@ def attend_heads(model, heads: HeadsLike = None, tokens=None, *, task=None, quer
         if cap:
             settings["caveats"] = [f"the layer soft-caps its scores at {cap:g}: the pre-cap score is decomposed"]
         expanded = _merge_expansions(a["expanded"], len(rows[L])) if expand else {}
-        pairs = a["QK"] if "QK" in a else a["P"] / len(rows[L])
+        pairs = a["kept"] if "kept" in a else a["P"] / len(rows[L])
         if a["extra"]:
             settings["position_bias"] = "ALiBi: slope_h · key position, a source of its own on both sides"
         _check_exact(model, str(h), {e: a[e] for e in ERRORS})
@@ -185,8 +186,8 @@ def _add(acc: Dict[str, Dict], name: str, part: Dict, whole: bool) -> None:
     Q, K = part.pop("Q"), part.pop("K")
     part["q_vals"] = torch.einsum("nad,nd->na", Q, K.sum(1))
     part["k_vals"] = torch.einsum("nd,nbd->nb", Q.sum(1), K)
-    if whole:
-        part["QK"] = (Q, K)
+    if whole:        # every row is here: the kept pair table now, and the parts [rows, sources, d] dropped
+        part["kept"] = pair_table(Q, K, part["q_vals"], part["k_vals"])
     else:
         part["P"] = torch.einsum("nad,nbd->ab", Q, K)
     a = acc.get(name)
@@ -406,15 +407,18 @@ def _expand(w: Writes, L: int, qkmap, frozen, names: List[str], Q: Tensor, K: Te
         v = w.values[l]                                                                # [b, m, heads or KV heads, e]
         v = v[:, :, hh // (w.z[l].shape[2] // v.shape[2])].double()
         u = v @ (w.head_out_map(l)[hh] @ qkmap.W)                                      # [b, m, d]
-        T = A.permute(2, 0, 1)[..., None] * u.permute(1, 0, 2)[:, :, None]             # [m, b, p, d]
-        s = w.post_scale(l)
-        if s is not None:
-            T = T * s
+        s = w.post_scale(l)                                                            # [b, p, 1] or None
         if side == "key":
-            T = qkmap.finish(T, frozen)                                               # [m, b, p, d]
-            val = torch.einsum("nd,nmd->nm", Q.sum(1), torch.einsum("np,mnpd->nmd", wr, T[:, rb]))
+            # the head's write at key position pos is Σ_m A[pos, m] u[m] (× its post-norm scale at pos): the pattern
+            # (and the reading's weights) go into per-source weights over positions, u stays position-free
+            Apm = A[rb] * (wr[:, :, None] if s is None else wr[:, :, None] * s[rb].double())   # [n, p, m]
+            kappa = qkmap.contract_static(u, frozen, Apm.transpose(1, 2), rb)        # [n, m, d]
+            val = torch.einsum("nd,nmd->nm", Q.sum(1), kappa)
         else:
-            T = qkmap.finish(T[:, rb, ri], frozen, rows=(rb, ri))                     # [m, n, d]
+            T = A[rb, ri].transpose(0, 1)[..., None] * u[rb].transpose(0, 1)            # [m, n, d]
+            if s is not None:
+                T = T * s[rb, ri].double()
+            T = qkmap.finish(T, frozen, rows=(rb, ri))                                # [m, n, d]
             val = torch.einsum("mnd,nd->nm", T, K.sum(1)) * factor
         out[name] = {"values": val.cpu(), "whole": vals[:, names.index(name)].cpu(), "row_index": sel}
     return out
