@@ -319,3 +319,28 @@ def test_more_bad_inputs_are_one_line_errors(hand_built, tokens, kw, msg):
     with pytest.raises(qk.QKCircuitsError, match="labels must be"):
         qk.attend(hand_built, "1.0", qk.repeated_tokens(hand_built, n_seqs=1, seg_len=6, seed=0), key="induction",
                   labels=["x"])
+
+
+def test_the_report_explains_the_top_heads_and_reads_attend_files(tmp_path, capsys):
+    import re
+
+    out = tmp_path / "a.json"
+    assert run(["attend", "toy-induction", "--head", "1.0", "--json", out, "--no-labels"], capsys)[0] == 0
+    html_default = tmp_path / "r.html"
+    code, _, err = run(["report", "toy-induction", "-o", html_default, "--quiet", "--grid-k", "1"], capsys)
+    assert code == 0, err
+    text = html_default.read_text()
+    # the top induction head and the top previous-token head, each explained on its own rows
+    assert "Why 1.0 attends (top induction head)" in text and "Why 0.0 attends (top previous-token head)" in text
+    assert re.search(r"Key side: 0\.0 \(previous-token\) 1\d\d %", text), "induction head's keys from 0.0"
+    html = tmp_path / "r2.html"
+    code, _, err = run(["report", "toy-induction", "-o", html, "--quiet", "--grid-k", "1", "--attend", out], capsys)
+    assert code == 0, err
+    text = html.read_text()
+    assert "Why 1.0 attends" in text and "(top induction head)" not in text
+    code, _, err = run(["report", "toy-induction", "-o", tmp_path / "r3.html", "--no-attend", "--grid-k", "1"], capsys)
+    assert code == 0 and "Why 1.0 attends" not in (tmp_path / "r3.html").read_text()
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": "qkcircuits.head_scores/1"}')
+    code, _, err = run(["report", "toy-induction", "-o", tmp_path / "r4.html", "--attend", bad], capsys)
+    assert code == 2 and len(errors(err)) == 1 and "--attend" in errors(err)[0] and not (tmp_path / "r4.html").exists()

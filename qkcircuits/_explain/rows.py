@@ -13,7 +13,8 @@ Three ways to name rows:
   integer positions (``query=7, key=3``, lists of equal length for several rows per prompt, negative = from the
   end of that prompt) applied to every prompt;
 - tokens with ``key="induction"``: every query position whose token occurred exactly once before (not just
-  before it), keyed to the position after that earlier copy.
+  before it), keyed to the position after that earlier copy; ``key="duplicate"``: the same query positions, keyed
+  to the earlier copy itself; ``key="previous"``: every position after the first, keyed to the one before it.
 
 Rows whose key the head cannot attend (after the query, or outside a sliding window) are refused in one line, or
 (for induction rows) dropped and counted in ``dropped``.
@@ -32,6 +33,7 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.own_tokenizer import own_affixes
 
 Pos = Any          # int, str, a list of ints or None: checked here, with one-line errors
+PATTERNS = ("induction", "duplicate", "previous")     # keys that pick their own rows from the tokens
 
 
 @dataclass
@@ -113,23 +115,37 @@ def rows_for(model, layer: int, tokens=None, *, task=None, query: Pos = None, ke
         raise QKCircuitsError("give tokens (ids or text) with query/key positions, or a task (qk.tasks.ioi(model), "
                               "qk.tasks.induction(model))")
     t, lengths = tokenize(model, tokens)
-    if key == "induction" or (query is None and key is None):
+    if key in PATTERNS or (query is None and key is None):
+        key = key or "induction"
         if query is not None or versus is not None:
-            raise QKCircuitsError("key='induction' picks its own query positions: give no query or versus")
-        return _induction(t, lengths, window, "the given prompts")
+            raise QKCircuitsError(f"key={key!r} picks its own query positions: give no query or versus")
+        if key == "previous":
+            return _previous(t, lengths, window)
+        return _induction(t, lengths, window, "the given prompts", shift=int(key == "induction"))
     return _explicit(t, lengths, query, key, versus, window)
 
 
-def _induction(t: Tensor, lengths: Tensor, window: Optional[int], where: str) -> Rows:
+def _previous(t: Tensor, lengths: Tensor, window: Optional[int]) -> Rows:
+    bs = [b for b in range(t.shape[0]) for _ in range(1, int(lengths[b]))]
+    is_ = [i for b in range(t.shape[0]) for i in range(1, int(lengths[b]))]
+    if not bs:
+        raise QKCircuitsError("key='previous' needs prompts of at least two tokens")
+    i = torch.tensor(is_)
+    return Rows(t, torch.tensor(bs), i, i - 1, None, "from each token to the one before it", {"key": "previous"})
+
+
+def _induction(t: Tensor, lengths: Tensor, window: Optional[int], where: str, shift: int = 1) -> Rows:
+    """Each query whose token occurred exactly once before, keyed to that copy + ``shift`` (1: the induction target,
+    0: the earlier copy itself, a duplicate-token head's target)."""
     bs, is_, js = [], [], []
     dropped = 0
     for b in range(t.shape[0]):
         row = t[b, : int(lengths[b])].tolist()
         for i in range(len(row)):
             earlier = [m for m in range(i) if row[m] == row[i]]
-            if len(earlier) != 1 or earlier[0] + 1 >= i:
+            if len(earlier) != 1 or earlier[0] + shift >= i:
                 continue
-            j = earlier[0] + 1
+            j = earlier[0] + shift
             if window is not None and i - j >= window:
                 dropped += 1
                 continue
@@ -138,8 +154,9 @@ def _induction(t: Tensor, lengths: Tensor, window: Optional[int], where: str) ->
         extra = f" ({dropped} outside the layer's window of {window})" if dropped else ""
         raise QKCircuitsError(f"{where} have no induction rows{extra}: no token occurs exactly once earlier with a "
                               f"token after it; repeat a segment (e.g. qk.tasks.induction(model)) or give query/key")
-    return Rows(t, torch.tensor(bs), torch.tensor(is_), torch.tensor(js), None,
-                "from each repeated token to the token after its earlier copy", {"key": "induction"}, dropped)
+    what = "the token after its earlier copy" if shift else "its earlier copy"
+    return Rows(t, torch.tensor(bs), torch.tensor(is_), torch.tensor(js), None, f"from each repeated token to {what}",
+                {"key": "induction" if shift else "duplicate"}, dropped)
 
 
 def _named(task, t: Tensor, query, key, versus, window) -> Rows:

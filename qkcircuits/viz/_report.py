@@ -58,7 +58,7 @@ def pick_heads(grid_values: Dict[str, torch.Tensor], grid_k: int, extra: Sequenc
 @renamed(per_score="grid_k", input="view")
 def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=None, tokens: Optional[Sequence[str]] = None,
                 prompt: Optional[str] = None, grid_k: int = 3, k: int = 5, title: Optional[str] = None,
-                view: Optional[str] = None, progress: bool = True, trace=None, circuit=None) -> str:
+                view: Optional[str] = None, progress: bool = True, trace=None, circuit=None, attend=None) -> str:
     """The report as one HTML string (see module docs). ``scores``: HeadScores (e.g. ``qk.scan(model)``);
     ``effects``: HeadEffects from ``sweep``; ``diagnostics``: HeadDiagnostics; ``heads``: extra heads to
     precompute; ``tokens``: the token set of the QK/OV views; ``prompt``: text for the attention patterns;
@@ -67,7 +67,9 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
     layer 0, direct at layer 0); ``trace``: a PathEffects (circuit graph of path patching, "reads from" panels);
     ``circuit``: a circuit over the whole graph (the circuit API's result, or the ``qkcircuits circuit --json``
     dict, path or text): a section with its faithfulness curve, graph, roles and top edges, and panels for the
-    heads it names (its roles first, at most ``CIRCUIT_HEADS``)."""
+    heads it names (its roles first, at most ``CIRCUIT_HEADS``); ``attend``: Attributions (``qk.attend``) shown as
+    "why it attends" sections — default (None): the top head of each labelled score the scan has, explained on its
+    own rows (``_explain.evidence.explain_top_heads``); ``[]``: none."""
     from .._foundation.model import model_name
 
     if grid_k < 0 or k < 1:
@@ -120,7 +122,7 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
                         + (f"{view} inputs" if view else "direct inputs at layer 0 and contextual inputs (the mean "
                            "residual each layer reads for a token over a packaged English corpus) after it")
                         + "; each figure's title says which. Offsets and composition come from the weights."),
-            "sections": report_sections(cview, scores, L, H, n_kv_heads(model)),
+            "sections": report_sections(cview, scores, L, H, n_kv_heads(model), attend_results(model, scores, attend)),
             "left_out": left_out, "grids": grid_list, "heads": list(panels), "first": first, "panels": panels}
     scripts = (f"<script>{script_text('plotly')}</script>\n"
                f"<script>{script_text('circuitsvis')}</script>")
@@ -141,9 +143,13 @@ def circuit_page(circuit, title: Optional[str] = None, source: Optional[str] = N
                 server=False)
 
 
-def report_sections(cview, scores, n_layers: Optional[int], n_heads: Optional[int], n_kv: Optional[int]) -> List[Dict]:
+def report_sections(cview, scores, n_layers: Optional[int], n_heads: Optional[int], n_kv: Optional[int],
+                    attend: Sequence = ()) -> List[Dict]:
     """The sections above the head grids, in order (each ``{id, title, blocks}``; ``_page`` draws the blocks): the
-    circuit of ``--circuit``, then the scan's causal check. A new panel is one more entry here."""
+    circuit of ``--circuit``, the scan's causal check, then why the chosen heads attend (``attend``: Attributions,
+    ``_attend_view.attend_sections``). A new panel is one more entry here."""
+    from ._attend_view import attend_sections
+
     out: List[Dict] = []
     if cview is not None:
         c = circuit_section(cview, n_layers, n_heads, n_kv=n_kv)
@@ -152,7 +158,18 @@ def report_sections(cview, scores, n_layers: Optional[int], n_heads: Optional[in
     if conf:
         out.append({"id": "causal-check", "title": "Causal check: the top induction heads against random heads",
                     "blocks": causal_check_blocks(conf)})
-    return out
+    return out + attend_sections(attend)
+
+
+def attend_results(model, scores, attend) -> List:
+    """The Attributions the report shows: those given, else the scan's top heads explained."""
+    if attend is not None:
+        return list(attend)
+    if scores is None:
+        return []
+    from .._explain.evidence import explain_top_heads
+
+    return explain_top_heads(model, scores)
 
 
 def causal_check_blocks(conf: Dict) -> List[Dict]:
