@@ -103,7 +103,7 @@ class AttentionAdapter:
         return False
 
     def alibi_slopes(self) -> Optional[Tensor]:
-        """ALiBi's per-head slopes [n_heads] (Bloom, MPT: the score gains slope_h · j for key position j), or None."""
+        """ALiBi's per-head slopes [n_heads] (Bloom, Falcon with ALiBi: the score gains slope_h · j for key position j; any other family is caught by attend's exactness checks), or None."""
         if getattr(self.model.cfg, "positional_embedding_type", "standard") != "alibi":
             return None
         from transformer_lens.model_bridge.generalized_components.alibi_utils import build_alibi_slopes
