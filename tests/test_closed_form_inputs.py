@@ -1,4 +1,4 @@
-"""The closed-form q/k/v inputs and their VJP (``_tasks/inputs.py``) that the gradient and patched runs use in
+"""The closed-form q/k/v inputs and their VJP (``_foundation/inputs.py``) that the gradient and patched runs use in
 place of one normed residual copy per receiver head, against independent computations:
 
 - ``project`` against the block's own ``ln1`` module + W_x per head (``split_qkv_from_residuals``), with a
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import qkcircuits as qk
-from qkcircuits._tasks import graph as graph_mod, inputs, runs
+from qkcircuits._foundation import inputs
+from qkcircuits._tasks import graph as graph_mod, runs
 
 from _tiny import deepseek_dir, gemma3_dir, gpt2_dir, llama_dir, llama_mqa_dir
 

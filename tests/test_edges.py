@@ -141,8 +141,8 @@ def test_memory_budgets_change_nothing_but_the_schedule(tmp_path_factory, monkey
 
 @pytest.mark.parametrize("which", ["llama", "gemma3"])
 def test_closed_form_rms_norm_vjp_matches_autograd(which, tmp_path_factory, monkeypatch):
-    # RMSNorm input norms: the residual gradients are formed in closed form (no autograd call through the
-    # norm); with that path switched off (autograd through ln1) the effects are the same to float rounding.
+    # RMSNorm input norms: the residual gradients are formed in closed form (_foundation/inputs.py, no autograd
+    # through the norm); with that path switched off (autograd through the hook) the effects are the same to rounding.
     from qkcircuits._paths import edges as _edges
 
     folder = {"llama": _tiny.llama_dir, "gemma3": _tiny.gemma3_dir}[which](tmp_path_factory)
@@ -153,7 +153,7 @@ def test_closed_form_rms_norm_vjp_matches_autograd(which, tmp_path_factory, monk
     monkeypatch.setattr(_edges, "_vjp", lambda *a: calls.append(1) or vjp(*a))
     fast = qk.edge_attribution(model, tokens=toks)
     n_fast = len(calls)
-    monkeypatch.setattr(_edges, "_rms_parts", lambda ln1: None)
+    monkeypatch.setattr(_edges, "closed_form", lambda *a: None)
     slow = qk.edge_attribution(model, tokens=toks)
     assert n_fast == 0 and len(calls) > 0       # every receiver input took the closed form, then none did
     for x in "qkv":

@@ -22,7 +22,7 @@ Cost per receiver layer: ONE forward of that layer's attention (batch as given, 
 sender), one backward through the attention core per receiver metric (q: one for all heads; k and
 v: one per member of a KV group, because query heads of a group share their keys and values), and
 the input norm and projection's VJP per (receiver head, input): closed form, all heads of a layer in one
-matmul, for RMSNorm input norms; a small backward each otherwise. For receiver
+matmul, for RMSNorm and LayerNorm input norms (``_foundation/inputs.py``); a small backward each otherwise. For receiver
 metrics (induction, custom pattern/z metrics) that forward IS the clean forward's own attention of
 that layer: the layer is scored inside the clean pass (``clean_pass(first_hooks=...)``: gradients on
 from hook_resid_pre to hook_z of each receiver layer only), so no layer is run twice; direct-logit
@@ -56,6 +56,7 @@ from .._foundation.capture import StopForward, hook_name
 from .._foundation.model import model_name
 from .._foundation.arch import adapter
 from .._foundation.errors import QKCircuitsError
+from .._foundation.inputs import closed_form, input_vjp
 from .._foundation.heads import Head, HeadsLike, model_heads, n_kv_heads
 from .path_effects import INPUTS, PathEffects
 from .path_core import Scorer, check_resume, grab, is_direct_logit
@@ -141,76 +142,31 @@ def _vjp(out: Tensor, inp: Tensor, cots: List[Tensor]) -> List[Tensor]:
     return [torch.autograd.grad(out, inp, grad_outputs=c, retain_graph=True)[0].detach() for c in cots]
 
 
-def _rms_parts(ad):
-    """(weight, eps) of the layer's input norm when it is an RMSNorm (``x · rsqrt(mean x² + eps) · w``: the adapter's
-    reading of it, ``arch/norms``), else None. ``_input_vjps`` uses it after checking it reproduces the hook value."""
-    norm = ad.input_norm()
-    if norm.kind != "RMS" or norm.bias is not None:
-        return None
-    w = norm.weight if norm.weight is not None else torch.ones(int(ad.model.cfg.d_model))
-    return w.detach(), float(norm.eps)
-
-
 def _input_vjps(model, layer: int, x: str, resid: Tensor, proj: Tensor, slots: List[int],
                 cots: List[Tensor], out: Tensor) -> None:
     """``out[i]`` ← ∂⟨proj[:, :, slots[i]], cots[i]⟩/∂resid, flattened: the gradient at the residual of one
     head's input, written straight into the caller's rows (``out``: [len(slots), b·p·d_model]).
 
-    Where the hook value is RMSNorm(resid) · W_x + b (``_rms_parts``; checked on this very run, to rounding)
-    the VJP is closed-form and batched over the cotangents: with r = rsqrt(mean resid² + eps) per position,
-    out_i = (r·c_i)(w ⊙ W_x[slot])ᵀ − resid · r³/d · ⟨c_i, (resid ⊙ w) W_x[slot]⟩, one matmul and one
-    in-place update of ``out`` (no autograd, no temporaries of ``out``'s size: the 9 norm backwards per
-    layer this replaces were ~12 % of the time, mostly fresh allocations). Any other norm: the hook
-    value must be ``ln1(resid) W_x + b`` (projection backward for the slot only, then autograd through
-    the norm); else one backward of the whole hook per cotangent (``_vjp``)."""
+    Where the hook value is norm(resid) · W_x + b for an RMSNorm or LayerNorm the adapter reads (the closed form
+    of ``_foundation/inputs.py``, checked on this very run to rounding: the same implementation the task
+    circuits' runs use) the VJP is closed-form and batched over the cotangents, written into ``out`` (no
+    autograd: the 9 norm backwards per layer this replaces were ~12 % of the time); else one backward of the
+    whole hook per cotangent (``_vjp``)."""
     n, (bsz, pos, d_model) = len(slots), resid.shape
-    try:
-        ad = adapter(model, layer)
-        w = ad.weights()
-        W, b = {"q": (w.W_Q, w.b_Q), "k": (w.W_K, w.b_K), "v": (w.W_V, w.b_V)}[x]
-        if x != "q" and ad.n_kv_heads != ad.n_heads:
-            W, b = W[:: ad.n_heads // ad.n_kv_heads], b[:: ad.n_heads // ad.n_kv_heads]
-        rms = _rms_parts(ad)
-        eps = torch.finfo(proj.dtype).eps
-        scale = float(proj.detach().abs().max()) + 1e-30
-        tol = max(1e-5, 16 * eps) * scale
-        with torch.no_grad():
-            if rms is not None:
-                xf = resid.detach().float()
-                r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + rms[1])                  # [b, p, 1]
-                P = torch.einsum("bpm,hmd->bphd", xf * rms[0].float(), W.float())       # (resid ⊙ w) W_x
-                again = (r[..., None] * P + b.float()).to(proj.dtype)
-                if again.shape == proj.shape and bool((again - proj.detach()).abs().max() <= tol):
-                    sl = torch.tensor(slots)
-                    c = torch.stack(cots).float()                                        # [n, b, p, d_head]
-                    coef = (c * P[:, :, sl].movedim(2, 0)).sum(-1, keepdim=True) * r.pow(3) / d_model
-                    WwT = (W[sl].float() * rms[0].float()[None, :, None]).transpose(1, 2)   # [n, d_head, d_model]
-                    rows = out.view(n, bsz * pos, d_model) if out.dtype == torch.float32 else \
-                        torch.empty(n, bsz * pos, d_model)
-                    torch.matmul((c * r).reshape(n, bsz * pos, -1), WwT, out=rows)
-                    rows.addcmul_(xf.reshape(bsz * pos, d_model), coef.reshape(n, bsz * pos, 1), value=-1)
-                    if rows.data_ptr() != out.data_ptr():
-                        out.copy_(rows.reshape(n, -1))
-                    return
-        with torch.enable_grad():
-            normed = ad.block.ln1(resid)
-        with torch.no_grad():
-            again = torch.einsum("bpm,hmd->bphd", normed.detach().to(W.dtype), W) + b
-            same = again.shape == proj.shape and bool((again - proj.detach()).abs().max() <= tol)
-    except Exception:   # noqa: BLE001  an adapter or norm without these pieces: the generic path below
-        same = False
-    if not same:
-        full = []
-        for slot, c in zip(slots, cots):
-            cot = torch.zeros_like(proj)
-            cot[:, :, slot] = c
-            full.append(cot)
-        grads = _vjp(proj, resid, full)
-    else:
-        with torch.no_grad():
-            g_normed = torch.einsum("nbpd,nmd->nbpm", torch.stack(cots).to(W.dtype), W[torch.tensor(slots)])
-        grads = _vjp(normed, resid, list(g_normed.to(normed.dtype)))
-    for i, g in enumerate(grads):
+    parts = closed_form(model, layer, x, resid, proj)
+    if parts is not None:
+        grad = torch.stack([c.detach() for c in cots], 2)                                 # [b, p, n, d_head]
+        rows = out.view(n, bsz, pos, d_model)
+        got = input_vjp(parts, resid, grad, slots, out=rows)
+        if got.data_ptr() != rows.data_ptr():
+            rows.copy_(got)
+        return
+    full = []
+    for slot, c in zip(slots, cots):
+        cot = torch.zeros_like(proj)
+        cot[:, :, slot] = c
+        full.append(cot)
+    for i, g in enumerate(_vjp(proj, resid, full)):
         out[i].copy_(g.reshape(-1))
 
 

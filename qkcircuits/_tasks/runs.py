@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .._foundation.errors import QKCircuitsError
 from .graph import INPUT_HOOKS, Graph, logits_input, mlp_input, post_norm, split_qkv_from_residuals
-from .inputs import InputParts, closed_form, input_vjp, project
+from .._foundation.inputs import InputParts, closed_form, input_vjp, project
 # re-exported for the tests and tools that reach every run through this module
 from .record import Key, Record, _buffer, _hooks, _metric_rows, check_graph, clean_rows, record, reuse  # noqa: F401
 from .positions import flat_groups, grouped_sum

@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from .._foundation.result import Result
+from .._foundation.arch.model import folded
 from .._foundation.errors import QKCircuitsError
 from .gradients import gradient_scores, n_runs, points, resolve_rule
 from .graph import Graph, graph
@@ -247,7 +248,7 @@ def _settings(model, task: Task, rows: int, extra: Dict[str, object]) -> Dict[st
     from .._foundation.io import package_version
 
     return {"rows_per_shard": rows, "bos_prepended": bool(task.bos), "dtype": str(model.W_E.dtype),
-            "fold_ln": bool(getattr(model, "compatibility_mode", False)), "task_digest": task.digest(model), **extra,
+            "fold_ln": folded(model), "task_digest": task.digest(model), **extra,
             "versions": {"qkcircuits": __version__, "transformer_lens": package_version("transformer-lens"),
                          "torch": torch.__version__}}
 

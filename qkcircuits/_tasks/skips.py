@@ -42,6 +42,9 @@ from typing import Callable, Dict, Iterable, Iterator, Set, Tuple, Union
 
 from torch import Tensor, nn
 
+from .._foundation.arch import adapter
+from .._foundation.arch import model as model_facts
+
 Group = Tuple[int, str]
 
 
@@ -57,16 +60,22 @@ def _hook_points(model) -> Dict[str, object]:
 def _projection(model, layer: int, into: str, hooks: Dict[str, object]):
     """The nn.Linear whose output is ``blocks.layer.attn.hook_<into>``, or None."""
     try:
-        lin = getattr(model.blocks[layer].attn, into)
-        hook = hooks.get(f"blocks.{layer}.attn.hook_{into}")
+        found = adapter(model, layer).projection(into)
     except (AttributeError, IndexError, TypeError):
         return None
-    orig = getattr(lin, "original_component", None)
-    if hook is None or hook is not getattr(lin, "hook_out", None) or type(orig) is not nn.Linear:
+    if found is None:
         return None
-    if getattr(hook, "_forward_hooks", None):          # someone's own hook would see the uninitialised value
-        return None
-    return orig
+    lin, hook_out = found
+    hook = hooks.get(f"blocks.{layer}.attn.hook_{into}")
+    if hook is None or hook is not hook_out or _has_hooks(hook):
+        return None                                      # someone's own hook would see the uninitialised value
+    return lin
+
+
+def _has_hooks(hook_point) -> bool:
+    """Whether a hook point carries forward hooks of someone else's (a run that skips its module would not fire
+    them)."""
+    return bool(getattr(hook_point, "_forward_hooks", None))
 
 
 @contextmanager
@@ -107,14 +116,12 @@ def skipped(model, groups: Iterable[Group]):
 
 def _mlp(model, layer: int, hooks: Dict[str, object]):
     try:
-        mlp = model.blocks[layer].mlp
-        hook = hooks.get(f"blocks.{layer}.hook_mlp_out")
+        mlp = model_facts.mlp_module(model, layer)
     except (AttributeError, IndexError, TypeError):
         return None
-    if type(mlp).__name__ not in ("MLPBridge", "GatedMLPBridge") or hook is None or hook is not mlp.hook_out:
-        return None
-    if getattr(mlp.hook_in, "_forward_hooks", None):   # someone's own hook on its input would not fire
-        return None
+    hook = hooks.get(f"blocks.{layer}.hook_mlp_out")
+    if mlp is None or hook is None or hook is not mlp.hook_out or _has_hooks(mlp.hook_in):
+        return None                                      # someone's own hook on its input would not fire
     return mlp
 
 
@@ -143,7 +150,7 @@ def _attention(model, layer: int):
         return None
     # a hook of someone's on a hook point inside would not fire (transformers' own output-capturing hooks on the
     # wrapped module only act when attention weights are asked for, which a circuit forward does not)
-    if any(getattr(m, "_forward_hooks", None) for m in attn.modules() if type(m).__name__ == "HookPoint"):
+    if any(_has_hooks(m) for m in attn.modules() if type(m).__name__ == "HookPoint"):
         return None
     return attn
 

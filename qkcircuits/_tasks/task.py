@@ -38,6 +38,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .._foundation.args import check_tokens
+from .._foundation.arch.model import default_bos_id
 from .._foundation.errors import QKCircuitsError
 
 METRICS = ("logit-diff", "prob-diff", "loss", "kl")
@@ -330,7 +331,7 @@ def tokenizer_of(model):
 def bos_id(model) -> int:
     tok = getattr(model, "tokenizer", None)
     for cand in (getattr(tok, "bos_token_id", None), getattr(tok, "eos_token_id", None),
-                 getattr(model.cfg, "default_prepend_bos_token_id", None)):
+                 default_bos_id(model)):
         if isinstance(cand, int):
             return cand
     return 0

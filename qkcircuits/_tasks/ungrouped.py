@@ -29,6 +29,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from .._foundation.arch import adapter
 from .._foundation.errors import QKCircuitsError
 from .graph import Graph
 
@@ -38,17 +39,16 @@ def expand(t: Tensor, group: int) -> Tensor:
     return t.repeat_interleave(group, dim=2)
 
 
-def _modules(model, g: Graph):
-    """Each layer's HF attention module (the one whose ``num_key_value_groups`` the bridge reads)."""
+def _adapters(model, g: Graph):
+    """Each layer's adapter, checked to expose transformers' ``num_key_value_groups`` (``kv_groups``) = the group."""
     out = []
     for L in range(g.n_layers):
-        attn = model.blocks[L].attn
-        hf = getattr(attn, "original_component", None)
-        if hf is None or getattr(hf, "num_key_value_groups", None) != g.group:
-            raise QKCircuitsError(f"layer {L}'s attention ({type(attn).__name__}) does not expose transformers' "
+        a = adapter(model, L)
+        if a.kv_groups() != g.group:
+            raise QKCircuitsError(f"layer {L}'s attention ({type(a.bridge).__name__}) does not expose transformers' "
                                   f"num_key_value_groups = {g.group}: the ungrouped graph (k/v inputs per query "
                                   f"head) cannot run on it; use gqa='grouped'")
-        out.append(hf)
+        out.append(a)
     return out
 
 
@@ -59,14 +59,14 @@ def per_query_kv(model, g: Graph) -> Iterator[None]:
     if not g.ungrouped:
         yield
         return
-    mods = _modules(model, g)
+    layers = _adapters(model, g)
     try:
-        for hf in mods:
-            hf.num_key_value_groups = 1
+        for a in layers:
+            a.set_kv_groups(1)
         yield
     finally:
-        for hf in mods:
-            hf.num_key_value_groups = g.group
+        for a in layers:
+            a.set_kv_groups(g.group)
 
 
 def check(model, g: Graph, tokens: Tensor, rows: int = 2) -> None:

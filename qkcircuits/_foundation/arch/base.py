@@ -103,7 +103,8 @@ class AttentionAdapter:
         return False
 
     def alibi_slopes(self) -> Optional[Tensor]:
-        """ALiBi's per-head slopes [n_heads] (Bloom, Falcon with ALiBi: the score gains slope_h · j for key position j; any other family is caught by attend's exactness checks), or None."""
+        """ALiBi's per-head slopes [n_heads] (Bloom, Falcon with ALiBi: the score gains slope_h · j for key position
+        j; any other family is caught by attend's exactness checks), or None."""
         if getattr(self.model.cfg, "positional_embedding_type", "standard") != "alibi":
             return None
         from transformer_lens.model_bridge.generalized_components.alibi_utils import build_alibi_slopes
@@ -168,6 +169,27 @@ class AttentionAdapter:
     def scores_hook_holds_pattern(self) -> bool:
         """TL's generic (native) attention fires hook_attn_scores with the softmaxed pattern."""
         return bool(getattr(getattr(self.bridge, "original_component", None), "accepts_pattern_fn", False))
+
+    # -- modules a run may replace or adjust ---------------------------------------------------------
+    def projection(self, into: str) -> Optional[Tuple[torch.nn.Linear, object]]:
+        """(the plain ``nn.Linear`` whose output is ``hook_<into>`` (q, k, v), the bridge's hook point on that
+        output), or None where no single Linear computes it (joint QKV, latent attention): what a run that knows
+        the value may skip (``_tasks/skips.py``)."""
+        lin = getattr(self.bridge, into, None)
+        orig = getattr(lin, "original_component", None)
+        if type(orig) is not torch.nn.Linear:
+            return None
+        return orig, getattr(lin, "hook_out", None)
+
+    def kv_groups(self) -> Optional[int]:
+        """transformers' ``num_key_value_groups``: how many query heads share a KV head, as the wrapped module's
+        attention reads it to repeat K/V per query head; None where the module has no such number."""
+        n = getattr(self.module, "num_key_value_groups", None) if self.module is not self.bridge else None
+        return n if isinstance(n, int) else None
+
+    def set_kv_groups(self, n: int) -> None:
+        """Set the number ``kv_groups`` reads (1: the module takes K/V already given per query head)."""
+        self.module.num_key_value_groups = int(n)
 
     # -- hooks ------------------------------------------------------------------------------------
     def score_inputs(self) -> Tuple[str, str, str]:

@@ -7,7 +7,7 @@
 (True, False)
 
 Every other module asks these functions (or ``adapter(model, layer)``) instead of probing modules and configs
-itself; tests/test_vocabulary.py counts the probes left outside ``_foundation/arch``.
+itself; tests/test_arch_probes.py counts the probes left outside ``_foundation/arch``.
 """
 
 from __future__ import annotations
@@ -77,6 +77,19 @@ def mlp_input(model, layer: int, resid: Tensor) -> Tensor:
     blk = model.blocks[layer]
     ln2 = getattr(blk, "ln2", None)
     return (ln2 if ln2 is not None else blk.ln1)(resid)
+
+
+def mlp_module(model, layer: int) -> Optional[torch.nn.Module]:
+    """Block ``layer``'s MLP where TransformerLens wraps it as one bridge with ``hook_in``/``hook_out``
+    (``MLPBridge``, ``GatedMLPBridge``: a run that knows its output may skip it), else None."""
+    mlp = getattr(model.blocks[layer], "mlp", None)
+    return mlp if type(mlp).__name__ in ("MLPBridge", "GatedMLPBridge") else None
+
+
+def default_bos_id(model) -> Optional[int]:
+    """The BOS id TransformerLens prepends when the tokenizer names none (``cfg.default_prepend_bos_token_id``)."""
+    v = getattr(model.cfg, "default_prepend_bos_token_id", None)
+    return v if isinstance(v, int) else None
 
 
 def final_norm_module(model) -> Optional[torch.nn.Module]:

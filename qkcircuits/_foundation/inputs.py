@@ -37,8 +37,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .._foundation.arch import adapter
-from .._foundation.arch.norms import block_norm
+from .arch import adapter
 
 
 @dataclass(frozen=True)
@@ -52,26 +51,24 @@ class InputParts:
     b: Optional[Tensor]
 
 
-def _candidates(model, layer: int, into: str):
-    blk = model.blocks[layer]
-    norm = block_norm(model, layer)
+def _candidates(model, layer: int, into: str, n: int):
+    """The closed forms to try for ``n`` heads of ``into``, read through the layer's adapter (its input norm and its
+    q/k/v projection): with the norm's weight and bias, and without (a folded norm that only normalises)."""
+    a = adapter(model, layer)
+    norm = a.input_norm()
     if norm.kind is None:
         return
-    orig = getattr(blk.ln1, "original_component", blk.ln1)
-    eps = getattr(orig, "variance_epsilon", getattr(orig, "eps", None))
-    eps = float(eps) if isinstance(eps, (float, int)) else norm.eps
-    X = into.upper()
-    W = getattr(blk.attn, f"W_{X}").detach()                                            # [n, d, e]
-    bx = getattr(blk.attn, f"b_{X}", None)
-    bx = bx.detach() if isinstance(bx, Tensor) else None
-    # with the module's weight and bias, or without (a folded norm that only normalises)
+    W, bx = a.input_maps(into, range(a.n_heads if into == "q" else a.n_kv_heads))          # [m, d, e], [m, e]
+    if W.shape[0] != n and n % W.shape[0] == 0:       # a hook with K/V per query head: ungroup the KV heads
+        W = W.repeat_interleave(n // W.shape[0], 0)
+        bx = None if bx is None else bx.repeat_interleave(n // bx.shape[0], 0)
     for w, beta in ((norm.weight, norm.bias), (None, None)):
         Wt = W * w.to(W.dtype)[None, :, None] if w is not None else W
         b = bx
         if beta is not None and norm.kind == "LN":
             extra = torch.einsum("d,nde->ne", beta.to(W.dtype), W)
             b = extra if b is None else b + extra
-        yield InputParts(norm.kind, eps, Wt, b)
+        yield InputParts(norm.kind, norm.eps, Wt, b)
 
 
 def closed_form(model, layer: int, into: str, x: Float[Tensor, "b p d"], hook_value: Float[Tensor, "b p n e"]
@@ -86,7 +83,7 @@ def closed_form(model, layer: int, into: str, x: Float[Tensor, "b p d"], hook_va
         n = want.shape[2]
         scale = float(want.abs().max()) + 1e-30
         tol = max(1e-5, 64 * float(torch.finfo(x.dtype).eps)) * scale
-        for parts in _candidates(model, layer, into):
+        for parts in _candidates(model, layer, into, n):
             if parts.W.shape[0] != n or parts.W.shape[1] != x.shape[-1]:
                 return None
             got = project(parts, xs.unsqueeze(0).expand(n, *xs.shape), range(n))

@@ -1,0 +1,70 @@
+"""The adapters own the architecture: ``getattr``/``hasattr`` probes of a model's modules or configs live in
+``qkcircuits/_foundation/arch/`` and nowhere else (issue 36, ask 1).
+
+A probe is a ``getattr(x, name)`` / ``hasattr(x, name)`` call whose object names a model, its config, a block, an
+attention, a norm, an MLP, a hook point or the wrapped Hugging Face module (``PROBE_TARGET``). Not probes: our own
+records on a model (``_qk_*`` attributes, ``own_tokenizer.ATTR``), the tokenizer, and ``importlib`` lookups. The
+few that remain are listed in ``SURVIVORS`` with the reason each cannot move; the test fails on any other, and
+on more than five survivors.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import List, Tuple
+
+PACKAGE = Path(__file__).resolve().parents[1] / "qkcircuits"
+PROBE_TARGET = re.compile(r"\b(model|cfg|config|blk|block|blocks|attn|module|ln1|ln2|ln_final|comp|orig|bridge|mlp|"
+                          r"norm|post|embed|rotary|original_model|hf_cfg|att|lin|mod|oc|native|hook)\b")
+NOT_ARCHITECTURE = {"tokenizer", "qk_load_spec", "qk_tokenizer_own", "__name__", "name_or_path", "ATTR"}
+SURVIVORS = {
+    ("qkcircuits/_foundation/model.py", "getattr(hf_model.config, 'architectures')"):
+        "the loader names a GGUF model's architecture before TransformerLens picks its adapter: no adapter exists "
+        "yet (it is what lets one exist)",
+}
+
+
+def probes(source: str, rel: str) -> List[Tuple[str, int, str]]:
+    """(file, line, call) of every architecture probe in ``source``."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2):
+            continue
+        target = ast.unparse(node.args[0])
+        name = node.args[1].value if isinstance(node.args[1], ast.Constant) else ast.unparse(node.args[1])
+        if name in NOT_ARCHITECTURE or str(name).startswith("_qk_") or target.startswith("importlib."):
+            continue
+        if PROBE_TARGET.search(target):
+            out.append((rel, node.lineno, f"{node.func.id}({target}, {name!r})"))
+    return out
+
+
+def package_probes() -> List[Tuple[str, int, str]]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        if "/_foundation/arch/" not in rel:
+            found += probes(path.read_text(encoding="utf-8"), rel)
+    return found
+
+
+def test_no_architecture_probe_outside_the_adapters():
+    found = package_probes()
+    unexpected = [f"{f}:{line}: {call}" for f, line, call in found if (f, call) not in SURVIVORS]
+    assert not unexpected, "architecture probes outside _foundation/arch (move them into an adapter):\n" + \
+        "\n".join(unexpected)
+    assert len(found) <= 5 and len(SURVIVORS) <= 5
+
+
+def test_the_counter_sees_a_probe():
+    # the rule itself: each of these is a probe, none of the second group is
+    src = ("getattr(model.cfg, 'rmsnorm_uses_offset', False)\nhasattr(blk.attn, 'q_norm')\n"
+           "getattr(self.bridge.original_component, 'scaling', None)\n"
+           "getattr(model, '_qk_adapters', None)\ngetattr(model, 'tokenizer', None)\n"
+           "getattr(importlib.import_module(m), 'attr')\ngetattr(args, 'json', None)\n")
+    assert [call for _, _, call in probes(src, "x.py")] == [
+        "getattr(model.cfg, 'rmsnorm_uses_offset')", "hasattr(blk.attn, 'q_norm')",
+        "getattr(self.bridge.original_component, 'scaling')"]
