@@ -40,8 +40,8 @@ __all__ = sorted([
     "INTO", "VIEWS", "Backend", "Local", "Ray", "as_backend",
     "PathEffects", "edge_attribution", "path_patch", "trace_induction", "Zoo", "zoo",
     # tasks and circuits over the whole graph
-    "EdgeScores", "Faithfulness", "Graph", "NodeScores", "Roles", "Task", "TaskCircuit", "edge_scores", "faithfulness",
-    "graph", "node_faithfulness", "node_scores", "tasks",
+    "CoreCircuit", "EdgeScores", "Faithfulness", "Graph", "NodeScores", "Roles", "Task", "TaskCircuit", "core_circuit",
+    "edge_scores", "faithfulness", "graph", "node_faithfulness", "node_scores", "tasks",
     # views
     *_VIEWS,
     *_LAZY_MODULES,

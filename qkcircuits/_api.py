@@ -50,6 +50,7 @@ from ._paths.trace import trace_induction
 from ._tasks import builders as tasks
 from ._tasks.circuit import Circuit as TaskCircuit
 from ._tasks.circuit import Faithfulness, faithfulness, node_faithfulness
+from ._tasks.core import CoreCircuit, core_circuit
 from ._tasks.graph import Graph, graph
 from ._tasks.roles import Roles
 from ._tasks.scores import EdgeScores, NodeScores, edge_scores, node_scores

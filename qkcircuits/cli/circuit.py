@@ -1,10 +1,15 @@
 """``qkcircuits circuit MODEL --task ioi|induction|FILE.jsonl``: a task's circuit over the whole graph.
 
-Scores every edge (EAP-IG by default), measures the faithfulness curve over the MIB grid (CPR/CMD), picks
-the circuit (``--edges``/``--percent``, else the smallest grid size with f ≥ 0.8), names its heads' roles.
-``--json`` keys (the contract the views read): model, task, n_prompts, metric, clean, corrupt, method,
-steps, curve {percent: f}, cpr, cmd, circuit {edges: [[sender, receiver, input, score], ...], heads,
-node_faithfulness, ...}, roles {head: {role, evidence}}, timing; plus schema, graph, bos_prepended.
+Scores every edge (EAP-IG by default), finds the core circuit (the fewest heads and MLPs whose node view
+reaches f ≥ 0.8, printed first) and names its heads' roles (with the heads outside it whose effect reaches
+5 %), measures the edge circuit's faithfulness curve over the MIB grid (CPR/CMD, with ``--bootstrap N``
+their intervals over prompts) and picks the edge circuit (``--edges``/``--percent``, else the smallest grid
+size with f ≥ 0.8). ``--json`` keys (the contract the views read): model, task, n_prompts, metric, clean,
+corrupt, method, steps, core {heads, mlps, node_faithfulness, curve {heads: f}, how, ...}, curve {percent:
+f}, cpr, cmd, circuit {edges: [[sender, receiver, input, score], ...], heads, node_faithfulness, ...}, roles
+{head: {role, evidence, why, in_circuit}} (of the core; ``roles_of`` says which circuit), timing; plus
+schema, graph, bos_prepended, and bootstrap with ``--bootstrap``. ``--mib PATH`` writes the edge scores in
+the MIB circuit track's JSON, the edge circuit's edges ``in_graph``.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import warnings
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, load_model, positive_int
+from ._common import add_model_args, load_model, non_negative_int, output_arg, positive_int
 
 SCHEMA = "qkcircuits.circuit/1"
 
@@ -54,6 +59,17 @@ def add_parser(sub) -> None:
                         "behaviour) or by |score| (edges that work against it too)")
     p.add_argument("--how", choices=("top", "greedy"), default="top",
                    help="top: the top edges of the whole graph (default); greedy: grown from the logits")
+    p.add_argument("--no-core", action="store_true",
+                   help="skip the core circuit (the fewest heads and MLPs whose node view reaches f >= 0.8); the "
+                        "roles are then the edge circuit's")
+    p.add_argument("--core-mlps", choices=("searched", "clean"), default="searched",
+                   help="searched (default): MLPs are nodes of the core like heads (one left out gives its "
+                        "corrupt output); clean: every MLP stays clean and only heads are searched")
+    p.add_argument("--bootstrap", type=non_negative_int, default=0, metavar="N",
+                   help="N resamples of the prompts give 95%% intervals of the curve, CPR and CMD (no model run "
+                        "per resample; default 0: none)")
+    output_arg(p, "--mib", metavar="PATH", help="write the edge scores in the MIB circuit track's JSON (the edge "
+                                                "circuit's edges in_graph)")
     p.add_argument("--json", metavar="PATH", help="write the result (the circuit JSON contract)")
     p.add_argument("--csv", metavar="PATH", help="write every edge's score (sender, receiver, input, score, in_circuit)")
     p.add_argument("-o", "--output", metavar="HTML", help="write a standalone HTML summary")
@@ -105,8 +121,13 @@ class _Here:
         (m,), clean, corrupt = circuit_metric(self.model, self.task, [circ.mask], rows, records=records)
         return ratio(m, clean, corrupt), node_faithfulness(self.model, self.task, circ.heads, rows, clean=clean, records=records)
 
-    def roles(self, circ, clean, corrupt):
-        return circ.roles(self.model, self.task, clean=clean, corrupt=corrupt)
+    def core(self, scores, mlps: bool, progress: bool):
+        from .._tasks.core import core_circuit
+
+        return core_circuit(self.model, self.task, scores, mlps=mlps, progress=progress)
+
+    def roles(self, circ, clean, corrupt, also=()):
+        return circ.roles(self.model, self.task, clean=clean, corrupt=corrupt, also=list(also))
 
     def close(self) -> None:
         pass
@@ -141,8 +162,11 @@ class _OnRay:
         return self.rt.ratio(m, clean, corrupt), self.rt.ray_node_faithfulness(self.pool, self.task, circ.heads,
                                                                                 clean=clean)
 
-    def roles(self, circ, clean, corrupt):
-        return self.rt.ray_roles(self.pool, self.task, circ, clean, corrupt)
+    def core(self, scores, mlps: bool, progress: bool):
+        return self.rt.ray_core_circuit(None, self.task, scores, mlps=mlps, progress=progress, pool=self.pool)
+
+    def roles(self, circ, clean, corrupt, also=()):
+        return self.rt.ray_roles(self.pool, self.task, circ, clean, corrupt, also=also)
 
     def close(self) -> None:
         self.pool.close()
@@ -179,22 +203,35 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
     if not does_the_task(task, scores.clean, scores.corrupt):
         print(f"warning: the model does not do this task (clean {scores.clean:.4g} vs corrupt {scores.corrupt:.4g}); "
               f"circuits and faithfulness will say little", file=sys.stderr, flush=True)
-    faith = here.faithfulness(scores, by=args.by, how=args.how, progress=progress)
+    core = roles = None
+    if not args.no_core:                        # the core first: the fewest heads (and MLPs) that carry it
+        core = here.core(scores, mlps=args.core_mlps == "searched", progress=progress)
+        _print_core(core)
+        roles = _core_roles(here, core, scores)
+        _print_roles(roles, "the core's heads, and heads outside it whose direct or node effect reaches 5 %")
     t3 = time.perf_counter()
+    faith = here.faithfulness(scores, by=args.by, how=args.how, progress=progress,
+                              **({"bootstrap": args.bootstrap} if args.bootstrap else {}))
+    t4 = time.perf_counter()
     if args.edges is not None or args.percent is not None:
         circ = scores.circuit(edges=args.edges, percent=args.percent, by=args.by, how=args.how)
         f_circ, node_f = here.circuit_f(circ)
     else:
         circ, f_circ, node_f = faith.circuit, faith.curve[faith.chosen_percent], faith.node_faithfulness
-    t4 = time.perf_counter()
-    roles = here.roles(circ, scores.clean, scores.corrupt)
     t5 = time.perf_counter()
+    if roles is None:
+        roles = here.roles(circ, scores.clean, scores.corrupt)
+    t6 = time.perf_counter()
+    print("  edge circuit:")
     if scores.clean == scores.corrupt:          # f = (m − m(corrupt)) / (m(clean) − m(corrupt)) has no value
         print(f"  faithfulness is undefined: clean and corrupt {task.metric_name} are equal ({scores.clean:.4g}); the "
               f"curve, CPR and CMD are NaN (null in the JSON) and the circuit is the largest grid size")
     else:
         print("  faithfulness f by percent of edges: " + ", ".join(f"{k:g}%: {v:.3f}" for k, v in faith.curve.items()))
-        print(f"  CPR {faith.cpr:.3f} (higher is better), CMD {faith.cmd:.3f} (lower is better)")
+        b = faith.bootstrap
+        ci = (lambda key: f" [{100 * b['level']:g} % interval {b[key][0]:.3f}-{b[key][1]:.3f}]") if b else (lambda key: "")
+        print(f"  CPR {faith.cpr:.3f}{ci('cpr')} (higher is better), CMD {faith.cmd:.3f}{ci('cmd')} (lower is better)"
+              + (f"; intervals from {b['n']} resamples of the prompts" if b else ""))
     how = (f"{args.edges} edges requested" if args.edges is not None else f"{args.percent:g}% requested"
            if args.percent is not None else f"smallest grid size with f >= 0.8: {faith.chosen_percent:g}%"
            if any(v >= THRESHOLD for v in faith.curve.values()) else
@@ -204,23 +241,61 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
           f"view f {node_f:.3f} (every other head's output corrupted)")
     for s, r, x, v in circ.edges()[:10]:
         print(f"    {s:>7} -> {r:<8} {x:<3} {v:+.4f}")
-    for line in roles.sentences():
-        print(f"  {line}")
-    timing = {"load_s": round(t_load, 2), "edge_scores_s": round(t2 - t1, 2), "faithfulness_s": round(t3 - t2, 2),
-              "circuit_s": round(t4 - t3, 2), "roles_s": round(t5 - t4, 2), "total_s": round(t5 - t0, 2)}
+    if core is None:
+        _print_roles(roles, "")
+    timing = {"load_s": round(t_load, 2), "edge_scores_s": round(t2 - t1, 2), "core_s": round(t3 - t2, 2),
+              "faithfulness_s": round(t4 - t3, 2), "circuit_s": round(t5 - t4, 2), "roles_s": round(t6 - t5, 2),
+              "total_s": round(t6 - t0, 2)}
     data = {"schema": SCHEMA, "model": args.model, "task": task.name, "n_prompts": task.n,
             "metric": task.metric_name, "clean": scores.clean, "corrupt": scores.corrupt, "method": args.method,
             "steps": scores.steps, "curve": {f"{k:g}": v for k, v in faith.curve.items()}, "cpr": faith.cpr,
             "cmd": faith.cmd,
             "circuit": {**circ.to_dict(), "faithfulness": f_circ, "node_faithfulness": node_f},
-            "roles": dict(roles.roles), "timing": timing, "bos_prepended": bool(task.bos), "graph": g.to_dict(),
+            "roles": dict(roles.roles), "roles_of": "circuit" if core is None else "core", "timing": timing,
+            "bos_prepended": bool(task.bos), "graph": g.to_dict(),
             "n_edges_by_percent": {f"{k:g}": v for k, v in faith.n_edges.items()},
             "chosen_percent": faith.chosen_percent, "by": args.by, "how": args.how,
             "versions": scores.settings.get("versions", {})}
+    if core is not None:
+        data["core"] = core_json(core)
+    if faith.bootstrap:
+        data["bootstrap"] = faith.bootstrap
     if args.ray is not None:
         data["backend"] = {k: v for k, v in scores.settings.get("backend", {}).items() if k != "plan"}
     _write(args, data, scores, circ, roles)
     return 0
+
+
+def core_json(core) -> dict:
+    """The ``core`` key of the circuit JSON (docs/tasks.md): heads, mlps, node_faithfulness, curve {heads in the
+    ranked prefix: f}, how, and the search's settings."""
+    d = core.to_dict()
+    keep = ("heads", "mlps", "node_faithfulness", "curve", "how", "threshold", "pruned")
+    return {**{k: d[k] for k in keep}, "by": core.settings.get("by"), "mlps_searched": core.settings.get("mlps") == "searched",
+            "sets_measured": core.settings.get("sets_measured"), "seconds": core.timing.get("core_s")}
+
+
+def _core_roles(here, core, scores):
+    from .._tasks.roles import ALSO_SHARE, significant_heads
+
+    outside = [h for h in significant_heads(scores, scores.clean, scores.corrupt, ALSO_SHARE) if h not in set(core.heads)]
+    return here.roles(core.circuit(scores), scores.clean, scores.corrupt, also=outside)
+
+
+def _print_core(core) -> None:
+    mlps = f" + {len(core.mlps)} MLPs" if core.mlps and core.settings.get("mlps") == "searched" else ""
+    print(f"  core circuit: {len(core.heads)} heads{mlps}, node f {core.node_faithfulness:.3f} (every other head"
+          f"{' and MLP' if mlps else ''} gives its corrupt output)", flush=True)
+    print(f"    heads {', '.join(core.heads)}" + (f"; MLPs {', '.join(core.mlps)}" if mlps else ""))
+    print(f"    how: {core.how}")
+    print("    f by heads in the ranked prefix: " + ", ".join(f"{k}: {v:.3f}" for k, v in core.curve.items()))
+
+
+def _print_roles(roles, of: str) -> None:
+    if of:
+        print(f"  roles ({of}):")
+    for line in roles.sentences():
+        print(f"  {line}")
 
 
 def _write(args, data, scores, circ, roles) -> None:
@@ -243,6 +318,9 @@ def _write(args, data, scores, circ, roles) -> None:
         lines += [f"{s},{r},{x},{v:.6g},{int((s, r, x) in inside)}" for s, r, x, v in scores.edge_list()]
         write_atomic(args.csv, "\n".join(lines) + "\n")
         print(f"wrote {args.csv}", file=sys.stderr)
+    if args.mib:
+        scores.to_mib(args.mib, circuit=circ)
+        print(f"wrote {args.mib}", file=sys.stderr)
     if args.output:
         rows = "".join(f"<tr><td>{html.escape(s)}</td><td>{html.escape(r)}</td><td>{x}</td><td>{v:+.4f}</td></tr>"
                        for s, r, x, v in circ.edges()[:50])
