@@ -82,13 +82,13 @@ class Faithfulness(Result):
         from .._foundation.io import json_number
 
         extra = {"bootstrap": _finite(self.bootstrap)} if self.bootstrap else {}
-        return {**extra, "schema": SCHEMA, "model": self.model, "clean": json_number(self.clean),
+        return {"schema": SCHEMA, "model": self.model, "clean": json_number(self.clean),
                 "corrupt": json_number(self.corrupt), "curve": {str(k): json_number(v) for k, v in self.curve.items()},
                 "metric_values": {str(k): json_number(v) for k, v in self.metric_values.items()},
                 "n_edges": {str(k): v for k, v in self.n_edges.items()}, "cpr": json_number(self.cpr),
                 "cmd": json_number(self.cmd), "chosen_percent": self.chosen_percent,
                 "circuit": {**self.circuit.to_dict(), "node_faithfulness": json_number(self.node_faithfulness)},
-                "settings": self.settings, "timing": self.timing}
+                "settings": self.settings, "timing": self.timing, **extra}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, object]) -> "Faithfulness":

@@ -38,6 +38,7 @@ m(clean) on this task.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from numbers import Real
@@ -48,6 +49,7 @@ from torch import Tensor
 
 from .._foundation.errors import QKCircuitsError
 from .._foundation.result import Result
+from .circuit import ratio
 from .graph import Graph, graph
 from .record import Record, clean_rows, record
 from .runs import node_run, patched_run, z_patchable, z_record
@@ -143,16 +145,24 @@ class CoreCircuit(Result):
         mask = g.valid & send[:, None] & recv[None, :]
         return Circuit(g, mask, scores.scores, "core", None, int(mask.sum()), getattr(scores, "model", ""), "core")
 
-    def roles(self, model, task: Task, scores, also: Optional[Real] = None, **kw):
-        """The roles of the core's heads, plus every head outside it whose direct or node effect reaches
-        ``also`` (default ``roles.ALSO_SHARE``, 5 %) of m(clean) − m(corrupt), either sign (so a negative name mover
-        the core leaves out is named). Each entry says ``in_circuit``; see ``qkcircuits._tasks.roles``."""
-        from .roles import ALSO_SHARE, roles, significant_heads
+    def outside(self, scores, share: Optional[Real] = None) -> List[str]:
+        """Heads not in the core whose direct or node effect reaches ``share`` (default ``roles.ALSO_SHARE``,
+        5 %) of m(clean) − m(corrupt) in size, either sign (``roles.significant_heads``)."""
+        from .roles import ALSO_SHARE, significant_heads
 
-        clean, corrupt = kw.pop("clean", scores.clean), kw.pop("corrupt", scores.corrupt)
-        outside = [h for h in significant_heads(scores, clean, corrupt, ALSO_SHARE if also is None else also)
-                   if h not in set(self.heads)]
-        return roles(model, task, self.circuit(scores), clean=clean, corrupt=corrupt, also=outside, **kw)
+        keep = set(self.heads)
+        return [h for h in significant_heads(scores, scores.clean, scores.corrupt,
+                                             ALSO_SHARE if share is None else share) if h not in keep]
+
+    def roles(self, model, task: Task, scores, share: Optional[Real] = None, **kw):
+        """The roles of the core's heads, plus those of ``outside(scores, share)`` (so a negative name mover the
+        core leaves out is named); each entry says ``in_circuit``. ``kw``: ``roles.roles``' own (``clean``,
+        ``corrupt``, ``thresholds``); see ``qkcircuits._tasks.roles``."""
+        from .roles import roles
+
+        kw.setdefault("clean", scores.clean)
+        kw.setdefault("corrupt", scores.corrupt)
+        return roles(model, task, self.circuit(scores), also=self.outside(scores, share), **kw)
 
     def _text(self) -> str:
         shown = ", ".join(self.heads[:16]) + (" …" if len(self.heads) > 16 else "")
@@ -368,9 +378,6 @@ def build_core(g: Graph, task: Task, scores, metrics: Callable[[Sequence[NodeSet
     """The search of ``core_circuit`` on any way of measuring: ``metrics(sets)`` gives the metric means of
     (heads, MLPs) sets, ``ends()`` then (m(clean), m(corrupt)). Local: ``NodeViews``; Ray: ``ray_tasks``."""
     from tqdm.auto import tqdm
-    import sys
-
-    from .circuit import ratio
 
     if isinstance(threshold, bool) or not isinstance(threshold, Real) or not 0 < float(threshold) <= 1:
         raise QKCircuitsError(f"threshold must be a number in (0, 1], got {threshold!r}")
@@ -414,5 +421,5 @@ def _how(scores, by: str, mlps: bool, has_mlp: bool, threshold: Real, what: str,
     pruned = (f", then {len(dropped)} node{'s' if len(dropped) != 1 else ''} dropped while f stayed >= {threshold:g}"
               if prune else "")
     mlp_part = f" + {len(kept_mlps)} MLPs" if mlps else clean_mlps
-    return (f"{ranked} (sum of outgoing edge scores); the shortest prefix with node f >= {threshold:g} "
+    return (f"{ranked} (sum of outgoing edge scores); grown along the ranking until node f >= {threshold:g} "
             f"({what}){pruned}: {len(heads)} heads{mlp_part}")

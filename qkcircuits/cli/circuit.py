@@ -276,10 +276,8 @@ def core_json(core) -> dict:
 
 
 def _core_roles(here, core, scores):
-    from .._tasks.roles import ALSO_SHARE, significant_heads
-
-    outside = [h for h in significant_heads(scores, scores.clean, scores.corrupt, ALSO_SHARE) if h not in set(core.heads)]
-    return here.roles(core.circuit(scores), scores.clean, scores.corrupt, also=outside)
+    """The core's roles and those of the heads outside it with >= 5 % effect (``CoreCircuit.roles``), here or on Ray."""
+    return here.roles(core.circuit(scores), scores.clean, scores.corrupt, also=core.outside(scores))
 
 
 def _print_core(core) -> None:
