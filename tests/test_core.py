@@ -97,6 +97,7 @@ def test_node_view_with_mlps_left_out_equals_the_patched_run_of_its_mask(family)
     assert views.corrupt == pytest.approx(float(corr.rows.mean()), abs=1e-6)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama-gqa", "neox"], indirect=True)   # (Gemma's node view: above)
 def test_core_on_tiny_families_reaches_the_threshold_and_every_node_is_needed(family):
     name, model = family
     task = contrast_task(model, n=16)
@@ -117,8 +118,6 @@ def test_core_on_tiny_families_reaches_the_threshold_and_every_node_is_needed(fa
     f, *fs = _fs(model, task, [(core.heads, core.mlps)] + without)
     assert f == pytest.approx(core.node_faithfulness, abs=1e-4) and f >= 0.8, name
     assert all(v < 0.8 for v in fs), (name, dict(zip(core.nodes, fs)))
-    if name == "gemma3":
-        return                                            # (its patched-run search is the slow one)
     # heads only (every MLP clean): MLPs are then all kept and never pruned
     heads_only = qk.core_circuit(model, task, scores, mlps=False, progress=False)
     assert heads_only.mlps == [n for n in g.senders if n.startswith("mlp")] and heads_only.settings["mlps"] == "clean"

@@ -306,7 +306,7 @@ def search(order: Sequence[str], all_mlps: Sequence[str], f_of: Callable[[Sequen
     if hit is None:
         return list(order) + fixed, float(curve[n_heads]), curve, [], "no prefix reaches"
     lo, hi, f_hi = (ks[hit - 1] if hit else -1), ks[hit], fs[hit]
-    while hi - lo > 1:                                       # the smallest k whose prefix reaches the threshold
+    while hi - lo > 1:                   # bisection: a k whose prefix reaches the threshold and whose k − 1 does not
         mid = (lo + hi) // 2
         (f_mid,) = f_of([prefix(order, mid) + fixed])
         if f_mid >= threshold:
