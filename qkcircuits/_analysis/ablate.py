@@ -515,9 +515,9 @@ def compare_to_random(model, heads: HeadsLike, tokens, metric="induction-loss", 
 
 
 def progress_bar(total: int, desc: str, enabled):
-    """A tqdm bar over ``total`` ablations, or None when not ``enabled``."""
+    """A progress bar (``_foundation/progress``) over ``total`` ablations, or None when not ``enabled``."""
     if not enabled:
         return None
-    from tqdm.auto import tqdm
+    from .._foundation.progress import progress_bar as bar
 
-    return tqdm(total=total, desc=desc, unit="ablation", leave=False)
+    return bar(total=total, desc=desc, unit="ablation")

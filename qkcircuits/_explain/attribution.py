@@ -155,18 +155,18 @@ class Attribution(Result):
                 "attention": self.attention, "total": self.total, "exact_error": self.exact_error,
                 "query_sources": [list(x) for x in self.query_sources()],
                 "key_sources": [list(x) for x in self.key_sources()],
-                "pairs": [[a, b, float(self.pair_values[i, j])] for i, a in enumerate(self.pair_query)
-                          for j, b in enumerate(self.pair_key)],
+                "pairs": [[a, b, float(self.pair_values[i, j]), _share(float(self.pair_values[i, j]), self.total)]
+                          for i, a in enumerate(self.pair_query) for j, b in enumerate(self.pair_key)],
                 "per_row": {"query": {"names": self.query_names, "values": self.query_values.tolist()},
                             "key": {"names": self.key_names, "values": self.key_values.tolist()}},
                 "expanded": self.expanded, "settings": self.settings}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, Any]) -> "Attribution":
-        pq = list(dict.fromkeys(a for a, _, _ in d["pairs"]))
-        pk = list(dict.fromkeys(b for _, b, _ in d["pairs"]))
+        pq = list(dict.fromkeys(p[0] for p in d["pairs"]))
+        pk = list(dict.fromkeys(p[1] for p in d["pairs"]))
         P = torch.zeros(len(pq), len(pk), dtype=torch.float64)
-        for a, b, v in d["pairs"]:
+        for a, b, v, *_ in d["pairs"]:
             P[pq.index(a), pk.index(b)] = float(v) if v is not None else math.nan
         q, k = d["per_row"]["query"], d["per_row"]["key"]
         as_t = lambda x: torch.tensor(x, dtype=torch.float64).reshape(len(d["rows"]), -1)   # noqa: E731
@@ -214,22 +214,10 @@ def summarise(model, head: str, reading: str, rows, names: List[str], pairs, q_v
               keep: int = KEEP) -> Attribution:
     """The ``Attribution`` of the per-row marginals ``q_vals`` [n, Sq], ``k_vals`` [n, Sk] (query sources: ``names``
     then bias_q; key sources: ``names`` then bias_k) and ``pairs``: the mean pair table [Sq, Sk] over every source,
-    or the parts (Q [n, Sq, d] × the scale, K [n, Sk, d]) to compute it for the kept sources only. Gives the kept
-    pair table with its "other" row and column, the rows' tokens, the expansion grouped by offset."""
+    or ``pair_table``'s (kept query sources, kept key sources, kept table). Gives the kept pair table with its
+    "other" row and column, the rows' tokens, the expansion grouped by position or offset."""
     names_q, names_k = names + ["bias_q", *extra], names + ["bias_k", *extra]
-    kq, kk = _kept(q_vals, keep), _kept(k_vals, keep)
-    kq_set, kk_set = set(kq), set(kk)
-    rq = [i for i in range(q_vals.shape[1]) if i not in kq_set]
-    rk = [j for j in range(k_vals.shape[1]) if j not in kk_set]
-    if isinstance(pairs, tuple):
-        Q, K = pairs
-        Qk, Kk = Q[:, kq], K[:, kk]                                                   # "other": all minus the kept
-        Qk = torch.cat([Qk, (Q.sum(1) - Qk.sum(1))[:, None]], 1)
-        Kk = torch.cat([Kk, (K.sum(1) - Kk.sum(1))[:, None]], 1)
-        Pk = torch.einsum("nad,nbd->ab", Qk, Kk) / Q.shape[0]
-    else:
-        rows_kept = torch.cat([pairs[kq], pairs[rq].sum(0, keepdim=True)], 0)
-        Pk = torch.cat([rows_kept[:, kk], rows_kept[:, rk].sum(1, keepdim=True)], 1)
+    kq, kk, Pk = pairs if isinstance(pairs, tuple) else pair_table_of(pairs, q_vals, k_vals, keep)
     decode = _decoder(model)
     toks = rows.tokens.tolist()
     vs = rows.v.tolist() if rows.v is not None else None
@@ -249,6 +237,25 @@ def summarise(model, head: str, reading: str, rows, names: List[str], pairs, q_v
     return Attribution(model_name(model), head, reading, row_list, names_q, names_k, q_vals, k_vals,
                        [names_q[i] for i in kq] + ["other"], [names_k[i] for i in kk] + ["other"], Pk,
                        float(exact_error), settings, exp)
+
+
+def pair_table(Q: Tensor, K: Tensor, q_vals: Tensor, k_vals: Tensor, keep: int = KEEP):
+    """(kept query sources, kept key sources, the mean pair table over them [Nq + 1, Nk + 1]) from the parts
+    Q [n, Sq, d] (× the scale) and K [n, Sk, d]: only the kept pairs are formed; "other" is the whole minus the kept."""
+    kq, kk = _kept(q_vals, keep), _kept(k_vals, keep)
+    Qk, Kk = Q[:, kq], K[:, kk]
+    Qk = torch.cat([Qk, (Q.sum(1) - Qk.sum(1))[:, None]], 1)
+    Kk = torch.cat([Kk, (K.sum(1) - Kk.sum(1))[:, None]], 1)
+    return kq, kk, torch.einsum("nad,nbd->ab", Qk, Kk) / Q.shape[0]
+
+
+def pair_table_of(P: Tensor, q_vals: Tensor, k_vals: Tensor, keep: int = KEEP):
+    """``pair_table`` from the full mean pair table ``P`` [Sq, Sk] (prompt shards summed)."""
+    kq, kk = _kept(q_vals, keep), _kept(k_vals, keep)
+    rq = sorted(set(range(P.shape[0])) - set(kq))
+    rk = sorted(set(range(P.shape[1])) - set(kk))
+    rows_kept = torch.cat([P[kq], P[rq].sum(0, keepdim=True)], 0)
+    return kq, kk, torch.cat([rows_kept[:, kk], rows_kept[:, rk].sum(1, keepdim=True)], 1)
 
 
 def _kept(vals: Tensor, keep: int) -> List[int]:

@@ -71,3 +71,37 @@ def evidence_sentence(head: str, ev: Dict, role_of: Optional[Dict[str, str]] = N
 
     return (f"{head} attends from {ev['from']} to {ev['to']} (attention {ev['attention']:.2f}): query side "
             f"{side(ev['query'])}; key side {side(ev['key'])}")
+
+
+# the scan's labelled scores and the rows their heads are explained on, on the scan's own [BOS] + R + R prompts
+TOP_ROWS = {"induction": "induction", "previous_token": "previous", "duplicate_token": "duplicate"}
+
+
+def explain_top_heads(model, scores, k: int = 1, n_seqs: int = 4, seg_len: int = 20) -> List:
+    """``attend`` for the ``k`` top heads of each labelled score the scan has (induction: each repeated token → the
+    token after its earlier copy; previous-token: each token → the one before; duplicate-token: each repeated
+    token → its earlier copy) on ``n_seqs`` fresh [BOS] + R + R prompts, sources labelled by the scan. A head whose
+    attention cannot be decomposed is left out (the report says so)."""
+    from .._foundation.errors import QKCircuitsError
+    from .._foundation.sequences import repeated_tokens
+    from .labels import source_labels
+
+    seg = max(3, min(seg_len, (int(model.cfg.n_ctx) - 1) // 2))
+    tokens = repeated_tokens(model, n_seqs=n_seqs, seg_len=seg, seed=1).cpu()
+    out, seen = [], set()
+    for score, key in TOP_ROWS.items():
+        if score not in scores.scores:
+            continue
+        for head, _ in scores.top(k, score):
+            if (str(head), key) in seen:
+                continue
+            seen.add((str(head), key))
+            try:
+                res = attend_heads(model, [head], tokens, key=key)[str(head)]
+            except QKCircuitsError as e:
+                out.append((str(head), score, str(e)))
+                continue
+            res.settings["labels"] = source_labels(model, res, scores=scores)
+            res.settings["explains"] = score
+            out.append(res)
+    return out

@@ -35,7 +35,6 @@ The split into ``references`` (mean/resample values, computed once over the whol
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -284,10 +283,10 @@ def local_path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k
     n_layers_recv = len({r.layer for r in recv})
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from .._foundation.progress import progress_bar
         total = sum(len([s for s in snd if s.layer < R]) if snd is not None else R * H
                     for R in {r.layer for r in recv}) * len(into) * n_shards
-        bar = tqdm(total=total, desc="path patching", unit="sender", leave=False, file=sys.stderr)
+        bar = progress_bar(total=total, desc="path patching", unit="sender")
     blocks = [(int(r[0]), int(r[-1]) + 1) for r in torch.arange(tokens.shape[0]).chunk(n_shards)]
     try:
         parts = [patch_shard(model, tokens[a:b], repl and shard_replacement(repl, slice(a, b)), recv, snd, into, metric,

@@ -31,7 +31,6 @@ from __future__ import annotations
 from numbers import Real
 
 import math
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -194,10 +193,10 @@ def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: i
         rows_of: List[List[Tensor]] = [[] for _ in masks]
         clean_of: List[Tensor] = []
         corrupt_of: List[Tensor] = []
-    from tqdm.auto import tqdm
+    from .._foundation.progress import progress_bar
 
-    bar = tqdm(total=len(masks) * ((task.n + rows_per_shard - 1) // rows_per_shard), desc="faithfulness",
-               disable=not progress, leave=False, file=sys.stderr)
+    bar = progress_bar(total=len(masks) * ((task.n + rows_per_shard - 1) // rows_per_shard), desc="faithfulness",
+                       enabled=progress)
     full = next((i for i, m in enumerate(masks) if bool(((m & g.valid) == g.valid).all())), None)
     pool: Dict[str, Tensor] = {}        # one shard's buffers, reused by the next (runs.reuse)
     for j, shard in enumerate(task.shards(rows_per_shard)):

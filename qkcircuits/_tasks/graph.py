@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
 from jaxtyping import Float
@@ -50,7 +50,10 @@ from torch import Tensor
 
 from .._foundation.arch import adapter
 from .._foundation.errors import QKCircuitsError
+from .._foundation.arch.model import (has_mlps, logits_transform, mlp_input, model_name,  # noqa: F401  (re-exported)
+                                      parallel_blocks, post_norm_module)
 from .._foundation.heads import n_kv_heads
+from .task import Task
 
 Receiver = Tuple[str, str]
 
@@ -213,57 +216,59 @@ class Graph:
 
 
 GQA = ("grouped", "ungrouped")
+OTHER = "other"          # the position group of the positions no name points at
+
+
+def position_groups(spec, task=None) -> Tuple[str, ...]:
+    """The position groups: a ``Task`` gives its named positions (in its order) then ``other``; a sequence of
+    names gives those (each must be one of ``task``'s names when a task is given) then ``other``; ``True`` with a
+    task is the task's names."""
+    if isinstance(spec, Task):
+        task, spec = spec, True
+    if spec is True:
+        if task is None:
+            raise QKCircuitsError("positions=True needs the task whose named positions split the graph: pass "
+                                  "positions=task (qk.graph) or call edge_scores(model, task, positions=True)")
+        names = list(task.positions)
+    elif isinstance(spec, str) or not isinstance(spec, Iterable):
+        raise QKCircuitsError(f"positions must be True, a Task or a sequence of position names, got {spec!r}")
+    else:
+        names = [str(n) for n in spec]
+    if task is not None:
+        unknown = [n for n in names if n not in task.positions]
+        if unknown:
+            raise QKCircuitsError(f"position {unknown[0]!r} is not one of the task's named positions "
+                                  f"({', '.join(task.positions)})")
+    for n in names:
+        if "@" in n or not n or n == OTHER:
+            raise QKCircuitsError(f"position name {n!r} cannot name a position group (no '@', not empty, not "
+                                  f"{OTHER!r}: the group of the positions no name points at)")
+    if len(set(names)) != len(names):
+        raise QKCircuitsError(f"position names repeat: {names}")
+    return tuple(names) + (OTHER,)
+
 
 
 def graph(model, gqa: str = "grouped", positions=None) -> Graph:
     """The graph of ``model`` (counts only; see the module docstring). ``gqa="ungrouped"``: k/v inputs per
     query head. ``positions``: a ``Task`` (its named positions, then ``other``), or a sequence of position names
     (``"other"`` added): a position-aware graph (``positions.py``)."""
-    from .._foundation.model import model_name
-
     if gqa not in GQA:
         raise QKCircuitsError(f"gqa must be one of {', '.join(GQA)}, got {gqa!r}")
     groups: Tuple[str, ...] = ()
     if positions is not None and positions is not False:
-        from .positions import position_groups
-
         groups = position_groups(positions)
     cfg = model.cfg
-    has_mlp = all(getattr(b, "mlp", None) is not None for b in model.blocks)
-    return Graph(cfg.n_layers, cfg.n_heads, n_kv_heads(model), has_mlp, model_name(model), parallel_blocks(model),
-                 gqa == "ungrouped" and n_kv_heads(model) != cfg.n_heads, groups)
+    return Graph(cfg.n_layers, cfg.n_heads, n_kv_heads(model), has_mlps(model), model_name(model),
+                 parallel_blocks(model), gqa == "ungrouped" and n_kv_heads(model) != cfg.n_heads, groups)
 
 
-def parallel_blocks(model) -> bool:
-    """Whether every block's MLP reads the block's input residual, as its attention does (GPT-J, GPT-NeoX with
-    ``use_parallel_residual``, Phi-1/2, Falcon): TransformerLens says so in ``cfg.parallel_attn_mlp`` and
-    wraps such blocks in ``ParallelBlockBridge`` (which has no ``hook_resid_mid``)."""
-    kinds = {type(b).__name__ == "ParallelBlockBridge" for b in model.blocks}
-    if len(kinds) > 1:
-        raise QKCircuitsError("this model mixes parallel and sequential blocks; the circuit graph needs one kind")
-    return bool(getattr(model.cfg, "parallel_attn_mlp", False)) or kinds == {True}
-
-
-# ------------------------------------------------------------------------------------------ architecture bits
-# Everything below reads the architecture; the adapters of _foundation/arch will replace these bodies.
+# ------------------------------------------------------------------------------------------ the graph's reads
+# Every module and config read goes through the adapters (``_foundation/arch``).
 
 def post_norm(model, layer: int):
     """The norm a block applies to its attention output before adding it (Gemma's ln1_post), or None."""
-    return getattr(model.blocks[layer], "ln1_post", None)
-
-
-def _post_gain(post) -> Tuple[Tensor, float]:
-    """An RMS post-norm as ``y · gain / rms(y)``: its eps and gain vector (read off the module itself)."""
-    oc = getattr(post, "_original_component", post)
-    eps = getattr(oc, "eps", getattr(oc, "variance_epsilon", None))
-    if eps is None:
-        raise QKCircuitsError(f"cannot read the epsilon of post-attention norm {type(oc).__name__}; the graph "
-                              f"needs an RMS post-norm")
-    d = oc.weight.shape[-1]
-    one = torch.ones(1, 1, d, dtype=oc.weight.dtype, device=oc.weight.device)
-    with torch.no_grad():
-        gain = post(one)[0, 0] * (1.0 + float(eps)) ** 0.5
-    return gain, float(eps)
+    return post_norm_module(model, layer)
 
 
 def head_outputs(model, layer: int, z: Float[Tensor, "b p h e"], y=None, out=None) -> Float[Tensor, "h b p d"]:
@@ -279,10 +284,9 @@ def head_outputs(model, layer: int, z: Float[Tensor, "b p h e"], y=None, out=Non
         torch.bmm(zh, W, out=out.view(h, b * p, W.shape[-1]))
         return out
     res = torch.bmm(zh, W).view(h, b, p, W.shape[-1])
-    if post is not None:
-        gain, eps = _post_gain(post)
-        inv = torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + eps).to(res.dtype)    # [b, p, 1]
-        res = res * inv[None] * gain.to(res.dtype)
+    if post is not None:                          # the norm's linear part per head at the layer's frozen 1/σ(y)
+        norm = adapter(model, layer).post_norm()
+        res = norm.linear(res) * norm.inv_scale(y.float()).to(res.dtype)[None]
     if out is not None:
         out.copy_(res)
         return out
@@ -308,21 +312,11 @@ def split_qkv_from_residuals(model, layer: int, into: str, resid: Float[Tensor, 
     blk = model.blocks[layer]
     n, b, p, d = resid.shape
     normed = blk.ln1(resid.reshape(n * b, p, d)).view(n, b, p, d)
-    X = into.upper()
-    W = getattr(blk.attn, f"W_{X}")[heads]                                         # [n, d, e]
+    W, bias = ad.input_maps(into, heads)                                           # [n, d, e], [n, e] or None
     out = torch.einsum("nbpd,nde->bpne", normed, W.to(normed.dtype))
-    bias = getattr(blk.attn, f"b_{X}", None)
     if bias is not None:
-        out = out + bias[heads].to(out.dtype)
+        out = out + bias.to(out.dtype)
     return out
-
-
-def mlp_input(model, layer: int, resid: Tensor) -> Tensor:
-    """What MLP ``layer`` reads (``mlp.hook_in``) from a residual: its ln2 recomputed (GPT-J's parallel block
-    has one norm, ln1, for its attention and its MLP)."""
-    blk = model.blocks[layer]
-    ln2 = getattr(blk, "ln2", None)
-    return (ln2 if ln2 is not None else blk.ln1)(resid)
 
 
 def logits_input(model, resid: Tensor) -> Tensor:
@@ -337,8 +331,8 @@ def unembed_logits(model, x: Tensor) -> Tensor:
     ``adapter.apply_output_logits_transform`` declares; the identity for most models). ``check_graph`` checks the
     result against the model's own logits."""
     logits = model.unembed(x)
-    transform = getattr(getattr(model, "adapter", None), "apply_output_logits_transform", None)
-    return transform(logits) if callable(transform) else logits
+    transform = logits_transform(model)
+    return transform(logits) if transform is not None else logits
 
 
 INPUT_HOOKS = {"q": "attn.hook_q", "k": "attn.hook_k", "v": "attn.hook_v", "mlp": "mlp.hook_in"}

@@ -36,39 +36,9 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from .._foundation.errors import QKCircuitsError
-from .graph import Graph
+from .graph import OTHER, Graph, position_groups  # noqa: F401  (re-exported)
 from .task import Task
 
-OTHER = "other"
-
-
-def position_groups(spec, task=None) -> Tuple[str, ...]:
-    """The position groups: a ``Task`` gives its named positions (in its order) then ``other``; a sequence of
-    names gives those (each must be one of ``task``'s names when a task is given) then ``other``; ``True`` with a
-    task is the task's names."""
-    if isinstance(spec, Task):
-        task, spec = spec, True
-    if spec is True:
-        if task is None:
-            raise QKCircuitsError("positions=True needs the task whose named positions split the graph: pass "
-                                  "positions=task (qk.graph) or call edge_scores(model, task, positions=True)")
-        names = list(task.positions)
-    elif isinstance(spec, str) or not isinstance(spec, Iterable):
-        raise QKCircuitsError(f"positions must be True, a Task or a sequence of position names, got {spec!r}")
-    else:
-        names = [str(n) for n in spec]
-    if task is not None:
-        unknown = [n for n in names if n not in task.positions]
-        if unknown:
-            raise QKCircuitsError(f"position {unknown[0]!r} is not one of the task's named positions "
-                                  f"({', '.join(task.positions)})")
-    for n in names:
-        if "@" in n or not n or n == OTHER:
-            raise QKCircuitsError(f"position name {n!r} cannot name a position group (no '@', not empty, not "
-                                  f"{OTHER!r}: the group of the positions no name points at)")
-    if len(set(names)) != len(names):
-        raise QKCircuitsError(f"position names repeat: {names}")
-    return tuple(names) + (OTHER,)
 
 
 def group_index(task, groups: Sequence[str]) -> Int[Tensor, "n pos"]:

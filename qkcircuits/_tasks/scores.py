@@ -44,7 +44,6 @@ from __future__ import annotations
 
 from numbers import Real
 
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
@@ -97,9 +96,9 @@ def check_task(model, task: Task) -> None:
 
 
 def _bar(total: int, desc: str, progress: bool):
-    from tqdm.auto import tqdm
+    from .._foundation.progress import progress_bar
 
-    return tqdm(total=total, desc=desc, disable=not progress, leave=False, file=sys.stderr)
+    return progress_bar(total=total, desc=desc, enabled=progress)
 
 
 @dataclass(repr=False)      # the repr is _text (Result)

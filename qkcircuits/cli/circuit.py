@@ -25,7 +25,6 @@ circuit's edges in_graph; the ungrouped graph's k/v per query head one to one; n
 from __future__ import annotations
 
 import argparse
-import html
 import sys
 import time
 import warnings
@@ -56,7 +55,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("circuit", help="find a task's circuit: edge scores, faithfulness curve, roles",
                        description="Score every edge of the model's graph for a task with counterfactual prompts "
                                    "(clean vs corrupt), measure how much of the behaviour the top edges carry "
-                                   "(faithfulness over 0.1-100%% of the edges, CPR and CMD) and name the roles of "
+                                   "(faithfulness over 0.1-100% of the edges, CPR and CMD) and name the roles of "
                                    "the circuit's heads.")
     add_model_args(p)
     p.add_argument("--task", required=True, help="ioi, induction, or a .jsonl file (one {clean, corrupt, answer, "
@@ -111,7 +110,9 @@ def add_parser(sub) -> None:
                                                 "circuit's edges in_graph; not with --positions)")
     p.add_argument("--json", metavar="PATH", help="write the result (the circuit JSON contract)")
     p.add_argument("--csv", metavar="PATH", help="write every edge's score (sender, receiver, input, score, in_circuit)")
-    p.add_argument("-o", "--output", metavar="HTML", help="write a standalone HTML summary")
+    p.add_argument("-o", "--output", metavar="HTML", help="write the report's circuit section as one offline HTML "
+                                                          "file (curve, graph, roles, top edges)")
+    p.add_argument("--timing", action="store_true", help="print how long each step took (also in the JSON's timing)")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS|local:N",
                    help="run on Ray workers (each loads the model once; prompt shards, sums combined exactly): an "
                         "address, local:N, or nothing ($RAY_ADDRESS, else a local instance). A .jsonl task must "
@@ -390,6 +391,8 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
         data["bootstrap"] = faith.bootstrap
     if sign is not None:
         data["sign_check"] = sign
+    if args.timing:
+        print("  timing: " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in timing.items()))
     if args.ray is not None:
         data["backend"] = {k: v for k, v in scores.settings.get("backend", {}).items() if k != "plan"}
     _write(args, data, scores, circ if named else None, roles)
@@ -438,19 +441,24 @@ def _sign_check(args, here, scores, warn_now):
             "worst": [[names[(s, r)], a, b] for s, r, a, b in found["worst"]]}
 
 
+def _finite(o):
+    """``o`` with every non-finite float as None (JSON's null)."""
+    from .._foundation.io import json_number
+
+    if isinstance(o, float):
+        return json_number(o)
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
 def _write(args, data, scores, circ, roles) -> None:
-    from .._foundation.io import dump_json, json_number, write_atomic
+    from .._foundation.io import dump_json, write_atomic
 
     if args.json:
-        def clean(o):
-            if isinstance(o, float):
-                return json_number(o)
-            if isinstance(o, dict):
-                return {k: clean(v) for k, v in o.items()}
-            if isinstance(o, (list, tuple)):
-                return [clean(v) for v in o]
-            return o
-        dump_json(clean(data), args.json)
+        dump_json(_finite(data), args.json)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.csv:
         inside = {tuple(e[:3]) for e in circ.edges()} if circ is not None else set()
@@ -461,23 +469,8 @@ def _write(args, data, scores, circ, roles) -> None:
     if args.mib:
         scores.to_mib(args.mib, circuit=circ)
         print(f"wrote {args.mib}", file=sys.stderr)
-    if args.output:
-        rows = "".join(f"<tr><td>{html.escape(s)}</td><td>{html.escape(r)}</td><td>{x}</td><td>{v:+.4f}</td></tr>"
-                       for s, r, x, v in (circ.edges()[:50] if circ is not None else []))
-        curve = "".join(f"<tr><td>{k}%</td><td>{json_number(v)}</td></tr>" for k, v in data["curve"].items())
-        warned = "".join(f"<p style='background:#fde8e8;border:1px solid #c00;padding:6px'><b>warning:</b> "
-                         f"{html.escape(w)}</p>" for w in data["warnings"])
-        cpr = "n/a" if data["cpr"] is None or data["cpr"] != data["cpr"] else f"{data['cpr']:.3f}"
-        cmd = "n/a" if data["cmd"] is None or data["cmd"] != data["cmd"] else f"{data['cmd']:.3f}"
-        core = data.get("core")
-        core = (f"<p>core circuit: {len(core['heads'])} heads ({html.escape(', '.join(core['heads']))})"
-                f"{' + MLPs ' + html.escape(', '.join(core['mlps'])) if core['mlps_searched'] and core['mlps'] else ''}"
-                f", node f {json_number(core['node_faithfulness'])}</p>") if core else ""
-        page = (f"<!doctype html><meta charset='utf-8'><title>circuit: {html.escape(str(data['model']))}</title>"
-                f"<h1>{html.escape(str(data['model']))}: {html.escape(str(data['task']))}</h1>{warned}{core}"
-                f"<p>clean {data['clean']:.4f}, corrupt {data['corrupt']:.4f}; CPR {cpr}, "
-                f"CMD {cmd}</p><table><tr><th>percent</th><th>f</th></tr>{curve}</table>"
-                f"<ul>{''.join(f'<li>{html.escape(s)}</li>' for s in roles.sentences())}</ul>"
-                f"<table><tr><th>sender</th><th>receiver</th><th>input</th><th>score</th></tr>{rows}</table>")
-        write_atomic(args.output, page)
+    if args.output:          # the report's own circuit section (warnings, curve, graph, roles, top edges), alone
+        from ..viz._report import circuit_page, write_report
+
+        write_report(args.output, circuit_page(_finite(data), source=args.json or f"{data['model']}, {data['task']}"))
         print(f"wrote {args.output}", file=sys.stderr)

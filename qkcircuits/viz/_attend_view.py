@@ -103,6 +103,24 @@ def attend_section(res: Attribution, figure_html: str) -> str:
             f"{figure_html}</section>")
 
 
+def attend_sections(results) -> List[Dict]:
+    """The report's and the app's "why it attends" sections: one per ``Attribution`` (its sentences, then its
+    figure); a (head, score, reason) entry says why that head could not be explained."""
+    out = []
+    for n, res in enumerate(results):
+        if not isinstance(res, Attribution):
+            head, score, reason = res
+            out.append({"id": f"attend-{n}", "title": f"Why {head} attends ({score.replace('_', '-')})",
+                        "blocks": [{"type": "note", "text": reason}]})
+            continue
+        what = res.settings.get("explains")
+        title = f"Why {res.head} attends" + (f" (top {what.replace('_', '-')} head)" if what else "")
+        blocks = [{"type": "note", "text": s} for s in res.sentences()]
+        blocks.append({"type": "figures", "figures": [{"id": f"attend-figure-{n}", "figure": attend_figure(res)}]})
+        out.append({"id": f"attend-{n}", "title": title, "blocks": blocks})
+    return out
+
+
 def attend_page(res: Attribution) -> str:
     """A standalone offline page (plotly inlined) for ``qkcircuits attend -o``."""
     from ._notebook import _page_html, as_figure, figure_html

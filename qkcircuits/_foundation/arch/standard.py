@@ -196,6 +196,20 @@ class StandardAttention(AttentionAdapter):
         return bool(getattr(self.model.cfg, "use_qk_norm", False)) or any(
             getattr(self.module, n, None) is not None for n in QK_NORM_NAMES)
 
+    def input_maps(self, into: str, heads) -> Tuple[Tensor, Optional[Tensor]]:
+        """(W [n, d_model, d_head], b [n, d_head] or None) of ``into`` (q, k, v) for ``heads`` — query heads for q,
+        KV heads for k/v — as the bridge holds them (hook_q/k/v = ln1(x) W + b). Reads only that projection: the
+        circuit runs call it per layer and per run."""
+        X = into.upper()
+        heads = list(heads)
+        W = getattr(self.bridge, f"W_{X}").detach()
+        b = _bias(self.bridge, f"b_{X}")
+        if into != "q" and W.shape[0] == self.n_heads != self.n_kv_heads:   # a bridge with per-query-head K/V
+            heads = [g * (self.n_heads // self.n_kv_heads) for g in heads]
+        if b is not None:
+            b = b.detach().reshape(W.shape[0], -1)[heads]
+        return W[heads], b
+
     def qk_norm_modules(self) -> Tuple[Optional[torch.nn.Module], Optional[torch.nn.Module]]:
         out = []
         for side in ("q", "k"):
