@@ -42,8 +42,8 @@ __all__ = sorted([
     # why a head attends
     "Attribution", "attend", "attend_heads",
     # tasks and circuits over the whole graph
-    "EdgeScores", "Evaluation", "Faithfulness", "Graph", "NodeScores", "Roles", "Task", "TaskCircuit", "edge_scores",
-    "evaluate", "faithfulness", "graph", "node_faithfulness", "node_scores", "tasks",
+    "CoreCircuit", "EdgeScores", "Evaluation", "Faithfulness", "Graph", "NodeScores", "Roles", "Task", "TaskCircuit",
+    "core_circuit", "edge_scores", "evaluate", "faithfulness", "graph", "node_faithfulness", "node_scores", "tasks",
     # views
     *_VIEWS,
     *_LAZY_MODULES,

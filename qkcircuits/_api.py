@@ -54,6 +54,7 @@ from ._explain.attribution import Attribution
 from ._tasks import builders as tasks
 from ._tasks.circuit import Circuit as TaskCircuit
 from ._tasks.circuit import Faithfulness, faithfulness, node_faithfulness
+from ._tasks.core import CoreCircuit, core_circuit
 from ._tasks.evaluation import Evaluation, evaluate
 from ._tasks.graph import Graph, graph
 from ._tasks.roles import Roles

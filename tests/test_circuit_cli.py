@@ -47,6 +47,7 @@ def test_toy_induction_end_to_end(tmp_path, capsys):
     got = section(page, "circuit-section")
     want = report_sections(load_circuit(out), None, None, None, None)[0]
     assert got["blocks"] == json.loads(json.dumps(want["blocks"])) and got["title"] == want["title"]
+    assert d["core"]["heads"] == ["0.0", "1.0"] and d["core"]["node_faithfulness"] == 1
     assert {b["type"] for b in got["blocks"]} >= {"note", "figures", "table"} and "graph" in got and "curve" in got
 
 
@@ -170,3 +171,28 @@ def test_roles_name_ioi_classes_from_evidence(hand_built):
     assert r.roles["0.0"]["evidence"]["patterns"] == ["previous-token head"]
     assert r.roles["0.0"]["role"] in ("previous-token head", "minor")
     assert any(s.startswith("name mover 1.0") for s in r.sentences())
+
+
+def test_core_is_printed_first_and_written_with_bootstrap(tmp_path, capsys):
+    # the core circuit (its contract: heads, mlps, node_faithfulness, curve, how) before the edge circuit's curve;
+    # the roles are the core's; --bootstrap adds intervals of CPR / CMD
+    out = tmp_path / "c.json"
+    # exact scores: the toy's saturated edges have noise signs under EAP-IG's left rule (the default), whose curve
+    # reaches 0.8 only at 100 % (no edge circuit named then)
+    assert main(["circuit", "toy-induction", "--task", "induction", "--n", "8", "--method", "exact", "--bootstrap",
+                 "30", "--json", str(out), "--quiet", "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert text.index("core circuit: 2 heads, node f 1.000") < text.index("faithfulness f by percent")
+    assert text.index("direct-logit head 1.0") < text.index("faithfulness f by percent")
+    assert "CPR 0.850 [95 % interval 0.850-0.850]" in text and "intervals from 30 resamples" in text
+    d = json.loads(out.read_text())
+    core = d["core"]
+    assert {"heads", "mlps", "node_faithfulness", "curve", "how"} <= set(core)
+    assert core["heads"] == ["0.0", "1.0"] and core["mlps"] == [] and core["node_faithfulness"] == 1.0
+    assert core["curve"]["2"] == 1.0 and "grown to 2 heads" in core["how"]
+    assert d["roles_of"] == "core" and d["roles"]["1.0"]["in_circuit"] is True
+    assert d["bootstrap"]["n"] == 30 and d["bootstrap"]["cpr"] == [0.85, 0.85]
+    assert main(["circuit", "toy-induction", "--task", "induction", "--n", "8", "--method", "exact", "--no-core",
+                 "--json", str(out), "--quiet", "--device", "cpu"]) == 0
+    d = json.loads(out.read_text())
+    assert "core" not in d and d["roles_of"] == "circuit" and "core circuit" not in capsys.readouterr().out

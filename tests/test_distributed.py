@@ -269,6 +269,11 @@ def test_task_scores_and_faithfulness_on_ray_equal_local(llama, ray_local):
         remote = {m: rt.ray_edge_scores(None, task, m, pool=pool, progress=False) for m in local}
         rnodes = rt.ray_node_scores(None, task, "exact", pool=pool, progress=False)
         rfaith = rt.ray_faithfulness(None, task, local["eap-ig"], sizes=(1, 10, 50, 100), pool=pool, progress=False)
+        # the core circuit's search on the driver, its node sets measured on the shards; the bootstrap's per-row
+        # metrics gathered from the shards in row order
+        rcore = rt.ray_core_circuit(None, task, local["eap-ig"], pool=pool, progress=False)
+        rboot = rt.ray_faithfulness(None, task, local["eap-ig"], sizes=(1, 10, 50, 100), pool=pool, progress=False,
+                                    bootstrap=40, seed=1)
         # the node view alone, m(clean) measured on the shards too (the CLI's --edges path passes it)
         few = faith.circuit.heads[:2]
         rnode = rt.ray_node_faithfulness(pool, task, few)
@@ -298,6 +303,14 @@ def test_task_scores_and_faithfulness_on_ray_equal_local(llama, ray_local):
     assert (rfaith.cpr, rfaith.cmd) == pytest.approx((faith.cpr, faith.cmd), abs=1e-4)
     assert rfaith.chosen_percent == faith.chosen_percent and rfaith.circuit.heads == faith.circuit.heads
     assert rfaith.node_faithfulness == pytest.approx(faith.node_faithfulness, abs=1e-4)
+    core = qk.core_circuit(model, task, local["eap-ig"], progress=False)
+    assert (rcore.heads, rcore.mlps) == (core.heads, core.mlps)
+    assert rcore.node_faithfulness == pytest.approx(core.node_faithfulness, abs=1e-4)
+    assert rcore.curve == pytest.approx(core.curve, abs=1e-4)
+    boot = qk.faithfulness(model, task, local["eap-ig"], sizes=(1, 10, 50, 100), progress=False, bootstrap=40, seed=1)
+    assert rboot.bootstrap["cpr"] == pytest.approx(boot.bootstrap["cpr"], abs=1e-4)
+    for p, interval in boot.bootstrap["curve"].items():
+        assert rboot.bootstrap["curve"][p] == pytest.approx(interval, abs=1e-4), p
 
 
 def test_task_backend_dispatch_reaches_the_ray_jobs(monkeypatch):
@@ -316,7 +329,7 @@ def test_task_backend_dispatch_reaches_the_ray_jobs(monkeypatch):
             raise Reached(name)
         return fn
 
-    for name in ("ray_edge_scores", "ray_node_scores", "ray_faithfulness"):
+    for name in ("ray_edge_scores", "ray_node_scores", "ray_faithfulness", "ray_core_circuit"):
         monkeypatch.setattr(rt, name, recorder(name))
     model = qk.load("toy-induction", verbose=False)
     task = qk.tasks.induction(model, n=2, seg_len=4)
@@ -326,6 +339,9 @@ def test_task_backend_dispatch_reaches_the_ray_jobs(monkeypatch):
         qk.node_scores(model, task, backend=qk.Ray(workers=2))
     with pytest.raises(Reached, match="ray_faithfulness"):
         qk.faithfulness(model, task, None, sizes=(5, 100), backend="ray")
+    with pytest.raises(Reached, match="ray_core_circuit"):
+        qk.core_circuit(model, task, None, mlps=False, backend="ray")
+    assert seen["ray_core_circuit"][1]["mlps"] is False
     spec, req = seen["ray_edge_scores"]
     assert spec == "toy-induction" and req["task"] is task and req["method"] == "eap"
     assert req["ray_address"] == "local:3" and seen["ray_node_scores"][1]["workers"] == 2
@@ -355,3 +371,4 @@ def test_cli_circuit_ray_equals_local(tmp_path, ray_local, capsys):
     assert lb["clean"] == pytest.approx(la["clean"], abs=1e-4) and lb["cpr"] == pytest.approx(la["cpr"], abs=1e-6)
     assert [e[:3] for e in lb["circuit"]["edges"]] == [e[:3] for e in la["circuit"]["edges"]]
     assert {h: r["role"] for h, r in lb["roles"].items()} == {h: r["role"] for h, r in la["roles"].items()}
+    assert lb["core"]["heads"] == la["core"]["heads"] == ["0.0", "1.0"] and lb["roles_of"] == "core"

@@ -58,3 +58,19 @@ def test_smollm2_ioi_circuit_carries_the_behaviour_by_5_percent_and_names_its_na
     roles = f.circuit.roles(smollm2, task, clean=f.clean, corrupt=f.corrupt)
     movers = [h for h, r in roles.roles.items() if r["role"] == "name mover"]
     assert movers and all(h.startswith("23.") for h in movers), roles.by_role()
+    # Issue 35's done-when, on the same 16 prompts: the core circuit (the fewest heads and MLPs whose node view
+    # reaches f >= 0.8) has at most 30 heads, its f is measured again by the edge-level patched run of its mask,
+    # and its roles name the IOI classes, a negative name mover outside the core included (docs/tasks.md: 64
+    # prompts give 18 heads + 8 MLPs, f 0.804)
+    from qkcircuits._tasks.circuit import circuit_metric, ratio
+    from qkcircuits._tasks.core import node_mask_of
+
+    core = scores.core(smollm2, task, progress=False)
+    assert len(core.heads) <= 30 and core.node_faithfulness >= 0.8, (core.heads, core.how)
+    (m,), clean, corrupt = circuit_metric(smollm2, task, [node_mask_of(qk.graph(smollm2), core.heads, core.mlps)], 16)
+    assert ratio(m, clean, corrupt) == pytest.approx(core.node_faithfulness, abs=1e-3)
+    named = core.roles(smollm2, task, scores)
+    roles = named.by_role()
+    assert all(h.startswith("23.") for h in roles["name mover"]), roles
+    assert any(r["role"] == "negative name mover" and not r["in_circuit"] for r in named.roles.values()), roles
+    assert {"S-inhibition head", "induction head"} <= set(roles), roles

@@ -73,6 +73,7 @@ class Ray(Backend):
         "edge_scores": "qkcircuits._scale.ray_tasks:ray_edge_scores",
         "node_scores": "qkcircuits._scale.ray_tasks:ray_node_scores",
         "faithfulness": "qkcircuits._scale.ray_tasks:ray_faithfulness",
+        "core_circuit": "qkcircuits._scale.ray_tasks:ray_core_circuit",
     }
 
     def __post_init__(self) -> None:

@@ -30,7 +30,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._foundation.errors import QKCircuitsError
+from .._tasks.bootstrap import bootstrap_curve, check_bootstrap
 from .._tasks.circuit import SIZES, THRESHOLD, Circuit, Faithfulness, circuit_metric, node_metric, ratio, select
+from .._tasks.core import CoreCircuit, build_core
 from .._tasks.graph import graph
 from .._tasks.caveats import reached, unreached_message
 from .._tasks.gradients import resolve_rule
@@ -83,15 +85,30 @@ def node_scores_job(model, shared: Task, *, rows: Tuple[int, int], method: str, 
 
 
 def circuit_metric_job(model, shared: Task, *, rows: Tuple[int, int], masks: List[torch.Tensor],
-                       rows_per_shard: Optional[int]) -> Dict[str, Any]:
+                       rows_per_shard: Optional[int], per_row: bool = False) -> Dict[str, Any]:
     """``circuit_metric`` (one patched forward per mask) of prompt rows ``rows``: metric sums per mask, and
-    the clean and corrupt sums."""
+    the clean and corrupt sums; with ``per_row`` each row's metrics too (for the bootstrap)."""
     t0 = time.perf_counter()
     sub = _rows(shared, rows).to(model.W_E.device)
     per = rows_per_shard or shard_rows(model, graph(model), sub, buffers=3)
-    values, clean, corrupt = circuit_metric(model, sub, masks, per)
+    kept: Optional[Dict[str, torch.Tensor]] = {} if per_row else None
+    values, clean, corrupt = circuit_metric(model, sub, masks, per, per_row=kept)
     return {"rows": rows, "n": sub.n, "values": [v * sub.n for v in values], "clean": clean * sub.n,
-            "corrupt": corrupt * sub.n, "seconds": time.perf_counter() - t0}
+            "corrupt": corrupt * sub.n, "per_row": kept, "seconds": time.perf_counter() - t0}
+
+
+def node_sets_job(model, shared: Task, *, rows: Tuple[int, int], sets: List[Any],
+                  rows_per_shard: Optional[int]) -> Dict[str, Any]:
+    """The node views of ``sets`` ((heads, MLPs) kept; ``core.NodeViews``, the local forwards) on prompt rows
+    ``rows``: metric sums per set, and the clean and corrupt sums."""
+    from .._tasks.core import NodeViews
+
+    t0 = time.perf_counter()
+    sub = _rows(shared, rows).to(model.W_E.device)
+    views = NodeViews(model, sub, rows_per_shard)
+    values = views.metrics(sets)
+    return {"rows": rows, "n": sub.n, "values": [v * sub.n for v in values], "clean": views.clean * sub.n,
+            "corrupt": views.corrupt * sub.n, "seconds": time.perf_counter() - t0}
 
 
 def node_metric_job(model, shared: Task, *, rows: Tuple[int, int], heads: List[str], need_clean: bool,
@@ -115,9 +132,11 @@ def task_job(model, shared, *, spec: str, n: int, seed: int, prepend_bos: Option
     return {"task": task.to("cpu"), "graph": graph(model)}
 
 
-def roles_job(model, shared: Task, *, circuit: Circuit, clean: Real, corrupt: Real, force: bool = False):
-    """``circuit.roles`` on this worker's model (one clean forward for the attention patterns)."""
-    return circuit.roles(model, shared, clean=clean, corrupt=corrupt, force=force)
+def roles_job(model, shared: Task, *, circuit: Circuit, clean: Real, corrupt: Real, also: Sequence[str] = (),
+              force: bool = False):
+    """``circuit.roles`` on this worker's model (one clean forward for the attention patterns); ``also``: heads
+    outside the circuit judged beside it."""
+    return circuit.roles(model, shared, clean=clean, corrupt=corrupt, also=list(also), force=force)
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -217,15 +236,20 @@ def ray_node_scores(spec, task, method: str = "eap-ig", steps: int = 5, *, rule:
 
 
 def ray_circuit_metric(pool: Pool, task: Task, masks: Sequence[torch.Tensor], rows_per_shard: Optional[int] = None,
-                       desc: str = "faithfulness (ray)") -> Tuple[List[float], float, float, Dict[str, Any]]:
+                       desc: str = "faithfulness (ray)", per_row: Optional[Dict[str, torch.Tensor]] = None
+                       ) -> Tuple[List[float], float, float, Dict[str, Any]]:
     """``circuit_metric`` over the whole task from prompt shards on ``pool``: (metric mean per mask, clean mean,
-    corrupt mean, backend info), each mean = the shards' summed metric / n."""
+    corrupt mean, backend info), each mean = the shards' summed metric / n. ``per_row``: filled as
+    ``circuit_metric``'s (the shards' rows, in row order)."""
     t0 = time.perf_counter()
     shards = plan_rows(task.n, pool.size)
-    jobs = [{"rows": r, "masks": list(masks), "rows_per_shard": rows_per_shard} for r in shards]
+    jobs = [{"rows": r, "masks": list(masks), "rows_per_shard": rows_per_shard, "per_row": per_row is not None}
+            for r in shards]
     parts = pool.map(JOB + "circuit_metric_job", jobs, task, costs=[float(b - a) for a, b in shards], desc=desc)
     n = task.n
     values = [sum(p["values"][i] for p in parts) / n for i in range(len(masks))]
+    if per_row is not None:                 # shards are contiguous row blocks, returned in shard order
+        per_row.update({k: torch.cat([p["per_row"][k] for p in parts], dim=-1) for k in ("masks", "clean", "corrupt")})
     return (values, sum(p["clean"] for p in parts) / n, sum(p["corrupt"] for p in parts) / n,
             _backend(pool, shards, parts, t0))
 
@@ -254,7 +278,7 @@ def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: s
                      threshold: Real = THRESHOLD, rows_per_shard: Optional[int] = None, progress: bool = True,
                      ray_address: Optional[str] = None, workers: Optional[int] = None, threads: int = 1,
                      load_kwargs: Optional[Dict[str, Any]] = None, pool: Optional[Pool] = None,
-                     **selection: Any) -> Faithfulness:
+                     bootstrap: int = 0, seed: int = 0, **selection: Any) -> Faithfulness:
     """``faithfulness(..., backend=qk.Ray(...))``: m(C) per grid size, m(full) and m(∅) summed over prompt
     shards, f / CPR / CMD computed once from the sums; then the chosen circuit's node view (a second round).
     ``selection``: further arguments of ``select`` (the driver picks the circuits), passed as they are."""
@@ -266,7 +290,9 @@ def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: s
     pool, own = _pool(spec, pool, ray_address, workers, threads, load_kwargs, progress)
     try:
         t0 = time.perf_counter()
-        values, clean, corrupt, backend = ray_circuit_metric(pool, task, [c.mask for c in circuits], rows_per_shard)
+        per_row: Optional[Dict[str, torch.Tensor]] = {} if check_bootstrap(bootstrap) else None
+        values, clean, corrupt, backend = ray_circuit_metric(pool, task, [c.mask for c in circuits], rows_per_shard,
+                                                             per_row=per_row)
         f = [ratio(v, clean, corrupt) for v in values]
         curve = dict(zip(sizes, f))
         chosen = next((p for p, v in curve.items() if v >= threshold), sizes[-1])
@@ -283,9 +309,38 @@ def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: s
                        {"by": by, **selection, "threshold": threshold, "rows_per_shard": rows_per_shard,
                         "cpr_cmd": "trapezoid over the grid, x = fraction of edges", "backend": backend},
                        {"curve_s": round(t1 - t0, 3), "node_view_s": round(time.perf_counter() - t1, 3)})
+    if per_row is not None:
+        out.bootstrap = bootstrap_curve(xs, per_row["masks"], per_row["clean"], per_row["corrupt"], bootstrap, seed)
     if not reached(curve, threshold) and clean != corrupt:
         warnings.warn(unreached_message(curve, threshold), stacklevel=2)
     return out
+
+
+def ray_core_circuit(spec, task, scores, *, threshold: Real = THRESHOLD, by: str = "signed", mlps: bool = True,
+                     prune: bool = True, rows_per_shard: Optional[int] = None, progress: bool = True,
+                     ray_address: Optional[str] = None, workers: Optional[int] = None, threads: int = 1,
+                     load_kwargs: Optional[Dict[str, Any]] = None, pool: Optional[Pool] = None) -> CoreCircuit:
+    """``core_circuit(..., backend=qk.Ray(...))``: the same search (``core.build_core``, on the driver), every
+    measured batch of node sets summed over prompt shards on the workers (``node_sets_job``), f from the sums."""
+    task = _check_task(task)
+    pool, own = _pool(spec, pool, ray_address, workers, threads, load_kwargs, progress)
+    ends: Dict[str, float] = {}
+
+    def metrics(sets):
+        shards = plan_rows(task.n, pool.size)
+        jobs = [{"rows": r, "sets": list(sets), "rows_per_shard": rows_per_shard} for r in shards]
+        parts = pool.map(JOB + "node_sets_job", jobs, task, costs=[float(b - a) for a, b in shards], progress=False)
+        n = task.n
+        ends["clean"], ends["corrupt"] = sum(p["clean"] for p in parts) / n, sum(p["corrupt"] for p in parts) / n
+        return [sum(p["values"][i] for p in parts) / n for i in range(len(sets))]
+
+    try:
+        return build_core(scores.graph, task, scores, metrics, lambda: (ends["clean"], ends["corrupt"]),
+                          threshold=threshold, by=by, mlps=mlps, prune=prune, progress=progress,
+                          settings={"rows_per_shard": rows_per_shard, "backend": {"name": "ray", "workers": pool.size}})
+    finally:
+        if own:
+            pool.close()
 
 
 def ray_task_and_graph(pool: Pool, spec: str, n: int, seed: int, prepend_bos: Optional[bool] = None,
@@ -296,7 +351,9 @@ def ray_task_and_graph(pool: Pool, spec: str, n: int, seed: int, prepend_bos: Op
     return out["task"], out["graph"]
 
 
-def ray_roles(pool: Pool, task: Task, circuit: Circuit, clean: Real, corrupt: Real, force: bool = False):
-    """``circuit.roles(model, task)`` on a worker."""
-    return pool.call(JOB + "roles_job", {"circuit": circuit, "clean": clean, "corrupt": corrupt, "force": force},
+def ray_roles(pool: Pool, task: Task, circuit: Circuit, clean: Real, corrupt: Real, also: Sequence[str] = (),
+              force: bool = False):
+    """``circuit.roles(model, task)`` on a worker (``also``: heads outside the circuit judged beside it)."""
+    return pool.call(JOB + "roles_job", {"circuit": circuit, "clean": clean, "corrupt": corrupt, "also": list(also),
+                                         "force": force},
                      task)

@@ -36,6 +36,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor
 
 from .._foundation.result import Result
@@ -83,17 +84,20 @@ class Faithfulness(Result):
     model: str = ""
     settings: Dict[str, object] = field(default_factory=dict)
     timing: Dict[str, float] = field(default_factory=dict)
+    # bootstrap intervals over prompts (``bootstrap.bootstrap_curve``; empty without ``bootstrap=``)
+    bootstrap: Dict[str, object] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, object]:
         from .._foundation.io import json_number
 
+        extra = {"bootstrap": _finite(self.bootstrap)} if self.bootstrap else {}
         return {"schema": SCHEMA, "model": self.model, "clean": json_number(self.clean),
                 "corrupt": json_number(self.corrupt), "curve": {str(k): json_number(v) for k, v in self.curve.items()},
                 "metric_values": {str(k): json_number(v) for k, v in self.metric_values.items()},
                 "n_edges": {str(k): v for k, v in self.n_edges.items()}, "cpr": json_number(self.cpr),
                 "cmd": json_number(self.cmd), "chosen_percent": self.chosen_percent,
                 "circuit": {**self.circuit.to_dict(), "node_faithfulness": json_number(self.node_faithfulness)},
-                "settings": self.settings, "timing": self.timing}
+                "settings": self.settings, "timing": self.timing, **extra}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, object]) -> "Faithfulness":
@@ -106,7 +110,7 @@ class Faithfulness(Result):
                    {float(k): int(v) for k, v in d["n_edges"].items()}, num(d["clean"]), num(d["corrupt"]),
                    num(d["cpr"]), num(d["cmd"]), float(d["chosen_percent"]), c,
                    num(d["circuit"].get("node_faithfulness")), c.heads, str(d.get("model", "")),
-                   dict(d.get("settings", {})), dict(d.get("timing", {})))
+                   dict(d.get("settings", {})), dict(d.get("timing", {})), dict(d.get("bootstrap") or {}))
 
     @property
     def reached(self) -> bool:
@@ -125,7 +129,10 @@ class Faithfulness(Result):
 
     def _text(self) -> str:
         pts = ", ".join(f"{k:g}%: {v:.3f}" for k, v in self.curve.items())
-        return (f"Faithfulness({self.model}: {pts}; CPR {self.cpr:.3f}, CMD {self.cmd:.3f}; circuit "
+        b = self.bootstrap
+        ci = (f" ({100 * b['level']:g} % intervals over {b['n']} resamples of the prompts: CPR "
+              f"{b['cpr'][0]:.3f}-{b['cpr'][1]:.3f}, CMD {b['cmd'][0]:.3f}-{b['cmd'][1]:.3f})") if b else ""
+        return (f"Faithfulness({self.model}: {pts}; CPR {self.cpr:.3f}, CMD {self.cmd:.3f}{ci}; circuit "
                 f"{self.chosen_percent:g}% = {self.circuit.n_edges} edges, {len(self.node_heads)} heads, node f "
                 f"{self.node_faithfulness:.3f})")
 
@@ -134,6 +141,17 @@ class Faithfulness(Result):
 
         return f"<p>{html.escape(self._text())}</p>"
 
+
+
+def _finite(o):
+    """``o`` with NaN / inf numbers as None (JSON has no NaN)."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
 
 
 def _heads_left_out(g: Graph, keep: Sequence[str]) -> List[str]:
@@ -153,7 +171,8 @@ def node_mask(g: Graph, keep: Sequence[str]) -> Tensor:
 
 def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: int, progress: bool = False,
                    need_clean: bool = True, records: Optional[Dict[int, Record]] = None,
-                   known_clean: Optional[float] = None, g: Optional[Graph] = None) -> Tuple[List[float], float, float]:
+                   known_clean: Optional[float] = None, g: Optional[Graph] = None,
+                   per_row: Optional[Dict[str, Tensor]] = None) -> Tuple[List[float], float, float]:
     """The metric mean of each circuit mask ([S, R], or [groups, S, R] on a position-aware ``g``; ``g``: the
     graph the masks are of, default ``qk.graph(model)``) (one patched forward per mask and shard), and clean/corrupt
     (the corrupt record per shard; clean from a 100 % mask when one is among ``masks``, else one more run,
@@ -161,11 +180,19 @@ def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: i
     weights (``faithfulness`` passes the scores' own when their ``task_digest`` matches): the 100 % mask
     takes it and no clean rows are run. ``records``: shard index → corrupt record, read when there and
     filled when given (a caller that runs more circuits on the same shards skips those corrupt forwards;
-    it then holds them)."""
+    it then holds them). ``per_row``: a dict filled with each row's metric, ``"masks"`` [len(masks), n],
+    ``"clean"`` and ``"corrupt"`` [n] (what a bootstrap over prompts resamples; ``known_clean`` is then not
+    used for the clean rows, which are run)."""
     g = g or graph(model)
     task = with_reference(model, task)
     sums = [0.0] * len(masks)
     clean = corrupt = 0.0
+    if per_row is not None:
+        known_clean = None
+        need_clean = True
+        rows_of: List[List[Tensor]] = [[] for _ in masks]
+        clean_of: List[Tensor] = []
+        corrupt_of: List[Tensor] = []
     from .._foundation.progress import progress_bar
 
     bar = progress_bar(total=len(masks) * ((task.n + rows_per_shard - 1) // rows_per_shard), desc="faithfulness",
@@ -181,16 +208,26 @@ def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: i
         # one sender-output buffer for all the circuits of the shard
         buf = reuse(pool, "patched", tuple(corr.out.shape), corr.out.dtype, corr.out.device)
         pos = group_index(shard, g.positions) if g.positions else None
+        full_rows = None
         for i, m in enumerate(masks):
             if i == full and known_clean is not None:
                 continue
             # the full circuit IS the clean run (runs.py): a plain forward, no sender outputs to record
-            sums[i] += float(clean_rows(model, shard).sum() if i == full else
-                             patched_run(model, g, shard, corr, m[None], buffer=buf, positions=pos).sum())
+            rows = (clean_rows(model, shard) if i == full else
+                    patched_run(model, g, shard, corr, m[None], buffer=buf, positions=pos).reshape(-1))
+            sums[i] += float(rows.sum())
+            if i == full:
+                full_rows = rows
+            if per_row is not None:
+                rows_of[i].append(rows.detach().double().cpu())
             bar.update(1)
         # m(full): a 100 % mask already measured it
         if full is None and need_clean and known_clean is None:
-            clean += float(clean_rows(model, shard).sum())
+            full_rows = clean_rows(model, shard)
+            clean += float(full_rows.sum())
+        if per_row is not None:
+            clean_of.append(full_rows.detach().double().cpu())
+            corrupt_of.append(corr.rows.detach().double().cpu())
         del corr, buf
     if known_clean is not None:
         clean = float(known_clean) * task.n
@@ -201,6 +238,9 @@ def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: i
     elif not need_clean:
         clean = float("nan")
     bar.close()
+    if per_row is not None:
+        per_row["masks"] = torch.stack([torch.cat(r) for r in rows_of]) if masks else torch.zeros(0, task.n)
+        per_row["clean"], per_row["corrupt"] = torch.cat(clean_of), torch.cat(corrupt_of)
     return [s / task.n for s in sums], clean / task.n, corrupt / task.n
 
 
@@ -303,7 +343,7 @@ def _check_graph_of(model, task: Task, g: Graph) -> None:
 
 def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by: str = "signed",
                  how: str = "top", threshold: Real = THRESHOLD, rows_per_shard: Optional[int] = None,
-                 progress: bool = True, backend: Any = None) -> Faithfulness:
+                 progress: bool = True, backend: Any = None, bootstrap: int = 0, seed: int = 0) -> Faithfulness:
     """The faithfulness curve over ``sizes`` (percent of edges, truncated to whole edges as MIB does), CPR/CMD,
     the chosen circuit (the smallest grid size with f ≥ ``threshold``, else the largest, with a warning: no size
     below 100 % reaching it means no circuit) and its node view (module docstring). ``scores`` are read, never
@@ -312,18 +352,24 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     one clean forward per shard for m(full) unless the scores measured it on this task and these weights
     (``scores.settings["task_digest"]`` equals ``task.digest(model)``: their m(clean) is taken). Memory: the shard's corrupt record and the patched
     run's sender outputs, ~3 × [S, rows, pos, d_model]. ``backend`` as in ``edge_scores``: on Ray, every m(C)
-    is summed over prompt shards and f computed once from the sums (``qkcircuits._scale.ray_tasks``)."""
+    is summed over prompt shards and f computed once from the sums (``qkcircuits._scale.ray_tasks``).
+    ``bootstrap``: that many resamples of the prompt rows (seeded by ``seed``) give 95 % intervals of each f,
+    CPR and CMD from the per-row metrics, with no model run per resample (``bootstrap.py``; the clean rows
+    are then run even when the scores measured m(clean))."""
+    from .bootstrap import bootstrap_curve, check_bootstrap
     from .scores import check_task, shard_rows
 
+    check_bootstrap(bootstrap)
     if backend is not None:
         from .._foundation.backends import as_backend
 
         sg = getattr(scores, "graph", None)
         if isinstance(sg, Graph) and (sg.ungrouped or sg.positions):
             raise QKCircuitsError("the ungrouped and position-aware graphs run in this process only (backend=None)")
+        extra = {"bootstrap": bootstrap, "seed": seed} if bootstrap else {}
         return as_backend(backend).run("faithfulness", model, local=faithfulness, task=task, scores=scores,
                                        sizes=sizes, by=by, how=how, threshold=threshold, rows_per_shard=rows_per_shard,
-                                       progress=progress)
+                                       progress=progress, **extra)
 
     sizes = sorted({float(s) for s in sizes})
     if not sizes or sizes[0] < 0 or sizes[-1] > 100:
@@ -344,9 +390,10 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     digest = getattr(scores, "settings", {}).get("task_digest")
     known = (float(known) if digest is not None and known is not None and math.isfinite(float(known))
              and digest == task.digest(model) else None)
+    per_row: Optional[Dict[str, Tensor]] = {} if bootstrap else None
     values, clean, corrupt = circuit_metric(model, task, [c.mask if c.position_mask is None else c.position_mask
                                                           for c in circuits], rows, progress, records=records,
-                                            known_clean=known, g=g)
+                                            known_clean=known, g=g, per_row=per_row)
     f = [ratio(v, clean, corrupt) for v in values]
     curve = dict(zip(sizes, f))
     chosen = next((p for p, v in curve.items() if v >= threshold), sizes[-1])
@@ -360,6 +407,8 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
                        getattr(scores, "model", ""), {"by": by, "how": how, "threshold": threshold, "rows_per_shard": rows,
                                                        "cpr_cmd": "trapezoid over the grid, x = fraction of edges"},
                        {"curve_s": round(t1 - t0, 3), "node_view_s": round(time.perf_counter() - t1, 3)})
+    if per_row is not None:
+        out.bootstrap = bootstrap_curve(xs, per_row["masks"], per_row["clean"], per_row["corrupt"], bootstrap, seed)
     if not reached(curve, threshold) and clean != corrupt:
         warnings.warn(unreached_message(curve, threshold), stacklevel=2)
     return out

@@ -55,7 +55,7 @@ from __future__ import annotations
 from numbers import Real
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -64,6 +64,9 @@ from .._foundation.result import Result
 
 THRESHOLDS = {"direct_relative": 0.1, "direct_share_min": 0.01, "effect_relative": 0.1, "edge_relative": 0.1,
               "names_attention": 0.1, "pattern": 0.3}
+# heads outside a (core) circuit are named too when their direct or node effect reaches this share of
+# m(clean) − m(corrupt), either sign (``significant_heads``): negative name movers are never in a signed circuit
+ALSO_SHARE = 0.05
 IOI_POSITIONS = ("IO", "S1", "S1+1", "S2", "END")
 # IOI classes in the order they are tested, then the two catch-alls; (role, the attention key of a pattern class)
 ORDER = ("name mover", "negative name mover", "direct-logit head", "S-inhibition head", "induction head",
@@ -136,6 +139,9 @@ class Roles(Result):
                 text += f"; scan {det} " + ", ".join(f"{float(e['detectors'][det]):.2f}" for e in ev)
             if role == "unclassified":
                 text += "; END attends most to position " + ", ".join(str(e["END_top_position"]) for e in ev)
+            outside = [h for h in shown if self.roles[h].get("in_circuit") is False]
+            if outside:
+                text += f"; not in the circuit: {', '.join(outside)}"
             lines.append(text + ")")
         return lines
 
@@ -264,13 +270,33 @@ def classify(evidence: Dict[str, Dict[str, object]], q_edges: Dict[Tuple[str, st
     return out
 
 
+def significant_heads(scores, clean: Real, corrupt: Real, share: Real = ALSO_SHARE) -> List[str]:
+    """Heads of ``scores``' graph whose direct effect (head → logits edge score) or node effect (the sum of its
+    outgoing edge scores) is at least ``share`` × |m(clean) − m(corrupt)| in size, either sign; in graph order."""
+    g = scores.graph
+    denom = abs(float(clean) - float(corrupt))
+    if not denom == denom or denom == 0:
+        return []
+    sc = torch.nan_to_num(scores.scores.float(), nan=0.0)
+    out = []
+    for L in range(g.n_layers):
+        for h in range(g.n_heads):
+            s = g.head_sender(L, h)
+            if max(abs(float(sc[s, g.logits_receiver])), abs(float(sc[s].sum()))) >= float(share) * denom:
+                out.append(f"{L}.{h}")
+    return out
+
+
 def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[Real] = None,
-          thresholds: Optional[Dict[str, float]] = None, force: bool = False) -> Roles:
+          thresholds: Optional[Dict[str, float]] = None, also: Sequence[str] = (), force: bool = False) -> Roles:
     """Each head of ``circuit`` with its role and evidence (module docstring). ``clean``/``corrupt``: the
     task's metric means (computed with two forwards per 16 rows when not given). ``thresholds`` override
-    ``THRESHOLDS``. When the model does not do the task (clean not better than corrupt) no roles are named
-    (a "negative name mover" with a positive effect says nothing): the result holds none and says why
-    (``Roles.not_named``), unless ``force=True``."""
+    ``THRESHOLDS``. ``also``: heads outside the circuit judged beside its own (``significant_heads``; the
+    circuit's scores must hold their edges, as ``scores.circuit()``'s and the core's do); every entry says
+    ``in_circuit``. Entries are plain dicts: a later step may add keys (e.g. ``qk``, the QK evidence of why a
+    head attends where it does) and everything here keeps them. When the model does not do the task (clean not
+    better than corrupt) no roles are named (a "negative name mover" with a positive effect says nothing): the
+    result holds none and says why (``Roles.not_named``), unless ``force=True``."""
     from .task import does_the_task, evaluate, not_done_message, with_reference
 
     g = circuit.graph
@@ -283,7 +309,9 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
         why = not_done_message(task, float(clean), float(corrupt), model) + " (force=True / --force names them anyway)"
         return Roles({}, task.name, {"thresholds": t, "clean": clean, "corrupt": corrupt, "not_named": why})
     denom = float(clean - corrupt) or float("nan")
-    heads = circuit.heads
+    own = circuit.heads
+    extra = [h for h in also if h not in set(own)]
+    heads = sorted(set(own) | set(extra), key=lambda h: tuple(map(int, h.split("."))))
     layers = sorted({int(h.split(".")[0]) for h in heads})
     pats = _patterns(model, task, layers) if layers else {}
     pos = {k: v.cpu() for k, v in task.positions.items()}
@@ -325,14 +353,18 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
             e["labels"] = [label for _, _, label in DETECTORS if name in labelled[label]]
     q_edges: Dict[Tuple[str, str], float] = {}
     if ioi:
-        in_circuit = set(heads)
+        judged, outside = set(heads), set(extra)
         for r, (rname, x) in enumerate(g.receivers):
-            if x != "q" or rname not in in_circuit:
+            if x != "q" or rname not in judged:
                 continue
-            for s in circuit.mask[:, r].nonzero().flatten().tolist():
-                if g.senders[s] in in_circuit:
-                    q_edges[(g.senders[s], rname)] = float(scores[s, r])
+            # the circuit's edges; an edge from or into a head outside it is read from the whole graph's scores
+            for s in (circuit.mask[:, r] | g.valid[:, r]).nonzero().flatten().tolist():
+                sname = g.senders[s]
+                if sname in judged and (bool(circuit.mask[s, r]) or sname in outside or rname in outside):
+                    q_edges[(sname, rname)] = float(scores[s, r])
     out = classify(evidence, q_edges, ioi=ioi, denom=denom, thresholds=thresholds)
+    for name, entry in out.items():
+        entry["in_circuit"] = name not in set(extra)
     t = {**THRESHOLDS, **(thresholds or {})}
     return Roles(out, task.name, {"thresholds": t, "clean": clean, "corrupt": corrupt,
                                   "largest_direct_effect": _largest(e["direct_effect"] for e in evidence.values()),

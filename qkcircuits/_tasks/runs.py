@@ -425,12 +425,15 @@ def z_patchable(model, g: Graph) -> bool:
 
 
 def node_run(model, g: Graph, task, corrupt: Record, heads_out: Sequence[Tuple[int, int]],
-             where: Optional[Dict[Tuple[int, int], Tensor]] = None) -> Optional[Tensor]:
+             mlps_out: Sequence[int] = (), where: Optional[Dict[Tuple[int, int], Tensor]] = None
+             ) -> Optional[Tensor]:
     """The metric per row [b] when every head in ``heads_out`` ((layer, head) pairs) gives its corrupt-run
     output to every reader and everything else is this run's: ``patched_run`` with ``circuit.node_mask``'s
     mask, as ONE plain forward of the clean rows whose hook_z takes the corrupt record's z for those heads.
-    ``where[(layer, head)]``: a bool [b, pos] of the positions at which that head gives its corrupt output
-    (a position-aware node view: its output elsewhere stays this run's); absent: every position.
+    ``mlps_out``: layers whose MLP output (hook_mlp_out, the MLP sender's output) is the corrupt run's too
+    (the record must hold them: ``z_record(mlps=True)``). ``where[(layer, head)]``: a bool [b, pos] of the
+    positions at which that head gives its corrupt output (a position-aware node view: its output elsewhere
+    stays this run's); absent: every position.
 
     The same thing, not an estimate: a head's output is z_h W_O[h] (graph.py), a function of its z alone, so
     with z_h patched every reader reads its corrupt output; every receiver reads the same residual
@@ -441,6 +444,8 @@ def node_run(model, g: Graph, task, corrupt: Record, heads_out: Sequence[Tuple[i
         return None
     if any(("z", L) not in corrupt.hooks for L in range(g.n_layers)):
         raise QKCircuitsError("the corrupt record holds no hook_z values; record it with runs.record")
+    if any(("mlp_out", int(L)) not in corrupt.hooks for L in mlps_out):
+        raise QKCircuitsError("the corrupt record holds no MLP outputs; record it with runs.z_record(mlps=True)")
     by_layer: Dict[int, List[int]] = {}
     for L, h in heads_out:
         by_layer.setdefault(int(L), []).append(int(h))
@@ -462,14 +467,21 @@ def node_run(model, g: Graph, task, corrupt: Record, heads_out: Sequence[Tuple[i
             return z
         return fn
 
+    def corrupt_mlp(L: int):
+        def fn(t: Tensor, hook) -> Tensor:
+            return corrupt.hooks[("mlp_out", L)].to(t.dtype)
+        return fn
+
     hooks = [(f"blocks.{L}.attn.hook_z", patch(L, hs)) for L, hs in by_layer.items()]
+    hooks += [(f"blocks.{int(L)}.hook_mlp_out", corrupt_mlp(int(L))) for L in sorted(set(mlps_out))]
     with torch.no_grad():
         return _metric_rows(model, task, task.clean, hooks)
 
 
-def z_record(model, g: Graph, task, tokens: Tensor) -> Record:
-    """What ``node_run`` reads of a corrupt run, alone: each layer's hook_z [b, p, H, e] and the metric per row
-    (a plain forward; no sender outputs, so none of ``record``'s [S, b, p, d] buffer)."""
+def z_record(model, g: Graph, task, tokens: Tensor, mlps: bool = False) -> Record:
+    """What ``node_run`` reads of a corrupt run, alone: each layer's hook_z [b, p, H, e] (and with ``mlps`` its
+    MLP output, hook_mlp_out [b, p, d], as ``("mlp_out", L)``) and the metric per row (a plain forward; no
+    sender outputs, so none of ``record``'s [S, b, p, d] buffer)."""
     keep: Dict[Key, Tensor] = {}
 
     def grab(L: int):
@@ -478,6 +490,14 @@ def z_record(model, g: Graph, task, tokens: Tensor) -> Record:
             keep[("z", L)] = z.detach()
         return fn
 
+    def grab_mlp(L: int):
+        def fn(t: Tensor, hook) -> None:
+            keep[("mlp_out", L)] = t.detach()
+        return fn
+
+    hooks = [(f"blocks.{L}.attn.hook_z", grab(L)) for L in range(g.n_layers)]
+    if mlps and g.has_mlp:
+        hooks += [(f"blocks.{L}.hook_mlp_out", grab_mlp(L)) for L in range(g.n_layers)]
     with torch.no_grad():
-        rows = _metric_rows(model, task, tokens, [(f"blocks.{L}.attn.hook_z", grab(L)) for L in range(g.n_layers)])
+        rows = _metric_rows(model, task, tokens, hooks)
     return Record(torch.empty(0), keep, {}, rows.detach())

@@ -190,6 +190,30 @@ class EdgeScores(Result):
                                   "qk.faithfulness(model, task, scores).circuit")
         return select(self, edges=edges, percent=percent, by=by, how=how)
 
+    def to_mib(self, path=None, circuit=None, d_model: Optional[int] = None) -> str:
+        """These scores as the MIB circuit track's JSON (an importance-score submission file; with ``circuit``,
+        its edges are ``in_graph``), written to ``path`` when given; returns the text (``qkcircuits._tasks.mib``:
+        names, grouped k/v split evenly over the group's query heads)."""
+        from .mib import to_mib
+
+        return to_mib(self, path, None if circuit is None else circuit.mask, d_model)
+
+    @classmethod
+    def from_mib(cls, path, model, gqa: str = "grouped") -> "EdgeScores":
+        """Scores from a MIB circuit JSON (the EAP-IG library's ``Graph.to_json``) on ``model``'s graph (a loaded
+        model, with ``gqa`` as in ``qk.graph``, or a graph); per-query-head k/v scores are summed into their KV
+        head on the grouped graph, read one to one on the ungrouped one."""
+        from .mib import scores_from_mib
+
+        return scores_from_mib(path, model, gqa)
+
+    def core(self, model, task: Task, **kw):
+        """The core circuit of these scores: the fewest heads (and MLPs) whose node view reaches f ≥ 0.8
+        (``qk.core_circuit(model, task, self, **kw)``; ``qkcircuits._tasks.core``)."""
+        from .core import core_circuit
+
+        return core_circuit(model, task, self, **kw)
+
     # ---------------------------------------------------------------------------------------- data
     def to_dict(self) -> Dict[str, object]:
         from .._foundation.io import SCORE_DIGITS, json_number
@@ -248,6 +272,7 @@ def _settings(model, task: Task, rows: int, extra: Dict[str, object]) -> Dict[st
     from .._foundation.io import package_version
 
     return {"rows_per_shard": rows, "bos_prepended": bool(task.bos), "dtype": str(model.W_E.dtype),
+            "d_model": int(model.cfg.d_model),
             "fold_ln": folded(model), "task_digest": task.digest(model), **extra,
             "versions": {"qkcircuits": __version__, "transformer_lens": package_version("transformer-lens"),
                          "torch": torch.__version__}}

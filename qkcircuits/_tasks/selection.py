@@ -227,6 +227,21 @@ class Circuit(Result):
 
         return pd.DataFrame(self.edges(), columns=["sender", "receiver", "input", "score"])
 
+    def to_mib(self, path=None, d_model: Optional[int] = None) -> str:
+        """This circuit as the MIB circuit track's JSON: every edge of the graph with its score (0 where this
+        circuit does not know it), ``in_graph`` = this circuit's edges (``qkcircuits._tasks.mib``)."""
+        from .mib import to_mib
+
+        return to_mib(self, path, self.mask, d_model)
+
+    @classmethod
+    def from_mib(cls, path, model, gqa: str = "grouped") -> "Circuit":
+        """The in_graph edges of a MIB circuit JSON on ``model``'s graph (``gqa`` as in ``qk.graph``; grouped k/v:
+        in when any query head's copy is), with the file's scores."""
+        from .mib import circuit_from_mib
+
+        return circuit_from_mib(path, model, gqa)
+
     def roles(self, model, task: Task, **kw):
         """Each head of the circuit with the evidence for its role (see ``qkcircuits._tasks.roles``)."""
         from .roles import roles

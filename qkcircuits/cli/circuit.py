@@ -1,18 +1,25 @@
 """``qkcircuits circuit MODEL --task ioi|induction|FILE.jsonl``: a task's circuit over the whole graph.
 
-Scores every edge (EAP-IG by default, the authors' left rule), measures the faithfulness curve over the MIB grid
-(CPR/CMD), picks the circuit (``--edges``/``--percent``, else the smallest grid size with f ≥ 0.8), names its
-heads' roles. Progress goes to stderr (its first line names the model, the task and its BOS); the summary goes to
-stdout once everything ran and STARTS with the warnings (the model does not do the task, no grid size reaches
-f ≥ 0.8, the method's scores disagree in sign with EAP-IG on the top edges), printed after every progress bar
-closed. When the model does not do the task or no size below 100 % reaches f ≥ 0.8, no circuit and no roles are
-named unless ``--force``.
+Scores every edge (EAP-IG by default, the authors' left rule), finds the core circuit (the fewest heads and MLPs
+whose node view reaches f ≥ 0.8) and names its heads' roles (with the heads outside it whose effect reaches 5 %),
+measures the edge circuit's faithfulness curve over the MIB grid (CPR/CMD; ``--bootstrap N``: their intervals
+over prompts), picks the edge circuit (``--edges``/``--percent``, else the smallest grid size with f ≥ 0.8).
+Progress goes to stderr (its first line names the model, the task and its BOS); the summary goes to stdout once
+everything ran and STARTS with the warnings (the model does not do the task, no grid size reaches f ≥ 0.8, the
+method's scores disagree in sign with EAP-IG on the top edges), printed after every progress bar closed, then the
+core circuit and its roles, then the edge circuit. When the model does not do the task, no core, no circuit and no
+roles are named unless ``--force``; when no size below 100 % reaches f ≥ 0.8, no edge circuit (the core and its
+roles stay).
 ``--json`` keys (the contract the views read): model, task, n_prompts, metric, clean, corrupt, method,
-steps, rule, curve {percent: f}, cpr, cmd, circuit {edges: [[sender, receiver, input, score], ...], heads,
-node_faithfulness, named, ...}, roles {head: {role, evidence}}, warnings [one line each], bos {prepended, mode},
-timing; plus schema, graph, bos_prepended (old readers). ``--gqa ungrouped`` / ``--positions`` score another
-graph (``graph.gqa`` / ``graph.positions`` in the JSON; a position-aware circuit's edges name their group, as
-``20.0@END``, and ``circuit.position_nodes`` lists where its nodes act); this process only, not with ``--ray``.
+steps, rule, core {heads, mlps, node_faithfulness, curve {heads: f}, how, ...} (absent with ``--no-core``, on the
+position-aware graph, or when not named), curve {percent: f}, cpr, cmd, circuit {edges: [[sender, receiver,
+input, score], ...], heads, node_faithfulness, named, ...}, roles {head: {role, evidence, why, in_circuit}},
+roles_of ("core", "circuit" or null: which circuit's heads), warnings [one line each], bos {prepended, mode},
+timing; plus schema, graph, bos_prepended (old readers), bootstrap with ``--bootstrap``. ``--gqa ungrouped`` /
+``--positions`` score another graph (``graph.gqa`` / ``graph.positions`` in the JSON; a position-aware circuit's
+edges name their group, as ``20.0@END``, and ``circuit.position_nodes`` lists where its nodes act); this process
+only, not with ``--ray``. ``--mib PATH`` writes the edge scores in the MIB circuit track's JSON (the named edge
+circuit's edges in_graph; the ungrouped graph's k/v per query head one to one; not on the position-aware graph).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, load_model, positive_int
+from ._common import add_model_args, load_model, non_negative_int, output_arg, positive_int
 
 SCHEMA = "qkcircuits.circuit/1"
 METHODS = ("eap-ig", "eap", "exact", "eap-ig-activations", "clean-corrupted")
@@ -90,6 +97,17 @@ def add_parser(sub) -> None:
     p.add_argument("--no-sign-check", action="store_true",
                    help=f"skip the comparison with EAP-IG (run on the first {SIGN_ROWS} prompts) that warns when "
                         f"another method's top edges disagree with it in sign")
+    p.add_argument("--no-core", action="store_true",
+                   help="skip the core circuit (the fewest heads and MLPs whose node view reaches f >= 0.8); the "
+                        "roles are then the edge circuit's (the position-aware graph has no core)")
+    p.add_argument("--core-mlps", choices=("searched", "clean"), default="searched",
+                   help="searched (default): MLPs are nodes of the core like heads (one left out gives its "
+                        "corrupt output); clean: every MLP stays clean and only heads are searched")
+    p.add_argument("--bootstrap", type=non_negative_int, default=0, metavar="N",
+                   help="N resamples of the prompts give 95%% intervals of the curve, CPR and CMD (no model run "
+                        "per resample; default 0: none)")
+    output_arg(p, "--mib", metavar="PATH", help="write the edge scores in the MIB circuit track's JSON (the edge "
+                                                "circuit's edges in_graph; not with --positions)")
     p.add_argument("--json", metavar="PATH", help="write the result (the circuit JSON contract)")
     p.add_argument("--csv", metavar="PATH", help="write every edge's score (sender, receiver, input, score, in_circuit)")
     p.add_argument("-o", "--output", metavar="HTML", help="write the report's circuit section as one offline HTML "
@@ -141,8 +159,13 @@ class _Here:
         (m,), clean, corrupt = circuit_metric(self.model, self.task, [mask], rows, records=records, g=self.graph)
         return ratio(m, clean, corrupt), node_faithfulness(self.model, self.task, circ.heads, rows, clean=clean, records=records)
 
-    def roles(self, circ, clean, corrupt, force=False):
-        return circ.roles(self.model, self.task, clean=clean, corrupt=corrupt, force=force)
+    def core(self, scores, mlps: bool, progress: bool):
+        from .._tasks.core import core_circuit
+
+        return core_circuit(self.model, self.task, scores, mlps=mlps, progress=progress)
+
+    def roles(self, circ, clean, corrupt, force=False, also=()):
+        return circ.roles(self.model, self.task, clean=clean, corrupt=corrupt, force=force, also=list(also))
 
     def token_text(self, i: int) -> str:
         tok = getattr(self.model, "tokenizer", None)
@@ -188,8 +211,11 @@ class _OnRay:
         return self.rt.ratio(m, clean, corrupt), self.rt.ray_node_faithfulness(self.pool, self.task, circ.heads,
                                                                                 clean=clean)
 
-    def roles(self, circ, clean, corrupt, force=False):
-        return self.rt.ray_roles(self.pool, self.task, circ, clean, corrupt, force=force)
+    def core(self, scores, mlps: bool, progress: bool):
+        return self.rt.ray_core_circuit(None, self.task, scores, mlps=mlps, progress=progress, pool=self.pool)
+
+    def roles(self, circ, clean, corrupt, force=False, also=()):
+        return self.rt.ray_roles(self.pool, self.task, circ, clean, corrupt, also=also, force=force)
 
     def token_text(self, i: int) -> str:
         return f"id {int(i)}"           # the driver has no tokenizer
@@ -203,6 +229,9 @@ def run(args: argparse.Namespace) -> int:
         raise QKCircuitsError(f"--task {args.task!r}: expected ioi, induction, or an existing .jsonl file")
     if args.rule is not None and args.method not in ("eap-ig", "eap-ig-activations"):
         raise QKCircuitsError(f"--rule {args.rule}: applies to --method eap-ig and eap-ig-activations, not {args.method}")
+    if args.mib and args.positions:
+        raise QKCircuitsError("--mib: MIB's graph has no position groups; drop --positions (--gqa ungrouped is MIB's "
+                              "own k/v count)")
     if args.task == "induction" and args.bos == "no":
         raise QKCircuitsError("--bos no: the induction task's prompts are [BOS] + R + R and always start with BOS; use "
                               "--bos auto or yes")
@@ -266,10 +295,17 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
         done = does_the_task(task, scores.clean, scores.corrupt)
         if not done:
             warn_now(not_done_message(task, scores.clean, scores.corrupt, getattr(here, "model", None)))
-        faith = here.faithfulness(scores, by=args.by, how=args.how, progress=progress)
+        undefined = scores.clean == scores.corrupt
+        core = None
+        # the core first: the fewest heads (and MLPs) that carry the behaviour; none on the position-aware graph
+        # (core_circuit refuses it) and none named when the model does not do the task, unless --force
+        if not args.no_core and not g.positions and (args.force or (done and not undefined)):
+            core = here.core(scores, mlps=args.core_mlps == "searched", progress=progress)
+        t_core = time.perf_counter()
+        faith = here.faithfulness(scores, by=args.by, how=args.how, progress=progress,
+                                  **({"bootstrap": args.bootstrap} if args.bootstrap else {}))
         t3 = time.perf_counter()
         explicit = args.edges is not None or args.percent is not None
-        undefined = scores.clean == scores.corrupt
         if done and not undefined and not explicit and not faith.reached:
             warn_now(caveats.unreached_message(faith.curve, THRESHOLD))
         sign = None
@@ -283,7 +319,10 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
         else:
             circ, f_circ, node_f = faith.circuit, faith.curve[faith.chosen_percent], faith.node_faithfulness
         t4 = time.perf_counter()
-        if named:
+        if core is not None:            # the core's heads, and those outside it whose effect reaches 5 %
+            roles = here.roles(core.circuit(scores), scores.clean, scores.corrupt, force=args.force,
+                               also=core.outside(scores))
+        elif named:
             roles = here.roles(circ, scores.clean, scores.corrupt, force=args.force)
         else:
             from .._tasks.roles import Roles
@@ -294,12 +333,22 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
         t5 = time.perf_counter()
     lines = [f"warning: {w}" for w in warned] + [header,
              f"  clean {task.metric_name} {scores.clean:.4f}, corrupt {scores.corrupt:.4f}"]
+    if core is not None:
+        lines += core_lines(core)
+        lines.append("  roles (the core's heads, and heads outside it whose direct or node effect reaches 5 %):")
+        lines += [f"  {line}" for line in roles.sentences()]
+        lines.append("  edge circuit:")
+    elif g.positions and not args.no_core:
+        lines.append("  core circuit: none on the position-aware graph (the core's nodes are heads at every position)")
     if undefined:                         # f = (m − m(corrupt)) / (m(clean) − m(corrupt)) has no value
         lines.append(f"  faithfulness is undefined: clean and corrupt {task.metric_name} are equal ({scores.clean:.4g});"
                      f" the curve, CPR and CMD are NaN (null in the JSON)")
     else:
         lines.append("  faithfulness f by percent of edges: " + ", ".join(f"{k:g}%: {v:.3f}" for k, v in faith.curve.items()))
-        lines.append(f"  CPR {faith.cpr:.3f} (higher is better), CMD {faith.cmd:.3f} (lower is better)")
+        b = faith.bootstrap
+        ci = (lambda key: f" [{100 * b['level']:g} % interval {b[key][0]:.3f}-{b[key][1]:.3f}]") if b else (lambda key: "")
+        lines.append(f"  CPR {faith.cpr:.3f}{ci('cpr')} (higher is better), CMD {faith.cmd:.3f}{ci('cmd')} (lower is "
+                     f"better)" + (f"; intervals from {b['n']} resamples of the prompts" if b else ""))
     how = (f"{args.edges} edges requested" if args.edges is not None else f"{args.percent:g}% requested"
            if args.percent is not None else f"smallest grid size with f >= 0.8: {faith.chosen_percent:g}%"
            if faith.reached else f"f undefined: the largest grid size, {faith.chosen_percent:g}%" if undefined else
@@ -316,9 +365,11 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
         lines.append(f"  no circuit named ({how}): " + (
             "the model does not do the task" if not done or undefined else "it would be the whole graph")
             + "; --force names it anyway")
-    lines += [f"  {line}" for line in roles.sentences()]
+    if core is None:
+        lines += [f"  {line}" for line in roles.sentences()]
     print("\n".join(lines), flush=True)
-    timing = {"load_s": round(t_load, 2), "edge_scores_s": round(t2 - t1, 2), "faithfulness_s": round(t3 - t2, 2),
+    timing = {"load_s": round(t_load, 2), "edge_scores_s": round(t2 - t1, 2), "core_s": round(t_core - t2, 2),
+              "faithfulness_s": round(t3 - t_core, 2),
               "sign_check_s": round(t_sign - t3, 2), "circuit_s": round(t4 - t_sign, 2), "roles_s": round(t5 - t4, 2),
               "total_s": round(t5 - t0, 2)}
     circuit = {**circ.to_dict(), "faithfulness": f_circ, "node_faithfulness": node_f, "named": bool(named)}
@@ -328,11 +379,16 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
     data = {"schema": SCHEMA, "model": args.model, "task": task.name, "n_prompts": task.n,
             "metric": task.metric_name, "clean": scores.clean, "corrupt": scores.corrupt, "method": args.method,
             "steps": scores.steps, "rule": scores.rule, "curve": {f"{k:g}": v for k, v in faith.curve.items()},
-            "cpr": faith.cpr, "cmd": faith.cmd, "circuit": circuit, "roles": dict(roles.roles), "warnings": warned,
+            "cpr": faith.cpr, "cmd": faith.cmd, "circuit": circuit, "roles": dict(roles.roles),
+            "roles_of": "core" if core is not None else "circuit" if named else None, "warnings": warned,
             "timing": timing, "bos": task.bos_info(), "bos_prepended": bool(task.bos), "graph": g.to_dict(),
             "n_edges_by_percent": {f"{k:g}": v for k, v in faith.n_edges.items()},
             "chosen_percent": faith.chosen_percent, "by": args.by, "how": args.how, "force": bool(args.force),
             "positions": sorted(task.positions), "versions": scores.settings.get("versions", {})}
+    if core is not None:
+        data["core"] = core_json(core)
+    if faith.bootstrap:
+        data["bootstrap"] = faith.bootstrap
     if sign is not None:
         data["sign_check"] = sign
     if args.timing:
@@ -341,6 +397,25 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
         data["backend"] = {k: v for k, v in scores.settings.get("backend", {}).items() if k != "plan"}
     _write(args, data, scores, circ if named else None, roles)
     return 0
+
+
+def core_json(core) -> dict:
+    """The ``core`` key of the circuit JSON (docs/tasks.md): heads, mlps, node_faithfulness, curve {heads in the
+    ranked prefix: f}, how, and the search's settings."""
+    d = core.to_dict()
+    keep = ("heads", "mlps", "node_faithfulness", "curve", "how", "threshold", "pruned")
+    return {**{k: d[k] for k in keep}, "by": core.settings.get("by"), "mlps_searched": core.settings.get("mlps") == "searched",
+            "sets_measured": core.settings.get("sets_measured"), "seconds": core.timing.get("core_s")}
+
+
+def core_lines(core) -> list:
+    """The summary's lines of the core circuit: its size and node f, its nodes, how it was found, the grow curve."""
+    mlps = f" + {len(core.mlps)} MLPs" if core.mlps and core.settings.get("mlps") == "searched" else ""
+    return [f"  core circuit: {len(core.heads)} heads{mlps}, node f {core.node_faithfulness:.3f} (every other head"
+            f"{' and MLP' if mlps else ''} gives its corrupt output)",
+            f"    heads {', '.join(core.heads)}" + (f"; MLPs {', '.join(core.mlps)}" if mlps else ""),
+            f"    how: {core.how}",
+            "    f by heads in the ranked prefix: " + ", ".join(f"{k}: {v:.3f}" for k, v in core.curve.items())]
 
 
 def _graph_kw(args) -> dict:
@@ -391,6 +466,9 @@ def _write(args, data, scores, circ, roles) -> None:
         lines += [f"{s},{r},{x},{v:.6g},{int((s, r, x) in inside)}" for s, r, x, v in scores.edge_list()]
         write_atomic(args.csv, "\n".join(lines) + "\n")
         print(f"wrote {args.csv}", file=sys.stderr)
+    if args.mib:
+        scores.to_mib(args.mib, circuit=circ)
+        print(f"wrote {args.mib}", file=sys.stderr)
     if args.output:          # the report's own circuit section (warnings, curve, graph, roles, top edges), alone
         from ..viz._report import circuit_page, write_report
 
