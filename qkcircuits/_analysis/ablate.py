@@ -40,6 +40,7 @@ from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .._foundation.args import check_model, check_tokens
 from .._foundation.heads import Head, HeadsLike, all_heads, model_heads
+from .._foundation.io import json_floats, read_float, read_floats
 from .._foundation.sequences import check_seed
 from .metrics import Metric, as_metric
 
@@ -387,8 +388,8 @@ class GroupEffect(Result):
 
     @classmethod
     def _from_dict(cls, d: Dict[str, Any]) -> "GroupEffect":
-        return cls([Head.parse(h) for h in d["heads"]], float(d["baseline"]), float(d["ablated"]), d["method"],
-                   d["metric"], bool(d.get("higher_is_better", False)), settings=d.get("settings", {}))
+        return cls([Head.parse(h) for h in d["heads"]], read_float(d["baseline"]), read_float(d["ablated"]),
+                   d["method"], d["metric"], bool(d.get("higher_is_better", False)), settings=d.get("settings", {}))
 
     def _text(self) -> str:
         heads = ", ".join(map(str, self.heads))
@@ -465,15 +466,15 @@ class RandomComparison(Result):
 
     def to_dict(self) -> Dict[str, Any]:
         return {"heads": [str(h) for h in self.heads], "baseline": self.baseline, "effect": self.effect,
-                "random_effects": [float(x) for x in self.random_effects.tolist()],
+                "random_effects": json_floats(self.random_effects),
                 "random_heads": [[str(h) for h in hs] for hs in self.random_heads], "method": self.method,
                 "metric": self.metric, "seed": self.seed, "fraction_at_least": self.fraction_at_least,
                 "settings": self.settings}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, Any]) -> "RandomComparison":
-        return cls([Head.parse(h) for h in d["heads"]], float(d["baseline"]), float(d["effect"]),
-                   torch.tensor([float(x) for x in d["random_effects"]]),
+        return cls([Head.parse(h) for h in d["heads"]], read_float(d["baseline"]), read_float(d["effect"]),
+                   read_floats(d["random_effects"]),
                    [[Head.parse(h) for h in hs] for hs in d["random_heads"]], d["method"], d["metric"],
                    int(d["seed"]), settings=d.get("settings", {}))
 

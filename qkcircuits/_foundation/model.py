@@ -37,6 +37,7 @@ from transformer_lens.model_bridge import TransformerBridge
 
 from .errors import QKCircuitsError
 from .fetch import SMOLLM2_HUB_NAME, smollm2_gguf
+from .offline import hub_offline as _hub_offline
 
 ALIASES = {"smollm2-135m": "smollm2-135m", "smollm2": "smollm2-135m"}
 TOY = "toy-induction"
@@ -401,24 +402,6 @@ def _hub_reachable(host: str = "huggingface.co", timeout: float = 1.5) -> bool:
             return True
     except OSError:
         return False
-
-
-@contextlib.contextmanager
-def _hub_offline():
-    """Make huggingface_hub answer from local files only (no 20 s of retries for local loads)."""
-    import huggingface_hub.constants as hc
-
-    old_env, old_const = os.environ.get("HF_HUB_OFFLINE"), hc.HF_HUB_OFFLINE
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    hc.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        hc.HF_HUB_OFFLINE = old_const
-        if old_env is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = old_env
 
 
 def _first_line(e: BaseException) -> str:

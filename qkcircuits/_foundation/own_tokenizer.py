@@ -69,9 +69,9 @@ def own_affixes(model) -> Dict[str, object]:
         def reload():
             from transformers import AutoTokenizer
 
-            from .model import _hub_offline
+            from .offline import hub_offline
 
-            with _hub_offline():
+            with hub_offline():
                 return AutoTokenizer.from_pretrained(name)
         got = read(reload, f"the tokenizer of {name!r} as saved")
     if got is None:

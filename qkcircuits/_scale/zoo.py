@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .._foundation.backends import BackendLike, Local, Ray, as_backend
 from .._analysis.detectors import detector
 from .._foundation.errors import QKCircuitsError
-from .._foundation.io import check_int, json_number
+from .._foundation.io import check_int, json_floats, json_number
 from .._foundation.renamed import renamed
 from .._foundation.result import Result
 
@@ -109,13 +109,16 @@ def summarise(spec: str, scores, *, k: int = 10) -> Dict[str, Any]:
         "random_mean": json_number(sum(conf["random_effects"]) / len(conf["random_effects"])),
         "heads": conf["heads"], "n_draws": len(conf["random_effects"]), "baseline": json_number(conf["baseline"])}
     out["k_sources"] = None
-    out["scores"] = {k: [[json_number(x) for x in row] for row in scores[k].tolist()]
-                     for k in ZOO_DETECTORS}
+    out["scores"] = {k: json_floats(scores[k]) for k in ZOO_DETECTORS}
     return out
 
 
 def _head(head, value: float, n_layers: int) -> Dict[str, Any]:
-    return {"head": str(head), "score": json_number(value), "depth": round(head.layer / n_layers, 4)}
+    import torch
+
+    # a scan's scores are float32: the shortest decimal of that float32 (exact, and as the "scores" grids write it)
+    return {"head": str(head), "score": json_floats(torch.tensor(value, dtype=torch.float32)),
+            "depth": round(head.layer / n_layers, 4)}
 
 
 @renamed(confirm_top="confirm_k", max_heads="k")

@@ -35,6 +35,7 @@ from .._foundation.result import Result
 from .._foundation.rope import STYLES, RotarySpec, rotate, rotation  # noqa: F401 (re-exported)
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import HeadsLike
+from .._foundation.io import json_floats, read_floats
 from .circuits import CHUNK_ROWS, to_head, attn_scale, is_folded, layer_weights, normalize_rows, warn_caveats
 
 
@@ -184,13 +185,12 @@ class OffsetProfile(Result):
 
     def to_dict(self) -> Dict[str, Any]:
         return {"head": self.head, "offsets": [int(x) for x in self.offsets.tolist()],
-                "mean_score": [float(x) for x in self.mean_score.tolist()],
-                "norm": [float(x) for x in self.norm.tolist()], "settings": self.settings}
+                "mean_score": json_floats(self.mean_score), "norm": json_floats(self.norm), "settings": self.settings}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, Any]) -> "OffsetProfile":
         return cls(str(d["head"]), torch.tensor([int(x) for x in d["offsets"]]),
-                   torch.tensor([float(x) for x in d["mean_score"]]), torch.tensor([float(x) for x in d["norm"]]),
+                   read_floats(d["mean_score"]), read_floats(d["norm"]),
                    d.get("settings", {}))
 
     def _text(self) -> str:
