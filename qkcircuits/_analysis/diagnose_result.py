@@ -1,10 +1,14 @@
 """``HeadDiagnostics``: per-head health measures as [n_layers, n_heads] tensors, flags with stated thresholds.
 
->>> diag = diagnose(model)                                   # doctest: +SKIP
->>> diag["qk_var_ratio"].shape                                # [n_layers, n_heads]  # doctest: +SKIP
->>> diag.flagged()                       # [(Head(layer=0, head=0), ["near_uniform"]), ...]  # doctest: +SKIP
->>> diag.to_frame().sort_values("sink", ascending=False)     # one row per head  # doctest: +SKIP
->>> HeadDiagnostics.from_json(diag.to_json())                # round trip  # doctest: +SKIP
+>>> diag = qk.diagnose(model, progress=False)
+>>> diag["qk_var_ratio"].shape                               # [n_layers, n_heads]
+torch.Size([2, 2])
+>>> diag.flagged()[:2]                                       # the toy's heads attend one-hot
+[(Head(layer=0, head=0), ['near_one_hot']), (Head(layer=0, head=1), ['near_one_hot'])]
+>>> diag.to_frame().sort_values("sink", ascending=False)[["layer", "head"]].values[0].tolist()   # one row per head
+[1, 0]
+>>> HeadDiagnostics.from_json(diag.to_json()).flagged() == diag.flagged()            # an exact round trip
+True
 
 Flags (thresholds live in ``settings["thresholds"]`` and docs/diagnostics.md says why):
 

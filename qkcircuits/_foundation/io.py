@@ -131,7 +131,7 @@ def _shortest32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def json_floats(t) -> list:
+def json_floats(t) -> Any:
     """A tensor as nested lists of ``json_number``s (``null`` for NaN and ±inf), exact for its dtype: float64 as
     is, float32 / bf16 / fp16 as the shortest decimal of each float32 value (readable, and read back exactly by
     ``read_floats(..., torch.float32)``); integers as ints.

@@ -103,8 +103,9 @@ def load(
     (GGUF files are dequantized on the CPU first, then moved), plus the untied unembedding when
     ``fold_ln`` centres a tied W_U. ``lean=True`` (default) folds with one copy of the weights
     alive at a time and one block upcast to fp32 at a time (``qkcircuits._foundation.lean``: bit-identical weights;
-    measured on SmolLM2, 1.24x steady and 1.09x peak of a plain transformers load in fp32, 1.23x / 1.11x in
-    bf16, instead of 1.89x / 2.19x and, in bf16, 1.73x peak); ``lean=False`` calls TransformerLens's
+    measured on SmolLM2, 1.23x steady and 1.06x peak of a plain transformers load in fp32, 1.22x / 1.07x in
+    bf16, the steady excess being TransformerLens's imports and the untied W_U; docs/benchmarks.md, instead of
+    1.89x / 2.19x and, in bf16, 1.73x peak); ``lean=False`` calls TransformerLens's
     ``enable_compatibility_mode()`` as is.
     """
     if isinstance(spec, TransformerBridge):

@@ -1,10 +1,14 @@
 """Path-patching results as data: per receiver head and input (q, k, v), one effect per sender head.
 
->>> res = qk.path_patch(model, "1.0")                    # doctest: +SKIP
->>> res.top(3, receiver="1.0", into="k")                # doctest: +SKIP  [(Head(0, 0), 0.97), ...]
->>> res.baseline("1.0", "k")                             # doctest: +SKIP  {"mean": 0.003, "p95": 0.01}
->>> res.to_frame()                                       # doctest: +SKIP  one row per (receiver, input, sender)
->>> PathEffects.from_json(res.to_json())                 # doctest: +SKIP  the JSON contract of ``qkcircuits trace``
+>>> res = qk.path_patch(model, "1.0", progress=False)
+>>> [(str(h), round(e, 2)) for h, e in res.top(1, receiver="1.0", into="k")]
+[('0.0', 1.0)]
+>>> {k: round(v, 2) for k, v in res.baseline("1.0", "k").items()}     # the typical sender: mean, 95th percentile
+{'mean': 0.5, 'p95': 0.95}
+>>> res.to_frame().shape                          # one row per (receiver, input, sender): 1 x 3 x 2
+(6, 7)
+>>> PathEffects.from_json(res.to_json()).to_json() == res.to_json()   # the JSON contract of ``qkcircuits trace``
+True
 
 ``effects[input]`` is ``Float[Tensor, "receiver layer head"]``: the effect of sender (layer, head)
 on that input of receiver ``receivers[i]``, NaN where (layer, head) is not a sender of that

@@ -1,8 +1,10 @@
 """Q-, K- and V-composition between every earlier head's OV and every later head, random baseline removed.
 
->>> comp = composition_scores(model, "K")          # doctest: +SKIP
->>> comp.scores.shape                              # doctest: +SKIP   [L, H, L, H]: [earlier layer, head, later layer, head]
->>> k_composition_partners(model, ["1.0"])         # doctest: +SKIP   {Head(1, 0): [(Head(0, 0), 0.93), ...]}
+>>> comp = composition_scores(model, "K")
+>>> comp.scores.shape                              # [L, H, L, H]: [earlier layer, head, later layer, head]
+torch.Size([2, 2, 2, 2])
+>>> {str(r): [(str(h), round(v, 2)) for h, v in p] for r, p in k_composition_partners(model, ["1.0"]).items()}
+{'1.0': [('0.0', 0.11)]}
 
 Score (Elhage et al. 2021): ‖W_OV · W_X‖_F / (‖W_OV‖_F ‖W_X‖_F) with, in TL's row-vector form,
 W_X = QK (Q-composition: the earlier head writes what the later head's query reads),

@@ -1,9 +1,14 @@
 """Positions in the QK circuit: learned absolute (W_pos QK W_posᵀ) and rotary (QK at a relative offset).
 
->>> spec = rotary_spec(model)                 # doctest: +SKIP   the model's own frequencies and pairing
->>> spec.describe()                           # doctest: +SKIP   {'style': 'halves', 'base': 100000.0, ...}
->>> M = qk_at_offset(model, "3.1", 1)         # doctest: +SKIP   W_Q R(1) W_Kᵀ: query at i, key at i-1
->>> scores = offset_scores(model, 3, x)       # doctest: +SKIP   x_i · QK(i−j) · x_jᵀ · scale, [head, q, k]
+On SmolLM2 (the doctest model has no rotary; tests/test_doc_claims.py checks these on SmolLM2):
+
+>>> spec = rotary_spec(smollm2)                 # doctest: +SKIP (needs SmolLM2)
+>>> {k: spec.describe()[k] for k in ("style", "base")}        # doctest: +SKIP (needs SmolLM2)
+{'style': 'halves', 'base': 100000.0}
+>>> M = qk_at_offset(smollm2, "3.1", 1)         # doctest: +SKIP (needs SmolLM2)
+
+``qk_at_offset(model, head, δ)`` is W_Q R(δ) W_Kᵀ (query at i, key at i − δ); ``offset_scores(model, layer, x)``
+is x_i · QK(i − j) · x_jᵀ · scale for every head, [head, q, k].
 
 Rotary embeddings rotate q at position i and k at position j by angles i·ω and j·ω per pair of
 coordinates, so q_i·k_j = q R(i−j) kᵀ: the score depends on positions only through the offset
