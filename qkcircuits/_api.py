@@ -53,7 +53,8 @@ from ._explain.attribution import Attribution
 # Explain a behaviour: tasks, the whole graph's edge scores, circuits and their faithfulness.
 from ._tasks import builders as tasks
 from ._tasks.circuit import Circuit as TaskCircuit
-from ._tasks.circuit import Evaluation, Faithfulness, evaluate, faithfulness, node_faithfulness
+from ._tasks.circuit import Faithfulness, faithfulness, node_faithfulness
+from ._tasks.evaluation import Evaluation, evaluate
 from ._tasks.graph import Graph, graph
 from ._tasks.roles import Roles
 from ._tasks.scores import EdgeScores, NodeScores, edge_scores, node_scores

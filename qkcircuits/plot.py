@@ -27,6 +27,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ._foundation.errors import QKCircuitsError
+from ._foundation.arch.model import has_config, is_model
 from ._foundation.heads import Head, HeadsLike, model_heads
 from ._foundation.renamed import renamed
 from .viz import _figures as F
@@ -43,7 +44,7 @@ _contexts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _ctx(model) -> ViewContext:
-    if not hasattr(model, "cfg"):
+    if not is_model(model):
         raise QKCircuitsError(f"expected a model from qk.load(...), got {type(model).__name__}")
     ctx = _contexts.get(model)
     if ctx is None:
@@ -135,17 +136,21 @@ def reads_from(result, head, k: int = 3) -> Figure:
     return as_figure(fig)
 
 
-def circuit(result, max_edges: int = 300, model=None, roles=None) -> Figure:
+def circuit(result, max_edges: int = 300, model=None, roles=None, which: str = "auto") -> Figure:
     """The circuit found over the whole graph (``qkcircuits circuit``): ``result`` is the circuit API's result
-    (``qk.faithfulness(...)``: its chosen circuit; ``scores.circuit(...)``; edge scores: their
-    ``.circuit()``), the ``--json`` file's dict, its path or its text; ``roles``: ``circuit.roles(model,
-    task)`` or {head: {role, evidence}}, shown in the hover and the legend (the file's own roles otherwise).
-    Nodes by layer (y = layer, x = head; the embedding on top, the logits at the bottom, each MLP in a column
-    right of the heads), edge width proportional to |score| (at least 1 px, so every edge shows), red for a
-    positive score and blue for a negative one, dash = the receiver's input (q solid, k dashed, v dotted). Hover: an edge's midpoint gives
-    sender → receiver, input, score and both roles; a node gives its role and evidence. At most
-    ``max_edges`` edges are drawn (those of largest |score|; the title says so). ``model``: lay the graph
-    out on the model's layers × heads (default: the smallest grid that holds the nodes)."""
+    (``qk.faithfulness(...)``: its chosen circuit; ``scores.circuit(...)``; edge scores: their ``.circuit()``), the
+    ``--json`` file's dict, its path or its text; ``roles``: ``circuit.roles(model, task)`` or {head: {role,
+    evidence}}, shown in the hover and the legend (the file's own roles otherwise).
+
+    ``which``: ``"core"`` (the default when the file has ``core``: its heads and MLPs and the strongest edges between
+    them), ``"edges"`` (the edge circuit: its ``max_edges`` edges of largest |score| and the nodes they touch) or
+    ``"auto"``. Rows follow the model (the embedding, each layer's KV heads, heads and MLP, the logits); a layered
+    layout (grandalf's Sugiyama) orders each row to reduce crossings and spaces the nodes by their labels, so no
+    label overlaps another; names ``"L.H@POS"`` get one column per position. Colour = role (legend), edge width ∝
+    |score|, red positive, blue negative, dash = the receiver's input (q solid, k dashed, v dotted). Hover: an edge's
+    marker gives sender → receiver, input, score and both roles; a node its role and evidence. The file's
+    ``warnings`` are written in red above the graph. ``model``: check the circuit against the model's layers and
+    heads (its KV heads map k/v edges onto core heads)."""
     from ._foundation.io import check_int
     from .viz._circuit_view import circuit_graph, load_circuit
 
@@ -156,11 +161,11 @@ def circuit(result, max_edges: int = 300, model=None, roles=None) -> Figure:
         from ._foundation.heads import n_kv_heads
         from .viz._circuit_data import check_against_model
 
-        if not hasattr(model, "cfg"):
+        if not has_config(model):
             raise QKCircuitsError(f"model must come from qk.load(...), got {type(model).__name__}")
         L, H, kv = int(model.cfg.n_layers), int(model.cfg.n_heads), n_kv_heads(model)
         check_against_model(view, L, H, kv)
-    return as_figure(circuit_graph(view, L, H, max_edges, n_kv=kv))
+    return as_figure(circuit_graph(view, L, H, max_edges, n_kv=kv, which=which))
 
 
 def attend(result, k: int = 12) -> Figure:
@@ -209,8 +214,10 @@ def ov(model, head, tokens: Optional[Sequence[str]] = None, k: int = 5, **option
 
 
 def offsets(model, head) -> Figure:
-    """One head's QK score against the offset Δ = query position − key position (rotary: mean token query
-    rotated by Δ against the mean token key; learned positions: W_pos QK W_posᵀ along diagonals)."""
+    """One head's QK score against the offset Δ = query position − key position: the profile `qkcircuits circuits
+    --head` prints and the report draws (``_weights/offsets``; rotary: the mean query rotated by Δ against the mean
+    key of the rows the head's layer reads over the packaged corpus; learned positions: W_pos QK W_posᵀ along
+    diagonals). The peak is marked; ``fig.layout.meta["preferred_offset"]`` holds it (None for a flat profile)."""
     fig = V.offsets_figure(_ctx(model), _one_head(model, head))
     if fig is None:
         raise QKCircuitsError("this model has neither rotary nor learned absolute positions in its QK circuit: "

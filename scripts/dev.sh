@@ -3,6 +3,7 @@
 #   bash scripts/dev.sh scan   [extra qkcircuits scan args]   head scan of SmolLM2-135M + HTML report in out/
 #   bash scripts/dev.sh test   [extra pytest args]            the whole test suite
 #   bash scripts/dev.sh setup                                  only the environment
+#   bash scripts/dev.sh qk ARGS...                             any qkcircuits command in .venv, e.g. qk scan toy-induction
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -49,18 +50,25 @@ setup() {
     # Prefer a torch wheel already on this machine (pip's find-links, or the folders in $TORCH_WHEELS)
     # over a multi-GB CUDA download: install that file by path, its small dependencies from the index.
     wheel=$(local_torch_wheel)
+    t0=$SECONDS
     if [ -n "$wheel" ]; then
-      echo "qkcircuits: installing torch from $wheel" >&2
-      "$VENV/bin/pip" install -qq "$wheel"
+      echo "qkcircuits: [1/2] installing torch from $wheel ($(du -m "$wheel" | cut -f1) MB; unpacking takes 1-2 minutes)" >&2
+      "$VENV/bin/pip" install -q "$wheel"
     else
-      echo "qkcircuits: no torch wheel on this machine; installing torch from PyPI (large download)" >&2
-      "$VENV/bin/pip" install --progress-bar on -q torch
+      echo "qkcircuits: [1/2] no torch wheel on this machine; installing torch from PyPI (large download, pip's bar below)" >&2
+      "$VENV/bin/pip" install --progress-bar on torch
     fi
+    echo "qkcircuits: [1/2] torch installed in $((SECONDS - t0)) s" >&2
   fi
   stamp="$VENV/.qkcircuits-installed"
   want=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    "$VENV/bin/pip" install -qq -e ".[dev]"
+    t0=$SECONDS
+    echo "qkcircuits: [2/2] installing qkcircuits and its dependencies (pyproject.toml) from PyPI: one line per download" >&2
+    # pip's own lines for what it fetches ("Downloading X (12.3 MB)"), nothing else; pip's exit status is kept
+    "$VENV/bin/pip" install --progress-bar off -e ".[dev]" 2>&1 \
+      | { grep --line-buffered -E "^ *(Downloading|Installing collected|Successfully installed|ERROR|error)" || true; } >&2
+    echo "qkcircuits: [2/2] installed in $((SECONDS - t0)) s" >&2
     echo "$want" > "$stamp"
   fi
 }
@@ -75,6 +83,11 @@ case "$cmd" in
     # (scripts/main_scan.py runs the three qkcircuits commands' own code on the shared model)
     "$VENV/bin/python" scripts/main_scan.py "$@"
     echo "report: open out/smollm2-report.html in a browser (works offline)"
+    ;;
+  qk)
+    setup
+    # any command of the README, run in .venv without activating it: bash scripts/dev.sh qk circuits smollm2-135m --head 18.6
+    exec "$VENV/bin/python" -m qkcircuits "$@"
     ;;
   test)
     setup
@@ -92,5 +105,5 @@ case "$cmd" in
     if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile); fi
     "$VENV/bin/python" -m pytest -q ${parallel[@]+"${parallel[@]}"} "$@"
     ;;
-  *) echo "usage: bash scripts/dev.sh scan|test|setup [args]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/dev.sh scan|test|setup|qk [args]" >&2; exit 2 ;;
 esac

@@ -193,6 +193,13 @@ def tiny_cohere_qknorm(folder: Path, *, tokenizer=None) -> Path:
                         rope_parameters={"rope_type": "default", "rope_theta": 600.0})
 
 
+def tiny_bloom(folder: Path, *, tokenizer=None) -> Path:
+    """Bloom: ALiBi (no position embedding: the score gains slope_h · key position), fused per-head qkv with biases,
+    LayerNorm on the embeddings too; 2 layers, 4 heads x 8."""
+    return _tiny_family(folder, "BloomConfig", "BloomForCausalLM", SEED + 12, tokenizer, hidden_size=32, n_layer=2,
+                        n_head=4)
+
+
 def tiny_smollm3(folder: Path, *, tokenizer=None) -> Path:
     """SmolLM3: 3 layers whose middle one is position-free (``no_rope_layers`` = [1, 0, 1]: NoPE, no rotary),
     4 query / 2 KV heads, RMSNorm, gated MLP."""

@@ -22,8 +22,8 @@ import qkcircuits as qk
 from qkcircuits._foundation.arch import adapter
 
 from _cli import errors, run
-from _tiny import (_once, tiny_cohere_qknorm, tiny_deepseek, tiny_gemma2, tiny_gemma3, tiny_gpt2, tiny_gptj,
-                   tiny_gptneo, tiny_llama_gqa, tiny_llama_mqa, tiny_neox, tiny_smollm3)
+from _tiny import (_once, tiny_bloom, tiny_cohere_qknorm, tiny_deepseek, tiny_gemma2, tiny_gemma3, tiny_gpt2,
+                   tiny_gptj, tiny_gptneo, tiny_llama_gqa, tiny_llama_mqa, tiny_neox, tiny_smollm3)
 
 FAMILIES = {
     "gpt2": tiny_gpt2,                  # learned positions (a pos source), biases everywhere, LayerNorm
@@ -36,6 +36,7 @@ FAMILIES = {
     "cohere_qk": tiny_cohere_qknorm,    # a per-head LayerNorm QK-norm (centring), interleaved rotary
     "gptneo": tiny_gptneo,              # unscaled scores, a local layer (window 4)
     "smollm3": tiny_smollm3,            # a NoPE layer between rotary ones
+    "bloom": tiny_bloom,                # ALiBi: a position_bias source on both sides
     "deepseek_v3": lambda d: tiny_deepseek(d),                            # MLA, query latent, interleaved rope
     "deepseek_v2_yarn": lambda d: tiny_deepseek(d, version=2, yarn=True),  # MLA, YaRN: scale is not 1/sqrt(d)
 }
@@ -79,6 +80,8 @@ def test_every_family_splits_exactly_and_agrees_with_transformers(family):
         vs = qk.attend(model, head, t, query=QUERY, key=KEY, versus=VERSUS)
         for r in (raw, raw_v, con, vs):
             assert r.exact_error <= 1e-5, (name, head, r.reading, r.exact_error, r.settings)
+            # every source's write is accounted for (the remainder is one constant) and the parts add up
+            assert r.settings["bias_spread"] <= 1e-6 and r.settings["parts_error"] <= 1e-6, (name, head, r.settings)
             # identities: the pairs (kept + "other") add up to the total; each row's two marginals agree
             assert float(r.pair_values.sum()) == pytest.approx(r.total, rel=1e-9, abs=1e-9)
             torch.testing.assert_close(r.query_values.sum(1), r.key_values.sum(1), rtol=1e-9, atol=1e-9)
@@ -113,7 +116,7 @@ def test_expanded_head_sources_add_up_to_their_whole_value(family):
         r = qk.attend(model, f"{L}.0", t, query=QUERY, key=KEY, expand=side, k=3)
         scale = max(abs(v) for _, v, _ in r.key_sources()) + 1e-12
         assert r.settings["expand_error"] <= 1e-6 * scale, (name, side, r.settings["expand_error"])
-        assert all(e["side"] == side for e in r.expanded)
+        assert r.expanded and all(e["side"] == side for e in r.expanded), (name, side)
 
 
 def test_the_hand_built_heads_are_explained_exactly(hand_built):
@@ -249,3 +252,95 @@ def test_cli_errors_are_one_line(args, msg, tmp_path, capsys):
     err = errors(stderr)
     assert len(err) == 1 and msg in err[0], stderr
     assert "Traceback" not in stderr and not out.exists()
+
+
+def test_alibi_is_its_own_source(family):
+    name, model, _ = family
+    t = _tokens(int(model.cfg.d_vocab))
+    r = qk.attend(model, f"{int(model.cfg.n_layers) - 1}.1", t, query=QUERY, key=KEY, reading="raw")
+    if name != "bloom":
+        assert "position_bias" not in r.key_names
+        return
+    # the raw score's position bias is slope_h · j: its pair (position_bias, position_bias) is exactly that
+    slope = float(adapter(model, int(model.cfg.n_layers) - 1).alibi_slopes()[1])
+    i = r.pair_query.index("position_bias") if "position_bias" in r.pair_query else None
+    q = {n: v for n, v, _ in r.query_sources()}
+    assert q["position_bias"] == pytest.approx(slope * sum(KEY) / len(KEY) * 1.0, rel=1e-6), (q, i)
+
+
+def test_an_attention_the_parts_do_not_rebuild_is_refused(hand_built, monkeypatch):
+    from qkcircuits._foundation.arch.standard import StandardAttention
+
+    t = qk.repeated_tokens(hand_built, n_seqs=1, seg_len=6, seed=0)
+    real = StandardAttention.scale
+    monkeypatch.setattr(StandardAttention, "scale", lambda self: (-real(self)[0], "wrong", None))   # sign flipped
+    with pytest.raises(qk.QKCircuitsError, match="not exact .*rebuilt scores vs the model's own attention") as e:
+        qk.attend(hand_built, "1.0", t, key="induction")
+    assert "\n" not in str(e.value)
+
+
+def test_prompt_shards_give_the_single_shard_result(family):
+    # batch_size 1 runs one forward per prompt; everything, the expansion's choice of heads included, must be the same
+    name, model, _ = family
+    t = _tokens(int(model.cfg.d_vocab))
+    t = torch.cat([t, t.roll(3, 1)])                                              # 4 prompts, two different
+    head = f"{int(model.cfg.n_layers) - 1}.0"
+    one = qk.attend(model, head, t, query=QUERY, key=KEY, expand="key", k=2)
+    many = qk.attend(model, head, t, query=QUERY, key=KEY, expand="key", k=2, batch_size=1)
+    assert [r["value"] for r in many.rows] == pytest.approx([r["value"] for r in one.rows], rel=1e-5, abs=1e-6)
+    assert many.query_names == one.query_names and many.pair_query == one.pair_query
+    torch.testing.assert_close(many.pair_values, one.pair_values, rtol=1e-5, atol=1e-6)
+    assert [(e["source"], e.get("offset"), round(e["value"], 4)) for e in many.expanded] == \
+        [(e["source"], e.get("offset"), round(e["value"], 4)) for e in one.expanded]
+
+
+def test_a_missing_write_is_refused_not_hidden_in_the_bias(hand_built, monkeypatch):
+    # drop head 0.0's write: the residual's remainder (the bias) would absorb it and the scores still rebuild, but
+    # the remainder is then no constant, and the attribution must say so instead of explaining with a wrong source
+    from qkcircuits._explain.writes import Writes
+
+    real = Writes.head_out_map
+    monkeypatch.setattr(Writes, "head_out_map", lambda self, l: real(self, l) * 0)
+    t = qk.repeated_tokens(hand_built, n_seqs=1, seg_len=6, seed=0)
+    with pytest.raises(qk.QKCircuitsError, match="the bias. is not one constant"):
+        qk.attend(hand_built, "1.0", t, key="induction")
+
+
+@pytest.mark.parametrize("tokens,kw,msg", [
+    ([[0, 5, 6], [1, 2]], dict(query=2, key=1), "tokens must be"),
+    (["ab", 3], dict(query=1, key=0), "tokens must be"),
+    (None, dict(query=0, key=0), "nothing to contrast with"),
+])
+def test_more_bad_inputs_are_one_line_errors(hand_built, tokens, kw, msg):
+    t = qk.repeated_tokens(hand_built, n_seqs=1, seg_len=6, seed=0) if tokens is None else tokens
+    with pytest.raises(qk.QKCircuitsError, match=msg) as e:
+        qk.attend(hand_built, "1.0", t, **kw)
+    assert "\n" not in str(e.value)
+    with pytest.raises(qk.QKCircuitsError, match="labels must be"):
+        qk.attend(hand_built, "1.0", qk.repeated_tokens(hand_built, n_seqs=1, seg_len=6, seed=0), key="induction",
+                  labels=["x"])
+
+
+def test_the_report_explains_the_top_heads_and_reads_attend_files(tmp_path, capsys):
+    import re
+
+    out = tmp_path / "a.json"
+    assert run(["attend", "toy-induction", "--head", "1.0", "--json", out, "--no-labels"], capsys)[0] == 0
+    html_default = tmp_path / "r.html"
+    code, _, err = run(["report", "toy-induction", "-o", html_default, "--quiet", "--grid-k", "1"], capsys)
+    assert code == 0, err
+    text = html_default.read_text()
+    # the top induction head and the top previous-token head, each explained on its own rows
+    assert "Why 1.0 attends (top induction head)" in text and "Why 0.0 attends (top previous-token head)" in text
+    assert re.search(r"Key side: 0\.0 \(previous-token\) 1\d\d %", text), "induction head's keys from 0.0"
+    html = tmp_path / "r2.html"
+    code, _, err = run(["report", "toy-induction", "-o", html, "--quiet", "--grid-k", "1", "--attend", out], capsys)
+    assert code == 0, err
+    text = html.read_text()
+    assert "Why 1.0 attends" in text and "(top induction head)" not in text
+    code, _, err = run(["report", "toy-induction", "-o", tmp_path / "r3.html", "--no-attend", "--grid-k", "1"], capsys)
+    assert code == 0 and "Why 1.0 attends" not in (tmp_path / "r3.html").read_text()
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": "qkcircuits.head_scores/1"}')
+    code, _, err = run(["report", "toy-induction", "-o", tmp_path / "r4.html", "--attend", bad], capsys)
+    assert code == 2 and len(errors(err)) == 1 and "--attend" in errors(err)[0] and not (tmp_path / "r4.html").exists()

@@ -19,11 +19,13 @@ pytestmark = pytest.mark.browser
 
 
 def _click_node(p: Page, layer: int, head: int):
-    """Click the node of head (layer, head) in the circuit graph (x = head, y = layer)."""
+    """Click the node of head (layer, head) in the circuit graph (its marker's data coordinates from the figure)."""
     pg = p.page
     pg.locator("#circuit-graph").scroll_into_view_if_needed()
-    x, y = pg.evaluate(f"""() => {{ const l = document.getElementById('circuit-graph')._fullLayout;
-        return [l.xaxis.l2p({head}) + l.xaxis._offset, l.yaxis.l2p({layer}) + l.yaxis._offset]; }}""")
+    x, y = pg.evaluate(f"""() => {{ const d = document.getElementById('circuit-graph'), l = d._fullLayout;
+        for (const t of d.data) if (t.mode === 'markers+text') {{ const i = t.text.indexOf('{layer}.{head}');
+            if (i >= 0) return [l.xaxis.l2p(t.x[i]) + l.xaxis._offset, l.yaxis.l2p(t.y[i]) + l.yaxis._offset]; }}
+        return null; }}""")
     box = pg.locator("#circuit-graph").bounding_box()
     pg.mouse.click(box["x"] + x, box["y"] + y)
 
@@ -42,6 +44,7 @@ def test_report_circuit_section_draws_offline(browser, hand_built, tmp_path):  #
     assert pg.evaluate("() => document.getElementById('circuit-curve')._fullLayout.xaxis.type") == "log"
     assert pg.evaluate("() => document.querySelectorAll('#circuit-curve .shapelayer path').length") == 1
     assert "CPR 0.812" in pg.inner_text("#circuit-curve")
+    assert pg.locator("#circuit-section .banner").count() == 0           # no warnings in this file
     # the graph: 2 edge lines, 3 nodes (0.0, 1.0, logits) and their names
     assert pg.evaluate("() => document.querySelectorAll('#circuit-graph .scatterlayer path.js-line').length") == 2
     names = pg.evaluate("""() => [...document.querySelectorAll('#circuit-graph .scatterlayer .textpoint')]

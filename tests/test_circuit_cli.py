@@ -38,6 +38,25 @@ def test_toy_induction_end_to_end(tmp_path, capsys):
     assert d["bos"] == {"prepended": True, "mode": "yes"} and d["warnings"] == [] and d["circuit"]["named"] is True
     rows = (tmp_path / "c.csv").read_text().splitlines()
     assert rows[0] == "sender,receiver,input,score,in_circuit" and len(rows) == 1 + 29
+    # -o: the report's own circuit section (the same blocks as report --circuit on this JSON), no other section
+    from test_circuit_view import section
+    from qkcircuits.viz._report import report_sections
+    from qkcircuits.viz._circuit_data import load_circuit
+
+    page = (tmp_path / "c.html").read_text(encoding="utf-8")
+    got = section(page, "circuit-section")
+    want = report_sections(load_circuit(out), None, None, None, None)[0]
+    assert got["blocks"] == json.loads(json.dumps(want["blocks"])) and got["title"] == want["title"]
+    assert {b["type"] for b in got["blocks"]} >= {"note", "figures", "table"} and "graph" in got and "curve" in got
+
+
+def test_timing_flag(capsys):
+    assert main(["circuit", "toy-induction", "--task", "induction", "--n", "4", "--quiet", "--device", "cpu",
+                 "--timing"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("timing:")]
+    assert len(line) == 1
+    for step in ("load", "edge scores", "faithfulness", "circuit", "roles", "total"):
+        assert f" {step} " in line[0], line
 
 
 @pytest.mark.parametrize("argv,message", [

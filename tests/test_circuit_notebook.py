@@ -30,6 +30,7 @@ def run(model: str, task: str, tmp: Path, monkeypatch):
 
 def outputs(nb):
     assert [o for c in nb.cells for o in c.get("outputs", []) if o["output_type"] == "error"] == []
+    assert NBT.progress_chunks(nb) == []                     # progress: one line that disappears, nothing stored
     html = [o["data"]["text/html"] for c in nb.cells for o in c.get("outputs", []) if "text/html" in o.get("data", {})]
     joined = "".join(html)
     assert joined.count("/* qkcircuits: plotly from") == 1 and joined.count("/* qkcircuits: circuitsvis from") == 1

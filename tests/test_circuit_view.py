@@ -35,6 +35,11 @@ WIDE = {"curve": {0.5: 0.4, "2": 0.7, 50: 0.99},
          "roles": {"2.3": {"role": "name mover", "evidence": "END → IO 0.62"}}}
 
 
+def row_names(fig):
+    """The y axis' row names, top to bottom."""
+    return list(fig.layout.yaxis.ticktext)
+
+
 def edge_lines(fig):
     return [t for t in fig.data if t.mode == "lines"]
 
@@ -54,8 +59,9 @@ def test_chain_graph_contents():
     assert isinstance(fig, plot.Figure)
     nodes = node_points(fig)
     assert set(nodes) == {"0.0", "1.0", "logits"}                   # 3 nodes, nothing else
-    # nodes by layer: y = layer, x = head; the logits below the last layer (2 layers here)
-    assert nodes["0.0"][:2] == (0, 0) and nodes["1.0"][:2] == (0, 1) and nodes["logits"][1] == 2
+    # rows in the model's order (layer 0, layer 1, the logits: y grows downwards), one row each
+    assert nodes["0.0"][1] < nodes["1.0"][1] < nodes["logits"][1]
+    assert row_names(fig) == ["layer 0", "layer 1", "logits"]
     lines = edge_lines(fig)
     got = {(t.meta["sender"], t.meta["receiver"], t.meta["input"], t.meta["score"]) for t in lines}
     assert got == {("0.0", "1.0", "k", 0.6), ("1.0", "logits", None, -0.3)}
@@ -76,9 +82,9 @@ def test_wide_graph_every_node_kind_and_sign():
     fig = plot.circuit(WIDE)
     nodes = node_points(fig)
     assert set(nodes) == {"emb", "0.1", "mlp0", "2.3", "logits"}
-    H = 4                                                           # heads 0-3 named: MLP column at x = 4
-    assert nodes["emb"][1] == -1 and nodes["mlp0"][:2] == (H, 0.5) and nodes["2.3"][:2] == (3, 2)
-    assert nodes["logits"][1] == 3
+    # rows: the embedding, layer 0's heads, its MLP (below its heads), layer 2, the logits
+    assert nodes["emb"][1] < nodes["0.1"][1] < nodes["mlp0"][1] < nodes["2.3"][1] < nodes["logits"][1]
+    assert row_names(fig) == ["emb", "layer 0", "mlp 0", "layer 2", "logits"]
     lines = edge_lines(fig)
     assert len(lines) == 6
     widths = {(t.meta["sender"], t.meta["receiver"]): t.line.width for t in lines}
@@ -91,10 +97,9 @@ def test_wide_graph_every_node_kind_and_sign():
     assert [k for k, c in colours.items() if c == NEGATIVE] == [("mlp0", "2.3"), ("mlp0", "logits")]
     assert {t.meta["input"]: t.line.dash for t in lines} == {"q": "solid", None: "solid",
                                                              "v": "dot", "k": "dash"}
-    # laid out on the model's own grid when given: a 30 x 9 model puts the logits at y = 30
+    # only the rows that hold a node: the model's size changes nothing
     big = circuit_graph(load_circuit(WIDE), 30, 9)
-    logits = [t for t in big["data"] if t.get("mode") == "markers+text" and "logits" in t["text"]][0]
-    assert logits["y"][logits["text"].index("logits")] == 30
+    assert big["layout"]["yaxis"]["ticktext"] == row_names(fig)
 
 
 def test_max_edges_keeps_the_largest():
@@ -212,17 +217,35 @@ def source_data(html: str) -> dict:
 HOSTILE = "</script><img src=x onerror=alert(1)>"
 
 
+def section(html: str, sid: str) -> dict:
+    """One section of the page's data, its blocks by kind: summary (the first note), curve and graph (figures),
+    roles and edges (tables), banner (the warning lines), core (the core's table)."""
+    s = next(x for x in source_data(html)["sections"] if x["id"] == sid)
+    out = {"title": s["title"], "blocks": s["blocks"]}
+    for b in s["blocks"]:
+        if b["type"] == "note":
+            out.setdefault("summary", b["text"])
+        elif b["type"] == "banner":
+            out["banner"] = b["lines"]
+        elif b["type"] == "figures":
+            for f in b["figures"]:
+                out[f["id"].replace("circuit-", "")] = f["figure"]
+        elif b["type"] == "table":
+            out[b["id"].replace("circuit-", "")] = b["rows"]
+    return out
+
+
 def test_report_section(hand_built):
     scores = qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
     d = json.loads(json.dumps(CHAIN))
     d["roles"]["0.0"]["evidence"] = {"note": HOSTILE}
     html = report_html(hand_built, scores=scores, per_score=0, circuit=d, progress=False)
-    c = source_data(html)["circuit"]
+    c = section(html, "circuit-section")
     assert c["roles"] == [["0.0", "previous-token", f"note {HOSTILE}"], ["1.0", "induction",
                                                                          "induction 0.99, direct effect 0.5"]]
     assert c["edges"] == [["0.0", "1.0", "k", 0.6, "previous-token", "induction"],
                           ["1.0", "logits", "", -0.3, "induction", ""]]
-    assert c["n_edges"] == 2 and "node faithfulness 0.97" in c["summary"] and "clean 3, corrupt -1" in c["summary"]
+    assert "node faithfulness 0.97" in c["summary"] and "clean 3, corrupt -1" in c["summary"]
     assert list(c["curve"]["data"][0]["x"]) == [0.1, 1, 10, 100]
     assert {t["meta"]["sender"] for t in c["graph"]["data"] if t.get("mode") == "lines"} == {"0.0", "1.0"}
     assert HOSTILE not in html                                      # only its escaped form reaches the page
@@ -237,7 +260,7 @@ def test_cli_report_circuit(tmp_path, capsys):
     out = tmp_path / "r.html"
     assert main(["report", "toy-induction", "-o", str(out), "--circuit", str(good), "--per-score", "1",
                  "--quiet"]) == 0
-    assert source_data(out.read_text(encoding="utf-8"))["circuit"]["roles"][1][:2] == ["1.0", "induction"]
+    assert section(out.read_text(encoding="utf-8"), "circuit-section")["roles"][1][:2] == ["1.0", "induction"]
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(_bad(edges=[["0.0", "blob", "k", 1.0]])))
     wide = tmp_path / "wide.json"
@@ -263,18 +286,19 @@ def test_gqa_kv_heads():
     fig = plot.circuit(GQA)
     nodes = node_points(fig)
     assert set(nodes) == {"emb", "0.3", "1.kv1", "mlp0", "1.2", "logits"}
-    assert nodes["1.kv1"][:2] == (2.5, 0.75)                        # above query heads 1.2 and 1.3, at their centre
+    # the KV head has its row between layer 0's MLP and layer 1's heads
+    assert nodes["mlp0"][1] < nodes["1.kv1"][1] < nodes["1.2"][1] < nodes["logits"][1]
+    assert row_names(fig) == ["emb", "layer 0", "mlp 0", "layer 1 KV", "layer 1", "logits"]
     assert "shared by query heads 1.2-1.3" in nodes["1.kv1"][2]
     assert "KV head" in fig.layout.title.text
-    assert nodes["mlp0"][:2] == (4, 0.5) and nodes["logits"][1] == 2
     hover = [t for t in fig.data if t.mode == "markers" and t.name == "edges"][0].text
     assert any(h.startswith("1.2 → logits<br>") for h in hover)     # the single input "in" is not named
     # the model's own counts win over the file's; a KV head the model lacks is one line
     with pytest.raises(qk.QKCircuitsError, match="names 0.3, but the model has 2 layers x 2 heads"):
-        load_circuit(GQA) and plot.circuit(GQA, model=type("M", (), {"cfg": type("C", (), {
+        load_circuit(GQA) and plot.circuit(GQA, model=type("M", (), {"blocks": [], "cfg": type("C", (), {
             "n_layers": 2, "n_heads": 2, "n_key_value_heads": 1})()})())
     with pytest.raises(qk.QKCircuitsError, match="names 1.kv1, but the model has 2 layers x 4 heads"):
-        plot.circuit(GQA, model=type("M", (), {"cfg": type("C", (), {
+        plot.circuit(GQA, model=type("M", (), {"blocks": [], "cfg": type("C", (), {
             "n_layers": 2, "n_heads": 4, "n_key_value_heads": 1})()})())
 
 
@@ -328,7 +352,7 @@ CLI = {"schema": "qkcircuits.circuit/1", "model": "m", "task": "ioi", "n_prompts
 def test_the_cli_json():
     fig = plot.circuit(CLI)
     nodes = node_points(fig)
-    assert nodes["logits"][1] == 6                                  # the file's graph: 6 layers
+    assert row_names(fig) == ["emb", "layer 1", "layer 4", "logits"]
     assert nodes["4.0"][3] == "name mover" and nodes["1.2"][3] == "S-inhibition head"
     colour = {t.name: t.marker.color for t in fig.data if t.mode == "markers+text"}
     assert colour["name mover"] == "#2ca02c" and colour["S-inhibition head"] == "#ff7f0e"
@@ -336,3 +360,15 @@ def test_the_cli_json():
     s = summary(load_circuit(CLI))
     assert "metric logit-diff;" in s and "method eap;" in s and "3 edges (chosen at 5 %" in s
     assert [x.x0 for x in plot.faithfulness(CLI).layout.shapes if x.xref == "x"] == [5.0]
+
+
+def test_app_shows_the_circuit_section(hand_built):
+    from qkcircuits.viz import create_app
+
+    app = create_app(hand_built, circuit=CHAIN)
+    info = app.test_client().get("/api/info").get_json()
+    sec = [s for s in info["sections"] if s["id"] == "circuit-section"][0]
+    graph = [f for b in sec["blocks"] if b["type"] == "figures" for f in b["figures"] if f["id"] == "circuit-graph"]
+    assert graph and graph[0]["figure"]["meta"]["which"] == "edges"              # no core in CHAIN: the edge circuit
+    with pytest.raises(qk.QKCircuitsError, match="names 2.3, but the model has 2 layers x 2 heads"):
+        create_app(hand_built, circuit=WIDE)

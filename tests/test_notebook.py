@@ -66,9 +66,38 @@ def test_committed_without_outputs():
     assert "QKCIRCUITS_EXAMPLE_MODEL" in "".join("".join(c["source"]) for c in code)
 
 
+# A progress bar's traces in a notebook's outputs: tqdm's text bar ("45%|████▌ | 9/20"), its IProgress warning,
+# or our kernel line ("scan: 12/60 layer (3 s)") left behind.
+PROGRESS = re.compile(r"\d+%\||it/s\]|IProgress|TqdmWarning|^[\w ]+: \d+(/\d+)? \w+ \(\d+ s\)$", re.M)
+
+
+def progress_chunks(nb) -> list:
+    """Outputs that hold progress-bar text (none may: a bar is one line that disappears, issue 37 ask 3)."""
+    out = []
+    for c in nb.cells:
+        for o in c.get("outputs", []):
+            text = o.get("text", "") if o["output_type"] == "stream" else o.get("data", {}).get("text/plain", "")
+            if PROGRESS.search("".join(text)):
+                out.append("".join(text)[:80])
+    return out
+
+
+def figures_in(nb) -> list:
+    """The plotly figures of the executed notebook's outputs, as JSON dicts (data, layout)."""
+    out = []
+    for c in nb.cells:
+        for o in c.get("outputs", []):
+            html = o.get("data", {}).get("text/html", "")
+            m = re.search(r"data = (\{\"figure\": .*?\});\n  function draw", html, re.S)
+            if m:
+                out.append(json.loads(m.group(1))["figure"])
+    return out
+
+
 def check_outputs(nb) -> None:
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o["output_type"] == "error"]
     assert errors == []
+    assert progress_chunks(nb) == []
     html = [o["data"]["text/html"] for c in nb.cells for o in c.get("outputs", []) if "text/html" in o.get("data", {})]
     joined = "".join(html)
     # page mode: the libraries arrive once (from qk.plot.setup()), figures carry only their data
@@ -231,6 +260,20 @@ def test_notebook_runs_on_toy(toy_export):
     assert "induction: 1.0 (1.000), " in text                 # the hand-built heads, known by construction
     assert "previous token: 0.0 (1.000), " in text
     assert "1.0 reads its keys from 0.0 (previous-token; " in text      # the traced circuit, by construction
+    check_offset_claim(nb, text)
+
+
+def check_offset_claim(nb, text: str) -> int:
+    """The notebook's sentence about the previous-token head's offset profile names the peak of the figure it
+    draws (argmax of the figure's own y), and that peak is Δ = 1."""
+    m = re.search(r"(\d+\.\d+): the QK-by-offset profile peaks at Δ = (\d+)", text)
+    assert m, text
+    fig = [f for f in figures_in(nb) if "QK by offset" in f["layout"]["title"]["text"]]
+    assert len(fig) == 1
+    x, y = fig[0]["data"][0]["x"], fig[0]["data"][0]["y"]
+    peak = x[max(range(len(y)), key=y.__getitem__)]
+    assert int(m.group(2)) == peak == 1, (m.group(0), peak)
+    return peak
 
 
 @pytest.mark.browser
@@ -244,6 +287,7 @@ def test_notebook_export_draws_offline(toy_export, browser):
 def test_notebook_smollm2(tmp_path, browser):
     nb = execute("smollm2-135m", tmp_path)
     outputs = check_outputs(nb)
+    check_offset_claim(nb, "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", [])))
     path = tmp_path / "smollm2.html"
     html = export(nb, path)
     kinds = ["libraries" if "/* qkcircuits:" in h else "result" if 'class="qk-r"' in h else "figure" for h in outputs]

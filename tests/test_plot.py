@@ -124,7 +124,9 @@ def test_offsets_learned_positions(tmp_path_factory):
 def test_offsets_rotary(tmp_path_factory):
     model = qk.load(str(_tiny.llama_dir(tmp_path_factory)), device="cpu", verbose=False)
     fig = plot.offsets(model, "1.3")
-    prof = qk.offset_profile(model, "1.3", list(fig.data[0].x))
+    from test_offsets import corpus_mean_row     # the rows layer 1 reads over the corpus, from a plain forward
+
+    prof = qk.offset_profile(model, "1.3", list(fig.data[0].x), corpus_mean_row(model, 1))
     assert list(fig.data[0].y) == pytest.approx(prof.mean_score.tolist(), rel=2e-4, abs=1e-6)
 
 
@@ -233,8 +235,8 @@ def drawn_edges(fig):
 
 
 def expected_edges(res, per_input):
-    """Independent of the builder: per receiver and input, senders above 0 and above the raw 95th percentile of
-    that receiver's non-NaN effects, the ``per_input`` largest."""
+    """Independent of the builder: per receiver and input, senders above 0, above the raw 95th percentile of that
+    receiver's non-NaN effects and at least 10 % of its clean value (docs/mechanism.md), the ``per_input`` largest."""
     out = []
     for i, r in enumerate(res.receivers):
         for x in res.into:
@@ -242,7 +244,8 @@ def expected_edges(res, per_input):
             vals = row[~row.isnan()].double()
             p95 = float(torch.quantile(vals, 0.95))
             cand = sorted(((float(row[l, h]), f"{l}.{h}") for l, h in (~row.isnan()).nonzero().tolist()), reverse=True)
-            out += [(s, str(r), x, float(f"{e:.5g}")) for e, s in cand[:per_input] if e > p95 and e > 0]
+            floor = 0.1 * abs(float(res.clean[x][i]))
+            out += [(s, str(r), x, float(f"{e:.5g}")) for e, s in cand[:per_input] if e > p95 and e > 0 and e >= floor]
     return sorted(out)
 
 

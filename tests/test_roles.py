@@ -58,7 +58,7 @@ def test_ioi_roles_of_constructed_evidence():
     text = r.sentences()
     assert text[0].startswith("name movers 9.1, 9.0 (direct effect 0.50, 0.07 of the metric difference; END → IO "
                               "attention 0.60, 0.40")
-    assert any(t.startswith("S-inhibition head 7.0") and "into name movers' q 9.1 +0.500" in t for t in text)
+    assert any(t.startswith("S-inhibition head 7.0") and "into name movers' q: 7.0 → 9.1 +0.500" in t for t in text)
 
 
 @pytest.mark.parametrize("key,value,head,role", [

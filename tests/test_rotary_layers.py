@@ -109,18 +109,24 @@ def test_cli_circuits_prints_each_caveat_on_its_own_line(gemma3, capsys):
 
 
 def test_cli_warnings_are_one_line_and_the_callers_format_comes_back(gemma3):
-    # a warning raised while a command runs prints as "warning: <message>", not as Python's file:line: Category
-    # plus the source line; main() called from Python restores the caller's own format
+    # a caveat prints once (the "caveat:" lines), not again as a warning; any other warning raised while a command
+    # runs prints as "warning: <message>", not as Python's file:line: Category plus the source line; main()
+    # called from Python restores the caller's own format
     import subprocess
     import sys
     import warnings
 
     folder, _ = gemma3
-    proc = subprocess.run([sys.executable, "-W", "always", "-m", "qkcircuits", "circuits", str(folder), "--head", "1.0",
-                           "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    code = ("import sys, warnings; import qkcircuits.cli.circuits as c; orig = c.summarize\n"
+            "def noisy(*a, **k):\n    warnings.warn('something else happened'); return orig(*a, **k)\n"
+            "c.summarize = noisy\nfrom qkcircuits.cli import main\n"
+            f"sys.exit(main(['circuits', {str(folder)!r}, '--head', '1.0', '--device', 'cpu']))")
+    proc = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-500:]
-    lines = [x for x in proc.stderr.splitlines() if "offset profile is not the whole attention score" in x]
-    assert lines and all(x.startswith("warning: the offset profile") for x in lines)
+    assert [x for x in proc.stderr.splitlines() if "something else" in x] == ["warning: something else happened"]
+    assert "is not the whole attention score" not in proc.stderr                 # said once, in stdout
+    caveats = [x for x in proc.stdout.splitlines() if x.startswith("caveat: ")]
+    assert caveats and len(caveats) == len(set(caveats)), proc.stdout
     assert "UserWarning" not in proc.stderr
     from qkcircuits.cli import main
 

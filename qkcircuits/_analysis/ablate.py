@@ -39,6 +39,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from .._foundation.arch.model import block_list
 from .._foundation.capture import as_tokens, capture, hook_name
 from .._foundation import display as show
 from .._foundation.result import Result
@@ -209,7 +210,7 @@ class Runner:
         with torch.no_grad():
             self.clean_logits = model.run_with_hooks(
                 tokens, fwd_hooks=[(f"blocks.{L}.hook_resid_pre", keep(L)) for L in range(from_layer, n)])
-        self._list = _block_list(model)
+        self._list = block_list(model)
         self.mode = "sliced" if self._list is not None else "start_at_layer"
         if check:
             self._self_check()
@@ -292,25 +293,11 @@ class Runner:
         self = cls.__new__(cls)
         self.model, self.tokens, self.from_layer = model, tokens, from_layer
         self.resid, self.clean_logits = resid, clean_logits
-        self._list = _block_list(model)
+        self._list = block_list(model)
         self.mode = "sliced" if self._list is not None else "start_at_layer"
         if check:
             self._self_check()
         return self
-
-
-def _block_list(model):
-    """(parent module, attribute) of the ModuleList inside the wrapped model that holds ``model.blocks``."""
-    blocks = list(getattr(model, "blocks", []))
-    inner = getattr(model, "original_model", None)
-    if not blocks or inner is None:
-        return None
-    for name, mod in inner.named_modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) == len(blocks) and all(
-                a is b for a, b in zip(mod, blocks)):
-            parent_name, _, attr = name.rpartition(".")
-            return inner.get_submodule(parent_name) if parent_name else inner, attr
-    return None
 
 
 def copies_per_forward(model, tokens: Tokens, max_batch: Optional[int] = None, metric: Optional[Metric] = None) -> int:
@@ -534,9 +521,9 @@ def compare_to_random(model, heads: HeadsLike, tokens, metric="induction-loss", 
 
 
 def progress_bar(total: int, desc: str, enabled):
-    """A tqdm bar over ``total`` ablations, or None when not ``enabled``."""
+    """A progress bar (``_foundation/progress``) over ``total`` ablations, or None when not ``enabled``."""
     if not enabled:
         return None
-    from tqdm.auto import tqdm
+    from .._foundation.progress import progress_bar as bar
 
-    return tqdm(total=total, desc=desc, unit="ablation", leave=False)
+    return bar(total=total, desc=desc, unit="ablation")

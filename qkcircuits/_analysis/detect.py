@@ -28,21 +28,21 @@ Attention to BOS is never renormalised away: a head parked on BOS scores low, wh
 
 from __future__ import annotations
 
-import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from .._foundation.capture import stream
 from .._foundation.errors import QKCircuitsError
+from .._foundation.arch.model import folded
 from .._foundation.args import check_model
 from .._foundation.io import check_int
 from .._foundation.renamed import renamed
 from .._foundation.result import stamped
 from .._foundation.model import model_name
+from .._foundation.progress import progress_bar
 from .._foundation.sequences import check_seed, repeated_tokens, segment_length, text_tokens, token_pool
 from .._weights import contextual as _contextual
 from .._weights.circuits import unembed_chunk, layer_weights
@@ -267,8 +267,8 @@ def scan(model, *, scores: Optional[Sequence[str]] = None, n_seqs: int = 8, seg_
     chosen = [detector(n) for n in names]
     streamed = [k for k in PROMPT_SETS if k != "model" and any(d.prompts == k for d in chosen)]
     L = model.cfg.n_layers
-    bar = tqdm(total=(len(streamed) + sum(d.prompts == "model" for d in chosen)) * L, desc="scan", unit="layer",
-               disable=not progress, file=sys.stderr, leave=False)
+    bar = progress_bar(total=(len(streamed) + sum(d.prompts == "model" for d in chosen)) * L, desc="scan",
+                       unit="layer", enabled=progress)
     out: Dict[str, Tensor] = {}
     extra: Dict[str, object] = {"eigen_copying_circuit": None}
     with torch.no_grad():
@@ -331,8 +331,23 @@ def confirm_induction(model, scores: HeadScores, *, k: int = 5, n_draws: int = 1
             "seq_len": seg_len}
 
 
+def confirmation_sentence(conf: Dict) -> str:
+    """The causal check (``confirm_induction``'s dict, ``scores.extras["confirmation"]``) in one sentence: the CLI
+    prints it and the report shows it beside its figure.
+
+    >>> confirmation_sentence({"heads": ["1.0"], "effect": 8.25, "random_effects": [0.1, 0.3]})
+    'causal check: ablating the top induction heads (1.0) raises the repeated-half loss by +8.250 nats; 2 random sets of as many heads: mean +0.200, max +0.300'
+    """
+    heads = ", ".join(str(h) for h in conf.get("heads", []))
+    rnd = [float(x) for x in conf.get("random_effects", [])]
+    mean_rnd = sum(rnd) / len(rnd) if rnd else float("nan")
+    return (f"causal check: ablating the top induction heads ({heads}) raises the repeated-half loss by "
+            f"{float(conf.get('effect', float('nan'))):+.3f} nats; {len(rnd)} random sets of as many heads: mean "
+            f"{mean_rnd:+.3f}, max {max(rnd) if rnd else float('nan'):+.3f}")
+
+
 def _settings(model, **kw) -> Dict[str, object]:
-    return stamped({**kw, "fold_ln": bool(getattr(model, "compatibility_mode", False)), "dtype": str(model.W_E.dtype),
+    return stamped({**kw, "fold_ln": folded(model), "dtype": str(model.W_E.dtype),
                     "device": str(model.W_E.device)})
 
 

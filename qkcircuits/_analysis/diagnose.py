@@ -245,7 +245,7 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
     Memory: one layer's q, k, v, z, scores and patterns at a time, plus a few [n_heads, d_head,
     d_head] moment sums per layer; the result is a few dozen [n_layers, n_heads] tensors.
     """
-    from tqdm.auto import tqdm
+    from .._foundation.progress import progress_bar
 
     check_seed(seed)
     check_int("n_seqs", n_seqs)
@@ -275,7 +275,7 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
     perturb: Dict[int, Tuple[Tensor, Tensor]] = {}
     measured_scale: Dict[int, float] = {}
     scores_real: Dict[int, bool] = {}
-    bar = tqdm(total=len(tokens) * len(layer_list), desc="diagnose", disable=not progress, leave=False)
+    bar = progress_bar(total=len(tokens) * len(layer_list), desc="diagnose", enabled=progress)
     set_names = list(tokens)
     for si, set_name in enumerate(set_names):
         toks = torch.as_tensor(tokens[set_name])

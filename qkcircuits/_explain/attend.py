@@ -43,15 +43,16 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike, all_heads, model_heads
 from .._foundation.io import check_int
 from .._foundation.result import stamped
-from .attribution import Attribution, summarise
+from .attribution import Attribution, pair_table, summarise
 from .rows import Rows, rows_for
 from .writes import Writes, capture_writes
 
 READINGS = ("raw", "contrast", "versus")
+ERRORS = ("score_error", "pattern_error", "bias_spread", "parts_error")
 
 
 def attend(model, head, tokens=None, *, task=None, query=None, key=None, versus=None, reading: str = "contrast",
-           expand: Optional[str] = None, k: int = 5, labels: Optional[Dict[str, str]] = None,
+           expand: Optional[str] = None, k: int = 5, labels: Optional[object] = None,
            batch_size: int = 64) -> Attribution:
     """Split ``head``'s score on the chosen rows into (query source, key source) pairs (module docstring).
 
@@ -71,12 +72,17 @@ def attend(model, head, tokens=None, *, task=None, query=None, key=None, versus=
 
 def attend_heads(model, heads: HeadsLike = None, tokens=None, *, task=None, query=None, key=None, versus=None,
                  reading: str = "contrast", expand: Optional[str] = None, k: int = 5,
-                 labels: Optional[Dict[str, str]] = None, batch_size: int = 64) -> Dict[str, Attribution]:
-    """``attend`` for several heads (default: every head) from ONE forward per prompt shard: {head: Attribution}.
-    The same rows for every head (a key outside a head's window is refused for that head's layer). Memory: the
-    pair table [sources, sources] of every head, summed over rows."""
+                 labels: Optional[object] = None, batch_size: int = 64) -> Dict[str, Attribution]:
+    """``attend`` for several heads (default: every head) from one forward per prompt shard (plus block 0 once more,
+    to split MLP 0): {head: Attribution}. The same rows for every head (a key outside a head's window is refused for
+    that head's layer). Memory: per head its kept pair table [41, 41] and marginals [rows, sources] when one shard
+    holds every prompt; the full pair table [sources, sources], summed over shards, otherwise."""
     heads = all_heads(int(model.cfg.n_layers), int(model.cfg.n_heads)) if heads is None else model_heads(model, heads)
     reading = _check(reading, versus, expand)
+    if labels is not None and not (isinstance(labels, dict) and all(isinstance(x, str) for kv in labels.items()
+                                                                     for x in kv)):
+        raise QKCircuitsError(f"labels must be a dict of source names to words ({{'16.0': 'previous-token'}}), got "
+                              f"{type(labels).__name__}")
     k, batch_size = check_int("k", k), check_int("batch_size", batch_size)
     by_layer: Dict[int, List[int]] = {}
     for h in heads:
@@ -84,18 +90,14 @@ def attend_heads(model, heads: HeadsLike = None, tokens=None, *, task=None, quer
     layers = sorted(by_layer)
     rows = {L: rows_for(model, L, tokens, task=task, query=query, key=key, versus=versus,
                         window=adapter(model, L).window()) for L in layers}
-    acc: Dict[str, Dict] = {}
-    chosen: Dict[str, List[str]] = {}
     n_prompts = next(iter(rows.values())).tokens.shape[0]
     shards = torch.arange(n_prompts).split(batch_size)
-    for prompts in shards:
-        toks = rows[layers[0]].tokens[prompts].to(model.W_E.device)
-        w = capture_writes(model, toks, layers, expand=expand is not None)
-        for L in layers:
-            for name, part in _layer(model, w, L, by_layer[L], rows[L], prompts, reading, expand, k, chosen).items():
-                _add(acc, name, part, whole=len(shards) == 1)
-                if expand and name not in chosen:
-                    chosen[name] = list(part["expanded"])
+    chosen: Optional[Dict[str, List[str]]] = None
+    if expand and len(shards) > 1:
+        # which heads to expand is decided on every row, not on the first shard: a first pass without expansion
+        first = _passes(model, by_layer, rows, shards, reading, None, k, {})
+        chosen = {name: _expand_choice(a, expand, k) for name, a in first.items()}
+    acc = _passes(model, by_layer, rows, shards, reading, expand, k, chosen or {})
     out = {}
     for h in heads:
         a, L = acc[str(h)], h.layer
@@ -103,16 +105,64 @@ def attend_heads(model, heads: HeadsLike = None, tokens=None, *, task=None, quer
         factor, source, cap = att.scale()
         settings = {"scale": factor, "scale_source": source, "softcap": cap, "rows": rows[L].what,
                     "positions": rows[L].names, "n_rows": len(rows[L]), "dropped_rows": rows[L].dropped,
-                    "frozen": _frozen_note(att), "labels": dict(labels or {}), "score_error": a["score_error"],
-                    "pattern_error": a["pattern_error"], "bias_spread": a["bias_spread"], "family": att.family}
+                    "frozen": _frozen_note(att), "labels": dict(labels or {}), "family": att.family,
+                    **{e: a[e] for e in ERRORS}}
         if cap:
             settings["caveats"] = [f"the layer soft-caps its scores at {cap:g}: the pre-cap score is decomposed"]
         expanded = _merge_expansions(a["expanded"], len(rows[L])) if expand else {}
-        pairs = a["QK"] if "QK" in a else a["P"] / len(rows[L])
+        pairs = a["kept"] if "kept" in a else a["P"] / len(rows[L])
+        if a["extra"]:
+            settings["position_bias"] = "ALiBi: slope_h · key position, a source of its own on both sides"
+        _check_exact(model, str(h), {e: a[e] for e in ERRORS})
         out[str(h)] = summarise(model, str(h), reading, rows[L], a["names"], pairs, torch.cat(a["q_vals"]),
-                                torch.cat(a["k_vals"]), torch.cat(a["attention"]),
-                                max(a["score_error"], a["pattern_error"]), stamped(settings), expanded, expand)
+                                torch.cat(a["k_vals"]), torch.cat(a["attention"]), extra=a["extra"],
+                                exact_error=max(a["score_error"], a["pattern_error"]), settings=stamped(settings),
+                                expanded=expanded, side=expand)
     return out
+
+
+def _passes(model, by_layer: Dict[int, List[int]], rows: Dict[int, Rows], shards, reading: str,
+            expand: Optional[str], k: int, chosen: Dict[str, List[str]]) -> Dict[str, Dict]:
+    """One forward per prompt shard; every target layer's heads from it, accumulated per head."""
+    layers = sorted(by_layer)
+    acc: Dict[str, Dict] = {}
+    for prompts in shards:
+        toks = rows[layers[0]].tokens[prompts].to(model.W_E.device)
+        w = capture_writes(model, toks, layers, expand=expand is not None)
+        for L in layers:
+            for name, part in _layer(model, w, L, by_layer[L], rows[L], prompts, reading, expand, k, chosen).items():
+                _add(acc, name, part, whole=len(shards) == 1)
+    return acc
+
+
+def _expand_choice(a: Dict, side: str, k: int) -> List[str]:
+    """The ``k`` head sources with the largest |mean value| on ``side`` over all rows (at least 5 % of the
+    largest one: a tiny value splits into noise)."""
+    vals = torch.cat(a["k_vals" if side == "key" else "q_vals"]).mean(0).abs()
+    heads = [n for n, name in enumerate(a["names"]) if "." in name]
+    top = max((float(vals[n]) for n in heads), default=0.0)
+    return [a["names"][n] for n in sorted((n for n in heads if float(vals[n]) >= 0.05 * top > 0),
+                                          key=lambda n: -float(vals[n]))[:k]]
+
+
+def _check_exact(model, head: str, errors: Dict[str, float]) -> None:
+    """Refuse (one line) an attribution that is not exact: its rebuilt scores miss the model's own attention (the
+    architecture does something to the score this decomposition does not know: an unsupported position bias, a
+    norm it cannot read), its parts do not add up to the whole query and key, or the residual's remainder ``bias``
+    is not one constant (a write some source made is missing). Tolerances: 1e-3 of a probability or of the largest
+    score, 1e-4 relative for the parts and the remainder, or 4 × the model's dtype epsilon when that is larger (bf16)."""
+    eps = float(torch.finfo(model.W_E.dtype).eps)
+    checks = (("rebuilt scores vs the model's own attention", max(errors["score_error"], errors["pattern_error"]),
+               max(1e-3, 4 * eps)),
+              ("the parts' sum vs the whole query and key", errors["parts_error"], max(1e-4, 4 * eps)),
+              ("the residual minus every source's write (the bias) is not one constant", errors["bias_spread"],
+               max(1e-4, 4 * eps)))
+    for what, error, tol in checks:
+        if not error <= tol:
+            from .._foundation.arch import architecture
+
+            raise QKCircuitsError(f"head {head}: the attribution is not exact on {architecture(model)} ({what}: "
+                                  f"{error:.3g} > {tol:.0e}); qkcircuits cannot decompose this attention yet")
 
 
 def _check(reading: str, versus, expand) -> str:
@@ -136,8 +186,8 @@ def _add(acc: Dict[str, Dict], name: str, part: Dict, whole: bool) -> None:
     Q, K = part.pop("Q"), part.pop("K")
     part["q_vals"] = torch.einsum("nad,nd->na", Q, K.sum(1))
     part["k_vals"] = torch.einsum("nd,nbd->nb", Q.sum(1), K)
-    if whole:
-        part["QK"] = (Q, K)
+    if whole:        # every row is here: the kept pair table now, and the parts [rows, sources, d] dropped
+        part["kept"] = pair_table(Q, K, part["q_vals"], part["k_vals"])
     else:
         part["P"] = torch.einsum("nad,nbd->ab", Q, K)
     a = acc.get(name)
@@ -147,7 +197,7 @@ def _add(acc: Dict[str, Dict], name: str, part: Dict, whole: bool) -> None:
     a["P"] = a["P"] + part["P"]
     for x in ("q_vals", "k_vals", "attention", "expanded"):
         a[x].append(part[x])
-    for e in ("score_error", "pattern_error", "bias_spread"):
+    for e in ERRORS:
         a[e] = max(a[e], part[e])
 
 
@@ -173,12 +223,17 @@ def key_weights(rows: Rows, idx: Tensor, p: int, reading: str, window: Optional[
         ok = (pos[None] <= i[:, None]) & (pos[None] != j[:, None])
         if window is not None:
             ok &= (i[:, None] - pos[None]) < window
-        w -= ok.double() / ok.sum(1, keepdim=True).clamp_min(1)
+        lonely = (ok.sum(1) == 0).nonzero()
+        if lonely.numel():
+            r = int(idx[int(lonely[0])])
+            raise QKCircuitsError(f"row {r}: the query at position {int(i[int(lonely[0])])} may attend no key but "
+                                  f"{int(j[int(lonely[0])])}, so there is nothing to contrast with; use reading='raw'")
+        w -= ok.double() / ok.sum(1, keepdim=True)
     return w
 
 
 def _layer(model, w: Writes, L: int, heads: List[int], rows: Rows, prompts: Tensor, reading: str,
-           expand: Optional[str], k: int, chosen: Dict[str, List[str]]) -> Dict[str, Dict]:
+           expand: Optional[str], k: int, chosen: Optional[Dict[str, List[str]]]) -> Dict[str, Dict]:
     """Each of layer ``L``'s ``heads`` on the rows of ``prompts``: its pair sums, per-row marginals and errors."""
     sel = torch.isin(rows.b, prompts).nonzero().flatten()
     if sel.numel() == 0:
@@ -205,35 +260,50 @@ def _layer(model, w: Writes, L: int, heads: List[int], rows: Rows, prompts: Tens
     wr = key_weights(rows, sel, w.tokens.shape[1], reading, att.window()).to(dev)      # [n, p]
     wr_dt = wr.to(dt)
     names = w.names(L)
-    n, S = rb.numel(), len(names)
-    Q_all = torch.empty(len(heads), n, S + 1, Wq.shape[-1], dtype=torch.float64, device=dev)   # + bias_q
-    K_all = {g: torch.empty(n, S + 1, Wk.shape[-1], dtype=torch.float64, device=dev) for g in kv}   # + bias_k
+    n, S, d = rb.numel(), len(names), Wq.shape[-1]
+    slopes = att.alibi_slopes()
+    # + bias_q / bias_k; with ALiBi one more source on each side, "position_bias", on a coordinate of its own:
+    # its query part is the head's slope, its key part Σ_pos w(pos) · pos, so its pair is the bias's share
+    extra = 0 if slopes is None else 1
+    Q_all = torch.zeros(len(heads), n, S + 1 + extra, d + extra, dtype=torch.float64, device=dev)
+    K_all = {g: torch.zeros(n, S + 1 + extra, d + extra, dtype=torch.float64, device=dev) for g in kv}
     for lo, hi, q_rows, k_all in _chunks(w, L, Wq, Wk, rb, ri):                      # [s, n, H', d], [s, b, p, G', d]
         for t, (m, f) in enumerate(zip(qmaps, fq_dt)):
-            Q_all[t, :, lo:hi] = m.finish(q_rows[:, :, t], f, rows=(rb, ri)).transpose(0, 1)
+            Q_all[t, :, lo:hi, :d] = m.finish(q_rows[:, :, t], f, rows=(rb, ri)).transpose(0, 1)
         for u, g in enumerate(kv):
-            K_all[g][:, lo:hi] = kmaps[g].contract(k_all[:, :, :, u], fk_dt[g], wr_dt, rb)
+            K_all[g][:, lo:hi, :d] = kmaps[g].contract(k_all[:, :, :, u], fk_dt[g], wr_dt, rb)
     for t, m in enumerate(qmaps):
-        Q_all[t, :, S] = m.constant(fq[t], rows=(rb, ri))
+        Q_all[t, :, S, :d] = m.constant(fq[t], rows=(rb, ri))
     k_total = {}
     for g in kv:
         kc = kmaps[g].constant(fk[g])                                                  # [b, p, d]
-        K_all[g][:, S] = torch.einsum("np,npd->nd", wr, kc[rb])
+        K_all[g][:, S, :d] = torch.einsum("np,npd->nd", wr, kc[rb])
+        if slopes is not None:
+            K_all[g][:, S + 1, d] = wr @ torch.arange(wr.shape[1], dtype=wr.dtype, device=dev)
         # every key, rebuilt from the whole residual (the parts add up to it by construction: ``bias`` is the rest)
         k_total[g] = kmaps[g].finish(w.resid[L].double() @ kmaps[g].W, fk[g]) + kc
     factor = att.scale()[0]
     spread = w.bias_spread(L)
+    q_whole = [m.finish((w.resid[L].double() @ m.W)[rb, ri], f, rows=(rb, ri)) + m.constant(f, rows=(rb, ri))
+               for m, f in zip(qmaps, fq)]
     out = {}
     for t, h in enumerate(heads):
         g = h // group
+        if slopes is not None:
+            Q_all[t, :, S + 1, d] = float(slopes[h]) / factor           # × factor below: the slope itself
         Q, K = Q_all[t].mul_(factor), K_all[g]                                         # [n, Sq, d], [n, Sk, d]
-        part = {"names": names, "Q": Q.cpu(), "K": K.cpu(),
+        part = {"names": names, "extra": ["position_bias"] if extra else [], "Q": Q.cpu(), "K": K.cpu(),
                 "attention": w.pattern[L][rb, h, ri, rj].double().cpu(), "bias_spread": spread,
-                **_exactness(att, w, L, h, Q.sum(1) / factor, k_total[g], rb, ri), "expanded": None}
+                **_exactness(att, w, L, h, Q.sum(1)[:, :d] / factor, k_total[g], rb, ri, slopes), "expanded": None,
+                # the parts must add up to the whole, side by side: the query parts to the query the whole residual
+                # makes at each row, the key parts to the reading's sum of the whole keys (an error in one source's
+                # write, or in the weights, would otherwise hide in the bias, which is the remainder)
+                "parts_error": max(_rel(Q.sum(1)[:, :d] / factor, q_whole[t]),
+                                   _rel(K.sum(1)[:, :d], torch.einsum("np,npd->nd", wr, k_total[g][rb])))}
         if expand:
             side_map, side_frozen = (qmaps[t], fq[t]) if expand == "query" else (kmaps[g], fk[g])
             part["expanded"] = _expand(w, L, side_map, side_frozen, names, Q, K, wr, rb, ri, expand, k, sel,
-                                       chosen.get(f"{L}.{h}"), factor)
+                                       chosen.get(f"{L}.{h}") if chosen else None, factor)
         out[f"{L}.{h}"] = part
     return out
 
@@ -291,11 +361,18 @@ def _chunks(w: Writes, L: int, Wq: Tensor, Wk: Tensor, rb: Tensor, ri: Tensor, s
         yield lo, lo + m, qbuf[:m].view(m, n, H, d), kbuf[:m].view(m, b, p, G, d)
 
 
-def _exactness(att, w: Writes, L: int, h: int, q_tot: Tensor, k_total: Tensor, rb: Tensor, ri: Tensor
-               ) -> Dict[str, float]:
+def _rel(a: Tensor, b: Tensor) -> float:
+    """max |a − b| relative to max |b|."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _exactness(att, w: Writes, L: int, h: int, q_tot: Tensor, k_total: Tensor, rb: Tensor, ri: Tensor,
+               slopes: Optional[Tensor] = None) -> Dict[str, float]:
     """Rebuild each row's whole score row from the summed parts and compare with the model's own."""
     factor, _, cap = att.scale()
     S = torch.einsum("nd,npd->np", q_tot, k_total[rb]) * factor                    # [n, p]
+    if slopes is not None:                                                          # ALiBi: + slope · key position
+        S = S + float(slopes[h]) * torch.arange(S.shape[1], dtype=S.dtype, device=S.device)
     if cap:
         S = cap * torch.tanh(S / cap)
     pos = torch.arange(S.shape[1], device=S.device)
@@ -319,13 +396,10 @@ def _expand(w: Writes, L: int, qkmap, frozen, names: List[str], Q: Tensor, K: Te
     ``chosen``): value per row and source position m of what that head read at m (pattern · v through OV) and
     wrote where ``side`` reads it. ``Q`` is already × the layer's scale."""
     vals = (Q.sum(1)[:, None] * K).sum(-1) if side == "key" else (Q * K.sum(1)[:, None]).sum(-1)      # [n, s]
-    if chosen is None:
-        # the largest head sources, leaving out those under 5 % of the largest one (a tiny value splits into noise)
-        mass = vals.abs().sum(0)
-        head_idx = [n for n, name in enumerate(names) if "." in name]
-        top = max((float(mass[n]) for n in head_idx), default=0.0)
-        chosen = [names[n] for n in sorted((n for n in head_idx if float(mass[n]) >= 0.05 * top > 0),
-                                           key=lambda n: -float(mass[n]))[:k]]
+    d = qkmap.W.shape[1]
+    Q, K = Q[..., :d], K[..., :d]                       # (an ALiBi coordinate, if any, is no head's)
+    if chosen is None:                                  # every row is in this shard: choose from them
+        chosen = _expand_choice({"names": names, "k_vals": [vals], "q_vals": [vals]}, side, k)
     out = {}
     for name in chosen:
         l, hh = (int(x) for x in name.split("."))
@@ -333,15 +407,18 @@ def _expand(w: Writes, L: int, qkmap, frozen, names: List[str], Q: Tensor, K: Te
         v = w.values[l]                                                                # [b, m, heads or KV heads, e]
         v = v[:, :, hh // (w.z[l].shape[2] // v.shape[2])].double()
         u = v @ (w.head_out_map(l)[hh] @ qkmap.W)                                      # [b, m, d]
-        T = A.permute(2, 0, 1)[..., None] * u.permute(1, 0, 2)[:, :, None]             # [m, b, p, d]
-        s = w.post_scale(l)
-        if s is not None:
-            T = T * s
+        s = w.post_scale(l)                                                            # [b, p, 1] or None
         if side == "key":
-            T = qkmap.finish(T, frozen)                                               # [m, b, p, d]
-            val = torch.einsum("nd,nmd->nm", Q.sum(1), torch.einsum("np,mnpd->nmd", wr, T[:, rb]))
+            # the head's write at key position pos is Σ_m A[pos, m] u[m] (× its post-norm scale at pos): the pattern
+            # (and the reading's weights) go into per-source weights over positions, u stays position-free
+            Apm = A[rb] * (wr[:, :, None] if s is None else wr[:, :, None] * s[rb].double())   # [n, p, m]
+            kappa = qkmap.contract_static(u, frozen, Apm.transpose(1, 2), rb)        # [n, m, d]
+            val = torch.einsum("nd,nmd->nm", Q.sum(1), kappa)
         else:
-            T = qkmap.finish(T[:, rb, ri], frozen, rows=(rb, ri))                     # [m, n, d]
+            T = A[rb, ri].transpose(0, 1)[..., None] * u[rb].transpose(0, 1)            # [m, n, d]
+            if s is not None:
+                T = T * s[rb, ri].double()
+            T = qkmap.finish(T, frozen, rows=(rb, ri))                                # [m, n, d]
             val = torch.einsum("mnd,nd->nm", T, K.sum(1)) * factor
         out[name] = {"values": val.cpu(), "whole": vals[:, names.index(name)].cpu(), "row_index": sel}
     return out

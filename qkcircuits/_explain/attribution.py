@@ -124,8 +124,11 @@ class Attribution(Result):
         for e in _top_offsets(self.expanded):
             where = "key" if e["side"] == "key" else "query"
             pos = "j" if where == "key" else "i"
-            off = int(e["offset"])
-            at = pos if off == 0 else f"{pos}{-off:+d}"
+            if "position" in e:
+                at = e["position"]
+            else:
+                off = int(e["offset"])
+                at = pos if off == 0 else f"{pos}{-off:+d}"
             example = f"; e.g. token {e['example']!r}" if e.get("example") is not None else ""
             out.append(f"{self.label(e['source'])}'s write at the {where}, which {self.head} reads, came from position "
                        f"{at} ({_pct(e['share'])} of its {show.number(e['whole'])}{example}).")
@@ -153,18 +156,18 @@ class Attribution(Result):
                 "attention": self.attention, "total": self.total, "exact_error": self.exact_error,
                 "query_sources": [list(x) for x in self.query_sources()],
                 "key_sources": [list(x) for x in self.key_sources()],
-                "pairs": [[a, b, json_number(self.pair_values[i, j])] for i, a in enumerate(self.pair_query)
-                          for j, b in enumerate(self.pair_key)],       # exact numbers, NaN as null (json_number)
+                "pairs": [[a, b, json_number(self.pair_values[i, j]), _share(float(self.pair_values[i, j]), self.total)]
+                          for i, a in enumerate(self.pair_query) for j, b in enumerate(self.pair_key)],  # NaN: null
                 "per_row": {"query": {"names": self.query_names, "values": json_floats(self.query_values)},
                             "key": {"names": self.key_names, "values": json_floats(self.key_values)}},
                 "expanded": self.expanded, "settings": self.settings}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, Any]) -> "Attribution":
-        pq = list(dict.fromkeys(a for a, _, _ in d["pairs"]))
-        pk = list(dict.fromkeys(b for _, b, _ in d["pairs"]))
+        pq = list(dict.fromkeys(p[0] for p in d["pairs"]))
+        pk = list(dict.fromkeys(p[1] for p in d["pairs"]))
         P = torch.zeros(len(pq), len(pk), dtype=torch.float64)
-        for a, b, v in d["pairs"]:
+        for a, b, v, *_ in d["pairs"]:
             P[pq.index(a), pk.index(b)] = read_float(v)
         q, k = d["per_row"]["query"], d["per_row"]["key"]
         as_t = lambda x: read_floats(x, torch.float64).reshape(len(d["rows"]), -1)   # noqa: E731
@@ -207,26 +210,15 @@ def _top_offsets(expanded: List[Dict[str, Any]], per_source: int = 1) -> List[Di
 
 
 def summarise(model, head: str, reading: str, rows, names: List[str], pairs, q_vals: Tensor, k_vals: Tensor,
-              attention: Tensor, exact_error: float, settings: Dict[str, Any], expanded: Dict[str, Dict[str, Tensor]],
-              side: Optional[str], keep: int = KEEP) -> Attribution:
+              attention: Tensor, *, exact_error: float, settings: Dict[str, Any],
+              expanded: Dict[str, Dict[str, Tensor]], side: Optional[str], extra: Sequence[str] = (),
+              keep: int = KEEP) -> Attribution:
     """The ``Attribution`` of the per-row marginals ``q_vals`` [n, Sq], ``k_vals`` [n, Sk] (query sources: ``names``
     then bias_q; key sources: ``names`` then bias_k) and ``pairs``: the mean pair table [Sq, Sk] over every source,
-    or the parts (Q [n, Sq, d] × the scale, K [n, Sk, d]) to compute it for the kept sources only. Gives the kept
-    pair table with its "other" row and column, the rows' tokens, the expansion grouped by offset."""
-    names_q, names_k = names + ["bias_q"], names + ["bias_k"]
-    kq, kk = _kept(q_vals, keep), _kept(k_vals, keep)
-    kq_set, kk_set = set(kq), set(kk)
-    rq = [i for i in range(q_vals.shape[1]) if i not in kq_set]
-    rk = [j for j in range(k_vals.shape[1]) if j not in kk_set]
-    if isinstance(pairs, tuple):
-        Q, K = pairs
-        Qk, Kk = Q[:, kq], K[:, kk]                                                   # "other": all minus the kept
-        Qk = torch.cat([Qk, (Q.sum(1) - Qk.sum(1))[:, None]], 1)
-        Kk = torch.cat([Kk, (K.sum(1) - Kk.sum(1))[:, None]], 1)
-        Pk = torch.einsum("nad,nbd->ab", Qk, Kk) / Q.shape[0]
-    else:
-        rows_kept = torch.cat([pairs[kq], pairs[rq].sum(0, keepdim=True)], 0)
-        Pk = torch.cat([rows_kept[:, kk], rows_kept[:, rk].sum(1, keepdim=True)], 1)
+    or ``pair_table``'s (kept query sources, kept key sources, kept table). Gives the kept pair table with its
+    "other" row and column, the rows' tokens, the expansion grouped by position or offset."""
+    names_q, names_k = names + ["bias_q", *extra], names + ["bias_k", *extra]
+    kq, kk, Pk = pairs if isinstance(pairs, tuple) else pair_table_of(pairs, q_vals, k_vals, keep)
     decode = _decoder(model)
     toks = rows.tokens.tolist()
     vs = rows.v.tolist() if rows.v is not None else None
@@ -246,6 +238,25 @@ def summarise(model, head: str, reading: str, rows, names: List[str], pairs, q_v
     return Attribution(model_name(model), head, reading, row_list, names_q, names_k, q_vals, k_vals,
                        [names_q[i] for i in kq] + ["other"], [names_k[i] for i in kk] + ["other"], Pk,
                        float(exact_error), settings, exp)
+
+
+def pair_table(Q: Tensor, K: Tensor, q_vals: Tensor, k_vals: Tensor, keep: int = KEEP):
+    """(kept query sources, kept key sources, the mean pair table over them [Nq + 1, Nk + 1]) from the parts
+    Q [n, Sq, d] (× the scale) and K [n, Sk, d]: only the kept pairs are formed; "other" is the whole minus the kept."""
+    kq, kk = _kept(q_vals, keep), _kept(k_vals, keep)
+    Qk, Kk = Q[:, kq], K[:, kk]
+    Qk = torch.cat([Qk, (Q.sum(1) - Qk.sum(1))[:, None]], 1)
+    Kk = torch.cat([Kk, (K.sum(1) - Kk.sum(1))[:, None]], 1)
+    return kq, kk, torch.einsum("nad,nbd->ab", Qk, Kk) / Q.shape[0]
+
+
+def pair_table_of(P: Tensor, q_vals: Tensor, k_vals: Tensor, keep: int = KEEP):
+    """``pair_table`` from the full mean pair table ``P`` [Sq, Sk] (prompt shards summed)."""
+    kq, kk = _kept(q_vals, keep), _kept(k_vals, keep)
+    rq = sorted(set(range(P.shape[0])) - set(kq))
+    rk = sorted(set(range(P.shape[1])) - set(kk))
+    rows_kept = torch.cat([P[kq], P[rq].sum(0, keepdim=True)], 0)
+    return kq, kk, torch.cat([rows_kept[:, kk], rows_kept[:, rk].sum(1, keepdim=True)], 1)
 
 
 def _kept(vals: Tensor, keep: int) -> List[int]:
@@ -276,20 +287,29 @@ def _decoder(model):
 
 
 def _offsets(expanded: Dict[str, Dict[str, Tensor]], rows, side: str, decode, k: int = 3) -> List[Dict[str, Any]]:
-    """Per expanded source: its value by offset (key or query position − the position it read), averaged over
-    rows, the ``k`` largest |value| first, with the share of the source's whole value there and an example token."""
+    """Per expanded source: its value by where it read, averaged over rows, the ``k`` largest |value| first, with
+    the share of the source's whole value there and an example token. Where it read is a task's named position
+    when the rows come from a task ("S2") and the source position is one of that prompt's, else the offset from
+    the key (or query) position (``offset`` 1: the position before)."""
     out = []
-    anchor = rows.j if side == "key" else rows.i
+    anchor = (rows.j if side == "key" else rows.i).tolist()
+    named = {name: pos.tolist() for name, pos in (rows.named or {}).items()}
+    prompts = rows.b.tolist()
     for name, e in expanded.items():
         vals, whole = e["values"], float(e["whole"].mean())
-        n, m = vals.shape
-        off = anchor[:, None] - torch.arange(m)[None]                                  # [n, m]
-        by: Dict[int, float] = {}
-        for o, v in zip(off.flatten().tolist(), vals.flatten().tolist()):
-            by[o] = by.get(o, 0.0) + v / n
-        for o in sorted(by, key=lambda x: -abs(by[x]))[:k]:
-            r = next((r for r in range(n) if 0 <= int(anchor[r]) - o < rows.tokens.shape[1]), None)
-            ex = decode(rows.tokens[int(rows.b[r]), int(anchor[r]) - o]) if r is not None else None
-            out.append({"source": name, "side": side, "offset": int(o), "value": by[o], "share": _share(by[o], whole),
-                        "whole": whole, "example": ex})
+        n = vals.shape[0]
+        by: Dict[Any, float] = {}
+        example: Dict[Any, Any] = {}
+        for r, row in enumerate(vals.tolist()):
+            b, a = prompts[r], anchor[r]
+            for m, v in enumerate(row):
+                where = next((p for p, pos in named.items() if pos[b] == m), a - m)
+                by[where] = by.get(where, 0.0) + v / n
+                if where not in example and m < rows.tokens.shape[1]:
+                    example[where] = decode(rows.tokens[b, m])
+        for where in sorted(by, key=lambda x: -abs(by[x]))[:k]:
+            entry = {"source": name, "side": side, "value": by[where], "share": _share(by[where], whole),
+                     "whole": whole, "example": example.get(where)}
+            entry.update({"position": where} if isinstance(where, str) else {"offset": int(where)})
+            out.append(entry)
     return out

@@ -14,8 +14,8 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head
 from .attribution import Attribution
 
-FIXED = {"emb": "token embedding", "pos": "positions", "mlp0[token]": "token identity: MLP 0 of the token alone",
-         "mlp0[context]": "MLP 0's change from attention 0's context", "bias": "output biases",
+FIXED = {"emb": "token embedding", "pos": "positions", "mlp0[token]": "token identity", "mlp0[context]": "context",
+         "bias": "output biases",
          "bias_q": "query bias", "bias_k": "key bias"}
 
 

@@ -13,7 +13,8 @@ Three ways to name rows:
   integer positions (``query=7, key=3``, lists of equal length for several rows per prompt, negative = from the
   end of that prompt) applied to every prompt;
 - tokens with ``key="induction"``: every query position whose token occurred exactly once before (not just
-  before it), keyed to the position after that earlier copy.
+  before it), keyed to the position after that earlier copy; ``key="duplicate"``: the same query positions, keyed
+  to the earlier copy itself; ``key="previous"``: every position after the first, keyed to the one before it.
 
 Rows whose key the head cannot attend (after the query, or outside a sliding window) are refused in one line, or
 (for induction rows) dropped and counted in ``dropped``.
@@ -21,6 +22,7 @@ Rows whose key the head cannot attend (after the query, or outside a sliding win
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -31,6 +33,7 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.own_tokenizer import own_affixes
 
 Pos = Any          # int, str, a list of ints or None: checked here, with one-line errors
+PATTERNS = ("induction", "duplicate", "previous")     # keys that pick their own rows from the tokens
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Rows:
     what: str
     names: dict
     dropped: int = 0
+    named: Optional[dict] = None      # a task's named positions per prompt {name: [b]}: where an expansion read from
 
     def __len__(self) -> int:
         return int(self.b.numel())
@@ -55,6 +59,14 @@ def tokenize(model, tokens) -> Tuple[Tensor, Tensor]:
     """Token ids [b, p]: ids as given (checked), or text tokenized as the checkpoint's tokenizer does on its own
     (its prefix: a BOS where it adds one; ``_foundation/own_tokenizer``), several texts right-padded with the pad
     (else EOS) id; and each prompt's length before padding [b]."""
+    if isinstance(tokens, (list, tuple)) and tokens:
+        kinds = {type(t).__name__ for t in tokens}
+        if any(isinstance(t, str) for t in tokens) and not all(isinstance(t, str) for t in tokens):
+            raise QKCircuitsError(f"tokens must be text, a list of texts, or token ids [batch, pos]; got a list mixing "
+                                  f"{', '.join(sorted(kinds))}")
+        if all(isinstance(t, (list, tuple)) for t in tokens) and len({len(t) for t in tokens}) > 1:
+            raise QKCircuitsError(f"tokens must be a [batch, pos] grid of ids; got rows of lengths "
+                                  f"{sorted({len(t) for t in tokens})} (give texts to have them padded)")
     if isinstance(tokens, str) or (isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], str)):
         tok = getattr(model, "tokenizer", None)
         if tok is None:
@@ -70,7 +82,11 @@ def tokenize(model, tokens) -> Tuple[Tensor, Tensor]:
         t = torch.tensor([r + [pad] * (width - len(r)) for r in ids], dtype=torch.long)
         lengths = torch.tensor([len(r) for r in ids])
     else:
-        t = torch.as_tensor(tokens)
+        try:
+            t = torch.as_tensor(tokens)
+        except (TypeError, ValueError, RuntimeError):
+            raise QKCircuitsError(f"tokens must be text, a list of texts, or token ids [batch, pos]; got "
+                                  f"{type(tokens).__name__}") from None
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise QKCircuitsError(f"tokens must be integer token ids or text, got {t.dtype}")
         t = t.long()[None] if t.dim() == 1 else t.long()
@@ -99,23 +115,37 @@ def rows_for(model, layer: int, tokens=None, *, task=None, query: Pos = None, ke
         raise QKCircuitsError("give tokens (ids or text) with query/key positions, or a task (qk.tasks.ioi(model), "
                               "qk.tasks.induction(model))")
     t, lengths = tokenize(model, tokens)
-    if key == "induction" or (query is None and key is None):
+    if key in PATTERNS or (query is None and key is None):
+        key = key or "induction"
         if query is not None or versus is not None:
-            raise QKCircuitsError("key='induction' picks its own query positions: give no query or versus")
-        return _induction(t, lengths, window, "the given prompts")
+            raise QKCircuitsError(f"key={key!r} picks its own query positions: give no query or versus")
+        if key == "previous":
+            return _previous(t, lengths, window)
+        return _induction(t, lengths, window, "the given prompts", shift=int(key == "induction"))
     return _explicit(t, lengths, query, key, versus, window)
 
 
-def _induction(t: Tensor, lengths: Tensor, window: Optional[int], where: str) -> Rows:
+def _previous(t: Tensor, lengths: Tensor, window: Optional[int]) -> Rows:
+    bs = [b for b in range(t.shape[0]) for _ in range(1, int(lengths[b]))]
+    is_ = [i for b in range(t.shape[0]) for i in range(1, int(lengths[b]))]
+    if not bs:
+        raise QKCircuitsError("key='previous' needs prompts of at least two tokens")
+    i = torch.tensor(is_)
+    return Rows(t, torch.tensor(bs), i, i - 1, None, "from each token to the one before it", {"key": "previous"})
+
+
+def _induction(t: Tensor, lengths: Tensor, window: Optional[int], where: str, shift: int = 1) -> Rows:
+    """Each query whose token occurred exactly once before, keyed to that copy + ``shift`` (1: the induction target,
+    0: the earlier copy itself, a duplicate-token head's target)."""
     bs, is_, js = [], [], []
     dropped = 0
     for b in range(t.shape[0]):
         row = t[b, : int(lengths[b])].tolist()
         for i in range(len(row)):
             earlier = [m for m in range(i) if row[m] == row[i]]
-            if len(earlier) != 1 or earlier[0] + 1 >= i:
+            if len(earlier) != 1 or earlier[0] + shift >= i:
                 continue
-            j = earlier[0] + 1
+            j = earlier[0] + shift
             if window is not None and i - j >= window:
                 dropped += 1
                 continue
@@ -124,8 +154,9 @@ def _induction(t: Tensor, lengths: Tensor, window: Optional[int], where: str) ->
         extra = f" ({dropped} outside the layer's window of {window})" if dropped else ""
         raise QKCircuitsError(f"{where} have no induction rows{extra}: no token occurs exactly once earlier with a "
                               f"token after it; repeat a segment (e.g. qk.tasks.induction(model)) or give query/key")
-    return Rows(t, torch.tensor(bs), torch.tensor(is_), torch.tensor(js), None,
-                "from each repeated token to the token after its earlier copy", {"key": "induction"}, dropped)
+    what = "the token after its earlier copy" if shift else "its earlier copy"
+    return Rows(t, torch.tensor(bs), torch.tensor(is_), torch.tensor(js), None, f"from each repeated token to {what}",
+                {"key": "induction" if shift else "duplicate"}, dropped)
 
 
 def _named(task, t: Tensor, query, key, versus, window) -> Rows:
@@ -144,7 +175,8 @@ def _named(task, t: Tensor, query, key, versus, window) -> Rows:
     n = t.shape[0]
     rows = Rows(t, torch.arange(n), got["query"], got["key"], got.get("versus"),
                 f"from {names['query']} to {names['key']}" + (f" (versus {versus})" if versus else ""),
-                {k: v for k, v in names.items() if v is not None})
+                {k: v for k, v in names.items() if v is not None},
+                named={k: v.long() for k, v in task.positions.items()})
     _check_attendable(rows, window)
     return rows
 
@@ -153,10 +185,21 @@ def _explicit(t: Tensor, lengths: Tensor, query, key, versus, window) -> Rows:
     def as_list(x, role) -> Optional[List[int]]:
         if x is None:
             return None
-        xs = [x] if isinstance(x, int) and not isinstance(x, bool) else list(x) if isinstance(x, (list, tuple)) else None
-        if xs is None or not xs or any(isinstance(v, bool) or not isinstance(v, int) for v in xs):
-            raise QKCircuitsError(f"{role} must be a position (an integer, negative from the end) or a list of them, "
-                                  f"got {x!r}")
+        if isinstance(x, Tensor):
+            x = x.tolist()
+        xs = [x] if not isinstance(x, (list, tuple)) else list(x)
+        out = []
+        for v in xs:
+            try:
+                if isinstance(v, bool):
+                    raise TypeError
+                out.append(operator.index(v))           # ints, numpy and 0-d tensor integers
+            except TypeError:
+                raise QKCircuitsError(f"{role} must be a position (an integer, negative from the end) or a list of "
+                                      f"them, got {x!r}") from None
+        if not out:
+            raise QKCircuitsError(f"{role} must name at least one position, got {x!r}")
+        xs = out
         return xs
 
     q, k, v = as_list(query, "query"), as_list(key, "key"), as_list(versus, "versus")

@@ -23,6 +23,7 @@ import os
 from typing import Any
 
 from .errors import QKCircuitsError
+from .arch.model import is_model
 from .io import check_int  # noqa: F401  (re-exported: the positive-integer check)
 
 # Specs cheap enough to load on the caller's behalf (no download, < 1 s).
@@ -32,7 +33,7 @@ CHEAP_SPECS = ("toy-induction",)
 def check_model(model: Any, arg: str = "model", *, spec_ok: bool = False) -> Any:
     """``model`` if it is a loaded model (has ``cfg``); a spec string is loaded when cheap (``CHEAP_SPECS``),
     passed through when ``spec_ok`` (the Ray backend loads it on the workers), else refused with how to load."""
-    if hasattr(model, "cfg") and hasattr(model, "blocks"):
+    if is_model(model):
         return model
     if isinstance(model, (str, os.PathLike)):
         spec = os.fspath(model)

@@ -45,6 +45,7 @@ from . import display as show
 from .result import Result
 from .rope import STYLES, RotarySpec, rotate
 from .errors import QKCircuitsError
+from .arch.model import positional
 from .heads import Head, HeadsLike, kv_head, model_heads, n_kv_heads
 from .io import json_floats, read_floats
 
@@ -103,14 +104,14 @@ def _resolve_names(model, names: Sequence[str]) -> List[str]:
         raise QKCircuitsError(f"{latent[0]!r} exists only on multi-head latent attention (DeepSeek-V2/V3); this "
                               f"{architecture(model)} has standard attention: capture q, k, v, rot_q, rot_k, scores, "
                               f"pattern or z")
-    if "q_latent" in names and getattr(adapter(model, 0), "q_lora_rank", None) is None:
+    if "q_latent" in names and adapter(model, 0).family == "latent" and adapter(model, 0).q_lora_rank is None:
         raise QKCircuitsError(f"'q_latent' needs a query latent, and this {architecture(model)} has q_lora_rank None "
                               f"(q = x W_Q directly); capture kv_latent, k_rope, q, k, v or z")
     if not has_rotary(model):
         bad = [n for n in names if n.startswith("rot_")]
         if bad:
             raise QKCircuitsError(f"{bad[0]!r} needs a rotary model, and this one has positional embedding type "
-                                  f"{getattr(model.cfg, 'positional_embedding_type', 'standard')!r}; use 'q'/'k'")
+                                  f"{positional(model)!r}; use 'q'/'k'")
     return names
 
 

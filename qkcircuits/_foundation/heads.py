@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Union
 
 from .errors import QKCircuitsError
+from .arch.model import n_kv_heads as kv_heads_of
 
 _DOT = re.compile(r"^\s*(\d+)\s*\.\s*(\d+|\*)(?:\s*-\s*(\d+))?\s*$")
 _LH = re.compile(r"^\s*[Ll]\s*(\d+)\s*[Hh]\s*(\d+|\*)(?:\s*-\s*(\d+))?\s*$")
@@ -118,7 +119,7 @@ def model_heads(model, spec: HeadsLike) -> List[Head]:
 
 def n_kv_heads(model) -> int:
     """Number of key/value heads per layer (== ``n_heads`` without grouped-query attention)."""
-    return int(getattr(model.cfg, "n_key_value_heads", None) or model.cfg.n_heads)
+    return kv_heads_of(model)
 
 
 def kv_head(head: int, n_heads: int, n_kv_heads: int) -> int:

@@ -36,6 +36,7 @@ import torch
 from transformer_lens.model_bridge import TransformerBridge
 
 from .errors import QKCircuitsError
+from .arch import model as arch_model
 from .fetch import SMOLLM2_HUB_NAME, smollm2_gguf
 from .offline import hub_offline as _hub_offline
 
@@ -110,6 +111,15 @@ def load(
     """
     if isinstance(spec, TransformerBridge):
         return spec
+    from .progress import quiet_other_bars
+
+    with quiet_other_bars(f"loading {os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else spec!r}"):
+        return _load_folded(spec, device=device, dtype=dtype, fold_ln=fold_ln, device_map=device_map, verbose=verbose,
+                            lean=lean)
+
+
+def _load_folded(spec, *, device, dtype, fold_ln: bool, device_map, verbose: bool, lean: bool) -> TransformerBridge:
+    """``load`` itself (lean folding first, the plain one when it does not fit)."""
     bridge = None
     if fold_ln and lean:
         from .lean import LeanIncomplete
@@ -121,7 +131,7 @@ def load(
             import warnings
 
             warnings.warn(f"qkcircuits: lean LayerNorm folding did not fit this model ({e}); reloading with "
-                          f"lean=False (TransformerLens's enable_compatibility_mode, more memory)", stacklevel=2)
+                          f"lean=False (TransformerLens's enable_compatibility_mode, more memory)", stacklevel=3)
     if bridge is None:
         bridge = _load(spec, device=device, dtype=dtype, fold_ln=fold_ln, device_map=device_map, verbose=verbose,
                        lean=False)
@@ -412,5 +422,5 @@ def _first_line(e: BaseException) -> str:
 
 def model_name(model: TransformerBridge) -> str:
     """A readable name for results and reports."""
-    return str(getattr(model.cfg, "model_name", None) or "model")
+    return arch_model.model_name(model)
 

@@ -141,17 +141,14 @@ def _vjp(out: Tensor, inp: Tensor, cots: List[Tensor]) -> List[Tensor]:
     return [torch.autograd.grad(out, inp, grad_outputs=c, retain_graph=True)[0].detach() for c in cots]
 
 
-def _rms_parts(ln1):
-    """(weight, eps) of an input norm that looks like RMSNorm (``x · rsqrt(mean x² + eps) · w``), else None.
-    Only a guess: ``_input_vjps`` uses it after checking it reproduces the hook value on the run."""
-    comp = getattr(ln1, "original_component", None)
-    if comp is None or "RMSNorm" not in type(comp).__name__:
+def _rms_parts(ad):
+    """(weight, eps) of the layer's input norm when it is an RMSNorm (``x · rsqrt(mean x² + eps) · w``: the adapter's
+    reading of it, ``arch/norms``), else None. ``_input_vjps`` uses it after checking it reproduces the hook value."""
+    norm = ad.input_norm()
+    if norm.kind != "RMS" or norm.bias is not None:
         return None
-    eps = getattr(comp, "variance_epsilon", getattr(comp, "eps", None))
-    w = getattr(comp, "weight", None)
-    if not isinstance(w, Tensor) or not isinstance(eps, (float, int)):
-        return None
-    return (1.0 + w if getattr(ln1, "uses_weight_offset", False) else w).detach(), float(eps)
+    w = norm.weight if norm.weight is not None else torch.ones(int(ad.model.cfg.d_model))
+    return w.detach(), float(norm.eps)
 
 
 def _input_vjps(model, layer: int, x: str, resid: Tensor, proj: Tensor, slots: List[int],
@@ -173,7 +170,7 @@ def _input_vjps(model, layer: int, x: str, resid: Tensor, proj: Tensor, slots: L
         W, b = {"q": (w.W_Q, w.b_Q), "k": (w.W_K, w.b_K), "v": (w.W_V, w.b_V)}[x]
         if x != "q" and ad.n_kv_heads != ad.n_heads:
             W, b = W[:: ad.n_heads // ad.n_kv_heads], b[:: ad.n_heads // ad.n_kv_heads]
-        rms = _rms_parts(ad.block.ln1)
+        rms = _rms_parts(ad)
         eps = torch.finfo(proj.dtype).eps
         scale = float(proj.detach().abs().max()) + 1e-30
         tol = max(1e-5, 16 * eps) * scale

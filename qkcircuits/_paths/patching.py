@@ -36,7 +36,6 @@ The split into ``references`` (mean/resample values, computed once over the whol
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -49,6 +48,7 @@ from .._analysis.metrics import INDUCTION, Metric
 from .._foundation.backends import BackendLike, as_backend
 from .._foundation.capture import as_tokens
 from .._foundation.errors import QKCircuitsError
+from .._foundation.arch.model import folded
 from .._foundation.args import check_int, check_model, check_tokens
 from .._foundation.heads import Head, HeadsLike, model_heads
 from .._foundation.io import package_version
@@ -284,10 +284,10 @@ def local_path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k
     n_layers_recv = len({r.layer for r in recv})
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from .._foundation.progress import progress_bar
         total = sum(len([s for s in snd if s.layer < R]) if snd is not None else R * H
                     for R in {r.layer for r in recv}) * len(into) * n_shards
-        bar = tqdm(total=total, desc="path patching", unit="sender", leave=False, file=sys.stderr)
+        bar = progress_bar(total=total, desc="path patching", unit="sender")
     blocks = [(int(r[0]), int(r[-1]) + 1) for r in torch.arange(tokens.shape[0]).chunk(n_shards)]
     try:
         parts = [patch_shard(model, tokens[a:b], repl and shard_replacement(repl, slice(a, b)), recv, snd, into, metric,
@@ -321,4 +321,4 @@ def patch_settings(model, tokens: Tensor, per_position: bool, reference: str, n_
 
     return stamped({"n_prompts": int(tokens.shape[0]), "n_positions": int(tokens.shape[1]), "per_position": per_position,
             "reference": reference, "n_edges": n_edges, "receiver_layers": n_layers_recv,
-            "fold_ln": bool(getattr(model, "compatibility_mode", False)), "dtype": str(model.W_E.dtype)})
+            "fold_ln": folded(model), "dtype": str(model.W_E.dtype)})

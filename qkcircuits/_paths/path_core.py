@@ -25,6 +25,7 @@ from .._analysis.metrics import Metric, as_metric, direct_logit, induction_atten
 from .._foundation.capture import StopForward, hook_name
 from .._foundation.arch import adapter
 from .._foundation.errors import QKCircuitsError
+from .._foundation.arch.model import final_norm_module, post_norm_module
 from .._foundation.heads import Head, kv_head, n_kv_heads
 from .path_effects import INPUTS
 
@@ -85,7 +86,7 @@ class CleanCache:
 
 def post_norm(model, layer: int):
     """The module a block applies to its attention output before adding it to the residual, or None."""
-    return getattr(model.blocks[layer], "ln1_post", None)
+    return post_norm_module(model, layer)
 
 
 def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final: bool = False,
@@ -373,7 +374,7 @@ class Scorer:
         return float(self.cache.tokens.shape[0])        # logits / custom metrics: weighted by prompt rows
 
     def _logit(self, x: Tensor) -> Tensor:
-        lnf = getattr(self.model, "ln_final", None)
+        lnf = final_norm_module(self.model)
         return ((lnf(x) if lnf is not None else x) * self.W_U).sum(-1)
 
     def _contrib(self, h: int, o: Tensor) -> Tensor:

@@ -35,6 +35,16 @@ from .._foundation.result import Result
 
 INPUTS = ("q", "k", "v")
 SCHEMA = "qkcircuits.path_effects/1"
+# A receiver "reads" an input from a sender only when the sender's effect is at least this share of the receiver's
+# own clean metric (|clean|) AND above the 95th percentile of all its senders (docs/mechanism.md): "5.2 reads its
+# values from 4.1" for an effect of 0.01 against a clean -0.14 (7 %), or 0.04 of 11.86, said more than the numbers.
+READS_FROM = 0.10
+# When the weights-only K-composition ranking and the run's key sources disagree (Spearman below AGREE), which to trust:
+AGREE = 0.5
+COMPOSITION_VS_RUN = ("weights-only K-composition and the path patching above disagree: trust the path patching for "
+                      "where this head's keys come from (it measures what the run writes and the head reads on these "
+                      "prompts); K-composition scores what W_K could read of each earlier head's W_O for any input, "
+                      "including directions the run never writes")
 
 
 def _check_input(x: str) -> str:
@@ -126,6 +136,14 @@ class PathEffects(Result):
     def clean_value(self, receiver, into: str = "k") -> float:
         return float(self.clean[_check_input(into)][self._index(receiver)])
 
+    def reads(self, receiver, into: str, effect: float) -> bool:
+        """Whether an effect on ``receiver``'s ``into`` is large enough to say it "reads from" its sender:
+        ≥ ``READS_FROM`` × |the receiver's clean metric| and above the 95th percentile of its senders."""
+        clean = self.clean_value(receiver, into)
+        floor = READS_FROM * abs(clean) if clean == clean else 0.0
+        p95 = self.baseline(receiver, into)["p95"]
+        return effect > 0 and effect >= floor and not (p95 == p95 and effect <= p95)
+
     # ------------------------------------------------------------------------------------- frames and JSON
     def to_frame(self):
         """A pandas DataFrame, one row per (receiver, input, sender): effect, clean metric, metric name."""
@@ -200,7 +218,8 @@ class PathEffects(Result):
     # ------------------------------------------------------------------------------------- display
     def summary(self, receiver, into: str = "k") -> str:
         """One line, e.g. "1.0 reads its keys from 0.0 (previous-token; effect 0.80 of the clean 0.86; next
-        sender 0.05; baseline mean 0.01)"."""
+        sender 0.05; baseline mean 0.01)"; when no sender passes ``reads`` (≥ ``READS_FROM`` of the clean value
+        and above p95), it says so and names the largest instead of claiming a source."""
         r = Head.parse(receiver)
         word = {"q": "queries", "k": "keys", "v": "values"}[_check_input(into)]
         top = self.top(2, receiver=r, into=into)
@@ -209,9 +228,13 @@ class PathEffects(Result):
         (s, e), nxt = top[0], (top[1][1] if len(top) > 1 else float("nan"))
         lab = ", ".join(self.labels.get(str(s), [])) or "no label"
         b = self.baseline(r, into)
-        return (f"{r} reads its {word} from {s} ({lab}; effect {e:.2f} of the clean {self.clean_value(r, into):.2f}; "
+        clean = self.clean_value(r, into)
+        if not self.reads(r, into, e):
+            return (f"{r} reads its {word} from no single earlier head: the largest effect, {s} ({lab}) {e:.2f}, is "
+                    f"under {READS_FROM:.0%} of the clean {clean:.2f} or not above the other senders (p95 "
+                    f"{b['p95']:.2f})")
+        return (f"{r} reads its {word} from {s} ({lab}; effect {e:.2f} of the clean {clean:.2f}; "
                 f"next sender {nxt:.2f}; baseline mean {b['mean']:.2f})")
-
 
     def _text(self) -> str:
         first = [(rc, x) for rc in self.receivers[:3] for x in self.into if self.top(1, receiver=rc, into=x)]

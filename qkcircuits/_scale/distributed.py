@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -278,9 +277,9 @@ class Pool:
         show = self.progress if progress is None else progress
         bar = None
         if show:
-            from tqdm.auto import tqdm
+            from .._foundation.progress import progress_bar
 
-            bar = tqdm(total=len(shards), desc=desc, unit="shard", file=sys.stderr, leave=False)
+            bar = progress_bar(total=len(shards), desc=desc, unit="shard")
         t0 = time.perf_counter()
         try:
             while queue or inflight:

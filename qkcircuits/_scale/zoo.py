@@ -272,10 +272,10 @@ def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Op
             entries = pool.map("qkcircuits._scale.zoo:zoo_job", [{"spec": str(m), **kwargs} for m in models], desc="zoo")
             timing = {"startup_s": pool.timing["startup_s"], "scan_s": pool.timing["run_s"]}
     elif backend == "local":
-        from tqdm.auto import tqdm
+        from .._foundation.progress import progress_bar
 
         entries = []
-        for m in tqdm(list(models), desc="zoo", unit="model", disable=not progress, leave=False):
+        for m in progress_bar(list(models), desc="zoo", unit="model", enabled=progress):
             entries.append(scan_one(str(m), **kwargs))
         timing = {"scan_s": time.perf_counter() - t0}
     else:

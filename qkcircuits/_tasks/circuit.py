@@ -20,24 +20,28 @@ Over a grid of sizes k (fractions of the graph's edges, 0 < k_1 < … < k_n ≤ 
 arXiv 2504.13151) defines them, by the trapezoidal rule on the grid:
 
     CPR = ∫ f(C_k) dk   (higher is better),      CMD = ∫ |1 − f(C_k)| dk   (lower is better).
+
+The same definition on every graph the scores carry: the ungrouped one (k/v per query head) and the
+position-aware one (a circuit's edges are (sender, receiver input, position group); its patched run adds Δ at the
+positions of each edge's group only, ``positions.py``). The node view of a circuit is its heads at every position;
+``node_metric`` also takes heads at a position group (``"20.0@END"``: every other (head, group) corrupted).
 """
 from __future__ import annotations
 
 from numbers import Real
 
 import math
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import torch
 from torch import Tensor
 
 from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph
+from .positions import group_index, position_groups, position_node_mask, split
 from .record import Record, clean_rows, record, reuse
 from .runs import node_run, patched_run, z_patchable, z_record
 # selection lives in selection.py; Circuit, select and prune are re-exported here, where ray_tasks, the benchmarks
@@ -148,23 +152,24 @@ def node_mask(g: Graph, keep: Sequence[str]) -> Tensor:
 
 def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: int, progress: bool = False,
                    need_clean: bool = True, records: Optional[Dict[int, Record]] = None,
-                   known_clean: Optional[float] = None) -> Tuple[List[float], float, float]:
-    """The metric mean of each circuit mask (one patched forward per mask and shard), and clean/corrupt
+                   known_clean: Optional[float] = None, g: Optional[Graph] = None) -> Tuple[List[float], float, float]:
+    """The metric mean of each circuit mask ([S, R], or [groups, S, R] on a position-aware ``g``; ``g``: the
+    graph the masks are of, default ``qk.graph(model)``) (one patched forward per mask and shard), and clean/corrupt
     (the corrupt record per shard; clean from a 100 % mask when one is among ``masks``, else one more run,
     or NaN without ``need_clean``). ``known_clean``: m(clean) already measured on these very rows and
     weights (``faithfulness`` passes the scores' own when their ``task_digest`` matches): the 100 % mask
     takes it and no clean rows are run. ``records``: shard index → corrupt record, read when there and
     filled when given (a caller that runs more circuits on the same shards skips those corrupt forwards;
     it then holds them)."""
-    g = graph(model)
+    g = g or graph(model)
     task = with_reference(model, task)
     sums = [0.0] * len(masks)
     clean = corrupt = 0.0
-    from tqdm.auto import tqdm
+    from .._foundation.progress import progress_bar
 
-    bar = tqdm(total=len(masks) * ((task.n + rows_per_shard - 1) // rows_per_shard), desc="faithfulness",
-               disable=not progress, leave=False, file=sys.stderr)
-    full = next((i for i, m in enumerate(masks) if torch.equal(m & g.valid, g.valid)), None)
+    bar = progress_bar(total=len(masks) * ((task.n + rows_per_shard - 1) // rows_per_shard), desc="faithfulness",
+                       enabled=progress)
+    full = next((i for i, m in enumerate(masks) if bool(((m & g.valid) == g.valid).all())), None)
     pool: Dict[str, Tensor] = {}        # one shard's buffers, reused by the next (runs.reuse)
     for j, shard in enumerate(task.shards(rows_per_shard)):
         corr = records[j] if records is not None and j in records else \
@@ -174,12 +179,13 @@ def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: i
         corrupt += float(corr.rows.sum())
         # one sender-output buffer for all the circuits of the shard
         buf = reuse(pool, "patched", tuple(corr.out.shape), corr.out.dtype, corr.out.device)
+        pos = group_index(shard, g.positions) if g.positions else None
         for i, m in enumerate(masks):
             if i == full and known_clean is not None:
                 continue
             # the full circuit IS the clean run (runs.py): a plain forward, no sender outputs to record
             sums[i] += float(clean_rows(model, shard).sum() if i == full else
-                             patched_run(model, g, shard, corr, m[None], buffer=buf).sum())
+                             patched_run(model, g, shard, corr, m[None], buffer=buf, positions=pos).sum())
             bar.update(1)
         # m(full): a 100 % mask already measured it
         if full is None and need_clean and known_clean is None:
@@ -214,12 +220,17 @@ def node_metric(model, task: Task, heads: Sequence[str], rows_per_shard: Optiona
     forward and, with ``need_clean``, one clean forward.
     Without post-attention norms the node-view forward is a plain one with those heads' z from the corrupt
     run (``runs.node_run``; its corrupt forward keeps only z, [b, p, H, e] per layer); with them (Gemma), the
-    patched run of ``node_mask``. A Ray shard job runs this on its rows (``ray_tasks.node_metric_job``)."""
+    patched run of ``node_mask``. A Ray shard job runs this on its rows (``ray_tasks.node_metric_job``).
+    Heads at a position group (``"20.0@END"``, ``"7.1@other"``; the groups are the task's named positions
+    and ``other``): every head at every group NOT in ``heads`` gives its corrupt output at that group's positions
+    (a head named without a group is kept at every group)."""
     from .scores import shard_rows
 
     g = graph(model)
     task = with_reference(model, task.to(model.W_E.device))
     rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
+    if any(split(h)[1] is not None for h in heads):
+        return _position_node_metric(model, task, g, heads, rows, need_clean, records)
     if not z_patchable(model, g):
         (m,), full, corrupt = circuit_metric(model, task, [node_mask(g, heads)], rows, need_clean=need_clean,
                                              records=records)
@@ -238,12 +249,55 @@ def node_metric(model, task: Task, heads: Sequence[str], rows_per_shard: Optiona
     return m / task.n, clean / task.n if need_clean else float("nan"), corrupt / task.n
 
 
+def _position_node_metric(model, task: Task, g: Graph, heads: Sequence[str], rows: int, need_clean: bool,
+                          records: Optional[Dict[int, Record]]) -> Tuple[float, float, float]:
+    """``node_metric`` of heads at position groups: one plain forward per shard whose hook_z takes the corrupt
+    z of each left-out (head, group) at that group's positions (``runs.node_run(where=)``), or, under a
+    post-attention norm, the patched run of ``position_node_mask``."""
+    from dataclasses import replace
+
+    g = replace(g, positions=position_groups(task))
+    if not z_patchable(model, g):
+        (m,), full, corrupt = circuit_metric(model, task, [position_node_mask(g, heads)], rows, need_clean=need_clean,
+                                             records=records, g=g)
+        return m, full, corrupt
+    kept = position_node_mask(g, heads).any(2)             # [groups, S]: the sender's output is kept at the group
+    m = corrupt = clean = 0.0
+    for j, shard in enumerate(task.shards(rows)):
+        corr = records[j] if records is not None and j in records else z_record(model, g, shard, shard.corrupt)
+        idx = group_index(shard, g.positions)
+        where = {}
+        for L in range(g.n_layers):
+            for h in range(g.n_heads):
+                out_at = ~kept[:, g.head_sender(L, h)]                               # [groups]
+                if bool(out_at.any()):
+                    where[(L, h)] = out_at.to(idx.device)[idx]                       # [b, pos]
+        m += float(node_run(model, g, shard, corr, list(where), where=where).sum())
+        corrupt += float(corr.rows.sum())
+        if need_clean:
+            clean += float(clean_rows(model, shard).sum())
+        del corr
+    return m / task.n, clean / task.n if need_clean else float("nan"), corrupt / task.n
+
+
 def node_faithfulness(model, task: Task, heads: Sequence[str], rows_per_shard: Optional[int] = None,
                       clean: Optional[Real] = None, records: Optional[Dict[int, Record]] = None) -> float:
     """f of the node view of ``heads`` (``node_metric``): (m − m(corrupt)) / (m(clean) − m(corrupt)). ``clean``:
     m(clean) when the caller has it (the curve's), sparing one clean forward per shard."""
     m, full, corrupt = node_metric(model, task, heads, rows_per_shard, need_clean=clean is None, records=records)
     return ratio(m, full if clean is None else float(clean), corrupt)
+
+
+def _check_graph_of(model, task: Task, g: Graph) -> None:
+    """The scores' graph is this model's (and, position-aware, this task's positions): one line otherwise."""
+    from dataclasses import replace
+
+    own = graph(model, "ungrouped" if g.ungrouped else "grouped")
+    if replace(own, model_name="") != replace(g, positions=(), model_name=""):
+        raise QKCircuitsError(f"the scores are of another graph ({g!r}) than this model's ({own!r})")
+    missing = [p for p in g.positions[:-1] if p not in task.positions]
+    if missing:
+        raise QKCircuitsError(f"the scores split positions {', '.join(missing)}, which this task does not name")
 
 
 def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by: str = "signed",
@@ -263,6 +317,9 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     if backend is not None:
         from .._foundation.backends import as_backend
 
+        sg = getattr(scores, "graph", None)
+        if isinstance(sg, Graph) and (sg.ungrouped or sg.positions):
+            raise QKCircuitsError("the ungrouped and position-aware graphs run in this process only (backend=None)")
         return as_backend(backend).run("faithfulness", model, local=faithfulness, task=task, scores=scores,
                                        sizes=sizes, by=by, how=how, threshold=threshold, rows_per_shard=rows_per_shard,
                                        progress=progress)
@@ -271,7 +328,8 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     if not sizes or sizes[0] < 0 or sizes[-1] > 100:
         raise QKCircuitsError(f"sizes must be percents in 0-100, got {sizes!r}")
     check_task(model, task)
-    g = graph(model)
+    g = scores.graph if isinstance(getattr(scores, "graph", None), Graph) else graph(model)
+    _check_graph_of(model, task, g)
     task = with_reference(model, task.to(model.W_E.device))
     rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
     t0 = time.perf_counter()
@@ -285,8 +343,9 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     digest = getattr(scores, "settings", {}).get("task_digest")
     known = (float(known) if digest is not None and known is not None and math.isfinite(float(known))
              and digest == task.digest(model) else None)
-    values, clean, corrupt = circuit_metric(model, task, [c.mask for c in circuits], rows, progress,
-                                            records=records, known_clean=known)
+    values, clean, corrupt = circuit_metric(model, task, [c.mask if c.position_mask is None else c.position_mask
+                                                          for c in circuits], rows, progress, records=records,
+                                            known_clean=known, g=g)
     f = [ratio(v, clean, corrupt) for v in values]
     curve = dict(zip(sizes, f))
     chosen = next((p for p, v in curve.items() if v >= threshold), sizes[-1])
@@ -303,94 +362,3 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     if not reached(curve, threshold) and clean != corrupt:
         warnings.warn(unreached_message(curve, threshold), stacklevel=2)
     return out
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """f and m of one edge set or node set (``evaluate``): ``f`` = (m − corrupt) / (clean − corrupt), the three
-    metric means (per prompt), what was evaluated (``kind`` "edges" | "nodes") and its size (``n``: edges, or
-    heads + MLPs kept)."""
-
-    f: float
-    m: float
-    clean: float
-    corrupt: float
-    kind: str
-    n: int
-
-    def to_dict(self) -> Dict[str, object]:
-        from .._foundation.io import json_number
-
-        return {"f": json_number(self.f), "m": json_number(self.m), "clean": json_number(self.clean),
-                "corrupt": json_number(self.corrupt), "kind": self.kind, "n": self.n}
-
-
-def _edge_mask(g: Graph, edges) -> Tensor:
-    """Edge tuples (sender, receiver, input[, score]) as a mask [S, R]; one-line errors for edges not in ``g``."""
-    mask = torch.zeros_like(g.valid)
-    s_at = {n: i for i, n in enumerate(g.senders)}
-    r_at = {r: i for i, r in enumerate(g.receivers)}
-    for e in edges:
-        if not isinstance(e, (tuple, list)) or len(e) < 3:
-            raise QKCircuitsError(f"an edge is (sender, receiver, input), e.g. ('emb', '1.0', 'v'); got {e!r}")
-        s, r, x = e[0], e[1], e[2]
-        if s not in s_at or (r, x) not in r_at or not g.valid[s_at[s], r_at[(r, x)]]:
-            raise QKCircuitsError(f"edge {s} -> {r} {x} is not an edge of {g!r}")
-        mask[s_at[s], r_at[(r, x)]] = True
-    return mask
-
-
-def evaluate(model, task: Task, circuit, *, rows_per_shard: Optional[int] = None) -> Evaluation:
-    """f (and m) of ANY edge set or node set of ``qk.graph(model)`` on ``task``.
-
-    ``circuit``: a circuit (``scores.circuit(...)``, ``faithfulness(...).circuit``), a bool mask [senders,
-    receivers], edge tuples ``(sender, receiver, input)`` (e.g. ``("20.0", "23.0", "q")``; a 4th item, a score,
-    is ignored), or node names (``"23.0"``, ``"mlp5"``; ``"emb"`` allowed): an EDGE set is one patched forward per
-    shard in which every edge outside the set carries its sender's corrupt output (the curve's definition); a NODE
-    set keeps the named heads and MLPs, every other head and MLP gives its corrupt output to every reader, and
-    the embedding stays clean (with every MLP named this is the node view of ``qk.faithfulness``, run the same
-    way: one plain forward with the other heads' corrupt z where the model allows it). The scores and the
-    circuit given are not changed.
-
-    >>> task = qk.tasks.induction(model, n=8, seg_len=6)
-    >>> round(qk.evaluate(model, task, ["0.0", "1.0"]).f, 4), round(qk.evaluate(model, task, ["1.0"]).f, 4)
-    (1.0, 0.0)
-    >>> round(qk.evaluate(model, task, [("emb", "0.0", "v"), ("0.0", "1.0", "k"), ("emb", "1.0", "v"),
-    ...                                  ("1.0", "logits", "in")]).f, 4)
-    1.0
-    """
-    from .scores import check_task, shard_rows
-
-    check_task(model, task)
-    g = graph(model)
-    task = with_reference(model, task.to(model.W_E.device))
-    rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
-    if isinstance(circuit, Circuit):
-        mask, kind = circuit.mask, "edges"
-    elif isinstance(circuit, Tensor):
-        if circuit.shape != g.valid.shape or circuit.dtype != torch.bool:
-            raise QKCircuitsError(f"a mask must be a bool tensor of shape {tuple(g.valid.shape)} [senders, receivers],"
-                                  f" got {circuit.dtype} {tuple(circuit.shape)}")
-        mask, kind = circuit, "edges"
-    else:
-        items = list(circuit)
-        if items and all(isinstance(x, str) for x in items):
-            bad = [x for x in items if x not in g.senders]
-            if bad:
-                raise QKCircuitsError(f"node(s) {', '.join(map(repr, bad[:5]))} are not nodes of {g!r}; name heads "
-                                      f"'L.H', MLPs 'mlpL' or 'emb'")
-            keep = set(items)
-            out = [n for n in g.senders if n != "emb" and n not in keep]
-            n_kept = len([n for n in keep if n != "emb"])
-            if g.has_mlp and any(n.startswith("mlp") for n in out):
-                mask = g.valid.clone()
-                for name in out:
-                    mask[g.senders.index(name)] = False
-                (m,), clean, corrupt = circuit_metric(model, task, [mask], rows)
-            else:                 # every MLP kept: the node view's own (faster) run
-                m, clean, corrupt = node_metric(model, task, [n for n in keep if n[0].isdigit()], rows)
-            return Evaluation(ratio(m, clean, corrupt), m, clean, corrupt, "nodes", n_kept)
-        mask, kind = _edge_mask(g, items), "edges"
-    mask = mask.to(g.valid.device) & g.valid
-    (m,), clean, corrupt = circuit_metric(model, task, [mask], rows)
-    return Evaluation(ratio(m, clean, corrupt), m, clean, corrupt, kind, int(mask.sum()))

@@ -21,7 +21,9 @@ Every method scores an edge s → r as Δ_s · ḡ_r, summed over rows, position
 
 Where the points do not include the clean run (left, midpoint, activations, clean-corrupted's order aside),
 one forward without gradients gives Δ and m(clean) (``runs.plain_run``). Gradients of all runs are summed in
-one [R, b, p, d] buffer and meet Δ once at the end (Σ_j Δ·∇_j = Δ·Σ_j ∇_j).
+one [R, b, p, d] buffer and meet Δ once at the end (Σ_j Δ·∇_j = Δ·Σ_j ∇_j). On a position-aware graph
+(``positions.py``) that last product is taken per position group over the group's positions only, so the groups'
+scores add up to the plain ones; the ungrouped graph's k/v gradients arrive per query head (``ungrouped.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import Tensor
 
 from .._foundation.errors import QKCircuitsError
 from .graph import Graph
+from .positions import flat_groups, gather_positions, group_index
 from .record import reuse
 from .runs import grad_run, plain_run
 from .task import Task
@@ -82,8 +85,8 @@ def _nodes(g: Graph) -> List[Tuple[str, int]]:
 
 def gradient_scores(model, g: Graph, shard: Task, corr, acc: Tensor, method: str, steps: int, rule: Optional[str],
                     pool: Optional[Dict[str, Tensor]] = None) -> float:
-    """One shard's Δ·ḡ (module docstring), added to ``acc`` [S, R] (float64, summed over rows: the caller divides
-    by n); returns the shard's m(clean) sum. ``corr``: the corrupt ``record`` (with z only where the heads' Δ can
+    """One shard's Δ·ḡ (module docstring), added to ``acc`` [groups, S, R] (float64, summed over rows: the caller
+    divides by n; one group unless ``g`` is position-aware, whose group γ sums over γ's positions only); returns the shard's m(clean) sum. ``corr``: the corrupt ``record`` (with z only where the heads' Δ can
     come from z; with the attention outputs for ``eap-ig-activations``)."""
     alphas = points(method, steps, rule)
     out = reuse(pool, "clean", tuple(corr.out.shape), corr.out.dtype, corr.out.device)   # every slot written
@@ -156,7 +159,15 @@ def gradient_scores(model, g: Graph, shard: Task, corr, acc: Tensor, method: str
         for lo, hi in non_head_runs(g):
             out[lo:hi].sub_(corr.out[lo:hi])
         D = out.view(g.n_senders, -1)
-    _meet(g, D, gsum.view(g.n_receivers, -1), acc, n_runs)
+    G = gsum.view(g.n_receivers, -1)
+    if not g.positions:
+        _meet(g, D, G, acc[0], n_runs)
+        return clean
+    # per position group: the Δ·∇ sums over that group's positions only (they add up to the plain sums)
+    for gi, idx in enumerate(flat_groups(group_index(shard, g.positions), g.n_groups)):
+        if len(idx):
+            _meet(g, gather_positions(D.view(g.n_senders, b, p, d), idx),
+                  gather_positions(G.view(g.n_receivers, b, p, d), idx), acc[gi], n_runs)
     return clean
 
 

@@ -6,12 +6,17 @@ input, each MLP's input, the logits) and the edges between them.
 (5, 13, 29)
 >>> g.senders[:3], g.receivers[:3]
 (('emb', '0.0', '0.1'), (('0.0', 'q'), ('0.1', 'q'), ('0.0', 'k')))
+>>> qk.graph(model, positions=qk.tasks.induction(model, n=2)).n_edges     # every edge at END and at the other positions
+58
 
 Nodes, in the order the forward computes them: ``emb`` (token + positional embedding, i.e. the residual
 entering block 0); per layer L the heads ``"L.H"`` and the MLP ``"mlpL"`` (models with MLPs); ``logits``.
 Receiver inputs: ``("L.H", "q")`` per query head; ``("L.G", "k")`` and ``("L.G", "v")`` per KEY-VALUE head G
 (with grouped-query attention the k and v inputs belong to the KV head, written ``"L.kvG"``, which query
-heads G·group … G·group+group−1 share); ``("mlpL", "in")``; ``("logits", "in")``. An edge is a sender whose
+heads G·group … G·group+group−1 share); ``("mlpL", "in")``; ``("logits", "in")``. The UNGROUPED graph
+(``qk.graph(model, gqa="ungrouped")``, as the EAP-IG authors and MIB count edges) gives every query head its own
+k and v input, ``("L.H", "k")``: an edge into it patches only the keys that query head reads (``ungrouped.py``); on
+a model without grouped-query attention the two graphs are the same. An edge is a sender whose
 output is added to the residual stream before the receiver reads it (heads of layer L feed MLP L and
 everything from layer L+1). In a PARALLEL block (GPT-J, GPT-NeoX / Pythia, Phi-1/2, Falcon:
 ``resid_post = resid_pre + attn(ln1(resid_pre)) + mlp(ln2(resid_pre))``) MLP L reads the residual its layer's
@@ -25,13 +30,19 @@ SUM of its senders' outputs (plus the constant biases) through its own norm, rec
 for q/k/v (q/k-norm and rotary then run inside the model's attention as usual), ln2 for an MLP, the final
 norm for the logits. ``split_qkv_from_residuals`` is the one place that turns per-head residuals into
 hook_q/k/v values.
+
+POSITION-AWARE graphs (``qk.graph(model, positions=task)``): the residual stream is per position, so a sender's
+write at position p reaches a receiver's input at p only; attention moves information across positions inside
+the receiving head. An edge is then (sender, receiver input, position group): the groups are the task's named
+positions (``END``, ``S2``, …) and ``other`` (the rest, pooled), ``Graph.positions``; a mask or a score gains
+a leading group axis [groups, S, R] (``positions.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
 from jaxtyping import Float
@@ -39,7 +50,10 @@ from torch import Tensor
 
 from .._foundation.arch import adapter
 from .._foundation.errors import QKCircuitsError
+from .._foundation.arch.model import (has_mlps, logits_transform, mlp_input, model_name,  # noqa: F401  (re-exported)
+                                      parallel_blocks, post_norm_module)
 from .._foundation.heads import n_kv_heads
+from .task import Task
 
 Receiver = Tuple[str, str]
 
@@ -54,6 +68,30 @@ class Graph:
     has_mlp: bool
     model_name: str = ""
     parallel: bool = False          # attention and MLP of a block read the same residual (no head → own-MLP edge)
+    ungrouped: bool = False         # k/v inputs per QUERY head (the EAP-IG authors' and MIB's count), not per KV head
+    positions: Tuple[str, ...] = ()  # position groups (the task's named positions, then "other"); () = not split
+
+    @property
+    def n_groups(self) -> int:
+        """Position groups (1 when the graph is not position-aware)."""
+        return max(1, len(self.positions))
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.n_heads // self.n_kv
+
+    @property
+    def n_kv_in(self) -> int:
+        """k (and v) receiver inputs per layer: one per KV head, or one per query head when ungrouped."""
+        return self.n_heads if self.ungrouped else self.n_kv
+
+    def input_heads(self, into: str) -> List[int]:
+        """The model's head (query head for q, KV head for k/v) each receiver of a layer's ``into`` group reads
+        its weights from: ungrouped k/v receivers of query heads h use KV head h // group."""
+        if into == "q":
+            return list(range(self.n_heads))
+        return [h // self.group for h in range(self.n_heads)] if self.ungrouped else list(range(self.n_kv))
 
     # ---------------------------------------------------------------------------------------- senders
     @cached_property
@@ -73,15 +111,16 @@ class Graph:
 
     # ---------------------------------------------------------------------------------------- receivers
     def kv_name(self, layer: int, g: int) -> str:
-        return f"{layer}.{g}" if self.n_kv == self.n_heads else f"{layer}.kv{g}"
+        """Receiver name of k/v input ``g`` (a KV head, or a query head when ungrouped)."""
+        return f"{layer}.{g}" if self.n_kv_in == self.n_heads else f"{layer}.kv{g}"
 
     @cached_property
     def receivers(self) -> Tuple[Receiver, ...]:
         out: List[Receiver] = []
         for L in range(self.n_layers):
             out += [(f"{L}.{h}", "q") for h in range(self.n_heads)]
-            out += [(self.kv_name(L, g), "k") for g in range(self.n_kv)]
-            out += [(self.kv_name(L, g), "v") for g in range(self.n_kv)]
+            out += [(self.kv_name(L, g), "k") for g in range(self.n_kv_in)]
+            out += [(self.kv_name(L, g), "v") for g in range(self.n_kv_in)]
             if self.has_mlp:
                 out.append((f"mlp{L}", "in"))
         out.append(("logits", "in"))
@@ -89,12 +128,12 @@ class Graph:
 
     @property
     def per_layer(self) -> int:
-        return self.n_heads + 2 * self.n_kv + int(self.has_mlp)
+        return self.n_heads + 2 * self.n_kv_in + int(self.has_mlp)
 
     def recv_slice(self, layer: int, into: str) -> slice:
         """Receiver indices of layer ``layer``'s input ``into`` (q, k, v or mlp)."""
         base = layer * self.per_layer
-        H, G = self.n_heads, self.n_kv
+        H, G = self.n_heads, self.n_kv_in
         start, width = {"q": (0, H), "k": (H, G), "v": (H + G, G), "mlp": (H + 2 * G, 1)}[into]
         return slice(base + start, base + start + width)
 
@@ -127,12 +166,13 @@ class Graph:
 
     @property
     def n_edges(self) -> int:
-        return int(self.valid.sum())
+        """Edges of the graph: (sender, receiver input) pairs, times the position groups when position-aware."""
+        return int(self.valid.sum()) * self.n_groups
 
     @property
     def n_nodes(self) -> int:
-        """Embedding, heads, MLPs and logits (a head's three inputs are one node)."""
-        return self.n_senders + 1
+        """Embedding, heads, MLPs (each once per position group) and logits (a head's three inputs are one node)."""
+        return self.n_senders * self.n_groups + 1
 
     def sender_node(self, s: int) -> str:
         return self.senders[s]
@@ -143,7 +183,7 @@ class Graph:
         if into == "in":
             return [name]
         layer = int(name.split(".")[0])
-        if into == "q":
+        if into == "q" or self.n_kv_in == self.n_heads:
             return [name]
         g = int(name.split(".")[1].replace("kv", ""))
         group = self.n_heads // self.n_kv
@@ -153,54 +193,82 @@ class Graph:
         return {"n_nodes": self.n_nodes, "n_senders": self.n_senders, "n_receivers": self.n_receivers,
                 "n_edges": self.n_edges, "n_layers": self.n_layers, "n_heads": self.n_heads,
                 "n_kv_heads": self.n_kv, "mlps": self.has_mlp, "parallel": self.parallel,
-                "kv_note": "k and v inputs belong to the key-value head" if self.n_kv != self.n_heads else ""}
+                "gqa": "ungrouped" if self.ungrouped else "grouped", "positions": list(self.positions),
+                "kv_note": ("" if self.n_kv == self.n_heads else "k and v inputs per query head (ungrouped)"
+                            if self.ungrouped else "k and v inputs belong to the key-value head")}
+
+    @classmethod
+    def from_dict(cls, gd: Dict[str, object], model_name: str = "") -> "Graph":
+        """The graph ``to_dict`` wrote (files written before ``gqa``/``positions`` existed: grouped, not split)."""
+        gqa = gd.get("gqa", "grouped")
+        if gqa not in GQA:
+            raise QKCircuitsError(f"graph gqa {gqa!r} is not one of {', '.join(GQA)}")
+        return cls(int(gd["n_layers"]), int(gd["n_heads"]), int(gd["n_kv_heads"]), bool(gd["mlps"]), model_name,
+                   bool(gd.get("parallel", False)), gqa == "ungrouped", tuple(str(p) for p in gd.get("positions", ())))
 
     def __repr__(self) -> str:
-        kv = f", {self.n_kv} KV heads (k/v inputs per KV head)" if self.n_kv != self.n_heads else ""
+        kv = (f", {self.n_kv} KV heads (k/v inputs per {'query' if self.ungrouped else 'KV'} head)"
+              if self.n_kv != self.n_heads else "")
+        at = f", positions {'/'.join(self.positions)}" if self.positions else ""
         return (f"Graph({self.model_name or 'model'}: {self.n_layers} layers x {self.n_heads} heads{kv}"
-                f"{', MLPs' if self.has_mlp else ''}{' (parallel blocks)' if self.parallel else ''}; {self.n_nodes} nodes, {self.n_receivers} receiver inputs, "
-                f"{self.n_edges} edges)")
+                f"{', MLPs' if self.has_mlp else ''}{' (parallel blocks)' if self.parallel else ''}{at}; {self.n_nodes} nodes, "
+                f"{self.n_receivers} receiver inputs, {self.n_edges} edges)")
 
 
-def graph(model) -> Graph:
-    """The graph of ``model`` (counts only; see the module docstring)."""
-    from .._foundation.model import model_name
+GQA = ("grouped", "ungrouped")
+OTHER = "other"          # the position group of the positions no name points at
 
+
+def position_groups(spec, task=None) -> Tuple[str, ...]:
+    """The position groups: a ``Task`` gives its named positions (in its order) then ``other``; a sequence of
+    names gives those (each must be one of ``task``'s names when a task is given) then ``other``; ``True`` with a
+    task is the task's names."""
+    if isinstance(spec, Task):
+        task, spec = spec, True
+    if spec is True:
+        if task is None:
+            raise QKCircuitsError("positions=True needs the task whose named positions split the graph: pass "
+                                  "positions=task (qk.graph) or call edge_scores(model, task, positions=True)")
+        names = list(task.positions)
+    elif isinstance(spec, str) or not isinstance(spec, Iterable):
+        raise QKCircuitsError(f"positions must be True, a Task or a sequence of position names, got {spec!r}")
+    else:
+        names = [str(n) for n in spec]
+    if task is not None:
+        unknown = [n for n in names if n not in task.positions]
+        if unknown:
+            raise QKCircuitsError(f"position {unknown[0]!r} is not one of the task's named positions "
+                                  f"({', '.join(task.positions)})")
+    for n in names:
+        if "@" in n or not n or n == OTHER:
+            raise QKCircuitsError(f"position name {n!r} cannot name a position group (no '@', not empty, not "
+                                  f"{OTHER!r}: the group of the positions no name points at)")
+    if len(set(names)) != len(names):
+        raise QKCircuitsError(f"position names repeat: {names}")
+    return tuple(names) + (OTHER,)
+
+
+
+def graph(model, gqa: str = "grouped", positions=None) -> Graph:
+    """The graph of ``model`` (counts only; see the module docstring). ``gqa="ungrouped"``: k/v inputs per
+    query head. ``positions``: a ``Task`` (its named positions, then ``other``), or a sequence of position names
+    (``"other"`` added): a position-aware graph (``positions.py``)."""
+    if gqa not in GQA:
+        raise QKCircuitsError(f"gqa must be one of {', '.join(GQA)}, got {gqa!r}")
+    groups: Tuple[str, ...] = ()
+    if positions is not None and positions is not False:
+        groups = position_groups(positions)
     cfg = model.cfg
-    has_mlp = all(getattr(b, "mlp", None) is not None for b in model.blocks)
-    return Graph(cfg.n_layers, cfg.n_heads, n_kv_heads(model), has_mlp, model_name(model), parallel_blocks(model))
+    return Graph(cfg.n_layers, cfg.n_heads, n_kv_heads(model), has_mlps(model), model_name(model),
+                 parallel_blocks(model), gqa == "ungrouped" and n_kv_heads(model) != cfg.n_heads, groups)
 
 
-def parallel_blocks(model) -> bool:
-    """Whether every block's MLP reads the block's input residual, as its attention does (GPT-J, GPT-NeoX with
-    ``use_parallel_residual``, Phi-1/2, Falcon): TransformerLens says so in ``cfg.parallel_attn_mlp`` and
-    wraps such blocks in ``ParallelBlockBridge`` (which has no ``hook_resid_mid``)."""
-    kinds = {type(b).__name__ == "ParallelBlockBridge" for b in model.blocks}
-    if len(kinds) > 1:
-        raise QKCircuitsError("this model mixes parallel and sequential blocks; the circuit graph needs one kind")
-    return bool(getattr(model.cfg, "parallel_attn_mlp", False)) or kinds == {True}
-
-
-# ------------------------------------------------------------------------------------------ architecture bits
-# Everything below reads the architecture; the adapters of _foundation/arch will replace these bodies.
+# ------------------------------------------------------------------------------------------ the graph's reads
+# Every module and config read goes through the adapters (``_foundation/arch``).
 
 def post_norm(model, layer: int):
     """The norm a block applies to its attention output before adding it (Gemma's ln1_post), or None."""
-    return getattr(model.blocks[layer], "ln1_post", None)
-
-
-def _post_gain(post) -> Tuple[Tensor, float]:
-    """An RMS post-norm as ``y · gain / rms(y)``: its eps and gain vector (read off the module itself)."""
-    oc = getattr(post, "_original_component", post)
-    eps = getattr(oc, "eps", getattr(oc, "variance_epsilon", None))
-    if eps is None:
-        raise QKCircuitsError(f"cannot read the epsilon of post-attention norm {type(oc).__name__}; the graph "
-                              f"needs an RMS post-norm")
-    d = oc.weight.shape[-1]
-    one = torch.ones(1, 1, d, dtype=oc.weight.dtype, device=oc.weight.device)
-    with torch.no_grad():
-        gain = post(one)[0, 0] * (1.0 + float(eps)) ** 0.5
-    return gain, float(eps)
+    return post_norm_module(model, layer)
 
 
 def head_outputs(model, layer: int, z: Float[Tensor, "b p h e"], y=None, out=None) -> Float[Tensor, "h b p d"]:
@@ -216,10 +284,9 @@ def head_outputs(model, layer: int, z: Float[Tensor, "b p h e"], y=None, out=Non
         torch.bmm(zh, W, out=out.view(h, b * p, W.shape[-1]))
         return out
     res = torch.bmm(zh, W).view(h, b, p, W.shape[-1])
-    if post is not None:
-        gain, eps = _post_gain(post)
-        inv = torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + eps).to(res.dtype)    # [b, p, 1]
-        res = res * inv[None] * gain.to(res.dtype)
+    if post is not None:                          # the norm's linear part per head at the layer's frozen 1/σ(y)
+        norm = adapter(model, layer).post_norm()
+        res = norm.linear(res) * norm.inv_scale(y.float()).to(res.dtype)[None]
     if out is not None:
         out.copy_(res)
         return out
@@ -245,21 +312,11 @@ def split_qkv_from_residuals(model, layer: int, into: str, resid: Float[Tensor, 
     blk = model.blocks[layer]
     n, b, p, d = resid.shape
     normed = blk.ln1(resid.reshape(n * b, p, d)).view(n, b, p, d)
-    X = into.upper()
-    W = getattr(blk.attn, f"W_{X}")[heads]                                         # [n, d, e]
+    W, bias = ad.input_maps(into, heads)                                           # [n, d, e], [n, e] or None
     out = torch.einsum("nbpd,nde->bpne", normed, W.to(normed.dtype))
-    bias = getattr(blk.attn, f"b_{X}", None)
     if bias is not None:
-        out = out + bias[heads].to(out.dtype)
+        out = out + bias.to(out.dtype)
     return out
-
-
-def mlp_input(model, layer: int, resid: Tensor) -> Tensor:
-    """What MLP ``layer`` reads (``mlp.hook_in``) from a residual: its ln2 recomputed (GPT-J's parallel block
-    has one norm, ln1, for its attention and its MLP)."""
-    blk = model.blocks[layer]
-    ln2 = getattr(blk, "ln2", None)
-    return (ln2 if ln2 is not None else blk.ln1)(resid)
 
 
 def logits_input(model, resid: Tensor) -> Tensor:
@@ -274,8 +331,8 @@ def unembed_logits(model, x: Tensor) -> Tensor:
     ``adapter.apply_output_logits_transform`` declares; the identity for most models). ``check_graph`` checks the
     result against the model's own logits."""
     logits = model.unembed(x)
-    transform = getattr(getattr(model, "adapter", None), "apply_output_logits_transform", None)
-    return transform(logits) if callable(transform) else logits
+    transform = logits_transform(model)
+    return transform(logits) if transform is not None else logits
 
 
 INPUT_HOOKS = {"q": "attn.hook_q", "k": "attn.hook_k", "v": "attn.hook_v", "mlp": "mlp.hook_in"}

@@ -125,8 +125,9 @@ class Roles(Result):
                 text += "; END → IO attention " + ", ".join(f"{e['END->IO']:.2f}" for e in ev)
                 text += ", END → S " + ", ".join(f"{e['END->S']:.2f}" for e in ev)
             if role == "S-inhibition head":
-                text += ", END → S2 " + ", ".join(f"{e['END->S2']:.2f}" for e in ev) + "; into name movers' q " + \
-                    "; ".join(", ".join(f"{m} {v:+.3f}" for m, v in e["feeds_name_movers_q"].items()) for e in ev)
+                text += ", END → S2 " + ", ".join(f"{e['END->S2']:.2f}" for e in ev) + "; into name movers' q: " + \
+                    "; ".join(f"{h} → " + (", ".join(f"{m} {v:+.3f}" for m, v in e["feeds_name_movers_q"].items())
+                                            or "none") for h, e in zip(shown, ev))     # each list names its head
             key = dict(PATTERNS).get(role)
             if key and all(key in e for e in ev):
                 text += f"; {key} " + ", ".join(f"{e[key]:.2f}" for e in ev)

@@ -15,6 +15,11 @@
   computed by whichever sum has fewer terms in that layer. A receiver with every edge in C keeps the
   model's own value (so the full circuit IS the clean run) and one with none takes the corrupt run's
   hook value (so the empty circuit IS the corrupt run): f(100 %) = 1 and f(0 %) = 0 hold exactly.
+  A position-aware mask [k, Γ, S, R] (``positions.py``) takes the sums per position group: receiver r at
+  position p reads corrupt_r[p] + Σ_{s: (s, r, γ(p)) ∈ C} Δ_s[p].
+
+Both runs take the ungrouped graph (``ungrouped.py``): its k/v receivers are per query head, and every layer's
+hook_k/hook_v then returns one value per query head.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from .graph import INPUT_HOOKS, Graph, logits_input, mlp_input, post_norm, split
 from .inputs import InputParts, closed_form, input_vjp, project
 # re-exported for the tests and tools that reach every run through this module
 from .record import Key, Record, _buffer, _hooks, _metric_rows, check_graph, clean_rows, record, reuse  # noqa: F401
+from .positions import flat_groups, grouped_sum
 from .skips import known_attention, known_mlps, skipped
+from .ungrouped import expand, per_query_kv
 
 # How patched_run's sums read the senders' Δ rows: "auto" picks, per receiver group, the cheapest of one
 # matmul over every sender below ("dense": reads each Δ row once), a copy of only the rows the sums use
@@ -81,36 +88,39 @@ def grad_run(model, g: Graph, task, tokens: Tensor, on_grad: Callable[[slice, Te
     hooked: List[str] = []              # every closed-form gradient hook registered, and those that fired
     fired: set = set()
 
-    def from_hook_grad(sl: slice, parts: InputParts, xb: Tensor, n: int, name: str):
+    def from_hook_grad(sl: slice, parts: InputParts, xb: Tensor, heads: List[int], name: str):
         def fn(grad: Tensor) -> None:
             fired.add(name)
-            on_grad(sl, input_vjp(parts, xb, grad, range(n), out=dest(sl) if dest is not None else None))
+            on_grad(sl, input_vjp(parts, xb, grad, heads, out=dest(sl) if dest is not None else None))
         return fn
 
     def splice(x: str, L: int, t: Tensor) -> Optional[Tensor]:
         if x in ("q", "k", "v"):
-            n = g.n_heads if x == "q" else g.n_kv
+            heads = g.input_heads(x)             # ungrouped k/v: one receiver per query head, W of its KV head
+            n = len(heads)
+            wide = g.ungrouped and x != "q"
             base = stream[("attn", L)]
             sl = g.recv_slice(L, x)
             parts = closed_form(model, L, x, base, t) if t.requires_grad else None
             if parts is not None:
                 xb = base.detach()
                 # a NEW view carries the hook: the bridge reads an unedited hook value (the same object back)
-                # from its own pre-hook tensor, so a gradient hook on ``t`` itself would never fire
-                mine = t.view(t.shape)
-                mine.register_hook(from_hook_grad(sl, parts, xb, n, f"blocks.{L}.{INPUT_HOOKS[x]}"))
+                # from its own pre-hook tensor, so a gradient hook on ``t`` itself would never fire. Ungrouped:
+                # the value per query head, whose gradient arrives per query head
+                mine = expand(t, g.group) if wide else t.view(t.shape)
+                mine.register_hook(from_hook_grad(sl, parts, xb, heads, f"blocks.{L}.{INPUT_HOOKS[x]}"))
                 hooked.append(f"blocks.{L}.{INPUT_HOOKS[x]}")
                 return mine
             copies = base.unsqueeze(0).expand(n, *base.shape)
             copies.register_hook(lambda grad, sl=sl: on_grad(sl, grad))
-            return split_qkv_from_residuals(model, L, x, copies, range(n))
+            return split_qkv_from_residuals(model, L, x, copies, heads)
         base = stream[("mlp", L)] if x == "mlp" else stream[("final", 0)]
         own = base.clone()
         sl = g.recv_slice(L, "mlp") if x == "mlp" else slice(g.logits_receiver, g.logits_receiver + 1)
         own.register_hook(lambda grad, sl=sl: on_grad(sl, grad.unsqueeze(0)))
         return mlp_input(model, L, own) if x == "mlp" else logits_input(model, own)
 
-    with torch.enable_grad():
+    with torch.enable_grad(), per_query_kv(model, g):
         rows = _metric_rows(model, task, tokens, _hooks(model, g, out, stream, splice, None, emb_override, True,
                                                         z_minus=z_minus) + list(extra_hooks))
         total = rows.sum()
@@ -142,10 +152,13 @@ def plain_run(model, g: Graph, task, tokens: Tensor, out: Tensor, z_minus: Optio
     return float(rows.sum())
 
 
-def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S R"], force_split: bool = False,
-                return_logits: bool = False, buffer: Optional[Tensor] = None) -> Tensor:
+def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k *G S R"], force_split: bool = False,
+                return_logits: bool = False, buffer: Optional[Tensor] = None,
+                positions: Optional[Tensor] = None) -> Tensor:
     """Metric of each row of each copy [k, b] with the circuit edges ``mask`` (see the module docstring),
-    or the logits [k·b, pos, vocab] (``return_logits``). ``force_split`` recomputes every receiver's input
+    or the logits [k·b, pos, vocab] (``return_logits``). A position-aware ``mask`` [k, Γ, S, R] needs
+    ``positions``, the group of each of the shard's positions [b, pos] (``positions.group_index``).
+    ``force_split`` recomputes every receiver's input
     by the formula (no shortcut for all-in / none-in receivers): the test of the formula itself.
     Runs the shard's clean rows (k stacked copies). Holds the sender outputs of this run
     [S, k·b, p, d] next to the corrupt record's: in ``buffer`` when it has that shape (a caller running
@@ -163,7 +176,17 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
     out = buffer if buffer is not None and tuple(buffer.shape) == out_shape else _buffer(model, g, tokens)
     stream: Dict[Key, Tensor] = {}
     valid = g.valid
-    m = (mask & valid[None]).to(out.device)
+    by_group = mask.dim() == 4
+    if by_group:
+        if positions is None or tuple(positions.shape) != (b, tokens.shape[1]) or mask.shape[1] != g.n_groups:
+            raise QKCircuitsError(f"a position-aware mask [k, {g.n_groups} groups, S, R] needs the group of each "
+                                  f"position [{b}, {tokens.shape[1]}] (positions.group_index)")
+        m4 = (mask & valid[None, None]).to(out.device)
+        m, m_all = m4.any(1), m4.all(1)          # an edge in at some group / at every group
+        flat = flat_groups(positions.to(out.device), g.n_groups)
+    else:
+        m = (mask & valid[None]).to(out.device)
+        m_all = m
     corr_out = corrupt.out
 
     converted = [0]                 # out[:converted] already holds Δ_s = out_s(this run) − out_s(corrupt)
@@ -227,6 +250,12 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         one more read of Δ) and is kept for it in ``mlp_part``."""
         nb = g.n_below(int(rs[0]))
         n = len(rs)
+        if by_group:                             # per position group (no MLP ride: ``_mlp_rides``)
+            all_in, none_in = m_all[:, :nb][:, :, rs].sum(1) == nb, m[:, :nb][:, :, rs].sum(1) == 0
+            start = stacked(corrupt.resid[corr_key]).reshape(k, b * base_stream.shape[1], -1)
+            D = deltas(nb).view(nb, k, b * base_stream.shape[1], -1)
+            res = grouped_sum(m4[:, :, :nb][..., rs], D, start, flat)
+            return res.view(n, *base_stream.shape), all_in, none_in
         cols = rs if mlp is None else torch.cat([rs, torch.tensor([mlp])])
         M = m[:, :nb][:, :, cols]                                                # [k, nb, n (+1)]
         n_in = M[..., :n].sum(1)
@@ -276,12 +305,13 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         n_in = m[:, :nb][:, :, rs].sum(1)                                         # [k, n]
         if force_split:
             return None
-        return "all" if bool((n_in == nb).all()) else "none" if not bool(n_in.any()) else None
+        every = n_in if not by_group else m_all[:, :nb][:, :, rs].sum(1)
+        return "all" if bool((every == nb).all()) else "none" if not bool(n_in.any()) else None
 
     def _mlp_rides(L: int) -> Optional[int]:
         """Layer L's MLP receiver when its sum should ride in the q/k/v matmul: it exists and will be
         recomputed."""
-        if not g.has_mlp or not MLP_WITH_QKV or out.dtype not in (torch.float32, torch.float64):
+        if not g.has_mlp or not MLP_WITH_QKV or by_group or out.dtype not in (torch.float32, torch.float64):
             return None
         r = g.recv_slice(L, "mlp").start
         return r if shortcut(torch.tensor([r])) is None else None
@@ -297,12 +327,14 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
             base, key, corr_key = stream[("final", 0)], ("logits", 0), ("final", 0)
         rs = torch.arange(sl.start, sl.stop)
         how = shortcut(rs)
+        # ungrouped k/v: every layer's attention reads them per query head (``per_query_kv``)
+        wide = (lambda v: expand(v, g.group)) if g.ungrouped and x in ("k", "v") else (lambda v: v)
         if x == "mlp" and how is not None:
             mlp_part.pop(sl.start, None)
         if how == "all":
-            return None
+            return None if not g.ungrouped or x not in ("k", "v") else wide(t)
         if how == "none":                                # no edge in: the corrupt run's value, no matmul
-            return corrupt.hooks[key].repeat(k, *([1] * (corrupt.hooks[key].dim() - 1)))
+            return wide(corrupt.hooks[key].repeat(k, *([1] * (corrupt.hooks[key].dim() - 1))))
         if x in ("q", "k", "v"):
             # q, k and v of a layer read the same senders: their inputs come from one matmul, at hook_q
             if L not in layer_cache:
@@ -322,8 +354,9 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
                 parts_of[key] = (closed_form(model, L, x, base, t) if real else
                                  closed_form(model, L, x, corrupt.resid[("attn", L)], corrupt.hooks[key]))
             parts = parts_of[key]
-            new = (project(parts, resid, range(len(rs))) if parts is not None             # [kb, p, n, e]
-                   else split_qkv_from_residuals(model, L, x, resid, range(len(rs))))
+            heads = g.input_heads(x)
+            new = (project(parts, resid, heads) if parts is not None                        # [kb, p, n, e]
+                   else split_qkv_from_residuals(model, L, x, resid, heads))
         elif x == "mlp":
             new = mlp_input(model, L, resid[0]).unsqueeze(2)
         else:
@@ -331,10 +364,10 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
         if force_split:
             return new if x in ("q", "k", "v") else new[:, :, 0]
         # an all-in receiver keeps the model's own value where the model computed it (exact), else the formula's
-        own = (t if real else new) if x in ("q", "k", "v") else t.unsqueeze(2)
+        own = (wide(t) if real else new) if x in ("q", "k", "v") else t.unsqueeze(2)
         if not bool(all_in.any()) and not bool(none_in.any()):       # every receiver recomputed: no merge
             return new if x in ("q", "k", "v") else new[:, :, 0]
-        corr = stacked(corrupt.hooks[key])
+        corr = wide(stacked(corrupt.hooks[key]))
         corr = corr if x in ("q", "k", "v") else corr.unsqueeze(2)
         shape = (k, b) + tuple(own.shape[1:])
         new, own, corr = new.view(shape), own.reshape(shape), corr.reshape(shape)
@@ -369,7 +402,7 @@ def patched_run(model, g: Graph, task, corrupt: Record, mask: Bool[Tensor, "k S 
                   and all(shortcut(torch.arange(g.recv_slice(L, x).start, g.recv_slice(L, x).stop)) == "none"
                           for x in ("q", "k", "v"))}
     with torch.no_grad(), skipped(model, replaced if SKIP_PROJECTIONS else []) as skips, known_mlps(model, known), \
-            known_attention(model, known_attn):
+            known_attention(model, known_attn), per_query_kv(model, g):
         hooks = _hooks(model, g, out, stream, splice, None)
         if return_logits:
             return model.run_with_hooks(tokens, fwd_hooks=hooks)
@@ -391,10 +424,13 @@ def z_patchable(model, g: Graph) -> bool:
     return all(post_norm(model, L) is None for L in range(g.n_layers))
 
 
-def node_run(model, g: Graph, task, corrupt: Record, heads_out: Sequence[Tuple[int, int]]) -> Optional[Tensor]:
+def node_run(model, g: Graph, task, corrupt: Record, heads_out: Sequence[Tuple[int, int]],
+             where: Optional[Dict[Tuple[int, int], Tensor]] = None) -> Optional[Tensor]:
     """The metric per row [b] when every head in ``heads_out`` ((layer, head) pairs) gives its corrupt-run
     output to every reader and everything else is this run's: ``patched_run`` with ``circuit.node_mask``'s
     mask, as ONE plain forward of the clean rows whose hook_z takes the corrupt record's z for those heads.
+    ``where[(layer, head)]``: a bool [b, pos] of the positions at which that head gives its corrupt output
+    (a position-aware node view: its output elsewhere stays this run's); absent: every position.
 
     The same thing, not an estimate: a head's output is z_h W_O[h] (graph.py), a function of its z alone, so
     with z_h patched every reader reads its corrupt output; every receiver reads the same residual
@@ -415,7 +451,14 @@ def node_run(model, g: Graph, task, corrupt: Record, heads_out: Sequence[Tuple[i
         def fn(z: Tensor, hook) -> Tensor:
             _check_z(z, g, L)
             z = z.clone()
-            z[:, :, idx] = corrupt.hooks[("z", L)][:, :, idx].to(z.dtype)
+            corr = corrupt.hooks[("z", L)].to(z.dtype)
+            if where is None:
+                z[:, :, idx] = corr[:, :, idx]
+                return z
+            for h in idx.tolist():
+                at = where.get((L, h))
+                z[:, :, h] = corr[:, :, h] if at is None else torch.where(at.to(z.device)[..., None], corr[:, :, h],
+                                                                          z[:, :, h])
             return z
         return fn
 

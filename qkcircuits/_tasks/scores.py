@@ -18,6 +18,9 @@ For an edge s → r (sender s, receiver input r) with Δ_s = out_s(clean) − ou
   measured in docs/tasks.md. EAP-IG on activations and clean-corrupted: ``gradients.py``.
 
 where x_r is the receiver's own copy of the residual (graph.py) and m the task metric SUMMED over rows;
+``positions=True`` splits every edge by position group γ (``positions.py``: the sums above over the positions
+of γ only; exact patches r at those positions only), ``gqa="ungrouped"`` gives each query head its own k/v input
+(``ungrouped.py``);
 scores are divided by the number of prompts, so they are in metric units per prompt. A positive score:
 the edge carries the behaviour (corrupting it lowers m). Node scores (a sender's output corrupted for
 every reader) are the same three ways; for EAP / EAP-IG a node's score is the sum of its outgoing edges'.
@@ -41,9 +44,8 @@ from __future__ import annotations
 
 from numbers import Real
 
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -53,9 +55,12 @@ from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .gradients import gradient_scores, n_runs, points, resolve_rule
 from .graph import Graph, graph
+from .exact import exact_edges, exact_nodes
+from .positions import at, position_groups
 from .record import check_graph, record
-from .runs import patched_run, z_patchable
+from .runs import z_patchable
 from .task import Task, warn_if_not_done, with_reference
+from .ungrouped import check as check_ungrouped
 
 METHODS = ("eap", "eap-ig", "exact", "eap-ig-activations", "clean-corrupted")
 # The faithfulness curve's shards (``shard_rows``' default budget, ``circuit.py``: the corrupt record and
@@ -91,14 +96,16 @@ def check_task(model, task: Task) -> None:
 
 
 def _bar(total: int, desc: str, progress: bool):
-    from tqdm.auto import tqdm
+    from .._foundation.progress import progress_bar
 
-    return tqdm(total=total, desc=desc, disable=not progress, leave=False, file=sys.stderr)
+    return progress_bar(total=total, desc=desc, enabled=progress)
 
 
 @dataclass(repr=False)      # the repr is _text (Result)
 class EdgeScores(Result):
-    """A score per edge (``scores[s, r]``, NaN where s does not feed r), the method and its settings.
+    """A score per edge (``scores[s, r]``, NaN where s does not feed r), the method and its settings. A
+    position-aware graph's scores per group are ``position_scores[γ, s, r]``; ``scores`` is then their sum over
+    the groups (for EAP / EAP-IG the plain scores themselves).
 
     >>> s = qk.edge_scores(model, qk.tasks.induction(model, n=4, seg_len=5), method="eap")
     >>> s.to_frame().columns.tolist()
@@ -119,16 +126,26 @@ class EdgeScores(Result):
     model: str = ""
     settings: Dict[str, object] = field(default_factory=dict)
     timing: Dict[str, float] = field(default_factory=dict)
+    position_scores: Optional[Tensor] = None     # [groups, S, R] on a position-aware graph
 
     def edge_list(self, by: str = "abs") -> List[Tuple[str, str, str, float]]:
-        """Every edge (sender, receiver, input, score), best first by |score| (``by="abs"``) or score."""
-        s_idx, r_idx = self.graph.valid.nonzero(as_tuple=True)
-        vals = self.scores[s_idx, r_idx]
+        """Every edge (sender, receiver, input, score), best first by |score| (``by="abs"``) or score. On a
+        position-aware graph the names carry the group: ``("5.6@S2", "20.kv0@S2", "k", score)``."""
+        g = self.graph
+        if self.position_scores is None:
+            s_idx, r_idx = g.valid.nonzero(as_tuple=True)
+            vals, grp = self.scores[s_idx, r_idx], None
+        else:
+            grp, s_idx, r_idx = g.valid[None].expand(g.n_groups, -1, -1).nonzero(as_tuple=True)
+            vals = self.position_scores[grp, s_idx, r_idx]
         order = torch.argsort(vals.abs() if by == "abs" else vals, descending=True, stable=True)
         out = []
         for i in order.tolist():
-            rn, x = self.graph.receivers[int(r_idx[i])]
-            out.append((self.graph.senders[int(s_idx[i])], rn, x, float(vals[i])))
+            rn, x = g.receivers[int(r_idx[i])]
+            sn = g.senders[int(s_idx[i])]
+            if grp is not None:
+                sn, rn = at(sn, g.positions[int(grp[i])]), at(rn, g.positions[int(grp[i])])
+            out.append((sn, rn, x, float(vals[i])))
         return out
 
     def top(self, k: int = 10, by: str = "abs") -> List[Tuple[str, str, str, float]]:
@@ -141,7 +158,12 @@ class EdgeScores(Result):
 
     def node_scores(self) -> Dict[str, float]:
         """Per sender (heads, MLPs, embedding): the sum of its outgoing edges' scores (exact for the linear
-        estimates EAP / EAP-IG: a node's Δ meets every reader's gradient)."""
+        estimates EAP / EAP-IG: a node's Δ meets every reader's gradient). Position-aware: per sender and group,
+        ``{"20.0@END": ..., "mlp3@S2": ..., "emb@IO": ...}`` (its output at that group's positions)."""
+        if self.position_scores is not None:
+            s = torch.nan_to_num(self.position_scores, nan=0.0).sum(2)                 # [groups, S]
+            return {at(name, grp): float(s[gi, i]) for gi, grp in enumerate(self.graph.positions)
+                    for i, name in enumerate(self.graph.senders)}
         s = torch.nan_to_num(self.scores, nan=0.0).sum(1)
         return {name: float(v) for name, v in zip(self.graph.senders, s)}
 
@@ -178,22 +200,26 @@ class EdgeScores(Result):
                 "graph": self.graph.to_dict(), "senders": list(self.graph.senders),
                 "receivers": [list(r) for r in self.graph.receivers],
                 "scores": json_floats(self.scores),
-                "settings": self.settings, "timing": self.timing}
+                "settings": self.settings, "timing": self.timing,
+                **({} if self.position_scores is None else {"position_scores": json_floats(self.position_scores)})}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, object]) -> "EdgeScores":
-        gd = d["graph"]
-        g = Graph(gd["n_layers"], gd["n_heads"], gd["n_kv_heads"], gd["mlps"], d.get("model", ""),
-                  bool(gd.get("parallel", False)))
         from .._foundation.io import read_float, read_floats
 
+        g = Graph.from_dict(d["graph"], d.get("model", ""))
         sc = read_floats(d["scores"])
         if tuple(sc.shape) != (g.n_senders, g.n_receivers):
             raise QKCircuitsError(f"scores are {tuple(sc.shape)}, but the graph has {g.n_senders} senders x "
                                   f"{g.n_receivers} receiver inputs")
+        ps = None
+        if g.positions:
+            ps = read_floats(d.get("position_scores") or [])
+            if tuple(ps.shape) != (g.n_groups, g.n_senders, g.n_receivers):
+                raise QKCircuitsError(f"position_scores are {tuple(ps.shape)}, but the graph has {g.n_groups} position "
+                                      f"groups x {g.n_senders} senders x {g.n_receivers} receiver inputs")
         return cls(g, sc, d["method"], d["steps"], read_float(d["clean"]), read_float(d["corrupt"]), d["task"],
-                   d.get("model", ""),
-                   d.get("settings", {}), d.get("timing", {}))
+                   d.get("model", ""), d.get("settings", {}), d.get("timing", {}), ps)
 
     def _text(self) -> str:
         top = "; ".join(f"{s}->{r} {x} {v:+.3g}" for s, r, x, v in self.top(3))
@@ -216,20 +242,33 @@ def _settings(model, task: Task, rows: int, extra: Dict[str, object]) -> Dict[st
             "fold_ln": bool(getattr(model, "compatibility_mode", False)), "task_digest": task.digest(model), **extra}
 
 
+def task_graph(model, task: Task, gqa: str = "grouped", positions: Any = False) -> Graph:
+    """``qk.graph(model, gqa)``, split by ``task``'s position groups when ``positions`` is True (every named
+    position) or a sequence of the task's position names (the others pooled in ``other``)."""
+    g = graph(model, gqa)
+    if positions is False or positions is None:
+        return g
+    return replace(g, positions=position_groups(positions, task))
+
+
 def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, rule: Optional[str] = None,
                 rows_per_shard: Optional[int] = None, copies: int = 32, progress: bool = True, check: bool = True,
-                backend: Any = None) -> EdgeScores:
+                backend: Any = None, gqa: str = "grouped", positions: Any = False) -> EdgeScores:
     """Score every edge of ``qk.graph(model)`` for ``task`` (see the module docstring for formulas and cost).
 
     ``method``: "eap-ig" (default), "eap", "exact", "eap-ig-activations" or "clean-corrupted" (``gradients.py``).
     ``rule`` (EAP-IG's interpolation points): "left" (α = k/steps, k = 0 … steps−1: the authors' code and MIB,
     the default for "eap-ig"), "right" (k = 1 … steps: one clean forward fewer; the default of
-    "eap-ig-activations", as the authors' code runs it) or "midpoint". ``backend``: None (this process),
-    ``qk.Local()``, ``qk.Ray(...)`` or a string as ``qk.as_backend``: on Ray, prompt shards on workers, the sums
-    added (exact to float rounding; ``qkcircuits._scale.ray_tasks``)."""
+    "eap-ig-activations", as the authors' code runs it) or "midpoint". ``gqa="ungrouped"``: k/v inputs per query
+    head (the EAP-IG authors' and MIB's graph); ``positions=True`` (or a sequence of the task's position names):
+    every edge split by position group (``position_scores``). ``backend``: None (this process), ``qk.Local()``,
+    ``qk.Ray(...)`` or a string as ``qk.as_backend``: on Ray, prompt shards on workers, the sums added (exact to
+    float rounding; ``qkcircuits._scale.ray_tasks``)."""
     from .._foundation.model import model_name
 
     if backend is not None:
+        if gqa != "grouped" or positions not in (False, None):
+            raise QKCircuitsError("the ungrouped and position-aware graphs run in this process only (backend=None)")
         from .._foundation.backends import as_backend
 
         return as_backend(backend).run("edge_scores", model, local=edge_scores, task=task, method=method,
@@ -239,11 +278,11 @@ def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ru
     check_method(method, steps)
     rule = resolve_rule(method, rule)
     check_task(model, task)
-    g = graph(model)
+    g = task_graph(model, task, gqa, positions)
     task = with_reference(model, task.to(model.W_E.device))
     rows = rows_per_shard or (shard_rows(model, g, task, budget=EXACT_BYTES) if method == "exact"
                               else shard_rows(model, g, task, budget=GRAD_SHARD_BYTES, gradients=True))
-    acc = torch.zeros(g.n_senders, g.n_receivers, dtype=torch.float64)
+    acc = torch.zeros(g.n_groups, g.n_senders, g.n_receivers, dtype=torch.float64)
     sums = {"clean": 0.0, "corrupt": 0.0}
     t0 = time.perf_counter()
     shards = task.shards(rows)
@@ -259,23 +298,27 @@ def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ru
                       heads=not deltas_from_z)
         if check and i == 0:
             check_graph(model, g, corr, shard.corrupt)
+            check_ungrouped(model, g, shard.corrupt)
         sums["corrupt"] += float(corr.rows.sum())
         if method == "exact":
-            sums["clean"] += _exact_edges(model, g, shard, corr, acc, copies, bar)
+            sums["clean"] += exact_edges(model, g, shard, corr, acc, copies, bar)
             continue
         sums["clean"] += gradient_scores(model, g, shard, corr, acc, method, steps, rule, pool)
         del corr
         bar.update(1)
     bar.close()
     scores = (acc / task.n).float()
-    scores[~g.valid] = float("nan")
+    scores[:, ~g.valid] = float("nan")
     warn_if_not_done(task, sums["clean"] / task.n, sums["corrupt"] / task.n, model=model)
     extra = {"n_edges": g.n_edges, "copies": copies if method == "exact" else None, "rule": rule,
              "alphas": None if method == "exact" else points(method, steps, rule),
              "gradient_runs": None if method == "exact" else n_runs(g, method, steps, rule)}
-    return EdgeScores(g, scores, method, steps if method in STEPPED else 0, sums["clean"] / task.n,
+    # position-aware: ``scores`` is the sum over the groups (for the gradient methods the plain scores: the Δ·∇
+    # sums split by position), summed in float64
+    plain = scores[0] if not g.positions else (acc.sum(0) / task.n).float().masked_fill_(~g.valid, float("nan"))
+    return EdgeScores(g, plain, method, steps if method in STEPPED else 0, sums["clean"] / task.n,
                       sums["corrupt"] / task.n, task.describe(), model_name(model), _settings(model, task, rows, extra),
-                      {"edge_scores_s": round(time.perf_counter() - t0, 3)})
+                      {"edge_scores_s": round(time.perf_counter() - t0, 3)}, scores if g.positions else None)
 
 
 STEPPED = ("eap-ig", "eap-ig-activations")
@@ -287,20 +330,6 @@ def check_method(method: str, steps) -> None:
         raise QKCircuitsError(f"unknown edge-score method {method!r}; use one of {', '.join(METHODS)}")
     if method in STEPPED and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise QKCircuitsError(f"steps must be an integer >= 1, got {steps!r}")
-
-
-def _exact_edges(model, g: Graph, shard: Task, corr, acc: Tensor, copies: int, bar) -> float:
-    """One patched run per edge (``copies`` edges stacked per forward): acc[s, r] += m(clean) − m(edge off)."""
-    clean_sum = float(patched_run(model, g, shard, corr, g.valid[None]).sum())
-    s_idx, r_idx = g.valid.nonzero(as_tuple=True)
-    for start in range(0, len(s_idx), copies):
-        ss, rr = s_idx[start:start + copies], r_idx[start:start + copies]
-        mask = g.valid[None].repeat(len(ss), 1, 1)
-        mask[torch.arange(len(ss)), ss, rr] = False
-        vals = patched_run(model, g, shard, corr, mask).sum(1).double().cpu()      # [copies]
-        acc[ss, rr] += clean_sum - vals
-        bar.update(len(ss))
-    return clean_sum
 
 
 @dataclass(repr=False)      # the repr is _text (Result)
@@ -351,13 +380,17 @@ class NodeScores(Result):
 
 def node_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, rule: Optional[str] = None,
                 progress: bool = True, rows_per_shard: Optional[int] = None, copies: int = 32,
-                backend: Any = None) -> NodeScores:
+                backend: Any = None, gqa: str = "grouped", positions: Any = False) -> NodeScores:
     """Heads, MLPs and the embedding scored by a gradient method (sums of the edge scores; ``rule`` as in
     ``edge_scores``) or exactly (one patched run per node, every reader of the node reading its corrupt
-    output). ``backend`` as in ``edge_scores``."""
+    output). ``positions=True`` (or the task's position names): one node per sender and position group,
+    ``"20.0@END"``, its output corrupted at that group's positions only. ``backend``, ``gqa`` as in
+    ``edge_scores``."""
     from .._foundation.model import model_name
 
     if backend is not None:
+        if gqa != "grouped" or positions not in (False, None):
+            raise QKCircuitsError("the ungrouped and position-aware graphs run in this process only (backend=None)")
         from .._foundation.backends import as_backend
 
         return as_backend(backend).run("node_scores", model, local=node_scores, task=task, method=method,
@@ -365,28 +398,19 @@ def node_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ru
                                        copies=copies)
 
     if method != "exact":
-        es = edge_scores(model, task, method, steps, rule=rule, progress=progress, rows_per_shard=rows_per_shard)
+        es = edge_scores(model, task, method, steps, rule=rule, progress=progress, rows_per_shard=rows_per_shard,
+                         gqa=gqa, positions=positions)
         return NodeScores(es.node_scores(), method, es.model, {**es.settings, "clean": es.clean, "corrupt": es.corrupt})
     check_method(method, steps)
     resolve_rule(method, rule)
     check_task(model, task)
-    g = graph(model)
+    g = task_graph(model, task, gqa, positions)       # a node's score does not depend on how k/v are counted
     task = with_reference(model, task.to(model.W_E.device))
     rows = rows_per_shard or shard_rows(model, g, task, budget=EXACT_BYTES)
-    acc = torch.zeros(g.n_senders, dtype=torch.float64)
-    sums = {"clean": 0.0, "corrupt": 0.0}
-    for shard in task.shards(rows):
-        corr = record(model, g, shard, shard.corrupt)
-        clean_sum = float(patched_run(model, g, shard, corr, g.valid[None]).sum())
-        sums["clean"] += clean_sum
-        sums["corrupt"] += float(corr.rows.sum())
-        for start in range(0, g.n_senders, copies):
-            ss = torch.arange(start, min(start + copies, g.n_senders))
-            mask = g.valid[None].repeat(len(ss), 1, 1)
-            mask[torch.arange(len(ss)), ss] = False
-            acc[ss] += clean_sum - patched_run(model, g, shard, corr, mask).sum(1).double().cpu()
+    acc, clean, corrupt = exact_nodes(model, g, task, rows, copies)
     vals = (acc / task.n).tolist()
-    clean, corrupt = sums["clean"] / task.n, sums["corrupt"] / task.n
     warn_if_not_done(task, clean, corrupt, model=model)
-    return NodeScores(dict(zip(g.senders, vals)), "exact", model_name(model),
+    names = (list(g.senders) if not g.positions else
+             [at(name, grp) for grp in g.positions for name in g.senders])
+    return NodeScores(dict(zip(names, [v for row in vals for v in row])), "exact", model_name(model),
                       _settings(model, task, rows, {"clean": clean, "corrupt": corrupt}))

@@ -20,7 +20,11 @@ Then edges with no path from the embedding through circuit edges, or none on to 
 (they cannot change the metric through the circuit). ``percent`` counts the graph's edges before pruning
 and is TRUNCATED to a whole number of edges as MIB's grid does, n = int(pct × |E|) (``edges_for_percent``:
 0.1 % of SmolLM2's 70,651 edges is 70, not 71; a percent too small for one edge gives the empty circuit);
-``Circuit.n_edges`` says how many are left after pruning.
+``Circuit.n_edges`` says how many are left after pruning. Position-aware scores (``positions.py``) give
+position-aware circuits: the edges (sender, receiver input, position group) are ranked and pruned
+(``positions.prune_positions``), ``Circuit.position_mask`` [groups, S, R] holds them, and ``mask``/``scores`` are
+their plain views (an edge in at some group; the scores summed over the groups), which the roles read; there |E|
+counts every (edge, group).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from torch import Tensor
 from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .graph import Graph
+from .positions import at, prune_positions, split
 from .task import Task, metric_higher_is_better
 
 
@@ -109,17 +114,42 @@ class Circuit(Result):
     requested: int = 0
     model: str = ""
     how: str = "top"
+    position_mask: Optional[Tensor] = None       # [groups, S, R]: a position-aware circuit's edges
+    position_scores: Optional[Tensor] = None     # [groups, S, R]
 
     @property
     def n_edges(self) -> int:
-        return int(self.mask.sum())
+        return int((self.mask if self.position_mask is None else self.position_mask).sum())
 
     def edges(self) -> List[Tuple[str, str, str, float]]:
-        s_idx, r_idx = self.mask.nonzero(as_tuple=True)
-        vals = self.scores[s_idx, r_idx]
+        """(sender, receiver, input, score), largest |score| first; position-aware: names with their group,
+        ``("5.6@S2", "20.kv0@S2", "k", score)``."""
+        g = self.graph
+        if self.position_mask is None:
+            s_idx, r_idx = self.mask.nonzero(as_tuple=True)
+            vals, grp = self.scores[s_idx, r_idx], None
+        else:
+            grp, s_idx, r_idx = self.position_mask.nonzero(as_tuple=True)
+            vals = self.position_scores[grp, s_idx, r_idx]
         order = torch.argsort(vals.abs(), descending=True, stable=True).tolist()
-        return [(self.graph.senders[int(s_idx[i])], *self.graph.receivers[int(r_idx[i])], float(vals[i]))
-                for i in order]
+        out = []
+        for i in order:
+            sn, (rn, x) = g.senders[int(s_idx[i])], g.receivers[int(r_idx[i])]
+            if grp is not None:
+                sn, rn = at(sn, g.positions[int(grp[i])]), at(rn, g.positions[int(grp[i])])
+            out.append((sn, rn, x, float(vals[i])))
+        return out
+
+    @property
+    def position_nodes(self) -> List[str]:
+        """A position-aware circuit's nodes with their group (``"20.0@END"``, ``"mlp3@S2"``, ``"emb@IO"``): each
+        sender at every group where an edge of the circuit leaves it ([] for a plain circuit)."""
+        if self.position_mask is None:
+            return []
+        g = self.graph
+        grp, s_idx = self.position_mask.any(2).nonzero(as_tuple=True)
+        return [at(g.senders[int(s)], g.positions[int(gi)]) for gi, s in sorted(zip(grp.tolist(), s_idx.tolist()),
+                                                                                    key=lambda t: (t[1], t[0]))]
 
     @property
     def nodes(self) -> Set[str]:
@@ -158,25 +188,32 @@ class Circuit(Result):
                 "heads": self.heads,
                 "mlps": sorted(n for n in self.nodes if n.startswith("mlp")), "n_edges": self.n_edges,
                 "requested_edges": self.requested, "percent": self.percent, "by": self.by,
-                "how": self.how}
+                "how": self.how, **({"position_nodes": self.position_nodes} if self.position_mask is not None else {})}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, object]) -> "Circuit":
-        gd = d["graph"]
-        g = Graph(gd["n_layers"], gd["n_heads"], gd["n_kv_heads"], gd["mlps"], str(d.get("model", "")),
-                  bool(gd.get("parallel", False)))
-        mask = torch.zeros(g.n_senders, g.n_receivers, dtype=torch.bool)
-        scores = torch.full((g.n_senders, g.n_receivers), float("nan"))
+        g = Graph.from_dict(d["graph"], str(d.get("model", "")))
+        G = g.n_groups
+        mask = torch.zeros(G, g.n_senders, g.n_receivers, dtype=torch.bool)
+        scores = torch.full((G, g.n_senders, g.n_receivers), float("nan"))
         s_at = {n: i for i, n in enumerate(g.senders)}
         r_at = {r: i for i, r in enumerate(g.receivers)}
+        g_at = {n: i for i, n in enumerate(g.positions)}
         for s, r, x, v in d["edges"]:
-            if s not in s_at or (r, x) not in r_at or not g.valid[s_at[s], r_at[(r, x)]]:
+            (s, gs), (r, gr) = split(s), split(r)
+            gi = g_at.get(gs, -1) if g.positions else (0 if gs is None else -1)
+            if s not in s_at or (r, x) not in r_at or not g.valid[s_at[s], r_at[(r, x)]] or gi < 0 or gr != gs:
                 raise QKCircuitsError(f"edge {s} -> {r} {x} is not an edge of the graph {g!r}")
-            mask[s_at[s], r_at[(r, x)]] = True
-            scores[s_at[s], r_at[(r, x)]] = float("nan") if v is None else float(v)
+            mask[gi, s_at[s], r_at[(r, x)]] = True
+            scores[gi, s_at[s], r_at[(r, x)]] = float("nan") if v is None else float(v)
         from dataclasses import fields
 
         pct = d.get("percent")
+        if g.positions:
+            d = {**d, "position_mask": mask, "position_scores": scores}
+            mask, scores = mask.any(0), torch.nan_to_num(scores, nan=0.0).sum(0).masked_fill_(~mask.any(0), float("nan"))
+        else:
+            mask, scores = mask[0], scores[0]
         known = {"graph", "mask", "scores", "by", "percent", "requested", "model"}
         other = {f.name: d[f.name] for f in fields(cls) if f.name not in known and f.name in d}   # e.g. later settings
         pct = pct if pct is None or isinstance(pct, int) else float(pct)      # 5 stays 5, 2.5 stays 2.5
@@ -211,10 +248,10 @@ class Circuit(Result):
 
 
 def _node_inputs(g: Graph) -> Dict[int, List[int]]:
-    """Sender index → the receiver inputs of the same node (a head: its q and its KV head's k and v; an
-    MLP: its input). The embedding has none."""
+    """Sender index → the receiver inputs of the same node (a head: its q and its KV head's k and v, or its own
+    k and v when ungrouped; an MLP: its input). The embedding has none."""
     out: Dict[int, List[int]] = {}
-    group = g.n_heads // g.n_kv
+    group = g.n_heads // g.n_kv_in
     for L in range(g.n_layers):
         for h in range(g.n_heads):
             out[g.head_sender(L, h)] = [g.recv_slice(L, x).start + (h if x == "q" else h // group) for x in "qkv"]
@@ -227,35 +264,41 @@ def greedy_mask(g: Graph, key: Tensor, k: int) -> Tensor:
     """``k`` edges grown from the logits (EAP-IG's ``apply_greedy``, Hanna et al. 2024): the candidates are
     the edges into the logits; repeatedly the candidate with the largest ``key`` joins, and when its sender
     joins for the first time the edges into that node's inputs become candidates. Every chosen edge has a
-    path on to the logits by construction."""
+    path on to the logits by construction. Position-aware (``key`` [groups, S, R]): a sender joins per group;
+    an MLP's input is then a candidate at that group, a head's at every group (attention reads all positions)."""
     import heapq
 
     inputs = _node_inputs(g)
-    kk = key.tolist()
-    heap: List[Tuple[float, int, int]] = []
-    pushed: Set[int] = set()
-    joined: Set[int] = set()
+    plain = key.dim() == 2
+    kk = (key[None] if plain else key).tolist()
+    n_groups = len(kk)
+    heap: List[Tuple[float, int, int, int]] = []
+    pushed: Set[Tuple[int, int]] = set()
+    joined: Set[Tuple[int, int]] = set()
 
-    def add(r: int) -> None:
-        if r not in pushed:
-            pushed.add(r)
+    def add(r: int, gi: int) -> None:
+        if (r, gi) not in pushed:
+            pushed.add((r, gi))
             for s in range(g.n_below(r)):
-                heapq.heappush(heap, (-kk[s][r], s, r))
+                heapq.heappush(heap, (-kk[gi][s][r], gi, s, r))
 
-    add(g.logits_receiver)
-    chosen: List[Tuple[int, int]] = []
+    for gi in range(n_groups):
+        add(g.logits_receiver, gi)
+    chosen: List[Tuple[int, int, int]] = []
     while len(chosen) < k and heap:
-        _, s, r = heapq.heappop(heap)
-        chosen.append((s, r))
-        if s != 0 and s not in joined:
-            joined.add(s)
+        _, gi, s, r = heapq.heappop(heap)
+        chosen.append((gi, s, r))
+        if s != 0 and (s, gi) not in joined:
+            joined.add((s, gi))
+            head = not g.senders[s].startswith("mlp")
             for r2 in inputs[s]:
-                add(r2)
-    mask = torch.zeros_like(g.valid)
+                for gj in (range(n_groups) if head else (gi,)):
+                    add(r2, gj)
+    mask = torch.zeros((n_groups,) + tuple(g.valid.shape), dtype=torch.bool)
     if chosen:
         idx = torch.tensor(chosen)
-        mask[idx[:, 0], idx[:, 1]] = True
-    return mask
+        mask[idx[:, 0], idx[:, 1], idx[:, 2]] = True
+    return mask[0] if plain else mask
 
 
 SELECTIONS = ("top", "greedy")
@@ -282,8 +325,20 @@ def select(scores, edges: Optional[int] = None, percent: Optional[Real] = None, 
         if isinstance(edges, bool) or not isinstance(edges, int) or edges < 0:
             raise QKCircuitsError(f"edges must be an integer >= 0, got {edges!r}")
         k = min(edges, g.n_edges)
-    vals = torch.nan_to_num(scores.scores, nan=0.0)
+    by_pos = getattr(scores, "position_scores", None)
+    vals = torch.nan_to_num(scores.scores if by_pos is None else by_pos, nan=0.0)
     key = vals.abs() if by == "abs" else vals * behaviour_sign(scores)
+    if by_pos is not None:                       # position-aware: (group, sender, receiver) edges
+        if how == "greedy":
+            mask = greedy_mask(g, key, k)
+        else:
+            gg, s_idx, r_idx = g.valid[None].expand(g.n_groups, -1, -1).nonzero(as_tuple=True)
+            order = torch.argsort(key[gg, s_idx, r_idx], descending=True, stable=True)[:k]
+            mask = torch.zeros((g.n_groups,) + tuple(g.valid.shape), dtype=torch.bool)
+            mask[gg[order], s_idx[order], r_idx[order]] = True
+        pm = prune_positions(g, mask)
+        return Circuit(g, pm.any(0), scores.scores, by, None if percent is None else float(percent), k,
+                       getattr(scores, "model", ""), how, pm, by_pos)
     if how == "greedy":
         mask = greedy_mask(g, key, k)
     else:

@@ -44,6 +44,7 @@ from .._foundation.arch import LayerWeights, adapter  # noqa: F401  (LayerWeight
 from .._foundation.arch.norms import block_norm, final_norm
 from .._foundation.attention import attention_scale, sliding_window  # noqa: F401  (re-exported: the one scale reader)
 from .._foundation.errors import QKCircuitsError
+from .._foundation.arch.model import positional, rope_type
 from .._foundation.heads import Head, HeadsLike, model_heads
 
 
@@ -176,14 +177,12 @@ def circuit_caveats(model) -> List[str]:
     length. An empty list means the score is exactly (bilinear form) × ``attn_scale``.
     """
     cfg, out = model.cfg, []
-    hf_cfg = getattr(getattr(model, "original_model", None), "config", None)
     first = adapter(model, 0)
     out += first.caveats()
     if first.qk_norm:
         out.append("QK-norm: q and k are RMS-normalised per position inside attention, so scores are not x·QK·yᵀ "
                    "(the circuit is right only up to per-position scales; rotary is applied after the norm)")
-    cap = max([float(adapter(model, layer).scale()[2] or -1) for layer in range(int(cfg.n_layers))]
-              + [float(getattr(hf_cfg, "attn_logit_softcapping", None) or -1)])
+    cap = max(float(adapter(model, layer).softcap() or -1) for layer in range(int(cfg.n_layers)))
     if cap > 0:
         out.append(f"attention logits are soft-capped (cap·tanh(s/cap), cap={cap:g}): the bilinear form is the "
                    f"pre-cap score")
@@ -193,12 +192,11 @@ def circuit_caveats(model) -> List[str]:
         which = "every layer" if len(sliding) == len(windows) else f"layers {', '.join(map(str, sliding))}"
         out.append(f"sliding-window attention (window {windows[sliding[0]]}) on {which}: keys further back than the "
                    f"window are masked whatever the circuit says")
-    pet = str(getattr(cfg, "positional_embedding_type", "standard"))
+    pet = positional(model)
     if pet not in ("standard", "rotary", "shortformer"):
         out.append(f"positional embedding type {pet!r} adds a position bias to the scores that the QK circuit "
                    f"does not contain")
-    rope = getattr(cfg, "rope_parameters", None) or getattr(hf_cfg, "rope_parameters", None) or {}
-    rtype = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+    rtype = rope_type(model)
     if rtype in ("dynamic", "longrope"):
         out.append(f"rotary type {rtype!r} changes its frequencies with the sequence length: offset circuits "
                    f"use the short-context frequencies")

@@ -404,8 +404,8 @@ def ov_copying(model, *, n_tokens: int = 64, seed: int = 0, input: str = "contex
     fallbacks, recounted = 0, 0
     layers = range(L)
     if progress:
-        from tqdm.auto import tqdm
-        layers = tqdm(layers, desc="ov copying", unit="layer", leave=False)
+        from .._foundation.progress import progress_bar
+        layers = progress_bar(layers, desc="ov copying", unit="layer")
     U, _, _ = output_reader(model, input)        # the positive scale changes no rank
     U_tgt = U[:, ids.to(U.device)].T            # [n, d_model] the source tokens' own columns
     if sampled:

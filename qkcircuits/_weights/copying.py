@@ -106,7 +106,7 @@ def copying_accuracy(model, head: Optional[HeadsLike] = None, *, normalize: bool
     L, H = model.cfg.n_layers, model.cfg.n_heads
     out = torch.full((L, H), float("nan"))
     todo = [(h.layer, h.head) for h in heads] if heads else [(l, h) for l in range(L) for h in range(H)]
-    bar = _tqdm(todo, progress and len(todo) > 1)
+    bar = _bar(todo, progress and len(todo) > 1)
     cache_layer, w = None, None
     for layer, h in bar:
         if layer != cache_layer:
@@ -125,8 +125,8 @@ def copying_accuracy(model, head: Optional[HeadsLike] = None, *, normalize: bool
     return out[heads[0].layer, heads[0].head] if heads else out
 
 
-def _tqdm(items, show: bool):
+def _bar(items, show: bool):
     if not show:
         return items
-    from tqdm.auto import tqdm
-    return tqdm(items, desc="copying accuracy", unit="head")
+    from .._foundation.progress import progress_bar
+    return progress_bar(items, desc="copying accuracy", unit="head")

@@ -39,6 +39,7 @@ from .._foundation import display as show
 from .._foundation.result import Result
 from .._foundation.rope import STYLES, RotarySpec, rotate, rotation  # noqa: F401 (re-exported)
 from .._foundation.errors import QKCircuitsError
+from .._foundation.arch.model import positional
 from .._foundation.heads import HeadsLike
 from .._foundation.io import json_floats, read_floats
 from .circuits import CHUNK_ROWS, to_head, attn_scale, is_folded, layer_weights, normalize_rows, warn_caveats
@@ -52,7 +53,7 @@ def rotary_spec(model, base: Optional[float] = None, verify: bool = True, layer:
     once per layer: the adapter keeps the verified spec). Returns a copy the caller may change."""
     if not has_rotary(model):
         raise QKCircuitsError(f"this model has positional embedding type "
-                              f"{getattr(model.cfg, 'positional_embedding_type', 'standard')!r}, not rotary; use "
+                              f"{positional(model)!r}, not rotary; use "
                               f"qk() (and positional_qk() for learned positions)")
     n_layers = int(model.cfg.n_layers)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
@@ -142,7 +143,7 @@ def positional_qk(model, head: HeadsLike, normalize: bool = False) -> FactoredMa
     ``normalize`` treats each W_pos row as a whole residual (an approximation: the model normalises
     W_E[t] + W_pos[p] together).
     """
-    if getattr(model.cfg, "positional_embedding_type", "standard") not in ("standard", "shortformer"):
+    if positional(model) not in ("standard", "shortformer"):
         raise QKCircuitsError(f"positional_qk needs learned absolute positions; this model has "
                               f"{model.cfg.positional_embedding_type!r} (use qk_at_offset for rotary models)")
     h = to_head(model, head)

@@ -172,12 +172,10 @@ def _qk_errors(model, layer: int, got: Dict[str, Tensor]):
         q = q * s_q[:, None, :, None]
         k = torch.cat([k[..., : att.d_nope] * s_kv[:, None, :, None], k[..., att.d_nope:]], -1)
     else:
-        for side, names in (("q", ("q_norm", "q_layernorm", "query_layernorm")),
-                            ("k", ("k_norm", "k_layernorm", "key_layernorm"))):
-            mod = next((getattr(att.module, n) for n in names if getattr(att.module, n, None) is not None), None)
-            if mod is not None:     # QK-norm: the model's own norm, evaluated at these q/k
-                t = q if side == "q" else k
-                t = mod(t.to(w.W_Q.dtype)).double()
+        for side, mod in zip("qk", att.qk_norm_modules()):
+            if mod is not None:     # QK-norm: the model's own norm, evaluated at these q/k ([b, p, h, d]: per-head
+                t = q if side == "q" else k          # weights, as Cohere's, broadcast over the head axis)
+                t = mod(t.transpose(1, 2).to(w.W_Q.dtype)).transpose(1, 2).double()
                 q, k = (t, k) if side == "q" else (q, t)
     from .._foundation.capture import has_rotary
 
@@ -246,8 +244,4 @@ def _ov_errors(model, layer: int, got: Dict[str, Tensor]):
 
 
 def _output_module(att) -> Optional[torch.nn.Module]:
-    o = getattr(att.bridge, "o", None)
-    mod = getattr(o, "original_component", None) if o is not None else None
-    if mod is None and att.family == "latent":
-        mod = att.module.o_proj
-    return mod
+    return att.output_module()

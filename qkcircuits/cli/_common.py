@@ -31,7 +31,7 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.io import check_writable, finite_json, write_atomic  # noqa: F401  (re-exported for the subcommands)
 
 # Argument names (dest) that always name files read / written, whichever command adds them.
-INPUT_NAMES = ("model", "models", "scores", "ablation", "diagnostics", "trace", "task", "circuit")
+INPUT_NAMES = ("model", "models", "scores", "ablation", "diagnostics", "trace", "task", "circuit", "attend")
 OUTPUT_NAMES = ("json", "csv", "output")
 # Model specs that are not paths but stand for a cached file.
 _CACHED_SPECS = ("smollm2-135m", "smollm2")

@@ -18,12 +18,12 @@ from ._common import add_model_args, input_arg, load_model, output_arg, positive
 
 
 def _position(text: str):
-    if text == "induction":
+    if text in ("induction", "duplicate", "previous"):
         return text
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a position (an integer, negative from the end) or 'induction', "
+        raise argparse.ArgumentTypeError(f"expected a position (an integer, negative from the end), induction, duplicate or previous, "
                                          f"got {text!r}") from None
 
 
@@ -43,7 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt", action="append", help="a prompt text (repeat for several); tokenized as the "
                                                       "model's tokenizer does on its own")
     p.add_argument("--query", type=_position, help="with --prompt: the query position (negative: from the end)")
-    p.add_argument("--key", type=_position, help="with --prompt: the key position, or 'induction'")
+    p.add_argument("--key", type=_position, help="with --prompt: the key position, or induction (each repeated token -> "
+                                                  "the token after its earlier copy), duplicate (-> the earlier copy), "
+                                                  "previous (each token -> the one before)")
     p.add_argument("--reading", choices=("contrast", "raw"), default="contrast",
                    help="contrast (default): the score at the key minus the mean over the other keys the head may "
                         "attend; raw: the score itself")
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         if args.query_name or args.key_name:
             raise QKCircuitsError("--from/--to name a task's positions; with --prompt give --query I --key J")
         if args.key is None:
-            raise QKCircuitsError("with --prompt give --key J (and --query I), or --key induction")
+            raise QKCircuitsError("with --prompt give --key J (and --query I), or --key induction|duplicate|previous")
     elif args.query is not None or args.key is not None:
         raise QKCircuitsError("--query/--key are positions in a --prompt; with a task use --from/--to")
     task_spec = args.task or (None if args.prompt else "induction")

@@ -10,13 +10,14 @@ named unless ``--force``.
 ``--json`` keys (the contract the views read): model, task, n_prompts, metric, clean, corrupt, method,
 steps, rule, curve {percent: f}, cpr, cmd, circuit {edges: [[sender, receiver, input, score], ...], heads,
 node_faithfulness, named, ...}, roles {head: {role, evidence}}, warnings [one line each], bos {prepended, mode},
-timing; plus schema, graph, bos_prepended (old readers).
+timing; plus schema, graph, bos_prepended (old readers). ``--gqa ungrouped`` / ``--positions`` score another
+graph (``graph.gqa`` / ``graph.positions`` in the JSON; a position-aware circuit's edges name their group, as
+``20.0@END``, and ``circuit.position_nodes`` lists where its nodes act); this process only, not with ``--ray``.
 """
 
 from __future__ import annotations
 
 import argparse
-import html
 import sys
 import time
 import warnings
@@ -47,7 +48,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("circuit", help="find a task's circuit: edge scores, faithfulness curve, roles",
                        description="Score every edge of the model's graph for a task with counterfactual prompts "
                                    "(clean vs corrupt), measure how much of the behaviour the top edges carry "
-                                   "(faithfulness over 0.1-100%% of the edges, CPR and CMD) and name the roles of "
+                                   "(faithfulness over 0.1-100% of the edges, CPR and CMD) and name the roles of "
                                    "the circuit's heads.")
     add_model_args(p)
     p.add_argument("--task", required=True, help="ioi, induction, or a .jsonl file (one {clean, corrupt, answer, "
@@ -68,6 +69,12 @@ def add_parser(sub) -> None:
                    help="EAP-IG's points: left (alpha = k/steps, k = 0..steps-1; the authors' and MIB's, the default "
                         "of eap-ig), right (k = 1..steps: one clean forward fewer; the default of eap-ig-activations, "
                         "as the authors run it) or midpoint")
+    p.add_argument("--gqa", choices=("grouped", "ungrouped"), default="grouped",
+                   help="k/v inputs per KV head (default) or per query head, as the EAP-IG authors and MIB count edges "
+                        "(the same graph without grouped-query attention)")
+    p.add_argument("--positions", action="store_true",
+                   help="split every edge by the task's named positions (IO, S1, S2, END, ...; the rest pooled as "
+                        "'other'): node names like 20.0@END")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--edges", type=positive_int, help="circuit size in edges")
     size.add_argument("--percent", type=_percent, help="circuit size in percent of the graph's edges (truncated to "
@@ -85,7 +92,9 @@ def add_parser(sub) -> None:
                         f"another method's top edges disagree with it in sign")
     p.add_argument("--json", metavar="PATH", help="write the result (the circuit JSON contract)")
     p.add_argument("--csv", metavar="PATH", help="write every edge's score (sender, receiver, input, score, in_circuit)")
-    p.add_argument("-o", "--output", metavar="HTML", help="write a standalone HTML summary")
+    p.add_argument("-o", "--output", metavar="HTML", help="write the report's circuit section as one offline HTML "
+                                                          "file (curve, graph, roles, top edges)")
+    p.add_argument("--timing", action="store_true", help="print how long each step took (also in the JSON's timing)")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS|local:N",
                    help="run on Ray workers (each loads the model once; prompt shards, sums combined exactly): an "
                         "address, local:N, or nothing ($RAY_ADDRESS, else a local instance). A .jsonl task must "
@@ -104,12 +113,12 @@ class _Here:
     """The command's heavy steps in this process (the model loaded here)."""
 
     def __init__(self, args):
-        from .._tasks.graph import graph
+        from .._tasks.scores import task_graph
         from .._tasks.task import bos_mode_arg
 
         self.model = load_model(args)
         self.task = build_task(self.model, args.task, args.n, args.seed, bos_mode_arg(args.bos), args.metric)
-        self.graph = graph(self.model)
+        self.graph = task_graph(self.model, self.task, args.gqa, args.positions)
 
     def edge_scores(self, task=None, **kw):
         from .._tasks.scores import edge_scores
@@ -128,7 +137,8 @@ class _Here:
         rows = shard_rows(self.model, self.graph, self.task, buffers=3)
         # one shard: its corrupt record serves the node view too (as in ``faithfulness``)
         records = {} if rows >= self.task.n else None
-        (m,), clean, corrupt = circuit_metric(self.model, self.task, [circ.mask], rows, records=records)
+        mask = circ.mask if circ.position_mask is None else circ.position_mask
+        (m,), clean, corrupt = circuit_metric(self.model, self.task, [mask], rows, records=records, g=self.graph)
         return ratio(m, clean, corrupt), node_faithfulness(self.model, self.task, circ.heads, rows, clean=clean, records=records)
 
     def roles(self, circ, clean, corrupt, force=False):
@@ -153,6 +163,8 @@ class _OnRay:
         from .._scale.distributed import Pool
         from .._tasks.task import bos_mode_arg
 
+        if args.gqa != "grouped" or args.positions:
+            raise QKCircuitsError("--gqa ungrouped and --positions run in this process only (not with --ray)")
         self.rt = ray_tasks
         self.pool = Pool(args.model, load_kwargs={"device": args.device, "dtype": args.dtype,
                                                   "fold_ln": not args.no_fold_ln},
@@ -246,7 +258,8 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
 
     with _quiet_python_warnings():
         t1 = time.perf_counter()
-        scores = here.edge_scores(method=args.method, steps=args.steps, rule=args.rule, progress=progress)
+        scores = here.edge_scores(method=args.method, steps=args.steps, rule=args.rule, progress=progress,
+                                  **_graph_kw(args))
         t2 = time.perf_counter()
         print(f"  clean {task.metric_name} {scores.clean:.4f}, corrupt {scores.corrupt:.4f}", file=sys.stderr,
               flush=True)
@@ -295,6 +308,10 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
         lines.append(f"  circuit ({how}): {circ.n_edges} edges after pruning, f {f_circ:.3f}; {len(circ.heads)} heads, "
                      f"node view f {node_f:.3f} (every other head's output corrupted)")
         lines += [f"    {s:>7} -> {r:<8} {x:<3} {v:+.4f}" for s, r, x, v in circ.edges()[:10]]
+        if circ.position_mask is not None:
+            where = circ.position_nodes
+            lines.append(f"  where its nodes act ({len(where)} node@position): {', '.join(where[:24])}"
+                         f"{' …' if len(where) > 24 else ''}")
     else:
         lines.append(f"  no circuit named ({how}): " + (
             "the model does not do the task" if not done or undefined else "it would be the whole graph")
@@ -306,7 +323,8 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
               "total_s": round(t5 - t0, 2)}
     circuit = {**circ.to_dict(), "faithfulness": f_circ, "node_faithfulness": node_f, "named": bool(named)}
     if not named:                       # the edges of no circuit are not drawn as one (the CSV keeps every score)
-        circuit.update(edges=[], heads=[], mlps=[], n_edges=0)
+        circuit.update(edges=[], heads=[], mlps=[], n_edges=0, **({"position_nodes": []} if "position_nodes" in circuit
+                                                                   else {}))
     data = {"schema": SCHEMA, "model": args.model, "task": task.name, "n_prompts": task.n,
             "metric": task.metric_name, "clean": scores.clean, "corrupt": scores.corrupt, "method": args.method,
             "steps": scores.steps, "rule": scores.rule, "curve": {f"{k:g}": v for k, v in faith.curve.items()},
@@ -317,10 +335,18 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
             "positions": sorted(task.positions), "versions": scores.settings.get("versions", {})}
     if sign is not None:
         data["sign_check"] = sign
+    if args.timing:
+        print("  timing: " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in timing.items()))
     if args.ray is not None:
         data["backend"] = {k: v for k, v in scores.settings.get("backend", {}).items() if k != "plan"}
     _write(args, data, scores, circ if named else None, roles)
     return 0
+
+
+def _graph_kw(args) -> dict:
+    """The edge-score keywords of a graph other than the default (grouped, not position-aware); none otherwise, so
+    that Ray's edge scores (the default graph only) take the same call."""
+    return {"gqa": args.gqa, "positions": args.positions} if args.gqa != "grouped" or args.positions else {}
 
 
 def _sign_check(args, here, scores, warn_now):
@@ -329,7 +355,8 @@ def _sign_check(args, here, scores, warn_now):
     from .._tasks import caveats
 
     rows = min(SIGN_ROWS, here.task.n)
-    ref = here.edge_scores(task=here.task.rows(slice(0, rows)), method="eap-ig", steps=5, progress=not args.quiet)
+    ref = here.edge_scores(task=here.task.rows(slice(0, rows)), method="eap-ig", steps=5, progress=not args.quiet,
+                           **_graph_kw(args))
     found = caveats.sign_disagreement(scores.scores, ref.scores, scores.graph.valid)
     g = scores.graph
     names = {(s, r): f"{g.senders[s]} -> {g.receivers[r][0]} {g.receivers[r][1]}" for s, r, _, _ in found["worst"]}
@@ -339,19 +366,24 @@ def _sign_check(args, here, scores, warn_now):
             "worst": [[names[(s, r)], a, b] for s, r, a, b in found["worst"]]}
 
 
+def _finite(o):
+    """``o`` with every non-finite float as None (JSON's null)."""
+    from .._foundation.io import json_number
+
+    if isinstance(o, float):
+        return json_number(o)
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
 def _write(args, data, scores, circ, roles) -> None:
-    from .._foundation.io import dump_json, json_number, write_atomic
+    from .._foundation.io import dump_json, write_atomic
 
     if args.json:
-        def clean(o):
-            if isinstance(o, float):
-                return json_number(o)
-            if isinstance(o, dict):
-                return {k: clean(v) for k, v in o.items()}
-            if isinstance(o, (list, tuple)):
-                return [clean(v) for v in o]
-            return o
-        dump_json(clean(data), args.json)
+        dump_json(_finite(data), args.json)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.csv:
         inside = {tuple(e[:3]) for e in circ.edges()} if circ is not None else set()
@@ -359,19 +391,8 @@ def _write(args, data, scores, circ, roles) -> None:
         lines += [f"{s},{r},{x},{v:.6g},{int((s, r, x) in inside)}" for s, r, x, v in scores.edge_list()]
         write_atomic(args.csv, "\n".join(lines) + "\n")
         print(f"wrote {args.csv}", file=sys.stderr)
-    if args.output:
-        rows = "".join(f"<tr><td>{html.escape(s)}</td><td>{html.escape(r)}</td><td>{x}</td><td>{v:+.4f}</td></tr>"
-                       for s, r, x, v in (circ.edges()[:50] if circ is not None else []))
-        curve = "".join(f"<tr><td>{k}%</td><td>{json_number(v)}</td></tr>" for k, v in data["curve"].items())
-        warned = "".join(f"<p style='background:#fde8e8;border:1px solid #c00;padding:6px'><b>warning:</b> "
-                         f"{html.escape(w)}</p>" for w in data["warnings"])
-        cpr = "n/a" if data["cpr"] is None or data["cpr"] != data["cpr"] else f"{data['cpr']:.3f}"
-        cmd = "n/a" if data["cmd"] is None or data["cmd"] != data["cmd"] else f"{data['cmd']:.3f}"
-        page = (f"<!doctype html><meta charset='utf-8'><title>circuit: {html.escape(str(data['model']))}</title>"
-                f"<h1>{html.escape(str(data['model']))}: {html.escape(str(data['task']))}</h1>{warned}"
-                f"<p>clean {data['clean']:.4f}, corrupt {data['corrupt']:.4f}; CPR {cpr}, "
-                f"CMD {cmd}</p><table><tr><th>percent</th><th>f</th></tr>{curve}</table>"
-                f"<ul>{''.join(f'<li>{html.escape(s)}</li>' for s in roles.sentences())}</ul>"
-                f"<table><tr><th>sender</th><th>receiver</th><th>input</th><th>score</th></tr>{rows}</table>")
-        write_atomic(args.output, page)
+    if args.output:          # the report's own circuit section (warnings, curve, graph, roles, top edges), alone
+        from ..viz._report import circuit_page, write_report
+
+        write_report(args.output, circuit_page(_finite(data), source=args.json or f"{data['model']}, {data['task']}"))
         print(f"wrote {args.output}", file=sys.stderr)

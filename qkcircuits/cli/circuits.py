@@ -1,13 +1,15 @@
 """``qkcircuits circuits MODEL --head 3.1 [--tokens TEXT] [--json PATH]``: one head's circuits in brief.
 
-    $ qkcircuits circuits smollm2-135m --head 29.2 [--verify]
-    head 29.2 of HuggingFaceTB/SmolLM2-135M-Instruct  (fold_ln True, scale 0.125, rotary halves base 100000)
-    eigen copying: OV 0.999, full OV (W_E·OV·W_U) 0.999  (rank 1 of 270 by full OV)
-    K-composition partners (baseline 0.0416 subtracted): 22.4 0.031, 6.4 0.027, 0.2 0.026, 0.0 0.025, 2.4 0.022
-    offset profile (rotary) over 0-64 (rows: 66 tokens of natural text): prefers offset 1 (score 5.53; at 0: 5.49; range 2.6)
+    $ qkcircuits circuits smollm2-135m --head 16.0 [--verify]
+    head 16.0 of HuggingFaceTB/SmolLM2-135M-Instruct  (fold_ln True, scale 0.125, rotary halves base 100000)
+    eigen copying: OV -0.225, full OV (W_E·OV·W_U) -0.208  (rank 192 of 270 by full OV)
+    KV cache: 1,536 B per token per layer (GQA 3 of 9), 0.33x of multi-head attention (4,608 B), fp32
+    K-composition partners (baseline 0.0416 subtracted): 14.3 0.017, 15.7 0.017, 15.2 0.016, 14.5 0.016, 15.8 0.015
+    offset profile (rotary) over 0-64 (rows: layer 16's input over 869 corpus tokens (contextual mean, BOS left out)): prefers offset 1 (score 2.45; at 0: -2.5; range 25.8)
+    copying rank (contextual inputs): median 22448 of 49152, top-1 for 0% of 64 corpus tokens in the token pool (271)
 
 Prints the eigenvalue copying scores, the earlier heads the head's keys read most (K-composition),
-positions (rotary: the offset profile; learned: the positional QK by offset), and for ``--tokens``
+positions (the offset profile the report and ``qk.plot.offsets`` draw: ``_weights/offsets``), and for ``--tokens``
 the output tokens the full OV circuit sends the first tokens to. ``--json`` writes all of it.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
@@ -48,13 +51,14 @@ def summarize(model, head, text=None, top: int = 5, max_offset: int = 64, input=
     import torch
 
     from .._foundation.capture import has_rotary
-    from .._weights.circuits import attn_input_hook, attn_scale, circuit_caveats, is_folded
+    from .._weights.circuits import attn_scale, circuit_caveats, is_folded
     from .._weights.composition import composition_baseline, k_composition_partners
     from .._weights.contextual import check_input, copying_tokens, head_logits, mid_rank
     from .._weights.copying import copying_scores
     from .._foundation.heads import model_heads
     from .._foundation.model import model_name
-    from .._weights.rotary import offset_profile, positional_qk, rotary_spec
+    from .._weights.offsets import head_offset_profile
+    from .._weights.rotary import rotary_spec
     from .._weights.kv_cache import kv_cache
     from .._foundation.arch import adapter
 
@@ -70,47 +74,27 @@ def summarize(model, head, text=None, top: int = 5, max_offset: int = 64, input=
     out["kv_cache"] = kv_cache(model).summary()
     out["k_composition"] = {"baseline": composition_baseline(int(model.cfg.d_model), adapter(model, h.layer).d_qk),
                             "partners": [[str(p), round(v, 6)] for p, v in partners]}
-    tokens = None
-    if getattr(model, "tokenizer", None) is not None:
-        from .._foundation.sequences import text_tokens
-        tokens = text_tokens(model, text, seq_len=min(max_offset + 1, int(model.cfg.n_ctx) - 1), n_seqs=1) \
-            if text is None else model.to_tokens(text)[:, :model.cfg.n_ctx]
-    offs = range(0, max_offset + 1)
-    if has_rotary(model):
-        spec = rotary_spec(model, layer=h.layer)
-        if spec.window:               # keys further back are masked on this layer: no score to profile
-            offs = range(0, min(max_offset, spec.window - 1) + 1)
-        x, rows = None, "normalised token embeddings"
-        if tokens is not None:
-            name = attn_input_hook(model, h.layer)
-            with torch.no_grad():
-                _, cache = model.run_with_cache(tokens, names_filter=lambda n: n == name,
-                                                stop_at_layer=h.layer + 1)
-            x, rows = cache[name][0], f"{tokens.shape[1]} tokens of {'the given text' if text else 'natural text'}"
-        prof = offset_profile(model, h, offs, x, spec=spec)
+    spec = rotary_spec(model, layer=h.layer) if has_rotary(model) else None
+    prof = head_offset_profile(model, h, max_offset, text=text, spec=spec)     # the report's and qk.plot's profile
+    if prof is not None:
+        out["positions"] = {"kind": prof["kind"], "rows": prof["rows"], "head": str(h),
+                            **{k: prof[k] for k in ("preferred_offset", "score_at_preferred", "score_at_0",
+                                                    "score_range", "flat")},
+                            "offsets": [prof["offsets"][0], prof["offsets"][-1]],
+                            "mean_score": [round(float(v), 5) for v in prof["score"]]}
+    if spec is not None:
         out["rotary"] = spec.describe()
-        out["positions"] = {"kind": "rotary", "rows": rows + (f"; offsets < window {spec.window}" if spec.window else ""),
-                            **prof.summary(), "layer_type": spec.layer_type,
-                            "mean_score": [round(float(v), 5) for v in prof.mean_score]}
-        out["caveats"] = out["caveats"] + list(spec.caveats)
-    elif getattr(model.cfg, "positional_embedding_type", "standard") in ("standard", "shortformer"):
-        P = positional_qk(model, h)
-        n = min(P.ldim, 4 * (max_offset + 1))
-        grid = (P.A[:n] @ P.B[:, :n]) * attn_scale(model, h.layer)
-        by = [float(grid.diagonal(-d).mean()) for d in offs if d < n]
-        best = max(range(len(by)), key=by.__getitem__)
-        out["positions"] = {"kind": "learned", "rows": f"W_pos rows 0-{n - 1}", "preferred_offset": best,
-                            "score_at_preferred": by[best], "score_at_0": by[0], "score_range": max(by) - min(by),
-                            "mean_score": [round(v, 5) for v in by]}
+        out["positions"]["layer_type"] = spec.layer_type
+        out["caveats"] = out["caveats"] + [c for c in spec.caveats if c not in out["caveats"]]
     ids, where = copying_tokens(model, 64, 0)
     logits, used = head_logits(model, h, ids.tolist(), input)
     ranks = mid_rank(logits, ids)
     out["token_views"] = {"input": input, "note": used.note, "tokens": where, "n_tokens": len(ids),
                           "vocabulary": int(logits.shape[-1]), "copying_rank_median": float(ranks.median()),
                           "top1_share": float((ranks == 1).float().mean())}
-    if tokens is not None and text is not None:
+    if text is not None:
         tok = model.tokenizer
-        first = tokens[0, :3].tolist()
+        first = tok(text, add_special_tokens=False)["input_ids"][:3]
         logits, _ = head_logits(model, h, first, input)
         r = mid_rank(logits, torch.tensor(first))
         out["ov_top"] = []
@@ -122,6 +106,8 @@ def summarize(model, head, text=None, top: int = 5, max_offset: int = 64, input=
 
 
 def format_summary(s: dict) -> str:
+    from .._weights.offsets import describe
+
     rot = s.get("rotary")
     pos = f", rotary {rot['style']} base {rot['base']:g}" if rot and rot.get("base") else ""
     lines = [f"head {s['head']} of {s['model']}  (fold_ln {s['fold_ln']}, scale {s['attn_scale']:.6g}{pos})"]
@@ -135,12 +121,8 @@ def format_summary(s: dict) -> str:
     lines.append(f"K-composition partners (baseline {k['baseline']:.4f} subtracted): {parts}")
     p = s.get("positions")
     if p:
-        head = f"offset profile ({p['kind']}) over 0-{len(p['mean_score']) - 1} (rows: {p['rows']}): "
-        if not _has_preference(p):
-            lines.append(head + f"no positional preference (the score is {p['score_at_0']:.3g} at every offset)")
-        else:
-            lines.append(head + f"prefers offset {p['preferred_offset']} (score {p['score_at_preferred']:.3g}; at 0: "
-                         f"{p['score_at_0']:.3g}; range {p['score_range']:.3g})")
+        last = p["offsets"][-1] if "offsets" in p else len(p["mean_score"]) - 1
+        lines.append(f"offset profile ({p['kind']}) over 0-{last} (rows: {p['rows']}): {describe(p)}")
     tv = s.get("token_views")
     if tv:
         lines.append(f"copying rank ({tv['input']} inputs): median {tv['copying_rank_median']:g} of {tv['vocabulary']}, "
@@ -151,13 +133,6 @@ def format_summary(s: dict) -> str:
     for cav in s["caveats"]:
         lines.append(f"caveat: {cav}")
     return "\n".join(lines)
-
-
-def _has_preference(p: dict) -> bool:
-    """False when the profile is flat (e.g. all zero: a head whose QK circuit is zero), where "prefers
-    offset 0" would only be argmax's tie-break."""
-    scale = max(abs(v) for v in p["mean_score"]) if p["mean_score"] else 0.0
-    return p["score_range"] > 1e-6 * max(scale, 1e-30)
 
 
 def run(args) -> int:
@@ -172,8 +147,13 @@ def run(args) -> int:
         raise QKCircuitsError(f"--head names {len(head)} heads ({args.head!r}); give exactly one, e.g. 3.1")
     if args.tokens is not None and getattr(model, "tokenizer", None) is None:
         raise QKCircuitsError("--tokens needs a model with a tokenizer; this one has none")
-    s = summarize(model, head[0], args.tokens, args.k, args.offsets, args.view)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = summarize(model, head[0], args.tokens, args.k, args.offsets, args.view)
     print(format_summary(s))
+    for w in caught:         # a caveat is printed once, as a "caveat:" line above; any other warning as usual
+        if not any(c in str(w.message) for c in s["caveats"]):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     check = None
     if args.verify:
         from .._weights.verify import verify_circuits

@@ -25,6 +25,10 @@ def add_parser(sub) -> None:
     add_result_args(p)
     p.add_argument("--circuit", metavar="JSON", help="a circuit from `qkcircuits circuit --json` (its faithfulness "
                                                      "curve, graph, roles and top edges; panels for its heads)")
+    p.add_argument("--attend", metavar="JSON", action="append",
+                   help="a result of `qkcircuits attend --json` (repeat for several): a 'why it attends' section "
+                        "(default: the top head of each labelled score, explained on the scan's repeated prompts)")
+    p.add_argument("--no-attend", action="store_true", help="no 'why it attends' sections")
     p.add_argument("--heads", help="heads to include besides the top ones, e.g. '5.1,L6H9'")
     renamed_arg(p, "--grid-k", "--per-score", type=non_negative_int, default=3,
                 help="top heads per grid to precompute (default 3)")
@@ -104,6 +108,33 @@ def check_trace(trace, model, args):
     return trace
 
 
+def read_attend(args):
+    """The ``Attribution``s of ``--attend`` (None: the default sections; [] with ``--no-attend``); one-line errors
+    naming a missing or foreign file, before the model loads."""
+    if getattr(args, "no_attend", False):
+        if getattr(args, "attend", None):
+            raise QKCircuitsError("--attend and --no-attend: give one")
+        return []
+    if not getattr(args, "attend", None):
+        return None
+    from .._explain.attribution import Attribution
+
+    return [_read(Attribution, f, "--attend", "an attend JSON from `qkcircuits attend --json`") for f in args.attend]
+
+
+def check_attend(attend, model, args):
+    """``attend`` if every result names a head of ``model`` (its layer and head in range)."""
+    from .._foundation.heads import model_heads
+
+    for res in attend or []:
+        try:
+            model_heads(model, res.head)
+        except QKCircuitsError:
+            raise QKCircuitsError(f"--attend: head {res.head} of {res.model!r} is not a head of {args.model!r}; "
+                                  f"explain this model with `qkcircuits attend {args.model} --head L.H --json FILE`") from None
+    return attend
+
+
 def read_circuit(args):
     """The checked circuit of ``--circuit`` (None when not given): a missing, foreign or damaged file is one line
     naming it, before the model loads."""
@@ -121,7 +152,9 @@ def run(args: argparse.Namespace) -> int:
     scores, effects, diagnostics = load_inputs(args)
     trace = read_trace(args)                 # parsed before the model loads: a bad file fails in a second
     circuit = read_circuit(args)
+    attend = read_attend(args)
     model = load_model(args)
+    attend = check_attend(attend, model, args)
     if scores is None:
         # eigen_copying comes from the report's own weight-only pass
         scores = scan(model, eigen_copying=False, progress=not args.quiet)
@@ -130,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     html = report_html(model, scores=scores, effects=effects, diagnostics=diagnostics, heads=args.heads,
                        tokens=args.tokens, prompt=args.prompt, grid_k=args.grid_k, k=args.k,
                        title=args.model, view=args.view, progress=not args.quiet, trace=trace,
-                       circuit=circuit)
+                       circuit=circuit, attend=attend)
     write_report(args.output, html)
     print(f"wrote {args.output} ({len(html.encode('utf-8')) / 2 ** 20:.1f} MiB)", file=sys.stderr)
     return 0

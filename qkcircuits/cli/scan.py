@@ -88,9 +88,6 @@ def format_table(scores, top: int) -> str:
 
 
 def format_confirmation(conf: dict) -> str:
-    heads = ", ".join(str(h) for h in conf.get("heads", []))
-    rnd = conf.get("random_effects", [])
-    mean_rnd = sum(rnd) / len(rnd) if rnd else float("nan")
-    return (f"\ncausal check: ablating the top induction heads ({heads}) raises the repeated-half loss by "
-            f"{conf.get('effect', float('nan')):+.3f} nats; {len(rnd)} random sets of as many heads: mean "
-            f"{mean_rnd:+.3f}, max {max(rnd) if rnd else float('nan'):+.3f}")
+    from .._analysis.detect import confirmation_sentence
+
+    return "\n" + confirmation_sentence(conf)

@@ -1,4 +1,4 @@
-"""``qkcircuits serve MODEL [--port P] [--host 127.0.0.1] [--trace t.json]``: the local web app (Flask, served by werkzeug)."""
+"""``qkcircuits serve MODEL [--port P] [--host 127.0.0.1] [--trace t.json] [--circuit c.json]``: the local web app (Flask, served by werkzeug)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 from .._foundation.errors import QKCircuitsError
 from ._common import add_model_args, load_model, positive_int
-from .report import add_result_args, check_trace, load_inputs, read_trace
+from .report import add_result_args, check_attend, check_trace, load_inputs, read_attend, read_circuit, read_trace
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -20,7 +20,13 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=positive_int, default=8050, help="port (default 8050)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     add_result_args(p)
+    p.add_argument("--circuit", metavar="JSON", help="a circuit from `qkcircuits circuit --json`: the report's circuit "
+                                                     "section (core circuit graph, curve, roles) above the heads")
     p.add_argument("--no-scan", action="store_true", help="do not scan at start-up (grids show eigenvalue copying only)")
+    p.add_argument("--attend", metavar="JSON", action="append",
+                   help="a result of `qkcircuits attend --json` (repeat for several): a 'why it attends' section "
+                        "(default: the top head of each labelled score, explained when the page first loads)")
+    p.add_argument("--no-attend", action="store_true", help="no 'why it attends' sections")
     p.set_defaults(func=run)
 
 
@@ -33,12 +39,15 @@ def run(args: argparse.Namespace) -> int:
         raise QKCircuitsError(f"port {args.port} is out of range 1-65535")
     scores, effects, diagnostics = load_inputs(args)
     trace = read_trace(args)                 # parsed before the model loads: a bad file fails in a second
+    circuit = read_circuit(args)
+    attend = read_attend(args)
     model = load_model(args)
     trace = check_trace(trace, model, args)  # before the scan and before listening
+    attend = check_attend(attend, model, args)
     if scores is None and not args.no_scan:
         scores = scan(model, eigen_copying=False)
     app = create_app(model, scores=scores, effects=effects, diagnostics=diagnostics, title=args.model, trace=trace,
-                     hosts=[args.host])
+                     hosts=[args.host], circuit=circuit, attend=attend)
     try:
         server = make_server(args.host, args.port, app)
     except OSError as e:

@@ -46,6 +46,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .._foundation.heads import model_heads, parse_heads
+    from .._paths.path_effects import AGREE, COMPOSITION_VS_RUN
     from .._paths.trace import trace
 
     if args.ray is not None:
@@ -81,17 +82,21 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.model}: {kind}, {args.method} ablation of each sender, over {res.settings.get('n_prompts')} "
           f"prompts x {res.settings.get('n_positions')} tokens; metrics "
           + ", ".join(f"{x}: {res.metrics[x]}" for x in res.into))
+    said = False                                 # the sentence on which view to trust: once
     for r in res.receivers:
         for x in res.into:
             print(f"  {res.summary(r, x)}")
             if args.show > 1:
                 rest = res.top(args.show, receiver=r, into=x)[1:]
                 if rest:
-                    print("      then " + ", ".join(f"{s} {e:.3f}" for s, e in rest)
-                          + f"; p95 {res.baseline(r, x)['p95']:.3f}")
+                    print("      next senders (effect): " + ", ".join(f"{s} {e:.3f}" for s, e in rest)
+                          + f"; p95 of all senders {res.baseline(r, x)['p95']:.3f}")
         sp = res.k_composition_spearman.get(str(r))
         if sp is not None:
             print(f"      K-path effects vs weights-only K-composition: Spearman {sp:+.2f}")
+            if sp < AGREE and not said:
+                print(f"      {COMPOSITION_VS_RUN}")
+                said = True
     if args.json:
         res.to_json(args.json)
         print(f"wrote {args.json}", file=sys.stderr)

@@ -38,10 +38,11 @@ from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from .._foundation.errors import QKCircuitsError
-from .._foundation.heads import all_heads, model_heads
+from .._foundation.heads import all_heads, model_heads, n_kv_heads
 from .._weights.contextual import INPUTS
 from ._page import embed_json, page, script_text
 from ._panels import DEFAULT_PROMPT, MAX_PROMPT, ViewContext, prompt_ids, token_set, token_strings
+from ._report import attend_results, report_sections
 from ._views import grids, panel
 
 TOKEN_SEPARATOR = "|"
@@ -125,8 +126,12 @@ def _tokens_field(model, ids) -> str:
 
 
 def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Optional[str] = None,
-               max_prompt: int = MAX_PROMPT, trace=None, hosts: Optional[Iterable[str]] = None) -> Flask:
-    """The Flask app for ``model``; ``scores``/``effects``/``diagnostics`` add grids and numbers (optional).
+               max_prompt: int = MAX_PROMPT, trace=None, hosts: Optional[Iterable[str]] = None, circuit=None,
+               attend=None) -> Flask:
+    """The Flask app for ``model``; ``scores``/``effects``/``diagnostics`` add grids and numbers (optional);
+    ``circuit`` (what ``report_html(circuit=...)`` takes) adds the report's circuit section above the heads;
+    ``attend``: "why it attends" sections, as ``report_html`` (default: the scan's top heads, computed on the first
+    request; ``[]``: none).
 
     ``hosts``: extra ``Host`` names answered besides the loopback ones (``serve`` adds its bound address).
     """
@@ -140,6 +145,12 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
     name = title or model_name(model)
     default_ids = token_set(model)
     state = {}
+    cview = None
+    if circuit is not None:                  # checked now: a circuit of another model fails before serving
+        from ._circuit_data import check_against_model, load_circuit
+
+        cview = load_circuit(circuit)
+        check_against_model(cview, L, H, n_kv_heads(model))
     allowed = {*LOOPBACK_HOSTS, *(_host_name(h) for h in (hosts or ()))}
 
     @app.before_request
@@ -169,6 +180,8 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
                     "summary": f"{L} layers x {H} heads; computed on demand; prompts up to {max_prompt} tokens"
                                + ("" if has_tok else "; no tokenizer: tokens are #ids and the prompt is space-separated ids"),
                     "grids": grids(model, ctx, scores, effects, diagnostics, trace), "heads": heads, "first": first,
+                    "sections": report_sections(cview, scores, L, H, n_kv_heads(model),
+                                                attend_results(model, scores, attend)),
                     "default_tokens": _tokens_field(model, default_ids),
                     "default_prompt": DEFAULT_PROMPT if has_tok else " ".join(map(str, prompt_ids(model, None))),
                 }

@@ -75,6 +75,11 @@ def attend_figure(res: Attribution, k: int = 12) -> Dict:
              f"(exact to {res.exact_error:.0e})")
     fig.update_layout(**base_layout(title, height=height, width=max(640, 260 + 46 * len(kn) + 180),
                                     margin=dict(l=8, r=20, t=TOP_MARGIN + 10, b=8)))
+    # source names such as "16.0" would make plotly draw a numeric axis: every axis of names is categorical
+    for r, c in ((2, 2), (1, 2)):
+        fig.update_xaxes(type="category", categoryorder="array", categoryarray=kn, row=r, col=c)
+    for r, c in ((2, 2), (2, 1)):
+        fig.update_yaxes(type="category", categoryorder="array", categoryarray=qn, row=r, col=c)
     fig.update_xaxes(tickmode="array", tickvals=kn, ticktext=kl, tickangle=-40, row=2, col=2, side="bottom",
                      automargin=True)
     fig.update_yaxes(autorange="reversed", showticklabels=False, row=2, col=2)
@@ -96,6 +101,24 @@ def attend_section(res: Attribution, figure_html: str) -> str:
     items = "".join(f"<li>{html.escape(s)}</li>" for s in res.sentences())
     return (f'<section class="qk-attend"><h2>Why {html.escape(res.head)} attends</h2><ul>{items}</ul>'
             f"{figure_html}</section>")
+
+
+def attend_sections(results) -> List[Dict]:
+    """The report's and the app's "why it attends" sections: one per ``Attribution`` (its sentences, then its
+    figure); a (head, score, reason) entry says why that head could not be explained."""
+    out = []
+    for n, res in enumerate(results):
+        if not isinstance(res, Attribution):
+            head, score, reason = res
+            out.append({"id": f"attend-{n}", "title": f"Why {head} attends ({score.replace('_', '-')})",
+                        "blocks": [{"type": "note", "text": reason}]})
+            continue
+        what = res.settings.get("explains")
+        title = f"Why {res.head} attends" + (f" (top {what.replace('_', '-')} head)" if what else "")
+        blocks = [{"type": "note", "text": s} for s in res.sentences()]
+        blocks.append({"type": "figures", "figures": [{"id": f"attend-figure-{n}", "figure": attend_figure(res)}]})
+        out.append({"id": f"attend-{n}", "title": title, "blocks": blocks})
+    return out
 
 
 def attend_page(res: Attribution) -> str:

@@ -13,7 +13,9 @@ qkcircuits._foundation.errors.QKCircuitsError: circuit JSON: curve key 'ten' is 
 
 The contract (keys kept by the CLI): ``model``, ``task``, ``n_prompts``, ``metric``, ``clean``, ``corrupt``,
 ``method``, ``steps``, ``curve`` {percent: f}, ``cpr``, ``cmd``, ``circuit`` {``edges``: [[sender, receiver,
-input, score], ...], ``heads``, ``node_faithfulness``}, ``roles`` {head: {role, evidence}}, ``timing``.
+input, score], ...], ``heads``, ``node_faithfulness``}, ``roles`` {head: {role, evidence}}, ``timing``; and
+(docs/tasks.md) ``core`` {``heads``, ``mlps``, ``node_faithfulness``, ``curve`` {n heads: f}, ``how``} and
+``warnings`` [one line each]. Node names may carry a position (``"20.0@END"``, position-aware circuits).
 Only ``circuit.edges`` is needed to draw the graph and ``curve`` to draw the faithfulness curve; every
 key that is present is type-checked, so a foreign or damaged file fails here in one line naming the file
 and the key, before a model loads. Node names as ``qk.graph`` writes them: ``emb``, ``L.H`` (a head),
@@ -55,8 +57,14 @@ class Node:
     kind: str
     layer: int = -1
     index: int = -1
+    pos: str = ""             # a position-aware circuit's position ("END", "S2", "other"); "" = all positions
 
     def __str__(self) -> str:
+        return self.base + (f"@{self.pos}" if self.pos else "")
+
+    @property
+    def base(self) -> str:
+        """The name without its position: ``"20.0@END"`` → ``"20.0"``."""
         if self.kind == "head":
             return f"{self.layer}.{self.index}"
         if self.kind == "kv":
@@ -72,13 +80,23 @@ class Node:
         return (self.layer + (0.5 if self.kind == "mlp" else 0.0), max(self.index, 0))
 
 
+_POS = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,31}$")
+
+
 def parse_node(name: Any) -> Optional[Node]:
     """A node from its name (``"embed"`` / ``"emb"``, ``"3.1"`` / ``"L3H1"`` / ``"a3.1"``, ``"3.kv1"`` (KV head 1
     of layer 3, a receiver of k/v edges under grouped-query attention), ``"mlp.3"`` / ``"mlp3"`` / ``"m3"``,
-    ``"logits"``), or None when ``name`` is not one."""
+    ``"logits"``), each optionally at a position, ``"20.0@END"``, ``"mlp3@S2"``, ``"emb@IO"`` (a position-aware
+    circuit), or None when ``name`` is not one."""
     if not isinstance(name, str):
         return None
     s = name.strip()
+    if "@" in s:
+        s, pos = s.rsplit("@", 1)
+        node = parse_node(s)
+        if node is None or not _POS.match(pos):
+            return None
+        return Node(node.kind, node.layer, node.index, pos)
     if s.lower() in _EMBED:
         return Node("embed")
     if s.lower() in _LOGITS:
@@ -115,6 +133,8 @@ class CircuitView:
     heads: List[str] = field(default_factory=list)
     roles: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     info: Dict[str, Any] = field(default_factory=dict)   # model, task, n_prompts, metric, clean, corrupt, ...
+    core: Optional["Core"] = None                        # the core circuit, when the file has one
+    warnings: List[str] = field(default_factory=list)    # one line each, shown first (a banner in the report)
 
     def nodes(self) -> List[Node]:
         """Every node of the edges and every head of ``heads``, in forward order."""
@@ -130,8 +150,11 @@ class CircuitView:
         return sorted(self.edges, key=lambda e: -abs(e.score))[:k]
 
     def role(self, node: Union[Node, str]) -> str:
-        """The node's role from ``roles`` ("" when it has none)."""
+        """The node's role from ``roles`` ("" when it has none); a position-aware node takes its own entry, else
+        its head's."""
         r = self.roles.get(str(node))
+        if r is None and isinstance(node, Node) and node.pos:
+            r = self.roles.get(node.base)
         return str(r.get("role") or "") if isinstance(r, dict) else ""
 
     def shape(self) -> Tuple[int, int]:
@@ -152,6 +175,23 @@ class CircuitView:
         v = g.get(key) if isinstance(g, dict) else None
         v = self.info.get(key) if v is None else v
         return int(v) if _number(v) and float(v) == int(v) and v > 0 else 0
+
+
+@dataclass
+class Core:
+    """The core circuit of the file's ``core`` (docs/tasks.md): the fewest heads and MLPs whose node view reaches
+    f ≥ 0.8, in the order they were chosen; ``curve`` {n heads: f}; ``how`` (one sentence); ``edges`` when the
+    file gives them (else the views take the edge circuit's edges between core nodes)."""
+
+    heads: List[Node]
+    mlps: List[Node]
+    node_faithfulness: Optional[float] = None
+    curve: Dict[int, float] = field(default_factory=dict)
+    how: str = ""
+    edges: Optional[List[Edge]] = None
+
+    def nodes(self) -> List[Node]:
+        return self.heads + self.mlps
 
 
 def _short(x: Any, n: int = 60) -> str:
@@ -268,6 +308,49 @@ def _curve(raw: Any, name: str) -> List[Tuple[float, float]]:
     return sorted(out)
 
 
+def _core(raw: Any, name: str) -> Optional[Core]:
+    """The ``core`` entry checked (None when absent): heads 'L.H' (optionally '@POS'), MLPs 'mlpL', numbers."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise QKCircuitsError(f"{name}: core must be {{heads, mlps, node_faithfulness, curve, how}}, got "
+                              f"{type(raw).__name__}")
+    out = {}
+    for key, kind in (("heads", "head"), ("mlps", "mlp")):
+        items = raw.get(key) or []
+        nodes = [parse_node(x) for x in items] if isinstance(items, list) else [None]
+        if any(n is None or n.kind != kind for n in nodes):
+            what = "heads written 'L.H' (or 'L.H@POS')" if kind == "head" else "MLPs written 'mlpL' (or 'mlpL@POS')"
+            raise QKCircuitsError(f"{name}: core.{key} must be a list of {what}, got {_short(items)}")
+        out[key] = nodes
+    nf = raw.get("node_faithfulness")
+    if nf is not None and not _number(nf):
+        raise QKCircuitsError(f"{name}: core.node_faithfulness must be a finite number or null, got {_short(nf)}")
+    curve = raw.get("curve") or {}
+    if not isinstance(curve, dict):
+        raise QKCircuitsError(f"{name}: core.curve must be {{number of heads: f}}, got {_short(curve)}")
+    checked = {}
+    for k, f in curve.items():
+        if not (str(k).isdigit() and (f is None or _number(f))):
+            raise QKCircuitsError(f"{name}: core.curve[{k!r}] must map a number of heads to f (a number or null), got "
+                                  f"{_short(f)}")
+        checked[int(k)] = math.nan if f is None else float(f)
+    how = raw.get("how", "")
+    if not isinstance(how, str):
+        raise QKCircuitsError(f"{name}: core.how must be a sentence, got {_short(how)}")
+    edges = _edges(raw["edges"], name + " core") if "edges" in raw else None
+    return Core(out["heads"], out["mlps"], None if nf is None else float(nf), dict(sorted(checked.items())), how,
+                edges)
+
+
+def _warnings(raw: Any, name: str) -> List[str]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or not all(isinstance(w, str) for w in raw):
+        raise QKCircuitsError(f"{name}: warnings must be a list of one-line strings, got {_short(raw)}")
+    return [" ".join(w.split()) for w in raw if w.strip()]
+
+
 INFO_TYPES = {"model": (str,), "task": (str,), "metric": (str,), "method": (str,), "n_prompts": (int,),
               "steps": (int, type(None)), "clean": (float, int, type(None)), "corrupt": (float, int, type(None)),
               "cpr": (float, int, type(None)), "cmd": (float, int, type(None)), "timing": (dict,)}
@@ -317,13 +400,15 @@ def load_circuit(source: Any, *, need: Sequence[str] = (), roles: Any = None) ->
             if parse_node(h) is None or not isinstance(r, dict) or not isinstance(r.get("role", ""), str):
                 raise QKCircuitsError(f"{name}: roles[{h!r}] must be a node name with {{role: str, evidence}}, got "
                                       f"{_short(r)}")
-        info = {k: v for k, v in data.items() if k not in ("circuit", "curve", "roles")}
+        info = {k: v for k, v in data.items() if k not in ("circuit", "curve", "roles", "core", "warnings")}
         info["node_faithfulness"] = circuit.get("node_faithfulness")
         info.update({f"circuit.{k}": v for k, v in circuit.items() if k not in ("edges", "heads", "node_faithfulness")})
         view = CircuitView(name, _edges(circuit["edges"], name), _curve(data.get("curve", {}), name),
                            [str(parse_node(h)) for h in heads], {str(parse_node(h)): r for h, r in roles.items()},
                            info)
         view.info["has_curve"] = "curve" in data
+        view.core = _core(data.get("core"), name)
+        view.warnings = _warnings(data.get("warnings"), name)
     for key in need:
         if key == "curve" and not view.info.get("has_curve"):
             raise QKCircuitsError(f"{name}: no faithfulness curve ('curve' {{percent: f}}) to draw")
@@ -335,7 +420,7 @@ def check_against_model(view: CircuitView, n_layers: int, n_heads: int, n_kv: Op
     """One line when the circuit names a head, KV head or MLP that ``what`` (n_layers x n_heads, ``n_kv`` KV
     heads) does not have."""
     kv = n_kv or n_heads
-    for n in view.nodes():
+    for n in view.nodes() + (view.core.nodes() if view.core else []):
         if ((n.kind in ("head", "kv", "mlp") and n.layer >= n_layers) or (n.kind == "head" and n.index >= n_heads)
                 or (n.kind == "kv" and n.index >= kv)):
             raise QKCircuitsError(f"{view.source}: the circuit names {n}, but {what} has {n_layers} layers x "

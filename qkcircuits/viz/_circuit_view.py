@@ -1,21 +1,15 @@
-"""Figures of a circuit found over the whole graph (``qkcircuits circuit``): the graph and the faithfulness curve.
+"""A circuit found over the whole graph (``qkcircuits circuit``): its faithfulness curve, tables and report section.
 
 >>> view = load_circuit({"curve": {"1": 0.5, "100": 1.0},      # or the path of `qkcircuits circuit --json`
 ...     "circuit": {"edges": [["0.0", "1.0", "k", 0.6], ["1.0", "logits", "in", -0.3]]}})
->>> fig = circuit_graph(view)                           # nodes by layer, width ∝ |score|, red +, blue −
->>> [(t["meta"]["sender"], t["line"]["width"], t["line"]["color"]) for t in fig["data"] if t["mode"] == "lines"]
-[('0.0', 8.0, '#d62728'), ('1.0', 4.0, '#1f77b4')]
 >>> faithfulness_curve(view)["layout"]["xaxis"]["type"]  # f over % of edges, the 0.8 line dashed
 'log'
+>>> [b["type"] for b in circuit_section(view)["blocks"]]   # the section: one list of blocks, drawn in order
+['note', 'figures', 'table', 'table']
 
-Both are JSON-ready plotly dicts like every builder in ``viz/_figures.py``; the report, ``qk.plot.circuit``
-and ``qk.plot.faithfulness`` draw the same dicts. Layout of the graph: y = layer (layer 0 at the top,
-the embedding above it, the logits below the last layer; an MLP half a layer below its attention), x = the
-head index, a layer's MLP in a column right of the heads. Edge line width is proportional to |score|
-(``MAX_WIDTH`` px for the largest drawn edge), red for a positive score, blue for a negative one (the
-colours of the signed score grids); the dash says the receiver's input (q solid, k dashed, v dotted; an
-MLP or the logits have one input: solid). Hover on an edge's midpoint marker: sender → receiver, input,
-score and both nodes' roles; on a node: its role and evidence.
+The graph is ``_circuit_graph.circuit_graph`` (the core circuit by default, a layered layout). The report, ``qkcircuits
+circuit -o`` and the app draw ``circuit_section``'s blocks with one renderer (``_page.VIEWER_JS``): a banner
+(the file's ``warnings``), notes, figures side by side, tables. Adding a panel is appending a block.
 """
 
 from __future__ import annotations
@@ -26,152 +20,13 @@ from typing import Dict, List, Optional
 
 import plotly.graph_objects as go
 
-from ._circuit_data import CircuitView, Edge, Node, evidence_text, load_circuit, parse_node
+from ._circuit_data import CircuitView, evidence_text, load_circuit, parse_node
+from ._circuit_graph import (MAX_EDGES, MAX_WIDTH, MIN_WIDTH, NEGATIVE, POSITIVE, circuit_graph, drawn_edges,
+                             edge_width)
 from ._figures import figure_dict, base_layout, round_float
 
-__all__ = ["circuit_graph", "edge_width", "faithfulness_curve", "load_circuit", "MAX_EDGES", "MAX_WIDTH", "MIN_WIDTH"]
-
-MAX_EDGES = 300        # edges drawn (the largest |score|); one plotly trace each, so a browser stays quick
-MAX_WIDTH = 8.0        # px, the drawn edge of largest |score|
-MIN_WIDTH = 1.0        # px: an edge of the circuit stays visible however small its score (toy induction: the
-                       # key edge 0.0 -> 1.0 scores 8e-5 under EAP-IG beside 36 for emb -> 1.0 v)
-POSITIVE, NEGATIVE = "#d62728", "#1f77b4"
-INPUT_DASH = {"q": "solid", "k": "dash", "v": "dot"}
-INPUT_AT = {"q": 0.4, "k": 0.5, "v": 0.6}          # hover marker along the edge, so q/k/v edges of a pair differ
-# the role names of circuit.roles() (qkcircuits/_tasks/roles.py), lower-cased; short forms for other files
-ROLE_COLOURS = {"name mover": "#2ca02c", "negative name mover": "#9467bd", "s-inhibition head": "#ff7f0e",
-                "induction head": "#d62728", "previous-token head": "#1f77b4", "duplicate-token head": "#8c564b",
-                "direct-logit head": "#e377c2", "feeds the circuit": "#17becf", "unclassified": "#7f7f7f",
-                "minor": "#c7c7c7"}
-SYMBOLS = {"head": "circle", "kv": "diamond"}        # embed, MLPs, logits: squares
-KIND_COLOURS = {"embed": "#444444", "logits": "#444444", "mlp": "#bcbd22", "head": "#c7c7c7", "kv": "#ffffff"}
-FALLBACK = ["#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5", "#c49c94", "#dbdb8d"]
-
-
-def node_xy(n: Node, n_layers: int, n_heads: int, group: Optional[int] = None) -> tuple:
-    """(x, y) of a node: heads at (head, layer); KV head G of layer L (grouped-query attention) a quarter layer
-    above its group of ``group`` query heads, at their centre (at x = G when the group size is unknown);
-    MLP L at (n_heads, L + 0.5); embed above layer 0 and the logits below the last layer, centred."""
-    mid = (n_heads - 1) / 2
-    if n.kind == "kv":
-        x = n.index * group + (group - 1) / 2 if group else float(n.index)
-        return (float(x), n.layer - 0.25)
-    if n.kind == "embed":
-        return (mid, -1.0)
-    if n.kind == "logits":
-        return (mid, float(n_layers))
-    if n.kind == "mlp":
-        return (float(n_heads), n.layer + 0.5)
-    return (float(n.index), float(n.layer))
-
-
-def _role_colour(role: str, seen: Dict[str, str]) -> str:
-    key = role.lower().strip()
-    for name, c in ROLE_COLOURS.items():
-        if key in (name, name + "s", name.replace(" head", "")):
-            return c
-    if key not in seen:
-        seen[key] = FALLBACK[len(seen) % len(FALLBACK)]
-    return seen[key]
-
-
-def _node_hover(view: CircuitView, n: Node, group: Optional[int] = None) -> str:
-    r = view.roles.get(str(n))
-    role = view.role(n) or ("none" if n.kind == "head" else n.kind)
-    text = f"<b>{n}</b><br>role: {role}"
-    if n.kind == "kv":
-        shared = (f"query heads {n.layer}.{n.index * group}-{n.layer}.{(n.index + 1) * group - 1}" if group
-                  else "its group of query heads")
-        text = (f"<b>{n}</b>: key-value head {n.index} of layer {n.layer}<br>its k and v inputs are shared by "
-                f"{shared} (grouped-query attention)")
-    ev = r.get("evidence") if isinstance(r, dict) else None
-    if isinstance(ev, dict):                  # one line per item: the hover stays narrow
-        text += "".join(f"<br>{k}: {evidence_text(v)}" for k, v in ev.items())
-    elif ev is not None:
-        text += "<br>" + evidence_text(ev)
-    return text
-
-
-def edge_width(score: float, top: float) -> float:
-    """Line width in px: ``MAX_WIDTH`` × |score| / ``top`` (the largest drawn |score|), at least ``MIN_WIDTH``."""
-    return max(MIN_WIDTH, MAX_WIDTH * abs(score) / top)
-
-
-def drawn_edges(view: CircuitView, max_edges: int = MAX_EDGES) -> List[Edge]:
-    """The edges the graph draws: all of them up to ``max_edges``, else the ``max_edges`` of largest |score|."""
-    return view.edges if len(view.edges) <= max_edges else view.top_edges(max_edges)
-
-
-def circuit_graph(view: CircuitView, n_layers: Optional[int] = None, n_heads: Optional[int] = None,
-                  max_edges: int = MAX_EDGES, n_kv: Optional[int] = None) -> Dict:
-    """The circuit as a graph (module docs). ``n_layers``/``n_heads``/``n_kv``: the model's (default: the
-    file's ``graph`` counts, else the smallest grid that holds every node). Each edge line carries its data in
-    ``meta`` (sender, receiver, input, score)."""
-    need_l, need_h = view.shape()
-    L, H = max(n_layers or 0, need_l, 1), max(n_heads or 0, need_h, 1)
-    kv = n_kv or view.n_kv()
-    group = H // kv if kv and H % kv == 0 else None
-    edges = drawn_edges(view, max_edges)
-    top = max((abs(e.score) for e in edges), default=0.0) or 1.0
-    traces = []
-    hx, hy, htext = [], [], []
-    for e in edges:
-        (x0, y0), (x1, y1) = node_xy(e.sender, L, H, group), node_xy(e.receiver, L, H, group)
-        colour = POSITIVE if e.score >= 0 else NEGATIVE
-        traces.append(go.Scatter(x=[x0, x1], y=[y0, y1], mode="lines", showlegend=False, hoverinfo="skip",
-                                 meta={"sender": str(e.sender), "receiver": str(e.receiver), "input": e.input,
-                                       "score": round_float(e.score)},
-                                 line=dict(color=colour, width=edge_width(e.score, top),
-                                           dash=INPUT_DASH.get(e.input or "", "solid"))))
-        t = INPUT_AT.get(e.input or "", 0.5)
-        hx.append(x1 + t * (x0 - x1))
-        hy.append(y1 + t * (y0 - y1))
-        into = f" ({e.input})" if e.input and e.input != "in" else ""
-        htext.append(f"{e.sender} → {e.receiver}{into}<br>score {e.score:.4g}<br>"
-                     f"{e.sender}: {view.role(e.sender) or 'no role'}; "
-                     f"{e.receiver}: {view.role(e.receiver) or 'no role'}")
-    if edges:
-        traces.append(go.Scatter(x=hx, y=hy, mode="markers", name="edges", showlegend=False, text=htext,
-                                 marker=dict(size=7, color="rgba(0,0,0,0.15)"),
-                                 hovertemplate="%{text}<extra></extra>"))
-    shown = {e.sender for e in edges} | {e.receiver for e in edges} | {n for n in view.nodes() if n.kind == "head"}
-    nodes = sorted(shown, key=lambda n: n.order)
-    by_group: Dict[str, List[Node]] = {}
-    for n in nodes:
-        name = view.role(n) or {"head": "no role", "mlp": "MLP", "kv": "KV head (k/v of its query heads)"}.get(
-            n.kind, "embed / logits")
-        by_group.setdefault(name, []).append(n)
-    seen: Dict[str, str] = {}
-    for name, ns in by_group.items():
-        plain = {"no role": "head", "MLP": "mlp", "embed / logits": "embed", "KV head (k/v of its query heads)": "kv"}
-        colour = KIND_COLOURS[plain[name]] if name in plain else _role_colour(name, seen)
-        xy = [node_xy(n, L, H, group) for n in ns]
-        traces.append(go.Scatter(x=[p[0] for p in xy], y=[p[1] for p in xy], mode="markers+text", name=name,
-                                 text=[str(n) for n in ns], textposition="middle right",
-                                 customdata=[[str(n), _node_hover(view, n, group)] for n in ns],
-                                 marker=dict(size=14, color=colour, line=dict(color="#000", width=1),
-                                             symbol=[SYMBOLS.get(n.kind, "square") for n in ns]),
-                                 hovertemplate="%{customdata[1]}<extra></extra>"))
-    cut = f"top {len(edges)} of {len(view.edges)} edges by |score|" if len(edges) < len(view.edges) \
-        else f"{len(edges)} edges"
-    method = view.get("method")
-    title = (f"circuit{f' ({method})' if method else ''}: {cut}; width ∝ |score| (≥ {MIN_WIDTH:g} px), "
-             f"red +, blue −; "
-             f"q solid, k dashed, v dotted"
-             + ("; ◇ = KV head (its k/v inputs are shared by its query heads)" if any(
-                 n.kind == "kv" for n in nodes) else ""))
-    ticks = list(range(0, L, 1 if L <= 16 else 2))
-    fig = go.Figure(traces, layout=base_layout(
-        title, height=max(420, min(1100, 230 + 36 * (L + 2))), width=max(660, 200 + 60 * (H + 1)),
-        xaxis=dict(title="head (MLP: right column)", range=[-0.7, H + 0.9], dtick=1, zeroline=False),
-        yaxis=dict(title="layer", range=[L + 0.6, -1.6], zeroline=False, tickvals=[-1, *ticks, L],
-                   ticktext=["emb", *map(str, ticks), "logits"]),
-        margin=dict(l=60, r=20, t=64, b=130), legend=dict(orientation="h", y=-0.26, yanchor="top"),
-        hovermode="closest"))
-    out = figure_dict(fig)
-    out["meta"] = {"name": "circuit", "description": "edges sender → receiver input, width = |score|, colour = sign",
-                   "n_edges": len(view.edges), "n_drawn": len(edges)}
-    return out
+__all__ = ["circuit_graph", "circuit_section", "drawn_edges", "edge_width", "faithfulness_curve", "load_circuit",
+           "MAX_EDGES", "MAX_WIDTH", "MIN_WIDTH", "NEGATIVE", "POSITIVE"]
 
 
 def faithfulness_curve(view: CircuitView) -> Dict:
@@ -188,7 +43,7 @@ def faithfulness_curve(view: CircuitView) -> Dict:
     metric = view.get("metric")
     title = "faithfulness f = (m(C) − m(∅)) / (m(full) − m(∅))" + (f" ({metric})" if metric else "")
     if any(parts):
-        title += ": " + ", ".join(p for p in parts if p)
+        title += "<br>" + ", ".join(p for p in parts if p)
     notes = [dict(text="f = 0.8", x=1, xref="paper", y=0.8, yref="y", xanchor="right", yanchor="bottom",
                   showarrow=False, font=dict(size=9, color="#888"))]
     if zero:
@@ -269,15 +124,46 @@ def summary(view: CircuitView) -> str:
     nf = g("node_faithfulness")
     if nf is not None:
         bits.append(f"node faithfulness {evidence_text(nf)}")
+    c = view.core
+    if c is not None:
+        bits.append(f"core circuit: {len(c.heads)} heads + {len(c.mlps)} MLPs"
+                    + (f", node faithfulness {evidence_text(c.node_faithfulness)}" if c.node_faithfulness is not None
+                       else ""))
     return "; ".join(bits)
 
 
+def core_rows(view: CircuitView) -> List[List]:
+    """[number of heads, f] of the core's curve (the core table)."""
+    return [[n, round_float(f)] for n, f in view.core.curve.items()] if view.core else []
+
+
 def circuit_section(view: CircuitView, n_layers: Optional[int] = None, n_heads: Optional[int] = None,
-                    k: int = 20, n_kv: Optional[int] = None) -> Dict:
-    """The report's circuit section as data: a summary line, both figures, the roles table and the top ``k``
-    edges (every string reaches the page through ``textContent``)."""
+                    k: int = 20, n_kv: Optional[int] = None, which: str = "auto") -> Dict:
+    """The circuit section as data: ``source`` (the file's name) and ``blocks``, drawn in order: a ``banner`` with
+    the file's warnings, a ``note`` (the summary line; the core's "how"), ``figures`` (the faithfulness curve
+    and the graph: the core circuit by default, ``which``), and ``table``s (roles; the core's f by heads; the top
+    ``k`` edges). Every string reaches the page through ``textContent``."""
+    blocks: List[Dict] = []
+    if view.warnings:
+        blocks.append({"type": "banner", "lines": list(view.warnings)})
+    blocks.append({"type": "note", "text": summary(view)})
+    if view.core is not None and view.core.how:
+        blocks.append({"type": "note", "text": f"core circuit: {view.core.how}"})
+    figs = []
+    if view.info.get("has_curve"):
+        figs.append({"id": "circuit-curve", "figure": faithfulness_curve(view)})
+    figs.append({"id": "circuit-graph", "figure": circuit_graph(view, n_layers, n_heads, n_kv=n_kv, which=which),
+                 "click": "head"})
+    blocks.append({"type": "figures", "figures": figs})
+    rows = roles_rows(view)
+    blocks.append({"type": "table", "id": "circuit-roles", "title": "Roles", "header": ["head", "role", "evidence"],
+                   "rows": rows, "empty": "no roles in this file"})
+    if view.core is not None and view.core.curve:
+        blocks.append({"type": "table", "id": "circuit-core", "title": "Core circuit: node faithfulness f by "
+                       "number of heads", "header": ["heads", "f"], "rows": core_rows(view)})
+    edges = edge_rows(view, k)
+    blocks.append({"type": "table", "id": "circuit-edges", "title": f"Top edges by |score| ({len(edges)} of "
+                   f"{len(view.edges)})", "header": ["sender", "receiver", "input", "score", "sender role",
+                                                     "receiver role"], "rows": edges})
     # the file's name, not its folder: a report is meant to be shared
-    return {"summary": summary(view), "source": os.path.basename(view.source),
-            "curve": faithfulness_curve(view) if view.info.get("has_curve") else None,
-            "graph": circuit_graph(view, n_layers, n_heads, n_kv=n_kv),
-            "roles": roles_rows(view), "edges": edge_rows(view, k), "n_edges": len(view.edges)}
+    return {"source": os.path.basename(view.source), "blocks": blocks}

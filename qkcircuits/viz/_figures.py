@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import plotly.graph_objects as go
 from torch import Tensor
 
 DIGITS = 5   # significant digits kept in the figures (hover shows 4 decimals)
+LABEL_CHARS = 14   # token labels on axes and in cells are cut to this many characters (the hover has the full text)
 
 
 def round_float(x) -> Optional[float]:
@@ -51,13 +52,72 @@ def figure_dict(fig: go.Figure) -> Dict:
 # the title's and the toolbar's boxes intersect). The title now starts below the toolbar, left-aligned.
 TOOLBAR_PX = 30
 TOP_MARGIN = 64
+MULTILINE_PX = 12
+
+
+# Text widths are estimated, not measured (the figure is built in Python): CHAR_EM × font size per character is
+# above the mean width of the labels and titles drawn here (measured in Chromium's default sans-serif: ~0.45 em
+# for a title, ~0.55 em for labels of digits like "23.7"); the browser tests (tests/test_report_layout.py,
+# tests/test_circuit_graph.py) measure that no text is cut by its figure's edge and no label overlaps another.
+CHAR_EM = 0.56
+TITLE_SIZE = 14
+LINE_PX = 1.3           # line height in font sizes
+
+
+def text_px(text: str, size: Union[int, float]) -> float:
+    """Estimated drawn width of ``text`` (no HTML) at font ``size`` px."""
+    return CHAR_EM * size * len(text)
+
+
+def wrap(text: str, width_px: Union[int, float], size: Union[int, float]) -> List[str]:
+    """``text`` broken at spaces into lines whose estimated width fits ``width_px`` (a word longer than a line
+    stays whole on its own line).
+
+    >>> wrap("circuit: 12 edges; width ∝ |score|", 130, 10)
+    ['circuit: 12 edges;', 'width ∝ |score|']
+    """
+    per_line = max(8, int(width_px / (CHAR_EM * size)))
+    lines: List[str] = []
+    for part in text.split("<br>"):
+        line = ""
+        for word in part.split(" "):
+            if line and len(line) + 1 + len(word) > per_line:
+                lines.append(line)
+                line = word
+            else:
+                line = f"{line} {word}" if line else word
+        lines.append(line)
+    return lines
+
+
+def shorten(text: str, n: int) -> str:
+    """``text`` cut to ``n`` characters with an ellipsis (the full text goes in the hover).
+
+    >>> shorten("␣Paris␣and␣France", 10)
+    '␣Paris␣an…'
+    """
+    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def base_layout(title: str, **kw) -> Dict:
-    base = dict(template="none", title=dict(text=title, font=dict(size=14), x=0, xref="container", xanchor="left",
-                                            y=1, yref="container", yanchor="top", pad=dict(t=TOOLBAR_PX, l=8)),
+    """The layout every figure starts from: the empty template, the title left-aligned under the toolbar. With a
+    ``width``, a title longer than the figure is wrapped onto more lines and the figure grows by those lines
+    (its plot area stays the size asked for), so no title runs past the right edge."""
+    width = kw.get("width")
+    lines = wrap(title, width - 16, TITLE_SIZE) if width else [title]
+    # plotly draws a title of several lines ~10 px higher than one of a single line (measured in Chromium: the
+    # box's top at 17 px instead of 27 px below the figure's top), into the toolbar: pushed down by MULTILINE_PX
+    shift = MULTILINE_PX if len(lines) > 1 else 0
+    extra = int(round(LINE_PX * TITLE_SIZE * (len(lines) - 1))) + shift
+    base = dict(template="none", title=dict(text="<br>".join(lines), font=dict(size=TITLE_SIZE), x=0,
+                                            xref="container", xanchor="left", y=1, yref="container", yanchor="top",
+                                            pad=dict(t=TOOLBAR_PX + shift, l=8)),
                 margin=dict(l=60, r=20, t=TOP_MARGIN, b=50), font=dict(size=11))
     base.update(kw)
+    if extra:
+        base["margin"] = {**base["margin"], "t": base["margin"].get("t", TOP_MARGIN) + extra}
+        if "height" in base:
+            base["height"] = base["height"] + extra
     return base
 
 
@@ -116,16 +176,23 @@ def qk_heatmap(matrix: Tensor, labels: Sequence[str], head: str, view: str = "di
     """Query token (rows) × key token (columns) pre-softmax score of the head's QK circuit (no biases) on
     ``view`` rows (direct, effective or contextual: the title says which)."""
     n = len(labels)
-    shown = [show_token(s) for s in labels]
+    shown = [shorten(show_token(s), LABEL_CHARS) for s in labels]
     custom = [[[json.dumps(labels[i]), json.dumps(labels[j])] for j in range(n)] for i in range(n)]
     hm = go.Heatmap(z=_grid(matrix), x=list(range(n)), y=list(range(n)), customdata=custom, colorscale="RdBu",
                     reversescale=True, zmid=0, colorbar=dict(thickness=10),
                     hovertemplate="query %{customdata[0]}<br>key %{customdata[1]}<br>score %{z:.4f}<extra></extra>")
     side = max(340, min(740, 114 + 16 * n))
+    # margins hold the tick labels and the axis titles: the left one the longest label, the bottom one the longest
+    # label turned by 60° (sin 60° of its length plus half a line); the plot area keeps its size
+    longest = text_px(max(shown, key=len, default=""), 11)
+    left, bottom = int(longest) + 44, int(0.87 * longest + 6) + 42
     fig = go.Figure(hm, layout=base_layout(
-        f"{head} QK over tokens ({view} inputs, pre-softmax, no biases)", height=side, width=side + 80,
-        xaxis=dict(title="key token", tickvals=list(range(n)), ticktext=shown, tickangle=-60),
-        yaxis=dict(title="query token", tickvals=list(range(n)), ticktext=shown, autorange="reversed")))
+        f"{head} QK over tokens ({view} inputs, pre-softmax, no biases)", height=side - 50 + bottom,
+        width=side + 20 + left, margin=dict(l=left, r=20, t=TOP_MARGIN, b=bottom),
+        xaxis=dict(title=dict(text="key token", standoff=4), tickvals=list(range(n)), ticktext=shown, tickangle=-60,
+                   automargin=False),
+        yaxis=dict(title=dict(text="query token", standoff=4), tickvals=list(range(n)), ticktext=shown,
+                   autorange="reversed", automargin=False)))
     return figure_dict(fig)
 
 
@@ -135,22 +202,25 @@ def ov_table(values: Tensor, out_ids: Tensor, src_labels: Sequence[str], out_lab
     ``view`` (direct, effective, contextual) goes in the title; ``ranks`` (the source token's own rank among
     all output logits) in the row labels as ``token ⟨r⟩``."""
     n, k = values.shape
-    rows = [show_token(s) for s in src_labels]
+    rows = [shorten(show_token(s), LABEL_CHARS) for s in src_labels]
     if ranks is not None:
         rows = [f"{t} ⟨{_rank(r)}⟩" for t, r in zip(rows, ranks)]
-    text = [[show_token(s) for s in row] for row in out_labels]
+    text = [[shorten(show_token(s), LABEL_CHARS) for s in row] for row in out_labels]
     custom = [[[json.dumps(src_labels[i]), json.dumps(out_labels[i][r]), "yes" if int(out_ids[i, r]) == int(src_ids[i])
                 else "no"] for r in range(k)] for i in range(n)]
     hm = go.Heatmap(z=_grid(values), x=[f"#{r + 1}" for r in range(k)], y=list(range(n)), text=text,
                     texttemplate="%{text}", customdata=custom, colorscale="Greens", colorbar=dict(thickness=10),
                     hovertemplate="source %{customdata[0]} → output %{customdata[1]}<br>logit %{z:.4f}"
                                   "<br>copies itself: %{customdata[2]}<extra></extra>")
+    # the left margin holds the tick labels AND the axis title beside them: sized from the longest label
+    left = int(text_px(max(rows, key=len, default=""), 11)) + 34
     fig = go.Figure(hm, layout=base_layout(
         f"{head} OV: source token → top output tokens ({view} inputs, logits)",
-        height=max(340, min(940, 130 + 18 * n)), width=150 + 95 * k, xaxis=dict(title="rank", side="top"),
-        margin=dict(l=60, r=20, t=TOP_MARGIN + 40, b=20),
-        yaxis=dict(title="source token ⟨its own rank⟩" if ranks is not None else "source token",
-                   tickvals=list(range(n)), ticktext=rows, autorange="reversed")))
+        height=max(340, min(940, 130 + 18 * n)), width=left + 110 + 95 * k, xaxis=dict(title="rank", side="top"),
+        margin=dict(l=left, r=20, t=TOP_MARGIN + 40, b=20),
+        yaxis=dict(title=dict(text="source token ⟨its own rank⟩" if ranks is not None else "source token",
+                              standoff=6),
+                   tickvals=list(range(n)), ticktext=rows, autorange="reversed", automargin=False)))
     return figure_dict(fig)
 
 
@@ -158,17 +228,31 @@ def _rank(r: float) -> str:
     return f"{r:.0f}" if float(r) == int(r) else f"{r:.1f}"
 
 
-def profile_line(offsets: Sequence[int], score: Sequence[float], label: str, head: str) -> Dict:
-    """Score against query−key offset Δ (positional or rotary QK profile)."""
-    line = go.Scatter(x=list(offsets), y=[round_float(v) for v in score], mode="lines+markers", marker=dict(size=4),
-                      hovertemplate="offset Δ = %{x}<br>score %{y:.4f}<extra></extra>")
-    fig = go.Figure(line, layout=base_layout(f"{head} QK by offset", height=320, width=520,
-                                         xaxis=dict(title="offset Δ = query pos − key pos"),
-                                         yaxis=dict(title="score"),
-                                         annotations=[dict(text=label, showarrow=False, xref="paper", yref="paper",
-                                                           x=0, y=1.0, xanchor="left", yanchor="bottom",
-                                                           font=dict(size=9))]))
-    return figure_dict(fig)
+def profile_line(offsets: Sequence[int], score: Sequence[float], label: str, head: str,
+                 preferred: Optional[int] = None) -> Dict:
+    """Score against query−key offset Δ (positional or rotary QK profile); ``preferred``: the offset the profile
+    peaks at, marked and named (``meta["preferred_offset"]``), so a text about the figure can be checked against it."""
+    width = 520
+    note = wrap(label, width - 80, 9)
+    traces = [go.Scatter(x=list(offsets), y=[round_float(v) for v in score], mode="lines+markers", name="score",
+                         marker=dict(size=4), showlegend=False,
+                         hovertemplate="offset Δ = %{x}<br>score %{y:.4f}<extra></extra>")]
+    title = f"{head} QK by offset"
+    if preferred is not None:
+        y = score[list(offsets).index(preferred)]
+        traces.append(go.Scatter(x=[preferred], y=[round_float(y)], mode="markers", name="peak", showlegend=False,
+                                 marker=dict(size=10, color="#d62728", symbol="circle-open", line=dict(width=2)),
+                                 hovertemplate="peak: Δ = %{x}<br>score %{y:.4f}<extra></extra>"))
+        title += f": peaks at Δ = {preferred}"
+    fig = go.Figure(traces, layout=base_layout(
+        title, height=320 + 12 * (len(note) - 1), width=width,
+        margin=dict(l=60, r=20, t=TOP_MARGIN + 12 * len(note), b=50),
+        xaxis=dict(title="offset Δ = query pos − key pos"), yaxis=dict(title="score"),
+        annotations=[dict(text="<br>".join(note), showarrow=False, xref="paper", yref="paper", x=0, y=1.0,
+                          xanchor="left", yanchor="bottom", align="left", font=dict(size=9))]))
+    out = figure_dict(fig)
+    out["meta"] = {"name": "offsets", "preferred_offset": preferred, "label": label}
+    return out
 
 
 def partners_bar(partners: Sequence[Sequence], head: str) -> Dict:
@@ -177,7 +261,8 @@ def partners_bar(partners: Sequence[Sequence], head: str) -> Dict:
     vals = [round_float(p[1]) for p in partners][::-1]
     bar = go.Bar(x=vals, y=names, orientation="h",
                  hovertemplate="earlier head %{y}<br>K-composition %{x:.4f}<extra></extra>")
-    fig = go.Figure(bar, layout=base_layout(f"{head} K-composition partners", height=max(220, 104 + 26 * len(names)),
+    fig = go.Figure(bar, layout=base_layout(f"{head} K-composition partners (weights only)",
+                                        height=max(220, 104 + 26 * len(names)),
                                         width=420, xaxis=dict(title="score − random baseline"),
                                         yaxis=dict(type="category")))
     return figure_dict(fig)
@@ -227,7 +312,7 @@ def circuit_graph(nodes: Sequence[Dict], edges: Sequence[Dict], n_layers: int, n
     ``nodes``: [{"head": "L.H", "layer", "index", "label"}]; ``edges``: [{"src", "dst", "input", "effect"}] with
     src/dst as (layer, head). Nodes are coloured by their first scan label; edges by input, labelled q/k/v."""
     traces = []
-    annotations = []
+    hx, hy, htext = [], [], []
     for e in edges:
         (l0, h0), (l1, h1) = e["src"], e["dst"]
         # meta: the edge as data (sender, receiver, input, effect), so a figure can be checked against its result
@@ -235,10 +320,21 @@ def circuit_graph(nodes: Sequence[Dict], edges: Sequence[Dict], n_layers: int, n
                                  meta={"src": f"{l0}.{h0}", "dst": f"{l1}.{h1}", "input": e["input"],
                                        "effect": round_float(e["effect"])},
                                  line=dict(color=INPUT_COLOURS[e["input"]], width=1 + 5 * min(1.0, abs(e["effect"])))))
-        # label at 40% of the way from the receiver: edges into one receiver fan out there
-        annotations.append(dict(x=h1 + 0.4 * (h0 - h1), y=l1 + 0.4 * (l0 - l1), text=f"{e['input']} {e['effect']:.2f}",
-                                showarrow=False, font=dict(size=9, color=INPUT_COLOURS[e["input"]]),
-                                bgcolor="rgba(255,255,255,0.7)"))
+        # the effect in the hover of a marker at 40% of the way from the receiver (no text on the edges: labels of
+        # edges into one receiver overlapped)
+        hx.append(h1 + 0.4 * (h0 - h1))
+        hy.append(l1 + 0.4 * (l0 - l1))
+        share = f" ({e['effect'] / abs(e['clean']):.0%} of the clean {e['clean']:.3g})" if e.get("clean") else ""
+        htext.append(f"{l0}.{h0} → {l1}.{h1} ({e['input']})<br>effect {e['effect']:.3f}{share}")
+    if edges:
+        traces.append(go.Scatter(x=hx, y=hy, mode="markers", name="edges", showlegend=False, text=htext,
+                                 marker=dict(size=8, color=[INPUT_COLOURS[e["input"]] for e in edges], opacity=0.5),
+                                 hovertemplate="%{text}<extra></extra>"))
+    for x in INPUT_COLOURS:                   # the legend of the edge colours (no data: one entry per input)
+        if any(e["input"] == x for e in edges):
+            traces.append(go.Scatter(x=[None], y=[None], mode="markers", name=f"into {x}",
+                                     marker=dict(color=INPUT_COLOURS[x], symbol="line-ew-open", size=14,
+                                                 line=dict(width=3, color=INPUT_COLOURS[x]))))
     by_label: Dict[str, List[Dict]] = {}
     for n in nodes:
         by_label.setdefault(n["label"] or "no label", []).append(n)
@@ -253,7 +349,6 @@ def circuit_graph(nodes: Sequence[Dict], edges: Sequence[Dict], n_layers: int, n
     hi = max([n["layer"] for n in nodes], default=n_layers - 1)
     fig = go.Figure(traces, layout=base_layout(
         title, height=max(320, min(900, 140 + 40 * (hi - lo + 1))), width=max(520, 160 + 70 * n_heads),
-        annotations=annotations,
         xaxis=dict(title="head", range=[-0.5, n_heads - 0.5], dtick=1),
         yaxis=dict(title="layer", range=[hi + 0.5, lo - 0.5], dtick=1 if hi - lo <= 16 else 2),
         legend=dict(orientation="h", y=-0.2)))

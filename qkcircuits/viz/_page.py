@@ -91,6 +91,9 @@ h3 { font-size: 15px; margin: 12px 0 4px; }
 #error { color: #b00; font-weight: bold; white-space: pre-wrap; }
 #controls input[type=text], #controls textarea { width: 560px; font-family: monospace; }
 .flag { background: #fdd; padding: 0 4px; margin-right: 4px; border-radius: 3px; }
+.banner { background: #fff0f0; border: 1px solid #e0a0a0; color: #900; padding: 6px 10px; margin: 6px 0;
+          font-weight: bold; }
+.section { margin-bottom: 10px; }
 """
 
 VIEWER_JS = r"""
@@ -150,11 +153,13 @@ VIEWER_JS = r"""
     for (const n of p.notes || []) box.appendChild(mk('div', n)).className = 'muted';
   }
 
+  // A frame holds a figure or is hidden: what is missing is said in one line under the figures.
   function drawFig(id, fig, missing) {
     const d = $(id);
     Plotly.purge(d);
     d.replaceChildren();
-    if (!fig) { d.appendChild(mk('div', missing)).className = 'muted'; return; }
+    if (!fig) { d.style.display = 'none'; if (missing) $('fig-notes').appendChild(mk('div', missing)); return; }
+    d.style.display = '';
     Plotly.newPlot(d, fig.data, fig.layout, PLOT_CONFIG);
   }
 
@@ -171,6 +176,7 @@ VIEWER_JS = r"""
     text($('head-title'), 'Head ' + p.head);
     document.body.dataset.shownHead = p.head;
     $('missing').replaceChildren();
+    $('fig-notes').replaceChildren();
     drawInfo(p);
     drawFig('fig-qk', p.figures.qk, '');
     drawFig('fig-ov', p.figures.ov, '');
@@ -189,7 +195,8 @@ VIEWER_JS = r"""
       if (p) return drawPanel(p);
       text($('head-title'), 'Head ' + key);
       document.body.dataset.shownHead = key;
-      for (const id of ['fig-qk', 'fig-ov', 'fig-pos', 'fig-comp', 'fig-reads']) { Plotly.purge($(id)); $(id).replaceChildren(); }
+      $('fig-notes').replaceChildren();
+      for (const id of ['fig-qk', 'fig-ov', 'fig-pos', 'fig-comp', 'fig-reads']) drawFig(id, null, '');
       $('info').replaceChildren(); $('attn').replaceChildren();
       text($('missing'), 'Head ' + key + ' was not precomputed for this report (' + SRC.left_out +
            '). Rerun: qkcircuits report MODEL --heads ' + key);
@@ -214,28 +221,41 @@ VIEWER_JS = r"""
     return t;
   }
 
-  // The circuit of `qkcircuits circuit --json` (report --circuit): curve, graph, roles, top edges.
-  function drawCircuit(c) {
-    const box = $('circuit-section');
-    box.replaceChildren();
-    box.appendChild(mk('h2', 'Circuit (' + c.source + ')'));
-    box.appendChild(mk('div', c.summary)).className = 'muted';
-    const figs = mk('div'); figs.className = 'figs'; box.appendChild(figs);
-    for (const [id, fig] of [['circuit-curve', c.curve], ['circuit-graph', c.graph]]) {
-      if (!fig) continue;
-      const d = mk('div'); d.className = 'fig'; d.id = id; figs.appendChild(d);
-      Plotly.newPlot(d, fig.data, fig.layout, PLOT_CONFIG);
+  // Sections above the heads (the circuit of `qkcircuits circuit --json`, the scan's causal check, ...): each a
+  // title and a list of blocks drawn in order, so a new panel is one more block or section in the data.
+  function drawBlocks(box, blocks, clickable) {
+    for (const b of blocks) {
+      if (b.type === 'banner') {
+        const d = mk('div'); d.className = 'banner';
+        for (const line of b.lines) d.appendChild(mk('div', '\u26a0 ' + line));
+        box.appendChild(d);
+      } else if (b.type === 'note') {
+        box.appendChild(mk('div', b.text)).className = 'muted';
+      } else if (b.type === 'figures') {
+        const figs = mk('div'); figs.className = 'figs'; box.appendChild(figs);
+        for (const f of b.figures) {
+          const d = mk('div'); d.className = 'fig'; d.id = f.id; figs.appendChild(d);
+          Plotly.newPlot(d, f.figure.data, f.figure.layout, PLOT_CONFIG);
+          if (f.click === 'head' && clickable) d.on('plotly_click', (ev) => {
+            const cd = ev.points[0].customdata;
+            if (cd && /^\d+\.\d+$/.test(cd[0])) select(cd[0]);
+          });
+        }
+      } else if (b.type === 'table') {
+        if (b.title) box.appendChild(mk('h3', b.title));
+        box.appendChild(b.rows.length ? table(b.id, b.header, b.rows) : mk('div', b.empty || 'none'));
+      }
     }
-    $('circuit-graph').on('plotly_click', (ev) => {
-      const cd = ev.points[0].customdata;
-      if (cd && /^\d+\.\d+$/.test(cd[0])) select(cd[0]);
-    });
-    box.appendChild(mk('h3', 'Roles'));
-    box.appendChild(c.roles.length ? table('circuit-roles', ['head', 'role', 'evidence'], c.roles)
-                                   : mk('div', 'no roles in this file'));
-    box.appendChild(mk('h3', 'Top edges by |score| (' + c.edges.length + ' of ' + c.n_edges + ')'));
-    box.appendChild(table('circuit-edges', ['sender', 'receiver', 'input', 'score', 'sender role', 'receiver role'],
-                          c.edges));
+  }
+
+  function drawSections(sections, clickable) {
+    const host = $('sections');
+    host.replaceChildren();
+    for (const s of sections || []) {
+      const box = mk('div'); box.id = s.id; box.className = 'section'; host.appendChild(box);
+      box.appendChild(mk('h2', s.title));
+      drawBlocks(box, s.blocks, clickable);
+    }
   }
 
   function fillSelect(keys) {
@@ -256,10 +276,12 @@ VIEWER_JS = r"""
       }
       text($('model'), meta.title);
       text($('summary'), meta.summary);
-      drawGrids(meta.grids);
-      if (meta.circuit) drawCircuit(meta.circuit);
-      fillSelect(meta.heads);
-      if (meta.heads.length) await select(meta.first || meta.heads[0]);
+      const heads = meta.heads || [];
+      drawSections(meta.sections, heads.length > 0);
+      if (!heads.length && !(meta.grids || []).length) $('heads-part').style.display = 'none';   // a circuit alone
+      drawGrids(meta.grids || []);
+      fillSelect(heads);
+      if (heads.length) await select(meta.first || heads[0]);
       document.body.dataset.ready = '1';
     } catch (e) { showError(e.message); document.body.dataset.ready = 'error'; }
   }
@@ -271,7 +293,8 @@ BODY = """
 <h1 id="model"></h1>
 <div id="summary" class="muted"></div>
 <div id="error"></div>
-<div id="circuit-section"></div>
+<div id="sections"></div>
+<div id="heads-part">
 <h2>Heads (click a cell to show that head)</h2>
 <div id="grids"></div>
 <div id="controls">{controls}</div>
@@ -285,8 +308,10 @@ BODY = """
   <div class="fig" id="fig-pos"></div><div class="fig" id="fig-comp"></div>
 </div>
 <div class="figs"><div class="fig" id="fig-reads"></div></div>
+<div id="fig-notes" class="muted"></div>
 <h2>Attention pattern on the prompt</h2>
 <div id="attn"></div>
+</div>
 """
 
 STATIC_CONTROLS = 'show head: <select id="head-select"></select>'

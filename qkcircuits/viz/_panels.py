@@ -15,7 +15,7 @@ QK over a token set is X[ids] W_Q (X[ids] W_K)ᵀ · scale; the OV view is X[ids
 with the copying rank of each source token; X is what the head's layer reads for each token,
 ``view="direct"|"effective"|"contextual"`` (``qkcircuits._weights.contextual``; default contextual past layer 0,
 direct at layer 0). Like ``full_qk``/``full_ov`` both leave the biases out; the positional profile is
-the learned-position QK (W_pos) or the rotary offset profile of ``qkcircuits._weights.rotary``; K-composition
+``qkcircuits._weights.offsets.head_offset_profile`` (the CLI's too); K-composition
 partners come from ``composition_scores``.
 """
 
@@ -250,33 +250,14 @@ def ov_top(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, view: O
 
 
 def positional_profile(ctx: ViewContext, head: Head, max_offset: int = MAX_OFFSET) -> Optional[Dict[str, object]]:
-    """Score against offset Δ = i − j (query i, key j), or None when the QK circuit has no position in it.
+    """Score against offset Δ = i − j (query i, key j), or None when the QK circuit has no position in it:
+    ``head_offset_profile`` (``_weights/offsets``), the one profile `qkcircuits circuits --head` prints (rotary:
+    mean query · R(Δ) · mean key over the rows the layer reads in the corpus; learned: W_pos QK W_posᵀ along
+    diagonals)."""
+    from .._weights.offsets import head_offset_profile
 
-    Learned positions: mean over queries i of W_pos[i] QK W_pos[i−Δ]ᵀ · scale, over the first
-    min(n_ctx, 2·max_offset) positions. Rotary: ``offset_profile`` (mean token query/key rotated by Δ).
-    """
-    model = ctx.model
-    n = min(int(model.cfg.n_ctx), 2 * max_offset + 1)
-    offs = list(range(min(max_offset, n - 1) + 1))
-    if has_rotary(model):
-        from .._weights.rotary import offset_profile
-        spec = ctx.rotary(head.layer)
-        window = ""
-        if spec.window:               # keys further back are masked on this layer: no score to profile
-            offs = [d for d in offs if d < spec.window]
-            window = f" (sliding window {spec.window}: offsets ≥ {spec.window} are masked)"
-        prof = offset_profile(model, head, offs, spec=spec)
-        return {"kind": "rotary", "offsets": offs, "score": prof.mean_score.tolist(),
-                "label": "rotary offset profile: mean token query · R(Δ) · mean token key" + window}
-    if getattr(model, "W_pos", None) is None or str(model.cfg.positional_embedding_type) not in ("standard", "shortformer"):
-        return None
-    w = ctx.weights(head.layer)
-    with torch.no_grad():
-        P = model.W_pos.detach()[:n]
-        M = (P @ w.W_Q[head.head]) @ (P @ w.W_K[head.head]).T * attn_scale(model, head.layer)
-        score = [float(torch.diagonal(M, -d).mean()) for d in offs]
-    return {"kind": "learned", "offsets": offs, "score": score,
-            "label": f"learned positions: mean over queries of W_pos[i]·QK·W_pos[i−Δ] (first {n} positions)"}
+    spec = ctx.rotary(head.layer) if has_rotary(ctx.model) else None
+    return head_offset_profile(ctx.model, head, max_offset, spec=spec)
 
 
 def k_partners(ctx: ViewContext, head: Head, top: int = 5) -> List[Tuple[str, float]]:

@@ -20,11 +20,11 @@ import os
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
-from tqdm.auto import tqdm
 
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, model_heads, n_kv_heads
 from .._foundation.io import write_atomic
+from .._foundation.progress import progress_bar
 from .._foundation.renamed import renamed
 from .._weights.contextual import INPUTS
 from ._circuit_data import check_against_model, load_circuit, parse_node
@@ -58,7 +58,7 @@ def pick_heads(grid_values: Dict[str, torch.Tensor], grid_k: int, extra: Sequenc
 @renamed(per_score="grid_k", input="view")
 def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=None, tokens: Optional[Sequence[str]] = None,
                 prompt: Optional[str] = None, grid_k: int = 3, k: int = 5, title: Optional[str] = None,
-                view: Optional[str] = None, progress: bool = True, trace=None, circuit=None) -> str:
+                view: Optional[str] = None, progress: bool = True, trace=None, circuit=None, attend=None) -> str:
     """The report as one HTML string (see module docs). ``scores``: HeadScores (e.g. ``qk.scan(model)``);
     ``effects``: HeadEffects from ``sweep``; ``diagnostics``: HeadDiagnostics; ``heads``: extra heads to
     precompute; ``tokens``: the token set of the QK/OV views; ``prompt``: text for the attention patterns;
@@ -67,7 +67,9 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
     layer 0, direct at layer 0); ``trace``: a PathEffects (circuit graph of path patching, "reads from" panels);
     ``circuit``: a circuit over the whole graph (the circuit API's result, or the ``qkcircuits circuit --json``
     dict, path or text): a section with its faithfulness curve, graph, roles and top edges, and panels for the
-    heads it names (its roles first, at most ``CIRCUIT_HEADS``)."""
+    heads it names (its roles first, at most ``CIRCUIT_HEADS``); ``attend``: Attributions (``qk.attend``) shown as
+    "why it attends" sections — default (None): the top head of each labelled score the scan has, explained on its
+    own rows (``_explain.evidence.explain_top_heads``); ``[]``: none."""
     from .._foundation.model import model_name
 
     if grid_k < 0 or k < 1:
@@ -101,7 +103,7 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
         raise QKCircuitsError("no heads to show: give grid_k >= 1 or some heads")
     patterns = attention(ctx, chosen, pids)
     panels = {}
-    for h in tqdm(chosen, desc="report", unit="head", disable=not progress, leave=False):
+    for h in progress_bar(chosen, desc="report", unit="head", enabled=progress):
         panels[str(h)] = panel(ctx, h, ids, pids, patterns[h], scores=scores, effects=effects,
                                diagnostics=diagnostics, k=k, view=view, trace=trace)
     total = L * H
@@ -120,11 +122,67 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
                         + (f"{view} inputs" if view else "direct inputs at layer 0 and contextual inputs (the mean "
                            "residual each layer reads for a token over a packaged English corpus) after it")
                         + "; each figure's title says which. Offsets and composition come from the weights."),
-            "circuit": circuit_section(cview, L, H, n_kv=n_kv_heads(model)) if cview is not None else None,
+            "sections": report_sections(cview, scores, L, H, n_kv_heads(model), attend_results(model, scores, attend)),
             "left_out": left_out, "grids": grid_list, "heads": list(panels), "first": first, "panels": panels}
     scripts = (f"<script>{script_text('plotly')}</script>\n"
                f"<script>{script_text('circuitsvis')}</script>")
     return page(data["title"], f"window.QK_SOURCE = {embed_json(data)};", scripts, server=False)
+
+
+def circuit_page(circuit, title: Optional[str] = None, source: Optional[str] = None) -> str:
+    """A page with the circuit section alone (``qkcircuits circuit -o``): the report's own section (the same blocks:
+    warnings, summary, faithfulness curve, graph, roles, core, top edges) drawn by the same script, no model
+    needed. ``circuit``: what ``report_html(circuit=...)`` takes; ``source``: the file name the section names."""
+    view = load_circuit(circuit)
+    if source:
+        view.source = str(source)
+    name = title or str(view.get("model") or "circuit")
+    data = {"mode": "static", "title": f"qkcircuits circuit: {name}", "summary": "", "grids": [], "heads": [],
+            "panels": {}, "left_out": "", "sections": report_sections(view, None, None, None, None)}
+    return page(data["title"], f"window.QK_SOURCE = {embed_json(data)};", f"<script>{script_text('plotly')}</script>",
+                server=False)
+
+
+def report_sections(cview, scores, n_layers: Optional[int], n_heads: Optional[int], n_kv: Optional[int],
+                    attend: Sequence = ()) -> List[Dict]:
+    """The sections above the head grids, in order (each ``{id, title, blocks}``; ``_page`` draws the blocks): the
+    circuit of ``--circuit``, the scan's causal check, then why the chosen heads attend (``attend``: Attributions,
+    ``_attend_view.attend_sections``). A new panel is one more entry here."""
+    from ._attend_view import attend_sections
+
+    out: List[Dict] = []
+    if cview is not None:
+        c = circuit_section(cview, n_layers, n_heads, n_kv=n_kv)
+        out.append({"id": "circuit-section", "title": f"Circuit ({c['source']})", "blocks": c["blocks"]})
+    conf = scores.extras.get("confirmation") if scores is not None else None
+    if conf:
+        out.append({"id": "causal-check", "title": "Causal check: the top induction heads against random heads",
+                    "blocks": causal_check_blocks(conf)})
+    return out + attend_sections(attend)
+
+
+def attend_results(model, scores, attend) -> List:
+    """The Attributions the report shows: those given, else the scan's top heads explained."""
+    if attend is not None:
+        return list(attend)
+    if scores is None:
+        return []
+    from .._explain.evidence import explain_top_heads
+
+    return explain_top_heads(model, scores)
+
+
+def causal_check_blocks(conf: Dict) -> List[Dict]:
+    """The scan's causal check (``scan(confirm_k=K)``, ``qkcircuits scan --confirm K``): the sentence the CLI
+    prints and the effect of the top heads against each random set of as many heads."""
+    from .._analysis.detect import confirmation_sentence      # the CLI's own sentence
+    from ._figures import random_baseline
+
+    text = confirmation_sentence(conf)
+    fig = random_baseline(float(conf["effect"]), [float(x) for x in conf.get("random_effects", [])],
+                          [str(h) for h in conf.get("heads", [])], str(conf.get("metric", "induction-loss")),
+                          str(conf.get("method", "zero")))
+    return [{"type": "note", "text": text}, {"type": "figures", "figures": [{"id": "causal-figure", "figure": fig}]}]
 
 
 def _grid_tensor(g: Dict) -> torch.Tensor:

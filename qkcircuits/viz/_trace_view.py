@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from .._foundation.heads import Head
-from .._paths.path_effects import PathEffects
+from .._paths.path_effects import READS_FROM, PathEffects
 from . import _figures as F
 
 
@@ -33,15 +33,17 @@ def reads_from(res: PathEffects, head: Head, k: int = 3) -> Optional[Dict]:
 
 
 def circuit_edges(res: PathEffects, per_input: int = 2) -> List[Dict]:
-    """Edges drawn: for every receiver and input, senders whose effect is above the 95th percentile of that
-    receiver's senders and above zero (at most ``per_input``)."""
+    """Edges drawn: for every receiver and input, the senders it "reads from" (``PathEffects.reads``: effect ≥
+    ``READS_FROM`` of the receiver's clean value and above the 95th percentile of its senders; at most
+    ``per_input``); each with its share of the clean value."""
     out = []
     for r in res.receivers:
         for x in res.into:
-            p95 = res.baseline(r, x)["p95"]
+            clean = res.clean_value(r, x)
             for s, e in res.top(per_input, receiver=r, into=x):
-                if e > p95 and e > 0:
-                    out.append({"src": (s.layer, s.head), "dst": (r.layer, r.head), "input": x, "effect": e})
+                if res.reads(r, x, e):
+                    out.append({"src": (s.layer, s.head), "dst": (r.layer, r.head), "input": x, "effect": e,
+                                "clean": clean})
     return out
 
 
@@ -51,7 +53,8 @@ def circuit(res: PathEffects, per_input: int = 2) -> Dict:
     heads = list(dict.fromkeys([Head(*e["src"]) for e in edges] + list(res.receivers)))
     nodes = [{"head": str(h), "layer": h.layer, "index": h.head,
               "label": (res.labels.get(str(h)) or [""])[0]} for h in heads]
-    title = f"circuit ({res.kind}, {res.method}): edges above p95, width = effect"
+    title = (f"circuit ({res.kind}, {res.method}): edges with effect ≥ {READS_FROM:.0%} of the receiver's clean value "
+             f"and above p95, width = effect")
     fig = F.circuit_graph(nodes, edges, res.n_layers, res.n_heads, title)
     fig["meta"] = {"name": "circuit", "description": "path-patching edges sender → receiver input (q/k/v)"}
     return fig

@@ -98,7 +98,10 @@ def ov_figure(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, view
 def offsets_figure(ctx: ViewContext, head: Head) -> Optional[Dict]:
     """Score against query−key offset, or None when the QK circuit has no position in it."""
     prof = positional_profile(ctx, head)
-    return F.profile_line(prof["offsets"], prof["score"], prof["label"], str(head)) if prof else None
+    if prof is None:
+        return None
+    return F.profile_line(prof["offsets"], prof["score"], prof["label"], str(head),
+                          None if prof["flat"] else prof["preferred_offset"])
 
 
 def partners_figure(ctx: ViewContext, head: Head) -> Optional[Dict]:
@@ -155,8 +158,12 @@ def panel(ctx: ViewContext, head: Head, ids: Sequence[int], prompt: Optional[Seq
     if figs["comp"] is None:
         notes.append("layer 0 reads only the embeddings: no earlier heads to compose with")
     if trace is not None:                     # "reads from": top path-patching senders per input
+        from .._paths.path_effects import AGREE, COMPOSITION_VS_RUN
         from ._trace_view import reads_from
         figs["reads"] = reads_from(trace, head)
+        sp = trace.k_composition_spearman.get(name) if head in trace.receivers else None
+        if sp is not None and sp < AGREE:     # two views of where the keys come from: say which to trust
+            notes.append(f"K-composition partners vs the trace's key sources: Spearman {sp:+.2f}; {COMPOSITION_VS_RUN}")
     att = None
     if prompt is not None:
         if pattern is None:

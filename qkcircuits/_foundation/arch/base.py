@@ -102,6 +102,14 @@ class AttentionAdapter:
     def qk_norm(self) -> bool:
         return False
 
+    def alibi_slopes(self) -> Optional[Tensor]:
+        """ALiBi's per-head slopes [n_heads] (Bloom, MPT: the score gains slope_h · j for key position j), or None."""
+        if getattr(self.model.cfg, "positional_embedding_type", "standard") != "alibi":
+            return None
+        from transformer_lens.model_bridge.generalized_components.alibi_utils import build_alibi_slopes
+
+        return build_alibi_slopes(self.n_heads, torch.device("cpu")).double()
+
     def softcap(self) -> Optional[float]:
         """The soft-cap the module applies to its scores (cap · tanh(score / cap)), or None."""
         return self.scale()[2]
@@ -123,6 +131,16 @@ class AttentionAdapter:
     def qk_norms(self) -> Tuple[Optional[Norm], Optional[Norm]]:
         """(query norm, key norm) applied per head before the rotary (QK-norm), each None where absent."""
         return None, None
+
+    def qk_norm_modules(self) -> Tuple[Optional[torch.nn.Module], Optional[torch.nn.Module]]:
+        """The QK-norm modules themselves (query, key), for replaying them exactly; None where absent."""
+        return None, None
+
+    def output_module(self) -> Optional[torch.nn.Module]:
+        """The module that maps the heads' concatenated z to the attention output (``o_proj``), or None (TL-native
+        attention applies W_O itself)."""
+        o = getattr(self.bridge, "o", None)
+        return getattr(o, "original_component", None) if o is not None else None
 
     def rotary(self, verify: bool = True) -> Optional[RotarySpec]:
         """This layer's rotary (``arch/rotary``), None without rotary; NoPE layers give the identity."""

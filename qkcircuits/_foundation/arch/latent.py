@@ -128,6 +128,9 @@ class LatentAttention(AttentionAdapter):
     def W_O(self) -> Float[Tensor, "head d_v d_model"]:
         return self.module.o_proj.weight.detach().T.reshape(self.n_heads, self.d_v, -1)
 
+    def output_module(self) -> Optional[torch.nn.Module]:
+        return super().output_module() or self.module.o_proj
+
     # -- per-position norm scales -----------------------------------------------------------------
     def latent_scales(self, x: Float[Tensor, "batch pos d_model"]) -> Tuple[Tensor, Tensor]:
         """(1/r_q, 1/r_kv) [batch, pos] at attention inputs ``x``: the latent RMSNorms' per-position factors

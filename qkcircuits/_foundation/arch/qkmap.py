@@ -117,6 +117,16 @@ class QKMap:
             y = self.qk_norm.linear(y, self._norm_row())
         return _contract(y, self._factors(fr, y.dtype), weights.to(y.dtype), rows, self.rotary)
 
+    def contract_static(self, y: Float[Tensor, "b m d_qk"], fr: Frozen, weights: Float[Tensor, "n m p"],
+                        rows: Tensor) -> Float[Tensor, "n m d_qk"]:
+        """Σ_pos weights[n, m, pos] · finish_pos(y[rows[n], m]) for parts ``y`` that are the same at every position
+        (an earlier head's value at source position m through its OV, which a pattern then spreads over the key
+        positions): the frozen factors and the rotary are per position and y is not, so each is one small
+        matmul over positions — nothing of size [m, rows, p, d] is formed."""
+        if self.qk_norm is not None:
+            y = self.qk_norm.linear(y, self._norm_row())
+        return _contract_static(y, self._factors(fr, y.dtype), weights.to(y.dtype), rows, self.rotary)
+
     def _factors(self, fr: Frozen, dtype: torch.dtype) -> Tensor:
         """The frozen factor every part is multiplied by at each position before the rotary: [b, p, 1 or d]."""
         return (fr.s * fr.post).to(dtype) if self.qk_norm is not None else fr.s.to(dtype)
@@ -168,6 +178,24 @@ class LatentQKMap(QKMap):
     def contract(self, y: Tensor, fr: Frozen, weights: Tensor, rows: Tensor) -> Tensor:
         return _contract(y, (fr.s * fr.post).to(y.dtype), weights.to(y.dtype), rows, self.rotary)
 
+    def contract_static(self, y: Tensor, fr: Frozen, weights: Tensor, rows: Tensor) -> Tensor:
+        return _contract_static(y, (fr.s * fr.post).to(y.dtype), weights.to(y.dtype), rows, self.rotary)
+
+
+def _contract_static(y: Tensor, f: Tensor, weights: Tensor, rows: Tensor, rotary: Optional[RotarySpec]) -> Tensor:
+    """``contract_static`` once the QK-norm's linear part is applied (``f`` [b, p, 1 or d])."""
+    n, m, p = weights.shape
+    d = y.shape[-1]
+    fr_rows = f[rows].expand(n, p, d) if f.shape[-1] == 1 else f[rows]                 # [n, p, d]
+    Y = y[rows]                                                                        # [n, m, d]
+    if rotary is None:
+        return Y * torch.bmm(weights, fr_rows)
+    C, S, perm = rotate_tables(rotary, torch.arange(p, device=y.device), y.dtype)     # [p, d] each
+    # out[c] = y[c] · Σ_p w_p f_p[c] C_p[c] + y[π c] · Σ_p w_p f_p[π c] S_p[c]
+    A = torch.bmm(weights, fr_rows * C)                                                # [n, m, d]
+    B = torch.bmm(weights, fr_rows[..., perm] * S)
+    return Y * A + Y[..., perm] * B
+
 
 def _contract(y: Tensor, f: Tensor, weights: Tensor, rows: Tensor, rotary: Optional[RotarySpec]) -> Tensor:
     """``QKMap.contract`` once the QK-norm's linear part is applied: ``f`` [b, p, 1 or d] the frozen factors."""
@@ -194,11 +222,15 @@ def _grouped(rows: Tensor, b: int) -> Optional[int]:
 
 def _sum_positions(W: Tensor, Y: Tensor, grouped: Optional[int]) -> Tensor:
     """out[n, s, d] = Σ_p W[n, p, d] · Y[s, row n's prompt, p, d] (Y already gathered per row when not grouped).
-    A product and a sum over p (memory-bound, one pass): as a batched matmul it would be [1, p] @ [p, s] per
-    (row, coordinate), far slower."""
+    One row per prompt: a product and a sum over p (memory-bound, one pass). Several rows per prompt: a batched
+    matmul per (prompt, coordinate), [r, p] @ [p, s], so no [s, rows, p, d] product is formed (measured: 4x faster
+    at 9 rows per prompt, 19x at 255)."""
     if grouped is None:
         return (Y * W[None]).sum(2).transpose(0, 1)
-    b = Y.shape[1]
-    Wg = W.view(b, grouped, *W.shape[1:])                                              # [b, r, p, d]
-    out = (Y[:, :, None] * Wg[None]).sum(3)                                           # [s, b, r, d]
-    return out.permute(1, 2, 0, 3).reshape(W.shape[0], Y.shape[0], -1)
+    s, b, p, d = Y.shape
+    if grouped == 1:
+        return (Y * W[None]).sum(2).transpose(0, 1)
+    Wg = W.view(b, grouped, p, d).permute(0, 3, 1, 2).reshape(b * d, grouped, p)      # [b·d, r, p]
+    Yg = Y.permute(1, 3, 2, 0).reshape(b * d, p, s)                                    # [b·d, p, s]
+    out = torch.bmm(Wg, Yg).view(b, d, grouped, s)                                     # [b, d, r, s]
+    return out.permute(0, 2, 3, 1).reshape(b * grouped, s, d)

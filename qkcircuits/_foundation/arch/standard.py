@@ -196,13 +196,32 @@ class StandardAttention(AttentionAdapter):
         return bool(getattr(self.model.cfg, "use_qk_norm", False)) or any(
             getattr(self.module, n, None) is not None for n in QK_NORM_NAMES)
 
+    def input_maps(self, into: str, heads) -> Tuple[Tensor, Optional[Tensor]]:
+        """(W [n, d_model, d_head], b [n, d_head] or None) of ``into`` (q, k, v) for ``heads`` — query heads for q,
+        KV heads for k/v — as the bridge holds them (hook_q/k/v = ln1(x) W + b). Reads only that projection: the
+        circuit runs call it per layer and per run."""
+        X = into.upper()
+        heads = list(heads)
+        W = getattr(self.bridge, f"W_{X}").detach()
+        b = _bias(self.bridge, f"b_{X}")
+        if into != "q" and W.shape[0] == self.n_heads != self.n_kv_heads:   # a bridge with per-query-head K/V
+            heads = [g * (self.n_heads // self.n_kv_heads) for g in heads]
+        if b is not None:
+            b = b.detach().reshape(W.shape[0], -1)[heads]
+        return W[heads], b
+
+    def qk_norm_modules(self) -> Tuple[Optional[torch.nn.Module], Optional[torch.nn.Module]]:
+        out = []
+        for side in ("q", "k"):
+            names = [x for x in QK_NORM_NAMES if x.startswith(side) or x.startswith("query" if side == "q" else "key")]
+            out.append(next((getattr(self.module, x) for x in names if getattr(self.module, x, None) is not None), None))
+        return out[0], out[1]
+
     def qk_norms(self) -> Tuple[Optional[Norm], Optional[Norm]]:
         """The HF module's own q/k norms (``q_norm``/``k_norm``, Cohere's ``q_layernorm``, ...), read off their
         outputs (``norms.read_norm``): per head, shared ([d_head] weight) or per head ([heads, d_head])."""
         out = []
-        for side, n in (("q", self.n_heads), ("k", self.n_kv_heads)):
-            names = [x for x in QK_NORM_NAMES if x.startswith(side) or x.startswith("query" if side == "q" else "key")]
-            mod = next((getattr(self.module, x) for x in names if getattr(self.module, x, None) is not None), None)
+        for mod, n, side in zip(self.qk_norm_modules(), (self.n_heads, self.n_kv_heads), "qk"):
             if mod is None:
                 out.append(None)
                 continue

@@ -1,0 +1,107 @@
+"""QK evidence for roles: which sources shape chosen heads' queries and keys at a task's positions (one forward).
+
+>>> task = qk.tasks.induction(model, n=4, seg_len=6)
+>>> ev = qk_evidence(model, task, ["1.0"])
+>>> ev["1.0"]["key"][0][0], ev["1.0"]["query"][0][0]      # the induction head: keys from 0.0, queries from the token
+('0.0', 'emb')
+
+Where each head is read: the induction task's rows (each repeated token → the token after its earlier copy); a task
+with an ``IO`` position (IOI): END → IO, contrast; any other task: END → the named position the head attends most
+from END (its mean attention), or the rows of the head's own largest attention when the task names none.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .._foundation.heads import model_heads
+from .attend import attend_heads
+
+
+def key_position(model, task, head) -> Optional[str]:
+    """The key position a head is read at (module docstring), or None for the induction rows."""
+    if getattr(task, "name", "") == "induction":
+        return None
+    if "IO" in task.positions:
+        return "IO"
+    names = [n for n in task.positions if n != "END"]
+    if not names:
+        return None
+    from .._foundation.capture import capture
+
+    h = model_heads(model, head)[0]
+    pattern = capture(model, task.clean.to(model.W_E.device), ["pattern"], layers=[h.layer])["pattern", h.layer]
+    rows = torch.arange(task.n)
+    end = task.positions["END"]
+    att = {n: float(pattern[rows, h.head, end, task.positions[n]].mean()) for n in names
+           if bool((task.positions[n] <= end).all())}
+    return max(att, key=att.get) if att else None
+
+
+def qk_evidence(model, task, heads: Sequence, k: int = 3, labels: Optional[Dict[str, str]] = None
+                ) -> Dict[str, Dict]:
+    """{head: {"query": [[source, share], ...], "key": [...], "from": "END", "to": "IO" (or "induction"),
+    "reading": "contrast", "total": value, "exact_error": ...}} for each of ``heads`` (the ``k`` largest sources of
+    each side by |value|). Heads that share a key position are attributed in one forward."""
+    groups: Dict[Optional[str], List[str]] = {}
+    for h in model_heads(model, list(heads)):
+        groups.setdefault(key_position(model, task, str(h)), []).append(str(h))
+    out: Dict[str, Dict] = {}
+    for key, hs in groups.items():
+        if key is None and getattr(task, "name", "") != "induction":
+            continue                          # a task with no position to read the head at: no evidence
+        res = attend_heads(model, hs, task=task, **({} if key is None else {"query": "END", "key": key}),
+                           labels=labels)
+        for h, r in res.items():
+            out[h] = {"query": [[n, round(s, 4)] for n, _, s in r.query_sources(k)],
+                      "key": [[n, round(s, 4)] for n, _, s in r.key_sources(k)],
+                      "from": "END" if key else "each repeated token", "to": key or "the token after its earlier copy",
+                      "reading": r.reading, "total": r.total, "attention": r.attention, "exact_error": r.exact_error}
+    return out
+
+
+def evidence_sentence(head: str, ev: Dict, role_of: Optional[Dict[str, str]] = None) -> str:
+    """One line: "23.0 at END -> IO: query side 20.0 (S-inhibition) 23 %, ...; key side ..."."""
+    role_of = role_of or {}
+
+    def side(items) -> str:
+        return ", ".join(f"{n}{f' ({role_of[n]})' if n in role_of else ''} {100 * s:.0f} %" for n, s in items)
+
+    return (f"{head} attends from {ev['from']} to {ev['to']} (attention {ev['attention']:.2f}): query side "
+            f"{side(ev['query'])}; key side {side(ev['key'])}")
+
+
+# the scan's labelled scores and the rows their heads are explained on, on the scan's own [BOS] + R + R prompts
+TOP_ROWS = {"induction": "induction", "previous_token": "previous", "duplicate_token": "duplicate"}
+
+
+def explain_top_heads(model, scores, k: int = 1, n_seqs: int = 4, seg_len: int = 20) -> List:
+    """``attend`` for the ``k`` top heads of each labelled score the scan has (induction: each repeated token → the
+    token after its earlier copy; previous-token: each token → the one before; duplicate-token: each repeated
+    token → its earlier copy) on ``n_seqs`` fresh [BOS] + R + R prompts, sources labelled by the scan. A head whose
+    attention cannot be decomposed is left out (the report says so)."""
+    from .._foundation.errors import QKCircuitsError
+    from .._foundation.sequences import repeated_tokens
+    from .labels import source_labels
+
+    seg = max(3, min(seg_len, (int(model.cfg.n_ctx) - 1) // 2))
+    tokens = repeated_tokens(model, n_seqs=n_seqs, seg_len=seg, seed=1).cpu()
+    out, seen = [], set()
+    for score, key in TOP_ROWS.items():
+        if score not in scores.scores:
+            continue
+        for head, _ in scores.top(k, score):
+            if (str(head), key) in seen:
+                continue
+            seen.add((str(head), key))
+            try:
+                res = attend_heads(model, [head], tokens, key=key)[str(head)]
+            except QKCircuitsError as e:
+                out.append((str(head), score, str(e)))
+                continue
+            res.settings["labels"] = source_labels(model, res, scores=scores)
+            res.settings["explains"] = score
+            out.append(res)
+    return out
