@@ -6,8 +6,12 @@ Each configuration runs in a FRESH subprocess (resident memory never goes back d
 process, so configurations measured one after another would pollute each other). Reported per
 configuration, from /proc/self/status: resident set (VmRSS) after the load, peak resident set
 (VmHWM) over the whole process, and the same two numbers for the process right after its imports
-(what the libraries alone cost), plus the bytes held by the model's parameters and buffers; on a
-GPU also torch.cuda.memory_allocated / max_memory_allocated. Ratios are against the plain load.
+(what the libraries alone cost: transformers for the plain load; transformers and TransformerLens's
+model bridge for ``qk.load``, which imports it on its first call since ``import qkcircuits`` stays light),
+the bytes held by the model's parameters and buffers, and the bytes of every other live tensor (caches
+on the model, reader buffers: 0 when nothing but the model's own tensors stays); on a GPU also
+torch.cuda.memory_allocated / max_memory_allocated. Ratios are against the plain load: of the whole
+process (steady, peak) and of the load alone (steady minus the imports).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ CONFIGS = {
 }
 
 CHILD = r"""
-import json, os, sys, torch
+import gc, json, os, sys, torch
 torch.set_num_threads(1)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def status():
@@ -56,14 +60,21 @@ if loader == "plain":
     model.eval()
 else:
     import qkcircuits as qk
+    import transformer_lens.model_bridge  # noqa: F401  (qk.load's first call imports it: a library cost, not the load's)
     before = status()
     model = qk.load(model_spec, device=device, dtype=dtype, verbose=False, **kw)
 held = {}
 for t in list(model.parameters()) + list(model.buffers()):
     held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
 after = status()
+other = {}
+for o in gc.get_objects():          # every other live tensor: caches, reader buffers, a second copy of a weight
+    if isinstance(o, torch.Tensor) and o.device.type != "meta":
+        s = o.untyped_storage()
+        if s.data_ptr() not in held:
+            other[s.data_ptr()] = s.nbytes()
 out = {"rss": after["VmRSS"], "peak": after["VmHWM"], "rss_imports": before["VmRSS"], "peak_imports": before["VmHWM"],
-       "tensors": sum(held.values())}
+       "tensors": sum(held.values()), "other_tensors": sum(other.values())}
 if device.startswith("cuda"):
     out["cuda"] = torch.cuda.memory_allocated()
     out["cuda_peak"] = torch.cuda.max_memory_allocated()
@@ -100,10 +111,12 @@ def main() -> int:
             continue
         results[name] = r = measure(loader, args.model, args.device, dict(kw))
         base = results.get("plain transformers (bf16)" if "bf16" in name else "plain transformers (fp32)")
-        ratio = f"  x{r['rss'] / base['rss']:.2f} steady, x{r['peak'] / base['peak']:.2f} peak" if base else ""
+        ratio = (f"  x{r['rss'] / base['rss']:.2f} steady, x{r['peak'] / base['peak']:.2f} peak, load alone "
+                 f"x{(r['rss'] - r['rss_imports']) / (base['rss'] - base['rss_imports']):.2f}") if base else ""
         cuda = (f"  cuda {r['cuda'] / 1e9:.2f} GB (peak {r['cuda_peak'] / 1e9:.2f})" if "cuda" in r else "")
         print(f"{name:<62} steady {r['rss'] / 1e9:5.2f} GB  peak {r['peak'] / 1e9:5.2f} GB  "
-              f"(imports {r['rss_imports'] / 1e9:.2f})  tensors {r['tensors'] / 1e9:.2f} GB{ratio}{cuda}", flush=True)
+              f"(imports {r['rss_imports'] / 1e9:.2f})  tensors {r['tensors'] / 1e9:.2f} GB (+{r['other_tensors'] / 1e9:.2f} "
+              f"other){ratio}{cuda}", flush=True)
     return 0
 
 

@@ -11,7 +11,10 @@ The public API is re-exported here (imported from ``qkcircuits._api`` on first u
 and ``qkcircuits --help`` stay light); the modules behind it are private.
 """
 
-__version__ = "0.1.0"
+from ._foundation.io import qkcircuits_version as _version
+
+__version__ = _version()      # from the installed metadata (pyproject.toml), the one place it is written
+del _version
 
 # Views (plotly, circuitsvis, Flask) load on first use: `import qkcircuits` stays light.
 _VIEWS = {"create_app", "report_html", "write_report"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pytest
+import torch
 
 import _tiny
 
@@ -26,8 +27,9 @@ def llama(tmp_path_factory):
 def _check_hand_built(m):
     assert set(ZOO_KEYS) <= set(m)
     assert (m["n_layers"], m["n_heads"]) == (2, 2)
-    assert m["induction"] == [{"head": "1.0", "score": 1.0, "depth": 0.5}]
-    assert m["previous_token"] == [{"head": "0.0", "score": 1.0, "depth": 0.0}]
+    # scores are written exactly (the float32 the scan gave): 1 to float32 rounding on the toy
+    assert m["induction"] == [{"head": "1.0", "score": pytest.approx(1.0, abs=1e-6), "depth": 0.5}]
+    assert m["previous_token"] == [{"head": "0.0", "score": pytest.approx(1.0, abs=1e-6), "depth": 0.0}]
     assert m["confirmation"]["heads"] == ["1.0"] and m["confirmation"]["effect"] > 3.0   # ln(V-1) on the toy
     assert m["k_sources"] == {"1.0": "0.0"}          # 1.0's keys read the previous-token head 0.0
 
@@ -43,10 +45,12 @@ def test_zoo_cli_json_and_offline_page(tmp_path, capsys, llama):
     assert set(ZOO_KEYS) <= set(other) and (other["n_layers"], other["n_heads"]) == (2, 4)
     scores = qk.scan(qk.load(llama, device="cpu", verbose=False), n_seqs=4, copying=False, eigen_copying=False,
                      progress=False)
-    want = [(str(h), round(v, 6)) for h, v in scores.top(8, "induction") if v >= 0.4]
-    assert [(h["head"], h["score"]) for h in other["induction"]] == want
+    f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))       # noqa: E731 — the JSON holds the exact float32
+    want = [(str(h), v) for h, v in scores.top(8, "induction") if v >= 0.4]
+    assert [(h["head"], f32(h["score"])) for h in other["induction"]] == want
     best, v = scores.top(1, "previous_token")[0]
-    assert other["strongest"]["previous_token"] == {"head": str(best), "score": round(v, 6), "depth": best.layer / 2}
+    got = other["strongest"]["previous_token"]
+    assert (got["head"], f32(got["score"]), got["depth"]) == (str(best), v, best.layer / 2)
     assert "95th percentile" in d["notes"]["k_sources"]
     assert set(other["k_sources"]) == {h["head"] for h in other["induction"]}
     for receiver, source in other["k_sources"].items():           # a K source is a head of an earlier layer

@@ -1,11 +1,16 @@
 """Ablate attention heads: zero, mean or resample a head's own output ``z`` before ``W_O``.
 
->>> with ablate(model, "5.1,5.5"):                                  # doctest: +SKIP  zero ablation
-...     loss = model(tokens, return_type="loss")
->>> with ablate(model, "5.1", method="mean", reference=ref_tokens):  # doctest: +SKIP
+>>> round(model(tokens, return_type="loss").item(), 2)
+2.06
+>>> with ablate(model, "1.0"):                                      # zero ablation of the toy's induction head
+...     round(model(tokens, return_type="loss").item(), 2)
+3.47
+>>> with ablate(model, "1.0", method="mean", reference=tokens):
 ...     logits = model(tokens)
->>> group_effect(model, "5.1,5.5", tokens, "induction-loss").effect  # doctest: +SKIP
->>> compare_to_random(model, "5.1,5.5", tokens, "induction-loss", n_draws=20, seed=0)   # doctest: +SKIP
+>>> round(group_effect(model, "1.0", tokens, "induction-loss").effect, 2)    # induction loss up by 3.47 nats
+3.47
+>>> compare_to_random(model, "1.0", tokens, "induction-loss", n_draws=3, seed=0).fraction_at_least
+0.0
 
 Where: ``blocks.L.attn.hook_z`` [batch, pos, n_heads, d_head] holds each *query* head's
 attention-weighted values, the head's whole contribution before the output projection. With
@@ -41,6 +46,7 @@ from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .._foundation.args import check_model, check_tokens
 from .._foundation.heads import Head, HeadsLike, all_heads, model_heads
+from .._foundation.io import json_floats, read_float, read_floats
 from .._foundation.sequences import check_seed
 from .metrics import Metric, as_metric
 
@@ -374,8 +380,8 @@ class GroupEffect(Result):
 
     @classmethod
     def _from_dict(cls, d: Dict[str, Any]) -> "GroupEffect":
-        return cls([Head.parse(h) for h in d["heads"]], float(d["baseline"]), float(d["ablated"]), d["method"],
-                   d["metric"], bool(d.get("higher_is_better", False)), settings=d.get("settings", {}))
+        return cls([Head.parse(h) for h in d["heads"]], read_float(d["baseline"]), read_float(d["ablated"]),
+                   d["method"], d["metric"], bool(d.get("higher_is_better", False)), settings=d.get("settings", {}))
 
     def _text(self) -> str:
         heads = ", ".join(map(str, self.heads))
@@ -452,15 +458,15 @@ class RandomComparison(Result):
 
     def to_dict(self) -> Dict[str, Any]:
         return {"heads": [str(h) for h in self.heads], "baseline": self.baseline, "effect": self.effect,
-                "random_effects": [float(x) for x in self.random_effects.tolist()],
+                "random_effects": json_floats(self.random_effects),
                 "random_heads": [[str(h) for h in hs] for hs in self.random_heads], "method": self.method,
                 "metric": self.metric, "seed": self.seed, "fraction_at_least": self.fraction_at_least,
                 "settings": self.settings}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, Any]) -> "RandomComparison":
-        return cls([Head.parse(h) for h in d["heads"]], float(d["baseline"]), float(d["effect"]),
-                   torch.tensor([float(x) for x in d["random_effects"]]),
+        return cls([Head.parse(h) for h in d["heads"]], read_float(d["baseline"]), read_float(d["effect"]),
+                   read_floats(d["random_effects"]),
                    [[Head.parse(h) for h in hs] for hs in d["random_heads"]], d["method"], d["metric"],
                    int(d["seed"]), settings=d.get("settings", {}))
 

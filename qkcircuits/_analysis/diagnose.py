@@ -37,7 +37,6 @@ from torch import Tensor
 from .._foundation.capture import check_layers, has_rotary, stream
 from .._foundation.errors import QKCircuitsError
 from .._foundation.io import check_int
-from .._foundation.result import versions
 from .._foundation.model import model_name
 from .._foundation.sequences import check_seed, repeated_tokens, segment_length, text_tokens, token_pool
 from .._foundation.arch import adapter
@@ -363,8 +362,7 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
         "scores_hook": ("real scores" if all(scores_real.values()) else
                         "carries the pattern on some layers: scores rebuilt from q·k, scale and soft-cap"),
         "scale_measured": {str(k): v for k, v in sorted(measured_scale.items())},
-        "versions": dict(versions()),
-    }
+    }                                   # + versions (Result.__post_init__: written in one place)
     return HeadDiagnostics(model=model_name(model), n_layers=L, n_heads=H,
                            d_head=d_head, measures=measures, scale=scale, settings=settings, by_set=by_set)
 

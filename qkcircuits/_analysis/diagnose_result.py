@@ -1,10 +1,14 @@
 """``HeadDiagnostics``: per-head health measures as [n_layers, n_heads] tensors, flags with stated thresholds.
 
->>> diag = diagnose(model)                                   # doctest: +SKIP
->>> diag["qk_var_ratio"].shape                                # [n_layers, n_heads]  # doctest: +SKIP
->>> diag.flagged()                       # [(Head(layer=0, head=0), ["near_uniform"]), ...]  # doctest: +SKIP
->>> diag.to_frame().sort_values("sink", ascending=False)     # one row per head  # doctest: +SKIP
->>> HeadDiagnostics.from_json(diag.to_json())                # round trip  # doctest: +SKIP
+>>> diag = qk.diagnose(model, progress=False)
+>>> diag["qk_var_ratio"].shape                               # [n_layers, n_heads]
+torch.Size([2, 2])
+>>> diag.flagged()[:2]                                       # the toy's heads attend one-hot
+[(Head(layer=0, head=0), ['near_one_hot']), (Head(layer=0, head=1), ['near_one_hot'])]
+>>> diag.to_frame().sort_values("sink", ascending=False)[["layer", "head"]].values[0].tolist()   # one row per head
+[1, 0]
+>>> HeadDiagnostics.from_json(diag.to_json()).flagged() == diag.flagged()            # an exact round trip
+True
 
 Flags (thresholds live in ``settings["thresholds"]`` and docs/diagnostics.md says why):
 
@@ -16,7 +20,6 @@ Flags (thresholds live in ``settings["thresholds"]`` and docs/diagnostics.md say
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -27,6 +30,7 @@ from torch import Tensor
 from .._foundation import display as show
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head
+from .._foundation.io import json_floats, read_floats
 from .._foundation.result import Result
 
 # What each measure is (units: q·k products are raw dot products of the post-rotary q and k).
@@ -161,13 +165,11 @@ class HeadDiagnostics(Result):
         return self[name].nanmean(dim=1)
 
     def to_dict(self) -> dict:
-        def grid(t: Tensor) -> list:
-            # Full precision: a leak of 1e-13 must survive the round trip.
-            return [[None if v != v else float(v) for v in row] for row in t.tolist()]
+        grid = json_floats          # exact (a leak of 1e-13 must survive the round trip); NaN as null
 
         return {
             "schema": SCHEMA, "model": self.model, "n_layers": self.n_layers, "n_heads": self.n_heads,
-            "d_head": self.d_head, "scale": [None if v != v else float(v) for v in self.scale.tolist()],
+            "d_head": self.d_head, "scale": grid(self.scale),
             "settings": self.settings,
             "measures": {k: grid(v) for k, v in self.measures.items()},
             "by_set": {s: {k: grid(v) for k, v in ms.items()} for s, ms in self.by_set.items()},
@@ -182,12 +184,14 @@ class HeadDiagnostics(Result):
 
     @classmethod
     def _from_dict(cls, d: Dict[str, Any]) -> "HeadDiagnostics":
+        L, H = int(d["n_layers"]), int(d["n_heads"])
+
         def tensor(x) -> Tensor:
-            return torch.tensor([[math.nan if v is None else v for v in row] for row in x], dtype=torch.float64)
+            return read_floats(x, torch.float64).reshape(L, H)
 
         return cls(model=d["model"], n_layers=int(d["n_layers"]), n_heads=int(d["n_heads"]),
                    d_head=int(d["d_head"]), measures={k: tensor(v) for k, v in d["measures"].items()},
-                   scale=torch.tensor([math.nan if v is None else v for v in d["scale"]], dtype=torch.float64),
+                   scale=read_floats(d["scale"], torch.float64),
                    settings=d.get("settings", {}),
                    by_set={s: {k: tensor(v) for k, v in ms.items()} for s, ms in d.get("by_set", {}).items()})
 

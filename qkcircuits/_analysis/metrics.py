@@ -54,6 +54,7 @@ from torch import Tensor
 
 from .._foundation.errors import QKCircuitsError
 from .._foundation.sequences import repeated_tokens, segment_length, text_tokens
+from .detectors import target_masks
 
 NEEDS = ("logits", "pattern", "z")
 NAMES = ("induction-loss", "induction-loss-first-half", "text-loss", "logit-diff:C,W", "induction", "direct-logit")
@@ -244,8 +245,6 @@ def _one_token(text: str, model) -> Tensor:
 
 def induction_mask(tokens: Tokens) -> Bool[Tensor, "batch q k"]:
     """Each query's induction target (the token after the earlier copy of the current token) on ``[BOS]+R+R``."""
-    from .detect import target_masks        # detect imports the ablation code, which imports this module
-
     return target_masks(tokens, repeat_length(tokens))["induction"]
 
 

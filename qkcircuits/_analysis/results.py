@@ -20,7 +20,7 @@ from torch import Tensor
 from .._foundation import display as show
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head
-from .._foundation.io import check_int, json_number
+from .._foundation.io import check_int, json_floats, read_floats
 from .._foundation.result import Result
 
 SCHEMA = "qkcircuits.head_scores/1"
@@ -100,15 +100,14 @@ class HeadScores(Result):
             "schema": SCHEMA, "model": self.model, "n_layers": self.n_layers, "n_heads": self.n_heads,
             "settings": self.settings,
             "thresholds": {k: [s, m] for k, (s, m) in self.thresholds.items()},
-            "scores": {name: [[json_number(x) for x in row] for row in t.tolist()] for name, t in self.scores.items()},
+            "scores": {name: json_floats(t) for name, t in self.scores.items()},       # exact: labels survive
             "labels": {str(h): v for h, v in self.labels().items()},
             "extras": self.extras,
         }
 
     @classmethod
     def _from_dict(cls, d: Dict[str, Any]) -> "HeadScores":
-        scores = {k: torch.tensor([[math.nan if x is None else x for x in row] for row in v], dtype=torch.float32)
-                  for k, v in d["scores"].items()}
+        scores = {k: read_floats(v).reshape(int(d["n_layers"]), int(d["n_heads"])) for k, v in d["scores"].items()}
         return cls(model=d["model"], n_layers=int(d["n_layers"]), n_heads=int(d["n_heads"]), scores=scores,
                    settings=d.get("settings", {}),
                    thresholds={k: (v[0], float(v[1])) for k, v in d.get("thresholds", {}).items()},

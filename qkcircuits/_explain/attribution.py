@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .._foundation import display as show
+from .._foundation.io import json_floats, json_number, read_float, read_floats
 from .._foundation.model import model_name
 from .._foundation.result import Result
 
@@ -155,10 +156,10 @@ class Attribution(Result):
                 "attention": self.attention, "total": self.total, "exact_error": self.exact_error,
                 "query_sources": [list(x) for x in self.query_sources()],
                 "key_sources": [list(x) for x in self.key_sources()],
-                "pairs": [[a, b, float(self.pair_values[i, j]), _share(float(self.pair_values[i, j]), self.total)]
-                          for i, a in enumerate(self.pair_query) for j, b in enumerate(self.pair_key)],
-                "per_row": {"query": {"names": self.query_names, "values": self.query_values.tolist()},
-                            "key": {"names": self.key_names, "values": self.key_values.tolist()}},
+                "pairs": [[a, b, json_number(self.pair_values[i, j]), _share(float(self.pair_values[i, j]), self.total)]
+                          for i, a in enumerate(self.pair_query) for j, b in enumerate(self.pair_key)],  # NaN: null
+                "per_row": {"query": {"names": self.query_names, "values": json_floats(self.query_values)},
+                            "key": {"names": self.key_names, "values": json_floats(self.key_values)}},
                 "expanded": self.expanded, "settings": self.settings}
 
     @classmethod
@@ -167,12 +168,12 @@ class Attribution(Result):
         pk = list(dict.fromkeys(p[1] for p in d["pairs"]))
         P = torch.zeros(len(pq), len(pk), dtype=torch.float64)
         for a, b, v, *_ in d["pairs"]:
-            P[pq.index(a), pk.index(b)] = float(v) if v is not None else math.nan
+            P[pq.index(a), pk.index(b)] = read_float(v)
         q, k = d["per_row"]["query"], d["per_row"]["key"]
-        as_t = lambda x: torch.tensor(x, dtype=torch.float64).reshape(len(d["rows"]), -1)   # noqa: E731
+        as_t = lambda x: read_floats(x, torch.float64).reshape(len(d["rows"]), -1)   # noqa: E731
         return cls(str(d["model"]), str(d["head"]), str(d["reading"]), list(d["rows"]), list(q["names"]),
                    list(k["names"]), as_t(q["values"]), as_t(k["values"]), pq, pk, P,
-                   float(d["exact_error"]), dict(d.get("settings", {})), list(d.get("expanded", [])))
+                   read_float(d["exact_error"]), dict(d.get("settings", {})), list(d.get("expanded", [])))
 
     def _text(self) -> str:
         return (f"Attribution({self.head} on {self.model}: {self.reading} {show.number(self.total)} over "

@@ -47,6 +47,7 @@ from .rope import STYLES, RotarySpec, rotate
 from .errors import QKCircuitsError
 from .arch.model import positional
 from .heads import Head, HeadsLike, kv_head, model_heads, n_kv_heads
+from .io import json_floats, read_floats
 
 # name -> (hook suffix under blocks.L.attn, layout). "qh": [b, p, n_heads, d]; "kvh": [b, p, n_kv, d];
 # "hqk": [b, n_heads, q, k].
@@ -175,16 +176,17 @@ class Activations(Result):
                               "rms": float(t.float().pow(2).mean().sqrt())} for (n, l), t in sorted(self.tensors.items())])
 
     def to_dict(self) -> Dict[str, object]:
-        """Every tensor as nested lists (as stored: K/V per KV head) with its shape and dtype; large for big runs."""
+        """Every tensor as nested lists (as stored: K/V per KV head) with its shape and dtype, exact for the dtype
+        (``json_floats``); large for big runs."""
         return {"n_heads": self.n_heads, "settings": self.settings,
                 "tensors": [{"name": n, "layer": l, "dtype": str(t.dtype).replace("torch.", ""),
-                             "shape": list(t.shape), "values": t.detach().float().cpu().tolist()}
-                            for (n, l), t in sorted(self.tensors.items())]}
+                             "shape": list(t.shape), "values": json_floats(t)}
+                            for (n, l), t in self.tensors.items()]}         # in capture order (from_json keeps it)
 
     @classmethod
     def _from_dict(cls, d: Dict[str, object]) -> "Activations":
-        tensors = {(e["name"], int(e["layer"])): torch.tensor(e["values"], dtype=getattr(torch, e["dtype"]))
-                   .reshape(e["shape"]) for e in d["tensors"]}
+        tensors = {(e["name"], int(e["layer"])): read_floats(e["values"], getattr(torch, e["dtype"])).reshape(e["shape"])
+                   for e in d["tensors"]}
         return cls(int(d["n_heads"]), tensors, dict(d.get("settings", {})))
 
     def _text(self) -> str:

@@ -1,8 +1,10 @@
 """Short ``__repr__`` and a small ``_repr_html_`` for every result type: the top heads per label and a compact grid.
 
->>> scores = qk.scan(model)          # doctest: +SKIP
->>> scores                           # doctest: +SKIP   HeadScores(toy-induction: 2 layers x 2 heads; ...)
->>> display(scores)                  # doctest: +SKIP   in a notebook: tables of top heads, layer x head grids
+>>> scores = qk.scan(model, scores="induction,previous_token", progress=False)
+>>> scores                           # the repr: per label, how many heads reach it and the top heads
+HeadScores(hand-built-induction: 2 layers x 2 heads; scores induction, previous_token; induction: 1 head >= 0.4, top 1.0 (1), ...; previous-token: 1 head >= 0.4, top 0.0 (1), ...)
+>>> scores._repr_html_().startswith("<style>")      # what display(scores) shows in a notebook: tables and grids
+True
 
 Each result class inherits ``Displayed`` (``__repr__`` = ``self._text()``, ``_repr_html_`` = ``self._html()``)
 and renders itself with the shared helpers here (``grid``, ``top_heads``, ``table``, ``box``, ``number``); this

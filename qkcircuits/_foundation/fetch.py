@@ -11,7 +11,7 @@ the file remembers the last good check). A mismatch deletes the file and fetches
 does not give the right file either, the error names the file and how to clear the cache
 (``qkcircuits cache clear``).
 
->>> smollm2_gguf().name          # doctest: +SKIP (needs the SmolLM2 cache or the network)
+>>> smollm2_gguf().name          # doctest: +SKIP (needs the SmolLM2 cache or the network; tests/test_doc_claims.py)
 'SmolLM2-135M-Instruct.Q4_1.gguf'
 >>> smollm2_target().name
 'SmolLM2-135M-Instruct.Q4_1.gguf'

@@ -2,9 +2,13 @@
 the closed-form gradient back to each receiver's residual. Both replace running the block's own ``ln1``
 (a bridge module that computes its statistics twice) on one residual copy per receiver head.
 
->>> li = closed_form(model, layer, "q", x, model_q)      # None: not an RMSNorm/LayerNorm we can reproduce  # doctest: +SKIP
->>> q = project(li, resid, heads)                         # [b, p, n, e], head i from resid[i]  # doctest: +SKIP
->>> grads = input_vjp(li, x, dq, heads)                   # [n, b, p, d]: ∂m/∂(head i's own residual copy)  # doctest: +SKIP
+>>> li = closed_form(model, layer, "q", x, model_q)      # doctest: +SKIP (needs a model with a norm)
+>>> q = project(li, resid, heads)                         # doctest: +SKIP (needs a model with a norm)
+>>> grads = input_vjp(li, x, dq, heads)                   # doctest: +SKIP (needs a model with a norm)
+
+``closed_form`` is None where the norm is not an RMSNorm/LayerNorm it reproduces; ``project`` gives the heads' inputs
+[b, p, n, e], head i's from ``resid[i]``; ``input_vjp`` gives [n, b, p, d], ∂m/∂(head i's own residual copy)
+(tests/test_closed_form_inputs.py checks both against autograd on the tiny families).
 
 A head's input is  ln1(x) W_x + b_x  (x in q, k, v; W_x [heads, d_model, d_head]). With the norm's weight w
 folded into W̃ = w ⊙ W_x (and its bias β into b̃ = β W_x + b_x), per position:

@@ -95,15 +95,82 @@ def write_atomic(path: Union[str, Path], text: str) -> None:
 
 
 def json_number(x, significant: Optional[int] = None) -> Optional[float]:
-    """A float for JSON: NaN and infinities become ``null``; others rounded to 6 decimals, or to ``significant``
-    digits (9 give a float32 back exactly: edge scores, whose order decides a circuit, keep it through JSON)."""
+    """A float for JSON that reads back as the same value: NaN and infinities become ``null``; a Python float (or a
+    float64 tensor/array element) is kept as is (JSON writes its ``repr``, which round-trips); a float32 (bf16,
+    fp16) element becomes the SHORTEST decimal that reads back as the same float32 (``0.3999996``, not
+    ``0.39999958872795105`` nor ``0.4``). ``significant`` rounds to that many significant digits instead (lossy:
+    for display only). Why exact: a score of 0.3999996 rounded to 6 decimals reads back as 0.4 and crosses a 0.4
+    threshold (a round trip must not change a label).
+
+    >>> json_number(torch.tensor(0.3999996)), json_number(0.1 + 0.2), json_number(float("nan"))
+    (0.3999996, 0.30000000000000004, None)
+    """
+    dtype = getattr(x, "dtype", None)
     x = float(x)
     if math.isnan(x) or math.isinf(x):
         return None
-    return round(x, 6) if significant is None else float(f"{x:.{int(significant)}g}")
+    if significant is not None:
+        return float(f"{x:.{int(significant)}g}")
+    return _shortest32(x) if _is_narrow(dtype) else x
 
 
-SCORE_DIGITS = 9     # float32 → 9 significant digits → the same float32
+SCORE_DIGITS = 9     # float32 → 9 significant digits → the same float32 (json_number is exact without it)
+
+
+def _is_narrow(dtype) -> bool:
+    """A torch or numpy dtype whose values are all float32 values (float32, bfloat16, float16)."""
+    return str(dtype).replace("torch.", "") in ("float32", "bfloat16", "float16")
+
+
+def _shortest32(x: float) -> float:
+    # numpy prints a float32 as the shortest decimal that parses back to it (Dragon4, "unique"); parsed as a
+    # Python float and then rounded to float32 it is the same float32 again (checked on 2 M random bit patterns
+    # and every 7th subnormal; tests/test_roundtrip.py checks the tensors it writes).
+    import numpy as np
+
+    return float(str(np.float32(x)))
+
+
+def json_floats(t) -> Any:
+    """A tensor as nested lists of ``json_number``s (``null`` for NaN and ±inf), exact for its dtype: float64 as
+    is, float32 / bf16 / fp16 as the shortest decimal of each float32 value (readable, and read back exactly by
+    ``read_floats(..., torch.float32)``); integers as ints.
+
+    >>> json_floats(torch.tensor([[0.3999996, float("nan")]]))
+    [[0.3999996, None]]
+    """
+    import numpy as np
+
+    t = t.detach().cpu()
+    if not t.is_floating_point() or t.numel() == 0:
+        return t.tolist()
+    if not _is_narrow(t.dtype):
+        return finite_json(t.double().tolist())
+    flat = [None if not np.isfinite(v) else float(str(v)) for v in t.float().numpy().ravel()]
+    if t.dim() == 0:
+        return flat[0]
+    for n in reversed(t.shape[1:]):
+        flat = [flat[i:i + n] for i in range(0, len(flat), n)]
+    return flat
+
+
+def read_float(v) -> float:
+    """The inverse of ``json_number``: ``null`` (NaN or ±inf when written) reads as NaN."""
+    return math.nan if v is None else float(v)
+
+
+def read_floats(nested, dtype=None):
+    """The inverse of ``json_floats``: nested lists (``null`` as NaN) as a tensor of ``dtype`` (default float32).
+
+    >>> read_floats([[0.3999996, None]]).tolist()[0][0] == float(torch.tensor(0.3999996))
+    True
+    """
+    import torch
+
+    def walk(x):
+        return [walk(v) for v in x] if isinstance(x, list) else read_float(x)
+
+    return torch.tensor(walk(nested), dtype=dtype or torch.float32)
 
 
 def finite_json(obj: Any) -> Any:
@@ -240,3 +307,11 @@ def package_version(dist: str) -> str:
         return version(dist)
     except PackageNotFoundError:
         return "not installed"
+
+
+def qkcircuits_version() -> str:
+    """This package's version, read from its installed metadata (``pyproject.toml``'s ``version``: one place), or
+    ``"unknown"`` for a source tree that was never installed. ``qk.__version__`` and ``versions()`` read it here,
+    so no module imports the package root for it."""
+    v = package_version("qkcircuits")
+    return "unknown" if v == "not installed" else v

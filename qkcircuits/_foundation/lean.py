@@ -1,7 +1,10 @@
 """Fold LayerNorm into the weights holding ONE copy of them at a time (``qk.load(..., lean=True)``).
 
->>> bridge = TransformerBridge.boot_transformers(...)        # doctest: +SKIP
->>> fold_in_place(bridge)                                    # doctest: +SKIP  == enable_compatibility_mode()
+>>> bridge = TransformerBridge.boot_transformers(...)        # doctest: +SKIP (needs a checkpoint)
+>>> fold_in_place(bridge)                                    # doctest: +SKIP (needs a checkpoint)
+
+``fold_in_place(bridge)`` leaves the bridge with the weights ``bridge.enable_compatibility_mode()`` would give, bit
+for bit (tests/test_lean.py compares every parameter, buffer and logit with ``torch.equal``).
 
 Where the extra copies of ``enable_compatibility_mode()`` live (measured on SmolLM2, fp32, CPU:
 538 MB of weights, see docs/benchmarks.md "Memory"):

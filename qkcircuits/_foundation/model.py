@@ -38,6 +38,7 @@ from transformer_lens.model_bridge import TransformerBridge
 from .errors import QKCircuitsError
 from .arch import model as arch_model
 from .fetch import SMOLLM2_HUB_NAME, smollm2_gguf
+from .offline import hub_offline as _hub_offline
 
 ALIASES = {"smollm2-135m": "smollm2-135m", "smollm2": "smollm2-135m"}
 TOY = "toy-induction"
@@ -103,8 +104,9 @@ def load(
     (GGUF files are dequantized on the CPU first, then moved), plus the untied unembedding when
     ``fold_ln`` centres a tied W_U. ``lean=True`` (default) folds with one copy of the weights
     alive at a time and one block upcast to fp32 at a time (``qkcircuits._foundation.lean``: bit-identical weights;
-    measured on SmolLM2, 1.24x steady and 1.09x peak of a plain transformers load in fp32, 1.23x / 1.11x in
-    bf16, instead of 1.89x / 2.19x and, in bf16, 1.73x peak); ``lean=False`` calls TransformerLens's
+    measured on SmolLM2, 1.23x steady and 1.06x peak of a plain transformers load in fp32, 1.22x / 1.07x in
+    bf16, the steady excess being TransformerLens's imports and the untied W_U; docs/benchmarks.md, instead of
+    1.89x / 2.19x and, in bf16, 1.73x peak); ``lean=False`` calls TransformerLens's
     ``enable_compatibility_mode()`` as is.
     """
     if isinstance(spec, TransformerBridge):
@@ -411,24 +413,6 @@ def _hub_reachable(host: str = "huggingface.co", timeout: float = 1.5) -> bool:
             return True
     except OSError:
         return False
-
-
-@contextlib.contextmanager
-def _hub_offline():
-    """Make huggingface_hub answer from local files only (no 20 s of retries for local loads)."""
-    import huggingface_hub.constants as hc
-
-    old_env, old_const = os.environ.get("HF_HUB_OFFLINE"), hc.HF_HUB_OFFLINE
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    hc.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        hc.HF_HUB_OFFLINE = old_const
-        if old_env is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = old_env
 
 
 def _first_line(e: BaseException) -> str:

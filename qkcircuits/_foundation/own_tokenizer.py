@@ -1,9 +1,9 @@
 """What a model's tokenizer adds around a text on its own (``tokenizer(text)``, default special tokens).
 
->>> special_affixes(bos_tokenizer)                          # doctest: +SKIP  a Llama-style tokenizer
-{'prefix': [1], 'suffix': []}
->>> own_affixes(smollm2)                                    # doctest: +SKIP  SmolLM2 adds nothing
-{'prefix': [], 'suffix': [], 'source': 'the checkpoint's tokenizer'}
+>>> special_affixes(bos_tokenizer)      # doctest: +SKIP (a tokenizer that puts BOS id 0 first: tests/test_task_bos.py)
+{'prefix': [0], 'suffix': []}
+>>> own_affixes(smollm2)                # doctest: +SKIP (needs SmolLM2: tests/test_doc_claims.py checks it)
+{'prefix': [], 'suffix': [], 'source': "the checkpoint's tokenizer"}
 
 TransformerLens is no guide: it reloads the tokenizer with ``add_bos_token=True`` where it can
 (``get_tokenizer_with_bos``; a Hugging Face folder's: then a bridge's ``model.tokenizer(text)`` starts with BOS
@@ -69,9 +69,9 @@ def own_affixes(model) -> Dict[str, object]:
         def reload():
             from transformers import AutoTokenizer
 
-            from .model import _hub_offline
+            from .offline import hub_offline
 
-            with _hub_offline():
+            with hub_offline():
                 return AutoTokenizer.from_pretrained(name)
         got = read(reload, f"the tokenizer of {name!r} as saved")
     if got is None:

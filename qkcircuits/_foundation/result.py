@@ -36,7 +36,7 @@ import torch
 
 from .display import Displayed
 from .errors import QKCircuitsError
-from .io import check_schema, dump_json, load_json, looks_like_json, package_version, parse_schema
+from .io import check_schema, dump_json, load_json, looks_like_json, package_version, parse_schema, qkcircuits_version
 
 PathOrText = Union[str, Path]
 # True while from_json builds a result: a loaded result keeps the versions its file recorded (or none)
@@ -45,10 +45,9 @@ _loading: contextvars.ContextVar = contextvars.ContextVar("qkcircuits_result_loa
 
 @functools.lru_cache(maxsize=1)
 def versions() -> Dict[str, str]:
-    """The library versions a result records under ``settings["versions"]`` (one key for every result)."""
-    from .. import __version__      # the package root imports this module's users; read it late
-
-    return {"qkcircuits": __version__, "torch": torch.__version__,
+    """The library versions a result records under ``settings["versions"]`` (one key for every result; the one
+    place they are written: producers call ``stamped``, or ``Result.__post_init__`` fills them in)."""
+    return {"qkcircuits": qkcircuits_version(), "torch": str(torch.__version__),     # a str, not TorchVersion
             "transformer_lens": package_version("transformer-lens"), "transformers": package_version("transformers")}
 
 

@@ -1,7 +1,8 @@
 """Path patching: how much each earlier head feeds a receiver head's queries, keys or values.
 
->>> res = qk.path_patch(model, "1.0", into=("q", "k", "v"))     # doctest: +SKIP   every earlier head as sender
->>> res.top(3, receiver="1.0", into="k")                       # doctest: +SKIP   [(Head(0, 0), 0.97), ...]
+>>> res = qk.path_patch(model, "1.0", into=("q", "k", "v"), progress=False)    # every earlier head as sender
+>>> [(str(h), round(e, 2)) for h, e in res.top(1, receiver="1.0", into="k")]   # the toy's keys: from 0.0
+[('0.0', 1.0)]
 
 For sender head s = (L, h) and receiver r at layer R > L, the sender's output is replaced
 (``method``: its mean over the prompt set per position, zero, or its output on another prompt)

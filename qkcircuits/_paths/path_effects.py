@@ -1,10 +1,14 @@
 """Path-patching results as data: per receiver head and input (q, k, v), one effect per sender head.
 
->>> res = qk.path_patch(model, "1.0")                    # doctest: +SKIP
->>> res.top(3, receiver="1.0", into="k")                # doctest: +SKIP  [(Head(0, 0), 0.97), ...]
->>> res.baseline("1.0", "k")                             # doctest: +SKIP  {"mean": 0.003, "p95": 0.01}
->>> res.to_frame()                                       # doctest: +SKIP  one row per (receiver, input, sender)
->>> PathEffects.from_json(res.to_json())                 # doctest: +SKIP  the JSON contract of ``qkcircuits trace``
+>>> res = qk.path_patch(model, "1.0", progress=False)
+>>> [(str(h), round(e, 2)) for h, e in res.top(1, receiver="1.0", into="k")]
+[('0.0', 1.0)]
+>>> {k: round(v, 2) for k, v in res.baseline("1.0", "k").items()}     # the typical sender: mean, 95th percentile
+{'mean': 0.5, 'p95': 0.95}
+>>> res.to_frame().shape                          # one row per (receiver, input, sender): 1 x 3 x 2
+(6, 7)
+>>> PathEffects.from_json(res.to_json()).to_json() == res.to_json()   # the JSON contract of ``qkcircuits trace``
+True
 
 ``effects[input]`` is ``Float[Tensor, "receiver layer head"]``: the effect of sender (layer, head)
 on that input of receiver ``receivers[i]``, NaN where (layer, head) is not a sender of that
@@ -26,7 +30,7 @@ from torch import Tensor
 from .._foundation import display as show
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head
-from .._foundation.io import check_int, json_number
+from .._foundation.io import check_int, json_number, read_float
 from .._foundation.result import Result
 
 INPUTS = ("q", "k", "v")
@@ -160,17 +164,22 @@ class PathEffects(Result):
         recv: Dict[str, Any] = {}
         for i, r in enumerate(self.receivers):
             d: Dict[str, Any] = {"clean": self._clean_attention(i)}
-            for x in self.into:
-                d[x] = {str(s): json_number(self.effects[x][i, s.layer, s.head]) for s in self.senders(r)}
+            measured = ~torch.stack([self.effects[x][i].isnan() for x in self.into]).all(0)    # any input's
+            senders = [Head(int(l), int(h)) for l, h in measured.nonzero().tolist()]
+            for x in self.into:          # exact numbers (json_number); a NaN of one input among others' values: null
+                d[x] = {str(s): json_number(self.effects[x][i, s.layer, s.head]) for s in senders}
             d["baseline"] = {x: {k: json_number(v) for k, v in self.baseline(r, x).items()} for x in self.into}
             d["clean_metric"] = {x: json_number(self.clean[x][i]) for x in self.into}
             if str(r) in self.k_composition_spearman:
                 v = self.k_composition_spearman[str(r)]
                 d["k_composition_spearman"] = None if v is None else json_number(v)
             recv[str(r)] = d
+        # "clean" per receiver is the clean induction attention (the contract); "clean_attention" says whether it was
+        # measured as such (the field) or read off an induction metric, so that from_json rebuilds the same field
         return {"schema": SCHEMA, "model": self.model, "method": self.method, "kind": self.kind,
                 "metrics": {x: self.metrics[x] for x in self.into}, "n_layers": self.n_layers,
-                "n_heads": self.n_heads, "receivers": recv, "labels": self.labels, "settings": self.settings}
+                "n_heads": self.n_heads, "receivers": recv, "labels": self.labels, "settings": self.settings,
+                "clean_attention": self.clean_attention is not None}
 
     def _clean_attention(self, i: int) -> Optional[float]:
         """Receiver i's clean induction attention, or None when nothing here measured it."""
@@ -185,25 +194,26 @@ class PathEffects(Result):
     def _from_dict(cls, d: Dict[str, Any]) -> "PathEffects":
         L, H = int(d["n_layers"]), int(d["n_heads"])
         receivers = [Head.parse(r) for r in d["receivers"]]
-        into = [x for x in INPUTS if x in d["metrics"]]
+        into = list(d["metrics"])           # in the order written (= the result's ``into``)
+        if any(x not in INPUTS for x in into):
+            raise QKCircuitsError(f"metrics name inputs {into}; inputs are {', '.join(INPUTS)}")
         effects = {x: torch.full((len(receivers), L, H), float("nan")) for x in into}
         clean = {x: torch.full((len(receivers),), float("nan")) for x in into}
         spear: Dict[str, Optional[float]] = {}
         attn = torch.full((len(receivers),), float("nan"))
         for i, (name, rd) in enumerate(d["receivers"].items()):
-            attn[i] = float("nan") if rd.get("clean") is None else float(rd["clean"])
+            attn[i] = read_float(rd.get("clean"))
             for x in into:
                 for s, v in rd[x].items():
                     h = Head.parse(s)
-                    effects[x][i, h.layer, h.head] = float("nan") if v is None else float(v)
-                cm = rd.get("clean_metric", {}).get(x)
-                clean[x][i] = float("nan") if cm is None else float(cm)
+                    effects[x][i, h.layer, h.head] = read_float(v)
+                clean[x][i] = read_float(rd.get("clean_metric", {}).get(x))
             if "k_composition_spearman" in rd:
                 spear[name] = rd["k_composition_spearman"]
         return cls(model=d["model"], method=d["method"], receivers=receivers, into=into,
                    metrics=dict(d["metrics"]), effects=effects, clean=clean, kind=d.get("kind", "exact"),
                    n_layers=L, n_heads=H, settings=d.get("settings", {}), labels=d.get("labels", {}),
-                   k_composition_spearman=spear, clean_attention=attn)
+                   k_composition_spearman=spear, clean_attention=attn if d.get("clean_attention", True) else None)
 
     # ------------------------------------------------------------------------------------- display
     def summary(self, receiver, into: str = "k") -> str:

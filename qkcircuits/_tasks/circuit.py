@@ -101,8 +101,7 @@ class Faithfulness(Result):
 
     @classmethod
     def _from_dict(cls, d: Dict[str, object]) -> "Faithfulness":
-        def num(v) -> float:
-            return float("nan") if v is None else float(v)
+        from .._foundation.io import read_float as num
 
         c = Circuit._from_dict({"model": d.get("model", ""), **d["circuit"]})
         return cls({float(k): num(v) for k, v in d["curve"].items()},

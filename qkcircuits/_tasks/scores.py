@@ -216,41 +216,35 @@ class EdgeScores(Result):
 
     # ---------------------------------------------------------------------------------------- data
     def to_dict(self) -> Dict[str, object]:
-        from .._foundation.io import SCORE_DIGITS, json_number
+        from .._foundation.io import json_floats, json_number
 
+        # exact numbers (the order of the scores decides a circuit; labels and circuits must survive a round trip)
         return {"schema": SCHEMA, "model": self.model, "method": self.method, "steps": self.steps,
-                "clean": json_number(self.clean, SCORE_DIGITS), "corrupt": json_number(self.corrupt, SCORE_DIGITS),
+                "clean": json_number(self.clean), "corrupt": json_number(self.corrupt),
                 "task": self.task,
                 "graph": self.graph.to_dict(), "senders": list(self.graph.senders),
                 "receivers": [list(r) for r in self.graph.receivers],
-                "scores": [[json_number(v, SCORE_DIGITS) for v in row] for row in self.scores.tolist()],
+                "scores": json_floats(self.scores),
                 "settings": self.settings, "timing": self.timing,
-                **({} if self.position_scores is None else
-                   {"position_scores": [[[json_number(v, SCORE_DIGITS) for v in row] for row in grp]
-                                        for grp in self.position_scores.tolist()]})}
+                **({} if self.position_scores is None else {"position_scores": json_floats(self.position_scores)})}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, object]) -> "EdgeScores":
+        from .._foundation.io import read_float, read_floats
+
         g = Graph.from_dict(d["graph"], d.get("model", ""))
-
-        def tensor(rows):
-            return torch.tensor(rows, dtype=torch.float32) if rows else torch.zeros(0)
-
-        sc = tensor([[float("nan") if v is None else v for v in row] for row in d["scores"]])
+        sc = read_floats(d["scores"])
         if tuple(sc.shape) != (g.n_senders, g.n_receivers):
             raise QKCircuitsError(f"scores are {tuple(sc.shape)}, but the graph has {g.n_senders} senders x "
                                   f"{g.n_receivers} receiver inputs")
         ps = None
         if g.positions:
-            ps = tensor([[[float("nan") if v is None else v for v in row] for row in grp]
-                         for grp in d.get("position_scores") or []])
+            ps = read_floats(d.get("position_scores") or [])
             if tuple(ps.shape) != (g.n_groups, g.n_senders, g.n_receivers):
                 raise QKCircuitsError(f"position_scores are {tuple(ps.shape)}, but the graph has {g.n_groups} position "
                                       f"groups x {g.n_senders} senders x {g.n_receivers} receiver inputs")
-        nan = float("nan")
-        return cls(g, sc, d["method"], d["steps"], nan if d["clean"] is None else d["clean"],
-                   nan if d["corrupt"] is None else d["corrupt"], d["task"], d.get("model", ""),
-                   d.get("settings", {}), d.get("timing", {}), ps)
+        return cls(g, sc, d["method"], d["steps"], read_float(d["clean"]), read_float(d["corrupt"]), d["task"],
+                   d.get("model", ""), d.get("settings", {}), d.get("timing", {}), ps)
 
     def _text(self) -> str:
         top = "; ".join(f"{s}->{r} {x} {v:+.3g}" for s, r, x, v in self.top(3))
@@ -268,14 +262,10 @@ class EdgeScores(Result):
 
 
 def _settings(model, task: Task, rows: int, extra: Dict[str, object]) -> Dict[str, object]:
-    from .. import __version__
-    from .._foundation.io import package_version
-
+    """The run's settings; the library versions are ``Result``'s (``result.versions``, written in one place)."""
     return {"rows_per_shard": rows, "bos_prepended": bool(task.bos), "dtype": str(model.W_E.dtype),
             "d_model": int(model.cfg.d_model),
-            "fold_ln": folded(model), "task_digest": task.digest(model), **extra,
-            "versions": {"qkcircuits": __version__, "transformer_lens": package_version("transformer-lens"),
-                         "torch": torch.__version__}}
+            "fold_ln": folded(model), "task_digest": task.digest(model), **extra}
 
 
 def task_graph(model, task: Task, gqa: str = "grouped", positions: Any = False) -> Graph:
@@ -392,14 +382,16 @@ class NodeScores(Result):
         return pd.DataFrame(list(self.scores.items()), columns=["node", "score"])
 
     def to_dict(self) -> Dict[str, object]:
-        from .._foundation.io import SCORE_DIGITS, json_number
+        from .._foundation.io import json_number
 
         return {"schema": self.SCHEMA, "model": self.model, "method": self.method,
-                "scores": {n: json_number(v, SCORE_DIGITS) for n, v in self.scores.items()}, "settings": self.settings}
+                "scores": {n: json_number(v) for n, v in self.scores.items()}, "settings": self.settings}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, object]) -> "NodeScores":
-        return cls({str(n): float("nan") if v is None else float(v) for n, v in d["scores"].items()},
+        from .._foundation.io import read_float
+
+        return cls({str(n): read_float(v) for n, v in d["scores"].items()},
                    str(d["method"]), str(d.get("model", "")), dict(d.get("settings", {})))
 
     def _text(self) -> str:

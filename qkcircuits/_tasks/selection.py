@@ -181,10 +181,11 @@ class Circuit(Result):
         return sorted((n for n in self.nodes if n[0].isdigit()), key=lambda h: tuple(map(int, h.split("."))))
 
     def to_dict(self) -> Dict[str, object]:
-        from .._foundation.io import SCORE_DIGITS, json_number
+        from .._foundation.io import json_number
 
         return {"graph": self.graph.to_dict(), "model": self.model,          # what from_json rebuilds the graph from
-                "edges": [[s, r, x, json_number(v, SCORE_DIGITS)] for s, r, x, v in self.edges()], "heads": self.heads,
+                "edges": [[s, r, x, json_number(self.scores.new_tensor(v))] for s, r, x, v in self.edges()],   # exact
+                "heads": self.heads,
                 "mlps": sorted(n for n in self.nodes if n.startswith("mlp")), "n_edges": self.n_edges,
                 "requested_edges": self.requested, "percent": self.percent, "by": self.by,
                 "how": self.how, **({"position_nodes": self.position_nodes} if self.position_mask is not None else {})}
@@ -215,7 +216,8 @@ class Circuit(Result):
             mask, scores = mask[0], scores[0]
         known = {"graph", "mask", "scores", "by", "percent", "requested", "model"}
         other = {f.name: d[f.name] for f in fields(cls) if f.name not in known and f.name in d}   # e.g. later settings
-        return cls(g, mask, scores, by=str(d.get("by", "abs")), percent=None if pct is None else float(pct),
+        pct = pct if pct is None or isinstance(pct, int) else float(pct)      # 5 stays 5, 2.5 stays 2.5
+        return cls(g, mask, scores, by=str(d.get("by", "abs")), percent=pct,
                    requested=int(d.get("requested_edges", 0)), model=str(d.get("model", "")), **other)
 
     def top(self, k: int = 10) -> List[Tuple[str, str, str, float]]:

@@ -1,9 +1,10 @@
 """Work a circuit forward would throw away is not done: q/k/v projections it overwrites, MLPs it knows.
 
->>> with skipped(model, [(3, "q"), (3, "k")]) as done:     # doctest: +SKIP
-...     model.run_with_hooks(tokens, fwd_hooks=hooks)         # hooks MUST replace blocks.3.attn.hook_q / hook_k
->>> done                                                      # doctest: +SKIP
-{(3, 'q'), (3, 'k')}
+>>> hooks = [("blocks.1.attn.hook_q", lambda q, hook: torch.zeros_like(q))]   # replaces the value it skips
+>>> with skipped(model, [(1, "q")]) as done:
+...     logits = model.run_with_hooks(tokens, fwd_hooks=hooks)  # hooks MUST replace blocks.1.attn.hook_q
+>>> done
+{(1, 'q')}
 
 In ``runs.patched_run`` most receiver groups' hook_q/k/v values are replaced (recomputed from each head's own
 residual, or taken from the corrupt run), so the model's own q/k/v matmul of that layer is wasted: on

@@ -21,6 +21,7 @@ from .._foundation import display as show
 from .._foundation.args import check_integer, check_model
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike
+from .._foundation.io import json_floats, read_floats
 from .._foundation.model import model_name
 from .._foundation.result import Result
 from .circuits import to_head, attn_scale, circuit_caveats, full_ov, full_qk, is_folded, ov, ov_affine, qk, qk_affine
@@ -64,12 +65,17 @@ class Circuit(Result):
         return pd.DataFrame({"index": list(range(self.matrix.S.numel())), "singular_value": self.matrix.S.tolist()})
 
     def to_dict(self) -> Dict[str, object]:
-        return {"kind": self.kind, "head": str(self.head), "A": self.matrix.A.tolist(), "B": self.matrix.B.tolist(),
+        return {"kind": self.kind, "head": str(self.head), "dtype": str(self.matrix.A.dtype).replace("torch.", ""),
+                "A": json_floats(self.matrix.A), "B": json_floats(self.matrix.B),      # exact for the dtype
                 "settings": self.settings, "caveats": list(self.caveats)}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, object]) -> "Circuit":
-        return cls(FactoredMatrix(torch.tensor(d["A"]), torch.tensor(d["B"])), str(d["kind"]), Head.parse(d["head"]),
+        dtype = getattr(torch, str(d.get("dtype", "float32")))       # files before the dtype was written: float32
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise QKCircuitsError(f"dtype {d.get('dtype')!r} is not a floating-point torch dtype")
+        return cls(FactoredMatrix(read_floats(d["A"], dtype), read_floats(d["B"], dtype)), str(d["kind"]),
+                   Head.parse(d["head"]),
                    dict(d.get("settings", {})), list(d.get("caveats", [])))
 
     def _shape(self) -> str:

@@ -1,11 +1,16 @@
 """Every head as its QK and OV circuit, as ``FactoredMatrix`` (never materialising d_model² or vocab²).
 
->>> import qkcircuits as qk
->>> model = qk.load("smollm2-135m")                        # doctest: +SKIP
->>> qk.qk(model, "3.1")                                    # doctest: +SKIP   W_Q W_Kᵀ   [576, 576], rank 64
->>> qk.ov(model, "3.1")                                    # doctest: +SKIP   W_V W_O    [576, 576]
->>> qk.full_ov(model, "3.1")                               # doctest: +SKIP   [49152, 49152] as A:[49152,64] B:[64,49152]
->>> qk.top_tokens(qk.full_ov(model, "3.1"), 504, k=5)      # doctest: +SKIP   (values, token ids) of one row
+>>> M = qk.qk(model, "1.0")                 # W_Q W_Kᵀ [d_model, d_model], factored (the toy: d_model 224)
+>>> tuple(M.shape), tuple(M.A.shape)
+((224, 224), (224, 129))
+>>> tuple(qk.ov(model, "1.0").shape)          # W_V W_O
+(224, 224)
+>>> F = qk.full_ov(model, "1.0")              # W_E W_V W_O W_U [vocab, vocab] as A [vocab, k] @ B [k, vocab]
+>>> tuple(F.shape), tuple(F.A.shape)
+((32, 32), (32, 129))
+>>> values, ids = qk.top_tokens(F, 5, k=2)    # one row: token 5 read, the tokens written most (the toy copies)
+>>> ids.tolist()[0], round(float(values[0]), 2)
+(5, 30.0)
 
 Conventions (TransformerLens, row vectors): a residual row x produces q = x W_Q + b_Q and
 k = x W_K + b_K, so the score is x_i W_Q W_Kᵀ x_jᵀ (plus bias terms); QK = W_Q W_Kᵀ is the

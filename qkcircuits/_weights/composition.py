@@ -1,8 +1,10 @@
 """Q-, K- and V-composition between every earlier head's OV and every later head, random baseline removed.
 
->>> comp = composition_scores(model, "K")          # doctest: +SKIP
->>> comp.scores.shape                              # doctest: +SKIP   [L, H, L, H]: [earlier layer, head, later layer, head]
->>> k_composition_partners(model, ["1.0"])         # doctest: +SKIP   {Head(1, 0): [(Head(0, 0), 0.93), ...]}
+>>> comp = composition_scores(model, "K")
+>>> comp.scores.shape                              # [L, H, L, H]: [earlier layer, head, later layer, head]
+torch.Size([2, 2, 2, 2])
+>>> {str(r): [(str(h), round(v, 2)) for h, v in p] for r, p in k_composition_partners(model, ["1.0"]).items()}
+{'1.0': [('0.0', 0.11)]}
 
 Score (Elhage et al. 2021): ‖W_OV · W_X‖_F / (‖W_OV‖_F ‖W_X‖_F) with, in TL's row-vector form,
 W_X = QK (Q-composition: the earlier head writes what the later head's query reads),
@@ -33,7 +35,7 @@ from .._foundation.renamed import renamed
 from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike, model_heads
-from .._foundation.io import json_number
+from .._foundation.io import json_floats, read_float, read_floats
 from .._foundation.model import model_name
 from .._foundation.arch import adapter
 from .circuits import is_folded, layer_weights, warn_caveats
@@ -90,10 +92,8 @@ class CompositionScores(Result):
                              for a, b, c, d in ok], columns=["earlier", "later", "score", "raw"])
 
     def to_dict(self) -> Dict[str, object]:
-        def clean(t: Tensor):
-            return [[[[json_number(v) for v in row] for row in m] for m in lay] for lay in t.tolist()]
         return {"mode": self.mode, "baseline": self.baseline, "settings": self.settings,
-                "scores": clean(self.scores), "raw": clean(self.raw)}
+                "scores": json_floats(self.scores), "raw": json_floats(self.raw)}       # exact, NaN as null
 
     def to_json(self, path=None, indent: Optional[int] = None) -> str:
         """As ``Result.to_json``; compact by default ([L, H, L, H] twice is the biggest result)."""
@@ -101,10 +101,8 @@ class CompositionScores(Result):
 
     @classmethod
     def _from_dict(cls, d: Dict[str, object]) -> "CompositionScores":
-        def tensor(x):
-            return torch.tensor([[[[float("nan") if v is None else v for v in row] for row in m] for m in lay]
-                                 for lay in x])
-        return cls(d["mode"], tensor(d["scores"]), tensor(d["raw"]), float(d["baseline"]), d.get("settings", {}))
+        return cls(d["mode"], read_floats(d["scores"]), read_floats(d["raw"]), read_float(d["baseline"]),
+                   d.get("settings", {}))
 
     def _text(self) -> str:
         L, H = self.scores.shape[0], self.scores.shape[1]

@@ -1,11 +1,18 @@
 """What a head reads and writes per token, from three places: direct, effective, contextual.
 
->>> x = token_inputs(model, 18, ids)                       # doctest: +SKIP   contextual rows past layer 0
->>> x.rows.shape, x.source[:3]                             # doctest: +SKIP   [n, d_model], ['contextual', ...]
->>> logits, x = head_logits(model, "18.6", ids)            # doctest: +SKIP   [n, vocab]: its write, read as logits
->>> grid, x = token_qk(model, "18.6", ids)                 # doctest: +SKIP   [n, n] QK scores over the tokens
->>> copying_rank(model, "18.6", ids)                       # doctest: +SKIP   [n]: rank of each source token itself
->>> ov_copying(model)                                      # doctest: +SKIP   [layer, head] in [-1, 1], 0 = chance
+>>> ids = torch.arange(8)                                 # on the toy (no tokenizer: ids of its token pool)
+>>> x = token_inputs(model, 1, ids)                       # contextual rows past layer 0 ([n, d_model])
+>>> tuple(x.rows.shape), x.source[:3]                     # token 0 never occurs in the corpus: effective instead
+((8, 224), ['effective', 'contextual', 'contextual'])
+>>> logits, x = head_logits(model, "1.0", ids)            # its write, read as logits: [n, vocab]
+>>> grid, x = token_qk(model, "1.0", ids)                 # QK scores over the tokens: [n, n]
+>>> tuple(logits.shape), tuple(grid.shape)
+((8, 32), (8, 8))
+>>> copying_rank(model, "1.0", ids).tolist()              # rank of each source token itself (1 = top)
+[32.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+>>> scores, settings = ov_copying(model)                  # [layer, head] in [-1, 1], 0 = chance
+>>> tuple(scores.shape)
+(2, 2)
 
 Inputs (``input=``), each the row ``W_Q``/``W_K``/``W_V`` of layer L read for token t (after L's input norm;
 its bias left out, as ``fold_ln`` moves it into b_Q/b_K/b_V and every circuit leaves biases out, so both

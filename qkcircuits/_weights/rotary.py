@@ -1,9 +1,14 @@
 """Positions in the QK circuit: learned absolute (W_pos QK W_posᵀ) and rotary (QK at a relative offset).
 
->>> spec = rotary_spec(model)                 # doctest: +SKIP   the model's own frequencies and pairing
->>> spec.describe()                           # doctest: +SKIP   {'style': 'halves', 'base': 100000.0, ...}
->>> M = qk_at_offset(model, "3.1", 1)         # doctest: +SKIP   W_Q R(1) W_Kᵀ: query at i, key at i-1
->>> scores = offset_scores(model, 3, x)       # doctest: +SKIP   x_i · QK(i−j) · x_jᵀ · scale, [head, q, k]
+On SmolLM2 (the doctest model has no rotary; tests/test_doc_claims.py checks these on SmolLM2):
+
+>>> spec = rotary_spec(smollm2)                 # doctest: +SKIP (needs SmolLM2)
+>>> {k: spec.describe()[k] for k in ("style", "base")}        # doctest: +SKIP (needs SmolLM2)
+{'style': 'halves', 'base': 100000.0}
+>>> M = qk_at_offset(smollm2, "3.1", 1)         # doctest: +SKIP (needs SmolLM2)
+
+``qk_at_offset(model, head, δ)`` is W_Q R(δ) W_Kᵀ (query at i, key at i − δ); ``offset_scores(model, layer, x)``
+is x_i · QK(i − j) · x_jᵀ · scale for every head, [head, q, k].
 
 Rotary embeddings rotate q at position i and k at position j by angles i·ω and j·ω per pair of
 coordinates, so q_i·k_j = q R(i−j) kᵀ: the score depends on positions only through the offset
@@ -36,6 +41,7 @@ from .._foundation.rope import STYLES, RotarySpec, rotate, rotation  # noqa: F40
 from .._foundation.errors import QKCircuitsError
 from .._foundation.arch.model import positional
 from .._foundation.heads import HeadsLike
+from .._foundation.io import json_floats, read_floats
 from .circuits import CHUNK_ROWS, to_head, attn_scale, is_folded, layer_weights, normalize_rows, warn_caveats
 
 
@@ -185,13 +191,12 @@ class OffsetProfile(Result):
 
     def to_dict(self) -> Dict[str, Any]:
         return {"head": self.head, "offsets": [int(x) for x in self.offsets.tolist()],
-                "mean_score": [float(x) for x in self.mean_score.tolist()],
-                "norm": [float(x) for x in self.norm.tolist()], "settings": self.settings}
+                "mean_score": json_floats(self.mean_score), "norm": json_floats(self.norm), "settings": self.settings}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, Any]) -> "OffsetProfile":
         return cls(str(d["head"]), torch.tensor([int(x) for x in d["offsets"]]),
-                   torch.tensor([float(x) for x in d["mean_score"]]), torch.tensor([float(x) for x in d["norm"]]),
+                   read_floats(d["mean_score"]), read_floats(d["norm"]),
                    d.get("settings", {}))
 
     def _text(self) -> str:

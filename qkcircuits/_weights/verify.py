@@ -34,6 +34,7 @@ from torch import Tensor
 
 from .._foundation.arch import adapter, architecture
 from .._foundation.capture import as_tokens
+from .._foundation.io import json_floats, json_number, read_floats
 from .._foundation.model import model_name
 from .._foundation.result import Result
 from .circuits import attn_input_hook, layer_weights, ov
@@ -86,23 +87,16 @@ class CircuitCheck(Result):
         return [(str(r["head"]), float(r["error"])) for _, r in self.worst(k).iterrows()]
 
     def to_dict(self) -> Dict[str, object]:
-        import math
-
-        def num(x: float):           # full precision: the errors are ~1e-7 (6 decimals would make them 0)
-            return float(x) if math.isfinite(x) else None
-
-        def grid(t: torch.Tensor):
-            return [[num(x) for x in row] for row in t.tolist()]
-
-        return {"schema": SCHEMA, "passed": self.passed, "max_error": num(self.max_error),
-                "tolerance": self.tolerance, "qk_error": grid(self.qk_error), "ov_error": grid(self.ov_error),
+        # exact: the errors are ~1e-7 (6 decimals would make them 0); NaN as null
+        return {"schema": SCHEMA, "passed": self.passed, "max_error": json_number(self.max_error),
+                "tolerance": self.tolerance, "qk_error": json_floats(self.qk_error),
+                "ov_error": json_floats(self.ov_error),
                 "score_source": {str(k): v for k, v in self.score_source.items()},
                 "output_source": {str(k): v for k, v in self.output_source.items()}, "settings": self.settings}
 
     @classmethod
     def _from_dict(cls, d: Dict[str, object]) -> "CircuitCheck":
-        def grid(v) -> torch.Tensor:
-            return torch.tensor([[float("nan") if x is None else x for x in row] for row in v], dtype=torch.float32)
+        grid = read_floats
 
         return cls(grid(d["qk_error"]), grid(d["ov_error"]), {int(k): str(v) for k, v in d["score_source"].items()},
                    {int(k): str(v) for k, v in d["output_source"].items()}, float(d["tolerance"]),
@@ -146,13 +140,8 @@ def verify_circuits(model, tokens=None, *, tolerance: Optional[float] = None) ->
         got = _layer_run(model, toks, layer)
         qk_err[layer], s_src[layer] = _qk_errors(model, layer, got)
         ov_err[layer], o_src[layer] = _ov_errors(model, layer, got)
-    import transformer_lens
-
-    from .. import __version__
     settings = {"model": model_name(model), "architecture": architecture(model), "family": adapter(model, 0).family,
-                "tokens": list(toks.shape), "tolerance": tolerance,
-                "versions": {"qkcircuits": __version__, "torch": torch.__version__,
-                             "transformer_lens": getattr(transformer_lens, "__version__", "?")}}
+                "tokens": list(toks.shape), "tolerance": tolerance}       # + versions (Result.__post_init__)
     return CircuitCheck(qk_err, ov_err, s_src, o_src, float(tolerance), settings)
 
 

@@ -2,8 +2,8 @@
 
 On a DeepSeek-shaped model (tests/_tiny.py ``tiny_deepseek``; the doctest model is not one):
 
->>> a = adapter(deepseek, 1)                              # doctest: +SKIP
->>> a.family, a.kv_lora_rank, a.d_rope, a.d_qk, a.d_v     # doctest: +SKIP
+>>> a = adapter(deepseek, 1)                              # doctest: +SKIP (tests/test_doc_claims.py)
+>>> a.family, a.kv_lora_rank, a.d_rope, a.d_qk, a.d_v     # doctest: +SKIP (tests/test_doc_claims.py)
 ('latent', 16, 8, 24, 16)
 
 One layer, in row-vector form (x: the normalised residual entering attention, [d_model]):
