@@ -15,6 +15,7 @@ a task circuit's scores are NaN outside its mask (its JSON keeps only the circui
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 import random
 from typing import Any, Callable, Dict, List
 
@@ -26,6 +27,7 @@ from qkcircuits._analysis.diagnose_result import HeadDiagnostics
 from qkcircuits._analysis.results import HeadScores
 from qkcircuits._analysis.sweep import HeadEffects
 from qkcircuits._explain.attribution import Attribution
+from qkcircuits._tasks.core import CoreCircuit
 from qkcircuits._foundation.capture import NAMES, Activations
 from qkcircuits._foundation.heads import Head
 from qkcircuits._paths.path_effects import PathEffects
@@ -94,10 +96,13 @@ def heads(rng: random.Random, L: int, H: int, n: int) -> List[Head]:
     return [Head(rng.randrange(L), rng.randrange(H)) for _ in range(n)]
 
 
-def graph(rng: random.Random, model: str) -> Graph:
+def graph(rng: random.Random, model: str, positions: bool = False) -> Graph:
     H = rng.randint(1, 3)
-    return Graph(rng.randint(1, 3), H, rng.choice([h for h in (1, H) if H % h == 0]), rng.random() < 0.7, model,
-                 rng.random() < 0.3)
+    g = Graph(rng.randint(1, 3), H, rng.choice([h for h in (1, H) if H % h == 0]), rng.random() < 0.7, model,
+              rng.random() < 0.3)
+    if positions and rng.random() < 0.5:          # a position-aware graph: named groups, then "other"
+        g = replace(g, positions=tuple(["END", "IO", text(rng) + "x"][:rng.randint(1, 3)]) + ("other",))
+    return g
 
 
 # ------------------------------------------------------------------------------------------------ one per class
@@ -204,10 +209,12 @@ def zoo(rng):
 
 def edge_scores(rng):
     model = text(rng)
-    g = graph(rng, model)
+    g = graph(rng, model, positions=True)
     scores = tensor(rng, (g.n_senders, g.n_receivers)).masked_fill(~g.valid, math.nan)
+    per_group = (tensor(rng, (g.n_groups, g.n_senders, g.n_receivers)).masked_fill(~g.valid, math.nan)
+                 if g.positions else None)
     return EdgeScores(g, scores, rng.choice(["eap", "eap-ig", "exact"]), rng.randint(0, 9), number(rng), number(rng),
-                      settings(rng), model, settings(rng), {text(rng): number(rng, False)})
+                      settings(rng), model, settings(rng), {text(rng): number(rng, False)}, per_group)
 
 
 def node_scores(rng):
@@ -245,6 +252,15 @@ def roles(rng):
                   for h in range(rng.randint(0, 3))}, text(rng), settings(rng))
 
 
+def core_circuit(rng):
+    nodes = [f"{rng.randint(0, 29)}.{h}" for h in range(rng.randint(0, 4))]
+    mlps = [f"mlp{L}" for L in range(rng.randint(0, 2))]
+    ranking = [(n, number(rng)) for n in nodes + mlps + [f"{rng.randint(0, 9)}.9"]]
+    return CoreCircuit(nodes, mlps, number(rng), {rng.randint(1, 30): number(rng) for _ in range(rng.randint(0, 4))},
+                       text(rng), ranking, nodes[:1], number(rng), number(rng), rng.choice([0.8, 0.3999996]),
+                       text(rng), settings(rng), {text(rng): number(rng, False)})
+
+
 def attribution(rng):
     n_rows = rng.randint(1, 3)
     qn = [f"q{i}{text(rng)}" for i in range(rng.randint(1, 3))]
@@ -265,5 +281,5 @@ GENERATORS: Dict[type, Callable[[random.Random], Any]] = {
     HeadDiagnostics: head_diagnostics, CompositionScores: composition_scores, HeadCircuit: head_circuit,
     CircuitCheck: circuit_check, OffsetProfile: offset_profile, KVCache: kv_cache, Activations: activations,
     PathEffects: path_effects, Zoo: zoo, EdgeScores: edge_scores, NodeScores: node_scores, TaskCircuit: task_circuit,
-    Faithfulness: faithfulness, Roles: roles, Attribution: attribution,
+    Faithfulness: faithfulness, Roles: roles, Attribution: attribution, CoreCircuit: core_circuit,
 }

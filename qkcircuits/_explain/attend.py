@@ -70,7 +70,7 @@ def attend(model, head, tokens=None, *, task=None, query=None, key=None, versus=
                         expand=expand, k=k, labels=labels, batch_size=batch_size)[str(heads[0])]
 
 
-def attend_heads(model, heads: HeadsLike = None, tokens=None, *, task=None, query=None, key=None, versus=None,
+def attend_heads(model, heads: Optional[HeadsLike] = None, tokens=None, *, task=None, query=None, key=None, versus=None,
                  reading: str = "contrast", expand: Optional[str] = None, k: int = 5,
                  labels: Optional[object] = None, batch_size: int = 64) -> Dict[str, Attribution]:
     """``attend`` for several heads (default: every head) from one forward per prompt shard (plus block 0 once more,

@@ -264,7 +264,7 @@ def node_metric(model, task: Task, heads: Sequence[str], rows_per_shard: Optiona
     Heads at a position group (``"20.0@END"``, ``"7.1@other"``; the groups are the task's named positions
     and ``other``): every head at every group NOT in ``heads`` gives its corrupt output at that group's positions
     (a head named without a group is kept at every group)."""
-    from .scores import shard_rows
+    from .shards import shard_rows
 
     g = graph(model)
     task = with_reference(model, task.to(model.W_E.device))
@@ -356,7 +356,7 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     CPR and CMD from the per-row metrics, with no model run per resample (``bootstrap.py``; the clean rows
     are then run even when the scores measured m(clean))."""
     from .bootstrap import bootstrap_curve, check_bootstrap
-    from .scores import check_task, shard_rows
+    from .shards import check_task, shard_rows
 
     check_bootstrap(bootstrap)
     if backend is not None:

@@ -214,7 +214,7 @@ class NodeViews:
     set (MLPs None: all clean). The corrupt records are held across calls when the task is one shard."""
 
     def __init__(self, model, task: Task, rows_per_shard: Optional[int] = None, clean: Optional[float] = None):
-        from .scores import shard_rows
+        from .shards import shard_rows
 
         self.model, self.g = model, graph(model)
         self.task = task.to(model.W_E.device)
@@ -342,7 +342,7 @@ def core_circuit(model, task: Task, scores, *, threshold: Real = THRESHOLD, by: 
     scores and pruned (module docstring). ``scores``: ``qk.edge_scores`` (node score = the sum of a node's
     outgoing edge scores) or ``qk.node_scores``. ``mlps=False``: every MLP stays clean and only heads are
     searched. ``backend`` as in ``edge_scores`` (on Ray, every measured set is summed over prompt shards)."""
-    from .scores import check_task
+    from .shards import check_task
 
     check_plain(scores)
     if backend is not None:

@@ -217,26 +217,3 @@ def read_mib(path: PathLike, model_or_graph, gqa: str = "grouped") -> Tuple[Grap
     scores = acc.float()
     scores[~g.valid] = float("nan")
     return g, scores, inside & g.valid, dict(cfg)
-
-
-def scores_from_mib(path: PathLike, model, gqa: str = "grouped"):
-    """``qk.EdgeScores.from_mib``: the file's scores as ``EdgeScores`` on this model's graph (``gqa``: "grouped" or
-    "ungrouped", when a model is given; method "mib"; clean / corrupt unknown, NaN; the sign convention is ours,
-    module docstring)."""
-    from .._foundation.model import model_name
-    from .scores import EdgeScores
-
-    g, scores, _, cfg = read_mib(path, model, gqa)
-    name = g.model_name if isinstance(model, Graph) else model_name(model)
-    return EdgeScores(g, scores, "mib", 0, float("nan"), float("nan"),
-                      {"metric": "logit-diff", "higher_is_better": True, "source": "mib"}, name,
-                      {"source": str(path), "format": "mib", "d_model": cfg.get("d_model")})
-
-
-def circuit_from_mib(path: PathLike, model, gqa: str = "grouped"):
-    """``qk.TaskCircuit.from_mib``: the file's in_graph edges as a circuit (grouped k/v: in if any query head's
-    copy is; ``gqa="ungrouped"``: one to one), with the file's scores."""
-    from .selection import Circuit
-
-    g, scores, inside, _ = read_mib(path, model, gqa)
-    return Circuit(g, inside, scores, "mib", None, int(inside.sum()), g.model_name, "mib")

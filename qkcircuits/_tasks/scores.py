@@ -60,40 +60,12 @@ from .exact import exact_edges, exact_nodes
 from .positions import at, position_groups
 from .record import check_graph, record
 from .runs import z_patchable
+from .shards import DELTA_BYTES, EXACT_BYTES, GRAD_SHARD_BYTES, check_task, shard_rows  # noqa: F401 (re-exported)
 from .task import Task, warn_if_not_done, with_reference
 from .ungrouped import check as check_ungrouped
 
 METHODS = ("eap", "eap-ig", "exact", "eap-ig-activations", "clean-corrupted")
-# The faithfulness curve's shards (``shard_rows``' default budget, ``circuit.py``: the corrupt record and
-# one patched run's sender outputs). Fewer, larger shards: each shard pays a corrupt forward and one
-# patched forward per circuit size, plus per-hook Python overhead.
-DELTA_BYTES = 3 * 2**30
-# Exact patching stacks ``copies`` shards per forward, so its sender outputs are copies × the shard's:
-# its shards stay sized for 512 MiB (SmolLM2: 22 rows, 32 copies = one 8.5 GB patched buffer).
-EXACT_BYTES = 512 * 2**20
-# EAP / EAP-IG shards: measured on SmolLM2 (64 IOI rows, one thread) the gradient runs are ~1.5x slower on
-# one 64-row shard than on 22-row shards (a larger autograd graph), so they keep ~1 GiB shards (25 rows).
-GRAD_SHARD_BYTES = 2**30
 SCHEMA = "qkcircuits.edge_scores/1"
-
-
-def shard_rows(model, g: Graph, task: Task, buffers: int = 2, budget: int = DELTA_BYTES,
-               gradients: bool = False) -> int:
-    """Rows per shard so that ``buffers`` sender-output buffers [S, rows, pos, d_model] (and with
-    ``gradients`` the float32 receiver-gradient sum [R, rows, pos, d_model]) fit ``budget``."""
-    elt = model.W_E.element_size()
-    per_pos = g.n_senders * elt * buffers + (g.n_receivers * max(elt, 4) if gradients else 0)
-    per_row = per_pos * task.clean.shape[1] * model.cfg.d_model
-    return max(1, min(task.n, budget // max(per_row, 1)))
-
-
-def check_task(model, task: Task) -> None:
-    V, n_ctx = model.cfg.d_vocab, model.cfg.n_ctx
-    for what, t in (("clean", task.clean), ("corrupt", task.corrupt), ("answer", task.answer), ("wrong", task.wrong)):
-        if int(t.min()) < 0 or int(t.max()) >= V:
-            raise QKCircuitsError(f"task {what} holds token ids outside the model's vocabulary 0-{V - 1}")
-    if task.clean.shape[1] > n_ctx:
-        raise QKCircuitsError(f"task rows of {task.clean.shape[1]} tokens exceed the model's context of {n_ctx}")
 
 
 def _bar(total: int, desc: str, progress: bool):
@@ -203,9 +175,14 @@ class EdgeScores(Result):
         """Scores from a MIB circuit JSON (the EAP-IG library's ``Graph.to_json``) on ``model``'s graph (a loaded
         model, with ``gqa`` as in ``qk.graph``, or a graph); per-query-head k/v scores are summed into their KV
         head on the grouped graph, read one to one on the ungrouped one."""
-        from .mib import scores_from_mib
+        from .._foundation.model import model_name
+        from .mib import read_mib
 
-        return scores_from_mib(path, model, gqa)
+        g, scores, _, cfg = read_mib(path, model, gqa)     # method "mib"; clean / corrupt unknown (NaN)
+        name = g.model_name if isinstance(model, Graph) else model_name(model)
+        return cls(g, scores, "mib", 0, float("nan"), float("nan"),
+                   {"metric": "logit-diff", "higher_is_better": True, "source": "mib"}, name,
+                   {"source": str(path), "format": "mib", "d_model": cfg.get("d_model")})
 
     def core(self, model, task: Task, **kw):
         """The core circuit of these scores: the fewest heads (and MLPs) whose node view reaches f ≥ 0.8

@@ -240,9 +240,10 @@ class Circuit(Result):
     def from_mib(cls, path, model, gqa: str = "grouped") -> "Circuit":
         """The in_graph edges of a MIB circuit JSON on ``model``'s graph (``gqa`` as in ``qk.graph``; grouped k/v:
         in when any query head's copy is), with the file's scores."""
-        from .mib import circuit_from_mib
+        from .mib import read_mib
 
-        return circuit_from_mib(path, model, gqa)
+        g, scores, inside, _ = read_mib(path, model, gqa)
+        return cls(g, inside, scores, "mib", None, int(inside.sum()), g.model_name, "mib")
 
     def roles(self, model, task: Task, **kw):
         """Each head of the circuit with the evidence for its role (see ``qkcircuits._tasks.roles``)."""

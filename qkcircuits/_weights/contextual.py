@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from jaxtyping import Float, Int
@@ -59,6 +59,8 @@ from .._foundation.sequences import bos_id, natural_text, repeated_tokens, segme
 from .._foundation.arch import adapter
 from .._foundation.arch.norms import block_norm, final_norm, norm_kind
 from .circuits import to_head, attn_input_hook, is_folded, layer_weights, normalize_rows, unembed_cols
+
+TokenIds = Union[Sequence[int], Int[Tensor, "n"]]     # token ids: a list or a 1-D tensor
 
 INPUTS = ("direct", "effective", "contextual")
 CORPUS = "natural_text() (qkcircuits/data/natural_text.txt)"
@@ -197,7 +199,7 @@ def _ln1_bias(model, layer: int) -> Optional[Tensor]:
 
 
 @renamed(input="view")
-def token_inputs(model, layer: int, ids: Sequence[int], view: Optional[str] = None) -> TokenInputs:
+def token_inputs(model, layer: int, ids: TokenIds, view: Optional[str] = None) -> TokenInputs:
     """The rows ``layer``'s heads read for tokens ``ids`` (see the module docs for the three inputs).
 
     Memory: [n, d_model] plus, for ``contextual``, the cached corpus statistics (``corpus_stats``).
@@ -265,7 +267,7 @@ def output_reader(model, input: str) -> Tuple[Float[Tensor, "d_model vocab"], fl
 
 
 @renamed(input="view")
-def head_logits(model, head: HeadsLike, ids: Sequence[int], view: Optional[str] = None
+def head_logits(model, head: HeadsLike, ids: TokenIds, view: Optional[str] = None
                 ) -> Tuple[Float[Tensor, "n vocab"], TokenInputs]:
     """Logits the head's write raises for each source token of ``ids``: [n, vocab] and the inputs used.
 
@@ -285,7 +287,7 @@ def head_logits(model, head: HeadsLike, ids: Sequence[int], view: Optional[str] 
 
 
 @renamed(input="view")
-def token_qk(model, head: HeadsLike, ids: Sequence[int], view: Optional[str] = None
+def token_qk(model, head: HeadsLike, ids: TokenIds, view: Optional[str] = None
              ) -> Tuple[Float[Tensor, "query key"], TokenInputs]:
     """Pre-softmax score between every pair of ``ids`` (rows query, columns key), no position, no biases:
     X W_Q W_Kᵀ Xᵀ · scale with X the rows of ``view`` (``view="direct"`` = rows/columns of ``full_qk``)."""
@@ -323,7 +325,7 @@ def mid_rank(logits: Float[Tensor, "n vocab"], target: Int[Tensor, "n"]) -> Floa
 
 
 @renamed(input="view")
-def copying_rank(model, head: HeadsLike, ids: Sequence[int], view: Optional[str] = None) -> Float[Tensor, "n"]:
+def copying_rank(model, head: HeadsLike, ids: TokenIds, view: Optional[str] = None) -> Float[Tensor, "n"]:
     """Rank (1 = top) of each source token itself among all output logits of the head's write on it."""
     logits, _ = head_logits(model, head, ids, view)
     return mid_rank(logits, torch.as_tensor(list(ids), dtype=torch.long))
