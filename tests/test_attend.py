@@ -344,3 +344,32 @@ def test_the_report_explains_the_top_heads_and_reads_attend_files(tmp_path, caps
     bad.write_text('{"schema": "qkcircuits.head_scores/1"}')
     code, _, err = run(["report", "toy-induction", "-o", tmp_path / "r4.html", "--attend", bad], capsys)
     assert code == 2 and len(errors(err)) == 1 and "--attend" in errors(err)[0] and not (tmp_path / "r4.html").exists()
+
+
+def test_roles_carry_the_qk_evidence_of_their_induction_head(hand_built):
+    # issue 34 ask 7: the task circuit's induction head 1.0 gets why it attends: its keys from previous-token head
+    # 0.0, its queries from the token embedding (the hand-built truth), named with their roles in the sentences
+    # and the report's roles table; the numbers are qk.attend's own on the same rows
+    task = qk.tasks.induction(hand_built, n=4, seg_len=6)
+    scores = qk.edge_scores(hand_built, task, method="eap", progress=False)
+    roles = scores.circuit(percent=20).roles(hand_built, task)
+    assert "induction" in roles.roles["1.0"]["evidence"]["labels"]      # (its role: a direct-logit head here)
+    ev = roles.roles["1.0"]["qk"]
+    assert ev["key"][0][0] == "0.0" and ev["query"][0][0] == "emb" and ev["exact_error"] <= 1e-5
+    direct = qk.attend(hand_built, "1.0", task=task)
+    assert ev["key"][0][1] == pytest.approx(direct.key_sources(1)[0][2], abs=1e-4)
+    assert ev["total"] == pytest.approx(direct.total, rel=1e-6)
+    line = [s for s in roles.sentences() if s.lstrip().startswith("why 1.0")]
+    assert len(line) == 1 and "key side 0.0" in line[0], roles.sentences()
+    assert "qk" not in roles.roles["0.0"]                  # a previous-token head: no QK evidence asked
+    back = qk.Roles.from_json(roles.to_json())
+    assert back.roles["1.0"]["qk"]["key"] == ev["key"]
+    from qkcircuits.viz._circuit_view import roles_rows
+    from qkcircuits.viz._circuit_data import load_circuit
+
+    view = load_circuit(scores.circuit(percent=20).to_dict(), roles=roles)
+    row = next(r for r in roles_rows(view) if r[0] == "1.0")
+    assert len(row) == 4 and row[3].startswith("each repeated token → the token after its earlier copy: query emb")
+    assert "key 0.0 (" in row[3]
+    none = scores.circuit(percent=20).roles(hand_built, task, qk=False)
+    assert "qk" not in none.roles["1.0"]

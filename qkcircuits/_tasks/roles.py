@@ -143,7 +143,16 @@ class Roles(Result):
             if outside:
                 text += f"; not in the circuit: {', '.join(outside)}"
             lines.append(text + ")")
+            lines += [self.qk_sentence(h) for h in shown if self.roles[h].get("qk")]
         return lines
+
+    def qk_sentence(self, head: str) -> str:
+        """Why ``head`` attends where it does (its ``qk`` entry), sources named with their roles: "23.0 attends
+        from END to IO (attention 0.57): query side 20.0 (S-inhibition head) 31 %, ...; key side emb 60 %, ..."."""
+        from .._explain.evidence import evidence_sentence
+
+        role_of = {h: str(r.get("role")) for h, r in self.roles.items()}
+        return "  why " + evidence_sentence(head, self.roles[head]["qk"], role_of)
 
     def to_dict(self) -> Dict[str, object]:
         return {"roles": dict(self.roles), "task": self.task, "settings": self.settings}
@@ -288,7 +297,8 @@ def significant_heads(scores, clean: Real, corrupt: Real, share: Real = ALSO_SHA
 
 
 def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[Real] = None,
-          thresholds: Optional[Dict[str, float]] = None, also: Sequence[str] = (), force: bool = False) -> Roles:
+          thresholds: Optional[Dict[str, float]] = None, also: Sequence[str] = (), force: bool = False,
+          qk: bool = True) -> Roles:
     """Each head of ``circuit`` with its role and evidence (module docstring). ``clean``/``corrupt``: the
     task's metric means (computed with two forwards per 16 rows when not given). ``thresholds`` override
     ``THRESHOLDS``. ``also``: heads outside the circuit judged beside its own (``significant_heads``; the
@@ -296,7 +306,12 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
     ``in_circuit``. Entries are plain dicts: a later step may add keys (e.g. ``qk``, the QK evidence of why a
     head attends where it does) and everything here keeps them. When the model does not do the task (clean not
     better than corrupt) no roles are named (a "negative name mover" with a positive effect says nothing): the
-    result holds none and says why (``Roles.not_named``), unless ``force=True``."""
+    result holds none and says why (``Roles.not_named``), unless ``force=True``. ``qk`` (default True): every
+    name mover, negative name mover and induction head (by role, or by the scan's label on other tasks) also gets
+    ``qk``, why it attends where it does at the task's positions (``_explain.evidence.qk_evidence``: the top
+    query- and key-side sources of its exact QK attribution, END → IO for IOI, each repeated token → its
+    induction target for induction; one forward per key position), its sources named with their roles in the
+    sentences and the report."""
     from .task import does_the_task, evaluate, not_done_message, with_reference
 
     g = circuit.graph
@@ -366,6 +381,32 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
     for name, entry in out.items():
         entry["in_circuit"] = name not in set(extra)
     t = {**THRESHOLDS, **(thresholds or {})}
-    return Roles(out, task.name, {"thresholds": t, "clean": clean, "corrupt": corrupt,
-                                  "largest_direct_effect": _largest(e["direct_effect"] for e in evidence.values()),
-                                  "largest_node_effect": _largest(e["node_effect"] for e in evidence.values())})
+    settings = {"thresholds": t, "clean": clean, "corrupt": corrupt,
+                "largest_direct_effect": _largest(e["direct_effect"] for e in evidence.values()),
+                "largest_node_effect": _largest(e["node_effect"] for e in evidence.values())}
+    if qk:
+        _add_qk_evidence(model, task, out, settings)
+    return Roles(out, task.name, settings)
+
+
+QK_ROLES = ("name mover", "negative name mover", "induction head")
+
+
+def _add_qk_evidence(model, task, out: Dict[str, Dict[str, object]], settings: Dict[str, object]) -> None:
+    """``out[head]["qk"]`` for each head whose role is in ``QK_ROLES`` or that the scan labels an induction head
+    (``roles``' docstring); an attention the attribution cannot decompose exactly leaves the roles as they are
+    and says why in ``settings["qk_error"]``."""
+    from .._explain.evidence import qk_evidence
+
+    chosen = [h for h, r in out.items() if r.get("role") in QK_ROLES
+              or "induction" in r.get("evidence", {}).get("labels", ())]   # e.g. a direct-logit induction head
+    if not chosen:
+        return
+    role_of = {h: str(r["role"]) for h, r in out.items()}
+    try:
+        found = qk_evidence(model, task, chosen, labels=role_of)
+    except QKCircuitsError as e:
+        settings["qk_error"] = str(e)
+        return
+    for h, ev in found.items():
+        out[h]["qk"] = ev

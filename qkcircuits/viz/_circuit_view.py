@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import plotly.graph_objects as go
 
@@ -84,11 +84,31 @@ def chosen_percent(view: CircuitView) -> Optional[float]:
 
 
 def roles_rows(view: CircuitView) -> List[List[str]]:
-    """[head, role, evidence] per head with a role, in forward order (the report's roles table)."""
+    """[head, role, evidence] per head with a role, in forward order (the report's roles table), and a fourth
+    column, why it attends (``qk_text``), when any role carries its QK evidence."""
+    with_qk = any(isinstance(r.get("qk"), dict) for r in view.roles.values())
     rows = []
     for name, r in sorted(view.roles.items(), key=lambda kv: _order(kv[0])):
-        rows.append([name, str(r.get("role") or ""), evidence_text(r.get("evidence"))])
+        row = [name, str(r.get("role") or ""), evidence_text(r.get("evidence"))]
+        rows.append(row + [qk_text(r.get("qk"), view.roles)] if with_qk else row)
     return rows
+
+
+def qk_text(qk: Any, roles: Dict[str, Dict[str, Any]]) -> str:
+    """A role's QK evidence (``roles.roles(qk=True)``) as one line: "END → IO: query 20.0 (S-inhibition head)
+    31 %, emb 20 %; key emb 60 %, ..." (sources named with their roles where the file gives them)."""
+    if not isinstance(qk, dict):
+        return ""
+
+    def side(items) -> str:
+        out = []
+        for item in items or []:
+            if isinstance(item, (list, tuple)) and len(item) >= 2 and isinstance(item[1], (int, float)):
+                role = roles.get(str(item[0]), {}).get("role") if isinstance(roles.get(str(item[0])), dict) else None
+                out.append(f"{item[0]}{f' ({role})' if role else ''} {100 * float(item[1]):.0f} %")
+        return ", ".join(out)
+
+    return f"{qk.get('from', '?')} → {qk.get('to', '?')}: query {side(qk.get('query'))}; key {side(qk.get('key'))}"
 
 
 def _order(name: str):
@@ -156,7 +176,8 @@ def circuit_section(view: CircuitView, n_layers: Optional[int] = None, n_heads: 
                  "click": "head"})
     blocks.append({"type": "figures", "figures": figs})
     rows = roles_rows(view)
-    blocks.append({"type": "table", "id": "circuit-roles", "title": "Roles", "header": ["head", "role", "evidence"],
+    header = ["head", "role", "evidence"] + (["why it attends (QK)"] if rows and len(rows[0]) == 4 else [])
+    blocks.append({"type": "table", "id": "circuit-roles", "title": "Roles", "header": header,
                    "rows": rows, "empty": "no roles in this file"})
     if view.core is not None and view.core.curve:
         blocks.append({"type": "table", "id": "circuit-core", "title": "Core circuit: node faithfulness f by "
