@@ -239,9 +239,9 @@ def test_script_version(tmp_path):
     assert out.returncode == 2 and len(err) == 1 and "smollm2-135m" in err[0] and "Traceback" not in out.stderr
 
 
-# plotly figures in the notebook: 2 score grids, QK, OV, offsets, the random baseline, the traced circuit;
-# 1 attention widget.
-N_PLOTS, N_WIDGETS = 7, 1
+# plotly figures in the notebook: 2 score grids, QK, OV, offsets, the random baseline, the traced circuit, the
+# QK attribution; 1 attention widget.
+N_PLOTS, N_WIDGETS = 8, 1
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +261,21 @@ def test_notebook_runs_on_toy(toy_export):
     assert "previous token: 0.0 (1.000), " in text
     assert "1.0 reads its keys from 0.0 (previous-token; " in text      # the traced circuit, by construction
     check_offset_claim(nb, text)
+    assert check_attend_claim(text) == ("1.0", "0.0", "emb")           # why it attends, by construction
+
+
+def check_attend_claim(text: str):
+    """The notebook's QK attribution of the top induction head: exact (≤ 1e-5), and its top key source is the
+    sender trace names first for that head's keys (two independent computations: one splits the score, the
+    other patches each sender). Returns (head, top key source, top query source)."""
+    m = re.search(r"(\d+\.\d+) attends from each repeated token to the token after its earlier copy.*?\n"
+                  r"Key side: (\S+) .*?\nQuery side: (\S+) .*?\nTop pair.*?\nExact to ([0-9.e+-]+)", text, re.S)
+    assert m, text
+    head, key, query, error = m.group(1), m.group(2), m.group(3), float(m.group(4))
+    assert error <= 1e-5
+    traced = re.search(rf"{re.escape(head)} reads its keys from (\S+) ", text)
+    assert traced and traced.group(1) == key, (head, key, traced and traced.group(0))
+    return head, key, query
 
 
 def check_offset_claim(nb, text: str) -> int:
@@ -287,7 +302,10 @@ def test_notebook_export_draws_offline(toy_export, browser):
 def test_notebook_smollm2(tmp_path, browser):
     nb = execute("smollm2-135m", tmp_path)
     outputs = check_outputs(nb)
-    check_offset_claim(nb, "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", [])))
+    text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    check_offset_claim(nb, text)
+    head, key, query = check_attend_claim(text)
+    assert (head, key, query) == ("18.6", "16.0", "mlp0[token]")       # docs/attend.md's reading
     path = tmp_path / "smollm2.html"
     html = export(nb, path)
     kinds = ["libraries" if "/* qkcircuits:" in h else "result" if 'class="qk-r"' in h else "figure" for h in outputs]
