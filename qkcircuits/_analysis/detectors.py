@@ -109,6 +109,48 @@ class ScanContext:
 
 
 _REGISTRY: Dict[str, Detector] = {}
+ENTRY_POINT_GROUP = "qkcircuits.detectors"
+_plugins = {"loaded": False, "names": []}
+
+
+def _registry() -> Dict[str, Detector]:
+    """The registry, with the installed packages' detectors (``load_plugins``) added on first use."""
+    if not _plugins["loaded"]:
+        _plugins["loaded"] = True
+        load_plugins()
+    return _REGISTRY
+
+
+def load_plugins(entry_points=None) -> List[str]:
+    """Register the detectors installed packages declare under the ``qkcircuits.detectors`` entry point (a
+    ``Detector``, a list of them, or a function returning either), so that every process (the CLI, ``zoo``,
+    ``roles``, a Ray worker) sees them without an import. In a package's ``pyproject.toml``::
+
+        [project.entry-points."qkcircuits.detectors"]
+        self_attention = "my_package.detectors:self_attention"
+
+    Runs once per process, on the registry's first use; returns the names registered. A plugin that fails to
+    load or clashes with a registered name is skipped with one warning naming it (a broken plugin never stops
+    the built-ins)."""
+    import warnings
+
+    if entry_points is None:
+        from importlib.metadata import entry_points as installed
+
+        entry_points = installed(group=ENTRY_POINT_GROUP)
+    names: List[str] = []
+    for ep in entry_points:
+        try:
+            obj = ep.load()
+            found = obj() if callable(obj) and not isinstance(obj, Detector) else obj
+            for det in [found] if isinstance(found, Detector) else list(found):
+                register_detector(det, replace=det.name in _plugins["names"])
+                _plugins["names"].append(det.name)
+                names.append(det.name)
+        except Exception as e:  # noqa: BLE001  a third party's bug: say which plugin, keep the rest
+            warnings.warn(f"qkcircuits: the detector plugin {ep.name!r} ({ep.value}) was not loaded: "
+                          f"{type(e).__name__}: {e}", stacklevel=2)
+    return names
 
 
 def register_detector(det: Detector, *, replace: bool = False) -> Detector:
@@ -132,24 +174,24 @@ def unregister_detector(name: str) -> None:
 
 def detectors() -> List[Detector]:
     """Every registered detector, in JSON/column order."""
-    return list(_REGISTRY.values())
+    return list(_registry().values())
 
 
 def detector(name: str) -> Detector:
     try:
-        return _REGISTRY[name]
+        return _registry()[name]
     except KeyError:
         raise QKCircuitsError(f"unknown score {name!r}; choose from {', '.join(_REGISTRY)}") from None
 
 
 def thresholds() -> Dict[str, Tuple[str, float]]:
     """label -> (score name, minimum), for every labelled detector (what ``HeadScores.labels`` reads)."""
-    return {d.label: (d.name, float(d.threshold)) for d in _REGISTRY.values() if d.label is not None}
+    return {d.label: (d.name, float(d.threshold)) for d in _registry().values() if d.label is not None}
 
 
 def labelled_scores() -> Tuple[str, ...]:
     """The scores that labels read (what a trace scans for)."""
-    return tuple(d.name for d in _REGISTRY.values() if d.label is not None)
+    return tuple(d.name for d in _registry().values() if d.label is not None)
 
 
 def select(scores: Union[None, str, Sequence[str]] = None, *, text: bool = False, copying: bool = True,
@@ -158,7 +200,7 @@ def select(scores: Union[None, str, Sequence[str]] = None, *, text: bool = False
     wins over the defaults; ``text=True`` adds the text detectors either way."""
     on = {"copying": copying, "eigen_copying": eigen_copying, "text": text}
     if scores is None:
-        names = [d.name for d in _REGISTRY.values()
+        names = [d.name for d in _registry().values()
                  if (d.switch == "text" and text) or (d.switch != "text" and d.default and on.get(d.switch, True))]
         return names
     if isinstance(scores, str):
@@ -169,8 +211,8 @@ def select(scores: Union[None, str, Sequence[str]] = None, *, text: bool = False
     if not names:
         raise QKCircuitsError(f"name at least one score ({', '.join(_REGISTRY)})")
     if text:
-        names += [d.name for d in _REGISTRY.values() if d.switch == "text" and d.name not in names]
-    return [n for n in _REGISTRY if n in names]
+        names += [d.name for d in _registry().values() if d.switch == "text" and d.name not in names]
+    return [n for n in _registry() if n in names]
 
 
 # ---------------------------------------------------------------------------------------------- target masks

@@ -77,6 +77,15 @@ DETECTORS = (("induction head", "induction", "induction"), ("duplicate-token hea
              ("previous-token head", "previous_token", "previous-token"))
 
 
+def detector_roles() -> Tuple[Tuple[str, str, str], ...]:
+    """(role, score, label) of every labelled detector in the registry, in its order: the built-ins' roles above,
+    a user's detector (``qk.register_detector`` or the ``qkcircuits.detectors`` entry point) as "<label> head"."""
+    from .._analysis.detectors import detectors
+
+    known = {label: role for role, _, label in DETECTORS}
+    return tuple((known.get(d.label, f"{d.label} head"), d.name, d.label) for d in detectors() if d.label)
+
+
 @dataclass(repr=False)      # the repr is _text (Result)
 class Roles(Result):
     """``roles[head] = {"role": str, "evidence": {...}, "why": str}`` and one sentence per class (``sentences``).
@@ -134,7 +143,7 @@ class Roles(Result):
             key = dict(PATTERNS).get(role)
             if key and all(key in e for e in ev):
                 text += f"; {key} " + ", ".join(f"{e[key]:.2f}" for e in ev)
-            det = {r: k for r, k, _ in DETECTORS}.get(role)
+            det = {r: k for r, k, _ in detector_roles()}.get(role)
             if det and all(det in e.get("detectors", {}) for e in ev):
                 text += f"; scan {det} " + ", ".join(f"{float(e['detectors'][det]):.2f}" for e in ev)
             if role == "unclassified":
@@ -213,6 +222,7 @@ def classify(evidence: Dict[str, Dict[str, object]], q_edges: Dict[Tuple[str, st
     IOI, the attention keys) and ``q_edges`` {(sender head, receiver head): score} of the circuit's edges into
     heads' q. ``denom`` = m(clean) − m(corrupt) (for ``direct_share_min``). Returns {head: {role, evidence, why}}."""
     t = {**THRESHOLDS, **(thresholds or {})}
+    roles_of = detector_roles() if not ioi else ()
     max_de = _largest(e["direct_effect"] for e in evidence.values())
     max_ne = _largest(e.get("node_effect", 0.0) for e in evidence.values())
     floor = t["direct_share_min"] * abs(denom) if denom == denom else 0.0
@@ -233,13 +243,13 @@ def classify(evidence: Dict[str, Dict[str, object]], q_edges: Dict[Tuple[str, st
     for name, e in evidence.items():
         de = float(e["direct_effect"])
         if not ioi:
-            labels = [role for role, _, label in DETECTORS if label in e.get("labels", ())]
+            labels = [role for role, _, label in roles_of if label in e.get("labels", ())]
             if large_direct(e):
                 role, why = "direct-logit head", (f"|direct effect| {abs(de):.3g} ≥ {d_cut:.3g} "
                                                   f"({t['direct_relative']:g} × the largest {max_de:.3g})")
             elif labels and large_node(e):
                 role = labels[0]
-                score = dict((r, k) for r, k, _ in DETECTORS)[role]
+                score = dict((r, k) for r, k, _ in roles_of)[role]
                 why = (f"the scan labels it ({score} {float(e['detectors'][score]):.2f}); |node effect| "
                        f"{abs(float(e['node_effect'])):.3g} ≥ {t['effect_relative']:g} × {max_ne:.3g}")
             elif large_node(e):
@@ -360,12 +370,13 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
         # other tasks: the detectors' own scores and labels (the restricted scan: one pattern-only pass)
         from .._analysis.detect import scan
 
-        hs = scan(model, scores=[k for _, k, _ in DETECTORS], progress=False)
-        labelled = {label: {f"{h.layer}.{h.head}" for h in hs.heads_labelled(label)} for _, _, label in DETECTORS}
+        found = detector_roles()              # the registry's labelled detectors: a user's own included
+        hs = scan(model, scores=[k for _, k, _ in found], progress=False)
+        labelled = {label: {f"{h.layer}.{h.head}" for h in hs.heads_labelled(label)} for _, _, label in found}
         for name, e in evidence.items():
             L, h = map(int, name.split("."))
-            e["detectors"] = {k: round(float(hs.scores[k][L, h]), 4) for _, k, _ in DETECTORS}
-            e["labels"] = [label for _, _, label in DETECTORS if name in labelled[label]]
+            e["detectors"] = {k: round(float(hs.scores[k][L, h]), 4) for _, k, _ in found}
+            e["labels"] = [label for _, _, label in found if name in labelled[label]]
     q_edges: Dict[Tuple[str, str], float] = {}
     if ioi:
         judged, outside = set(heads), set(extra)
