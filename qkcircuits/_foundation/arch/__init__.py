@@ -15,7 +15,7 @@ How to add a family: docs/architecture.md, "How to add an architecture".
 
 from __future__ import annotations
 
-from typing import Dict, Tuple, Type
+from typing import Callable, Dict, List, Tuple, Type
 
 import torch
 
@@ -25,10 +25,12 @@ from .latent import LatentAttention
 from .standard import StandardAttention
 
 FAMILIES: Dict[str, Type[AttentionAdapter]] = {"standard": StandardAttention, "latent": LatentAttention}
+# (family, rule): families added by register_family, asked before the built-in rules, newest first
+_RULES: List[Tuple[str, Callable[[object], bool]]] = []
 WORKS_ON = "multi-head/GQA/MQA attention (GPT-2, GPT-J, GPT-NeoX/Pythia, Llama, Qwen, Gemma, ...) and multi-head latent attention (DeepSeek-V2/V3)"
 
 __all__ = ["AttentionAdapter", "FAMILIES", "LatentAttention", "LayerWeights", "StandardAttention", "adapter",
-           "architecture", "family", "prepare"]
+           "architecture", "family", "prepare", "register_family"]
 
 
 def architecture(model) -> str:
@@ -40,7 +42,24 @@ def architecture(model) -> str:
     return str(getattr(model.cfg, "architecture", None) or type(model).__name__)
 
 
+def register_family(name: str, adapter_class: type, matches: Callable[[object], bool]) -> None:
+    """Add an attention family: ``adapter_class`` (a subclass of ``AttentionAdapter``) answers for every layer of
+    a model for which ``matches(model)`` is True (asked before the built-in rules; the latest registration first).
+    Registering a name again replaces it. docs/architecture.md, "How to add an architecture"; executed by
+    tests/test_arch_recipe.py."""
+    if not (isinstance(adapter_class, type) and issubclass(adapter_class, AttentionAdapter)):
+        raise QKCircuitsError(f"register_family takes an AttentionAdapter subclass, got {adapter_class!r}")
+    if not callable(matches):
+        raise QKCircuitsError(f"register_family's matches must be a function of the model, got {matches!r}")
+    FAMILIES[str(name)] = adapter_class
+    _RULES[:] = [(n, r) for n, r in _RULES if n != name]
+    _RULES.insert(0, (str(name), matches))
+
+
 def _detect(model) -> str:
+    for name, matches in _RULES:
+        if matches(model):
+            return name
     attn = model.blocks[0].attn
     try:
         comp = getattr(attn, "original_component", None)
@@ -77,7 +96,8 @@ def _check_head_separable(model) -> None:
 
 
 def family(model) -> str:
-    """``"standard"`` or ``"latent"``; cached on the model (its attention modules do not change)."""
+    """``"standard"``, ``"latent"`` or a registered family's name; cached on the model (its attention modules do
+    not change)."""
     fam = getattr(model, "_qk_attention_family", None)
     if fam is None:
         fam = _detect(model)
