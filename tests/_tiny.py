@@ -485,3 +485,18 @@ def deepseek_dir(tmp_path_factory, version: int = 3, q_lora_rank=32, yarn: bool 
     key = f"deepseek_v{version}_q{q_lora_rank}{'_yarn' if yarn else ''}"
     return _once(key, tmp_path_factory, lambda d: tiny_deepseek(d, version=version, q_lora_rank=q_lora_rank,
                                                                  yarn=yarn))
+
+
+def contrast_task(model, n: int = 16, p: int = 10, seed: int = 0):
+    """Minimal pairs on random tokens: corrupt = clean with the token at position p-2 resampled; answer / wrong =
+    the tokens whose END logit the clean token raises / lowers most against the corrupt one (a behaviour any
+    random model has, so a task circuit exists on every tiny family)."""
+    import qkcircuits as qk
+
+    g = torch.Generator().manual_seed(seed)
+    clean = torch.randint(1, model.cfg.d_vocab, (n, p), generator=g)
+    corrupt = clean.clone()
+    corrupt[:, p - 2] = torch.randint(1, model.cfg.d_vocab, (n,), generator=g)
+    with torch.no_grad():
+        d = model(clean)[:, -1] - model(corrupt)[:, -1]
+    return qk.Task(clean, corrupt, d.argmax(-1), d.argmin(-1))

@@ -10,6 +10,7 @@
 import pytest
 import torch
 
+import _tiny
 import qkcircuits as qk
 from qkcircuits._tasks.bootstrap import bootstrap_curve
 from qkcircuits._tasks.circuit import circuit_metric, select
@@ -18,13 +19,7 @@ from _tiny import llama_dir
 
 
 def contrast_task(model, n, p=10, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    clean = torch.randint(1, model.cfg.d_vocab, (n, p), generator=g)
-    corrupt = clean.clone()
-    corrupt[:, p - 2] = torch.randint(1, model.cfg.d_vocab, (n,), generator=g)
-    with torch.no_grad():
-        d = model(clean)[:, -1] - model(corrupt)[:, -1]
-    return qk.Task(clean, corrupt, d.argmax(-1), d.argmin(-1))
+    return _tiny.contrast_task(model, n, p, seed)
 
 
 def test_synthetic_rows_cover_and_shrink():

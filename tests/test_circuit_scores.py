@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 
+import _tiny
 import qkcircuits as qk
 from qkcircuits._foundation.stats import spearman
 from qkcircuits._tasks import runs
@@ -421,13 +422,7 @@ def contrast_task(model, n=64, p=10, seed=0):
     (as IOI's IO/S: what the corruption changes). So m(clean) > m(corrupt) by construction. ``pair_task``'s
     random answer/wrong tokens are a behaviour the model need not have (Llama: clean -0.61 < corrupt -0.49, what
     ``qk.tasks`` warns about); its edge scores are mostly cancelling noise (docs/tasks.md)."""
-    g = torch.Generator().manual_seed(seed)
-    clean = torch.randint(1, model.cfg.d_vocab, (n, p), generator=g)
-    corrupt = clean.clone()
-    corrupt[:, p - 2] = torch.randint(1, model.cfg.d_vocab, (n,), generator=g)
-    with torch.no_grad():
-        d = model(clean)[:, -1] - model(corrupt)[:, -1]
-    return qk.Task(clean, corrupt, d.argmax(-1), d.argmin(-1))
+    return _tiny.contrast_task(model, n, p, seed)
 
 
 def test_eap_and_eap_ig_against_exact(family, capsys):

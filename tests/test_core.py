@@ -14,6 +14,7 @@
 import pytest
 import torch
 
+import _tiny
 import qkcircuits as qk
 from qkcircuits._tasks import runs
 from qkcircuits._tasks.circuit import circuit_metric, ratio
@@ -27,13 +28,7 @@ FAMILIES = {"gpt2": gpt2_dir, "llama-gqa": llama_dir, "neox": neox_dir, "gemma3"
 def contrast_task(model, n=32, p=10, seed=0):
     """Random tokens, the token at p-2 resampled; answer / wrong = the tokens whose END logit the clean token
     raises / lowers most against the corrupt one (a behaviour the random model has, as in test_circuit_scores)."""
-    g = torch.Generator().manual_seed(seed)
-    clean = torch.randint(1, model.cfg.d_vocab, (n, p), generator=g)
-    corrupt = clean.clone()
-    corrupt[:, p - 2] = torch.randint(1, model.cfg.d_vocab, (n,), generator=g)
-    with torch.no_grad():
-        d = model(clean)[:, -1] - model(corrupt)[:, -1]
-    return qk.Task(clean, corrupt, d.argmax(-1), d.argmin(-1))
+    return _tiny.contrast_task(model, n, p, seed)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -16,6 +16,7 @@ head's columns only), so ∂m/∂δ_r is the gradient EAP-IG averages; the score
 import pytest
 import torch
 
+import _tiny
 import qkcircuits as qk
 
 from _tiny import gemma3_dir, gpt2_dir, llama_dir
@@ -25,13 +26,7 @@ FAMILIES = {"gpt2": gpt2_dir, "llama-gqa": llama_dir, "gemma3": gemma3_dir}
 
 def contrast_task(model, n=6, p=8, seed=0):
     """As test_circuit_scores.contrast_task: answer/wrong = the tokens the corruption moves most (clean > corrupt)."""
-    g = torch.Generator().manual_seed(seed)
-    clean = torch.randint(1, model.cfg.d_vocab, (n, p), generator=g)
-    corrupt = clean.clone()
-    corrupt[:, p - 2] = torch.randint(1, model.cfg.d_vocab, (n,), generator=g)
-    with torch.no_grad():
-        d = model(clean)[:, -1] - model(corrupt)[:, -1]
-    return qk.Task(clean, corrupt, d.argmax(-1), d.argmin(-1))
+    return _tiny.contrast_task(model, n, p, seed)
 
 
 class Reference:
