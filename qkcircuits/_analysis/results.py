@@ -1,7 +1,7 @@
 """Per-head results as data: [n_layers, n_heads] tensors plus the settings that produced them.
 
 >>> s = HeadScores.from_json(qk.scan(model, scores="induction", progress=False).to_json())
->>> s.top(1, "induction")                   # the same object a plot, a report and a test read
+>>> [(h, round(v, 4)) for h, v in s.top(1, "induction")]    # the same object a plot, a report and a test read
 [(Head(layer=1, head=0), 1.0)]
 >>> [int(x) for x in s.to_frame().sort_values("induction").iloc[-1][["layer", "head"]]]   # one row per head
 [1, 0]
