@@ -6,6 +6,11 @@ attention, a norm, an MLP, a hook point or the wrapped Hugging Face module (``PR
 records on a model (``_qk_*`` attributes, ``own_tokenizer.ATTR``), the tokenizer, and ``importlib`` lookups. The
 few that remain are listed in ``SURVIVORS`` with the reason each cannot move; the test fails on any other, and
 on more than five survivors.
+
+What it does not count (read by review instead): plain attribute chains (``model.blocks[L].attn``: the structure
+TransformerLens guarantees, used everywhere to reach a hook point), class-name checks, a probe through a variable
+whose name the pattern does not know, and ``vars(module)`` (the skips' check that no one else overrides a
+module's forward: hook machinery, not architecture).
 """
 
 from __future__ import annotations

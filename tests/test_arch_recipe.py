@@ -87,4 +87,6 @@ def test_a_wrong_answer_is_caught_by_the_proof(gpt2):
     assert arch.family(fresh) == "gpt2-fused" and not qk.verify_circuits(fresh).passed
     with pytest.raises(qk.QKCircuitsError, match="register_family takes an AttentionAdapter subclass"):
         arch.register_family("x", dict, lambda m: True)
+    with pytest.raises(qk.QKCircuitsError, match="family 'standard' is built in"):
+        arch.register_family("standard", Swapped, lambda m: False)
 

@@ -373,3 +373,18 @@ def test_roles_carry_the_qk_evidence_of_their_induction_head(hand_built):
     assert "key 0.0 (" in row[3]
     none = scores.circuit(percent=20).roles(hand_built, task, qk=False)
     assert "qk" not in none.roles["1.0"]
+
+
+def test_a_refused_attribution_leaves_the_roles_and_says_why(hand_built, monkeypatch):
+    # evidence is extra: an attention attend refuses costs that head its qk, never the roles
+    from qkcircuits._explain import evidence
+
+    def refuse(*a, **kw):
+        raise qk.QKCircuitsError("head 1.0: the attribution is not exact on this model (a test's refusal)")
+
+    monkeypatch.setattr(evidence, "attend_heads", refuse)
+    task = qk.tasks.induction(hand_built, n=4, seg_len=6)
+    roles = qk.edge_scores(hand_built, task, method="eap", progress=False).circuit(percent=20).roles(hand_built, task)
+    assert "qk" not in roles.roles["1.0"] and roles.roles["1.0"]["role"]
+    assert roles.settings["qk_error"] == {"1.0": "QKCircuitsError: head 1.0: the attribution is not exact on this "
+                                                 "model (a test's refusal)"}

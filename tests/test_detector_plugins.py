@@ -95,4 +95,31 @@ def test_roles_read_a_plugin_detectors_label(hand_built):
             assert ("self-attending" in r["evidence"]["labels"]) == (head.endswith(".1"))   # 0.1, 1.1 by construction
     finally:
         qk.unregister_detector("self_attention")
-        registry._plugins["names"].remove("self_attention")
+        registry._plugins["by_entry"].pop("mine = x:mine")
+
+
+def test_a_plugin_is_all_or_nothing_and_never_takes_a_registered_name():
+    a = qk.Detector("plug_a", prompts="repeated", mask=lambda tokens, seg_len, first_query: qk.diagonal_mask(tokens))
+    b = qk.Detector("plug_b", prompts="repeated", mask=lambda tokens, seg_len, first_query: qk.diagonal_mask(tokens))
+    clash = qk.Detector("induction", prompts="repeated",
+                        mask=lambda tokens, seg_len, first_query: qk.diagonal_mask(tokens))
+    builtin = registry.detector("induction")
+    try:
+        with pytest.warns(UserWarning) as seen:
+            got = registry.load_plugins([_Entry("first", "p:first", [a]),
+                                         _Entry("second", "q:second", [b, a]),          # takes first's name
+                                         _Entry("third", "r:third", [b, clash])])       # takes a built-in's
+        assert got == ["plug_a"] and registry.detector("plug_a") is a and registry.detector("induction") is builtin
+        assert "plug_b" not in [d.name for d in registry.detectors()]                   # neither half stays
+        assert [str(w.message).split(" was not loaded: ")[1] for w in seen] == [
+            "QKCircuitsError: detector 'plug_a' is already registered",
+            "QKCircuitsError: detector 'induction' is already registered"]
+        again = qk.Detector("plug_a", prompts="repeated", threshold=0.9, label="plug-a",
+                            mask=lambda tokens, seg_len, first_query: qk.diagonal_mask(tokens))
+        assert registry.load_plugins([_Entry("first", "p:first", [again])]) == ["plug_a"]   # its own: replaced
+        assert registry.detector("plug_a") is again
+    finally:
+        for name in ("plug_a", "plug_b"):
+            if name in [d.name for d in registry.detectors()]:
+                qk.unregister_detector(name)
+        registry._plugins["by_entry"].pop("first = p:first", None)

@@ -139,13 +139,14 @@ def test_memory_budgets_change_nothing_but_the_schedule(tmp_path_factory, monkey
             assert n == (8 * 4 + 4 * 4 if snd is None else 4 * 1 + 4 * 2), n   # senders below each receiver
 
 
-@pytest.mark.parametrize("which", ["llama", "gemma3"])
-def test_closed_form_rms_norm_vjp_matches_autograd(which, tmp_path_factory, monkeypatch):
-    # RMSNorm input norms: the residual gradients are formed in closed form (_foundation/inputs.py, no autograd
-    # through the norm); with that path switched off (autograd through the hook) the effects are the same to rounding.
+@pytest.mark.parametrize("which", ["gpt2", "llama", "gemma3"])
+def test_closed_form_norm_vjp_matches_autograd(which, tmp_path_factory, monkeypatch):
+    # RMSNorm (Llama, Gemma-3) and LayerNorm (GPT-2) input norms: the residual gradients are formed in closed form
+    # (_foundation/inputs.py, no autograd through the norm); with that path switched off (autograd through the
+    # hook) the effects are the same to rounding.
     from qkcircuits._paths import edges as _edges
 
-    folder = {"llama": _tiny.llama_dir, "gemma3": _tiny.gemma3_dir}[which](tmp_path_factory)
+    folder = {"gpt2": _tiny.gpt2_dir, "llama": _tiny.llama_dir, "gemma3": _tiny.gemma3_dir}[which](tmp_path_factory)
     model = qk.load(str(folder), device="cpu", verbose=False)
     toks = qk.repeated_tokens(model, n_seqs=3, seg_len=9, seed=1)
     calls = []

@@ -30,6 +30,7 @@ One streamed pass runs per prompt set that a selected detector needs; masks and 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -110,14 +111,18 @@ class ScanContext:
 
 _REGISTRY: Dict[str, Detector] = {}
 ENTRY_POINT_GROUP = "qkcircuits.detectors"
-_plugins = {"loaded": False, "names": []}
+_plugins: Dict[str, object] = {"loaded": False, "by_entry": {}}      # entry point "name = value" -> its names
+_plugins_lock = threading.RLock()
 
 
 def _registry() -> Dict[str, Detector]:
-    """The registry, with the installed packages' detectors (``load_plugins``) added on first use."""
+    """The registry, with the installed packages' detectors (``load_plugins``) added on first use (under a lock:
+    a second thread's first use waits for them; re-entrant, so a plugin may read the registry while loading)."""
     if not _plugins["loaded"]:
-        _plugins["loaded"] = True
-        load_plugins()
+        with _plugins_lock:
+            if not _plugins["loaded"]:
+                _plugins["loaded"] = True
+                load_plugins()
     return _REGISTRY
 
 
@@ -129,9 +134,10 @@ def load_plugins(entry_points=None) -> List[str]:
         [project.entry-points."qkcircuits.detectors"]
         self_attention = "my_package.detectors:self_attention"
 
-    Runs once per process, on the registry's first use; returns the names registered. A plugin that fails to
-    load or clashes with a registered name is skipped with one warning naming it (a broken plugin never stops
-    the built-ins)."""
+    Runs once per process, on the registry's first use; returns the names registered. A plugin is all or
+    nothing: one that fails to load, or any of whose names is already registered (a built-in, another plugin's,
+    the user's), is skipped whole with one warning naming it; loading the same entry point again replaces its
+    own detectors."""
     import warnings
 
     if entry_points is None:
@@ -139,17 +145,28 @@ def load_plugins(entry_points=None) -> List[str]:
 
         entry_points = installed(group=ENTRY_POINT_GROUP)
     names: List[str] = []
-    for ep in entry_points:
-        try:
-            obj = ep.load()
-            found = obj() if callable(obj) and not isinstance(obj, Detector) else obj
-            for det in [found] if isinstance(found, Detector) else list(found):
-                register_detector(det, replace=det.name in _plugins["names"])
-                _plugins["names"].append(det.name)
-                names.append(det.name)
-        except Exception as e:  # noqa: BLE001  a third party's bug: say which plugin, keep the rest
-            warnings.warn(f"qkcircuits: the detector plugin {ep.name!r} ({ep.value}) was not loaded: "
-                          f"{type(e).__name__}: {e}", stacklevel=2)
+    with _plugins_lock:
+        for ep in entry_points:
+            key = f"{ep.name} = {ep.value}"
+            own = set(_plugins["by_entry"].get(key, ()))
+            try:
+                obj = ep.load()
+                found = obj() if callable(obj) and not isinstance(obj, Detector) else obj
+                dets = [found] if isinstance(found, Detector) else list(found)
+                bad = [d for d in dets if not isinstance(d, Detector)]
+                if bad:
+                    raise QKCircuitsError(f"it gave {type(bad[0]).__name__}, not a qk.Detector")
+                taken = [d.name for d in dets if d.name in _REGISTRY and d.name not in own]
+                if taken:
+                    raise QKCircuitsError(f"detector {taken[0]!r} is already registered")
+                for d in dets:
+                    register_detector(d, replace=True)
+            except Exception as e:  # noqa: BLE001  a third party's bug: say which plugin, keep the rest
+                warnings.warn(f"qkcircuits: the detector plugin {ep.name!r} ({ep.value}) was not loaded: "
+                              f"{type(e).__name__}: {e}", stacklevel=2)
+                continue
+            _plugins["by_entry"][key] = [d.name for d in dets]
+            names += [d.name for d in dets]
     return names
 
 

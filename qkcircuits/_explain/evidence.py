@@ -20,8 +20,9 @@ from .._foundation.heads import model_heads
 from .attend import attend_heads
 
 
-def key_position(model, task, head) -> Optional[str]:
-    """The key position a head is read at (module docstring), or None for the induction rows."""
+def key_position(model, task, head, patterns: Optional[Dict[int, torch.Tensor]] = None) -> Optional[str]:
+    """The key position a head is read at (module docstring), or None: the induction rows, or a task that names
+    no position but END (no evidence then). ``patterns``: {layer: pattern} captured once for several heads."""
     if getattr(task, "name", "") == "induction":
         return None
     if "IO" in task.positions:
@@ -32,7 +33,11 @@ def key_position(model, task, head) -> Optional[str]:
     from .._foundation.capture import capture
 
     h = model_heads(model, head)[0]
-    pattern = capture(model, task.clean.to(model.W_E.device), ["pattern"], layers=[h.layer])["pattern", h.layer]
+    if patterns is None or h.layer not in patterns:
+        got = capture(model, task.clean.to(model.W_E.device), ["pattern"], layers=[h.layer])["pattern", h.layer]
+        if patterns is not None:
+            patterns[h.layer] = got
+    pattern = got if patterns is None else patterns[h.layer]
     rows = torch.arange(task.n)
     end = task.positions["END"]
     att = {n: float(pattern[rows, h.head, end, task.positions[n]].mean()) for n in names
@@ -40,20 +45,30 @@ def key_position(model, task, head) -> Optional[str]:
     return max(att, key=att.get) if att else None
 
 
-def qk_evidence(model, task, heads: Sequence, k: int = 3, labels: Optional[Dict[str, str]] = None
-                ) -> Dict[str, Dict]:
+def qk_evidence(model, task, heads: Sequence, k: int = 3, labels: Optional[Dict[str, str]] = None,
+                errors: Optional[Dict[str, str]] = None) -> Dict[str, Dict]:
     """{head: {"query": [[source, share], ...], "key": [...], "from": "END", "to": "IO" (or "induction"),
     "reading": "contrast", "total": value, "exact_error": ...}} for each of ``heads`` (the ``k`` largest sources of
-    each side by |value|). Heads that share a key position are attributed in one forward."""
+    each side by |value|). Heads that share a key position are attributed in one forward. With ``errors`` (a
+    dict), a group the attribution refuses (or that fails) is left out and its heads map to the reason there,
+    so the other groups keep their evidence; without it the first refusal raises."""
     groups: Dict[Optional[str], List[str]] = {}
+    patterns: Dict[int, torch.Tensor] = {}
     for h in model_heads(model, list(heads)):
-        groups.setdefault(key_position(model, task, str(h)), []).append(str(h))
+        groups.setdefault(key_position(model, task, str(h), patterns), []).append(str(h))
+    patterns.clear()
     out: Dict[str, Dict] = {}
     for key, hs in groups.items():
         if key is None and getattr(task, "name", "") != "induction":
             continue                          # a task with no position to read the head at: no evidence
-        res = attend_heads(model, hs, task=task, **({} if key is None else {"query": "END", "key": key}),
-                           labels=labels)
+        try:
+            res = attend_heads(model, hs, task=task, **({} if key is None else {"query": "END", "key": key}),
+                               labels=labels)
+        except Exception as e:  # noqa: BLE001  evidence is extra: one refused group must not cost the others
+            if errors is None:
+                raise
+            errors.update({h: f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" for h in hs})
+            continue
         for h, r in res.items():
             out[h] = {"query": [[n, round(s, 4)] for n, _, s in r.query_sources(k)],
                       "key": [[n, round(s, 4)] for n, _, s in r.key_sources(k)],

@@ -35,6 +35,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .._foundation.arch import adapter
+from .._foundation.arch.model import has_mlps
 from .._foundation.arch.norms import Norm
 from .._foundation.capture import _Stop
 from .._foundation.errors import QKCircuitsError
@@ -138,7 +139,7 @@ def capture_writes(model, tokens: Tensor, layers: List[int], expand: bool = Fals
     one's pattern exists (and, to split MLP 0, one more pass through block 0 alone)."""
     targets = sorted(set(int(x) for x in layers))
     last = targets[-1]
-    has_mlp = all(getattr(b, "mlp", None) is not None for b in model.blocks)
+    has_mlp = has_mlps(model)
     got: Dict[str, Tensor] = {}
     z: Dict[int, Tensor] = {}
     mlp: Dict[int, Tensor] = {}

@@ -134,8 +134,8 @@ def task_job(model, shared, *, spec: str, n: int, seed: int, prepend_bos: Option
 
 def roles_job(model, shared: Task, *, circuit: Circuit, clean: Real, corrupt: Real, also: Sequence[str] = (),
               force: bool = False):
-    """``circuit.roles`` on this worker's model (one clean forward for the attention patterns); ``also``: heads
-    outside the circuit judged beside it."""
+    """``circuit.roles`` on this worker's model (one clean forward for the attention patterns, one more per key
+    position for the QK evidence); ``also``: heads outside the circuit judged beside it."""
     return circuit.roles(model, shared, clean=clean, corrupt=corrupt, also=list(also), force=force)
 
 

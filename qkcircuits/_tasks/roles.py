@@ -405,8 +405,9 @@ QK_ROLES = ("name mover", "negative name mover", "induction head")
 
 def _add_qk_evidence(model, task, out: Dict[str, Dict[str, object]], settings: Dict[str, object]) -> None:
     """``out[head]["qk"]`` for each head whose role is in ``QK_ROLES`` or that the scan labels an induction head
-    (``roles``' docstring); an attention the attribution cannot decompose exactly leaves the roles as they are
-    and says why in ``settings["qk_error"]``."""
+    (``roles``' docstring). A head the attribution refuses (an attention it cannot decompose exactly, a key
+    outside its window) keeps its role without ``qk``, and ``settings["qk_error"]`` maps it to the reason; a task
+    that names no position but END gives no evidence (there is no key to read the head at)."""
     from .._explain.evidence import qk_evidence
 
     chosen = [h for h, r in out.items() if r.get("role") in QK_ROLES
@@ -414,10 +415,8 @@ def _add_qk_evidence(model, task, out: Dict[str, Dict[str, object]], settings: D
     if not chosen:
         return
     role_of = {h: str(r["role"]) for h, r in out.items()}
-    try:
-        found = qk_evidence(model, task, chosen, labels=role_of)
-    except QKCircuitsError as e:
-        settings["qk_error"] = str(e)
-        return
-    for h, ev in found.items():
+    errors: Dict[str, str] = {}
+    for h, ev in qk_evidence(model, task, chosen, labels=role_of, errors=errors).items():
         out[h]["qk"] = ev
+    if errors:
+        settings["qk_error"] = errors

@@ -134,20 +134,12 @@ def _known_output(mlp, value: Union[Tensor, Callable[[], Tensor]]) -> Callable:
     return known
 
 
-# attention bridges that return (attn_output, attn_weights) and whose callers (transformers' decoder layers
-# through TransformerLens' block bridges) read only attn_output: checked for GPT-2, Llama, Gemma-3, GPT-NeoX,
-# GPT-J and DeepSeek's latent attention in tests/test_circuit_scores.py, SmolLM3 (its NoPE-aware subclass),
-# Cohere and GPT-Neo in tests/test_more_families.py. Exact class names: a subclass may change what it returns.
-KNOWN_ATTENTION = ("AttentionBridge", "JointQKVAttentionBridge", "PositionEmbeddingsAttentionBridge",
-                   "JointQKVPositionEmbeddingsAttentionBridge", "MLAAttentionBridge", "_SmolLM3AttentionBridge")
-
-
 def _attention(model, layer: int):
     try:
-        attn = model.blocks[layer].attn
+        attn = model_facts.replaceable_attention(model, layer)
     except (AttributeError, IndexError, TypeError):
         return None
-    if type(attn).__name__ not in KNOWN_ATTENTION:
+    if attn is None:
         return None
     # a hook of someone's on a hook point inside would not fire (transformers' own output-capturing hooks on the
     # wrapped module only act when attention weights are asked for, which a circuit forward does not)

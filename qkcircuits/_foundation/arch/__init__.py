@@ -25,6 +25,7 @@ from .latent import LatentAttention
 from .standard import StandardAttention
 
 FAMILIES: Dict[str, Type[AttentionAdapter]] = {"standard": StandardAttention, "latent": LatentAttention}
+BUILT_IN = tuple(FAMILIES)
 # (family, rule): families added by register_family, asked before the built-in rules, newest first
 _RULES: List[Tuple[str, Callable[[object], bool]]] = []
 WORKS_ON = "multi-head/GQA/MQA attention (GPT-2, GPT-J, GPT-NeoX/Pythia, Llama, Qwen, Gemma, ...) and multi-head latent attention (DeepSeek-V2/V3)"
@@ -45,12 +46,16 @@ def architecture(model) -> str:
 def register_family(name: str, adapter_class: type, matches: Callable[[object], bool]) -> None:
     """Add an attention family: ``adapter_class`` (a subclass of ``AttentionAdapter``) answers for every layer of
     a model for which ``matches(model)`` is True (asked before the built-in rules; the latest registration first).
-    Registering a name again replaces it. docs/architecture.md, "How to add an architecture"; executed by
+    Registering a name again replaces it; the built-in names are refused. Register before ``qk.load``: a model
+    remembers its family once detected. docs/architecture.md, "How to add an architecture"; executed by
     tests/test_arch_recipe.py."""
     if not (isinstance(adapter_class, type) and issubclass(adapter_class, AttentionAdapter)):
         raise QKCircuitsError(f"register_family takes an AttentionAdapter subclass, got {adapter_class!r}")
     if not callable(matches):
         raise QKCircuitsError(f"register_family's matches must be a function of the model, got {matches!r}")
+    if name in BUILT_IN:
+        raise QKCircuitsError(f"family {name!r} is built in; register yours under another name (a rule decides "
+                              f"which models it answers for)")
     FAMILIES[str(name)] = adapter_class
     _RULES[:] = [(n, r) for n, r in _RULES if n != name]
     _RULES.insert(0, (str(name), matches))

@@ -86,6 +86,23 @@ def mlp_module(model, layer: int) -> Optional[torch.nn.Module]:
     return mlp if type(mlp).__name__ in ("MLPBridge", "GatedMLPBridge") else None
 
 
+# attention bridges that return (attn_output, attn_weights) and whose callers (transformers' decoder layers
+# through TransformerLens' block bridges) read only attn_output: checked for GPT-2, Llama, Gemma-3, GPT-NeoX,
+# GPT-J and DeepSeek's latent attention in tests/test_circuit_scores.py, SmolLM3 (its NoPE-aware subclass),
+# Cohere and GPT-Neo in tests/test_more_families.py. Exact class names: a subclass may change what it returns.
+KNOWN_ATTENTION = ("AttentionBridge", "JointQKVAttentionBridge", "PositionEmbeddingsAttentionBridge",
+                   "JointQKVPositionEmbeddingsAttentionBridge", "MLAAttentionBridge", "_SmolLM3AttentionBridge")
+
+
+
+
+def replaceable_attention(model, layer: int) -> Optional[torch.nn.Module]:
+    """Block ``layer``'s attention bridge when it is one of ``KNOWN_ATTENTION`` (a run that knows its output may
+    return ``(output, None)`` in its place), else None."""
+    attn = model.blocks[layer].attn
+    return attn if type(attn).__name__ in KNOWN_ATTENTION else None
+
+
 def default_bos_id(model) -> Optional[int]:
     """The BOS id TransformerLens prepends when the tokenizer names none (``cfg.default_prepend_bos_token_id``)."""
     v = getattr(model.cfg, "default_prepend_bos_token_id", None)
