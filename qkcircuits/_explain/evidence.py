@@ -84,8 +84,10 @@ def evidence_sentence(head: str, ev: Dict, role_of: Optional[Dict[str, str]] = N
     def side(items) -> str:
         return ", ".join(f"{n}{f' ({role_of[n]})' if n in role_of else ''} {100 * s:.0f} %" for n, s in items)
 
-    return (f"{head} attends from {ev['from']} to {ev['to']} (attention {ev['attention']:.2f}): query side "
-            f"{side(ev['query'])}; key side {side(ev['key'])}")
+    where = f" from {ev['from']} to {ev['to']}" if "from" in ev and "to" in ev else ""
+    att = f" (attention {ev['attention']:.2f})" if isinstance(ev.get("attention"), (int, float)) else ""
+    return (f"{head} attends{where}{att}: query side {side(ev.get('query', []))}; key side "
+            f"{side(ev.get('key', []))}")
 
 
 # the scan's labelled scores and the rows their heads are explained on, on the scan's own [BOS] + R + R prompts
