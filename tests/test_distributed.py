@@ -375,7 +375,10 @@ def test_cli_circuit_ray_equals_local(tmp_path, ray_local, capsys):
     assert "on Ray, 2 workers" in capsys.readouterr().out
     la, lb = json.loads(a.read_text()), json.loads(b.read_text())
     assert lb["backend"]["name"] == "ray" and lb["backend"]["shards"] == 4 and "backend" not in la
-    assert lb["curve"] == la["curve"] and lb["circuit"]["heads"] == la["circuit"]["heads"] == ["0.0", "1.0"]
+    # the JSON's numbers are exact now: the shards' sums differ from one sum in the last bits (6.1180106e-07 vs
+    # 6.1180111e-07 at 10 %)
+    assert lb["curve"] == pytest.approx(la["curve"], abs=1e-9)
+    assert lb["circuit"]["heads"] == la["circuit"]["heads"] == ["0.0", "1.0"]
     assert lb["clean"] == pytest.approx(la["clean"], abs=1e-4) and lb["cpr"] == pytest.approx(la["cpr"], abs=1e-6)
     assert [e[:3] for e in lb["circuit"]["edges"]] == [e[:3] for e in la["circuit"]["edges"]]
     assert {h: r["role"] for h, r in lb["roles"].items()} == {h: r["role"] for h, r in la["roles"].items()}
