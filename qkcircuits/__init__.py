@@ -40,7 +40,7 @@ __all__ = sorted([
     "thresholds", "unregister_detector", "Result", "load_result", "ablate", "as_metric", "attribution", "compare_to_random", "confirm_induction", "diagnose",
     "group_effect", "induction_loss", "logit_diff", "mask_score", "qk_statistics", "scan", "sweep", "target_masks",
     "text_loss",
-    "INTO", "VIEWS", "Backend", "Local", "Ray", "as_backend",
+    "INTO", "VIEWS", "Backend", "BackendPool", "Local", "Ray", "as_backend",
     "PathEffects", "edge_attribution", "path_patch", "trace_induction", "Zoo", "zoo",
     # why a head attends
     "Attribution", "attend", "attend_heads",

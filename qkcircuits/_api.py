@@ -62,7 +62,7 @@ from ._tasks.scores import EdgeScores, NodeScores, edge_scores, node_scores
 from ._tasks.task import Task
 
 # Where analyses run (Ray itself is imported only when a qk.Ray backend runs), and many models at once.
-from ._foundation.backends import Backend, Local, Ray, as_backend
+from ._foundation.backends import Backend, BackendPool, Local, Ray, as_backend
 from ._scale.zoo import Zoo, zoo
 
 # The one Result base of every result class, and a reader of any result JSON by its schema.

@@ -154,21 +154,25 @@ def ray_path_patch(spec, receivers, into=("q", "k", "v"), senders=None, method: 
 def ray_trace(spec, receivers=None, *, top: int = 3, into=("q", "k", "v"), method: str = "mean",
               attribution: bool = False, scores=None, tokens=None, progress: bool = True,
               ray_address: Optional[str] = None, workers: Optional[int] = None, threads: int = 1,
-              load_kwargs: Optional[Dict[str, Any]] = None, on_event=None):
+              load_kwargs: Optional[Dict[str, Any]] = None, on_event=None, pool: Optional[Pool] = None):
     """``trace(..., backend=qk.Ray(...))``: the scan, the path patching and the K-composition agreement on Ray
-    workers of one pool (each loads the model once); the driver loads no weights."""
+    workers of one pool (each loads the model once); the driver loads no weights. ``pool``: an open ``Pool`` to
+    run on, else one is started for this trace."""
     check_int("top", top)
     if attribution:
         raise QKCircuitsError("backend 'ray' runs exact path patching; drop attribution (or use the local backend)")
-    with Pool(spec, workers=workers, threads=threads, load_kwargs=load_kwargs or {}, address=ray_address,
-              progress=progress, on_event=on_event) as pool:
-        t0 = time.perf_counter()
-        info = pool.call("qkcircuits._scale.ray_patching:trace_receivers_job", {"receivers": receivers, "top": top}, scores)
-        scan_s = time.perf_counter() - t0
-        res = ray_path_patch(spec, info["receivers"], into, None, method, tokens, per_position=True,
-                             progress=progress, pool=pool)
-        res.labels = info["labels"]
-        res.k_composition_spearman = pool.call("qkcircuits._scale.ray_patching:k_composition_job", {}, res)
+    if pool is None:
+        with Pool(spec, workers=workers, threads=threads, load_kwargs=load_kwargs or {}, address=ray_address,
+                  progress=progress, on_event=on_event) as own:
+            return ray_trace(spec, receivers, top=top, into=into, method=method, scores=scores, tokens=tokens,
+                             progress=progress, pool=own)
+    t0 = time.perf_counter()
+    info = pool.call("qkcircuits._scale.ray_patching:trace_receivers_job", {"receivers": receivers, "top": top}, scores)
+    scan_s = time.perf_counter() - t0
+    res = ray_path_patch(spec, info["receivers"], into, None, method, tokens, per_position=True,
+                         progress=progress, pool=pool)
+    res.labels = info["labels"]
+    res.k_composition_spearman = pool.call("qkcircuits._scale.ray_patching:k_composition_job", {}, res)
     res.settings["receiver_induction"] = info["receiver_induction"]
     res.settings["scan"] = info["scan"]
     res.settings["backend"]["scan_s"] = round(scan_s, 3)

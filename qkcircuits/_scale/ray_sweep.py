@@ -132,12 +132,13 @@ def ray_sweep(spec, tokens, metric="induction-loss", method: str = "zero", *, re
               per_position: bool = True, layers=None, max_batch=None, progress: bool = True,
               ray_address: Optional[str] = None, workers: Optional[int] = None, threads: int = 1,
               load_kwargs: Optional[Dict[str, Any]] = None, shard_prompts: Optional[int] = None,
-              on_event=None):
+              on_event=None, pool: Optional[Pool] = None):
     """``sweep(..., backend=qk.Ray(...))`` (what ``Ray.run("sweep", ...)`` calls): see ``qkcircuits.sweep``;
     equal to the local sweep to float rounding. ``spec`` is a model spec (``Ray`` turns a loaded model into one).
 
     ``tokens`` may be a dict of ``default_tokens`` arguments (``n_seqs``, ``seg_len`` or ``seq_len``, ``seed``): a
-    worker then draws the prompts for the metric (the driver has no tokenizer).
+    worker then draws the prompts for the metric (the driver has no tokenizer). ``pool``: an open ``Pool`` to run
+    on (a ``qk.Ray().pool(model)``'s workers), else one is started for this sweep.
     """
     check_method(method)
     metric_obj = as_metric(metric, accept=("logits",), where="sweep")
@@ -147,36 +148,48 @@ def ray_sweep(spec, tokens, metric="induction-loss", method: str = "zero", *, re
         if metric_obj.check is not None:
             metric_obj.check(tokens)
     t_all = time.perf_counter()
-    with Pool(spec, workers=workers, threads=threads, load_kwargs=load_kwargs or {}, address=ray_address,
-              progress=progress, on_event=on_event) as pool:
-        info = pool.call("describe")
-        if make_tokens:
-            tokens = pool.call("default_tokens", {"metric": metric_obj.name, **tokens})
-        n_layers, n_heads = info["n_layers"], info["n_heads"]
-        layers = sorted(set(range(n_layers) if layers is None else (int(x) for x in layers)))
-        if not layers or layers[0] < 0 or layers[-1] >= n_layers:
-            raise QKCircuitsError(f"layers must be in 0-{n_layers - 1}, got {layers!r}")
-        t0 = time.perf_counter()
-        ref = None if reference is None else driver_tokens(reference)
-        repl = pool.call("replacement", {"method": method, "layers": layers, "reference": ref,
-                                         "per_position": per_position}, tokens)
-        keep = metric_obj.keep_last(tokens) if metric_obj.keep_last is not None else None
-        shards, costs = plan_sweep(tokens.shape[0], layers, n_layers, n_heads, pool.size, shard_prompts=shard_prompts,
-                                   unembed=unembed_cost(info, tokens.shape[1], keep))
-        shards = [{**s, "metric": portable(metric_obj), "max_batch": max_batch} for s in shards]
-        parts = pool.map("qkcircuits._scale.ray_sweep:sweep_shard", shards, {"tokens": tokens, "replacement": repl}, costs=costs, desc="sweep")
-        timing = {"startup_s": pool.timing["startup_s"], "load_s": pool.timing["load_s"],
-                  "sweep_s": time.perf_counter() - t0}
-        workers_used, retries = pool.size, pool.retries
+    if pool is None:
+        with Pool(spec, workers=workers, threads=threads, load_kwargs=load_kwargs or {}, address=ray_address,
+                  progress=progress, on_event=on_event) as own:
+            res = _sweep_on(own, tokens, make_tokens, metric_obj, method, reference, per_position, layers, max_batch,
+                            shard_prompts)
+    else:
+        res = _sweep_on(pool, tokens, make_tokens, metric_obj, method, reference, per_position, layers, max_batch,
+                        shard_prompts)
+    res.timing["total_s"] = round(time.perf_counter() - t_all, 3)
+    return res
+
+
+def _sweep_on(pool: Pool, tokens, make_tokens: bool, metric_obj, method: str, reference, per_position: bool, layers,
+              max_batch, shard_prompts) -> HeadEffects:
+    """The sweep's steps on the open ``pool``: prompts, replacement and shape from one worker, shards on all."""
+    info = pool.call("describe")
+    if make_tokens:
+        tokens = pool.call("default_tokens", {"metric": metric_obj.name, **tokens})
+    n_layers, n_heads = info["n_layers"], info["n_heads"]
+    layers = sorted(set(range(n_layers) if layers is None else (int(x) for x in layers)))
+    if not layers or layers[0] < 0 or layers[-1] >= n_layers:
+        raise QKCircuitsError(f"layers must be in 0-{n_layers - 1}, got {layers!r}")
+    t0 = time.perf_counter()
+    ref = None if reference is None else driver_tokens(reference)
+    repl = pool.call("replacement", {"method": method, "layers": layers, "reference": ref,
+                                     "per_position": per_position}, tokens)
+    keep = metric_obj.keep_last(tokens) if metric_obj.keep_last is not None else None
+    shards, costs = plan_sweep(tokens.shape[0], layers, n_layers, n_heads, pool.size, shard_prompts=shard_prompts,
+                               unembed=unembed_cost(info, tokens.shape[1], keep))
+    shards = [{**s, "metric": portable(metric_obj), "max_batch": max_batch} for s in shards]
+    parts = pool.map("qkcircuits._scale.ray_sweep:sweep_shard", shards, {"tokens": tokens, "replacement": repl},
+                     costs=costs, desc="sweep")
+    timing = {"startup_s": pool.timing["startup_s"], "load_s": pool.timing["load_s"],
+              "sweep_s": time.perf_counter() - t0}
     effects, baseline = combine_sweep(parts, n_layers, n_heads)
     effects = -metric_obj.sign * effects           # ablated − clean → the metric's sign (+ = the head matters)
-    timing["total_s"] = time.perf_counter() - t_all
     res = HeadEffects(effects, baseline, info["name"], method, metric_obj.name, "sweep", int(tokens.shape[0]),
                       int(tokens.shape[1]), per_position, repl.reference, layers,
                       higher_is_better=metric_obj.higher_is_better)
     res.timing = {k: round(v, 3) for k, v in timing.items()}
-    res.backend = {"name": "ray", "workers": workers_used, "threads": threads, "shards": len(shards),
-                   "retries": retries,
+    res.backend = {"name": "ray", "workers": pool.size, "threads": pool.threads, "shards": len(shards),
+                   "retries": pool.retries,
                    # per shard: prompt rows, layers, planned cost (block passes x prompts), seconds in the worker
                    "plan": [{"rows": list(s["rows"]), "layers": s["layers"], "cost": c, "seconds": round(p["seconds"], 3)}
                             for s, c, p in zip(shards, costs, parts)]}

@@ -357,3 +357,28 @@ def ray_roles(pool: Pool, task: Task, circuit: Circuit, clean: Real, corrupt: Re
     return pool.call(JOB + "roles_job", {"circuit": circuit, "clean": clean, "corrupt": corrupt, "also": list(also),
                                          "force": force},
                      task)
+
+
+# ------------------------------------------------------------------------------------------ the CLI's circuit steps
+# (``Ray.jobs``' "task", "circuit_faithfulness", "roles": called by ``RayPool.run`` with the open workers)
+
+
+def ray_task(spec, *, task: str, n: int, seed: int, prepend_bos: Optional[bool] = None, metric: str = "logit-diff",
+             pool: Pool, progress: bool = True) -> Tuple[Task, Any]:
+    """The step "task" on Ray: the task ``task`` (ioi, induction or a .jsonl path the workers can read) and the
+    model's graph, built on a worker (``ray_task_and_graph``)."""
+    return ray_task_and_graph(pool, task, n, seed, prepend_bos, metric)
+
+
+def ray_circuit_faithfulness(spec, *, task: Task, circuit: Circuit, pool: Pool, graph: Any = None,
+                             progress: bool = True) -> Tuple[float, float]:
+    """The step "circuit_faithfulness" on Ray: (f, node-view f) of one circuit, from prompt shards (the clean
+    metric of the curve's shards reused by the node view)."""
+    (m,), clean, corrupt, _ = ray_circuit_metric(pool, task, [circuit.mask])
+    return ratio(m, clean, corrupt), ray_node_faithfulness(pool, task, circuit.heads, clean=clean)
+
+
+def ray_circuit_roles(spec, *, task: Task, circuit: Circuit, clean: Real, corrupt: Real, also: Sequence[str] = (),
+                      force: bool = False, pool: Pool, progress: bool = True):
+    """The step "roles" on Ray: ``circuit.roles`` on a worker (``ray_roles``)."""
+    return ray_roles(pool, task, circuit, clean, corrupt, also=also, force=force)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import gc
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .._foundation.backends import BackendLike, Local, Ray, as_backend
@@ -223,6 +223,11 @@ def zoo_job(model, shared, **kwargs) -> Dict[str, Any]:
     return scan_one(**kwargs)
 
 
+def zoo_entry(model, *, spec: str, **kwargs) -> Dict[str, Any]:
+    """The step "zoo_entry" in this process: ``scan_one`` on the pool's loaded ``model`` (a backend's pool runs it)."""
+    return scan_one(spec, model=model, **kwargs)
+
+
 @renamed(models="specs", confirm_top="confirm_k", max_heads="k")
 def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Optional[str] = None,
         workers: Optional[int] = None, confirm_k: int = 5, n_seqs: int = 8, seed: int = 0, k: int = 10,
@@ -231,10 +236,12 @@ def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Op
     """Scan every model in ``specs`` (as for ``qk.load``) and collect one comparison: per detector at most
     ``k`` heads over its threshold.
 
-    ``backend``: ``qk.Local()`` (default) or ``qk.Ray(address=..., workers=...)`` (strings as ``qk.as_backend``).
-    On Ray: one model per shard on Ray workers (``ray_address`` as in ``sweep``; at most
+    ``backend``: ``qk.Local()`` (default), ``qk.Ray(address=..., workers=...)`` or any ``qk.Backend`` (strings as
+    ``qk.as_backend``). On Ray: one model per shard on Ray workers (``ray_address`` as in ``sweep``; at most
     one worker per model), handed out in the given order as workers free up (put the largest
-    model first). ``confirm_k``: induction heads ablated together for the causal check (0: none).
+    model first). Any other backend: one ``backend.pool(spec)`` per model, in turn (the model loaded once, its
+    scan, K sources and task on it: the step ``"zoo_entry"``); ``load_kwargs`` reach ``qk.Local``'s and
+    ``qk.Ray``'s loads (another backend loads as it does). ``confirm_k``: induction heads ablated together for the causal check (0: none).
     ``task``: None, or ``"ioi"``: each entry also gets ``ioi`` (``ioi_summary`` on ``task_n`` prompts, BOS as
     ``task_bos``: None = what each model's tokenizer does on its own, True / False forced).
     Old names (one release, with a DeprecationWarning): ``models=``, ``confirm_top=``, ``max_heads=``. The
@@ -242,10 +249,6 @@ def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Op
     """
     models = specs
     chosen = as_backend(backend, address=ray_address, workers=workers)
-    if isinstance(chosen, Ray):             # the zoo's Ray job loads a different model per shard
-        backend, ray_address, workers = "ray", chosen.address, chosen.workers
-    elif isinstance(chosen, Local):
-        backend = "local"
     if isinstance(models, str) or not models:
         raise QKCircuitsError("zoo needs a list of one or more model specs, e.g. ['smollm2-135m', 'toy-induction']")
     check_int("n_seqs", n_seqs)
@@ -253,32 +256,48 @@ def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Op
     check_int("task_n", task_n)
     if task not in (None, "ioi"):
         raise QKCircuitsError(f"zoo task must be 'ioi' (or None: the scan only), got {task!r}")
+    load_kwargs = dict(load_kwargs or {})
+    if isinstance(chosen, Local):            # the zoo's load options, under the backend's own
+        chosen = replace(chosen, load_kwargs={**load_kwargs, **chosen.load_kwargs})
+    elif load_kwargs and not isinstance(chosen, Ray):
+        raise QKCircuitsError(f"load_kwargs={load_kwargs!r} beside backend={chosen!r}: that backend loads the models "
+                              f"as it does; give it the options itself")
     from .._foundation.model import check_spec
 
     for m in models:                     # every spec checked before the first model loads
         check_spec(m)
-    kwargs = dict(load_kwargs=load_kwargs or {}, confirm_k=confirm_k, n_seqs=n_seqs, seed=seed, k=k,
-                  task=task, task_n=task_n, task_bos=task_bos)
+    kwargs = dict(confirm_k=confirm_k, n_seqs=n_seqs, seed=seed, k=k, task=task, task_n=task_n, task_bos=task_bos)
     settings = {"confirm_top": confirm_k, "n_seqs": n_seqs, "seed": seed, "max_heads": k,
                 **({"task": task, "task_n": task_n, "task_method": "eap-ig, 5 steps, left rule",
                     "task_bos": {None: "auto", True: "yes", False: "no"}[task_bos]} if task else {}),
                 "thresholds": {k: detector(k).threshold for k in ZOO_DETECTORS}, "depth": "layer / n_layers",
-                "backend": backend}
+                "backend": chosen.name}
     t0 = time.perf_counter()
-    if backend == "ray":
+    if isinstance(chosen, Ray):       # one pool of workers for every model: one model per shard, models in parallel
         from .distributed import Pool
 
-        with Pool(None, workers=workers, max_workers=len(models), address=ray_address, progress=progress) as pool:
+        with Pool(None, workers=chosen.workers, threads=chosen.threads, max_workers=len(models),
+                  address=chosen.address, progress=progress) as pool:
+            kwargs["load_kwargs"] = {**load_kwargs, **chosen.load_kwargs}
             entries = pool.map("qkcircuits._scale.zoo:zoo_job", [{"spec": str(m), **kwargs} for m in models], desc="zoo")
             timing = {"startup_s": pool.timing["startup_s"], "scan_s": pool.timing["run_s"]}
-    elif backend == "local":
+    else:                             # any other backend: one pool per model (loaded once), its steps on it
         from .._foundation.progress import progress_bar
 
-        entries = []
-        for m in progress_bar(list(models), desc="zoo", unit="model", enabled=progress):
-            entries.append(scan_one(str(m), **kwargs))
+        entries = [_entry_on(chosen, str(m), kwargs)
+                   for m in progress_bar(list(models), desc="zoo", unit="model", enabled=progress)]
         timing = {"scan_s": time.perf_counter() - t0}
-    else:
-        raise QKCircuitsError(f"unknown backend {backend!r}; use 'local' or 'ray'")
     timing["total_s"] = time.perf_counter() - t0
     return Zoo(entries, settings, {k: round(v, 3) for k, v in timing.items()})
+
+
+def _entry_on(backend, spec: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """One model's zoo entry on ``backend``'s pool (the model loaded on open, released on close: one model alive
+    at a time); the pool's open counts into the entry's load time."""
+    t0 = time.perf_counter()
+    with backend.pool(spec) as pool:
+        opened = time.perf_counter() - t0
+        entry = pool.run("zoo_entry", local=zoo_entry, spec=spec, **kwargs)
+    gc.collect()
+    entry["timing_s"]["load"] = round(entry["timing_s"]["load"] + opened, 3)
+    return entry

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, load_model, non_negative_int, output_arg, positive_int
+from ._common import add_model_args, non_negative_int, output_arg, positive_int
 
 SCHEMA = "qkcircuits.circuit/1"
 METHODS = ("eap-ig", "eap", "exact", "eap-ig-activations", "clean-corrupted")
@@ -127,101 +127,55 @@ def build_task(model, spec: str, n: int, seed: int, prepend_bos=None, metric: st
     return build(model, spec, n, seed, prepend_bos=prepend_bos, metric=metric)
 
 
-class _Here:
-    """The command's heavy steps in this process (the model loaded here)."""
+def backend(args: argparse.Namespace):
+    """The backend of this command: ``qk.Ray`` with ``--ray`` (each worker loads the model as the flags say), else
+    ``qk.Local`` (this process). Every step runs on ONE pool of it (``run``)."""
+    from .._foundation.backends import Local, Ray
 
-    def __init__(self, args):
-        from .._tasks.scores import task_graph
-        from .._tasks.task import bos_mode_arg
-
-        self.model = load_model(args)
-        self.task = build_task(self.model, args.task, args.n, args.seed, bos_mode_arg(args.bos), args.metric)
-        self.graph = task_graph(self.model, self.task, args.gqa, args.positions)
-
-    def edge_scores(self, task=None, **kw):
-        from .._tasks.scores import edge_scores
-
-        return edge_scores(self.model, self.task if task is None else task, **kw)
-
-    def faithfulness(self, scores, **kw):
-        from .._tasks.circuit import faithfulness
-
-        return faithfulness(self.model, self.task, scores, **kw)
-
-    def circuit_f(self, circ):
-        from .._tasks.circuit import circuit_metric, node_faithfulness, ratio
-        from .._tasks.scores import shard_rows
-
-        rows = shard_rows(self.model, self.graph, self.task, buffers=3)
-        # one shard: its corrupt record serves the node view too (as in ``faithfulness``)
-        records = {} if rows >= self.task.n else None
-        mask = circ.mask if circ.position_mask is None else circ.position_mask
-        (m,), clean, corrupt = circuit_metric(self.model, self.task, [mask], rows, records=records, g=self.graph)
-        return ratio(m, clean, corrupt), node_faithfulness(self.model, self.task, circ.heads, rows, clean=clean, records=records)
-
-    def core(self, scores, mlps: bool, progress: bool):
-        from .._tasks.core import core_circuit
-
-        return core_circuit(self.model, self.task, scores, mlps=mlps, progress=progress)
-
-    def roles(self, circ, clean, corrupt, force=False, also=()):
-        return circ.roles(self.model, self.task, clean=clean, corrupt=corrupt, force=force, also=list(also))
-
-    def token_text(self, i: int) -> str:
-        tok = getattr(self.model, "tokenizer", None)
-        try:
-            return repr(tok.decode([int(i)])) if tok is not None else f"id {int(i)}"
-        except Exception:      # an id the tokenizer cannot decode: its number says enough
-            return f"id {int(i)}"
-
-    def close(self) -> None:
-        pass
+    load_kwargs = {"device": args.device, "dtype": args.dtype, "fold_ln": not args.no_fold_ln}
+    if args.ray is not None:
+        return Ray(address=args.ray or None, threads=args.threads or 1, load_kwargs=load_kwargs)
+    return Local(load_kwargs={**load_kwargs, "verbose": True})
 
 
-class _OnRay:
-    """The same steps on one pool of Ray workers (``qkcircuits._scale.ray_tasks``); the driver loads no model."""
+# The in-process computations of the command's own steps (``local=`` of ``pool.run``; on Ray the same steps are
+# ``qk.Ray.jobs``' "task", "circuit_faithfulness" and "roles", in qkcircuits._scale.ray_tasks).
 
-    def __init__(self, args):
-        from .._scale import ray_tasks
-        from .._scale.distributed import Pool
-        from .._tasks.task import bos_mode_arg
 
-        if args.gqa != "grouped" or args.positions:
-            raise QKCircuitsError("--gqa ungrouped and --positions run in this process only (not with --ray)")
-        self.rt = ray_tasks
-        self.pool = Pool(args.model, load_kwargs={"device": args.device, "dtype": args.dtype,
-                                                  "fold_ln": not args.no_fold_ln},
-                         address=args.ray or None, progress=not args.quiet, threads=args.threads or 1)
-        self.pool.start()
-        try:
-            self.task, self.graph = ray_tasks.ray_task_and_graph(self.pool, args.task, args.n, args.seed,
-                                                                 bos_mode_arg(args.bos), args.metric)
-        except BaseException:
-            self.pool.close()
-            raise
+def task_step(model, *, task: str, n: int, seed: int, prepend_bos=None, metric: str = "logit-diff",
+              gqa: str = "grouped", positions: bool = False):
+    """The step "task": the task built with this model's tokenizer, and the graph its edges are scored on."""
+    from .._tasks.scores import task_graph
 
-    def edge_scores(self, task=None, **kw):
-        return self.rt.ray_edge_scores(None, self.task if task is None else task, pool=self.pool, **kw)
+    built = build_task(model, task, n, seed, prepend_bos, metric)
+    return built, task_graph(model, built, gqa, positions)
 
-    def faithfulness(self, scores, **kw):
-        return self.rt.ray_faithfulness(None, self.task, scores, pool=self.pool, **kw)
 
-    def circuit_f(self, circ):
-        (m,), clean, corrupt, _ = self.rt.ray_circuit_metric(self.pool, self.task, [circ.mask])
-        return self.rt.ratio(m, clean, corrupt), self.rt.ray_node_faithfulness(self.pool, self.task, circ.heads,
-                                                                                clean=clean)
+def circuit_faithfulness_step(model, *, task, circuit, graph, progress: bool = True):
+    """The step "circuit_faithfulness": (f, node-view f) of one circuit (``--edges`` / ``--percent``)."""
+    from .._tasks.circuit import circuit_metric, node_faithfulness, ratio
+    from .._tasks.scores import shard_rows
 
-    def core(self, scores, mlps: bool, progress: bool):
-        return self.rt.ray_core_circuit(None, self.task, scores, mlps=mlps, progress=progress, pool=self.pool)
+    rows = shard_rows(model, graph, task, buffers=3)
+    # one shard: its corrupt record serves the node view too (as in ``faithfulness``)
+    records = {} if rows >= task.n else None
+    mask = circuit.mask if circuit.position_mask is None else circuit.position_mask
+    (m,), clean, corrupt = circuit_metric(model, task, [mask], rows, records=records, g=graph)
+    return ratio(m, clean, corrupt), node_faithfulness(model, task, circuit.heads, rows, clean=clean, records=records)
 
-    def roles(self, circ, clean, corrupt, force=False, also=()):
-        return self.rt.ray_roles(self.pool, self.task, circ, clean, corrupt, also=also, force=force)
 
-    def token_text(self, i: int) -> str:
-        return f"id {int(i)}"           # the driver has no tokenizer
+def roles_step(model, *, task, circuit, clean, corrupt, force: bool = False, also=()):
+    """The step "roles": the circuit's heads' roles (``also``: heads outside it judged beside them)."""
+    return circuit.roles(model, task, clean=clean, corrupt=corrupt, force=force, also=list(also))
 
-    def close(self) -> None:
-        self.pool.close()
+
+def token_text(pool, i: int) -> str:
+    """Token ``i`` as text where the model is loaded in this process (its tokenizer), else its id."""
+    tok = getattr(pool.here, "tokenizer", None)
+    try:
+        return repr(tok.decode([int(i)])) if tok is not None else f"id {int(i)}"
+    except Exception:      # an id the tokenizer cannot decode: its number says enough
+        return f"id {int(i)}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -235,23 +189,22 @@ def run(args: argparse.Namespace) -> int:
     if args.task == "induction" and args.bos == "no":
         raise QKCircuitsError("--bos no: the induction task's prompts are [BOS] + R + R and always start with BOS; use "
                               "--bos auto or yes")
+    if args.ray is not None and (args.gqa != "grouped" or args.positions):
+        raise QKCircuitsError("--gqa ungrouped and --positions run in this process only (not with --ray)")
     t0 = time.perf_counter()
-    here = _OnRay(args) if args.ray is not None else _Here(args)
-    try:
-        return _run(args, here, t0)
-    finally:
-        here.close()
+    with backend(args).pool(args.model) as pool:      # the model loaded once (here, or on each Ray worker)
+        return _run(args, pool, t0)
 
 
-def bos_text(task, here, args) -> str:
+def bos_text(task, pool, args) -> str:
     """How the prompts start, in words (the first line says it)."""
     if task.name == "induction" and args.task == "induction":
-        return f"BOS {here.token_text(int(task.clean[0, 0]))} prepended (induction prompts always start with BOS)"
+        return f"BOS {token_text(pool, int(task.clean[0, 0]))} prepended (induction prompts always start with BOS)"
     mode = task.bos_mode or ("yes" if task.bos else "no")
     if mode == "auto":
-        return (f"BOS {here.token_text(int(task.clean[0, 0]))} prepended (--bos auto: the tokenizer adds it)" if task.bos
+        return (f"BOS {token_text(pool, int(task.clean[0, 0]))} prepended (--bos auto: the tokenizer adds it)" if task.bos
                 else "no BOS (--bos auto: the tokenizer adds none; --bos yes prepends one)")
-    return f"BOS {here.token_text(int(task.clean[0, 0]))} prepended (--bos yes)" if task.bos else "no BOS (--bos no)"
+    return f"BOS {token_text(pool, int(task.clean[0, 0]))} prepended (--bos yes)" if task.bos else "no BOS (--bos no)"
 
 
 @contextmanager
@@ -266,17 +219,21 @@ def _quiet_python_warnings():
         yield
 
 
-def _run(args: argparse.Namespace, here, t0: float) -> int:
+def _run(args: argparse.Namespace, pool, t0: float) -> int:
+    """The command's steps, each one ``pool.run`` (the local function, or the backend's own job of that name)."""
     from .._tasks import caveats
-    from .._tasks.circuit import THRESHOLD
-    from .._tasks.task import does_the_task, not_done_message
+    from .._tasks.circuit import THRESHOLD, faithfulness
+    from .._tasks.core import core_circuit
+    from .._tasks.scores import edge_scores
+    from .._tasks.task import bos_mode_arg, does_the_task, not_done_message
 
     progress = not args.quiet
-    task, g = here.task, here.graph
+    task, g = pool.run("task", local=task_step, task=args.task, n=args.n, seed=args.seed,
+                       prepend_bos=bos_mode_arg(args.bos), metric=args.metric, **_graph_kw(args))
     t_load = time.perf_counter() - t0
-    header = (f"{args.model}: task {task.name}, {task.n} prompts x {task.clean.shape[1]} tokens, {bos_text(task, here, args)}"
+    header = (f"{args.model}: task {task.name}, {task.n} prompts x {task.clean.shape[1]} tokens, {bos_text(task, pool, args)}"
               f", metric {task.metric_name}; graph {g.n_nodes} nodes, {g.n_edges} edges"
-              + (f"; on Ray, {here.pool.size} workers" if args.ray is not None else ""))
+              + (f"; on Ray, {pool.workers.size} workers" if args.ray is not None else ""))
     print(header, file=sys.stderr, flush=True)             # the first line: the BOS is said before anything runs
     warned = []
 
@@ -287,43 +244,46 @@ def _run(args: argparse.Namespace, here, t0: float) -> int:
 
     with _quiet_python_warnings():
         t1 = time.perf_counter()
-        scores = here.edge_scores(method=args.method, steps=args.steps, rule=args.rule, progress=progress,
-                                  **_graph_kw(args))
+        scores = pool.run("edge_scores", local=edge_scores, task=task, method=args.method, steps=args.steps,
+                          rule=args.rule, progress=progress, **_graph_kw(args))
         t2 = time.perf_counter()
         print(f"  clean {task.metric_name} {scores.clean:.4f}, corrupt {scores.corrupt:.4f}", file=sys.stderr,
               flush=True)
         done = does_the_task(task, scores.clean, scores.corrupt)
         if not done:
-            warn_now(not_done_message(task, scores.clean, scores.corrupt, getattr(here, "model", None)))
+            warn_now(not_done_message(task, scores.clean, scores.corrupt, pool.here))
         undefined = scores.clean == scores.corrupt
         core = None
         # the core first: the fewest heads (and MLPs) that carry the behaviour; none on the position-aware graph
         # (core_circuit refuses it) and none named when the model does not do the task, unless --force
         if not args.no_core and not g.positions and (args.force or (done and not undefined)):
-            core = here.core(scores, mlps=args.core_mlps == "searched", progress=progress)
+            core = pool.run("core_circuit", local=core_circuit, task=task, scores=scores,
+                            mlps=args.core_mlps == "searched", progress=progress)
         t_core = time.perf_counter()
-        faith = here.faithfulness(scores, by=args.by, how=args.how, progress=progress,
-                                  **({"bootstrap": args.bootstrap} if args.bootstrap else {}))
+        faith = pool.run("faithfulness", local=faithfulness, task=task, scores=scores, by=args.by, how=args.how,
+                         progress=progress, **({"bootstrap": args.bootstrap} if args.bootstrap else {}))
         t3 = time.perf_counter()
         explicit = args.edges is not None or args.percent is not None
         if done and not undefined and not explicit and not faith.reached:
             warn_now(caveats.unreached_message(faith.curve, THRESHOLD))
         sign = None
         if args.method not in ("eap-ig", "exact") and not args.no_sign_check:
-            sign = _sign_check(args, here, scores, warn_now)
+            sign = _sign_check(args, pool, task, scores, warn_now)
         t_sign = time.perf_counter()
         named = args.force or (done and not undefined and (explicit or faith.reached))
         if explicit:
             circ = scores.circuit(edges=args.edges, percent=args.percent, by=args.by, how=args.how)
-            f_circ, node_f = here.circuit_f(circ)
+            f_circ, node_f = pool.run("circuit_faithfulness", local=circuit_faithfulness_step, task=task,
+                                      circuit=circ, graph=g, progress=progress)
         else:
             circ, f_circ, node_f = faith.circuit, faith.curve[faith.chosen_percent], faith.node_faithfulness
         t4 = time.perf_counter()
         if core is not None:            # the core's heads, and those outside it whose effect reaches 5 %
-            roles = here.roles(core.circuit(scores), scores.clean, scores.corrupt, force=args.force,
-                               also=core.outside(scores))
+            roles = pool.run("roles", local=roles_step, task=task, circuit=core.circuit(scores), clean=scores.clean,
+                             corrupt=scores.corrupt, force=args.force, also=core.outside(scores))
         elif named:
-            roles = here.roles(circ, scores.clean, scores.corrupt, force=args.force)
+            roles = pool.run("roles", local=roles_step, task=task, circuit=circ, clean=scores.clean,
+                             corrupt=scores.corrupt, force=args.force)
         else:
             from .._tasks.roles import Roles
 
@@ -424,14 +384,16 @@ def _graph_kw(args) -> dict:
     return {"gqa": args.gqa, "positions": args.positions} if args.gqa != "grouped" or args.positions else {}
 
 
-def _sign_check(args, here, scores, warn_now):
+def _sign_check(args, pool, task, scores, warn_now):
     """EAP-IG (5 steps, left rule) on the first ``SIGN_ROWS`` prompts against ``scores``' top 100 edges by |score|:
     the share of opposite signs (``caveats.sign_disagreement``); a warning above ``caveats.SIGN_LIMIT``."""
     from .._tasks import caveats
 
-    rows = min(SIGN_ROWS, here.task.n)
-    ref = here.edge_scores(task=here.task.rows(slice(0, rows)), method="eap-ig", steps=5, progress=not args.quiet,
-                           **_graph_kw(args))
+    from .._tasks.scores import edge_scores
+
+    rows = min(SIGN_ROWS, task.n)
+    ref = pool.run("edge_scores", local=edge_scores, task=task.rows(slice(0, rows)), method="eap-ig", steps=5,
+                   progress=not args.quiet, **_graph_kw(args))
     found = caveats.sign_disagreement(scores.scores, ref.scores, scores.graph.valid)
     g = scores.graph
     names = {(s, r): f"{g.senders[s]} -> {g.receivers[r][0]} {g.receivers[r][1]}" for s, r, _, _ in found["worst"]}
