@@ -160,7 +160,8 @@ def test_path_patch_equals_a_plain_reference_implementation(which, tmp_path_fact
     recv += [qk.Head(1, 1)] if last > 1 else []
     senders = [qk.Head(0, 1), qk.Head(last - 1, 0)]
     ind = qk.path_patch(model, recv, into=("q", "k"), senders=senders, tokens=toks, progress=False)
-    val = qk.path_patch(model, recv, into="v", senders=senders, tokens=toks, metric=_z_norm, progress=False)
+    val = qk.path_patch(model, recv, into="v", senders=senders, tokens=toks,
+                        metric=qk.as_metric(_z_norm, higher_is_better=True), progress=False)
     for i, r in enumerate(recv):
         for s in senders:
             if s.layer >= r.layer:
