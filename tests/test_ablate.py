@@ -99,7 +99,8 @@ def test_sweep_on_the_hand_built_model_finds_the_circuit(hand_built, rep):
 def test_attribution_is_exact_for_a_metric_linear_in_the_last_layers_z(hand_built, rep):
     # Attention-only, no normalisation: logits are linear in layer 1's z, so the estimate is exact there.
     target = rep[:, 1]                          # what the induction head predicts after the last token
-    metric = qk.as_metric(lambda logits, tokens: logits[torch.arange(len(tokens)), -1, target].mean())
+    metric = qk.as_metric(lambda logits, tokens: logits[torch.arange(len(tokens)), -1, target].mean(),
+                          higher_is_better=True)
     est = qk.attribution(hand_built, rep, metric)
     true = qk.sweep(hand_built, rep, metric, progress=False)
     # a logit (larger = behaviour present): ablating the induction head lowers it, a POSITIVE effect

@@ -21,7 +21,7 @@ import _tiny
 import qkcircuits as qk
 from qkcircuits._foundation.stats import spearman
 from qkcircuits._tasks import runs
-from qkcircuits._tasks.task import metric_higher_is_better
+from qkcircuits._foundation.metric_table import direction_of
 
 from _tiny import deepseek_dir, gemma3_dir, gpt2_dir, gptj_dir, llama_dir, neox_dir
 
@@ -629,10 +629,10 @@ def test_toy_induction_circuit_is_the_known_one(hand_built):
 
 
 def test_signed_circuit_follows_the_metric_direction_under_loss(hand_built):
-    # Under "loss" (lower is better) an edge that carries induction has a NEGATIVE score (corrupting it
+    # Under "answer-loss" (lower is better) an edge that carries induction has a NEGATIVE score (corrupting it
     # raises the loss); the signed circuit must still be the known one, not the edges that work against it.
     known = {("emb", "0.0", "v"), ("0.0", "1.0", "k"), ("emb", "1.0", "v"), ("1.0", "logits", "in")}
-    task = qk.tasks.induction(hand_built, n=8, seg_len=6, metric="loss")
+    task = qk.tasks.induction(hand_built, n=8, seg_len=6, metric="answer-loss")
     scores = qk.edge_scores(hand_built, task, method="exact", progress=False)
     assert scores.task["higher_is_better"] is False
     c = scores.circuit(edges=4)                                   # the default ranking: signed
@@ -643,11 +643,14 @@ def test_signed_circuit_follows_the_metric_direction_under_loss(hand_built):
     # read back from JSON, the direction is still known
     back = type(scores).from_json(scores.to_json())
     assert {e[:3] for e in back.circuit(edges=4).edges()} == known
-    # a scores file written before "higher_is_better" was recorded: the metric name decides, by the same rule
+    # a scores file written before "higher_is_better" was recorded (and "answer-loss" was named "loss"): the
+    # metric table decides, old names included
+    assert back.task["metric"] == "answer-loss"
     del back.task["higher_is_better"]
-    assert back.task["metric"] == "loss" and {e[:3] for e in back.circuit(edges=4).edges()} == known
-    assert metric_higher_is_better("logit-diff") and not metric_higher_is_better("loss")
-    assert not metric_higher_is_better(qk.Metric("l", lambda lg, t: lg.sum(), higher_is_better=False))
+    back.task["metric"] = "loss"
+    assert {e[:3] for e in back.circuit(edges=4).edges()} == known
+    assert direction_of("logit-diff") and direction_of("answer-loss") is False and direction_of("loss") is False
+    assert direction_of("my-callable") is None
 
 
 def test_circuit_selection_and_pruning(hand_built):

@@ -57,7 +57,7 @@ def _loss_difference(model, toks, receiver, sender, into, eps):
     """d/dε of path_patch's loss metric (receiver's z patched, the layers above run) at ε = 0, centrally."""
     cache = clean_pass(model, toks, [receiver.layer], need_logits=True)
     delta = sender_deltas(model, cache, references(model, "mean", toks, [sender.layer]), [sender])
-    scorer = Scorer(model, cache, receiver.layer, [receiver.head], resolve_metric("loss", into))
+    scorer = Scorer(model, cache, receiver.layer, [receiver.head], resolve_metric("induction-loss", into))
     with torch.no_grad():
         _, z = receiver_run(cache, receiver.layer, into, torch.cat([eps * delta, -eps * delta]))
         s = scorer.logits_sums(z, 2)[:, 0].double() / scorer.count()
@@ -73,8 +73,8 @@ def test_edge_attribution_loss_is_the_derivative_of_exact_path_patching(which, t
     # receivers in every layer >= 1: one backward serves them all; Gemma's layer-1 receivers feed layer 2
     recv = [qk.Head(l, h) for l in range(1, last + 1) for h in (0, 1, 3)]
     senders = [qk.Head(0, 2), qk.Head(0, 1)]
-    est = qk.edge_attribution(model, recv, senders=senders, tokens=toks, metric="loss")
-    exact = qk.path_patch(model, recv, senders=senders, tokens=toks, metric="loss", progress=False)
+    est = qk.edge_attribution(model, recv, senders=senders, tokens=toks, metric="induction-loss")
+    exact = qk.path_patch(model, recv, senders=senders, tokens=toks, metric="induction-loss", progress=False)
     assert est.metrics == {x: "induction-loss" for x in "qkv"}
     torch.testing.assert_close(est.clean["k"], exact.clean["k"], rtol=1e-4, atol=1e-5)     # the clean loss
     checked = 0
@@ -89,7 +89,7 @@ def test_edge_attribution_loss_is_the_derivative_of_exact_path_patching(which, t
     # path_patch's own loss metric: an unpatched receiver run through the layers above gives the clean loss
     # (on Gemma-3 resuming at layer 1 by slicing the block list shifted the sliding/global layer types above)
     cache = clean_pass(model, toks, [1], need_logits=True)
-    scorer = Scorer(model, cache, 1, [0], resolve_metric("loss", "k"))
+    scorer = Scorer(model, cache, 1, [0], resolve_metric("induction-loss", "k"))
     with torch.no_grad():
         _, z = receiver_run(cache, 1, "k", torch.zeros(1, *cache.resid[1].shape))
     torch.testing.assert_close(scorer.logits_sums(z, 1)[0], scorer.clean_sums(), rtol=1e-5, atol=1e-5)
@@ -112,7 +112,7 @@ def test_edge_attribution_ranks_the_trained_toys_previous_token_heads_first():
 
 
 def test_edge_attribution_bad_inputs(hand_built):
-    with pytest.raises(QKCircuitsError, match=r"^unknown metric 'kl'; use one of induction-loss") as e:
+    with pytest.raises(QKCircuitsError, match=r"^edge_attribution cannot evaluate metric 'kl': it needs a task's") as e:
         qk.edge_attribution(hand_built, "1.0", metric="kl")
     assert "\n" not in str(e.value)
     with pytest.raises(QKCircuitsError, match="receiver 0.0 is in layer 0: no earlier heads can send to it"):

@@ -64,7 +64,7 @@ def test_digest_changes_with_what_m_clean_depends_on(fam):
     other = pair_task(model, n=4)
     other.metric = "prob-diff"
     assert d != other.digest(model)                                   # another metric
-    other.metric = lambda logits, tokens: logits[:, -1, 0].mean()
+    other.metric = qk.as_metric(lambda logits, tokens: logits[:, -1, 0].mean(), higher_is_better=True)
     assert other.digest(model) is None                                # a callable: never reused
     w = model.W_E
     with torch.no_grad():

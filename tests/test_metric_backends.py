@@ -39,7 +39,7 @@ def _same(a, b):
 
 def test_name_alias_and_object_give_the_same_numbers_everywhere(gpt2):
     model, toks = gpt2
-    for m in ("induction-loss", "loss", qk.induction_loss()):
+    for m in ("induction-loss", "loss", qk.induction_loss()):               # "loss": the old name (deprecated)
         assert qk.as_metric(m).name == "induction-loss"
     sweeps = [qk.sweep(model, toks, m, "mean", progress=False) for m in ("induction-loss", qk.induction_loss())]
     _same(sweeps[0].effects, sweeps[1].effects)
@@ -77,7 +77,7 @@ def test_sign_convention_a_score_and_its_negated_loss_give_the_same_effects(gpt2
     def logit(logits, tokens):
         return logits[torch.arange(len(tokens)), -2, target].mean()
 
-    score = qk.Metric("target-logit", logit)                                 # positional, as the tasks build it
+    score = qk.Metric("target-logit", logit, higher_is_better=True)
     loss = qk.Metric("minus-target-logit", lambda lg, t: -logit(lg, t), higher_is_better=False)
     assert score.needs == "logits" and score.higher_is_better and not loss.higher_is_better
     a, b = qk.sweep(model, toks, score, progress=False), qk.sweep(model, toks, loss, progress=False)
@@ -100,8 +100,8 @@ def test_a_receiver_callable_equals_the_built_in_induction_attention(gpt2):
         has = mask.any(-1)
         return (pattern * mask).sum(-1)[has].mean()
 
-    mine = qk.Metric("my-induction", my_induction, needs="pattern")
-    assert qk.as_metric(my_induction).needs == "z"                          # 3 positional parameters
+    mine = qk.Metric("my-induction", my_induction, needs="pattern", higher_is_better=True)
+    assert qk.as_metric(my_induction, higher_is_better=True).needs == "z"   # 3 positional parameters
     built = qk.path_patch(model, "1.0,1.1", "k", tokens=toks, metric="induction", progress=False)
     ours = qk.path_patch(model, "1.0,1.1", "k", tokens=toks, metric=mine, progress=False)
     torch.testing.assert_close(ours.effects["k"], built.effects["k"], atol=1e-6, rtol=1e-5, equal_nan=True)
@@ -127,11 +127,15 @@ def test_wrong_metrics_fail_in_one_line(gpt2, hand_built):
     cases = [
         (lambda: qk.sweep(model, toks, "induction", progress=False), r"sweep needs a metric on logits; got 'induction'"),
         (lambda: qk.attribution(model, toks, "direct-logit"), r"attribution needs a metric on logits"),
-        (lambda: qk.group_effect(model, "0.0", toks, lambda p, z, t: 0), r"needs a metric on logits; got 'lambda|custom"),
+        (lambda: qk.group_effect(model, "0.0", toks, qk.as_metric(lambda p, z, t: 0, higher_is_better=True)),
+         r"needs a metric on logits; got 'custom'"),
         (lambda: qk.sweep(model, toks, 42, progress=False), r"metric must be a name .*not int 42"),
-        (lambda: qk.path_patch(model, "1.0", metric="kl", progress=False), r"unknown metric 'kl'"),
+        (lambda: qk.path_patch(model, "1.0", metric="kl", progress=False),
+         r"path_patch cannot evaluate metric 'kl': it needs a task's answer and wrong tokens"),
+        (lambda: qk.path_patch(model, "1.0", metric="accuracy", progress=False), r"unknown metric 'accuracy'"),
         (lambda: qk.path_patch(model, "1.0", metric=3.5, progress=False), r"not float"),
-        (lambda: qk.edge_attribution(model, "1.0", metric="logit-diff"), r"needs its answer tokens"),
+        (lambda: qk.edge_attribution(model, "1.0", metric="logit-diff"),
+         r"cannot evaluate metric 'logit-diff': it needs a task's answer .* qk.logit_diff\(correct, wrong\)"),
         (lambda: qk.Metric("x", len, needs="logitz"), r"needs must be one of logits, pattern, z, got 'logitz'"),
         (lambda: qk.induction_loss()(torch.zeros(1, 3, 5)), r"is called as \(logits, tokens\), got 1 inputs"),
         (lambda: qk.path_patch(model, "1.0", tokens=toks[:, :5], metric="loss", progress=False),

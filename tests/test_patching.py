@@ -47,7 +47,7 @@ def test_hand_built_previous_token_head_feeds_the_induction_heads_keys_and_nothi
 
 def test_hand_built_loss_metric_and_methods(hand_built):
     toks = qk.repeated_tokens(hand_built, n_seqs=4, seg_len=12, seed=0)
-    loss = qk.path_patch(hand_built, "1.0", into="k", method="zero", tokens=toks, metric="loss", progress=False)
+    loss = qk.path_patch(hand_built, "1.0", into="k", method="zero", tokens=toks, metric="induction-loss", progress=False)
     # Clean second-half loss 0; without the previous-token path the model guesses: ln(V-1).
     assert abs(loss.clean_value("1.0", "k")) < 1e-3
     assert abs(loss.effects["k"][0, 0, 0] - torch.log(torch.tensor(31.0))) < 1e-2
@@ -160,7 +160,8 @@ def test_path_patch_equals_a_plain_reference_implementation(which, tmp_path_fact
     recv += [qk.Head(1, 1)] if last > 1 else []
     senders = [qk.Head(0, 1), qk.Head(last - 1, 0)]
     ind = qk.path_patch(model, recv, into=("q", "k"), senders=senders, tokens=toks, progress=False)
-    val = qk.path_patch(model, recv, into="v", senders=senders, tokens=toks, metric=_z_norm, progress=False)
+    val = qk.path_patch(model, recv, into="v", senders=senders, tokens=toks,
+                        metric=qk.as_metric(_z_norm, higher_is_better=True), progress=False)
     for i, r in enumerate(recv):
         for s in senders:
             if s.layer >= r.layer:
@@ -260,7 +261,7 @@ def test_trained_toy_previous_token_group_dominates_the_k_path(trained):
         assert res.top(r, "k", 1)[0][0] in prev
     # In one unit for all three inputs (the ARENA loss: receiver's patched output run through the layers
     # above): removing the group's path into K raises the loss >10x more than its paths into Q and V.
-    loss = qk.path_patch(trained, induction, tokens=toks, metric="loss", progress=False)
+    loss = qk.path_patch(trained, induction, tokens=toks, metric="induction-loss", progress=False)
     for i, r in enumerate(loss.receivers):
         k = sum(float(loss.effects["k"][i, 0, h.head]) for h in prev)
         qv = sum(float(loss.effects[x][i, 0].abs().sum()) for x in "qv")
@@ -313,7 +314,7 @@ def test_bf16_model_traces_like_float32(which, tmp_path_factory):
         toks = qk.repeated_tokens(model, n_seqs=4, seg_len=9, seed=1)
         recv = [qk.Head(model.cfg.n_layers - 1, h) for h in range(4)]
         res[dt] = (qk.path_patch(model, recv, tokens=toks, progress=False),
-                   qk.edge_attribution(model, recv, tokens=toks, metric="loss"))
+                   qk.edge_attribution(model, recv, tokens=toks, metric="induction-loss"))
         assert res[dt][0].settings["dtype"] == str(dt)
     for i in range(2):
         for x in "qkv":

@@ -22,13 +22,13 @@ def gpt2(tmp_path_factory):
 def test_task_checks_shapes_and_metric():
     with pytest.raises(qk.QKCircuitsError, match="same shape"):
         qk.Task(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), 1, 2)
-    with pytest.raises(qk.QKCircuitsError, match="unknown task metric"):
+    with pytest.raises(qk.QKCircuitsError, match="unknown metric 'acc'; use one of logit-diff, prob-diff, answer-loss, kl"):
         qk.Task(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), 1, 2, metric="acc")
     t = qk.Task(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long), 1, 2)
     assert t.answer.tolist() == [1, 1] and t.positions["END"].tolist() == [2, 2]
 
 
-@pytest.mark.parametrize("metric", ["logit-diff", "prob-diff", "loss"])
+@pytest.mark.parametrize("metric", ["logit-diff", "prob-diff", "answer-loss"])
 def test_metric_values_and_shard_sums(metric):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 4, 11, generator=g)
@@ -39,7 +39,7 @@ def test_metric_values_and_shard_sums(metric):
     p = last.softmax(-1)
     want = {"logit-diff": last[rows, task.answer] - last[rows, task.wrong],
             "prob-diff": p[rows, task.answer] - p[rows, task.wrong],
-            "loss": -p[rows, task.answer].log()}[metric]
+            "answer-loss": -p[rows, task.answer].log()}[metric]
     assert torch.allclose(task.row_values(logits), want, atol=1e-5)
     halves = sum(float(s.metric_sum(logits[i * 3:(i + 1) * 3])) for i, s in enumerate(task.shards(3)))
     assert halves == pytest.approx(float(task.metric_sum(logits)), abs=1e-5)

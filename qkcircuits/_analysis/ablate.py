@@ -400,7 +400,7 @@ def group_effect(model, heads: HeadsLike, tokens, metric="induction-loss", metho
     """Ablate ``heads`` together on ``tokens``; one clean and one ablated forward pass."""
     model, tokens = check_model(model), check_tokens(tokens)
     targets = model_heads(model, heads)
-    tokens, metric = prepare_metric(model, tokens, metric)
+    tokens, metric = prepare_metric(model, tokens, metric, where="group_effect")
     repl = make_replacement(model, method, [h.layer for h in targets], reference=reference, tokens=tokens,
                             per_position=per_position)
     with torch.no_grad():
@@ -504,7 +504,7 @@ def compare_to_random(model, heads: HeadsLike, tokens, metric="induction-loss", 
     if k > len(others):
         raise QKCircuitsError(f"cannot draw {k} random heads from the {len(others)} heads outside the group; "
                               f"name fewer heads")
-    tokens, metric = prepare_metric(model, tokens, metric)
+    tokens, metric = prepare_metric(model, tokens, metric, where="compare_to_random")
     g = torch.Generator().manual_seed(seed)
     draws = [sorted(others[int(i)] for i in torch.randperm(len(others), generator=g)[:k]) for _ in range(n_draws)]
     layers = sorted({h.layer for grp in [targets] + draws for h in grp})

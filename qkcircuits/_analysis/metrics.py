@@ -1,51 +1,41 @@
-"""One ``Metric`` for every analysis: a named number computed from a forward pass.
+"""The built-in metrics and ``as_metric``, the one resolver every analysis and command calls.
 
 >>> m = qk.induction_loss()                     # loss on the repeated half of [BOS] + R + R
->>> m.name, m.needs, m.higher_is_better
-('induction-loss', 'logits', False)
+>>> m.name, m.needs, m.prompts, m.higher_is_better
+('induction-loss', 'logits', 'repeated', False)
 >>> float(m(model(tokens).detach(), tokens)) >= 0
 True
 >>> qk.as_metric(m.name) == m                   # a name round-trips (JSON holds the name)
 True
->>> qk.as_metric("loss").name                   # alias, labelled by its real name
-'induction-loss'
->>> qk.as_metric(lambda logits: logits[:, -1, 3].mean()).needs     # the signature decides
+>>> qk.as_metric(lambda logits: logits[:, -1, 3].mean(), higher_is_better=True).needs   # the signature decides
 'logits'
->>> qk.as_metric(lambda pattern, z, tokens: pattern[:, -1, 0].mean()).needs
+>>> qk.as_metric(lambda pattern, z, tokens: pattern[:, -1, 0].mean(), higher_is_better=True).needs
 'z'
 
-What a metric reads (``needs``):
+One table of names (``_foundation/metric_table.TABLE``, docs/architecture.md "Metrics"): each name has one
+meaning, one direction, what it reads and what prompts it is defined on:
 
-- ``"logits"``: ``fn(logits [batch, pos, vocab], tokens [batch, pos]) -> scalar``, a mean over the batch
-  (so a slice of the batch and the whole batch mean the same thing). Every analysis accepts these:
-  ``ablate``/``group_effect``/``sweep``/``attribution``, ``path_patch``/``edge_attribution`` (the receiver's
-  patched z is run through the layers above to the logits) and the task circuits.
-- ``"pattern"`` / ``"z"``: a *receiver* metric of path patching, ``fn(pattern [batch, q, k], z [batch, pos,
-  d_head], tokens) -> scalar`` for one receiver head (``needs="pattern"``: z may be None). Only
-  ``path_patch``/``edge_attribution``/``trace`` accept these; elsewhere they fail with one line.
+- given token rows: ``induction-loss``, ``induction-loss-first-half``, ``text-loss``, ``logit-diff:C,W`` (token
+  ids; ``@P`` for a position other than -1), and for path patching the receiver metrics ``induction`` (pattern)
+  and ``direct-logit`` (z);
+- a task's rows (``qk.Task``; answer and wrong token per row, read at END): ``logit-diff``, ``prob-diff``,
+  ``answer-loss``, ``kl`` (and the any-rows names above, as a batch mean).
 
-Sign convention: ``higher_is_better`` says whether a larger value means the behaviour is present (a score,
-a logit difference: True, the default) or absent (a loss: False). Metrics keep their natural values
-(``baseline``, ``clean``: a loss stays a loss) but every *effect* is reported so that **positive = the
-component matters**::
-
-    effect = sign · (metric(clean) − metric(ablated or patched)),   sign = +1 if higher_is_better else −1
-
-so a loss gives ``ablated − clean`` and a score ``clean − ablated`` (``Metric.effect``).
-
-Names (``NAMES``; ``as_metric(name)`` builds each): ``induction-loss``, ``induction-loss-first-half``,
-``text-loss``, ``logit-diff:C,W`` (token ids; ``@P`` for a position other than -1), ``induction`` (pattern),
-``direct-logit`` (z); alias ``loss`` = ``induction-loss``. Any callable is wrapped once by ``as_metric``
-(its positional parameters decide: 1 or 2 → logits, 3 → a receiver metric), or built explicitly with
-``qk.Metric(name, fn, needs=..., higher_is_better=...)``.
+``"loss"`` is the old name of two of them (``induction-loss`` given tokens, ``answer-loss`` in a task): accepted
+for one release with a DeprecationWarning. A name used where it cannot apply (``logit-diff`` given tokens
+alone: no answer tokens) is refused in one line naming what is accepted there. A callable is wrapped once, its
+positional parameters deciding what it reads (1 or 2 → logits, 3 → a receiver metric), and only with its
+direction declared: ``qk.as_metric(fn, higher_is_better=False)`` for a loss (the direction is never guessed:
+it sets the sign of every effect, ``metric.Metric``).
 """
 
 from __future__ import annotations
 
 import inspect
 import re
-from dataclasses import KW_ONLY, dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+import sys
+import warnings
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -53,70 +43,23 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from .._foundation.errors import QKCircuitsError
+from .._foundation.metric_table import NEEDS, TASK, TOKENS, names, renamed_metric, row
 from .._foundation.sequences import repeated_tokens, segment_length, text_tokens
 from .detectors import target_masks
+from .metric import Metric, undeclared
 
-NEEDS = ("logits", "pattern", "z")
-NAMES = ("induction-loss", "induction-loss-first-half", "text-loss", "logit-diff:C,W", "induction", "direct-logit")
-ALIASES = {"loss": "induction-loss"}
+__all__ = ["Metric", "NEEDS", "TASK", "TOKENS", "as_metric", "builtin", "default_tokens", "induction_loss",
+           "logit_diff", "text_loss"]
+
 # Logits may cover only the last `kept` positions of the tokens (see Metric.keep_last); kept == pos by default.
 Logits = Float[Tensor, "batch kept vocab"]
 Tokens = Int[Tensor, "batch pos"]
 
 
-@dataclass(frozen=True)
-class Metric:
-    """A named ``fn`` plus what it reads and which way is "behaviour present" (see the module docstring).
-
-    ``Metric(name, fn)`` (positional, as before): a logits metric, larger = behaviour present.
-    ``check(tokens)`` (optional) runs before any forward; ``keep_last(tokens) -> k`` (optional) says the
-    metric reads only the logits of the last ``k`` positions, so ``sweep`` asks the model for just those
-    (``logits_to_keep``) and ``fn`` must accept logits of the last ``k`` (or more) positions.
-
-    >>> m = qk.Metric("top-logit", lambda logits, tokens: logits[:, -1].max(-1).values.mean())
-    >>> m.needs, m.higher_is_better, m.effect(clean=2.0, changed=0.5)
-    ('logits', True, 1.5)
-    """
-
-    name: str
-    fn: Callable[..., Tensor]
-    check: Optional[Callable[[Tensor], object]] = None
-    keep_last: Optional[Callable[[Tensor], int]] = None
-    _: KW_ONLY
-    needs: str = "logits"
-    higher_is_better: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise QKCircuitsError(f"a metric's name must be a non-empty string, got {self.name!r}")
-        if not callable(self.fn):
-            raise QKCircuitsError(f"metric {self.name!r}: fn must be callable, got {type(self.fn).__name__}")
-        if self.needs not in NEEDS:
-            raise QKCircuitsError(f"metric {self.name!r}: needs must be one of {', '.join(NEEDS)}, got {self.needs!r}")
-        if not isinstance(self.higher_is_better, bool):
-            raise QKCircuitsError(f"metric {self.name!r}: higher_is_better must be True or False, got "
-                                  f"{self.higher_is_better!r}")
-
-    @property
-    def sign(self) -> float:
-        """+1 when larger = behaviour present, −1 for a loss: ``effect = sign · (clean − changed)``."""
-        return 1.0 if self.higher_is_better else -1.0
-
-    def effect(self, clean, changed):
-        """``sign · (clean − changed)``: positive = the ablated/patched component matters (floats or tensors)."""
-        return self.sign * (clean - changed)
-
-    def __call__(self, *inputs: Optional[Tensor]) -> Float[Tensor, ""]:
-        """Logits metrics: ``m(logits, tokens)``; receiver metrics: ``m(pattern, z, tokens)``."""
-        want = 2 if self.needs == "logits" else 3
-        if len(inputs) != want:
-            what = "(logits, tokens)" if want == 2 else "(pattern, z, tokens)"
-            raise QKCircuitsError(f"metric {self.name!r} (needs {self.needs}) is called as {what}, got "
-                                  f"{len(inputs)} inputs")
-        out = torch.as_tensor(self.fn(*inputs))
-        if out.numel() != 1:
-            raise QKCircuitsError(f"metric {self.name!r} must return one number, got shape {tuple(out.shape)}")
-        return out.reshape(())
+def _from_table(name: str, fn: Callable, **kwargs) -> Metric:
+    """The built-in ``Metric`` of a table row: its direction, needs and prompts come from the table."""
+    r = row(name)
+    return Metric(name, fn, needs=r.needs, higher_is_better=r.higher_is_better, prompts=r.prompts, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------ logits metrics
@@ -189,12 +132,11 @@ def _text_loss_fn(logits: Tensor, tokens: Tensor) -> Tensor:
 # Built once, so that as_metric(name) returns an equal (the same) object: names round-trip.
 _INDUCTION_LOSS = {
     # The second copy's predictions come from the last L positions' logits.
-    "second": Metric("induction-loss", _induction_loss_fn("second"), check=repeat_length, keep_last=repeat_length,
-                     higher_is_better=False),
-    "first": Metric("induction-loss-first-half", _induction_loss_fn("first"), check=repeat_length,
-                    higher_is_better=False),
+    "second": _from_table("induction-loss", _induction_loss_fn("second"), check=repeat_length,
+                          keep_last=repeat_length),
+    "first": _from_table("induction-loss-first-half", _induction_loss_fn("first"), check=repeat_length),
 }
-_TEXT_LOSS = Metric("text-loss", _text_loss_fn, higher_is_better=False)
+_TEXT_LOSS = _from_table("text-loss", _text_loss_fn)
 
 
 def text_loss() -> Metric:
@@ -227,7 +169,8 @@ def logit_diff(correct: Union[int, str, Tensor], wrong: Union[int, str, Tensor],
     name = "logit-diff"
     if all(i.numel() == 1 for i in ids):
         name += f":{int(ids[0])},{int(ids[1])}" + (f"@{position}" if position != -1 else "")
-    return Metric(name, fn, keep_last=(lambda tokens: -position) if position < 0 else None)
+    return Metric(name, fn, keep_last=(lambda tokens: -position) if position < 0 else None,
+                  higher_is_better=row("logit-diff:C,W").higher_is_better)
 
 
 def _one_token(text: str, model) -> Tensor:
@@ -239,6 +182,49 @@ def _one_token(text: str, model) -> Tensor:
     if len(ids) != 1:
         raise QKCircuitsError(f"answer {text!r} is {len(ids)} tokens ({ids}); logit-diff needs one token each")
     return torch.tensor(ids[0])
+
+
+# ------------------------------------------------------------------------------------------ task metrics
+# One value per row from the logits at each row's END ([b, vocab], float32) and the row's answer / wrong ids
+# (Metric.rows; a qk.Task evaluates them). These are the operations Task.row_values has always run, so a task's
+# numbers are unchanged.
+
+def _rows(last: Tensor) -> Tensor:
+    return torch.arange(last.shape[0], device=last.device)
+
+
+def _logit_diff_rows(last: Tensor, answer: Tensor, wrong: Tensor, reference: Optional[Tensor]) -> Tensor:
+    r = _rows(last)
+    return last[r, answer] - last[r, wrong]
+
+
+def _prob_diff_rows(last: Tensor, answer: Tensor, wrong: Tensor, reference: Optional[Tensor]) -> Tensor:
+    r, logp = _rows(last), F.log_softmax(last, -1)
+    return logp[r, answer].exp() - logp[r, wrong].exp()
+
+
+def _answer_loss_rows(last: Tensor, answer: Tensor, wrong: Tensor, reference: Optional[Tensor]) -> Tensor:
+    return -F.log_softmax(last, -1)[_rows(last), answer]
+
+
+def _kl_rows(last: Tensor, answer: Tensor, wrong: Tensor, reference: Optional[Tensor]) -> Tensor:
+    if reference is None:
+        raise QKCircuitsError("metric 'kl' needs the clean run's next-token distribution: pass the task through "
+                              "qk.edge_scores / qk.faithfulness / qk.evaluate (they fill it), or task = "
+                              "qkcircuits._tasks.task.with_reference(model, task)")
+    logp = F.log_softmax(last, -1)
+    return (reference.exp() * (reference - logp)).sum(-1)
+
+
+TASK_METRICS = {m.name: m for m in (_from_table("logit-diff", _logit_diff_rows),
+                                    _from_table("prob-diff", _prob_diff_rows),
+                                    _from_table("answer-loss", _answer_loss_rows),
+                                    _from_table("kl", _kl_rows))}
+
+
+def reads_reference(metric: Metric) -> bool:
+    """Whether a task metric reads the clean run's distribution at END (``kl``: ``Task.with_reference`` fills it)."""
+    return metric.fn is _kl_rows
 
 
 # ------------------------------------------------------------------------------------------ receiver metrics
@@ -265,108 +251,133 @@ def direct_logit(pattern: Optional[Tensor], z: Tensor, tokens: Tokens) -> Tensor
                           "token's logit) is evaluated inside path_patch / edge_attribution only")
 
 
-INDUCTION = Metric("induction", induction_attention, needs="pattern")
-DIRECT_LOGIT = Metric("direct-logit", direct_logit, needs="z")
+INDUCTION = _from_table("induction", induction_attention, check=repeat_length)
+DIRECT_LOGIT = _from_table("direct-logit", direct_logit, check=repeat_length)
 
 
 # ------------------------------------------------------------------------------------------ the resolver
 
 _LOGIT_DIFF = re.compile(r"^logit-diff:(-?\d+),(-?\d+)(?:@(-?\d+))?$")
+_FIXED: Dict[str, Metric] = {"induction-loss": _INDUCTION_LOSS["second"],
+                             "induction-loss-first-half": _INDUCTION_LOSS["first"], "text-loss": _TEXT_LOSS,
+                             "induction": INDUCTION, "direct-logit": DIRECT_LOGIT, **TASK_METRICS}
 
 
-def _named(name: str, model) -> Metric:
-    name = ALIASES.get(name, name)
-    if name == "induction-loss":
-        return induction_loss()
-    if name == "induction-loss-first-half":
-        return induction_loss("first")
-    if name == "text-loss":
-        if model is not None and getattr(model, "tokenizer", None) is None:
-            raise QKCircuitsError("metric 'text-loss' needs a model with a tokenizer, and this one has none; "
-                                  "use 'induction-loss' or a callable on logits")
-        return text_loss()
-    if name == "induction":
-        return INDUCTION
-    if name == "direct-logit":
-        return DIRECT_LOGIT
+def builtin(name: str) -> Optional[Metric]:
+    """The built-in ``Metric`` of a current name of the table (``logit-diff:C,W`` built from its ids), whatever
+    the context; None for any other string. ``as_metric`` adds the checks of where a name applies."""
     m = _LOGIT_DIFF.match(name)
     if m:
         return logit_diff(int(m[1]), int(m[2]), position=int(m[3]) if m[3] else -1)
-    if name == "logit-diff":
-        raise QKCircuitsError("metric 'logit-diff' needs its answer tokens: pass qk.logit_diff(correct, wrong) or "
-                              "the name 'logit-diff:C,W' with token ids")
-    raise QKCircuitsError(f"unknown metric {name!r}; use one of {', '.join(NAMES)} (alias: loss), a qk.Metric or a "
-                          f"callable")
+    return _FIXED.get(name)
+
+
+def is_builtin(metric: Metric) -> bool:
+    """``metric`` is the table's own (the same function as ``builtin(metric.name)``: a name describes it fully)."""
+    again = builtin(metric.name)
+    return again is not None and again.fn is metric.fn
 
 
 def portable(metric: "Union[str, Metric, Callable, None]") -> "Union[str, Metric, Callable, None]":
     """What to send to another process (Ray workers): the metric's name where the name alone rebuilds it
-    (``as_metric(name)``: the built-ins), else the metric itself. A name always pickles; a built-in's closure
-    may not (under a runtime type checker its functions are wrapped in objects that hold weak references)."""
-    name = metric if isinstance(metric, str) or metric is None else getattr(metric, "name", None)
-    if not isinstance(name, str) or isinstance(metric, str) or metric is None:
+    (the built-ins), else the metric itself. A name always pickles; a built-in's closure may not (under a
+    runtime type checker its functions are wrapped in objects that hold weak references)."""
+    if not isinstance(metric, Metric):
         return metric
-    try:
-        again = as_metric(name)
-    except QKCircuitsError:
-        return metric
-    same = (again.name == metric.name and again.needs == metric.needs
-            and again.higher_is_better == metric.higher_is_better)
-    return name if same else metric
+    again = builtin(metric.name)
+    same = again is not None and (again.needs, again.higher_is_better, again.prompts) == (
+        metric.needs, metric.higher_is_better, metric.prompts)
+    return metric.name if same else metric
 
 
-def as_metric(spec: Any, model=None, *, accept: Sequence[str] = NEEDS,
-              where: str = "this analysis") -> Metric:
-    """The one resolver: a ``Metric`` from a name (``NAMES``, alias ``loss``), a ``Metric`` or a callable.
+def as_metric(spec: Any, model=None, *, accept: Sequence[str] = NEEDS, prompts: Sequence[str] = TOKENS,
+              where: str = "this analysis", higher_is_better: Optional[bool] = None) -> Metric:
+    """The one resolver: a ``Metric`` from a name (the table), a ``Metric`` or a callable, checked for where it
+    is used: ``accept`` (the ``needs`` the caller evaluates) and ``prompts`` (``TOKENS``: analyses given token
+    rows, the default; ``TASK``: a ``qk.Task``); ``where`` names the caller in the one-line errors.
 
-    A callable is wrapped once: ``fn(logits)`` or ``fn(logits, tokens)`` → a logits metric, ``fn(pattern, z,
-    tokens)`` → a receiver metric (``needs="z"``); named after ``fn.__name__``, larger = behaviour present
-    (build ``qk.Metric(name, fn, needs=..., higher_is_better=False)`` for a loss). ``accept``: the
-    ``needs`` the caller can evaluate (``where`` names the caller in the error). ``text-loss`` needs a
-    model with a tokenizer (text has to become tokens somehow).
+    A callable needs ``higher_is_better`` (the direction is never guessed); it is wrapped once: ``fn(logits)`` or
+    ``fn(logits, tokens)`` → a logits metric, ``fn(pattern, z, tokens)`` → a receiver metric (``needs="z"``),
+    named after ``fn.__name__``. ``text-loss`` needs a model with a tokenizer when one is given.
 
     >>> try:
-    ...     qk.as_metric("induction", accept=("logits",), where="sweep")
+    ...     qk.as_metric("logit-diff", where="sweep")
     ... except qk.QKCircuitsError as e:
-    ...     print(str(e)[:58])
-    sweep needs a metric on logits; got 'induction' (needs pat
+    ...     print(str(e)[:64])
+    sweep cannot evaluate metric 'logit-diff': it needs a task's ans
     """
     if isinstance(spec, Metric):
+        if higher_is_better is not None and higher_is_better != spec.higher_is_better:
+            raise QKCircuitsError(f"metric {spec.name!r} is declared higher_is_better={spec.higher_is_better}; "
+                                  f"higher_is_better= declares a plain callable's direction")
         metric = spec
     elif isinstance(spec, str):
-        metric = _named(spec.strip(), model)
+        metric = _named(spec.strip(), model, accept, prompts, where)
     elif callable(spec):
         name = getattr(spec, "__name__", None) or type(spec).__name__
         name = "custom" if name == "<lambda>" else name
+        if higher_is_better is None:
+            raise QKCircuitsError(f"{where}: " + undeclared(name))
         n = _n_positional(spec)
-        if n >= 3:
-            metric = Metric(name, spec, needs="z")
-        elif n == 2:
-            metric = Metric(name, spec)
-        else:
-            metric = Metric(name, lambda logits, tokens: spec(logits))
+        fn = spec if n >= 2 else (lambda logits, tokens: spec(logits))
+        metric = Metric(name, fn, needs="z" if n >= 3 else "logits", higher_is_better=higher_is_better)
     else:
-        raise QKCircuitsError(f"metric must be a name ({', '.join(NAMES)}), a qk.Metric or a callable, not "
-                              f"{type(spec).__name__} {spec!r}"[:300])
+        raise QKCircuitsError(f"metric must be a name ({', '.join(names(accept, prompts))}), a qk.Metric or a "
+                              f"callable, not {type(spec).__name__} {spec!r}"[:300])
     if metric.needs not in accept:
         raise QKCircuitsError(f"{where} needs a metric on {' or '.join(accept)}; got {metric.name!r} (needs "
-                              f"{metric.needs}). Accepted: {accepted_names(accept)}")
+                              f"{metric.needs}). Accepted: {accepted_names(accept, prompts)}")
+    if metric.prompts not in prompts:
+        raise QKCircuitsError(_misplaced(metric, accept, prompts, where))
     return metric
 
 
-def accepted_names(accept: Sequence[str]) -> str:
-    """The names and forms of metric an analysis that evaluates ``accept`` takes (for error messages)."""
-    names = [n for n in NAMES if _NEEDS_OF[n] in accept]
+def _named(name: str, model, accept: Sequence[str], prompts: Sequence[str], where: str) -> Metric:
+    new = renamed_metric(name, prompts)
+    if new is not None:
+        warnings.warn(f"metric {name!r} is deprecated (it meant two things); use {new!r} (the old name goes in the "
+                      f"next release)", DeprecationWarning, stacklevel=_caller_level())
+        name = new
+    metric = builtin(name)
+    if metric is None:
+        hint = (" (answer and wrong token ids: 'logit-diff:C,W')" if name.startswith("logit-diff")
+                and "any" in prompts else "")
+        raise QKCircuitsError(f"unknown metric {name!r}{hint}; use one of {accepted_names(accept, prompts)}")
+    if name == "text-loss" and model is not None and getattr(model, "tokenizer", None) is None:
+        raise QKCircuitsError("metric 'text-loss' needs a model with a tokenizer, and this one has none; "
+                              "use 'induction-loss' or a callable on logits")
+    return metric
+
+
+def _misplaced(metric: Metric, accept: Sequence[str], prompts: Sequence[str], where: str) -> str:
+    """One line: why ``metric`` cannot apply here, and what would."""
+    if metric.prompts == "task":
+        why = ("it needs a task's answer and wrong tokens (a qk.Task: qk.evaluate, qk.edge_scores, qk.faithfulness, "
+               "qkcircuits circuit)")
+        if metric.name == "logit-diff":
+            why += "; with tokens alone name the two tokens: qk.logit_diff(correct, wrong) or 'logit-diff:C,W' (ids)"
+    else:
+        why = f"it is defined on {metric.prompts} prompts ([BOS] + R + R), not a task's clean and corrupt rows"
+    return f"{where} cannot evaluate metric {metric.name!r}: {why}. Accepted: {accepted_names(accept, prompts)}"
+
+
+def accepted_names(accept: Sequence[str] = NEEDS, prompts: Sequence[str] = TOKENS) -> str:
+    """The names and forms of metric an analysis that evaluates ``accept`` on ``prompts`` takes (for errors)."""
     forms = []
     if "logits" in accept:
         forms.append("fn(logits[, tokens])")
     if "pattern" in accept or "z" in accept:
         forms.append("fn(pattern, z, tokens)")
-    return ", ".join(names) + ", a qk.Metric or a callable " + " or ".join(forms)
+    return (", ".join(names(accept, prompts)) + ", a qk.Metric, or a callable " + " or ".join(forms)
+            + " with higher_is_better declared")
 
 
-_NEEDS_OF = {"induction-loss": "logits", "induction-loss-first-half": "logits", "text-loss": "logits",
-             "logit-diff:C,W": "logits", "induction": "pattern", "direct-logit": "z"}
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside qkcircuits (a deprecation is the user's line, not ours)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("qkcircuits"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _n_positional(fn: Callable) -> int:
@@ -388,9 +399,7 @@ def default_tokens(model, metric: Union[str, Metric], *, n_seqs: int = 8, seg_le
     ``seq_len=`` for induction-loss is the old spelling of ``seg_len=`` (one release, DeprecationWarning);
     ``seg_len=`` for text-loss is refused (text rows have no repeated segment).
     """
-    import warnings
-
-    name = metric.name if isinstance(metric, Metric) else ALIASES.get(metric, metric)
+    name = metric.name if isinstance(metric, Metric) else as_metric(metric, model).name
     if name.startswith("induction"):
         if seq_len is not None:
             if seg_len is not None:

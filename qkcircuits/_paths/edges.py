@@ -30,7 +30,7 @@ from hook_resid_pre to hook_z of each receiver layer only), so no layer is run t
 residual. Where the hook value is ``RMSNorm(resid) W_x + b`` or ``ln1(resid) W_x + b`` (checked on the
 run), the projection's part is done for the receiver head's slot only (``_input_vjps``). The gradients of
 a block of receiver layers (up to ``GRAD_BLOCK_BYTES``) then meet every sender's Δ in ONE matmul
-[n gradients, b·p·d_model] @ [b·p·d_model, sender heads]. ``metric="loss"`` adds one forward from the
+[n gradients, b·p·d_model] @ [b·p·d_model, sender heads]. ``metric="induction-loss"`` adds one forward from the
 lowest receiver layer to the logits and one backward for all receivers (``_loss_grads``). Exact path
 patching instead runs the layer's attention once per sender.
 
@@ -216,7 +216,7 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
     ``receivers`` default to every head of layers ≥ 1; a named layer-0 receiver is kept with an empty sender
     set (NaN effects, as in ``path_patch``: no head precedes it); only layer-0 receivers fail. ``metric``:
     as ``path_patch`` (None: induction for q/k, direct-logit for v). A logits metric (``induction-loss``,
-    alias ``loss``) is differentiated at every receiver layer's z by ONE extra forward and backward in all;
+    old name ``loss``) is differentiated at every receiver layer's z by ONE extra forward and backward in all;
     a receiver callable ``fn(pattern, z, tokens)`` must be differentiable in torch.
     Memory: ``CleanCache`` as in ``path_patch``; per receiver layer one attention forward's autograd
     graph over the batch, 3 × n_receiver_heads residual-sized gradients (waiting in blocks of up to

@@ -26,7 +26,7 @@ score on ``[BOS]+R+R``) and, for v, its direct contribution to the correct next 
 Cost: one clean pass (caching what is listed under ``clean_pass``), then per receiver layer and
 input one run of that layer's attention only (the forward is stopped once its pattern/z exist) on
 ``n_senders`` stacked copies of the batch, in chunks; every receiver head of that layer is read
-from the same run. ``metric="loss"`` adds, per receiver head, a forward from the receiver's layer
+from the same run. ``metric="induction-loss"`` adds, per receiver head, a forward from the receiver's layer
 to the logits for every sender (the ARENA recipe), which costs about ``n_layers - R`` blocks each.
 
 The split into ``references`` (mean/resample values, computed once over the whole prompt set),
@@ -242,9 +242,9 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
     ``model``: a loaded model or a spec, on any backend. ``receivers``/``senders``: heads ("18.6,17.3",
     [(18, 6)], Head objects); senders default to every head of an earlier layer than each receiver (a layer-0
     receiver has none: its row is NaN). ``tokens`` default to ``default_prompts(model)``. ``metric``: None
-    (``induction`` for q/k, ``direct-logit`` for v), any name, ``qk.Metric`` or callable of ``as_metric``:
+    (``induction`` for q/k, ``direct-logit`` for v), any name, ``qk.Metric`` or declared callable of ``as_metric``:
     receiver metrics ``fn(pattern [b, q, k], z [b, p, d_head], tokens)`` read the receiver head, logits
-    metrics (``induction-loss``, alias ``loss``; ``qk.induction_loss()``; ``logit-diff:C,W``) run the patched
+    metrics (``induction-loss``, old name ``loss``; ``qk.induction_loss()``; ``logit-diff:C,W``) run the patched
     receiver z to the logits. Effects are positive when the sender matters (``Metric.effect``). ``shards``
     splits the prompts into that many row blocks run one after another (same result; less memory).
 

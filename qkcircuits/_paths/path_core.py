@@ -41,7 +41,7 @@ ACCEPT = ("pattern", "z", "logits")      # path patching evaluates every kind of
 
 def resolve_metric(metric: MetricLike, into: str, where: str = "path_patch") -> Metric:
     """The ``Metric`` of input ``into``: ``None`` → ``induction`` (q, k) / ``direct-logit`` (v); else
-    ``as_metric`` (the one resolver: any name, ``qk.Metric`` or callable; ``"loss"`` = ``induction-loss``).
+    ``as_metric`` (the one resolver: any name given tokens, ``qk.Metric`` or declared callable).
 
     A receiver metric (``needs`` pattern/z) reads the receiver head's pattern/z; a logits metric runs the
     receiver's patched z through the layers above to the logits (the ARENA recipe)."""
@@ -162,7 +162,7 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
             cache.final = extra.get("final")
         if cache.final is None:
             raise QKCircuitsError("this model never fired ln_final.hook_in; the direct-logit metric needs the "
-                                  "residual before the final norm (use metric='induction' or 'loss')")
+                                  "residual before the final norm (use metric='induction' or 'induction-loss')")
     if "hook_resid_mid" in extra:
         post = post_norm(model, 0)
         with torch.no_grad():

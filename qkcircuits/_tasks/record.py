@@ -136,9 +136,9 @@ def clean_rows(model, task) -> Tensor:
 
 
 def _metric_rows(model, task, tokens: Tensor, hooks, copies: int = 1) -> Tensor:
-    """Run with ``hooks`` and return the metric per row. A named metric reads one position per row, so the
+    """Run with ``hooks`` and return the metric per row. A task metric reads one position per row, so the
     forward stops at the unembedding's input and only those b rows are unembedded (not b × pos)."""
-    if not isinstance(task.metric, str):
+    if task.metric.prompts != "task":           # a metric on token rows reads every position's logits
         return task.row_values(model.run_with_hooks(tokens, fwd_hooks=hooks), tokens)
     got: Dict[str, Tensor] = {}
 
@@ -229,7 +229,7 @@ def check_graph(model, g: Graph, rec: Record, tokens: Tensor, atol: float = 1e-4
         mine = logits_input(model, rec.resid[("final", 0)])
         if not torch.allclose(mine, rec.hooks[("logits", 0)], atol=atol, rtol=rtol):
             raise QKCircuitsError("the unembedding's input is not the final norm of the last residual; unsupported")
-        # a named metric's logits are computed from the unembedding's input (``_metric_rows``): they must be the
+        # a task metric's logits are computed from the unembedding's input (``_metric_rows``): they must be the
         # model's own, post-unembedding transforms (soft-caps, logit scales) included
         own = model(tokens[:rows])
         own = own.logits if hasattr(own, "logits") else own

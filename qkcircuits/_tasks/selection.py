@@ -6,7 +6,7 @@
 ['0.0', '1.0']
 
 Selection: edges ranked by the signed score (``by="signed"``, the default: the edges that carry the
-behaviour, score in the metric's better direction, i.e. −score for ``"loss"``) or by |score| (``by="abs"``,
+behaviour, score in the metric's better direction, i.e. −score for ``"answer-loss"``) or by |score| (``by="abs"``,
 as the EAP-IG library's default: an edge whose corruption *helps* the metric joins too). Why signed: a
 circuit is asked to carry the behaviour, and the edges that work against it (IOI's negative name movers)
 cancel part of it when they are kept clean: on SmolLM2 IOI the |score| ranking needs 20 % of the edges
@@ -42,7 +42,8 @@ from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .graph import Graph
 from .positions import at, prune_positions, split
-from .task import Task, metric_higher_is_better
+from .._foundation.metric_table import direction_of
+from .task import Task
 
 
 def _consumers(g: Graph, r: int) -> List[int]:
@@ -378,9 +379,10 @@ def edges_for_percent(n_edges: int, percent: Real) -> int:
 
 def behaviour_sign(scores) -> float:
     """+1 when a positive score carries the behaviour (a higher-is-better metric), −1 for a lower-is-better
-    one (``"loss"``: corrupting a carrying edge raises the loss, so its score m(clean) − m(patched) < 0)."""
+    one (``"answer-loss"``: corrupting a carrying edge raises the loss, so its score m(clean) − m(patched) < 0)."""
     task = getattr(scores, "task", None) or {}
     better = task.get("higher_is_better")
-    if better is None:                  # a scores file written before the direction was recorded
-        better = metric_higher_is_better(task.get("metric"))
-    return 1.0 if better else -1.0
+    if better is None:                  # a scores file written before the direction was recorded: the table's
+        better = direction_of(task.get("metric"))      # (its old names too: "loss" is a loss either way)
+    # a name outside the table in such a file (a callable's): such files were written higher-is-better
+    return -1.0 if better is False else 1.0

@@ -1,7 +1,7 @@
 """A task: clean and corrupt prompts of the same shape, the answer and the wrong token, a metric.
 
 >>> task = qk.tasks.induction(model, n=4, seg_len=6, seed=0)
->>> task.clean.shape == task.corrupt.shape, task.metric, task.bos
+>>> task.clean.shape == task.corrupt.shape, task.metric.name, task.bos
 (True, 'logit-diff', True)
 >>> sorted(task.positions)
 ['END']
@@ -10,19 +10,24 @@ Every metric is computed per prompt row and *summed* (``row_values``); a mean is
 rows divided by ``n``. So a prompt shard's sums add up exactly to the whole set's, which is what
 edge scores and faithfulness rely on when they split the prompts.
 
-Metrics (logits read at each row's ``END`` position, the last real token; rows shorter than the
-longest are right-padded, which a causal model never sees from positions ≤ END):
+``task.metric`` is always a ``qk.Metric``, resolved by ``as_metric(..., prompts=TASK)`` (the one resolver, over
+the one table of names ``_foundation/metric_table``) whenever it is set. Task metrics read the logits at each row's
+``END`` position, the last real token (rows shorter than the longest are right-padded, which a causal model
+never sees from positions ≤ END):
 
 - ``"logit-diff"`` (default): logit[answer] − logit[wrong];
 - ``"prob-diff"``: p(answer) − p(wrong) after a softmax over the vocabulary;
-- ``"loss"``: −log p(answer) (lower is better: faithfulness is a ratio, so the sign cancels there; a signed
-  circuit ranks edges by −score, the direction that carries the behaviour);
+- ``"answer-loss"``: −log p(answer) (lower is better: faithfulness is a ratio, so the sign cancels there; a
+  signed circuit ranks edges by −score, the direction that carries the behaviour). ``"loss"`` is its old name
+  (one release, DeprecationWarning);
 - ``"kl"``: KL(p_clean ‖ p) = Σ_v p_clean(v) (log p_clean(v) − log p(v)) at END, p_clean the clean run's
   next-token distribution (``reference``, filled by ``with_reference``: every entry point does it); lower is
   better, 0 on the clean run. Its gradient at the clean run is 0, so EAP (and EAP-IG's right rule at its last
   point) gets nothing from that point;
-- a callable ``fn(logits [b, pos, vocab], tokens [b, pos]) -> scalar`` (a mean over the batch, the
-  ``qk.Metric`` contract): its row sum is taken as ``fn(...) × b``.
+- any metric on token rows (``text-loss``, ``logit-diff:C,W``, a ``qk.Metric``, a callable ``fn(logits [b, pos,
+  vocab], tokens [b, pos]) -> scalar`` with its direction declared: ``qk.as_metric(fn, higher_is_better=...)``):
+  a mean over the batch, taken once per stacked copy (each copy is its own run), so a copy's row sum is
+  ``fn(copy) × n``. A callable without a direction is refused.
 """
 
 from __future__ import annotations
@@ -40,16 +45,16 @@ from torch import Tensor
 from .._foundation.args import check_tokens
 from .._foundation.arch.model import default_bos_id
 from .._foundation.errors import QKCircuitsError
+from .._analysis.metrics import TASK, Metric, as_metric, is_builtin, reads_reference
 
-METRICS = ("logit-diff", "prob-diff", "loss", "kl")
 BOS_MODES = ("auto", "yes", "no")
-MetricSpec = Union[str, Callable]
 
 
 @dataclass
 class Task:
     """Clean and corrupt token rows [n, pos] (same shape, checked), per-row ``answer``/``wrong`` token
-    ids [n], a ``metric`` (see the module docstring), named positions per row (``positions[name]`` is
+    ids [n], a ``metric`` (a name, ``qk.Metric`` or declared callable, stored as the ``Metric``; see the module
+    docstring), named positions per row (``positions[name]`` is
     a [n] tensor of indices; ``END`` is where the metric reads and defaults to the last position), a
     ``name``, whether a BOS token was prepended (``bos``), the prompt texts when built from text, how the BOS
     was decided (``bos_mode``: "auto" = what the tokenizer does on its own, "yes"/"no" = forced; None for a
@@ -62,7 +67,7 @@ class Task:
     corrupt: Union[Int[Tensor, "n_corrupt pos_corrupt"], Sequence[Sequence[int]]]   # == clean's shape: checked below, one line
     answer: Union[int, Sequence[int], Int[Tensor, "..."]]
     wrong: Union[int, Sequence[int], Int[Tensor, "..."]]
-    metric: MetricSpec = "logit-diff"
+    metric: Union[str, Metric, Callable] = "logit-diff"     # stored as the resolved Metric (__setattr__)
     positions: Dict[str, Tensor] = field(default_factory=dict)
     name: str = "custom"
     bos: bool = False
@@ -87,12 +92,6 @@ class Task:
             if ids.shape != (n,):
                 raise QKCircuitsError(f"{what} must hold one token id per prompt row ({n}), got shape "
                                       f"{tuple(ids.shape)}")
-        if isinstance(self.metric, str) and self.metric not in METRICS:
-            raise QKCircuitsError(f"unknown task metric {self.metric!r}; use one of {', '.join(METRICS)} or a "
-                                  f"callable fn(logits, tokens) -> scalar")
-        if not isinstance(self.metric, str) and not callable(self.metric):
-            raise QKCircuitsError(f"metric must be a name ({', '.join(METRICS)}) or a callable, not "
-                                  f"{type(self.metric).__name__}")
         if self.bos_mode is not None and self.bos_mode not in BOS_MODES:
             raise QKCircuitsError(f"bos_mode must be one of {', '.join(BOS_MODES)} or None, got {self.bos_mode!r}")
         if self.reference is not None and (self.reference.dim() != 2 or self.reference.shape[0] != n):
@@ -105,6 +104,11 @@ class Task:
                 raise QKCircuitsError(f"position {k!r} must give one index in 0-{self.clean.shape[1] - 1} per row")
         self.positions = pos
 
+    def __setattr__(self, key: str, value) -> None:
+        if key == "metric":                 # set in __init__ or later: always the resolved Metric
+            value = as_metric(value, accept=("logits",), prompts=TASK, where="a task")
+        object.__setattr__(self, key, value)
+
     # ---------------------------------------------------------------------------------------- rows
 
     @property
@@ -113,12 +117,12 @@ class Task:
 
     @property
     def metric_name(self) -> str:
-        return self.metric if isinstance(self.metric, str) else getattr(self.metric, "__name__", "custom")
+        return self.metric.name
 
     @property
     def higher_is_better(self) -> bool:
-        """See :func:`metric_higher_is_better`."""
-        return metric_higher_is_better(self.metric)
+        """The metric's declared direction (``Metric.higher_is_better``)."""
+        return self.metric.higher_is_better
 
     def rows(self, index: Union[slice, Sequence[int], Tensor]) -> "Task":
         """The sub-task of some prompt rows (a shard): its metric sums add up to the whole task's."""
@@ -146,31 +150,24 @@ class Task:
     def row_values(self, logits: Float[Tensor, "b pos vocab"], tokens: Optional[Tensor] = None
                    ) -> Float[Tensor, " b"]:
         """The metric of each row (differentiable). ``logits`` may be ``copies`` stacked batches
-        (b = copies × n): rows repeat the task's answers. For a callable each row gets the batch mean."""
+        (b = copies × n): rows repeat the task's answers. A metric on token rows (not a task metric) gives each
+        row its copy's batch mean."""
         b = logits.shape[0]
         copies = b // self.n
         if copies * self.n != b:
             raise QKCircuitsError(f"logits for {b} rows do not stack copies of this task's {self.n} rows")
-        if not isinstance(self.metric, str):
+        if self.metric.prompts != "task":
+            # a batch mean per copy: stacked copies are different runs (one per patched edge), never one batch
             toks = tokens if tokens is not None else self.clean.repeat(copies, 1)
-            return torch.as_tensor(self.metric(logits, toks)).reshape(()).expand(b)
+            n = self.n
+            return torch.cat([self.metric(logits[i * n:(i + 1) * n], toks[i * n:(i + 1) * n]).expand(n)
+                              for i in range(copies)])
         rows = torch.arange(b, device=logits.device)
         end = self.positions["END"].to(logits.device).repeat(copies)
         last = logits[rows, end].float()                                        # [b, vocab]
         a, w = self.answer.to(logits.device).repeat(copies), self.wrong.to(logits.device).repeat(copies)
-        if self.metric == "logit-diff":
-            return last[rows, a] - last[rows, w]
-        logp = F.log_softmax(last, -1)
-        if self.metric == "prob-diff":
-            return logp[rows, a].exp() - logp[rows, w].exp()
-        if self.metric == "kl":
-            if self.reference is None:
-                raise QKCircuitsError("metric 'kl' needs the clean run's next-token distribution: pass the task "
-                                      "through qk.edge_scores / qk.faithfulness / qk.evaluate (they fill it), or "
-                                      "task = qkcircuits._tasks.task.with_reference(model, task)")
-            ref = self.reference.to(logits.device).float().repeat(copies, 1)               # [b, vocab] log p_clean
-            return (ref.exp() * (ref - logp)).sum(-1)
-        return -logp[rows, a]
+        ref = None if self.reference is None else self.reference.to(logits.device).float().repeat(copies, 1)
+        return self.metric.rows(last, a, w, ref)                                # ref: [b, vocab] log p_clean
 
     def metric_sum(self, logits: Tensor, tokens: Optional[Tensor] = None) -> Tensor:
         return self.row_values(logits, tokens).sum()
@@ -179,10 +176,10 @@ class Task:
         """What the clean metric of this task on ``model`` depends on, as one hex string: the token rows,
         answers, END positions and metric name, the weights (per parameter a bilinear form vᵀ P u with fixed
         pseudo-random u, v > 0: editing a weight changes it, and so does moving values around, e.g. swapping
-        two unembedding rows, which keeps every sum), their dtype and device type. None for a callable metric (its code is not
-        hashable). ``qk.faithfulness`` reads m(clean) from scores whose digest equals this one instead of
+        two unembedding rows, which keeps every sum), their dtype and device type. None for a metric not in the table
+        (its code is not hashable). ``qk.faithfulness`` reads m(clean) from scores whose digest equals this one instead of
         running the clean rows again."""
-        if not isinstance(self.metric, str):
+        if not is_builtin(self.metric):
             return None
         h = hashlib.sha1()
         for t in (self.clean, self.corrupt, self.answer, self.wrong, self.positions["END"]):
@@ -192,7 +189,7 @@ class Task:
         with torch.no_grad():
             sums = [_fingerprint(p) for p in model.parameters()]
         w = model.W_E
-        h.update(repr((self.metric, sums, str(w.dtype), w.device.type)).encode())
+        h.update(repr((self.metric.name, sums, str(w.dtype), w.device.type)).encode())
         return h.hexdigest()
 
     def describe(self) -> Dict[str, object]:
@@ -225,20 +222,11 @@ def _fingerprint(p: Tensor) -> float:
     return float(_probe(x.shape[0], 1, x).double() @ (x @ _probe(x.shape[1], 2, x)).double())
 
 
-def metric_higher_is_better(metric) -> bool:
-    """False for ``"loss"`` and ``"kl"``; a callable says so by a ``higher_is_better`` attribute (``qk.Metric`` has one),
-    else (another name, a plain callable, ``None``) it is taken as higher-is-better. The one rule: a task and
-    a scores file written before ``higher_is_better`` was recorded both go through it."""
-    if isinstance(metric, str):
-        return metric not in ("loss", "kl")
-    return bool(getattr(metric, "higher_is_better", True))
-
-
 def with_reference(model, task: Task) -> Task:
     """``task`` ready for ``model``: for ``metric="kl"`` without a ``reference``, a copy holding the clean run's
     log-probabilities at each row's END ([n, vocab], float32; one no-grad forward per 16 rows); any other task
     as it is. Entry points (edge and node scores, faithfulness, ``qk.evaluate``, roles) call it."""
-    if task.metric != "kl" or task.reference is not None:
+    if not reads_reference(task.metric) or task.reference is not None:
         return task
     dev = model.W_E.device
     parts = []
@@ -301,7 +289,7 @@ def not_done_message(task: Task, clean: float, corrupt: float, model=None) -> st
             return f"id {i}"
     answers = (f"the answer tokens (row 0: answer {word(int(task.answer[0]))}, wrong {word(int(task.wrong[0]))}: "
                f"is the answer the token the model should predict next, leading space included?)"
-               if task.metric != "kl" else "the corrupt prompts (they must change the next-token distribution)")
+               if not reads_reference(task.metric) else "the corrupt prompts (they must change the next-token distribution)")
     return (f"{NOT_DONE} {task.name!r}: clean {task.metric_name} {clean:.4g} vs corrupt {corrupt:.4g} ({better} is "
             f"better). Likely causes to check: {bos}; {answers}; the metric's direction ({task.metric_name}: {better} "
             f"is better on the clean prompts; answer and wrong swapped?). Circuits, faithfulness and roles say little "

@@ -82,6 +82,25 @@ def renamed_arg(parser: argparse.ArgumentParser, new: str, *old: str, help: str 
     return action
 
 
+def metric_arg(flag: str, choices: Tuple[str, ...], prompts: Tuple[str, ...]):
+    """The ``type=`` of a ``--metric`` flag: a name among ``choices`` (names of the one metric table,
+    ``_foundation/metric_table``); an old name of one of them (``loss``) works for one release with a stderr
+    line; anything else is one argparse error line naming what is accepted (exit 2)."""
+    from .._foundation.metric_table import renamed_metric
+
+    def parse(text: str) -> str:
+        new = renamed_metric(text, prompts)
+        if new in choices:
+            print(f"qkcircuits: {flag} {text} is deprecated; use {flag} {new}", file=sys.stderr)
+            return new
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"unknown metric {text!r}; use one of {', '.join(choices)}")
+        return text
+
+    parse.__name__ = "metric"           # argparse names the type in its own messages
+    return parse
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     input_arg(p, "model", help="hub name, local Hugging Face folder, .gguf file, or 'smollm2-135m'")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")

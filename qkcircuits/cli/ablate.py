@@ -11,7 +11,7 @@ from .._foundation.backends import Ray
 from .._foundation.errors import QKCircuitsError
 from ._common import add_model_args, finite_json, load_model, non_negative_int, positive_int, write_atomic, renamed_arg
 
-METRICS = ("induction-loss", "text-loss")
+METRICS = ("induction-loss", "text-loss")     # the table's token-row names with default prompts (default_tokens)
 
 
 def add_parser(sub) -> None:

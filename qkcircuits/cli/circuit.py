@@ -32,11 +32,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, non_negative_int, output_arg, positive_int
+from .._foundation.metric_table import names
+from ._common import add_model_args, metric_arg, non_negative_int, output_arg, positive_int
 
 SCHEMA = "qkcircuits.circuit/1"
 METHODS = ("eap-ig", "eap", "exact", "eap-ig-activations", "clean-corrupted")
-METRICS = ("logit-diff", "prob-diff", "loss", "kl")
+METRICS = names(prompts=("task",))      # the task metrics of the one table: logit-diff, prob-diff, answer-loss, kl
 # the sign check's EAP-IG runs on this many prompts (the first ones): a quarter of the default 64's cost
 SIGN_ROWS = 16
 
@@ -66,8 +67,10 @@ def add_parser(sub) -> None:
                    help="prepend a BOS to each prompt: auto (default) = what the model's tokenizer does on its own "
                         "(Llama/Gemma add <bos>, GPT-2 and SmolLM2 add none), yes / no = forced; induction prompts "
                         "always start with BOS")
-    p.add_argument("--metric", choices=METRICS, default="logit-diff",
-                   help="logit-diff (default), prob-diff, loss, or kl (KL(clean || patched) at END, lower is better)")
+    p.add_argument("--metric", type=metric_arg("--metric", METRICS, ("task",)), default="logit-diff",
+                   metavar="{" + ",".join(METRICS) + "}",
+                   help="logit-diff (default), prob-diff, answer-loss (-log p(answer) at END; 'loss' is its old name), "
+                        "or kl (KL(clean || patched) at END, lower is better)")
     p.add_argument("--method", choices=METHODS, default="eap-ig",
                    help="eap-ig (default; integrated gradients on the input embeddings), eap, exact (one patched "
                         "run per edge: small models only), eap-ig-activations, clean-corrupted")
