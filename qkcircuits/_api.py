@@ -52,12 +52,12 @@ from ._explain.attribution import Attribution
 
 # Explain a behaviour: tasks, the whole graph's edge scores, circuits and their faithfulness.
 from ._tasks import builders as tasks
-from ._tasks.circuit import Circuit as TaskCircuit
-from ._tasks.circuit import Faithfulness, faithfulness, node_faithfulness
+from ._tasks.faithfulness import Faithfulness, faithfulness, node_faithfulness
 from ._tasks.core import CoreCircuit, core_circuit
 from ._tasks.evaluation import Evaluation, evaluate
 from ._tasks.graph import Graph, graph
 from ._tasks.roles import Roles
+from ._tasks.selection import TaskCircuit
 from ._tasks.scores import EdgeScores, NodeScores, edge_scores, node_scores
 from ._tasks.task import Task
 

@@ -12,7 +12,8 @@ import torch
 
 import qkcircuits as qk
 from qkcircuits._tasks.bootstrap import bootstrap_curve
-from qkcircuits._tasks.circuit import circuit_metric, select
+from qkcircuits._tasks.faithfulness import circuit_metric
+from qkcircuits._tasks.selection import select
 
 from _tiny import llama_dir
 

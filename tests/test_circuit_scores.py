@@ -343,7 +343,7 @@ def test_node_view_run_equals_the_patched_run_of_its_mask(family, monkeypatch):
     # runs.node_run (one plain forward, the left-out heads' z from the corrupt run) against patched_run of
     # circuit.node_mask (every edge leaving those heads reads their corrupt output, receiver by receiver); on
     # Gemma (post-attention norms) node_run refuses and node_faithfulness uses the patched run
-    from qkcircuits._tasks.circuit import node_faithfulness, node_mask, node_metric
+    from qkcircuits._tasks.faithfulness import node_faithfulness, node_mask, node_metric
 
     name, model = family
     g = qk.graph(model)
@@ -367,7 +367,7 @@ def test_node_view_run_equals_the_patched_run_of_its_mask(family, monkeypatch):
     assert f == pytest.approx((float(want.mean()) - m_none) / (m_full - m_none), rel=1e-4, abs=1e-5)
     # the same f from a given m(clean) and the curve's corrupt record (what faithfulness and the CLI pass): the
     # record is read (no corrupt forward of its own) and a given dict is never filled on the one-forward path
-    from qkcircuits._tasks import circuit as circuit_mod
+    from qkcircuits._tasks import faithfulness as circuit_mod
 
     def no_forward(*a, **k):
         raise AssertionError("node_metric ran its own corrupt forward although the record was given")
@@ -662,7 +662,7 @@ def test_circuit_selection_and_pruning(hand_built):
     # an edge into 0.1's q alone has no path on to the logits: pruned
     mask = torch.zeros_like(g.valid)
     mask[0, g.receivers.index(("0.1", "q"))] = True
-    from qkcircuits._tasks.circuit import prune
+    from qkcircuits._tasks.selection import prune
     assert not prune(g, mask).any()
     with pytest.raises(qk.QKCircuitsError, match="exactly one"):
         scores.circuit(edges=3, percent=5)

@@ -16,7 +16,7 @@ import torch
 
 import qkcircuits as qk
 from qkcircuits._tasks import runs
-from qkcircuits._tasks.circuit import circuit_metric, ratio
+from qkcircuits._tasks.faithfulness import circuit_metric, ratio
 from qkcircuits._tasks.core import grid, node_mask_of, prefix
 
 from _tiny import gemma3_dir, gpt2_dir, llama_dir, neox_dir
@@ -138,7 +138,7 @@ def test_roles_name_heads_outside_the_circuit(hand_built):
     # answer (direct effect -30) while attending "IO" from END, i.e. a negative name mover. A circuit of 0.0's
     # edges alone leaves it out; the roles still name it (it passes 5 % of the behaviour), marked outside.
     from qkcircuits._tasks.roles import roles, significant_heads
-    from qkcircuits._tasks.selection import Circuit
+    from qkcircuits._tasks.selection import TaskCircuit
 
     base = qk.tasks.induction(hand_built, n=6, seg_len=6)
     L = 6
@@ -152,7 +152,7 @@ def test_roles_name_heads_outside_the_circuit(hand_built):
     mask = torch.zeros_like(g.valid)
     mask[g.senders.index("emb"), g.receivers.index(("0.0", "v"))] = True
     mask[g.senders.index("0.0"), g.logits_receiver] = True
-    circ = Circuit(g, mask, scores.scores)
+    circ = TaskCircuit(g, mask, scores.scores)
     assert circ.heads == ["0.0"]
     # the swapped task is one the model does not do (clean -30 < corrupt 0): roles are named only with force
     assert roles(hand_built, task, circ, clean=scores.clean, corrupt=scores.corrupt, also=["1.0"]).roles == {}

@@ -22,7 +22,7 @@ import torch
 
 import qkcircuits as qk
 from qkcircuits._tasks import runs
-from qkcircuits._tasks.circuit import circuit_metric, node_metric
+from qkcircuits._tasks.faithfulness import circuit_metric, node_metric
 from qkcircuits._tasks.positions import (OTHER, group_index, position_groups, position_node_mask, prune_positions)
 from qkcircuits._tasks.scores import task_graph
 from qkcircuits._tasks.selection import prune

@@ -139,14 +139,14 @@ def test_task_circuit_verify_and_kv_results_round_trip(hand_built, tmp_path):
         assert type(qk.load_result(path)) is cls and repr(back) == repr(cls.from_json(back.to_json()))
         assert len(r.to_frame()) > 0 and len(r.top(1)) == 1
     # the known circuit of the toy (0.0 -> k of 1.0 -> logits) survives the file, and the circuit view reads it
-    back = qk.TaskCircuit.from_json(tmp_path / "Circuit.json")
+    back = qk.TaskCircuit.from_json(tmp_path / "TaskCircuit.json")
     def same_edges(a, b):      # the file keeps 6 decimals
         return [e[:3] for e in a] == [e[:3] for e in b] and all(abs(x[3] - y[3]) < 1e-6 for x, y in zip(a, b))
 
     assert same_edges(back.edges(), circ.edges()) and back.heads == circ.heads == ["0.0", "1.0"]
     from qkcircuits.viz._circuit_data import load_circuit
 
-    assert load_circuit(tmp_path / "Circuit.json").heads == ["0.0", "1.0"]
+    assert load_circuit(tmp_path / "TaskCircuit.json").heads == ["0.0", "1.0"]
     f = qk.Faithfulness.from_json(tmp_path / "Faithfulness.json")
     assert f.curve[100.0] == 1.0 and same_edges(f.circuit.edges(), faith.circuit.edges()) and f.node_heads == faith.node_heads
     # old keys kept: the circuit part of `qkcircuits circuit --json`, the roles map, the check's numbers

@@ -144,12 +144,12 @@ class _Here:
         return edge_scores(self.model, self.task if task is None else task, **kw)
 
     def faithfulness(self, scores, **kw):
-        from .._tasks.circuit import faithfulness
+        from .._tasks.faithfulness import faithfulness
 
         return faithfulness(self.model, self.task, scores, **kw)
 
     def circuit_f(self, circ):
-        from .._tasks.circuit import circuit_metric, node_faithfulness, ratio
+        from .._tasks.faithfulness import circuit_metric, node_faithfulness, ratio
         from .._tasks.scores import shard_rows
 
         rows = shard_rows(self.model, self.graph, self.task, buffers=3)
@@ -268,7 +268,7 @@ def _quiet_python_warnings():
 
 def _run(args: argparse.Namespace, here, t0: float) -> int:
     from .._tasks import caveats
-    from .._tasks.circuit import THRESHOLD
+    from .._tasks.faithfulness import THRESHOLD
     from .._tasks.task import does_the_task, not_done_message
 
     progress = not args.quiet
