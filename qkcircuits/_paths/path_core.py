@@ -21,7 +21,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .._analysis.ablate import Replacement, Runner, check_method, make_replacement
-from .._analysis.metrics import Metric, as_metric, direct_logit, induction_attention, induction_mask
+from .._analysis.detectors import induction_mask
+from .._analysis.metrics import Metric, as_metric, direct_logit, induction_attention, repeat_length
 from .._foundation.capture import StopForward, hook_name
 from .._foundation.arch import adapter
 from .._foundation.errors import QKCircuitsError
@@ -351,7 +352,7 @@ class Scorer:
         self.model, self.cache, self.layer, self.heads, self.metric = model, cache, layer, heads, metric
         tokens = cache.tokens
         if is_induction(metric) or is_direct_logit(metric):
-            self.mask = induction_mask(tokens)                                    # [b, q, k]
+            self.mask = induction_mask(tokens, repeat_length(tokens))             # [b, q, k]
             self.has = self.mask.any(-1)                                          # [b, q]
         if is_direct_logit(metric):
             qpos = self.has.clone()
