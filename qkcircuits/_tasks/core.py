@@ -56,7 +56,8 @@ from .._foundation.result import Result
 from .faithfulness import ratio
 from .graph import Graph, graph
 from .record import Record, clean_rows, record
-from .runs import node_run, patched_run, z_patchable, z_record
+from .patched import patched_run
+from .runs import node_run, z_patchable, z_record
 from .task import Task
 
 THRESHOLD = 0.8

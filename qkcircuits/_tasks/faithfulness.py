@@ -44,7 +44,8 @@ from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph
 from .positions import group_index, position_groups, position_node_mask, split
 from .record import Record, clean_rows, record, reuse
-from .runs import node_run, patched_run, z_patchable, z_record
+from .patched import patched_run
+from .runs import node_run, z_patchable, z_record
 from .selection import TaskCircuit, select
 from .caveats import reached, unreached_message
 from .task import Task, with_reference
