@@ -11,7 +11,7 @@ import torch
 import _tiny
 import qkcircuits as qk
 from qkcircuits import QKCircuitsError
-from qkcircuits._analysis.ablate import Runner
+from qkcircuits._analysis.replay import Runner
 from qkcircuits._foundation.stats import spearman
 from qkcircuits._analysis.sweep import naive_sweep
 
@@ -147,7 +147,7 @@ def test_sweep_equals_naive_loop_and_transformer_lens_patching(tiny, method):
     ref = qk.repeated_tokens(tiny, n_seqs=2, seg_len=10, seed=2)
     metric = qk.as_metric("induction-loss")
     runner = Runner(tiny, tokens)
-    assert runner.mode == "sliced" and runner.keep_ok        # the fast path is what is being tested
+    assert runner.mode == "blocks" and runner.keep_ok        # the fast path is what is being tested
     fast = qk.sweep(tiny, tokens, metric, method, reference=ref, max_batch=4, progress=False)  # 2 heads/forward
     slow = naive_sweep(tiny, tokens, metric, method, reference=ref)
     tl = tl_patching(tiny, tokens, metric, method, ref)
@@ -260,7 +260,7 @@ def test_top_by_magnitude_ranks_unswept_layers_last():
 def test_runner_caches_only_the_layers_it_may_start_from(tiny_gpt2, monkeypatch):
     tokens = qk.repeated_tokens(tiny_gpt2, n_seqs=2, seg_len=10, seed=6)
     runner = Runner(tiny_gpt2, tokens, from_layer=1)
-    assert set(runner.resid) == {1} and runner.mode == "sliced"
+    assert set(runner.resid) == {1} and runner.mode == "blocks"
     with pytest.raises(ValueError, match="layer 0"):
         runner.run(0, [], 1)
     made = []
