@@ -231,7 +231,7 @@ def test_bad_input_is_one_line_errors(hand_built, rep):
 
 def test_results_round_trip_through_json(hand_built, rep):
     res = qk.sweep(hand_built, rep, "induction-loss", layers=[1], progress=False)
-    back = qk.HeadEffects.from_json(res.to_json())
+    back = qk.results.HeadEffects.from_json(res.to_json())
     assert torch.isnan(back.effects[0]).all()
     torch.testing.assert_close(back.effects[1], res.effects[1], atol=5e-7, rtol=0)   # 6 decimals
     assert (back.method, back.metric, back.baseline, back.layers) == ("zero", "induction-loss", res.baseline, [1])
@@ -243,13 +243,13 @@ def test_from_json_ignores_keys_that_are_not_fields(hand_built, rep):
     res = qk.sweep(hand_built, rep, "induction-loss", layers=[1], progress=False)
     d = json.loads(res.to_json())
     d.update(n_seqs=4, seed=0)                                 # what `qkcircuits ablate --sweep --json` adds
-    back = qk.HeadEffects.from_json(json.dumps(d))
+    back = qk.results.HeadEffects.from_json(json.dumps(d))
     assert (back.n_prompts, back.layers, back.kind) == (4, [1], "sweep")
 
 
 def test_top_by_magnitude_ranks_unswept_layers_last():
     nan = float("nan")
-    e = qk.HeadEffects(torch.tensor([[nan, nan], [-3.0, 1.0], [0.5, -0.25]]), 0.0, "m", "zero", "x", layers=[1, 2])
+    e = qk.results.HeadEffects(torch.tensor([[nan, nan], [-3.0, 1.0], [0.5, -0.25]]), 0.0, "m", "zero", "x", layers=[1, 2])
     by_abs = e.top(6, by="abs")
     assert [h for h, _ in by_abs[:4]] == [qk.Head(1, 0), qk.Head(1, 1), qk.Head(2, 0), qk.Head(2, 1)]
     assert [v for _, v in by_abs[:4]] == [-3.0, 1.0, 0.5, -0.25]

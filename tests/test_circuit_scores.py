@@ -80,13 +80,13 @@ def test_patched_forward_identities(family):
     f = qk.faithfulness(model, task, scores, sizes=(0, 5, 100), progress=False)
     assert f.curve[100.0] == 1.0 and f.curve[0.0] == 0.0
     # the graph's kind of block survives JSON (a parallel model's scores have no head → own-MLP edges)
-    back = qk.EdgeScores.from_json(scores.to_json())
+    back = qk.results.EdgeScores.from_json(scores.to_json())
     assert back.graph.parallel == g.parallel and torch.equal(back.graph.valid, g.valid)
     # the scores come back bit for bit (their order decides every circuit), small ones included
     assert torch.equal(back.scores.nan_to_num(-9.0), scores.scores.nan_to_num(-9.0))
     assert float(scores.scores[g.valid].abs().min()) < 1e-4
     assert back.clean == pytest.approx(scores.clean, rel=1e-7) and back.corrupt == pytest.approx(scores.corrupt, rel=1e-7)
-    circ = qk.TaskCircuit.from_json(scores.circuit(percent=50).to_json())
+    circ = qk.results.TaskCircuit.from_json(scores.circuit(percent=50).to_json())
     assert circ.graph.parallel == g.parallel
 
 

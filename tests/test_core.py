@@ -63,7 +63,7 @@ def test_toy_induction_core_is_exactly_the_two_known_heads(hand_built):
         assert sorted(core.curve) == [0, 1, 2, 3, 4] and fs[0] == pytest.approx(0.0, abs=1e-4)
         assert all(b >= a - 1e-6 for a, b in zip(fs, fs[1:])) and fs[2:] == pytest.approx([1.0] * 3, abs=1e-4)
         assert core.ranking[0][0] == "1.0" and "grown to 2 heads" in core.how
-        back = qk.CoreCircuit.from_json(core.to_json())
+        back = qk.results.CoreCircuit.from_json(core.to_json())
         assert (back.heads, back.mlps) == (core.heads, core.mlps) and back.curve == pytest.approx(core.curve, abs=1e-6)
     # the function and the method are one; a higher threshold than anything reached: every node, said so
     assert qk.core_circuit(hand_built, task, scores, progress=False).heads == ["0.0", "1.0"]
@@ -162,7 +162,7 @@ def test_roles_name_heads_outside_the_circuit(hand_built):
     assert any(s.startswith("negative name mover 1.0") and "not in the circuit: 1.0" in s for s in r.sentences())
     # extra keys on an entry (the QK evidence a later step adds) survive JSON and the sentences
     r.roles["1.0"]["qk"] = {"query": [["emb", 1.0]], "key": [["0.0", 1.0]]}
-    back = qk.Roles.from_json(r.to_json())
+    back = qk.results.Roles.from_json(r.to_json())
     assert back.roles["1.0"]["qk"] == r.roles["1.0"]["qk"] and back.sentences() == r.sentences()
 
 
