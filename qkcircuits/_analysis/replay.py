@@ -14,8 +14,8 @@ input and of what the model's forward hands every block (the attention mask, the
 own layer type, the positions), which one clean run records (``BlockInputs``: caches dropped, a mask whose rows
 agree kept as one row that broadcasts). ``sliced`` calls ``model.blocks[start:stop]`` with those arguments,
 then the final norm, the unembedding and the model's own logits transform (Gemma-2's soft-cap): bit for bit the
-model's forward on GPT-2, Llama (GQA), Gemma-2/3, GPT-NeoX, GPT-J, DeepSeek-V3 and the toy (tests/test_replay.py),
-and each block gets its own layer's mask and rotary (Gemma's sliding/global layers), which the ModuleList
+model's forward on GPT-2, Llama (GQA), Gemma-2/3, GPT-NeoX, GPT-J, DeepSeek-V3 (tests/test_replay.py) and the toy
+(above), and each block gets its own layer's mask and rotary (Gemma's sliding/global layers), which the ModuleList
 slicing this replaced could not give (it renumbered the kept blocks). Every ``Runner`` checks a resumed clean run
 against the full one and falls back to ``start_at_layer``, then to full forwards (``Runner.mode``).
 """
