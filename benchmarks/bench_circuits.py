@@ -72,13 +72,13 @@ def tl_copying(model, layers):
     """ARENA/TL: FactoredMatrix(E W_V, W_O U).eigenvalues per layer (same normalised E and U as ours)."""
     from transformer_lens.FactoredMatrix import FactoredMatrix
 
-    E, U = qk.embed_rows(model, 0), qk.unembed_cols(model)
+    E, U = qk.weights.embed_rows(model, 0), qk.weights.unembed_cols(model)
     out = []
     with torch.no_grad():
         for layer in layers:
-            w = qk.layer_weights(model, layer)
+            w = qk.weights.layer_weights(model, layer)
             lam = FactoredMatrix(E @ w.W_V, w.W_O @ U).eigenvalues
-            out.append(qk.eigen_copying(lam))
+            out.append(qk.weights.eigen_copying(lam))
     return torch.stack(out)
 
 
@@ -109,14 +109,14 @@ def main() -> None:
     best = ours.flatten().argsort(descending=True)[:args.acc_heads].tolist()     # the strongest copiers
     heads = [qk.Head(i // H, i % H) for i in best]
     for bound in (128 * 2 ** 20, 32 * 2 ** 20):
-        accs, t, m = timed(lambda: [float(qk.copying_accuracy(model, h, max_bytes=bound)) for h in heads])
+        accs, t, m = timed(lambda: [float(qk.weights.copying_accuracy(model, h, max_bytes=bound)) for h in heads])
         print(f"full-OV top-1 copying accuracy, bound {bound // 2 ** 20} MiB ({bound // (model.W_E.element_size() * V)} rows/chunk): "
               f"{t / len(heads):6.2f} s/head (~{t / len(heads) * L * H / 60:.0f} min for all heads), peak {mib(m)}; "
               f"acc {', '.join(f'{h}={a:.4f}' for h, a in zip(heads, accs))}; dense would hold {V * V * 4 / 2 ** 30:.1f} GiB")
 
     comp, t_c, m_c = timed(lambda: qk.composition_scores(model, "K"))
     print(f"K-composition [L,H,L,H] + baseline {comp.baseline:.4f}: {t_c:.2f} s, peak {mib(m_c)}")
-    col, t_col, m_col = timed(lambda: qk.composition_column(model, qk.Head(L - 1, 0), "K"))
+    col, t_col, m_col = timed(lambda: qk.weights.composition_column(model, qk.Head(L - 1, 0), "K"))
     print(f"K-composition of one head ({L - 1}.0) with all earlier heads: {t_col:.2f} s, peak {mib(m_col)}")
     n = args.tl_comp_layers
     ours_n, t_on, m_on = timed(lambda: qk.composition_scores(_first_layers(model, n), "K"))
@@ -144,7 +144,7 @@ def tl_composition(model, n):
     from transformer_lens.FactoredMatrix import FactoredMatrix
     from transformer_lens.utilities.matrix import composition_scores
 
-    ws = [qk.layer_weights(model, layer) for layer in range(n)]
+    ws = [qk.weights.layer_weights(model, layer) for layer in range(n)]
     left = FactoredMatrix(torch.stack([w.W_V for w in ws]), torch.stack([w.W_O for w in ws]))
     right = FactoredMatrix(torch.stack([w.W_Q for w in ws]), torch.stack([w.W_K for w in ws]).transpose(-1, -2)).T
     with torch.no_grad():

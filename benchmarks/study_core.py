@@ -32,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import qkcircuits as qk
-    from qkcircuits._tasks.circuit import circuit_metric, ratio
+    from qkcircuits._tasks.faithfulness import circuit_metric, ratio
     from qkcircuits._tasks.core import node_mask_of
     from qkcircuits._tasks.scores import shard_rows
 

@@ -33,7 +33,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     import qkcircuits as qk
-    from qkcircuits._tasks.circuit import SIZES, circuit_metric, node_mask, select
+    from qkcircuits._tasks.faithfulness import SIZES, circuit_metric, node_mask
+    from qkcircuits._tasks.selection import select
     from qkcircuits._tasks.scores import shard_rows
 
     t0 = time.perf_counter()

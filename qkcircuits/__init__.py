@@ -18,35 +18,31 @@ del _version
 
 # Views (plotly, circuitsvis, Flask) load on first use: `import qkcircuits` stays light.
 _VIEWS = {"create_app", "report_html", "write_report"}
-# qk.plot (figures for notebooks) is a submodule, imported on first use for the same reason.
-_LAZY_MODULES = {"plot"}
+# Submodules, imported on first use for the same reason: qk.plot (figures for notebooks), qk.tasks (task builders and
+# the task analyses' other names), qk.weights (the weight-level pieces of circuits), qk.results (every result class).
+_LAZY_MODULES = {"plot", "results", "tasks", "weights"}
 
 __all__ = sorted([
     # foundation
-    "Activations", "Head", "QKCircuitsError", "all_heads", "capture", "edit", "has_rotary", "hook_name", "kv_head",
-    "load", "model_heads", "n_kv_heads", "natural_text", "parse_heads", "pick_device", "repeated_tokens", "segment_length", "stream",
-    "text_tokens", "token_pool",
-    # circuits
-    "Circuit", "CircuitCheck", "KVCache", "kv_cache", "verify_circuits", "CompositionScores", "LayerWeights", "OffsetProfile", "RotarySpec", "all_ov", "all_qk",
-    "attn_input_hook", "attn_scale", "circuit", "circuit_caveats", "composition_baseline", "composition_column",
-    "composition_scores", "copying_accuracy", "copying_scores", "eigen_copying", "embed_factor", "embed_rows",
-    "full_ov", "full_qk", "k_composition_partners", "layer_weights", "offset_profile", "offset_scores", "ov",
-    "ov_affine", "positional_qk", "qk", "qk_affine", "qk_at_offset", "rotary_spec", "rotation", "top_tokens",
-    "unembed_cols", "unembed_embed", "unembed_factor",
-    "INPUTS", "TokenInputs", "copying_rank", "head_logits", "ov_copying", "token_inputs", "token_qk",
+    "Head", "QKCircuitsError", "all_heads", "capture", "edit", "has_rotary", "hook_name", "kv_head", "load",
+    "model_heads", "n_kv_heads", "natural_text", "parse_heads", "pick_device", "repeated_tokens", "segment_length",
+    "stream", "text_tokens", "token_pool",
+    # circuits (their weight-level pieces: qk.weights)
+    "circuit", "composition_scores", "copying_scores", "k_composition_partners", "kv_cache", "offset_profile", "ov",
+    "ov_copying", "qk", "verify_circuits",
     # analyses
-    "ABLATION_METHODS", "GroupEffect", "HeadDiagnostics", "HeadEffects", "HeadScores", "Metric", "RandomComparison",
-    "Detector", "PROMPT_SETS", "ScanContext", "detector", "detectors", "diagonal_mask", "register_detector",
-    "thresholds", "unregister_detector", "Result", "load_result", "ablate", "as_metric", "attribution", "compare_to_random", "confirm_induction", "diagnose",
-    "group_effect", "induction_loss", "logit_diff", "mask_score", "qk_statistics", "scan", "sweep", "target_masks",
-    "text_loss",
+    "ABLATION_METHODS", "Metric", "Detector", "PROMPT_SETS", "ScanContext", "detector", "detectors", "diagonal_mask",
+    "register_detector", "thresholds", "unregister_detector", "ablate", "as_metric", "attribution",
+    "compare_to_random", "confirm_induction", "diagnose", "group_effect", "induction_loss", "logit_diff", "mask_score",
+    "qk_statistics", "scan", "sweep", "target_masks", "text_loss",
     "INTO", "VIEWS", "Backend", "BackendPool", "Local", "Ray", "as_backend",
-    "PathEffects", "edge_attribution", "path_patch", "trace_induction", "Zoo", "zoo",
+    "edge_attribution", "path_patch", "trace_induction", "zoo",
     # why a head attends
-    "Attribution", "attend", "attend_heads",
-    # tasks and circuits over the whole graph
-    "CoreCircuit", "EdgeScores", "Evaluation", "Faithfulness", "Graph", "NodeScores", "Roles", "Task", "TaskCircuit",
-    "core_circuit", "edge_scores", "evaluate", "faithfulness", "graph", "node_faithfulness", "node_scores", "tasks",
+    "attend", "attend_heads",
+    # tasks and circuits over the whole graph (builders and the rest: qk.tasks)
+    "Task", "core_circuit", "edge_scores", "evaluate", "faithfulness", "graph", "node_scores",
+    # every result class is in qk.results; the base and the reader of any result file are here
+    "Result", "load_result",
     # views
     *_VIEWS,
     *_LAZY_MODULES,
@@ -55,6 +51,23 @@ __all__ = sorted([
 
 _DEPRECATED = {"SCORE_NAMES", "TEXT_SCORES", "THRESHOLDS"}      # read from the detector registry, with a warning
 
+# Root names that moved to a submodule: the old root name works for one release, with a DeprecationWarning
+# (docs/architecture.md, "Root names that moved").
+_MOVED = {
+    **dict.fromkeys(["LayerWeights", "RotarySpec", "TokenInputs", "all_ov", "all_qk", "attn_input_hook", "attn_scale",
+                     "circuit_caveats", "composition_baseline", "composition_column", "copying_accuracy",
+                     "copying_rank", "eigen_copying", "embed_factor", "embed_rows", "full_ov", "full_qk",
+                     "head_logits", "layer_weights", "offset_scores", "ov_affine", "positional_qk", "qk_affine",
+                     "qk_at_offset", "rotary_spec", "rotation", "token_inputs", "token_qk", "top_tokens",
+                     "unembed_cols", "unembed_embed", "unembed_factor"], "weights"),
+    **dict.fromkeys(["Activations", "Attribution", "Circuit", "CircuitCheck", "CompositionScores", "CoreCircuit",
+                     "EdgeScores", "Faithfulness", "GroupEffect", "HeadDiagnostics", "HeadEffects", "HeadScores",
+                     "KVCache", "NodeScores", "OffsetProfile", "PathEffects", "RandomComparison", "Roles",
+                     "TaskCircuit", "Zoo"], "results"),
+    **dict.fromkeys(["Evaluation", "Graph", "node_faithfulness"], "tasks"),
+}
+_RENAMED = {"INPUTS": "VIEWS"}          # qk.INPUTS (the token views) is qk.VIEWS
+
 
 def __getattr__(name: str):
     """Public names load on first use (see ``_api``): ``import qkcircuits`` imports no torch."""
@@ -62,6 +75,15 @@ def __getattr__(name: str):
 
     if name in _DEPRECATED:
         return getattr(importlib.import_module("._analysis.detect", __name__), name)
+    if name in _MOVED or name in _RENAMED:
+        import warnings
+
+        new = f"{_MOVED[name]}.{name}" if name in _MOVED else _RENAMED[name]
+        warnings.warn(f"qk.{name} is deprecated; use qk.{new} (the old name goes in the next release)",
+                      DeprecationWarning, stacklevel=2)
+        if name in _RENAMED:
+            return globals()[new] if new in globals() else __getattr__(new)
+        return getattr(importlib.import_module(f".{_MOVED[name]}", __name__), name)
     if name in _VIEWS:
         from . import viz
 

@@ -32,11 +32,11 @@ from qkcircuits._foundation.capture import NAMES, Activations
 from qkcircuits._foundation.heads import Head
 from qkcircuits._paths.path_effects import PathEffects
 from qkcircuits._scale.zoo import Zoo
-from qkcircuits._tasks.circuit import Faithfulness
+from qkcircuits._tasks.faithfulness import Faithfulness
 from qkcircuits._tasks.graph import Graph
 from qkcircuits._tasks.roles import Roles
 from qkcircuits._tasks.scores import EdgeScores, NodeScores
-from qkcircuits._tasks.selection import Circuit as TaskCircuit
+from qkcircuits._tasks.selection import TaskCircuit
 from qkcircuits._weights.circuit import Circuit as HeadCircuit
 from qkcircuits._weights.composition import CompositionScores
 from qkcircuits._weights.kv_cache import KVCache

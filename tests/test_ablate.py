@@ -11,7 +11,7 @@ import torch
 import _tiny
 import qkcircuits as qk
 from qkcircuits import QKCircuitsError
-from qkcircuits._analysis.ablate import Runner
+from qkcircuits._analysis.replay import Runner
 from qkcircuits._foundation.stats import spearman
 from qkcircuits._analysis.sweep import naive_sweep
 
@@ -148,7 +148,7 @@ def test_sweep_equals_naive_loop_and_transformer_lens_patching(tiny, method):
     ref = qk.repeated_tokens(tiny, n_seqs=2, seg_len=10, seed=2)
     metric = qk.as_metric("induction-loss")
     runner = Runner(tiny, tokens)
-    assert runner.mode == "sliced" and runner.keep_ok        # the fast path is what is being tested
+    assert runner.mode == "blocks" and runner.keep_ok        # the fast path is what is being tested
     fast = qk.sweep(tiny, tokens, metric, method, reference=ref, max_batch=4, progress=False)  # 2 heads/forward
     slow = naive_sweep(tiny, tokens, metric, method, reference=ref)
     tl = tl_patching(tiny, tokens, metric, method, ref)
@@ -232,7 +232,7 @@ def test_bad_input_is_one_line_errors(hand_built, rep):
 
 def test_results_round_trip_through_json(hand_built, rep):
     res = qk.sweep(hand_built, rep, "induction-loss", layers=[1], progress=False)
-    back = qk.HeadEffects.from_json(res.to_json())
+    back = qk.results.HeadEffects.from_json(res.to_json())
     assert torch.isnan(back.effects[0]).all()
     torch.testing.assert_close(back.effects[1], res.effects[1], atol=5e-7, rtol=0)   # 6 decimals
     assert (back.method, back.metric, back.baseline, back.layers) == ("zero", "induction-loss", res.baseline, [1])
@@ -244,13 +244,13 @@ def test_from_json_ignores_keys_that_are_not_fields(hand_built, rep):
     res = qk.sweep(hand_built, rep, "induction-loss", layers=[1], progress=False)
     d = json.loads(res.to_json())
     d.update(n_seqs=4, seed=0)                                 # what `qkcircuits ablate --sweep --json` adds
-    back = qk.HeadEffects.from_json(json.dumps(d))
+    back = qk.results.HeadEffects.from_json(json.dumps(d))
     assert (back.n_prompts, back.layers, back.kind) == (4, [1], "sweep")
 
 
 def test_top_by_magnitude_ranks_unswept_layers_last():
     nan = float("nan")
-    e = qk.HeadEffects(torch.tensor([[nan, nan], [-3.0, 1.0], [0.5, -0.25]]), 0.0, "m", "zero", "x", layers=[1, 2])
+    e = qk.results.HeadEffects(torch.tensor([[nan, nan], [-3.0, 1.0], [0.5, -0.25]]), 0.0, "m", "zero", "x", layers=[1, 2])
     by_abs = e.top(6, by="abs")
     assert [h for h, _ in by_abs[:4]] == [qk.Head(1, 0), qk.Head(1, 1), qk.Head(2, 0), qk.Head(2, 1)]
     assert [v for _, v in by_abs[:4]] == [-3.0, 1.0, 0.5, -0.25]
@@ -261,7 +261,7 @@ def test_top_by_magnitude_ranks_unswept_layers_last():
 def test_runner_caches_only_the_layers_it_may_start_from(tiny_gpt2, monkeypatch):
     tokens = qk.repeated_tokens(tiny_gpt2, n_seqs=2, seg_len=10, seed=6)
     runner = Runner(tiny_gpt2, tokens, from_layer=1)
-    assert set(runner.resid) == {1} and runner.mode == "sliced"
+    assert set(runner.resid) == {1} and runner.mode == "blocks"
     with pytest.raises(ValueError, match="layer 0"):
         runner.run(0, [], 1)
     made = []

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import qkcircuits as qk
-from qkcircuits._analysis.ablate import Runner
+from qkcircuits._analysis.replay import Runner
 from qkcircuits._foundation.stats import spearman
 from qkcircuits._analysis.sweep import naive_sweep
 
@@ -37,7 +37,7 @@ def test_ablating_one_query_head_leaves_its_kv_group_untouched(smollm2, rep, met
 
 def test_sweep_equals_the_naive_loop(smollm2, rep):
     runner = Runner(smollm2, rep)
-    assert runner.mode == "sliced" and runner.keep_ok                    # fast path, checked against a full pass
+    assert runner.mode == "blocks" and runner.keep_ok                    # fast path, checked against a full pass
     metric = qk.as_metric("induction-loss")
     res = qk.sweep(smollm2, rep, metric, layers=[1, 28], progress=False)
     want = naive_sweep(smollm2, rep, metric, layers=[1, 28])

@@ -98,10 +98,10 @@ def test_score_scale_is_the_modules_including_yarn_mscale(folders, models):
         y = _tiny.YARN
         expect = 24 ** -0.5 * (0.1 * y["mscale_all_dim"] * math.log(y["factor"]) + 1) ** 2
         for L in range(3):
-            assert qk.attn_scale(models[key], L) == pytest.approx(expect, rel=1e-9)
+            assert qk.weights.attn_scale(models[key], L) == pytest.approx(expect, rel=1e-9)
         d = qk.diagnose(models[key], n_seqs=2, seq_len=12, progress=False)
         assert torch.allclose(d.scale, torch.full((3,), expect, dtype=d.scale.dtype), rtol=1e-6)
-    assert qk.attn_scale(models["v3"], 0) == pytest.approx(24 ** -0.5)
+    assert qk.weights.attn_scale(models["v3"], 0) == pytest.approx(24 ** -0.5)
 
 
 # ---------------------------------------------------------------------------------------------- capture
@@ -179,17 +179,17 @@ def test_latent_circuits_equal_the_raw_hf_factors(folders, models):
             assert torch.linalg.matrix_rank(r["WQ"][:, h, :dn].double() @ (r["dkv"].double() @ r["UK"][:, h].double()).T
                                             ) <= 16
             # the rotary part at an offset: W_Q,rope R(Δ) W_KRᵀ, and Δ = 0 gives back QK
-            spec = qk.rotary_spec(m, layer=L)
-            R = qk.rotation(spec, [3], relative=True)[0][dn:, dn:]
-            off = qk.qk_at_offset(m, f"{L}.{h}", 3).AB
+            spec = qk.weights.rotary_spec(m, layer=L)
+            R = qk.weights.rotation(spec, [3], relative=True)[0][dn:, dn:]
+            off = qk.weights.qk_at_offset(m, f"{L}.{h}", 3).AB
             assert torch.allclose(off, content + r["WQ"][:, h, dn:] @ R @ r["WKR"].T, atol=1e-5)
-            assert torch.allclose(qk.qk_at_offset(m, f"{L}.{h}", 0).AB, QK, atol=1e-5)
+            assert torch.allclose(qk.weights.qk_at_offset(m, f"{L}.{h}", 0).AB, QK, atol=1e-5)
 
 
 def test_rotary_spec_of_v2_and_v3_reproduces_the_models_rotary_scores(models):
     for key, m in models.items():
         for L in range(3):
-            spec = qk.rotary_spec(m, layer=L)
+            spec = qk.weights.rotary_spec(m, layer=L)
             assert spec.style == "pairs" and spec.offset == 16 and spec.rotary_dim == 8
             assert spec.verified_error is not None and spec.verified_error < 1e-5, (key, L, spec.verified_error)
 
@@ -226,7 +226,7 @@ def test_verify_circuits_passes_on_every_family(models, standard):
         assert check.passed and check.max_error < 1e-4, (key, check)
         df = check.to_frame()
         assert len(df) == m.cfg.n_layers * m.cfg.n_heads and df["qk_error"].notna().all()
-        assert qk.CircuitCheck.from_json(check.to_json()).max_error == pytest.approx(check.max_error)
+        assert qk.results.CircuitCheck.from_json(check.to_json()).max_error == pytest.approx(check.max_error)
     toy = qk.load("toy-induction")
     assert qk.verify_circuits(toy).passed
 
@@ -353,5 +353,5 @@ def test_cli_circuits_verify_on_v2_and_v3_folders(folders, capsys, monkeypatch):
         assert main(["circuits", str(folders[key]), "--head", "1.0", "--verify"]) == 0
         out = capsys.readouterr().out
         assert "PASSED at 0.0001" in out and "KV cache: 96 B per token per layer (MLA" in out
-    monkeypatch.setattr(qk.CircuitCheck, "passed", property(lambda self: False))
+    monkeypatch.setattr(qk.results.CircuitCheck, "passed", property(lambda self: False))
     assert main(["circuits", str(folders["v3"]), "--head", "1.0", "--verify"]) == 1

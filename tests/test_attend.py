@@ -169,8 +169,8 @@ def test_rows_from_a_task_equal_explicit_positions(family):
 def test_json_round_trip_is_exact(hand_built, tmp_path):
     t = qk.repeated_tokens(hand_built, n_seqs=2, seg_len=6, seed=0)
     r = qk.attend(hand_built, "1.0", t, key="induction", expand="key")
-    back = qk.Attribution.from_json(r.to_json(tmp_path / "a.json"))
-    assert type(qk.load_result(tmp_path / "a.json")) is qk.Attribution
+    back = qk.results.Attribution.from_json(r.to_json(tmp_path / "a.json"))
+    assert type(qk.load_result(tmp_path / "a.json")) is qk.results.Attribution
     for f in ("model", "head", "reading", "rows", "query_names", "key_names", "pair_query", "pair_key", "exact_error",
               "expanded"):
         assert getattr(back, f) == getattr(r, f), f
@@ -362,7 +362,7 @@ def test_roles_carry_the_qk_evidence_of_their_induction_head(hand_built):
     line = [s for s in roles.sentences() if s.lstrip().startswith("why 1.0")]
     assert len(line) == 1 and "key side 0.0" in line[0], roles.sentences()
     assert "qk" not in roles.roles["0.0"]                  # a previous-token head: no QK evidence asked
-    back = qk.Roles.from_json(roles.to_json())
+    back = qk.results.Roles.from_json(roles.to_json())
     assert back.roles["1.0"]["qk"]["key"] == ev["key"]
     from qkcircuits.viz._circuit_view import roles_rows
     from qkcircuits.viz._circuit_data import load_circuit

@@ -13,7 +13,8 @@ import torch
 import _tiny
 import qkcircuits as qk
 from qkcircuits._tasks.bootstrap import bootstrap_curve
-from qkcircuits._tasks.circuit import circuit_metric, select
+from qkcircuits._tasks.faithfulness import circuit_metric
+from qkcircuits._tasks.selection import select
 
 from _tiny import llama_dir
 
@@ -72,7 +73,7 @@ def test_faithfulness_bootstrap_on_a_tiny_model(tmp_path_factory):
         assert per_row["masks"].mean(1).tolist() == pytest.approx(values, abs=1e-6)
         assert float(per_row["clean"].mean()) == pytest.approx(clean, abs=1e-6)
         assert float(per_row["corrupt"].mean()) == pytest.approx(corrupt, abs=1e-6)
-        back = qk.Faithfulness.from_json(f.to_json())
+        back = qk.results.Faithfulness.from_json(f.to_json())
         assert back.bootstrap["cpr"] == pytest.approx(b["cpr"], abs=1e-6)
     assert widths[1] < widths[0]                      # more prompts, a narrower interval
     with pytest.raises(qk.QKCircuitsError, match="bootstrap must be"):

@@ -65,7 +65,7 @@ def test_evaluate_equals_the_curve_and_the_node_view(tmp_path_factory):
     heads = faith.circuit.heads
     assert qk.evaluate(model, task, heads + mlps).f == pytest.approx(faith.node_faithfulness, abs=1e-5)
     # a node set that leaves an MLP out corrupts it too (the edge-level patched run of that node mask)
-    from qkcircuits._tasks.circuit import circuit_metric, ratio
+    from qkcircuits._tasks.faithfulness import circuit_metric, ratio
     g = scores.graph
     mask = g.valid.clone()
     for n in g.senders:

@@ -81,13 +81,13 @@ def test_patched_forward_identities(family):
     f = qk.faithfulness(model, task, scores, sizes=(0, 5, 100), progress=False)
     assert f.curve[100.0] == 1.0 and f.curve[0.0] == 0.0
     # the graph's kind of block survives JSON (a parallel model's scores have no head → own-MLP edges)
-    back = qk.EdgeScores.from_json(scores.to_json())
+    back = qk.results.EdgeScores.from_json(scores.to_json())
     assert back.graph.parallel == g.parallel and torch.equal(back.graph.valid, g.valid)
     # the scores come back bit for bit (their order decides every circuit), small ones included
     assert torch.equal(back.scores.nan_to_num(-9.0), scores.scores.nan_to_num(-9.0))
     assert float(scores.scores[g.valid].abs().min()) < 1e-4
     assert back.clean == pytest.approx(scores.clean, rel=1e-7) and back.corrupt == pytest.approx(scores.corrupt, rel=1e-7)
-    circ = qk.TaskCircuit.from_json(scores.circuit(percent=50).to_json())
+    circ = qk.results.TaskCircuit.from_json(scores.circuit(percent=50).to_json())
     assert circ.graph.parallel == g.parallel
 
 
@@ -112,15 +112,17 @@ def test_patched_forward_every_way_of_reading_deltas_agrees(family, monkeypatch)
     ways = [("dense", False, False)] + [(how, ride, True) for how in ("dense", "gather", "segments", "auto")
                                         for ride in (False, True)]
     for how, ride, skip in ways:
-        monkeypatch.setattr(runs, "DELTA_ROWS", how)
-        monkeypatch.setattr(runs, "MLP_WITH_QKV", ride)
-        monkeypatch.setattr(runs, "SKIP_PROJECTIONS", skip)
-        got[how, ride, skip] = (runs.patched_run(model, g, task, corr, masks, return_logits=True),
-                                 runs.patched_run(model, g, task, corr, masks[1:2]),
-                                 runs.patched_run(model, g, task, corr, masks[3:], return_logits=True))
-    monkeypatch.setattr(runs, "DELTA_ROWS", "sparse")
-    with pytest.raises(qk.QKCircuitsError, match="DELTA_ROWS must be"):
-        runs.patched_run(model, g, task, corr, masks[3:])
+        way = runs.Strategy(delta_rows=how, mlp_with_qkv=ride, skip_projections=skip)
+        got[how, ride, skip] = (runs.patched_run(model, g, task, corr, masks, return_logits=True, strategy=way),
+                                 runs.patched_run(model, g, task, corr, masks[1:2], strategy=way),
+                                 runs.patched_run(model, g, task, corr, masks[3:], return_logits=True, strategy=way))
+    with pytest.raises(qk.QKCircuitsError, match="delta_rows must be 'auto', 'dense', 'gather' or 'segments', got "
+                                                 "'sparse'"):
+        runs.Strategy(delta_rows="sparse")
+    # the default strategy is "auto" with the MLPs riding and the projections skipped
+    assert runs.Strategy() == runs.Strategy("auto", True, True)
+    torch.testing.assert_close(runs.patched_run(model, g, task, corr, masks[1:2]), got["auto", True, True][1],
+                               rtol=0, atol=0)
     for key in ways[1:]:
         for a, b in zip(got[key], got[ways[0]]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -168,8 +170,8 @@ def test_patched_forward_skips_the_projections_it_replaces(family, monkeypatch):
     assert mlps_run == set(range(model.cfg.n_layers)) - ({0} if name != "gemma3" else set()), name
     ran.clear()
     mlp_calls.clear()
-    monkeypatch.setattr(runs, "SKIP_PROJECTIONS", False)
-    want = runs.patched_run(model, g, task, corr, mask[None], return_logits=True)
+    compute_all = runs.Strategy(skip_projections=False)
+    want = runs.patched_run(model, g, task, corr, mask[None], return_logits=True, strategy=compute_all)
     assert set(ran) == everything and len({id(m) for m in mlp_calls}) == model.cfg.n_layers
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert float((got - model(task.clean)).abs().max()) > 1e-4        # the circuit did change something
@@ -177,19 +179,16 @@ def test_patched_forward_skips_the_projections_it_replaces(family, monkeypatch):
     # only when reached; the same logits as computing everything
     two = torch.stack([mask, mask.clone()])
     two[1, :, g.recv_slice(1, "k")] = g.valid[:, g.recv_slice(1, "k")]
-    want2 = runs.patched_run(model, g, task, corr, two, return_logits=True)
+    want2 = runs.patched_run(model, g, task, corr, two, return_logits=True, strategy=compute_all)
     mlp_calls.clear()
-    monkeypatch.setattr(runs, "SKIP_PROJECTIONS", True)
     got2 = runs.patched_run(model, g, task, corr, two, return_logits=True)
     assert (model.blocks[0].mlp in mlp_calls) == (name == "gemma3")
     torch.testing.assert_close(got2, want2, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got2[:task.n], want, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(runs, "SKIP_PROJECTIONS", False)
     # a hook someone attached to hook_k beforehand sees the model's own value: that projection is computed
     seen = []
     model.add_hook("blocks.1.attn.hook_k", lambda t, hook: seen.append(t.detach().clone()))
     try:
-        monkeypatch.setattr(runs, "SKIP_PROJECTIONS", True)
         ran.clear()
         runs.patched_run(model, g, task, corr, mask[None])
     finally:
@@ -234,16 +233,15 @@ def _skips_attention_layers(name, model, monkeypatch):
     nan = lambda m: torch.full((g.n_senders, len(m) * task.n, task.clean.shape[1], model.cfg.d_model), float("nan"))
     got = [runs.patched_run(model, g, task, corr, m, return_logits=True, buffer=nan(m)) for m in (mask[None], two)]
     assert ran() == set(range(g.n_layers)) - {quiet}, name
-    monkeypatch.setattr(runs, "SKIP_PROJECTIONS", False)
     calls.clear()
-    want = [runs.patched_run(model, g, task, corr, m, return_logits=True) for m in (mask[None], two)]
+    want = [runs.patched_run(model, g, task, corr, m, return_logits=True, strategy=runs.Strategy(skip_projections=False))
+            for m in (mask[None], two)]
     assert ran() == set(range(g.n_layers))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert float((got[0] - model(task.clean)).abs().max()) > 1e-4         # the circuit did change something
     assert float((got[0] - model(task.corrupt)).abs().max()) > 1e-4
     # the metric path too (it stops at the unembedding: the skipped layer's heads' Δ must be 0, not stale)
-    monkeypatch.setattr(runs, "SKIP_PROJECTIONS", True)
     torch.testing.assert_close(runs.patched_run(model, g, task, corr, two),
                                task.row_values(want[1]).view(2, task.n), rtol=1e-5, atol=1e-5)
     # someone's hook on the quiet layer's pattern: the attention runs and the hook fires
@@ -344,7 +342,7 @@ def test_node_view_run_equals_the_patched_run_of_its_mask(family, monkeypatch):
     # runs.node_run (one plain forward, the left-out heads' z from the corrupt run) against patched_run of
     # circuit.node_mask (every edge leaving those heads reads their corrupt output, receiver by receiver); on
     # Gemma (post-attention norms) node_run refuses and node_faithfulness uses the patched run
-    from qkcircuits._tasks.circuit import node_faithfulness, node_mask, node_metric
+    from qkcircuits._tasks.faithfulness import node_faithfulness, node_mask, node_metric
 
     name, model = family
     g = qk.graph(model)
@@ -368,7 +366,7 @@ def test_node_view_run_equals_the_patched_run_of_its_mask(family, monkeypatch):
     assert f == pytest.approx((float(want.mean()) - m_none) / (m_full - m_none), rel=1e-4, abs=1e-5)
     # the same f from a given m(clean) and the curve's corrupt record (what faithfulness and the CLI pass): the
     # record is read (no corrupt forward of its own) and a given dict is never filled on the one-forward path
-    from qkcircuits._tasks import circuit as circuit_mod
+    from qkcircuits._tasks import faithfulness as circuit_mod
 
     def no_forward(*a, **k):
         raise AssertionError("node_metric ran its own corrupt forward although the record was given")
@@ -660,7 +658,7 @@ def test_circuit_selection_and_pruning(hand_built):
     # an edge into 0.1's q alone has no path on to the logits: pruned
     mask = torch.zeros_like(g.valid)
     mask[0, g.receivers.index(("0.1", "q"))] = True
-    from qkcircuits._tasks.circuit import prune
+    from qkcircuits._tasks.selection import prune
     assert not prune(g, mask).any()
     with pytest.raises(qk.QKCircuitsError, match="exactly one"):
         scores.circuit(edges=3, percent=5)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import qkcircuits as qk
-from qkcircuits._tasks.circuit import select
+from qkcircuits._tasks.selection import select
 
 
 def _scores(g, values):
@@ -88,7 +88,7 @@ def _prune_reference(g, mask):
 def test_prune_equals_the_path_definition_on_random_masks(shape):
     # layers, heads, KV heads, MLPs, parallel blocks: GQA, MQA, parallel and attention-only graphs, masks from
     # nearly empty to nearly full
-    from qkcircuits._tasks.circuit import prune
+    from qkcircuits._tasks.selection import prune
     from qkcircuits._tasks.graph import Graph
 
     g = Graph(*shape[:4], parallel=shape[4])

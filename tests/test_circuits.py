@@ -24,7 +24,7 @@ def _native(seed=1, **kw):
 
 
 def _forward(model, tokens, layer):
-    names = {qk.attn_input_hook(model, layer), f"blocks.{layer}.attn.hook_attn_scores",
+    names = {qk.weights.attn_input_hook(model, layer), f"blocks.{layer}.attn.hook_attn_scores",
              f"blocks.{layer}.attn.hook_pattern", f"blocks.{layer}.attn.hook_q", f"blocks.{layer}.attn.hook_k"}
     if qk.has_rotary(model):
         names |= {f"blocks.{layer}.attn.hook_rot_q", f"blocks.{layer}.attn.hook_rot_k"}
@@ -71,7 +71,7 @@ def test_qk_ov_equal_hf_weight_products_gpt2(gpt2_raw, gpt2_folder):
             Wq, Wk, Wv = W[:, sl], W[:, d:][:, sl], W[:, 2 * d:][:, sl]
             torch.testing.assert_close(qk.qk(gpt2_raw, (layer, h)).AB, Wq @ Wk.T, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(qk.ov(gpt2_raw, (layer, h)).AB, Wv @ Wo[sl], atol=1e-5, rtol=1e-5)
-            aff = qk.qk_affine(gpt2_raw, (layer, h)).AB
+            aff = qk.weights.qk_affine(gpt2_raw, (layer, h)).AB
             bq, bk = b[sl], b[d:][sl]
             torch.testing.assert_close(aff[-1, -1], bq @ bk, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(aff[:-1, -1], Wq @ bk, atol=1e-5, rtol=1e-5)
@@ -89,7 +89,7 @@ def test_qk_ov_gqa_use_their_own_kv_head_llama(tmp_path_factory):
         Wv, Wo = attn.v_proj.weight[kv].T, attn.o_proj.weight[:, h * dh:(h + 1) * dh].T
         torch.testing.assert_close(qk.qk(raw, (1, h)).AB, Wq @ Wk.T, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(qk.ov(raw, (1, h)).AB, Wv @ Wo, atol=1e-5, rtol=1e-5)
-    allqk = qk.all_qk(raw)
+    allqk = qk.weights.all_qk(raw)
     assert allqk.A.shape == (2, 4, 32, 8)
     torch.testing.assert_close(allqk[1, 3].AB, qk.qk(raw, "1.3").AB)
 
@@ -102,7 +102,7 @@ def test_layer_weights_expand_kv_once_gqa(llama):
     assert (n_heads, n_kv) == (4, 2)
     attn = llama.blocks[1].attn
     assert attn.W_K.shape[0] == n_kv                                      # this bridge: per KV head
-    w = qk.layer_weights(llama, 1)
+    w = qk.weights.layer_weights(llama, 1)
     for h in range(n_heads):                                              # HF repeat_kv: head h reads KV head h // 2
         torch.testing.assert_close(w.W_K[h], attn.W_K[h // 2])
         torch.testing.assert_close(w.W_V[h], attn.W_V[h // 2])
@@ -112,12 +112,12 @@ def test_layer_weights_expand_kv_once_gqa(llama):
         return SimpleNamespace(cfg=llama.cfg, blocks=[block, block])
 
     expanded = fake(w.W_K, w.W_V)
-    again = qk.layer_weights(expanded, 1)
+    again = qk.weights.layer_weights(expanded, 1)
     assert again.W_K.shape == again.W_Q.shape == (4, 32, 8)
     torch.testing.assert_close(again.W_K, w.W_K)
     torch.testing.assert_close(again.W_V, w.W_V)
     with pytest.raises(QKCircuitsError, match=r"W_K has 3 heads; expected 2 \(KV heads\) or 4"):
-        qk.layer_weights(fake(w.W_K[:3], w.W_V), 1)
+        qk.weights.layer_weights(fake(w.W_K[:3], w.W_V), 1)
 
 
 def test_qk_ov_hand_built_match_construction(hand_built):
@@ -137,16 +137,16 @@ def test_bilinear_form_reproduces_scores_gpt2(fixture, request):
     mask = _causal(24)
     for layer in range(2):
         c = _forward(model, tokens, layer)
-        x = c[qk.attn_input_hook(model, layer)][0]
-        ours = qk.offset_scores(model, layer, x)
+        x = c[qk.weights.attn_input_hook(model, layer)][0]
+        ours = qk.weights.offset_scores(model, layer, x)
         ref = c[f"blocks.{layer}.attn.hook_attn_scores"][0]
         torch.testing.assert_close(ours[:, mask], ref[:, mask], atol=1e-4, rtol=1e-4)
         qref = torch.einsum("qhd,khd->hqk", c[f"blocks.{layer}.attn.hook_q"][0], c[f"blocks.{layer}.attn.hook_k"][0])
-        torch.testing.assert_close(ours[:, mask], (qref * qk.attn_scale(model, layer))[:, mask], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ours[:, mask], (qref * qk.weights.attn_scale(model, layer))[:, mask], atol=1e-4, rtol=1e-4)
         pat = torch.softmax(ours.masked_fill(~mask, float("-inf")), -1)
         torch.testing.assert_close(pat, c[f"blocks.{layer}.attn.hook_pattern"][0], atol=1e-5, rtol=1e-4)
         # the biases are perturbed: leaving them out must break the identity (the test can fail)
-        plain = qk.offset_scores(model, layer, x, affine=False)
+        plain = qk.weights.offset_scores(model, layer, x, affine=False)
         assert (plain - ref)[:, mask].abs().max() > 1e-2
 
 
@@ -156,49 +156,49 @@ def test_bilinear_form_reproduces_scores_hand_built(hand_built):
     mask = _causal(10)
     for layer in range(2):
         c = _forward(hand_built, tokens, layer)
-        ours = qk.offset_scores(hand_built, layer, c[qk.attn_input_hook(hand_built, layer)][0])
+        ours = qk.weights.offset_scores(hand_built, layer, c[qk.weights.attn_input_hook(hand_built, layer)][0])
         qref = torch.einsum("qhd,khd->hqk", c[f"blocks.{layer}.attn.hook_q"][0], c[f"blocks.{layer}.attn.hook_k"][0])
-        torch.testing.assert_close(ours[:, mask], (qref * qk.attn_scale(hand_built, layer))[:, mask], atol=1e-3, rtol=1e-5)
+        torch.testing.assert_close(ours[:, mask], (qref * qk.weights.attn_scale(hand_built, layer))[:, mask], atol=1e-3, rtol=1e-5)
         pat = torch.softmax(ours.masked_fill(~mask, float("-inf")), -1)
         torch.testing.assert_close(pat, c[f"blocks.{layer}.attn.hook_pattern"][0], atol=1e-5, rtol=1e-4)
 
 
 def test_rotary_offset_identity_tiny_llama_and_wrong_base_fails(llama):
-    spec = qk.rotary_spec(llama)
+    spec = qk.weights.rotary_spec(llama)
     assert spec.style == "halves" and spec.verified_error < 1e-5 and not spec.caveats
     assert spec.base == _tiny.LLAMA_THETA and llama.cfg.rotary_base != _tiny.LLAMA_THETA
     tokens = torch.randint(0, llama.cfg.d_vocab, (1, 40), generator=torch.Generator().manual_seed(1))
     mask = _causal(40)
     for layer in range(2):
         c = _forward(llama, tokens, layer)
-        x, ref = c[qk.attn_input_hook(llama, layer)][0], c[f"blocks.{layer}.attn.hook_attn_scores"][0]
-        ours = qk.offset_scores(llama, layer, x, spec=spec)
+        x, ref = c[qk.weights.attn_input_hook(llama, layer)][0], c[f"blocks.{layer}.attn.hook_attn_scores"][0]
+        ours = qk.weights.offset_scores(llama, layer, x, spec=spec)
         torch.testing.assert_close(ours[:, mask], ref[:, mask], atol=1e-4, rtol=1e-4)
         for h, i, j in [(1, 30, 29), (3, 39, 2)]:                      # the public circuit, entry by entry
-            M = qk.qk_at_offset(llama, (layer, h), i - j, affine=True)
-            s = torch.cat([x[i], torch.ones(1)]) @ M.AB @ torch.cat([x[j], torch.ones(1)]) * qk.attn_scale(llama, layer)
+            M = qk.weights.qk_at_offset(llama, (layer, h), i - j, affine=True)
+            s = torch.cat([x[i], torch.ones(1)]) @ M.AB @ torch.cat([x[j], torch.ones(1)]) * qk.weights.attn_scale(llama, layer)
             assert float(s) == pytest.approx(float(ref[h, i, j]), abs=1e-4)
-        wrong = qk.offset_scores(llama, layer, x, spec=qk.rotary_spec(llama, base=10000.0))
+        wrong = qk.weights.offset_scores(llama, layer, x, spec=qk.weights.rotary_spec(llama, base=10000.0))
         assert (wrong - ref)[:, mask].abs().max() > 0.05
 
 
 def test_rotary_native_adjacent_pairs_detected():
     m = _native(positional_embedding_type="rotary", n_layers=2, rotary_dim=16)
-    spec = qk.rotary_spec(m)
+    spec = qk.weights.rotary_spec(m)
     assert spec.style == "pairs" and spec.verified_error < 1e-5
     tokens = torch.arange(12)[None] * 3 % 50
     c = _forward(m, tokens, 1)
-    ours = qk.offset_scores(m, 1, c[qk.attn_input_hook(m, 1)][0], spec=spec)
+    ours = qk.weights.offset_scores(m, 1, c[qk.weights.attn_input_hook(m, 1)][0], spec=spec)
     # the native attention fires no hook_rot_q: rotate hook_q/hook_k with the model's own rotary module
     q, k = c["blocks.1.attn.hook_q"].transpose(1, 2), c["blocks.1.attn.hook_k"].transpose(1, 2)
     rq, rk = m.original_model.rotary.apply_rope(q, k)
     ref = (rq[0] @ rk[0].transpose(-1, -2))
     mask = _causal(12)
-    torch.testing.assert_close(ours[:, mask], (ref * qk.attn_scale(m, 1))[:, mask], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours[:, mask], (ref * qk.weights.attn_scale(m, 1))[:, mask], atol=1e-4, rtol=1e-4)
     pat = torch.softmax(ours.masked_fill(~mask, float("-inf")), -1)
     torch.testing.assert_close(pat, c["blocks.1.attn.hook_pattern"][0], atol=1e-5, rtol=1e-4)
-    halves = qk.RotarySpec(spec.omega, "halves", spec.rotary_dim, spec.d_head)
-    assert (qk.offset_scores(m, 1, c[qk.attn_input_hook(m, 1)][0], spec=halves) - ours)[:, mask].abs().max() > 1e-2
+    halves = qk.weights.RotarySpec(spec.omega, "halves", spec.rotary_dim, spec.d_head)
+    assert (qk.weights.offset_scores(m, 1, c[qk.weights.attn_input_hook(m, 1)][0], spec=halves) - ours)[:, mask].abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("rotary", [True, False])
@@ -221,18 +221,18 @@ def test_offset_scores_move_rotations_once(rotary):
 
     m = _native(positional_embedding_type="rotary" if rotary else "standard", n_layers=2)
     m.to(torch.float64)
-    spec = qk.rotary_spec(m) if rotary else None
+    spec = qk.weights.rotary_spec(m) if rotary else None
     tokens = torch.arange(16)[None] * 3 % 50
     c = _forward(m, tokens, 1)
-    x = c[qk.attn_input_hook(m, 1)][0]
+    x = c[qk.weights.attn_input_hook(m, 1)][0]
     with CountCopies() as count:
-        ours = qk.offset_scores(m, 1, x.float(), spec=spec)
+        ours = qk.weights.offset_scores(m, 1, x.float(), spec=spec)
     assert count.n <= 10, count.n                      # a constant few (weights, rows, result), not 64
     assert ours.dtype == torch.float32 and ours.device == x.device
     q, k = c["blocks.1.attn.hook_q"], c["blocks.1.attn.hook_k"]
     if rotary:
         q, k = qkcircuits_rotary.rotate_native(m.blocks[1].attn.original_component.rotary, q, k)
-    ref = torch.einsum("qhd,khd->hqk", q[0], k[0]) * qk.attn_scale(m, 1)
+    ref = torch.einsum("qhd,khd->hqk", q[0], k[0]) * qk.weights.attn_scale(m, 1)
     mask = _causal(16)
     torch.testing.assert_close(ours[:, mask], ref[:, mask].float(), atol=1e-4, rtol=1e-4)
 
@@ -240,7 +240,7 @@ def test_offset_scores_move_rotations_once(rotary):
 def test_normalised_embedding_is_layer0_input(llama):
     tokens = torch.tensor([[3, 17, 250, 3, 99]])
     c = _forward(llama, tokens, 0)
-    torch.testing.assert_close(qk.embed_rows(llama, 0)[tokens[0]], c[qk.attn_input_hook(llama, 0)][0],
+    torch.testing.assert_close(qk.weights.embed_rows(llama, 0)[tokens[0]], c[qk.weights.attn_input_hook(llama, 0)][0],
                                atol=1e-5, rtol=1e-5)
 
 
@@ -252,20 +252,20 @@ def test_full_ov_rows_top_tokens_and_copying_accuracy_match_brute_force(gpt2_raw
 
     monkeypatch.setattr(circuits, "CHUNK_ROWS", chunk_rows)          # 37: many vocabulary chunks
     model = gpt2_raw
-    E, U = qk.embed_rows(model, 1), qk.unembed_cols(model)
-    full = qk.full_ov(model, "1.2")
+    E, U = qk.weights.embed_rows(model, 1), qk.weights.unembed_cols(model)
+    full = qk.weights.full_ov(model, "1.2")
     dense = E @ qk.ov(model, "1.2").AB @ U                                         # 400 x 400: fine here
     torch.testing.assert_close(full.AB, dense, atol=1e-4, rtol=1e-4)
-    vals, idx = qk.top_tokens(full, 7, k=5)
+    vals, idx = qk.weights.top_tokens(full, 7, k=5)
     torch.testing.assert_close(vals, dense[7].topk(5).values, atol=1e-4, rtol=1e-4)
     assert idx.tolist() == dense[7].topk(5).indices.tolist()
-    _, cidx = qk.top_tokens(full, 11, k=3, dim="col")
+    _, cidx = qk.weights.top_tokens(full, 11, k=3, dim="col")
     assert cidx.tolist() == dense[:, 11].topk(3).indices.tolist()
     expect = (dense.argmax(-1) == torch.arange(dense.shape[0])).float().mean()
-    got = qk.copying_accuracy(model, "1.2", max_bytes=4 * 400 * 37)               # 37-row chunks
+    got = qk.weights.copying_accuracy(model, "1.2", max_bytes=4 * 400 * 37)       # 37-row chunks
     assert float(got) == pytest.approx(float(expect))
-    fq = qk.full_qk(model, "0.1")
-    torch.testing.assert_close(fq.AB[5, 9], qk.embed_rows(model, 0)[5] @ qk.qk(model, "0.1").AB @ qk.embed_rows(model, 0)[9],
+    fq = qk.weights.full_qk(model, "0.1")
+    torch.testing.assert_close(fq.AB[5, 9], qk.weights.embed_rows(model, 0)[5] @ qk.qk(model, "0.1").AB @ qk.weights.embed_rows(model, 0)[9],
                                atol=1e-4, rtol=1e-4)
 
 
@@ -274,7 +274,7 @@ def test_copying_accuracy_chunks_by_element_size_float64(gpt2_folder, monkeypatc
     model = qk.load(str(gpt2_folder), device="cpu", fold_ln=False, dtype="float64", verbose=False)
     assert model.W_E.dtype == torch.float64
     vocab, budget = 400, 8 * 400 * 37                                   # 37 float64 rows, or 74 float32 ones
-    E, U = qk.embed_rows(model, 1), qk.unembed_cols(model)
+    E, U = qk.weights.embed_rows(model, 1), qk.weights.unembed_cols(model)
     dense = E @ qk.ov(model, "1.2").AB @ U
     expect = float((dense.argmax(-1) == torch.arange(vocab)).double().mean())
     rows, mm = [], torch.mm
@@ -286,12 +286,12 @@ def test_copying_accuracy_chunks_by_element_size_float64(gpt2_folder, monkeypatc
         return mm(a, b, out=out) if out is not None else mm(a, b)
 
     monkeypatch.setattr(torch, "mm", counting_mm)
-    got = qk.copying_accuracy(model, "1.2", max_bytes=budget, progress=False)
+    got = qk.weights.copying_accuracy(model, "1.2", max_bytes=budget, progress=False)
     monkeypatch.undo()
     assert max(rows) == 37 and sum(rows) == vocab and len(rows) == -(-vocab // 37)
     assert float(got) == pytest.approx(expect)
     with pytest.raises(QKCircuitsError, match="max_bytes"):
-        qk.copying_accuracy(model, "1.2", max_bytes=0)
+        qk.weights.copying_accuracy(model, "1.2", max_bytes=0)
 
 
 @pytest.mark.parametrize("fixture", ["gpt2", "gpt2_raw"])
@@ -305,16 +305,16 @@ def test_eigen_copying_from_small_side_equals_vocab_side(fixture, request, monke
     scores = qk.copying_scores(model)
     ov_scores = qk.copying_scores(model, full=False)
     folded_ov = qk.copying_scores(request.getfixturevalue("gpt2"), full=False)
-    U = qk.unembed_cols(model).double()
+    U = qk.weights.unembed_cols(model).double()
     for layer, h in [(0, 0), (1, 3)]:
         E_n = circuits.normalize_rows(model, model.W_E.detach(), "ln1", layer, bias=False).double()
-        w = qk.layer_weights(model, layer)
+        w = qk.weights.layer_weights(model, layer)
         dense = E_n @ w.W_V[h].double() @ w.W_O[h].double() @ U                  # 400 x 400
         dense = dense - dense.mean(1, keepdim=True)                                    # U centred over the vocab
-        assert float(scores[layer, h]) == pytest.approx(float(qk.eigen_copying(torch.linalg.eigvals(dense))), abs=1e-4)
+        assert float(scores[layer, h]) == pytest.approx(float(qk.weights.eigen_copying(torch.linalg.eigvals(dense))), abs=1e-4)
         if fixture == "gpt2":
             dov = qk.ov(model, (layer, h)).AB.double()
-            assert float(ov_scores[layer, h]) == pytest.approx(float(qk.eigen_copying(torch.linalg.eigvals(dov))),
+            assert float(ov_scores[layer, h]) == pytest.approx(float(qk.weights.eigen_copying(torch.linalg.eigvals(dov))),
                                                                abs=1e-4)
     # raw weights: the OV score is put in the folded convention (ln1 weight in W_V, LayerNorm centring)
     assert torch.allclose(ov_scores, folded_ov, atol=1e-4)
@@ -344,7 +344,7 @@ def test_copying_scores_copier_and_anti_copier():
     full, ovs = qk.copying_scores(m), qk.copying_scores(m, full=False)
     assert full[0, 0] == pytest.approx(1.0, abs=1e-4) and full[0, 1] == pytest.approx(-1.0, abs=1e-4)
     assert ovs[0, 0] == pytest.approx(1.0, abs=1e-4) and ovs[0, 1] == pytest.approx(-1.0, abs=1e-4)
-    acc = qk.copying_accuracy(m, progress=False)
+    acc = qk.weights.copying_accuracy(m, progress=False)
     assert acc[0, 0] == 1.0 and acc[0, 1] == 0.0
 
 
@@ -357,7 +357,7 @@ def test_copying_scores_hand_built(hand_built):
     d[0] = -1
     M = 30.0 * torch.diag(d)
     M = M - M.mean(1, keepdim=True)
-    assert float(s[1, 0]) == pytest.approx(float(qk.eigen_copying(torch.linalg.eigvals(M))), abs=1e-4)
+    assert float(s[1, 0]) == pytest.approx(float(qk.weights.eigen_copying(torch.linalg.eigvals(M))), abs=1e-4)
     assert float(s[1, 0]) > 0.9
     assert float(s[0, 1]) == 0.0 and float(s[1, 1]) == 0.0                      # write nothing
 
@@ -384,7 +384,7 @@ def test_hand_built_k_composition_stands_out(hand_built):
     assert "NaN" not in text                                              # strict JSON: NaN pairs are null
     raw = json.loads(text)
     assert raw["scores"][1][0][0][0] is None and raw["settings"]["model"] == hand_built.cfg.model_name
-    back = qk.CompositionScores.from_json(text)
+    back = qk.results.CompositionScores.from_json(text)
     torch.testing.assert_close(back.scores, comp.scores, equal_nan=True, atol=1e-6, rtol=0)
     assert back.mode == "K" and back.baseline == comp.baseline
 
@@ -393,21 +393,21 @@ def test_hand_built_k_composition_stands_out(hand_built):
 
 def test_positional_qk_gpt2(gpt2):
     P = gpt2.W_pos
-    M = qk.positional_qk(gpt2, "0.1")
+    M = qk.weights.positional_qk(gpt2, "0.1")
     torch.testing.assert_close(M.AB[10, 4], P[10] @ qk.qk(gpt2, "0.1").AB @ P[4], atol=1e-4, rtol=1e-4)
     with pytest.raises(QKCircuitsError, match="learned absolute"):
-        qk.positional_qk(_native(positional_embedding_type="rotary", n_layers=1, rotary_dim=16), "0.0")
+        qk.weights.positional_qk(_native(positional_embedding_type="rotary", n_layers=1, rotary_dim=16), "0.0")
 
 
 def test_offset_profile_matches_direct_form(llama):
     prof = qk.offset_profile(llama, "1.2", offsets=range(0, 9))
-    spec = qk.rotary_spec(llama)
-    w, E, s = qk.layer_weights(llama, 1), qk.embed_rows(llama, 1), qk.attn_scale(llama, 1)
+    spec = qk.weights.rotary_spec(llama)
+    w, E, s = qk.weights.layer_weights(llama, 1), qk.weights.embed_rows(llama, 1), qk.weights.attn_scale(llama, 1)
     qbar, kbar = (E @ w.W_Q[2]).mean(0), (E @ w.W_K[2]).mean(0)
     for d in (0, 3, 8):
-        M = qk.qk_at_offset(llama, "1.2", d, spec=spec)
+        M = qk.weights.qk_at_offset(llama, "1.2", d, spec=spec)
         assert float(prof.norm[d]) == pytest.approx(float(M.AB.norm()) * s, rel=1e-4)
-        R = qk.rotation(spec, [d], relative=True)[0]
+        R = qk.weights.rotation(spec, [d], relative=True)[0]
         assert float(prof.mean_score[d]) == pytest.approx(float(qbar @ R @ kbar) * s, rel=1e-4, abs=1e-5)
     assert set(prof.summary()) >= {"preferred_offset", "score_range"}
 
@@ -422,10 +422,10 @@ def test_offset_profile_mean_row_is_recomputed_after_an_embedding_edit(llama):
         with torch.no_grad():
             E.add_(torch.randn(E.shape, generator=g) * E.abs().mean())
         after = qk.offset_profile(llama, "1.2", offsets=range(0, 5)).mean_score
-        w, s = qk.layer_weights(llama, 1), qk.attn_scale(llama, 1)
-        rows = qk.embed_rows(llama, 1)
+        w, s = qk.weights.layer_weights(llama, 1), qk.weights.attn_scale(llama, 1)
+        rows = qk.weights.embed_rows(llama, 1)
         qbar, kbar = (rows @ w.W_Q[2]).mean(0), (rows @ w.W_K[2]).mean(0)
-        R = qk.rotation(qk.rotary_spec(llama), [4], relative=True)[0]
+        R = qk.weights.rotation(qk.weights.rotary_spec(llama), [4], relative=True)[0]
         assert float(after[4]) == pytest.approx(float(qbar @ R @ kbar) * s, rel=1e-4, abs=1e-5)
         assert not torch.allclose(after, before)
     finally:
@@ -435,26 +435,26 @@ def test_offset_profile_mean_row_is_recomputed_after_an_embedding_edit(llama):
 
 def test_soft_capped_model_is_flagged_not_silently_wrong():
     m = _native(seed=2, n_layers=1, attn_scores_soft_cap=5.0)
-    cav = qk.circuit_caveats(m)
+    cav = qk.weights.circuit_caveats(m)
     assert any("soft-capped" in c for c in cav)
     with pytest.warns(UserWarning, match="soft-capped"):
         res = qk.circuit(m, "0.0", "qk")
     assert not res.exact and res.caveats == cav
     with pytest.warns(UserWarning, match="soft-capped"):
-        qk.offset_scores(m, 0, torch.randn(5, 64))
+        qk.weights.offset_scores(m, 0, torch.randn(5, 64))
     with pytest.warns(UserWarning, match="soft-capped"):
         assert qk.composition_scores(m, "K").settings["caveats"] == cav
     with warnings.catch_warnings():
         warnings.simplefilter("error")                          # OV-side results are not affected: no warning
         assert qk.composition_scores(m, "V").settings["caveats"] == []
         qk.ov(m, "0.0")
-    assert qk.circuit_caveats(_native(seed=2, n_layers=1)) == []
+    assert qk.weights.circuit_caveats(_native(seed=2, n_layers=1)) == []
 
 
 def test_circuit_result_carries_settings(llama, hand_built):
     res = qk.circuit(llama, "1.1", "qk_offset", offset=2)
     assert res.exact and res.settings["offset"] == 2 and res.settings["rotary"]["style"] == "halves"
-    torch.testing.assert_close(res.matrix.AB, qk.qk_at_offset(llama, "1.1", 2).AB)
+    torch.testing.assert_close(res.matrix.AB, qk.weights.qk_at_offset(llama, "1.1", 2).AB)
     assert qk.circuit(hand_built, "1.0", "full_ov").matrix.shape == (32, 32)
     assert res.settings["model"] == llama.cfg.model_name and llama.cfg.model_name
     unnamed = _native(n_layers=2)
@@ -467,28 +467,28 @@ def test_bad_input_errors(hand_built, llama):
     with pytest.raises(QKCircuitsError, match="out of range"):
         qk.qk(hand_built, "2.0")
     with pytest.raises(QKCircuitsError, match="not rotary"):
-        qk.rotary_spec(hand_built)
+        qk.weights.rotary_spec(hand_built)
     with pytest.raises(QKCircuitsError, match="Q, K, V"):
         qk.composition_scores(hand_built, "X")
     with pytest.raises(QKCircuitsError, match="row index"):
-        qk.top_tokens(qk.full_ov(hand_built, "1.0"), 99)
+        qk.weights.top_tokens(qk.weights.full_ov(hand_built, "1.0"), 99)
     with pytest.raises(QKCircuitsError, match="unknown circuit kind"):
         qk.circuit(hand_built, "1.0", "nope")
     with pytest.raises(QKCircuitsError, match="rotary base"):
-        qk.rotary_spec(llama, base=0.5)
+        qk.weights.rotary_spec(llama, base=0.5)
     with pytest.raises(QKCircuitsError, match="expected one head, got 2"):
         qk.ov(hand_built, "1.*")
     with pytest.raises(QKCircuitsError, match="2-D"):
-        qk.top_tokens(qk.all_ov(hand_built), 0)
+        qk.weights.top_tokens(qk.weights.all_ov(hand_built), 0)
 
 
 def test_composition_column_equals_full_scores(hand_built):
     r = _native(seed=7)
     full = qk.composition_scores(r, "Q")
-    torch.testing.assert_close(qk.composition_column(r, "3.2", "Q"), full.scores[:3, :, 3, 2], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(qk.weights.composition_column(r, "3.2", "Q"), full.scores[:3, :, 3, 2], atol=1e-6, rtol=1e-5)
     comp = qk.composition_scores(hand_built, "K")
     assert qk.k_composition_partners(hand_built, ["1.0"]) == qk.k_composition_partners(hand_built, ["1.0"], scores=comp)
-    assert qk.composition_column(hand_built, "0.1").shape == (0, 2)
+    assert qk.weights.composition_column(hand_built, "0.1").shape == (0, 2)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -533,7 +533,7 @@ def test_qk_norm_model_is_flagged_and_really_leaves_the_bilinear_form(tmp_path):
     hf = Qwen3ForCausalLM(cfg).eval()
     _tiny._perturb(hf, 0)
     model = qk.load(str(_tiny._save(tmp_path / "qwen3", hf, tok)), device="cpu", verbose=False)
-    cav = qk.circuit_caveats(model)
+    cav = qk.weights.circuit_caveats(model)
     assert len(cav) == 1 and "QK-norm" in cav[0]
     with pytest.warns(UserWarning, match="QK-norm"):
         assert not qk.circuit(model, "0.1", "qk_offset", offset=1).exact
@@ -541,7 +541,7 @@ def test_qk_norm_model_is_flagged_and_really_leaves_the_bilinear_form(tmp_path):
     c = _forward(model, tokens, 0)
     mask = _causal(12)
     with pytest.warns(UserWarning, match="QK-norm"):
-        ours = qk.offset_scores(model, 0, c[qk.attn_input_hook(model, 0)][0])
+        ours = qk.weights.offset_scores(model, 0, c[qk.weights.attn_input_hook(model, 0)][0])
     err = ours - c["blocks.0.attn.hook_attn_scores"][0]
     assert err[:, mask].abs().max() > 0.1
 
@@ -567,9 +567,9 @@ def test_scale_is_read_from_the_model_gpt2_inverse_layer_idx(tmp_path):
     hf = GPT2LMHeadModel(cfg).eval()
     _tiny._perturb(hf, 0)
     model = qk.load(str(_tiny._save(tmp_path / "gpt2-inv", hf, tok)), device="cpu", verbose=False)
-    assert qk.attn_scale(model, 1) == pytest.approx(8 ** -0.5 / 2)
+    assert qk.weights.attn_scale(model, 1) == pytest.approx(8 ** -0.5 / 2)
     tokens = torch.randint(0, len(tok), (1, 16), generator=torch.Generator().manual_seed(2))
     c = _forward(model, tokens, 1)
     mask = _causal(16)
-    ours = qk.offset_scores(model, 1, c[qk.attn_input_hook(model, 1)][0])
+    ours = qk.weights.offset_scores(model, 1, c[qk.weights.attn_input_hook(model, 1)][0])
     torch.testing.assert_close(ours[:, mask], c["blocks.1.attn.hook_attn_scores"][0][:, mask], atol=1e-4, rtol=1e-4)

@@ -22,7 +22,7 @@ def tiny(request, tmp_path_factory):
 
 
 def _ln1_out(model, tokens, layer):
-    name = qk.attn_input_hook(model, layer)
+    name = qk.weights.attn_input_hook(model, layer)
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens, names_filter=lambda n: n == name)
     return cache[name]
@@ -145,7 +145,7 @@ def test_report_panel_defaults_to_contextual_past_layer_0_and_titles_say_so(tiny
     assert p0["input"] == "direct" and "direct inputs" in p0["figures"]["qk"]["layout"]["title"]["text"]
     from qkcircuits.viz._panels import qk_grid
     for inp in C.INPUTS:                                     # the view is the public API's token_qk
-        torch.testing.assert_close(qk_grid(ctx, qk.Head(1, 1), ids, inp), qk.token_qk(model, "1.1", ids, inp)[0])
+        torch.testing.assert_close(qk_grid(ctx, qk.Head(1, 1), ids, inp), qk.weights.token_qk(model, "1.1", ids, inp)[0])
     pe = panel(ctx, qk.Head(1, 0), ids, None, k=3, view="effective")
     assert "effective inputs" in pe["figures"]["ov"]["layout"]["title"]["text"]
 

@@ -17,7 +17,7 @@ import torch
 import _tiny
 import qkcircuits as qk
 from qkcircuits._tasks import runs
-from qkcircuits._tasks.circuit import circuit_metric, ratio
+from qkcircuits._tasks.faithfulness import circuit_metric, ratio
 from qkcircuits._tasks.core import grid, node_mask_of, prefix
 
 from _tiny import gemma3_dir, gpt2_dir, llama_dir, neox_dir
@@ -58,7 +58,7 @@ def test_toy_induction_core_is_exactly_the_two_known_heads(hand_built):
         assert sorted(core.curve) == [0, 1, 2, 3, 4] and fs[0] == pytest.approx(0.0, abs=1e-4)
         assert all(b >= a - 1e-6 for a, b in zip(fs, fs[1:])) and fs[2:] == pytest.approx([1.0] * 3, abs=1e-4)
         assert core.ranking[0][0] == "1.0" and "grown to 2 heads" in core.how
-        back = qk.CoreCircuit.from_json(core.to_json())
+        back = qk.results.CoreCircuit.from_json(core.to_json())
         assert (back.heads, back.mlps) == (core.heads, core.mlps) and back.curve == pytest.approx(core.curve, abs=1e-6)
     # the function and the method are one; a higher threshold than anything reached: every node, said so
     assert qk.core_circuit(hand_built, task, scores, progress=False).heads == ["0.0", "1.0"]
@@ -133,7 +133,7 @@ def test_roles_name_heads_outside_the_circuit(hand_built):
     # answer (direct effect -30) while attending "IO" from END, i.e. a negative name mover. A circuit of 0.0's
     # edges alone leaves it out; the roles still name it (it passes 5 % of the behaviour), marked outside.
     from qkcircuits._tasks.roles import roles, significant_heads
-    from qkcircuits._tasks.selection import Circuit
+    from qkcircuits._tasks.selection import TaskCircuit
 
     base = qk.tasks.induction(hand_built, n=6, seg_len=6)
     L = 6
@@ -147,7 +147,7 @@ def test_roles_name_heads_outside_the_circuit(hand_built):
     mask = torch.zeros_like(g.valid)
     mask[g.senders.index("emb"), g.receivers.index(("0.0", "v"))] = True
     mask[g.senders.index("0.0"), g.logits_receiver] = True
-    circ = Circuit(g, mask, scores.scores)
+    circ = TaskCircuit(g, mask, scores.scores)
     assert circ.heads == ["0.0"]
     # the swapped task is one the model does not do (clean -30 < corrupt 0): roles are named only with force
     assert roles(hand_built, task, circ, clean=scores.clean, corrupt=scores.corrupt, also=["1.0"]).roles == {}
@@ -157,7 +157,7 @@ def test_roles_name_heads_outside_the_circuit(hand_built):
     assert any(s.startswith("negative name mover 1.0") and "not in the circuit: 1.0" in s for s in r.sentences())
     # extra keys on an entry (the QK evidence a later step adds) survive JSON and the sentences
     r.roles["1.0"]["qk"] = {"query": [["emb", 1.0]], "key": [["0.0", 1.0]]}
-    back = qk.Roles.from_json(r.to_json())
+    back = qk.results.Roles.from_json(r.to_json())
     assert back.roles["1.0"]["qk"] == r.roles["1.0"]["qk"] and back.sentences() == r.sentences()
 
 

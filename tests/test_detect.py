@@ -213,7 +213,7 @@ def test_head_scores_round_trip_json_and_frame(hand_built, tmp_path):
     s = qk.scan(hand_built, n_seqs=2, seq_len=10, prefix_len=6, eigen_copying=False, progress=False)
     path = tmp_path / "s.json"
     s.to_json(path)
-    back = qk.HeadScores.from_json(path)
+    back = qk.results.HeadScores.from_json(path)
     assert back.model == s.model and back.settings == s.settings
     for name in s.scores:
         assert torch.allclose(back[name], s[name], atol=1e-6)
@@ -248,7 +248,7 @@ def test_cli_scan_table_json_and_errors(tmp_path, capsys):
     code, stdout, err = run(cmd, capsys)
     assert code == 0, err
     assert "top 2 induction heads" in stdout and "1.0" in stdout
-    data = qk.HeadScores.from_json(out)
+    data = qk.results.HeadScores.from_json(out)
     assert set(data.scores) >= {"induction", "prefix_matching", "previous_token", "duplicate_token", "copying",
                                 "eigen_copying"}
     assert data.scores["induction"][1, 0] > 0.99

@@ -119,7 +119,7 @@ def test_user_mask_detector_finds_the_self_attending_heads(hand_built):
         torch.testing.assert_close(s["self_attention"], torch.tensor([[0.0, 1.0], [0.0, 1.0]]), atol=1e-5, rtol=0)
         assert s.heads_labelled("self") == [qk.Head(0, 1), qk.Head(1, 1)]
         assert s.settings["scores"] == ["induction", "self_attention"]          # registry order
-        back = qk.HeadScores.from_json(s.to_json())
+        back = qk.results.HeadScores.from_json(s.to_json())
         assert back.heads_labelled("self") == s.heads_labelled("self")
     finally:
         qk.unregister_detector("self_attention")

@@ -294,7 +294,7 @@ def test_task_scores_and_faithfulness_on_ray_equal_local(llama, ray_local):
             rt.ray_node_scores(None, swapped, "exact", pool=pool, progress=False)
             rt.ray_node_scores(None, task, "exact", pool=pool, progress=False)
         assert sum("does not do task" in str(w.message) for w in caught) == 2
-    assert rnode == pytest.approx(qk.node_faithfulness(model, task, few), abs=1e-4)
+    assert rnode == pytest.approx(qk.tasks.node_faithfulness(model, task, few), abs=1e-4)
     for m, res in remote.items():
         assert res.settings["backend"]["shards"] == 4 and res.settings["backend"]["workers"] == 2
         assert sorted(r for p in res.settings["backend"]["plan"] for r in range(*p["rows"])) == list(range(task.n))

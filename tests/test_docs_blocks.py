@@ -90,10 +90,13 @@ def run_page(page: str, tmp_path, monkeypatch, smollm2=None) -> Dict[str, float]
         real = qk.load
         monkeypatch.setattr(qk, "load", lambda spec, *a, **kw: smollm2 if str(spec) == "smollm2-135m" else
                             real(spec, *a, **kw))
+        from qkcircuits._tasks import builders
+
         for name, caps in CAPS.items():
-            owner = qk.tasks if name.startswith("tasks.") else qk
             attr = name.rpartition(".")[2]
-            monkeypatch.setattr(owner, attr, capped(getattr(owner, attr), caps))
+            # qk.tasks re-exports the builders: cap both (build_task, the CLI's, calls the builders' own)
+            for owner in ((qk.tasks, builders) if name.startswith("tasks.") else (qk,)):
+                monkeypatch.setattr(owner, attr, capped(getattr(owner, attr), caps))
     monkeypatch.chdir(tmp_path)
     registered = set(d.name for d in qk.detectors())
     ns: Dict[str, object] = {"__name__": f"docs_{page}", "qk": qk}      # the quickstart's import, as a reader has it

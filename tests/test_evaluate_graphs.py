@@ -61,7 +61,7 @@ def test_the_toys_heads_at_the_groups_where_they_act(hand_built):
     assert {e[:3] for e in c.edges()} == set(four) and qk.evaluate(hand_built, task, c).f == pytest.approx(1.0, abs=1e-6)
     d = c.to_dict()
     d["edges"] = [[s.replace("@other", "@END"), r.replace("@other", "@END"), x, v] for s, r, x, v in d["edges"]]
-    moved = qk.TaskCircuit.from_json(json.dumps(d))
+    moved = qk.results.TaskCircuit.from_json(json.dumps(d))
     assert moved.position_mask[0].sum() == 4 and torch.equal(moved.mask, c.mask)
     assert qk.evaluate(hand_built, task, moved).f == pytest.approx(0.0, abs=1e-6)
     assert qk.evaluate(hand_built, task, moved.mask).f == pytest.approx(1.0, abs=1e-6)

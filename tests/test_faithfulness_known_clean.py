@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import qkcircuits as qk
-from qkcircuits._tasks import circuit as circuit_mod
+from qkcircuits._tasks import faithfulness as circuit_mod
 
 from _tiny import llama_dir
 from test_circuit_scores import FAMILIES, pair_task

@@ -61,7 +61,7 @@ def test_name_alias_and_object_give_the_same_numbers_everywhere(gpt2):
 def test_a_names_round_trip_through_json(gpt2):
     model, toks = gpt2
     res = qk.sweep(model, toks, qk.logit_diff(int(toks[0, 2]), int(toks[0, 3])), progress=False)
-    back = qk.HeadEffects.from_json(res.to_json())
+    back = qk.results.HeadEffects.from_json(res.to_json())
     assert back.metric == "logit-diff:%d,%d" % (int(toks[0, 2]), int(toks[0, 3])) and back.higher_is_better
     again = qk.sweep(model, toks, back.metric, progress=False)              # the name alone rebuilds the metric
     _same(again.effects, res.effects)

@@ -29,11 +29,11 @@ def _sha(names):
     return hashlib.sha256("\n".join(names).encode()).hexdigest()
 
 
-def _random_scores(g: Graph, seed: int = 0) -> qk.EdgeScores:
+def _random_scores(g: Graph, seed: int = 0) -> qk.results.EdgeScores:
     gen = torch.Generator().manual_seed(seed)
     sc = torch.randn(g.n_senders, g.n_receivers, generator=gen)
     sc[~g.valid] = float("nan")
-    return qk.EdgeScores(g, sc, "eap", 0, 1.0, 0.0, {"metric": "logit-diff", "higher_is_better": True})
+    return qk.results.EdgeScores(g, sc, "eap", 0, 1.0, 0.0, {"metric": "logit-diff", "higher_is_better": True})
 
 
 def test_names_are_the_reference_files(tmp_path):
@@ -59,7 +59,7 @@ def test_export_then_import_is_exact(shape, tmp_path):
     scores = _random_scores(g)
     path = tmp_path / "importances.json"
     scores.to_mib(path)
-    back = qk.EdgeScores.from_mib(path, g)
+    back = qk.results.EdgeScores.from_mib(path, g)
     assert torch.equal(back.scores.nan_to_num(-9.0), scores.scores.nan_to_num(-9.0))
     assert back.method == "mib" and back.graph == g
     d = json.loads(path.read_text())
@@ -75,7 +75,7 @@ def test_export_then_import_is_exact(shape, tmp_path):
     # a circuit: its edges in_graph (a KV edge for every query head of its group), back as the same mask
     circ = scores.circuit(percent=20)
     circ.to_mib(path)
-    assert torch.equal(qk.TaskCircuit.from_mib(path, g).mask, circ.mask)
+    assert torch.equal(qk.results.TaskCircuit.from_mib(path, g).mask, circ.mask)
     d = json.loads(path.read_text())
     assert sum(e["in_graph"] for e in d["edges"].values()) == sum(
         (H // G if x in ("k", "v") else 1) for _, _, x, _ in circ.edges())
@@ -93,10 +93,10 @@ def test_import_sums_per_query_head_scores_and_keeps_any_in_graph(tmp_path):
     d["edges"]["input->a1.h3<v>"] = {"score": -1.0, "in_graph": False}
     path = tmp_path / "ref.json"
     path.write_text(json.dumps(d))
-    back = qk.EdgeScores.from_mib(path, g)
+    back = qk.results.EdgeScores.from_mib(path, g)
     s, r = g.senders.index("emb"), g.receivers.index(("1.kv1", "v"))
     assert float(back.scores[s, r]) == pytest.approx(-0.75)
-    circ = qk.TaskCircuit.from_mib(path, g)
+    circ = qk.results.TaskCircuit.from_mib(path, g)
     assert bool(circ.mask[s, r]) and int(circ.mask.sum()) == 1
 
 
@@ -114,17 +114,17 @@ def test_bad_files_are_one_line_errors(edit, message, tmp_path):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(d))
     with pytest.raises(qk.QKCircuitsError, match=message) as e:
-        qk.EdgeScores.from_mib(path, g)
+        qk.results.EdgeScores.from_mib(path, g)
     assert "\n" not in str(e.value)
     path.write_text("not json")
     with pytest.raises(qk.QKCircuitsError, match="not a MIB circuit JSON"):
-        qk.EdgeScores.from_mib(path, g)
+        qk.results.EdgeScores.from_mib(path, g)
     # an MLP-less model reading a file that scores MLPs
     nomlp = Graph(2, 4, 2, False, "m")
     d = json.loads(_random_scores(g).to_mib())
     path.write_text(json.dumps(d))
     with pytest.raises(qk.QKCircuitsError, match="scores an MLP this model does not have"):
-        qk.EdgeScores.from_mib(path, nomlp)
+        qk.results.EdgeScores.from_mib(path, nomlp)
 
 
 @pytest.mark.filterwarnings("ignore:the model does not do task")
@@ -140,7 +140,7 @@ def test_real_scores_round_trip_and_rank_the_same(folder, tmp_path_factory, tmp_
     path = tmp_path / "importances.json"
     scores.to_mib(path)
     assert json.loads(path.read_text())["cfg"]["d_model"] == model.cfg.d_model
-    back = qk.EdgeScores.from_mib(path, model)
+    back = qk.results.EdgeScores.from_mib(path, model)
     assert torch.equal(back.scores.nan_to_num(0.0), scores.scores.nan_to_num(0.0))
     assert {e[:3] for e in back.circuit(percent=10).edges()} == {e[:3] for e in scores.circuit(percent=10).edges()}
 
@@ -150,7 +150,7 @@ def test_cli_writes_mib(tmp_path, capsys):
     assert main(["circuit", "toy-induction", "--task", "induction", "--n", "4", "--method", "eap", "--no-core",
                  "--mib", str(out), "--quiet", "--device", "cpu"]) == 0
     model = qk.load("toy-induction", verbose=False)
-    circ = qk.TaskCircuit.from_mib(out, model)
+    circ = qk.results.TaskCircuit.from_mib(out, model)
     assert circ.heads == ["0.0", "1.0"]
     d = json.loads(out.read_text())
     assert all(v == {"score": 0.0, "in_graph": False} for k, v in d["edges"].items()
@@ -168,15 +168,15 @@ def test_ungrouped_graph_maps_one_to_one_and_positions_are_refused(tmp_path):
     for h in range(4):
         s, r = g.senders.index("0.1"), g.receivers.index((f"1.{h}", "k"))
         assert d["edges"][f"a0.h1->a1.h{h}<k>"]["score"] == float(scores.scores[s, r])
-    back = qk.EdgeScores.from_mib(path, g)
+    back = qk.results.EdgeScores.from_mib(path, g)
     assert torch.equal(back.scores.nan_to_num(-9.0), scores.scores.nan_to_num(-9.0)) and back.graph.ungrouped
     circ = scores.circuit(percent=20)
     circ.to_mib(path)
     d = json.loads(path.read_text())
     assert sum(e["in_graph"] for e in d["edges"].values()) == circ.n_edges
-    assert torch.equal(qk.TaskCircuit.from_mib(path, g).mask, circ.mask)
+    assert torch.equal(qk.results.TaskCircuit.from_mib(path, g).mask, circ.mask)
     # the same file on the grouped graph: each group's copies summed (the reference's per-head file, read grouped)
-    grouped = qk.EdgeScores.from_mib(path, Graph(2, 4, 2, True, "m"))
+    grouped = qk.results.EdgeScores.from_mib(path, Graph(2, 4, 2, True, "m"))
     s, r = grouped.graph.senders.index("0.1"), grouped.graph.receivers.index(("1.kv1", "v"))
     want = sum(float(scores.scores[s, g.receivers.index((f"1.{h}", "v"))]) for h in (2, 3))
     assert float(grouped.scores[s, r]) == pytest.approx(want, rel=1e-6)
@@ -202,8 +202,8 @@ def test_real_ungrouped_scores_export_per_query_head(tmp_path_factory, tmp_path)
     assert ung.graph.ungrouped and ung.graph.n_edges > plain.graph.n_edges
     path = tmp_path / "importances.json"
     ung.to_mib(path)
-    back = qk.EdgeScores.from_mib(path, model, gqa="ungrouped")
+    back = qk.results.EdgeScores.from_mib(path, model, gqa="ungrouped")
     assert back.graph == ung.graph and torch.equal(back.scores.nan_to_num(0.0), ung.scores.nan_to_num(0.0))
-    grouped = qk.EdgeScores.from_mib(path, model)
+    grouped = qk.results.EdgeScores.from_mib(path, model)
     top = float(plain.scores.nan_to_num(0.0).abs().max())
     assert torch.allclose(grouped.scores.nan_to_num(0.0), plain.scores.nan_to_num(0.0), atol=1e-6 * top, rtol=0)

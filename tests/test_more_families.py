@@ -33,17 +33,17 @@ def test_factored_circuits_reproduce_the_models_own_scores(family):
 def test_each_family_reads_its_own_positional_scheme(family):
     name, model, folder = family
     if name == "cohere":
-        spec = qk.rotary_spec(model, layer=0)
+        spec = qk.weights.rotary_spec(model, layer=0)
         assert spec.style == "pairs" and spec.verified_error < 1e-5 and not spec.caveats
     elif name == "smollm3":
-        rotated, nope = qk.rotary_spec(model, layer=0), qk.rotary_spec(model, layer=1)
+        rotated, nope = qk.weights.rotary_spec(model, layer=0), qk.weights.rotary_spec(model, layer=1)
         assert rotated.verified_error < 1e-5 and float(rotated.omega.abs().max()) > 0
-        R = qk.rotation(nope, range(5), relative=True)
+        R = qk.weights.rotation(nope, range(5), relative=True)
         assert torch.equal(R, torch.eye(nope.d_head).expand_as(R)) and "NoPE" in nope.source
         # the offset circuits of the NoPE layer do not depend on the offset, those of a rotary layer do
-        a, b = (qk.qk_at_offset(model, "1.0", d).AB for d in (0, 7))
+        a, b = (qk.weights.qk_at_offset(model, "1.0", d).AB for d in (0, 7))
         assert torch.allclose(a, b)
-        a, b = (qk.qk_at_offset(model, "0.0", d).AB for d in (0, 7))
+        a, b = (qk.weights.qk_at_offset(model, "0.0", d).AB for d in (0, 7))
         assert not torch.allclose(a, b, atol=1e-4)
     else:
         hf = hf_model(folder)

@@ -294,7 +294,7 @@ def test_json_contract_round_trip_frame_and_shards(hand_built, tmp_path):
     assert set(r["k"]) == {"0.0", "0.1"} and set(r["q"]) == set(r["v"]) == {"0.0", "0.1"}
     assert r["clean"] == pytest.approx(res.clean_value("1.0", "k"), abs=1e-6)
     assert set(r["baseline"]["k"]) == {"mean", "p95"}
-    back = qk.PathEffects.from_json(tmp_path / "t.json")
+    back = qk.results.PathEffects.from_json(tmp_path / "t.json")
     assert torch.allclose(back.effects["k"].nan_to_num(), res.effects["k"].nan_to_num(), atol=1e-6)
     assert len(res.to_frame()) == 6 and "PathEffects(" in repr(res) and "<table>" in res._repr_html_()
     # Shards combine exactly (resample references are computed once over all prompts, then sliced).

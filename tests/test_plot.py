@@ -56,7 +56,7 @@ def test_scores_heatmap_is_the_score_tensor(toy_scores):
 
 
 def test_signed_scores_are_centred_at_zero(toy_scores):
-    s = qk.HeadScores("m", 2, 2, {"x": torch.tensor([[-0.5, 0.1], [0.2, 2.0]]), "y": torch.tensor([[0.0, 0.1], [0.2, 0.3]])})
+    s = qk.results.HeadScores("m", 2, 2, {"x": torch.tensor([[-0.5, 0.1], [0.2, 2.0]]), "y": torch.tensor([[0.0, 0.1], [0.2, 0.3]])})
     hm = plot.scores(s, "x").data[0]
     # RdBu (dark red first) reversed: negative blue, positive red, white at 0
     assert hm.zmid == 0 and hm.reversescale and hm.colorscale[0][1] == "rgb(103,0,31)"
@@ -91,20 +91,20 @@ def test_qk_ov_equal_the_circuits_api(tmp_path_factory):
     ids = list(range(1, model.cfg.d_vocab, 29))
     tokens = [f"#{i}" for i in ids]
     head = qk.Head(1, 2)
-    full = qk.full_qk(model, head)
-    ref = (full.A[ids] @ full.B[:, ids]) * qk.attn_scale(model, head.layer)
+    full = qk.weights.full_qk(model, head)
+    ref = (full.A[ids] @ full.B[:, ids]) * qk.weights.attn_scale(model, head.layer)
     direct = plot.qk(model, "1.2", tokens, view="direct")
     torch.testing.assert_close(z(direct), rounded(ref).double(), rtol=2e-4, atol=1e-6)
     assert "direct inputs" in direct.layout.title.text
     fig = plot.ov(model, "1.2", tokens, k=3, view="direct")
-    fov = qk.full_ov(model, head)
+    fov = qk.weights.full_ov(model, head)
     for n, t in enumerate(ids):
-        v, _ = qk.top_tokens(fov, t, 3)
+        v, _ = qk.weights.top_tokens(fov, t, 3)
         assert list(fig.data[0].z[n]) == pytest.approx(v.tolist(), rel=2e-4, abs=1e-6)
     # past layer 0 the default is the contextual view: the same figure as the token-view API draws
     ctx_fig = plot.qk(model, "1.2", tokens)
     assert "contextual inputs" in ctx_fig.layout.title.text
-    grid, _ = qk.token_qk(model, head, ids, view="contextual")
+    grid, _ = qk.weights.token_qk(model, head, ids, view="contextual")
     torch.testing.assert_close(z(ctx_fig), rounded(grid).double(), rtol=2e-4, atol=1e-6)
     assert (grid - ref).abs().max() > 1e-3                 # and it is not the direct view again
 
@@ -116,7 +116,7 @@ def test_offsets_learned_positions(tmp_path_factory):
     fig = plot.offsets(model, "0.1")
     w, P = layer_weights(model, 0), model.W_pos.detach()
     n = min(int(model.cfg.n_ctx), 2 * 64 + 1)
-    M = (P[:n] @ w.W_Q[1]) @ (P[:n] @ w.W_K[1]).T * qk.attn_scale(model, 0)     # W_pos QK W_posᵀ, plain
+    M = (P[:n] @ w.W_Q[1]) @ (P[:n] @ w.W_K[1]).T * qk.weights.attn_scale(model, 0)  # W_pos QK W_posᵀ, plain
     want = [float(torch.diagonal(M, -d).mean()) for d in fig.data[0].x]
     assert list(fig.data[0].y) == pytest.approx(want, rel=2e-4, abs=1e-6)
 
@@ -148,7 +148,7 @@ def test_attention_carries_the_captured_pattern(hand_built):
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda m, s: plot.scores(qk.HeadEffects(torch.zeros(2, 2), 0.0, "m", "zero", "loss"), "x"), "HeadScores"),
+    (lambda m, s: plot.scores(qk.results.HeadEffects(torch.zeros(2, 2), 0.0, "m", "zero", "loss"), "x"), "HeadScores"),
     (lambda m, s: plot.scores(s, "nope"), "no score named 'nope'"),
     (lambda m, s: plot.qk(m, "5.0"), "5"),
     (lambda m, s: plot.qk(m, "0.*"), "exactly one head"),
@@ -271,7 +271,7 @@ def test_trace_graph_is_the_path_effects(hand_built):
         t[1, 0, 1] = 0.7 if x == "k" else t[1, 0, 1]
         eff[x] = t
     eff["k"][2, 0] = -0.1                                     # every effect of 1.7's keys negative: no k edge
-    syn = qk.PathEffects("syn", "mean", recv, list("qkv"), {x: "score" for x in "qkv"}, eff,
+    syn = qk.results.PathEffects("syn", "mean", recv, list("qkv"), {x: "score" for x in "qkv"}, eff,
                          {x: torch.ones(3) for x in "qkv"}, n_layers=L, n_heads=H, labels={"2.3": ["previous-token"]})
     for per_input in (1, 2, 3):
         fig = plot.trace(syn, per_input)

@@ -22,7 +22,7 @@ import torch
 
 import qkcircuits as qk
 from qkcircuits._tasks import runs
-from qkcircuits._tasks.circuit import circuit_metric, node_metric
+from qkcircuits._tasks.faithfulness import circuit_metric, node_metric
 from qkcircuits._tasks.positions import (OTHER, group_index, position_groups, position_node_mask, prune_positions)
 from qkcircuits._tasks.scores import task_graph
 from qkcircuits._tasks.selection import prune
@@ -126,7 +126,7 @@ def test_position_scores_add_up_to_the_plain_scores(name, tmp_path_factory):
         for s in g.senders:
             assert sum(nodes[f"{s}@{p}"] for p in g.positions) == pytest.approx(plain.node_scores()[s], abs=1e-7)
         # the position-aware scores survive JSON
-        back = qk.EdgeScores.from_json(split.to_json())
+        back = qk.results.EdgeScores.from_json(split.to_json())
         assert back.graph == g and torch.equal(back.position_scores.nan_to_num(-9.0), split.position_scores.nan_to_num(-9.0))
 
 
@@ -216,7 +216,7 @@ def test_toy_heads_act_where_they_are_built_to(hand_built):
     c = eap.circuit(edges=4, by="abs")
     assert set(c.position_nodes) >= {"0.0@other", "1.0@END"} and c.heads == ["0.0", "1.0"]
     assert ("1.0@END", "logits@END", "in") in {e[:3] for e in c.edges()}
-    assert qk.TaskCircuit.from_json(c.to_json()).edges() == c.edges()
+    assert qk.results.TaskCircuit.from_json(c.to_json()).edges() == c.edges()
     # grown from the logits, position by position: the same four edges
     greedy = eap.circuit(edges=4, by="abs", how="greedy")
     assert {e[:3] for e in greedy.edges()} == {e[:3] for e in c.edges()}
@@ -226,12 +226,12 @@ def test_pruning_with_one_group_is_the_plain_pruning():
     gen = torch.Generator().manual_seed(0)
     for shape in [(2, 4, 2, True, False), (3, 4, 4, True, True), (2, 4, 1, False, False)]:
         for ungrouped in (False, True):
-            g = qk.Graph(*shape[:4], parallel=shape[4], ungrouped=ungrouped and shape[2] != shape[1])
+            g = qk.tasks.Graph(*shape[:4], parallel=shape[4], ungrouped=ungrouped and shape[2] != shape[1])
             for q in (0.05, 0.2, 0.6):
                 mask = (torch.rand(g.valid.shape, generator=gen) < q) & g.valid
                 assert torch.equal(prune_positions(g, mask[None])[0], prune(g, mask))
     # two groups: an MLP's input read at one group is not fed by the embedding's write at the other
-    g = qk.Graph(1, 1, 1, True, positions=("A", OTHER))
+    g = qk.tasks.Graph(1, 1, 1, True, positions=("A", OTHER))
     mask = torch.zeros(2, g.n_senders, g.n_receivers, dtype=torch.bool)
     mask[0, 0, g.recv_slice(0, "mlp").start] = True                       # emb → mlp0 at A
     mask[1, g.mlp_sender(0), g.logits_receiver] = True                     # mlp0 → logits at other

@@ -85,13 +85,13 @@ def check_views(model, ids, k=3, tol=1e-5):
     were untied."""
     ctx, untied = ViewContext(model), 0
     for head in qk.all_heads(model.cfg.n_layers, model.cfg.n_heads):
-        full = qk.full_qk(model, head)
-        ref = full.A[ids] @ full.B[:, ids] * qk.attn_scale(model, head.layer)
+        full = qk.weights.full_qk(model, head)
+        ref = full.A[ids] @ full.B[:, ids] * qk.weights.attn_scale(model, head.layer)
         torch.testing.assert_close(qk_grid(ctx, head, ids, view="direct"), ref, rtol=tol, atol=tol)
         vals, out = ov_top(ctx, head, ids, k, view="direct")
-        full_ov = qk.full_ov(model, head)
+        full_ov = qk.weights.full_ov(model, head)
         for n, t in enumerate(ids):
-            v, i = qk.top_tokens(full_ov, t, k)
+            v, i = qk.weights.top_tokens(full_ov, t, k)
             torch.testing.assert_close(vals[n], v, rtol=tol, atol=tol)
             row = (full_ov.A[t] @ full_ov.B).float()
             torch.testing.assert_close(row[out[n]], vals[n], rtol=tol, atol=tol)   # each id has the value shown
@@ -117,7 +117,7 @@ def test_views_agree_with_circuits_module_on_gpt2_with_biases(tmp_path_factory):
     assert untied > 0.95 * 3 * len(ids) * model.cfg.n_layers * model.cfg.n_heads    # measured: 738 of 744
     ctx, head = ViewContext(model), qk.Head(1, 0)
     w, E = layer_weights(model, 1), ctx.embed(1, ids)
-    with_biases = (E @ w.W_Q[0] + w.b_Q[0]) @ (E @ w.W_K[0] + w.b_K[0]).T * qk.attn_scale(model, 1)
+    with_biases = (E @ w.W_Q[0] + w.b_Q[0]) @ (E @ w.W_K[0] + w.b_K[0]).T * qk.weights.attn_scale(model, 1)
     assert (with_biases - qk_grid(ctx, head, ids)).abs().max() > 1e-2       # the two conventions differ here
     fig = report_html(model, heads="1.0", grid_k=0, tokens=["#1", "#2"], prompt="the cat sat", progress=False)
     assert "no biases" in json.dumps(source_data(fig)["panels"]["1.0"]["figures"]["qk"]["layout"]["title"])
@@ -168,7 +168,7 @@ def test_bad_input_is_one_line_error(hand_built, toy_scores):
         report_html(hand_built, prompt=" ".join(["3"] * 300), progress=False)
     with pytest.raises(qk.QKCircuitsError, match="out of range|layers"):
         report_html(hand_built, heads="5.0", progress=False)
-    other = qk.HeadScores("x", 3, 2, {"induction": torch.zeros(3, 2)})
+    other = qk.results.HeadScores("x", 3, 2, {"induction": torch.zeros(3, 2)})
     with pytest.raises(qk.QKCircuitsError, match="3 layers x 2 heads"):
         report_html(hand_built, scores=other, progress=False)
 
@@ -199,7 +199,7 @@ def test_cli_report_reads_the_ablate_sweep_json(tmp_path, toy_scores):
     sweep = tmp_path / "sweep.json"
     assert main(["ablate", "toy-induction", "--sweep", "--n-seqs", "2", "--seq-len", "12", "--quiet",
                  "--json", str(sweep)]) == 0
-    back = qk.HeadEffects.from_json(sweep.read_text(encoding="utf-8"))
+    back = qk.results.HeadEffects.from_json(sweep.read_text(encoding="utf-8"))
     assert (back.kind, back.n_prompts, back.layers, back.method) == ("sweep", 2, [0, 1], "zero")
     scores = tmp_path / "scan.json"
     toy_scores.to_json(scores)
@@ -241,7 +241,7 @@ def test_smollm2_report(smollm2):
     # Layer-0 QK diagonal == the model's own score at offset 0 (rotary is the identity there).
     ids = token_set(model)
     acts = qk.capture(model, torch.tensor([ids]), ["rot_q", "rot_k"], layers=[0])
-    own = (acts.head("rot_q", 0, 3)[0] * acts.head("rot_k", 0, 3)[0]).sum(-1) * qk.attn_scale(model, 0)
+    own = (acts.head("rot_q", 0, 3)[0] * acts.head("rot_k", 0, 3)[0]).sum(-1) * qk.weights.attn_scale(model, 0)
     z = torch.tensor(p["figures"]["qk"]["data"][0]["z"])
     torch.testing.assert_close(z.diagonal(), own.float(), rtol=1e-3, atol=1e-3)
     # Attention on the default prompt: it is the model's own pattern, rows sum to 1.

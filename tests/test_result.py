@@ -47,20 +47,20 @@ def test_from_json_errors_say_what_was_expected(hand_built, tmp_path):
     with pytest.raises(qk.QKCircuitsError, match=r"sweep.json'?: it has schema 'qkcircuits.head_effects/1', not a "
                                                  r"scan's --json output .* \(that is a HeadEffects: use "
                                                  r"HeadEffects.from_json\); expected 'qkcircuits.head_scores/1'"):
-        qk.HeadScores.from_json(wrong)
+        qk.results.HeadScores.from_json(wrong)
     newer = json.loads(s.to_json())
     newer["schema"] = "qkcircuits.head_scores/9"
     with pytest.raises(qk.QKCircuitsError, match="reads qkcircuits.head_scores versions 1 to 1"):
-        qk.HeadScores.from_json(json.dumps(newer))
+        qk.results.HeadScores.from_json(json.dumps(newer))
     broken = tmp_path / "broken.json"
     broken.write_text('{"schema": "qkcircuits.head_scores/1", "model": "x"}')
     with pytest.raises(qk.QKCircuitsError, match=r"broken.json: not a scan's --json output .*expected the keys model"):
-        qk.HeadScores.from_json(broken)
+        qk.results.HeadScores.from_json(broken)
     with pytest.raises(qk.QKCircuitsError, match=r"no JSON file at '.*missing.json'"):
-        qk.HeadScores.from_json(tmp_path / "missing.json")
+        qk.results.HeadScores.from_json(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{nope")
     with pytest.raises(qk.QKCircuitsError, match=r"bad.json'? is not valid JSON"):
-        qk.HeadScores.from_json(tmp_path / "bad.json")
+        qk.results.HeadScores.from_json(tmp_path / "bad.json")
 
 
 def test_files_without_schema_still_read(hand_built):
@@ -69,7 +69,7 @@ def test_files_without_schema_still_read(hand_built):
     e = qk.sweep(hand_built, toks, progress=False)
     d = json.loads(e.to_json())
     del d["schema"], d["settings"]
-    back = qk.HeadEffects.from_json(json.dumps(d))
+    back = qk.results.HeadEffects.from_json(json.dumps(d))
     torch.testing.assert_close(back.effects, e.effects, equal_nan=True)
     assert back.settings == {}                               # no versions invented for an old file
 
@@ -108,8 +108,8 @@ def test_renamed_public_arguments_warn_and_agree(hand_built):
     with pytest.warns(DeprecationWarning):
         assert qk.k_composition_partners(hand_built, ["1.0"], top=1) == qk.k_composition_partners(hand_built, ["1.0"], k=1)
     with pytest.warns(DeprecationWarning, match=r"token_inputs\(input=...\)"):
-        old_rows = qk.token_inputs(hand_built, 0, [1, 2], input="direct").rows
-    torch.testing.assert_close(old_rows, qk.token_inputs(hand_built, 0, [1, 2], view="direct").rows)
+        old_rows = qk.weights.token_inputs(hand_built, 0, [1, 2], input="direct").rows
+    torch.testing.assert_close(old_rows, qk.weights.token_inputs(hand_built, 0, [1, 2], view="direct").rows)
     from qkcircuits._paths.trace import trace
 
     assert renames(qk.trace_induction) == {"top": "k"} and renames(trace) == {"top": "k"}
@@ -139,15 +139,15 @@ def test_task_circuit_verify_and_kv_results_round_trip(hand_built, tmp_path):
         assert type(qk.load_result(path)) is cls and repr(back) == repr(cls.from_json(back.to_json()))
         assert len(r.to_frame()) > 0 and len(r.top(1)) == 1
     # the known circuit of the toy (0.0 -> k of 1.0 -> logits) survives the file, and the circuit view reads it
-    back = qk.TaskCircuit.from_json(tmp_path / "Circuit.json")
+    back = qk.results.TaskCircuit.from_json(tmp_path / "TaskCircuit.json")
     def same_edges(a, b):      # the file keeps 6 decimals
         return [e[:3] for e in a] == [e[:3] for e in b] and all(abs(x[3] - y[3]) < 1e-6 for x, y in zip(a, b))
 
     assert same_edges(back.edges(), circ.edges()) and back.heads == circ.heads == ["0.0", "1.0"]
     from qkcircuits.viz._circuit_data import load_circuit
 
-    assert load_circuit(tmp_path / "Circuit.json").heads == ["0.0", "1.0"]
-    f = qk.Faithfulness.from_json(tmp_path / "Faithfulness.json")
+    assert load_circuit(tmp_path / "TaskCircuit.json").heads == ["0.0", "1.0"]
+    f = qk.results.Faithfulness.from_json(tmp_path / "Faithfulness.json")
     assert f.curve[100.0] == 1.0 and same_edges(f.circuit.edges(), faith.circuit.edges()) and f.node_heads == faith.node_heads
     # old keys kept: the circuit part of `qkcircuits circuit --json`, the roles map, the check's numbers
     assert {"edges", "heads", "mlps", "n_edges", "requested_edges", "percent", "by"} <= set(circ.to_dict())
@@ -157,8 +157,8 @@ def test_task_circuit_verify_and_kv_results_round_trip(hand_built, tmp_path):
     assert qk.verify_circuits(m).top(1)[0][1] == qk.verify_circuits(m).max_error
     with pytest.raises(qk.QKCircuitsError, match=r"it has schema 'qkcircuits.edge_scores/1', not a faithfulness "
                                                  r"JSON .*\(that is a EdgeScores: use EdgeScores.from_json\)"):
-        qk.Faithfulness.from_json(tmp_path / "EdgeScores.json")
-    tiny = qk.CircuitCheck.from_json(tmp_path / "CircuitCheck.json")       # errors ~1e-7 keep every digit
+        qk.results.Faithfulness.from_json(tmp_path / "EdgeScores.json")
+    tiny = qk.results.CircuitCheck.from_json(tmp_path / "CircuitCheck.json")  # errors ~1e-7 keep every digit
     torch.testing.assert_close(tiny.qk_error, results[5].qk_error, rtol=0, atol=0)
 
 

@@ -35,7 +35,7 @@ def test_each_layer_gets_its_own_frequencies_and_window(gemma3):
     _, model = gemma3
     types = ["sliding_attention", "sliding_attention", "full_attention"]
     for layer, ltype in enumerate(types):
-        spec = qk.rotary_spec(model, layer=layer)
+        spec = qk.weights.rotary_spec(model, layer=layer)
         theta = _tiny.GEMMA3_THETAS[ltype]
         assert spec.layer_type == ltype and spec.base == theta
         assert torch.allclose(spec.omega.double(), _theta_freqs(theta, 8), rtol=1e-6)
@@ -52,9 +52,9 @@ def test_rebuilt_rotary_reproduces_the_models_rotated_q_k_and_scores(gemma3):
     n = 20
     tokens = torch.arange(3, 3 + n)[None]
     cache = _gemma_cache(model, tokens)
-    scale = qk.attn_scale(model, 0)
+    scale = qk.weights.attn_scale(model, 0)
     for layer in range(3):
-        spec = qk.rotary_spec(model, layer=layer)
+        spec = qk.weights.rotary_spec(model, layer=layer)
         qn = cache[f"blocks.{layer}.attn.hook_q_normed"][0].transpose(0, 1)       # [pos, head, d]
         kn = cache[f"blocks.{layer}.attn.hook_k_normed"][0].transpose(0, 1)       # [pos, kv, d]
         R = rotation(spec, range(n))                                               # [pos, d, d]
@@ -76,7 +76,7 @@ def test_rebuilt_rotary_reproduces_the_models_rotated_q_k_and_scores(gemma3):
         assert worst < 1e-4, (layer, worst)
         # the other layer type's frequencies do not reproduce this layer's scores
         other = "full_attention" if spec.layer_type == "sliding_attention" else "sliding_attention"
-        wrong = qk.rotary_spec(model, layer=layer, base=_tiny.GEMMA3_THETAS[other])
+        wrong = qk.weights.rotary_spec(model, layer=layer, base=_tiny.GEMMA3_THETAS[other])
         Rw = rotation(wrong, [5], relative=True)[0]
         bad = torch.einsum("hd,de,he->h", qn[10], Rw, kx[5]) * scale
         assert (bad - scores[:, 10, 5]).abs().max() > 1e-3
@@ -140,7 +140,7 @@ def test_single_setting_models_keep_one_frequency_set(which, tmp_path_factory):
     model = qk.load(str(folder), device="cpu", verbose=False)
     theta = _tiny.LLAMA_THETA if which == "llama" else 700.0
     for layer in range(model.cfg.n_layers):
-        spec = qk.rotary_spec(model, layer=layer)
+        spec = qk.weights.rotary_spec(model, layer=layer)
         assert spec.layer_type in (None, "full_attention") and spec.window is None
         assert torch.allclose(spec.omega.double(), _theta_freqs(theta, int(model.cfg.d_head)), rtol=1e-6)
-    assert qk.circuit_caveats(model) == []
+    assert qk.weights.circuit_caveats(model) == []

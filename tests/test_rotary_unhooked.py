@@ -37,7 +37,7 @@ def _causal_softmax(scores):
 def test_frequencies_and_pairing_are_read_and_verified_from_the_pattern(fam):
     name, style, m, _, _ = fam
     for layer in range(2):
-        spec = qk.rotary_spec(m, layer=layer)
+        spec = qk.weights.rotary_spec(m, layer=layer)
         # HF: inv_freq = 1 / 10000^(2k / rotary_dim), rotary_dim 4 of d_head 8 on both tiny models
         want = 1.0 / 10000 ** (torch.arange(0, 4, 2, dtype=torch.float64) / 4)
         assert spec.style == style and spec.rotary_dim == 4 and spec.d_head == 8
@@ -48,16 +48,16 @@ def test_frequencies_and_pairing_are_read_and_verified_from_the_pattern(fam):
 
 def test_offset_scores_reproduce_transformers_attention_and_the_wrong_pairing_does_not(fam):
     name, style, m, toks, probs = fam
-    names = {qk.attn_input_hook(m, L) for L in range(2)}
+    names = {qk.weights.attn_input_hook(m, L) for L in range(2)}
     with torch.no_grad():
         _, cache = m.run_with_cache(toks, names_filter=lambda n: n in names)
     for layer in range(2):
-        x = cache[qk.attn_input_hook(m, layer)][0]
-        spec = qk.rotary_spec(m, layer=layer)
-        ours = qk.offset_scores(m, layer, x, spec=spec)
+        x = cache[qk.weights.attn_input_hook(m, layer)][0]
+        spec = qk.weights.rotary_spec(m, layer=layer)
+        ours = qk.weights.offset_scores(m, layer, x, spec=spec)
         torch.testing.assert_close(_causal_softmax(ours), probs[layer][0], atol=1e-5, rtol=1e-4)
-        other = qk.RotarySpec(spec.omega, "pairs" if style == "halves" else "halves", spec.rotary_dim, spec.d_head)
-        wrong = _causal_softmax(qk.offset_scores(m, layer, x, spec=other))
+        other = qk.weights.RotarySpec(spec.omega, "pairs" if style == "halves" else "halves", spec.rotary_dim, spec.d_head)
+        wrong = _causal_softmax(qk.weights.offset_scores(m, layer, x, spec=other))
         assert (wrong - probs[layer][0]).abs().max() > 1e-3, name
 
 
@@ -84,9 +84,9 @@ def test_capturing_rot_q_says_how_to_rotate_and_that_recipe_is_the_models_rotati
     name, _, m, toks, probs = fam
     with pytest.raises(qk.QKCircuitsError, match="never fired the hooks for rot_q@0") as e:
         qk.capture(m, toks, names=["rot_q"], layers=[0])
-    assert "\n" not in str(e.value) and "qk.rotation(qk.rotary_spec(model, layer=L), range(pos))" in str(e.value)
+    assert "\n" not in str(e.value) and "qk.weights.rotation(qk.weights.rotary_spec(model, layer=L), range(pos))" in str(e.value)
     acts = qk.capture(m, toks, names=["q", "k"], layers=[0])
-    R = qk.rotation(qk.rotary_spec(m, layer=0), range(N))                          # [pos, d, d]
+    R = qk.weights.rotation(qk.weights.rotary_spec(m, layer=0), range(N))          # [pos, d, d]
     q, k = (torch.einsum("bphd,pde->bphe", acts.tensors[(x, 0)], R) for x in ("q", "k"))
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k)[0] * qk.attn_scale(m, 0)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k)[0] * qk.weights.attn_scale(m, 0)
     torch.testing.assert_close(_causal_softmax(scores), probs[0][0], atol=1e-5, rtol=1e-4)

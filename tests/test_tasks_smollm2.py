@@ -62,7 +62,7 @@ def test_smollm2_ioi_circuit_carries_the_behaviour_by_5_percent_and_names_its_na
     # reaches f >= 0.8) has at most 30 heads, its f is measured again by the edge-level patched run of its mask,
     # and its roles name the IOI classes, a negative name mover outside the core included (docs/tasks.md: 64
     # prompts give 18 heads + 8 MLPs, f 0.804)
-    from qkcircuits._tasks.circuit import circuit_metric, ratio
+    from qkcircuits._tasks.faithfulness import circuit_metric, ratio
     from qkcircuits._tasks.core import node_mask_of
 
     core = scores.core(smollm2, task, progress=False)

@@ -94,7 +94,7 @@ def test_serve_trace_puts_the_circuit_in_the_app(trace_json, monkeypatch, capsys
     assert cli.main(["serve", "toy-induction", "--trace", str(trace_json), "--no-scan"]) == 0
     assert served["ran"] and served["host"] == "127.0.0.1"
     client = served["app"].test_client()
-    trace = qk.PathEffects.from_json(trace_json.read_text())
+    trace = qk.results.PathEffects.from_json(trace_json.read_text())
     grids = {g["key"]: g["figure"] for g in client.get("/api/info").get_json()["grids"]}
     assert grids["circuit"]["data"] == circuit(trace)["data"]         # the figure of the file, not recomputed
     edges = [t["meta"] for t in grids["circuit"]["data"] if t["mode"] == "lines"]

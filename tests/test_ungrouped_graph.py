@@ -78,10 +78,10 @@ def test_ungrouped_identities(gqa_model):
                                        equal_nan=True, rtol=1e-5, atol=1e-6 * scale)
     f = qk.faithfulness(model, task, split, sizes=(0, 10, 100), progress=False)
     assert f.curve[100.0] == 1.0 and f.curve[0.0] == 0.0
-    back = qk.EdgeScores.from_json(split.to_json())
+    back = qk.results.EdgeScores.from_json(split.to_json())
     assert back.graph == gu and torch.equal(back.scores.nan_to_num(-9.0), split.scores.nan_to_num(-9.0))
     c = split.circuit(percent=30, how="greedy")
-    assert qk.TaskCircuit.from_json(c.to_json()).edges() == c.edges()
+    assert qk.results.TaskCircuit.from_json(c.to_json()).edges() == c.edges()
 
 
 def test_ungrouped_mask_that_agrees_across_a_group_is_the_grouped_circuit(gqa_model):

@@ -67,7 +67,7 @@ def test_token_view_is_view_everywhere(hand_built):
     with pytest.warns(DeprecationWarning, match=r"qk_grid\(input=...\)"):
         old = qk_grid(ctx, head, ids, input="effective")
     torch.testing.assert_close(old, _quiet(qk_grid, ctx, head, ids, view="effective"))
-    torch.testing.assert_close(old, qk.token_qk(hand_built, "1.0", ids, view="effective")[0])
+    torch.testing.assert_close(old, qk.weights.token_qk(hand_built, "1.0", ids, view="effective")[0])
     with pytest.warns(DeprecationWarning, match=r"ov_top\(input=...\)"):
         assert [t.tolist() for t in ov_top(ctx, head, ids, 2, input="direct")] == \
             [t.tolist() for t in ov_top(ctx, head, ids, 2, view="direct")]

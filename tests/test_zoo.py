@@ -59,7 +59,7 @@ def test_zoo_cli_json_and_offline_page(tmp_path, capsys, llama):
     assert "Plotly.newPlot" in text and "toy-induction" in text and "<script src" not in text   # plotly inlined
     out = capsys.readouterr().out
     assert "toy-induction" in out and "1.0 1.00@0.50" in out and "toy-induction K sources: 1.0<-0.0" in out
-    assert qk.Zoo.from_json(j).to_frame().query("kind == 'induction'").shape[0] == 1 + len(other["induction"])
+    assert qk.results.Zoo.from_json(j).to_frame().query("kind == 'induction'").shape[0] == 1 + len(other["induction"])
 
 
 def test_zoo_ray_equals_local(tmp_path, llama):

@@ -39,7 +39,6 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .._foundation.arch.model import block_list
 from .._foundation.capture import as_tokens, capture, hook_name
 from .._foundation import display as show
 from .._foundation.result import Result
@@ -49,6 +48,7 @@ from .._foundation.heads import Head, HeadsLike, all_heads, model_heads
 from .._foundation.io import json_floats, read_float, read_floats
 from .._foundation.sequences import check_seed
 from .metrics import Metric, as_metric
+from .replay import Runner
 
 METHODS = ("zero", "mean", "resample")
 Tokens = Int[Tensor, "batch pos"]
@@ -172,132 +172,8 @@ def ablate(model, heads: HeadsLike, method: str = "zero", *, reference=None,
 
 
 # ---------------------------------------------------------------------------------------------
-# Batched runs: several ablations stacked along the batch, started from the cached residual stream.
-
-
-def _close(a: Tensor, b: Tensor, atol: float = 1e-4, rtol: float = 1e-5) -> bool:
-    """``torch.allclose`` one position at a time: its temporaries are [b, vocab], not two more logits-sized
-    tensors (0.5 GB each for SmolLM2 at 2 × 1,281 tokens)."""
-    return all(torch.allclose(a[:, i], b[:, i], atol=atol, rtol=rtol) for i in range(a.shape[1]))
-
-
-class Runner:
-    """Runs ``tokens`` once clean, then re-runs batched ablations from the layer where they start.
-
-    The clean pass caches ``blocks.L.hook_resid_pre`` for the layers ``from_layer..`` that runs may
-    start at (memory: (n_layers − from_layer) × batch × pos × d_model floats) and the clean logits. ``run(start, hooks, copies)`` stacks ``copies`` of
-    the batch and runs only blocks ``start..`` : it passes the cached residual with
-    ``start_at_layer`` and, where the wrapped model keeps its blocks in one ``ModuleList`` (HF
-    models, TL-native models), temporarily drops blocks ``< start`` from that list, because
-    ``start_at_layer`` alone still computes (and discards) the earlier blocks. A self-check at
-    construction compares a resumed clean run with the full clean run and falls back to a plain
-    ``start_at_layer`` or to full forwards if the shortcut ever disagrees (``self.mode`` says which).
-    """
-
-    def __init__(self, model, tokens: Tokens, *, from_layer: int = 0, check: bool = True):
-        self.model, self.tokens = model, tokens
-        n = model.cfg.n_layers
-        if not 0 <= from_layer < n:
-            raise QKCircuitsError(f"from_layer must be in 0-{n - 1}, got {from_layer!r}")
-        self.from_layer = from_layer
-        self.resid: Dict[int, Tensor] = {}
-
-        def keep(layer: int):
-            def fn(t: Tensor, hook) -> None:
-                self.resid[layer] = t.detach().clone()
-            return fn
-
-        with torch.no_grad():
-            self.clean_logits = model.run_with_hooks(
-                tokens, fwd_hooks=[(f"blocks.{L}.hook_resid_pre", keep(L)) for L in range(from_layer, n)])
-        self._list = block_list(model)
-        self.mode = "sliced" if self._list is not None else "start_at_layer"
-        if check:
-            self._self_check()
-
-    def _self_check(self) -> None:
-        layer = max(self.model.cfg.n_layers // 2, self.from_layer)
-        clean = self.clean_logits
-        for mode in ("sliced", "start_at_layer", "full"):
-            if mode == "sliced" and self._list is None:
-                continue
-            self.mode = mode
-            try:
-                out = self.run(layer, [], 1)
-            except Exception:  # a bridge without start_at_layer support: try the next, slower mode
-                continue
-            if out.shape == clean.shape and _close(out, clean):
-                break
-        else:
-            self.mode = "full"
-        # logits_to_keep: HF causal LMs unembed only the last k positions; TL-native models do not take it.
-        self.keep_ok = True
-        try:
-            out = self.run(layer, [], 1, keep=2)
-            self.keep_ok = out.shape[1] == 2 and _close(out, clean[:, -2:])
-        except Exception:
-            self.keep_ok = False
-
-    def run(self, start: int, hooks: list, copies: int, keep: Optional[int] = None) -> Tensor:
-        """Logits of ``copies`` stacked copies of the batch with ``hooks``, computed from block ``start``.
-
-        ``keep``: only the last ``keep`` positions' logits are wanted (and returned).
-        """
-        model = self.model
-        if start < self.from_layer:      # a caller bug: the residual there was not cached
-            raise ValueError(f"this Runner cached layers {self.from_layer}.. only; cannot start at layer {start}")
-        kwargs = {"logits_to_keep": keep} if keep is not None and self.keep_ok else {}
-        with torch.no_grad():
-            if self.mode == "full" or start == 0 and self.mode != "sliced":
-                out = model.run_with_hooks(self.tokens.repeat(copies, 1), fwd_hooks=hooks, **kwargs)
-            elif self.mode == "start_at_layer":
-                out = model.run_with_hooks(self.resid[start].repeat(copies, 1, 1), fwd_hooks=hooks,
-                                           start_at_layer=start, **kwargs)
-            else:
-                parent, attr = self._list
-                layers = getattr(parent, attr)
-                setattr(parent, attr, torch.nn.ModuleList(list(layers)[start:]))
-                try:
-                    out = model.run_with_hooks(self.resid[start].repeat(copies, 1, 1), fwd_hooks=hooks,
-                                               start_at_layer=start, **kwargs)
-                finally:
-                    setattr(parent, attr, layers)
-        return out[:, -keep:] if keep is not None else out
-
-    def run_resid(self, start: int, resid: Tensor, hooks: list, **kwargs) -> Tensor:
-        """Run blocks ``start..`` on a given residual batch ``resid`` [n, pos, d_model] (e.g. the cached
-        residual plus a patch) with ``hooks``; gradient mode is the caller's. In ``full`` mode the tokens
-        are run from the start (repeated to ``n`` rows) and ``blocks.start.hook_resid_pre`` is replaced."""
-        model, n = self.model, resid.shape[0]
-        if self.mode == "full" or start == 0 and self.mode != "sliced":
-            b = self.tokens.shape[0]
-            tokens = self.tokens.repeat(n // b, 1)
-            splice = (f"blocks.{start}.hook_resid_pre", lambda t, hook: resid.to(t.dtype))
-            return model.run_with_hooks(tokens, fwd_hooks=[splice] + list(hooks), **kwargs)
-        if self.mode == "start_at_layer":
-            return model.run_with_hooks(resid, fwd_hooks=hooks, start_at_layer=start, **kwargs)
-        parent, attr = self._list
-        layers = getattr(parent, attr)
-        setattr(parent, attr, torch.nn.ModuleList(list(layers)[start:]))
-        try:
-            return model.run_with_hooks(resid, fwd_hooks=hooks, start_at_layer=start, **kwargs)
-        finally:
-            setattr(parent, attr, layers)
-
-    @classmethod
-    def from_cache(cls, model, tokens: Tokens, resid: Dict[int, Tensor], clean_logits: Optional[Tensor], *,
-                   from_layer: int, check: bool = True) -> "Runner":
-        """A Runner built from a clean pass the caller already ran (``resid`` holds ``hook_resid_pre`` of
-        every layer ``from_layer..``), so that pass is not repeated.
-        ``clean_logits`` is None when that pass stopped before the unembedding (the caller needs no logits)."""
-        self = cls.__new__(cls)
-        self.model, self.tokens, self.from_layer = model, tokens, from_layer
-        self.resid, self.clean_logits = resid, clean_logits
-        self._list = block_list(model)
-        self.mode = "sliced" if self._list is not None else "start_at_layer"
-        if check:
-            self._self_check()
-        return self
+# Batched runs: several ablations stacked along the batch, started from the cached residual stream
+# (``replay.Runner``).
 
 
 def copies_per_forward(model, tokens: Tokens, max_batch: Optional[int] = None, metric: Optional[Metric] = None) -> int:

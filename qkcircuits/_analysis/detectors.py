@@ -264,13 +264,26 @@ def target_masks(tokens: Int[Tensor, "batch pos"], seg_len: int,
     return {"induction": ind, "duplicate_token": dup, "previous_token": prev[None].expand(b, n, n)}
 
 
-def _mask_of(kind: str) -> Callable[..., Tensor]:
-    def mask(tokens: Tensor, seg_len: int, first_query: Optional[int] = None) -> Tensor:
-        return target_masks(tokens, seg_len, first_query)[kind]
-    mask.__name__ = f"{kind}_mask"
-    mask.__doc__ = f"The {kind} targets of ``target_masks``."
-    return mask
+def induction_mask(tokens: Int[Tensor, "batch pos"], seg_len: int,
+                   first_query: Optional[int] = None) -> Bool[Tensor, "batch q k"]:
+    """Each query's induction targets (the token after an earlier copy of the current token), from
+    ``first_query`` on: THE induction mask (the detector's; the induction receiver metric passes the ``seg_len``
+    of its ``[BOS]+R+R`` rows, ``metrics.repeat_length``).
+
+    >>> t = torch.tensor([[9, 1, 2, 1, 2]])             # [BOS] + R + R, R = (1, 2)
+    >>> induction_mask(t, seg_len=2)[0].nonzero().tolist()   # query 3 (1) -> key 2, query 4 (2) -> key 3
+    [[3, 2], [4, 3]]
+    """
+    return target_masks(tokens, seg_len, first_query)["induction"]
 
 
-induction_mask, previous_token_mask, duplicate_token_mask = (_mask_of(k) for k in
-                                                             ("induction", "previous_token", "duplicate_token"))
+def previous_token_mask(tokens: Int[Tensor, "batch pos"], seg_len: int,
+                        first_query: Optional[int] = None) -> Bool[Tensor, "batch q k"]:
+    """The previous-token targets of ``target_masks`` (every query from position 2)."""
+    return target_masks(tokens, seg_len, first_query)["previous_token"]
+
+
+def duplicate_token_mask(tokens: Int[Tensor, "batch pos"], seg_len: int,
+                         first_query: Optional[int] = None) -> Bool[Tensor, "batch q k"]:
+    """The duplicate-token targets of ``target_masks`` (earlier copies of the query's token)."""
+    return target_masks(tokens, seg_len, first_query)["duplicate_token"]

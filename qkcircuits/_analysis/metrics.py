@@ -39,13 +39,13 @@ from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from .._foundation.errors import QKCircuitsError
 from .._foundation.metric_table import NEEDS, TASK, TOKENS, names, renamed_metric, row
 from .._foundation.sequences import repeated_tokens, segment_length, text_tokens
-from .detectors import target_masks
+from .detectors import induction_mask
 from .metric import Metric, undeclared
 
 __all__ = ["Metric", "NEEDS", "TASK", "TOKENS", "as_metric", "builtin", "default_tokens", "induction_loss",
@@ -229,17 +229,12 @@ def reads_reference(metric: Metric) -> bool:
 
 # ------------------------------------------------------------------------------------------ receiver metrics
 
-def induction_mask(tokens: Tokens) -> Bool[Tensor, "batch q k"]:
-    """Each query's induction target (the token after the earlier copy of the current token) on ``[BOS]+R+R``."""
-    return target_masks(tokens, repeat_length(tokens))["induction"]
-
-
 def induction_attention(pattern: Float[Tensor, "batch q k"], z: Optional[Tensor], tokens: Tokens) -> Tensor:
     """A receiver head's attention on its induction targets, mean over the query positions that have one.
 
     Path patching computes the same number as sums and counts (``path_core.Scorer``), so shards add up.
     """
-    mask = induction_mask(tokens).to(pattern.device)
+    mask = induction_mask(tokens, repeat_length(tokens)).to(pattern.device)
     has = mask.any(-1)
     return (pattern * mask.to(pattern.dtype)).sum(-1)[has].mean()
 

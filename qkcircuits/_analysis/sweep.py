@@ -34,7 +34,8 @@ from .._foundation.heads import Head
 from .._foundation.io import json_floats, read_float, read_floats
 from .._foundation.model import model_name
 from .metrics import as_metric, default_tokens
-from .ablate import Runner, ablate, copies_per_forward, make_replacement, prepare_metric, progress_bar, run_groups
+from .ablate import ablate, copies_per_forward, make_replacement, prepare_metric, progress_bar, run_groups
+from .replay import Runner
 
 
 @dataclass(repr=False)      # the repr is _text (Result)

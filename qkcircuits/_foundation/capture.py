@@ -287,7 +287,7 @@ def _check_fired(missing: List[str]) -> None:
         raise QKCircuitsError(f"the model never fired the hooks for {', '.join(missing[:6])}"
                               f"{' ...' if len(missing) > 6 else ''}; this bridge does not expose them "
                               f"(TL-native, GPT-J and GPT-NeoX bridges never fire hook_rot_q/k: capture 'q'/'k' and rotate "
-                              f"them, x @ qk.rotation(qk.rotary_spec(model, layer=L), range(pos)))")
+                              f"them, x @ qk.weights.rotation(qk.weights.rotary_spec(model, layer=L), range(pos)))")
 
 
 class _ScoresFixer:

@@ -2,7 +2,7 @@
 
 >>> scores = qk.scan(model, scores="induction,previous_token", progress=False)
 >>> text = scores.to_json(tmp / "scores.json")          # the JSON text, also written atomically to the path
->>> back = qk.HeadScores.from_json(tmp / "scores.json")  # a path or the JSON text itself
+>>> back = qk.results.HeadScores.from_json(tmp / "scores.json")  # a path or the JSON text itself
 >>> back.top(1, "induction")[0][0]
 Head(layer=1, head=0)
 >>> sorted(back.settings["versions"])
@@ -156,7 +156,7 @@ def load_result(path_or_text: PathOrText) -> Result:
     d, source = read_json(path_or_text, "a qkcircuits result JSON")
     if "schema" not in d:
         raise QKCircuitsError(f"{source} has no 'schema'; read it with the class's from_json (e.g. "
-                              f"qk.HeadEffects.from_json)")
+                              f"qk.results.HeadEffects.from_json)")
     name, _ = parse_schema(d["schema"])
     cls = Result._by_schema.get(name)
     if cls is None:

@@ -20,8 +20,10 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .._analysis.ablate import Replacement, Runner, check_method, make_replacement
-from .._analysis.metrics import Metric, as_metric, direct_logit, induction_attention, induction_mask
+from .._analysis.ablate import Replacement, check_method, make_replacement
+from .._analysis.replay import MODES, BlockInputs, Runner
+from .._analysis.detectors import induction_mask
+from .._analysis.metrics import Metric, as_metric, direct_logit, induction_attention, repeat_length
 from .._foundation.capture import StopForward, hook_name
 from .._foundation.arch import adapter
 from .._foundation.errors import QKCircuitsError
@@ -145,7 +147,8 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
     have = set(model.hook_dict)            # attention-only models have no resid_mid, some no ln_final hook
     optional = ("blocks.0.hook_resid_mid", "blocks.0.hook_resid_pre", "blocks.0.attn.hook_out", "ln_final.hook_in")
     hooks = [(n_, f) for n_, f in hooks if n_ in have or n_ not in optional]
-    with torch.no_grad():
+    inputs = BlockInputs(model)          # what each block is called with: the receiver runs replay blocks R..
+    with torch.no_grad(), inputs.recording():
         try:
             cache.logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
         except StopForward:
@@ -177,7 +180,8 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
                                   f"attention output to the residual (max difference "
                                   f"{float((added - step).abs().max()):.3g}); path patching cannot form a "
                                   f"sender's direct change to the residual on this architecture")
-    cache.runner = Runner.from_cache(model, tokens, cache.resid, cache.logits, from_layer=R_min, check=False)
+    cache.runner = Runner.from_cache(model, tokens, cache.resid, cache.logits, from_layer=R_min, inputs=inputs,
+                                     check=False)
     # every receiver layer (one attention run each), or only the lowest when the caller checks each
     # layer's own clean run as it goes (edge attribution's _grad_run)
     layers = sorted(set(receiver_layers))
@@ -189,17 +193,16 @@ def clean_pass(model, tokens: Tensor, receiver_layers: Sequence[int], need_final
 def check_resume(cache: CleanCache, layers: Sequence[int], logits: bool = False) -> None:
     """Resuming at each receiver layer from the cached residual must reproduce the clean pattern there
     (what every receiver run relies on) and, when the loss metric runs the layers above (``logits``),
-    the clean logits. The fast "sliced" mode renumbers the blocks it keeps, which on Gemma-3 gives a
-    layer the attention type (sliding/global) of another: so every receiver layer is checked, one
-    attention run each, and the Runner's slower modes are tried if needed."""
+    the clean logits. Every receiver layer is checked, one attention run each, and the Runner's slower modes
+    are tried if needed (``replay.Runner.mode``)."""
     def ok(layer: int) -> bool:
         zero = torch.zeros((1,) + tuple(cache.resid[layer].shape), dtype=cache.resid[layer].dtype,
                            device=cache.resid[layer].device)
         pattern, _ = receiver_run(cache, layer, "k", zero, need_z=False)
         return torch.allclose(pattern, cache.pattern[layer], atol=1e-5, rtol=1e-4)
 
-    for mode in ("sliced", "start_at_layer", "full"):
-        if mode == "sliced" and cache.runner._list is None:
+    for mode in MODES:
+        if mode == "blocks" and not cache.runner.inputs.covers(layers):
             continue
         cache.runner.mode = mode
         try:
@@ -351,7 +354,7 @@ class Scorer:
         self.model, self.cache, self.layer, self.heads, self.metric = model, cache, layer, heads, metric
         tokens = cache.tokens
         if is_induction(metric) or is_direct_logit(metric):
-            self.mask = induction_mask(tokens)                                    # [b, q, k]
+            self.mask = induction_mask(tokens, repeat_length(tokens))             # [b, q, k]
             self.has = self.mask.any(-1)                                          # [b, q]
         if is_direct_logit(metric):
             qpos = self.has.clone()

@@ -16,7 +16,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .._analysis.ablate import Runner, check_method, copies_per_forward, prepare_metric, run_groups
+from .._analysis.ablate import check_method, copies_per_forward, prepare_metric, run_groups
+from .._analysis.replay import Runner
 from .._analysis.metrics import as_metric, portable
 from .._analysis.sweep import HeadEffects
 from .._foundation.errors import QKCircuitsError

@@ -31,7 +31,8 @@ import torch
 
 from .._foundation.errors import QKCircuitsError
 from .._tasks.bootstrap import bootstrap_curve, check_bootstrap
-from .._tasks.circuit import SIZES, THRESHOLD, Circuit, Faithfulness, circuit_metric, node_metric, ratio, select
+from .._tasks.faithfulness import SIZES, THRESHOLD, Faithfulness, circuit_metric, node_metric, ratio
+from .._tasks.selection import TaskCircuit, select
 from .._tasks.core import CoreCircuit, build_core
 from .._tasks.graph import graph
 from .._tasks.caveats import reached, unreached_message
@@ -132,7 +133,7 @@ def task_job(model, shared, *, spec: str, n: int, seed: int, prepend_bos: Option
     return {"task": task.to("cpu"), "graph": graph(model)}
 
 
-def roles_job(model, shared: Task, *, circuit: Circuit, clean: Real, corrupt: Real, also: Sequence[str] = (),
+def roles_job(model, shared: Task, *, circuit: TaskCircuit, clean: Real, corrupt: Real, also: Sequence[str] = (),
               force: bool = False):
     """``circuit.roles`` on this worker's model (one clean forward for the attention patterns, one more per key
     position for the QK evidence); ``also``: heads outside the circuit judged beside it."""
@@ -351,7 +352,7 @@ def ray_task_and_graph(pool: Pool, spec: str, n: int, seed: int, prepend_bos: Op
     return out["task"], out["graph"]
 
 
-def ray_roles(pool: Pool, task: Task, circuit: Circuit, clean: Real, corrupt: Real, also: Sequence[str] = (),
+def ray_roles(pool: Pool, task: Task, circuit: TaskCircuit, clean: Real, corrupt: Real, also: Sequence[str] = (),
               force: bool = False):
     """``circuit.roles(model, task)`` on a worker (``also``: heads outside the circuit judged beside it)."""
     return pool.call(JOB + "roles_job", {"circuit": circuit, "clean": clean, "corrupt": corrupt, "also": list(also),
@@ -370,7 +371,7 @@ def ray_task(spec, *, task: str, n: int, seed: int, prepend_bos: Optional[bool] 
     return ray_task_and_graph(pool, task, n, seed, prepend_bos, metric)
 
 
-def ray_circuit_faithfulness(spec, *, task: Task, circuit: Circuit, pool: Pool, graph: Any = None,
+def ray_circuit_faithfulness(spec, *, task: Task, circuit: TaskCircuit, pool: Pool, graph: Any = None,
                              progress: bool = True) -> Tuple[float, float]:
     """The step "circuit_faithfulness" on Ray: (f, node-view f) of one circuit, from prompt shards (the clean
     metric of the curve's shards reused by the node view)."""
@@ -378,7 +379,7 @@ def ray_circuit_faithfulness(spec, *, task: Task, circuit: Circuit, pool: Pool, 
     return ratio(m, clean, corrupt), ray_node_faithfulness(pool, task, circuit.heads, clean=clean)
 
 
-def ray_circuit_roles(spec, *, task: Task, circuit: Circuit, clean: Real, corrupt: Real, also: Sequence[str] = (),
+def ray_circuit_roles(spec, *, task: Task, circuit: TaskCircuit, clean: Real, corrupt: Real, also: Sequence[str] = (),
                       force: bool = False, pool: Pool, progress: bool = True):
     """The step "roles" on Ray: ``circuit.roles`` on a worker (``ray_roles``)."""
     return ray_roles(pool, task, circuit, clean, corrupt, also=also, force=force)

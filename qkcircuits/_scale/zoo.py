@@ -188,7 +188,7 @@ def ioi_summary(model, *, n: int = 32, seed: int = 0, method: str = "eap-ig", st
     direct effect first; none when the model does not do the task: ``roles`` refuses). ``{"skipped": reason}`` when
     the task cannot be built for this model. Cost: as ``qkcircuits circuit MODEL --task ioi --n n``."""
     from .._tasks.builders import ioi
-    from .._tasks.circuit import faithfulness
+    from .._tasks.faithfulness import faithfulness
     from .._tasks.scores import edge_scores
 
     try:

@@ -53,10 +53,11 @@ from torch import Tensor
 
 from .._foundation.errors import QKCircuitsError
 from .._foundation.result import Result
-from .circuit import ratio
+from .faithfulness import ratio
 from .graph import Graph, graph
 from .record import Record, clean_rows, record
-from .runs import node_run, patched_run, z_patchable, z_record
+from .patched import patched_run
+from .runs import node_run, z_patchable, z_record
 from .task import Task
 
 THRESHOLD = 0.8
@@ -138,16 +139,16 @@ class CoreCircuit(Result):
 
     def circuit(self, scores):
         """The core as an edge circuit of ``scores``' graph: every edge between its nodes (the embedding and the
-        logits included), so that ``Circuit.roles`` and the edge-level views read it. ``Circuit.nodes`` then
+        logits included), so that ``TaskCircuit.roles`` and the edge-level views read it. ``TaskCircuit.nodes`` then
         holds its heads and MLPs."""
-        from .selection import Circuit
+        from .selection import TaskCircuit
 
         g = scores.graph
         keep = {"emb", *self.heads, *self.mlps}
         send = torch.tensor([s in keep for s in g.senders])
         recv = torch.tensor([_reads(g, r, keep) for r in range(g.n_receivers)])
         mask = g.valid & send[:, None] & recv[None, :]
-        return Circuit(g, mask, scores.scores, "core", None, int(mask.sum()), getattr(scores, "model", ""), "core")
+        return TaskCircuit(g, mask, scores.scores, "core", None, int(mask.sum()), getattr(scores, "model", ""), "core")
 
     def outside(self, scores, share: Optional[Real] = None) -> List[str]:
         """Heads not in the core whose direct or node effect reaches ``share`` (default ``roles.ALSO_SHARE``,

@@ -26,11 +26,11 @@ import torch
 from torch import Tensor
 
 from .._foundation.errors import QKCircuitsError
-from .circuit import _check_graph_of, circuit_metric, node_metric, ratio
+from .faithfulness import _check_graph_of, circuit_metric, node_metric, ratio
 from .graph import Graph, graph
 from .positions import position_groups, position_node_mask, split
 from .shards import check_task, shard_rows
-from .selection import Circuit
+from .selection import TaskCircuit
 from .task import Task, with_reference
 
 
@@ -93,7 +93,7 @@ def evaluate(model, task: Task, circuit, *, gqa: str = "grouped",
     the other heads' corrupt z where the model allows it). The scores and the circuit given are not changed."""
     check_task(model, task)
     items = None
-    if isinstance(circuit, Circuit):
+    if isinstance(circuit, TaskCircuit):
         g = circuit.graph
         _check_graph_of(model, task, g)
     else:
@@ -106,7 +106,7 @@ def evaluate(model, task: Task, circuit, *, gqa: str = "grouped",
                 g = replace(g, positions=position_groups(task))
     task = with_reference(model, task.to(model.W_E.device))
     rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
-    if isinstance(circuit, Circuit):
+    if isinstance(circuit, TaskCircuit):
         mask = circuit.mask if circuit.position_mask is None else circuit.position_mask
     elif isinstance(circuit, Tensor):
         shape = ((g.n_groups,) if g.positions else ()) + tuple(g.valid.shape)

@@ -21,7 +21,7 @@ from torch import Tensor
 from .graph import Graph
 from .positions import group_index
 from .record import record
-from .runs import patched_run
+from .patched import patched_run
 from .task import Task
 
 

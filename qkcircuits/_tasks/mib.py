@@ -3,7 +3,7 @@
 >>> task = qk.tasks.induction(model, n=8, seg_len=6)
 >>> scores = qk.edge_scores(model, task, method="eap-ig", steps=3, progress=False)
 >>> text = scores.to_mib(tmp / "importances.json")
->>> back = qk.EdgeScores.from_mib(tmp / "importances.json", model)
+>>> back = qk.results.EdgeScores.from_mib(tmp / "importances.json", model)
 >>> bool(torch.equal(back.scores.nan_to_num(0), scores.scores.nan_to_num(0)))
 True
 

@@ -1,4 +1,4 @@
-"""Circuits: the top edges of an edge score, pruned to paths embedding → … → logits (``Circuit``).
+"""Circuits: the top edges of an edge score, pruned to paths embedding → … → logits (``TaskCircuit``).
 
 >>> task = qk.tasks.induction(model, n=8, seg_len=6)
 >>> scores = qk.edge_scores(model, task, method="eap-ig", steps=3, progress=False)
@@ -20,9 +20,9 @@ Then edges with no path from the embedding through circuit edges, or none on to 
 (they cannot change the metric through the circuit). ``percent`` counts the graph's edges before pruning
 and is TRUNCATED to a whole number of edges as MIB's grid does, n = int(pct × |E|) (``edges_for_percent``:
 0.1 % of SmolLM2's 70,651 edges is 70, not 71; a percent too small for one edge gives the empty circuit);
-``Circuit.n_edges`` says how many are left after pruning. Position-aware scores (``positions.py``) give
+``TaskCircuit.n_edges`` says how many are left after pruning. Position-aware scores (``positions.py``) give
 position-aware circuits: the edges (sender, receiver input, position group) are ranked and pruned
-(``positions.prune_positions``), ``Circuit.position_mask`` [groups, S, R] holds them, and ``mask``/``scores`` are
+(``positions.prune_positions``), ``TaskCircuit.position_mask`` [groups, S, R] holds them, and ``mask``/``scores`` are
 their plain views (an edge in at some group; the scores summed over the groups), which the roles read; there |E|
 counts every (edge, group).
 """
@@ -99,7 +99,7 @@ def prune(g: Graph, mask: Tensor) -> Tensor:
 
 
 @dataclass(repr=False)      # the repr is _text (Result)
-class Circuit(Result):
+class TaskCircuit(Result):
     """A set of edges (``mask`` [S, R]) of ``graph``, chosen from edge scores. Its JSON holds the circuit's
     edges with their scores and the graph's counts (the other edges' scores are not kept: NaN when read)."""
 
@@ -192,7 +192,7 @@ class Circuit(Result):
                 "how": self.how, **({"position_nodes": self.position_nodes} if self.position_mask is not None else {})}
 
     @classmethod
-    def _from_dict(cls, d: Dict[str, object]) -> "Circuit":
+    def _from_dict(cls, d: Dict[str, object]) -> "TaskCircuit":
         g = Graph.from_dict(d["graph"], str(d.get("model", "")))
         G = g.n_groups
         mask = torch.zeros(G, g.n_senders, g.n_receivers, dtype=torch.bool)
@@ -238,7 +238,7 @@ class Circuit(Result):
         return to_mib(self, path, self.mask, d_model)
 
     @classmethod
-    def from_mib(cls, path, model, gqa: str = "grouped") -> "Circuit":
+    def from_mib(cls, path, model, gqa: str = "grouped") -> "TaskCircuit":
         """The in_graph edges of a MIB circuit JSON on ``model``'s graph (``gqa`` as in ``qk.graph``; grouped k/v:
         in when any query head's copy is), with the file's scores."""
         from .mib import read_mib
@@ -254,7 +254,7 @@ class Circuit(Result):
 
     def _text(self) -> str:
         top = "; ".join(f"{s}->{r} {x} {v:+.3g}" for s, r, x, v in self.edges()[:4])
-        return (f"Circuit({self.model}: {self.n_edges} edges of {self.graph.n_edges}, heads "
+        return (f"TaskCircuit({self.model}: {self.n_edges} edges of {self.graph.n_edges}, heads "
                 f"{', '.join(self.heads[:12])}{' …' if len(self.heads) > 12 else ''}; top: {top})")
 
     def _html(self) -> str:
@@ -322,7 +322,7 @@ SELECTIONS = ("top", "greedy")
 
 
 def select(scores, edges: Optional[int] = None, percent: Optional[Real] = None, by: str = "signed",
-           how: str = "top") -> Circuit:
+           how: str = "top") -> TaskCircuit:
     """``edges`` (or ``percent`` % of the graph's edges) ranked by ``by`` ("signed": the score in the
     metric's better direction, −score for a lower-is-better metric; "abs": |score|), chosen
     ``how``: "top" (the top edges of the whole graph) or "greedy" (grown from the logits,
@@ -354,7 +354,7 @@ def select(scores, edges: Optional[int] = None, percent: Optional[Real] = None, 
             mask = torch.zeros((g.n_groups,) + tuple(g.valid.shape), dtype=torch.bool)
             mask[gg[order], s_idx[order], r_idx[order]] = True
         pm = prune_positions(g, mask)
-        return Circuit(g, pm.any(0), scores.scores, by, None if percent is None else float(percent), k,
+        return TaskCircuit(g, pm.any(0), scores.scores, by, None if percent is None else float(percent), k,
                        getattr(scores, "model", ""), how, pm, by_pos)
     if how == "greedy":
         mask = greedy_mask(g, key, k)
@@ -363,7 +363,7 @@ def select(scores, edges: Optional[int] = None, percent: Optional[Real] = None, 
         order = torch.argsort(key[s_idx, r_idx], descending=True, stable=True)[:k]
         mask = torch.zeros_like(g.valid)
         mask[s_idx[order], r_idx[order]] = True
-    return Circuit(g, prune(g, mask), scores.scores, by, None if percent is None else float(percent), k,
+    return TaskCircuit(g, prune(g, mask), scores.scores, by, None if percent is None else float(percent), k,
                    getattr(scores, "model", ""), how)
 
 

@@ -14,7 +14,7 @@ from .._foundation.errors import QKCircuitsError
 from .graph import Graph
 from .task import Task
 
-# The faithfulness curve's shards (``shard_rows``' default budget, ``circuit.py``: the corrupt record and
+# The faithfulness curve's shards (``shard_rows``' default budget, ``faithfulness.py``: the corrupt record and
 # one patched run's sender outputs). Fewer, larger shards: each shard pays a corrupt forward and one
 # patched forward per circuit size, plus per-hook Python overhead.
 DELTA_BYTES = 3 * 2**30

@@ -5,10 +5,10 @@
 ((224, 224), (224, 129))
 >>> tuple(qk.ov(model, "1.0").shape)          # W_V W_O
 (224, 224)
->>> F = qk.full_ov(model, "1.0")              # W_E W_V W_O W_U [vocab, vocab] as A [vocab, k] @ B [k, vocab]
+>>> F = qk.weights.full_ov(model, "1.0")      # W_E W_V W_O W_U [vocab, vocab] as A [vocab, k] @ B [k, vocab]
 >>> tuple(F.shape), tuple(F.A.shape)
 ((32, 32), (32, 129))
->>> values, ids = qk.top_tokens(F, 5, k=2)    # one row: token 5 read, the tokens written most (the toy copies)
+>>> values, ids = qk.weights.top_tokens(F, 5, k=2)  # one row: token 5 read, the tokens written most (the toy copies)
 >>> ids.tolist()[0], round(float(values[0]), 2)
 (5, 30.0)
 

@@ -16,7 +16,7 @@ agree number for number (tests/test_offsets.py):
   layer 0: on SmolLM2's previous-token head 16.0 it peaks at Δ = 63 (0.47, Δ = 1 a bump at 0.29) while the
   rows the head really reads peak at Δ = 1 (2.45; Δ = 0: −2.50), which is what the head does.
 - **learned positions**: the mean over queries i of ``W_pos[i] QK W_pos[i−Δ]ᵀ · scale`` over the first
-  ``min(n_ctx, 4 (max_offset + 1))`` positions (``qk.positional_qk``, no content).
+  ``min(n_ctx, 4 (max_offset + 1))`` positions (``qk.weights.positional_qk``, no content).
 
 Returns plain data: ``kind``, ``offsets``, ``score``, ``rows`` (what the rows were), ``label`` (one line for a
 figure), ``preferred_offset`` (argmax), ``score_at_preferred``, ``score_at_0``, ``score_range``, ``flat`` (the

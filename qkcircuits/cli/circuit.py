@@ -156,7 +156,7 @@ def task_step(model, *, task: str, n: int, seed: int, prepend_bos=None, metric: 
 
 def circuit_faithfulness_step(model, *, task, circuit, graph, progress: bool = True):
     """The step "circuit_faithfulness": (f, node-view f) of one circuit (``--edges`` / ``--percent``)."""
-    from .._tasks.circuit import circuit_metric, node_faithfulness, ratio
+    from .._tasks.faithfulness import circuit_metric, node_faithfulness, ratio
     from .._tasks.scores import shard_rows
 
     rows = shard_rows(model, graph, task, buffers=3)
@@ -225,7 +225,7 @@ def _quiet_python_warnings():
 def _run(args: argparse.Namespace, pool, t0: float) -> int:
     """The command's steps, each one ``pool.run`` (the local function, or the backend's own job of that name)."""
     from .._tasks import caveats
-    from .._tasks.circuit import THRESHOLD, faithfulness
+    from .._tasks.faithfulness import THRESHOLD, faithfulness
     from .._tasks.core import core_circuit
     from .._tasks.scores import edge_scores
     from .._tasks.task import bos_mode_arg, does_the_task, not_done_message

@@ -12,7 +12,7 @@ itself; tests/test_arch_probes.py counts the probes left outside ``_foundation/a
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -136,17 +136,3 @@ def rope_type(model) -> str:
     """The rotary scaling type ("default", "yarn", "dynamic", "longrope", ...)."""
     rope = getattr(model.cfg, "rope_parameters", None) or getattr(hf_config(model), "rope_parameters", None) or {}
     return str(rope.get("rope_type", "default")) if isinstance(rope, dict) else "default"
-
-
-def block_list(model) -> Optional[Tuple[torch.nn.Module, str]]:
-    """(parent module, attribute) of the ``ModuleList`` inside the wrapped model that holds ``model.blocks``
-    (found by identity), or None."""
-    blocks: List = list(getattr(model, "blocks", []))
-    inner = getattr(model, "original_model", None)
-    if not blocks or inner is None:
-        return None
-    for name, mod in inner.named_modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) == len(blocks) and all(a is b for a, b in zip(mod, blocks)):
-            parent_name, _, attr = name.rpartition(".")
-            return (inner.get_submodule(parent_name) if parent_name else inner), attr
-    return None

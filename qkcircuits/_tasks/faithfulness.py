@@ -1,4 +1,4 @@
-"""Circuits (the top edges of a score) and their faithfulness.
+"""The faithfulness of circuits (the top edges of a score): the curve, CPR, CMD, the node view.
 
 >>> task = qk.tasks.induction(model, n=8, seg_len=6)
 >>> scores = qk.edge_scores(model, task, method="exact", progress=False)
@@ -9,7 +9,7 @@
 >>> round(f.curve[100.0], 6), f.chosen_percent, sorted(f.circuit.heads)
 (1.0, 50.0, ['0.0', '1.0'])
 
-Selection (``EdgeScores.circuit``, ``select``, ``prune``, the ``Circuit`` result): ``selection.py``.
+Selection (``EdgeScores.circuit``, ``select``, ``prune``, the ``TaskCircuit`` result): ``selection.py``.
 
 Faithfulness of a circuit C: ONE patched forward (runs.py) in which every edge not in C carries its
 sender's corrupt-run output and every edge in C the sender's output in this patched run;
@@ -44,10 +44,9 @@ from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph
 from .positions import group_index, position_groups, position_node_mask, split
 from .record import Record, clean_rows, record, reuse
-from .runs import node_run, patched_run, z_patchable, z_record
-# selection lives in selection.py; Circuit, select and prune are re-exported here, where ray_tasks, the benchmarks
-# and older imports look for them
-from .selection import Circuit, prune, select  # noqa: F401
+from .patched import patched_run
+from .runs import node_run, z_patchable, z_record
+from .selection import TaskCircuit, select
 from .caveats import reached, unreached_message
 from .task import Task, with_reference
 
@@ -78,7 +77,7 @@ class Faithfulness(Result):
     cpr: Real
     cmd: Real
     chosen_percent: Real
-    circuit: Circuit
+    circuit: TaskCircuit
     node_faithfulness: Real
     node_heads: List[str]
     model: str = ""
@@ -103,7 +102,7 @@ class Faithfulness(Result):
     def _from_dict(cls, d: Dict[str, object]) -> "Faithfulness":
         from .._foundation.io import read_float as num
 
-        c = Circuit._from_dict({"model": d.get("model", ""), **d["circuit"]})
+        c = TaskCircuit._from_dict({"model": d.get("model", ""), **d["circuit"]})
         return cls({float(k): num(v) for k, v in d["curve"].items()},
                    {float(k): num(v) for k, v in d["metric_values"].items()},
                    {float(k): int(v) for k, v in d["n_edges"].items()}, num(d["clean"]), num(d["corrupt"]),

@@ -1,0 +1,22 @@
+"""Tasks (clean/corrupt prompt pairs) and what the circuit analyses of a task need below the root's
+``qk.Task``, ``qk.graph``, ``qk.edge_scores``, ``qk.node_scores``, ``qk.faithfulness``, ``qk.core_circuit`` and
+``qk.evaluate``: the task builders, the graph class, the evaluation result, the node view's faithfulness.
+
+>>> import qkcircuits as qk
+>>> model = qk.load("toy-induction")
+>>> task = qk.tasks.induction(model, n=8, seg_len=5, seed=1)
+>>> task.n, isinstance(qk.graph(model), qk.tasks.Graph)
+(8, True)
+
+``Graph``, ``Evaluation`` and ``node_faithfulness`` were root names before; the root names still work for one
+release, with a DeprecationWarning (docs/architecture.md, "Root names that moved").
+"""
+
+# ruff: noqa: F401
+from ._tasks.builders import FRAMES, NAMES, OBJECTS, PLACES, build_task, from_jsonl, induction, ioi, single_tokens
+from ._tasks.evaluation import Evaluation
+from ._tasks.faithfulness import node_faithfulness
+from ._tasks.graph import Graph
+
+__all__ = ["Evaluation", "FRAMES", "Graph", "NAMES", "OBJECTS", "PLACES", "build_task", "from_jsonl", "induction", "ioi",
+           "node_faithfulness", "single_tokens"]

@@ -1,0 +1,30 @@
+"""The weight-level building blocks of circuits, for going below ``qk.circuit``, ``qk.qk`` and ``qk.ov``: per-layer
+weights, the factors of the embedding and unembedding, affine and full-vocabulary circuits, rotary, composition
+and copying pieces, token views.
+
+>>> import qkcircuits as qk
+>>> model = qk.load("toy-induction")
+>>> w = qk.weights.layer_weights(model, 1)
+>>> tuple(w.W_Q.shape)                      # [heads, d_model, d_head]
+(2, 224, 129)
+>>> round(float(qk.weights.attn_scale(model, 1)) ** -2)      # the score scale 1/√d_head
+129
+
+These were root names (``qk.attn_scale``, ...) before; the root names still work for one release, with a
+DeprecationWarning (docs/architecture.md, "Root names that moved").
+"""
+
+# ruff: noqa: F401
+from ._weights.circuits import (LayerWeights, all_ov, all_qk, attn_input_hook, attn_scale, circuit_caveats, embed_factor,
+                                embed_rows, full_ov, full_qk, layer_weights, ov_affine, qk_affine, top_tokens,
+                                unembed_cols, unembed_embed, unembed_factor)
+from ._weights.composition import composition_baseline, composition_column
+from ._weights.contextual import TokenInputs, copying_rank, head_logits, token_inputs, token_qk
+from ._weights.copying import copying_accuracy, eigen_copying
+from ._weights.rotary import RotarySpec, offset_scores, positional_qk, qk_at_offset, rotary_spec, rotation
+
+__all__ = ["LayerWeights", "RotarySpec", "TokenInputs", "all_ov", "all_qk", "attn_input_hook", "attn_scale",
+           "circuit_caveats", "composition_baseline", "composition_column", "copying_accuracy", "copying_rank",
+           "eigen_copying", "embed_factor", "embed_rows", "full_ov", "full_qk", "head_logits", "layer_weights",
+           "offset_scores", "ov_affine", "positional_qk", "qk_affine", "qk_at_offset", "rotary_spec", "rotation",
+           "token_inputs", "token_qk", "top_tokens", "unembed_cols", "unembed_embed", "unembed_factor"]
