@@ -159,3 +159,14 @@ def test_closed_form_norm_vjp_matches_autograd(which, tmp_path_factory, monkeypa
     assert n_fast == 0 and len(calls) > 0       # every receiver input took the closed form, then none did
     for x in "qkv":
         torch.testing.assert_close(fast.effects[x], slow.effects[x], equal_nan=True, rtol=1e-4, atol=1e-6)
+
+
+def test_a_pattern_metric_scores_v_inputs_as_zero(hand_built):
+    # the induction attention does not read v: edge_attribution's default inputs (q, k, v) score every v edge 0
+    # and keep the q/k effects of the same call without v (before: autograd's "not used in the graph" error)
+    both = qk.edge_attribution(hand_built, "1.0", metric="induction")
+    qk_only = qk.edge_attribution(hand_built, "1.0", into=("q", "k"), metric="induction")
+    v = both.effects["v"][~both.effects["v"].isnan()]
+    assert v.numel() > 0 and bool((v == 0).all())
+    for x in "qk":
+        torch.testing.assert_close(both.effects[x], qk_only.effects[x], equal_nan=True, rtol=0, atol=0)

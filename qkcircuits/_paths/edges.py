@@ -345,7 +345,10 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
             for js in members:
                 if not js:
                     continue
-                (g_in,) = torch.autograd.grad(values[js].sum(), leaf[x], retain_graph=True)
+                # a pattern metric does not read v: its gradient there is exactly 0 (not "unused")
+                (g_in,) = torch.autograd.grad(values[js].sum(), leaf[x], retain_graph=True, allow_unused=True)
+                if g_in is None:
+                    g_in = torch.zeros_like(leaf[x])
                 for j in js:
                     h = heads[j]
                     slots.append(h if x == "q" else h // G)
