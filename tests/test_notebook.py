@@ -26,6 +26,12 @@ OFFLINE = ("file://", "data:", "blob:", "about:")
 SHOTS = os.environ.get("QK_SCREENSHOTS")
 
 
+# Threads of a notebook kernel (a process of its own): one under pytest-xdist, whose other worker keeps the other
+# core busy (two OpenMP threads then spin against it: the SmolLM2 notebooks took 225-290 s in the parallel suite
+# against 34 s alone), two when the suite runs alone.
+KERNEL_THREADS = "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2"
+
+
 def execute(model: str, tmp: Path):
     """Run the notebook in a fresh kernel of this interpreter; returns the executed notebook (raises on a cell error)."""
     import nbformat
@@ -36,7 +42,7 @@ def execute(model: str, tmp: Path):
     spec = tmp / "kernels" / "qk-test"
     spec.mkdir(parents=True)
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           "QKCIRCUITS_EXAMPLE_MODEL": model, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2",
+           "QKCIRCUITS_EXAMPLE_MODEL": model, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": KERNEL_THREADS,
            "QKCIRCUITS_NOTEBOOK_BUNDLE": "auto"}
     (spec / "kernel.json").write_text(json.dumps({
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
@@ -223,7 +229,7 @@ def test_libraries_on_a_page_with_an_amd_loader(hand_built, browser, tmp_path, m
 
 def test_script_version(tmp_path):
     script = ROOT / "scripts" / "find_induction_heads.py"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS=KERNEL_THREADS)
     out = subprocess.run([sys.executable, str(script), "--model", "toy-induction", "--figures", str(tmp_path / "f")],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr
