@@ -30,12 +30,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._foundation.errors import QKCircuitsError
-from .._tasks.bootstrap import bootstrap_curve, check_bootstrap
-from .._tasks.faithfulness import SIZES, THRESHOLD, Faithfulness, circuit_metric, node_metric, ratio
+from .._tasks.bootstrap import check_bootstrap
+from .._tasks.faithfulness import (SIZES, THRESHOLD, Faithfulness, choose, circuit_metric, finish, node_metric,
+                                   ratio)
 from .._tasks.selection import TaskCircuit, select
 from .._tasks.core import CoreCircuit, build_core
 from .._tasks.graph import graph
-from .._tasks.caveats import reached, unreached_message
 from .._tasks.gradients import resolve_rule
 from .._tasks.scores import EdgeScores, NodeScores, check_method, edge_scores, node_scores, shard_rows
 from .._tasks.task import NOT_DONE, Task, warn_if_not_done
@@ -255,10 +255,6 @@ def ray_circuit_metric(pool: Pool, task: Task, masks: Sequence[torch.Tensor], ro
             _backend(pool, shards, parts, t0))
 
 
-def _trapezoid(xs: Sequence[float], ys: Sequence[float]) -> float:
-    return float(sum((xs[i + 1] - xs[i]) * (ys[i + 1] + ys[i]) / 2 for i in range(len(xs) - 1)))
-
-
 def ray_node_faithfulness(pool: Pool, task: Task, heads: Sequence[str],
                           rows_per_shard: Optional[int] = None, clean: Optional[Real] = None) -> float:
     """``node_faithfulness`` from prompt shards on ``pool``: each shard runs the local ``node_metric`` (one
@@ -294,27 +290,15 @@ def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: s
         per_row: Optional[Dict[str, torch.Tensor]] = {} if check_bootstrap(bootstrap) else None
         values, clean, corrupt, backend = ray_circuit_metric(pool, task, [c.mask for c in circuits], rows_per_shard,
                                                              per_row=per_row)
-        f = [ratio(v, clean, corrupt) for v in values]
-        curve = dict(zip(sizes, f))
-        chosen = next((p for p, v in curve.items() if v >= threshold), sizes[-1])
-        circuit = circuits[sizes.index(chosen)]
+        curve, chosen, circuit = choose(sizes, circuits, values, clean, corrupt, threshold)
         t1 = time.perf_counter()
         nf = ray_node_faithfulness(pool, task, circuit.heads, rows_per_shard, clean=clean)
     finally:
         if own:
             pool.close()
-    xs = [p / 100 for p in sizes]
-    out = Faithfulness(curve, dict(zip(sizes, values)), {p: c.n_edges for p, c in zip(sizes, circuits)}, clean,
-                       corrupt, _trapezoid(xs, f), _trapezoid(xs, [abs(1 - v) for v in f]), chosen, circuit, nf,
-                       circuit.heads, getattr(scores, "model", ""),
-                       {"by": by, **selection, "threshold": threshold, "rows_per_shard": rows_per_shard,
-                        "cpr_cmd": "trapezoid over the grid, x = fraction of edges", "backend": backend},
-                       {"curve_s": round(t1 - t0, 3), "node_view_s": round(time.perf_counter() - t1, 3)})
-    if per_row is not None:
-        out.bootstrap = bootstrap_curve(xs, per_row["masks"], per_row["clean"], per_row["corrupt"], bootstrap, seed)
-    if not reached(curve, threshold) and clean != corrupt:
-        warnings.warn(unreached_message(curve, threshold), stacklevel=2)
-    return out
+    return finish(sizes, circuits, values, clean, corrupt, curve, chosen, circuit, nf, getattr(scores, "model", ""),
+                  {"by": by, **selection, "threshold": threshold, "rows_per_shard": rows_per_shard,
+                   "backend": backend}, t0, t1, per_row, bootstrap, seed, threshold)
 
 
 def ray_core_circuit(spec, task, scores, *, threshold: Real = THRESHOLD, by: str = "signed", mlps: bool = True,

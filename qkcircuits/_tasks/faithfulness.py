@@ -354,7 +354,7 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     ``bootstrap``: that many resamples of the prompt rows (seeded by ``seed``) give 95 % intervals of each f,
     CPR and CMD from the per-row metrics, with no model run per resample (``bootstrap.py``; the clean rows
     are then run even when the scores measured m(clean))."""
-    from .bootstrap import bootstrap_curve, check_bootstrap
+    from .bootstrap import check_bootstrap
     from .shards import check_task, shard_rows
 
     check_bootstrap(bootstrap)
@@ -392,21 +392,40 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     values, clean, corrupt = circuit_metric(model, task, [c.mask if c.position_mask is None else c.position_mask
                                                           for c in circuits], rows, progress, records=records,
                                             known_clean=known, g=g, per_row=per_row)
-    f = [ratio(v, clean, corrupt) for v in values]
-    curve = dict(zip(sizes, f))
-    chosen = next((p for p, v in curve.items() if v >= threshold), sizes[-1])
-    circuit = circuits[sizes.index(chosen)]
+    curve, chosen, circuit = choose(sizes, circuits, values, clean, corrupt, threshold)
     t1 = time.perf_counter()
     nf = node_faithfulness(model, task, circuit.heads, rows, clean=clean, records=records)
     del records
+    return finish(sizes, circuits, values, clean, corrupt, curve, chosen, circuit, nf, getattr(scores, "model", ""),
+                  {"by": by, "how": how, "threshold": threshold, "rows_per_shard": rows}, t0, t1, per_row, bootstrap,
+                  seed, threshold)
+
+
+def choose(sizes: List[float], circuits: List, values: List[float], clean: float, corrupt: float,
+           threshold: Real) -> Tuple[Dict[float, float], float, object]:
+    """(curve {percent: f}, the chosen percent: the smallest with f ≥ ``threshold``, else the largest, its circuit)
+    from the metric of each grid size's circuit. The local and the Ray faithfulness both choose here."""
+    curve = dict(zip(sizes, [ratio(v, clean, corrupt) for v in values]))
+    chosen = next((p for p, v in curve.items() if v >= threshold), sizes[-1])
+    return curve, chosen, circuits[sizes.index(chosen)]
+
+
+def finish(sizes, circuits, values, clean, corrupt, curve, chosen, circuit, nf, model: str,
+           settings: Dict[str, object], t0: float, t1: float, per_row, bootstrap: int, seed: int,
+           threshold: Real) -> "Faithfulness":
+    """The ``Faithfulness`` of a measured curve: CPR and CMD (trapezoids over the grid), timings, the bootstrap
+    intervals when ``per_row`` holds the per-row metrics, and the one warning when no size reaches
+    ``threshold``. The local and the Ray faithfulness both end here."""
+    from .bootstrap import bootstrap_curve
+
     xs = [p / 100 for p in sizes]
+    f = list(curve.values())
     out = Faithfulness(curve, dict(zip(sizes, values)), {p: c.n_edges for p, c in zip(sizes, circuits)}, clean,
                        corrupt, _area(xs, f), _area(xs, [abs(1 - v) for v in f]), chosen, circuit, nf, circuit.heads,
-                       getattr(scores, "model", ""), {"by": by, "how": how, "threshold": threshold, "rows_per_shard": rows,
-                                                       "cpr_cmd": "trapezoid over the grid, x = fraction of edges"},
+                       model, {**settings, "cpr_cmd": "trapezoid over the grid, x = fraction of edges"},
                        {"curve_s": round(t1 - t0, 3), "node_view_s": round(time.perf_counter() - t1, 3)})
     if per_row is not None:
         out.bootstrap = bootstrap_curve(xs, per_row["masks"], per_row["clean"], per_row["corrupt"], bootstrap, seed)
     if not reached(curve, threshold) and clean != corrupt:
-        warnings.warn(unreached_message(curve, threshold), stacklevel=2)
+        warnings.warn(unreached_message(curve, threshold), stacklevel=3)
     return out
