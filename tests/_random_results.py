@@ -28,6 +28,7 @@ from qkcircuits._analysis.results import HeadScores
 from qkcircuits._analysis.sweep import HeadEffects
 from qkcircuits._explain.attribution import Attribution
 from qkcircuits._tasks.core import CoreCircuit
+from qkcircuits._tasks.stability import Stability
 from qkcircuits._foundation.capture import NAMES, Activations
 from qkcircuits._foundation.heads import Head
 from qkcircuits._paths.path_effects import PathEffects
@@ -239,7 +240,11 @@ def faithfulness(rng):
     return Faithfulness({p: number(rng) for p in sizes}, {p: number(rng) for p in sizes},
                         {p: rng.randint(0, 99) for p in sizes}, number(rng), number(rng), number(rng), number(rng),
                         rng.choice(sizes), c, number(rng), c.heads, model, settings(rng),
-                        {text(rng): number(rng, False)})
+                        {text(rng): number(rng, False)}, {},
+                        rng.choice([{}, {"n": rng.randint(2, 9), "clean": number(rng), "corrupt": number(rng),
+                                         "curve": {p: number(rng) for p in sizes}, "cpr": number(rng),
+                                         "cmd": number(rng), "node_faithfulness": number(rng),
+                                         "bootstrap": {"n": 200, "cpr": [number(rng, False)] * 2}}]))
 
 
 def roles(rng):
@@ -256,9 +261,27 @@ def core_circuit(rng):
     nodes = [f"{rng.randint(0, 29)}.{h}" for h in range(rng.randint(0, 4))]
     mlps = [f"mlp{L}" for L in range(rng.randint(0, 2))]
     ranking = [(n, number(rng)) for n in nodes + mlps + [f"{rng.randint(0, 9)}.9"]]
+    held = rng.choice([{}, {"n": rng.randint(2, 99), "f": number(rng), "interval": [number(rng), number(rng)],
+                             "clean": number(rng), "corrupt": number(rng), "enough": rng.random() < 0.5}])
     return CoreCircuit(nodes, mlps, number(rng), {rng.randint(1, 30): number(rng) for _ in range(rng.randint(0, 4))},
                        text(rng), ranking, nodes[:1], number(rng), number(rng), rng.choice([0.8, 0.3999996]),
-                       text(rng), settings(rng), {text(rng): number(rng, False)})
+                       text(rng), settings(rng), {text(rng): number(rng, False)},
+                       rng.choice([[], [number(rng), number(rng)]]), held, rng.choice(["interval", "none"]),
+                       {n: number(rng) for n in nodes}, [[rng.randint(0, 9), rng.randint(0, 3), number(rng), number(rng)]
+                                                          for _ in range(rng.randint(0, 3))])
+
+
+def stability(rng):
+    nodes = [f"{rng.randint(0, 29)}.{h}" for h in range(rng.randint(0, 4))] + ["mlp3"]
+    draws = [{"draw": i, "seed": rng.choice([None, rng.randint(0, 9)]), "template": rng.choice([None, 2]),
+              "resampled": rng.random() < 0.5, "n": rng.randint(2, 64), "heads": nodes[:-1], "mlps": nodes[-1:],
+              "f": number(rng), "interval": [number(rng), number(rng)], "holdout_f": number(rng),
+              "template_f": number(rng)} for i in range(rng.randint(1, 3))]
+    summ = {"mean": number(rng), "min": number(rng), "pairs": rng.randint(0, 3)}
+    return Stability(draws, {n: number(rng, False) for n in nodes}, {"nodes": dict(summ), "edges": dict(summ)},
+                     {h: {rng.choice(["name mover", "-", text(rng)]): number(rng, False)} for h in nodes[:-1]},
+                     {"heads": nodes[:-1], "mlps": ["mlp3"], "share": 0.8, "holdout_f": number(rng),
+                      "interval": [number(rng), number(rng)]}, text(rng), settings(rng), {text(rng): number(rng, False)})
 
 
 def attribution(rng):
@@ -282,4 +305,5 @@ GENERATORS: Dict[type, Callable[[random.Random], Any]] = {
     CircuitCheck: circuit_check, OffsetProfile: offset_profile, KVCache: kv_cache, Activations: activations,
     PathEffects: path_effects, Zoo: zoo, EdgeScores: edge_scores, NodeScores: node_scores, TaskCircuit: task_circuit,
     Faithfulness: faithfulness, Roles: roles, Attribution: attribution, CoreCircuit: core_circuit,
+    Stability: stability,
 }

@@ -100,16 +100,16 @@ def circuit_metric_job(model, shared: Task, *, rows: Tuple[int, int], masks: Lis
 
 def node_sets_job(model, shared: Task, *, rows: Tuple[int, int], sets: List[Any],
                   rows_per_shard: Optional[int]) -> Dict[str, Any]:
-    """The node views of ``sets`` ((heads, MLPs) kept; ``core.NodeViews``, the local forwards) on prompt rows
-    ``rows``: metric sums per set, and the clean and corrupt sums."""
-    from .._tasks.core import NodeViews
+    """The node views of ``sets`` ((heads, MLPs) kept; ``nodeviews.NodeViews``, the local forwards) on prompt rows
+    ``rows``: the metric of each row per set [k, rows], and the clean and corrupt metric of each row."""
+    from .._tasks.nodeviews import NodeViews
 
     t0 = time.perf_counter()
     sub = _rows(shared, rows).to(model.W_E.device)
     views = NodeViews(model, sub, rows_per_shard)
-    values = views.metrics(sets)
-    return {"rows": rows, "n": sub.n, "values": [v * sub.n for v in values], "clean": views.clean * sub.n,
-            "corrupt": views.corrupt * sub.n, "seconds": time.perf_counter() - t0}
+    values = views.sets(sets)
+    return {"rows": rows, "n": sub.n, "values": values, "clean": views.clean_rows(), "corrupt": views.corrupt_rows(),
+            "forwards": views.forwards, "seconds": time.perf_counter() - t0}
 
 
 def node_metric_job(model, shared: Task, *, rows: Tuple[int, int], heads: List[str], need_clean: bool,
@@ -124,13 +124,14 @@ def node_metric_job(model, shared: Task, *, rows: Tuple[int, int], heads: List[s
 
 
 def task_job(model, shared, *, spec: str, n: int, seed: int, prepend_bos: Optional[bool] = None,
-             metric: str = "logit-diff") -> Dict[str, Any]:
+             metric: str = "logit-diff", holdout: float = 0.0) -> Dict[str, Any]:
     """The CLI's task (``ioi``, ``induction`` or a .jsonl path the workers can read) built with this worker's
-    tokenizer (``builders.build_task``), and the graph (the driver has no model)."""
-    from .._tasks.builders import build_task
+    tokenizer (``builders.task_source``): its selection part and held-out part (None with ``holdout=0``), and the
+    graph (the driver has no model)."""
+    from .._tasks.holdout import Source
 
-    task = build_task(model, spec, n, seed, prepend_bos=prepend_bos, metric=metric)
-    return {"task": task.to("cpu"), "graph": graph(model)}
+    sel, held = Source.of(model, spec, n, seed, prepend_bos, metric).parts(holdout)
+    return {"task": sel.to("cpu"), "held": held.to("cpu") if held is not None else None, "graph": graph(model)}
 
 
 def roles_job(model, shared: Task, *, circuit: TaskCircuit, clean: Real, corrupt: Real, also: Sequence[str] = (),
@@ -275,7 +276,8 @@ def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: s
                      threshold: Real = THRESHOLD, rows_per_shard: Optional[int] = None, progress: bool = True,
                      ray_address: Optional[str] = None, workers: Optional[int] = None, threads: int = 1,
                      load_kwargs: Optional[Dict[str, Any]] = None, pool: Optional[Pool] = None,
-                     bootstrap: int = 0, seed: int = 0, **selection: Any) -> Faithfulness:
+                     bootstrap: int = 0, seed: int = 0, holdout: Optional[Task] = None,
+                     **selection: Any) -> Faithfulness:
     """``faithfulness(..., backend=qk.Ray(...))``: m(C) per grid size, m(full) and m(∅) summed over prompt
     shards, f / CPR / CMD computed once from the sums; then the chosen circuit's node view (a second round).
     ``selection``: further arguments of ``select`` (the driver picks the circuits), passed as they are."""
@@ -293,35 +295,80 @@ def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: s
         curve, chosen, circuit = choose(sizes, circuits, values, clean, corrupt, threshold)
         t1 = time.perf_counter()
         nf = ray_node_faithfulness(pool, task, circuit.heads, rows_per_shard, clean=clean)
+        out = finish(sizes, circuits, values, clean, corrupt, curve, chosen, circuit, nf, getattr(scores, "model", ""),
+                     {"by": by, **selection, "threshold": threshold, "rows_per_shard": rows_per_shard,
+                      "backend": backend}, t0, t1, per_row, bootstrap, seed, threshold)
+        if holdout is not None:           # faithfulness.held_out, its sums from prompt shards
+            from .._tasks.bootstrap import bootstrap_curve
+            from .._tasks.faithfulness import HELD_BOOTSTRAP, _area, ratio
+
+            held = _check_task(holdout)
+            per: Dict[str, torch.Tensor] = {}
+            hv, hc, hz, _ = ray_circuit_metric(pool, held, [c.mask for c in circuits], rows_per_shard, per_row=per)
+            hcurve = {p: ratio(v, hc, hz) for p, v in zip(sizes, hv)}
+            xs, hf = [p / 100 for p in sizes], list(hcurve.values())
+            out.holdout = {"n": held.n, "clean": hc, "corrupt": hz, "curve": hcurve, "cpr": _area(xs, hf),
+                           "cmd": _area(xs, [abs(1 - v) for v in hf]),
+                           "node_faithfulness": ray_node_faithfulness(pool, held, circuit.heads, rows_per_shard,
+                                                                      clean=hc),
+                           "bootstrap": bootstrap_curve(xs, per["masks"], per["clean"], per["corrupt"],
+                                                        max(bootstrap, HELD_BOOTSTRAP), seed)}
     finally:
         if own:
             pool.close()
-    return finish(sizes, circuits, values, clean, corrupt, curve, chosen, circuit, nf, getattr(scores, "model", ""),
-                  {"by": by, **selection, "threshold": threshold, "rows_per_shard": rows_per_shard,
-                   "backend": backend}, t0, t1, per_row, bootstrap, seed, threshold)
+    return out
+
+
+class RayViews:
+    """``NodeViews``' measuring on prompt shards of Ray workers (``node_sets_job``; each row's metric comes back,
+    concatenated in row order). No backward is taken there: ``attribute`` is None, so the core's costs stay the
+    scores' node scores."""
+
+    fast = False
+
+    def __init__(self, pool: Pool, task: Task, rows_per_shard: Optional[int]):
+        self.pool, self.task, self.rows_per_shard = pool, task, rows_per_shard
+        self.shards = plan_rows(task.n, pool.size)
+        self._ends: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self.sets_measured, self.forwards = 0, 0.0
+
+    def sets(self, sets) -> torch.Tensor:
+        jobs = [{"rows": r, "sets": list(sets), "rows_per_shard": self.rows_per_shard} for r in self.shards]
+        parts = self.pool.map(JOB + "node_sets_job", jobs, self.task, costs=[float(b - a) for a, b in self.shards],
+                              progress=False)
+        self._ends = (torch.cat([p["clean"] for p in parts]), torch.cat([p["corrupt"] for p in parts]))
+        self.sets_measured += len(sets)
+        self.forwards += sum(p["forwards"] * p["n"] for p in parts) / self.task.n
+        return torch.cat([p["values"] for p in parts], 1)
+
+    def clean_rows(self) -> torch.Tensor:
+        if self._ends is None:
+            self.sets([])
+        return self._ends[0]
+
+    def corrupt_rows(self) -> torch.Tensor:
+        if self._ends is None:
+            self.sets([])
+        return self._ends[1]
+
+    def attribute(self, node_set):
+        return None
 
 
 def ray_core_circuit(spec, task, scores, *, threshold: Real = THRESHOLD, by: str = "signed", mlps: bool = True,
-                     prune: bool = True, rows_per_shard: Optional[int] = None, progress: bool = True,
-                     ray_address: Optional[str] = None, workers: Optional[int] = None, threads: int = 1,
-                     load_kwargs: Optional[Dict[str, Any]] = None, pool: Optional[Pool] = None) -> CoreCircuit:
+                     prune: bool = True, margin: str = "interval", holdout: Optional[Task] = None, seed: int = 0,
+                     rows_per_shard: Optional[int] = None, progress: bool = True, ray_address: Optional[str] = None,
+                     workers: Optional[int] = None, threads: int = 1, load_kwargs: Optional[Dict[str, Any]] = None,
+                     pool: Optional[Pool] = None) -> CoreCircuit:
     """``core_circuit(..., backend=qk.Ray(...))``: the same search (``core.build_core``, on the driver), every
-    measured batch of node sets summed over prompt shards on the workers (``node_sets_job``), f from the sums."""
+    measured batch of node sets run on prompt shards on the workers (``RayViews``)."""
     task = _check_task(task)
+    held = _check_task(holdout) if holdout is not None else None
     pool, own = _pool(spec, pool, ray_address, workers, threads, load_kwargs, progress)
-    ends: Dict[str, float] = {}
-
-    def metrics(sets):
-        shards = plan_rows(task.n, pool.size)
-        jobs = [{"rows": r, "sets": list(sets), "rows_per_shard": rows_per_shard} for r in shards]
-        parts = pool.map(JOB + "node_sets_job", jobs, task, costs=[float(b - a) for a, b in shards], progress=False)
-        n = task.n
-        ends["clean"], ends["corrupt"] = sum(p["clean"] for p in parts) / n, sum(p["corrupt"] for p in parts) / n
-        return [sum(p["values"][i] for p in parts) / n for i in range(len(sets))]
-
     try:
-        return build_core(scores.graph, task, scores, metrics, lambda: (ends["clean"], ends["corrupt"]),
-                          threshold=threshold, by=by, mlps=mlps, prune=prune, progress=progress,
+        return build_core(scores.graph, task, scores, RayViews(pool, task, rows_per_shard),
+                          RayViews(pool, held, rows_per_shard) if held is not None else None, threshold=threshold,
+                          by=by, mlps=mlps, prune=prune, margin=margin, seed=seed, progress=progress,
                           settings={"rows_per_shard": rows_per_shard, "backend": {"name": "ray", "workers": pool.size}})
     finally:
         if own:
@@ -329,11 +376,12 @@ def ray_core_circuit(spec, task, scores, *, threshold: Real = THRESHOLD, by: str
 
 
 def ray_task_and_graph(pool: Pool, spec: str, n: int, seed: int, prepend_bos: Optional[bool] = None,
-                       metric: str = "logit-diff") -> Tuple[Task, Any]:
-    """The CLI's task and the model's graph, built on a worker (the driver has no tokenizer)."""
+                       metric: str = "logit-diff", holdout: float = 0.0) -> Tuple[Task, Optional[Task], Any]:
+    """The CLI's task (selection part, held-out part or None) and the model's graph, built on a worker (the
+    driver has no tokenizer)."""
     out = pool.call(JOB + "task_job", {"spec": spec, "n": n, "seed": seed, "prepend_bos": prepend_bos,
-                                       "metric": metric})
-    return out["task"], out["graph"]
+                                       "metric": metric, "holdout": holdout})
+    return out["task"], out["held"], out["graph"]
 
 
 def ray_roles(pool: Pool, task: Task, circuit: TaskCircuit, clean: Real, corrupt: Real, also: Sequence[str] = (),
@@ -349,10 +397,10 @@ def ray_roles(pool: Pool, task: Task, circuit: TaskCircuit, clean: Real, corrupt
 
 
 def ray_task(spec, *, task: str, n: int, seed: int, prepend_bos: Optional[bool] = None, metric: str = "logit-diff",
-             pool: Pool, progress: bool = True) -> Tuple[Task, Any]:
-    """The step "task" on Ray: the task ``task`` (ioi, induction or a .jsonl path the workers can read) and the
-    model's graph, built on a worker (``ray_task_and_graph``)."""
-    return ray_task_and_graph(pool, task, n, seed, prepend_bos, metric)
+             holdout: float = 0.0, pool: Pool, progress: bool = True) -> Tuple[Task, Optional[Task], Any]:
+    """The step "task" on Ray: the task ``task`` (ioi, induction or a .jsonl path the workers can read), its
+    held-out part and the model's graph, built on a worker (``ray_task_and_graph``)."""
+    return ray_task_and_graph(pool, task, n, seed, prepend_bos, metric, holdout)
 
 
 def ray_circuit_faithfulness(spec, *, task: Task, circuit: TaskCircuit, pool: Pool, graph: Any = None,

@@ -19,7 +19,7 @@ choice of edges, which is held fixed.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -75,3 +75,34 @@ def bootstrap_curve(xs: Sequence[float], masks: Tensor, clean: Tensor, corrupt: 
             "cmd": interval(cmd), "curve": {f"{100 * float(p):g}": interval(f[i]) for i, p in enumerate(xs)},
             "cpr_sd": sd(cpr),
             "cmd_sd": sd(cmd), "method": "percentile bootstrap over prompt rows, f recomputed from per-row metrics"}
+
+
+def ratio_intervals(m: Tensor, clean: Tensor, corrupt: Tensor, n: int = 200, seed: int = 0,
+                    level: float = 0.95) -> Tuple[Tensor, Tensor]:
+    """Percentile intervals (lo [k], hi [k]) of f = (mean m − mean corrupt) / (mean clean − mean corrupt) for each
+    row of per-row metrics ``m`` [k, rows], ``clean`` and ``corrupt`` [rows], over ``n`` resamples of the rows
+    with replacement (seeded: the same rows resampled for every set, so sets are compared on equal draws).
+    Resamples whose clean and corrupt means are equal are dropped; none left: NaN.
+
+    >>> m = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 2.0, 0.0, 2.0]])
+    >>> lo, hi = ratio_intervals(m, torch.full((4,), 2.0), torch.zeros(4), n=100)
+    >>> lo.tolist()[0], hi.tolist()[0], lo[1].item() < 0.5 < hi[1].item()
+    (0.5, 0.5, True)
+    """
+    check_bootstrap(n)
+    rows = clean.shape[0]
+    if m.dim() != 2 or m.shape[1] != rows or corrupt.shape != (rows,):
+        raise QKCircuitsError(f"per-row metrics have shapes {tuple(m.shape)}, {tuple(clean.shape)}, "
+                              f"{tuple(corrupt.shape)}; expected [k, {rows}], [{rows}], [{rows}]")
+    gen = torch.Generator().manual_seed(int(seed))
+    idx = torch.randint(rows, (max(n, 1), rows), generator=gen)           # [B, rows]
+    mb = m.double()[:, idx].mean(-1)                                       # [k, B]
+    c, z = clean.double()[idx].mean(-1), corrupt.double()[idx].mean(-1)
+    ok = c != z
+    if not bool(ok.any()):
+        nan = torch.full((m.shape[0],), float("nan"), dtype=torch.float64)
+        return nan, nan.clone()
+    f = (mb[:, ok] - z[ok]) / (c[ok] - z[ok])
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    lo, hi = torch.quantile(f, q, dim=1)
+    return lo, hi

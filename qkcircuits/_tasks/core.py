@@ -1,4 +1,5 @@
-"""The core circuit: the fewest heads (and MLPs) whose node view carries the behaviour (``CoreCircuit``).
+"""The core circuit: the fewest heads (and MLPs) whose node view carries the behaviour, with a margin, and its
+f on prompts it was not chosen on (``CoreCircuit``).
 
 >>> task = qk.tasks.induction(model, n=8, seg_len=6)
 >>> scores = qk.edge_scores(model, task, method="exact", progress=False)
@@ -8,35 +9,46 @@
 
 The node view of a set of nodes N (heads ``"L.H"`` and MLPs ``"mlpL"``): the clean rows run with every head
 and MLP NOT in N giving its corrupt-run output to every reader (the embedding stays clean: it is the input),
-and f(N) = (m(N) − m(corrupt)) / (m(clean) − m(corrupt)). Where a head's output is z_h W_O[h] (no post-attention
-norm) that is ONE plain forward whose hook_z takes the corrupt run's z for the left-out heads and whose
-hook_mlp_out takes the corrupt run's MLP output for the left-out MLPs (``runs.node_run``): the same metric as
-the edge-level patched run of the mask without those senders' edges (tested); elsewhere that patched run.
-With every node in, it IS the clean run (f = 1 exactly).
+and f(N) = (m(N) − m(corrupt)) / (m(clean) − m(corrupt)) (``nodeviews.py`` measures it: many sets per forward,
+the layers nobody keeps skipped, the metric per prompt row). With every node in, it IS the clean run (f = 1).
 
-How the core is chosen (``core_circuit``), from node scores alone (no new attribution):
+**The criterion, with a margin.** A set is *enough* when the lower end of the 95 % bootstrap interval of its f over
+the prompt rows it was chosen on is ≥ ``threshold`` (0.8; ``margin="interval"``, the default: a set that sits
+just at 0.8 on these rows would fall below it on about half of other draws), or its f itself (``margin="none"``).
+The bootstrap resamples the per-row metrics (no model run per resample; the same resampled rows for every set).
 
-1. **rank** every head and MLP by its node score, the sum of its outgoing edge scores (the EAP / EAP-IG
-   estimate of what corrupting its output costs; signed in the metric's better direction by default, or
-   |score| with ``by="abs"``); ``mlps=False`` keeps every MLP clean and ranks heads only;
-2. **grow**: the prefix of the ranking that holds k heads (and every MLP ranked before the (k+1)-th head) is
-   measured on a grid of k (0-8, then ×1.5 up to every head): the ``curve`` {k: f}; the smallest k whose
-   f ≥ ``threshold`` (0.8), narrowed by bisection between it and the grid point below it (f need not be
-   monotone in k: bisection finds a k whose prefix reaches the threshold and whose k − 1 does not);
-3. **prune**: nodes of that prefix are dropped one at a time, weakest first, whenever f stays ≥ ``threshold``
-   without them; passes repeat (over the nodes whose set changed after they were tried) until none can go.
-   Every node left is then needed: dropping any one of them alone takes f below the threshold (each such
-   set was measured).
+**The search** (``search``): backward elimination with re-linearisation, from every node down.
 
-Scores of the ungrouped graph give the same core as the grouped one would from the same node scores (a node
-is a head or an MLP in both; its score sums its outgoing edges either way). Position-aware scores are refused in
-one line: their nodes are (head, position group) pairs, and the node view here corrupts a head at every position.
+1. every head (and MLP, ``mlps=True``) starts in; its *cost* is the estimated loss of m when it is left out, in the
+   metric's better direction: first the scores' node score (the sum of its outgoing edge scores: EAP / EAP-IG
+   from the clean run), then, at every accepted smaller set that dropped at least 3 nodes and a tenth of the
+   set, a_n from one forward and one backward AT that set
+   (``NodeViews.attribute``: what the node adds given the nodes still in, which the clean-run estimate cannot
+   see — a name mover matters only while the heads that point it at the name are in);
+2. drop the cheapest nodes, as many as their summed cost fits in the set's room above the threshold (at least
+   one; never more than twice the last accepted step), and measure the smaller set: enough → accepted, costs
+   re-estimated there; not enough → the step is halved, and a single node that cannot go is kept;
+3. ``prune=True``: at the end every node left is dropped alone and measured (one stacked batch); while one
+   can go, the one with the highest lower end goes. Every node of the core is then needed: without any one of
+   them the set is not enough (``needed`` holds f without each, measured).
 
-When no prefix reaches the threshold (a model that does not do the task) the core is every node (its f,
-1 up to rounding) and ``how`` says so. Cost: one forward per measured set (the grid: 17 points on 270 heads;
-~5 bisection steps; the grown set's size plus the retries when pruning), plus one corrupt forward per prompt
-shard (held across the search when it fits one shard) and one clean forward unless the scores measured
-m(clean) on this task.
+The **ranking** is the order of elimination reversed (the core's nodes first, by their last cost), so every
+accepted set is a prefix of it; the **curve** {heads in the prefix: f} holds those sets and the small prefixes of
+the core (1 … 8 heads, then ×1.5), measured after the search: f rises along it to the core.
+
+``holdout`` (a Task: other prompts of the same behaviour) measures the chosen core there: ``holdout["f"]`` with
+its 95 % interval, the number to report (the core was not chosen on those rows).
+
+Where a node view is a patched run (post-attention norms: Gemma-2/3) no backward is taken: the costs stay the
+scores' node scores. Scores of the ungrouped graph give the same core as the grouped one (a node's score sums
+its outgoing edges on either graph). Position-aware scores are refused in one line: their nodes are (head,
+position group) pairs, and the node view here corrupts a head at every position. When even every node is not
+enough by the criterion (a model that does not do the task, or too few rows for a tight interval), the core is
+every node and ``how`` says so.
+
+Cost (``settings["forwards"]``, in plain forwards of the rows): one clean and one corrupt forward, per accepted
+set one node view (a fraction of a forward: skipped layers) and one forward + backward (~3), per rejected set
+one node view, the final leave-one-out batch and the curve's small sets (cheap: most layers skipped).
 """
 
 from __future__ import annotations
@@ -53,35 +65,25 @@ from torch import Tensor
 
 from .._foundation.errors import QKCircuitsError
 from .._foundation.result import Result
-from .faithfulness import ratio
+from .bootstrap import ratio_intervals
 from .graph import Graph, graph
-from .record import Record, clean_rows, record
-from .patched import patched_run
-from .runs import node_run, z_patchable, z_record
+from .nodeviews import NodeSet, NodeViews, head_key as _head_key, is_head as _is_head, node_mask_of, node_rows
 from .task import Task
 
 THRESHOLD = 0.8
 SCHEMA = "qkcircuits.core_circuit/1"
-# the node view's corrupt record holds only z and the MLP outputs ([b, p, H·d_head + d_model] per layer):
-# its shards are sized to this, and kept across the whole search when there is one shard
-NODE_BYTES = 2**30
-NodeSet = Tuple[Tuple[str, ...], Tuple[str, ...]]           # (heads kept, MLPs kept)
-
-
-def _is_head(name: str) -> bool:
-    return name[:1].isdigit()
-
-
-def _head_key(h: str) -> Tuple[int, int]:
-    L, i = h.split(".")
-    return int(L), int(i)
+MARGINS = ("interval", "none")
+BOOTSTRAP = 200          # resamples of the rows behind every lower end (the search's and the reported intervals)
 
 
 @dataclass(repr=False)      # the repr is _text (Result)
 class CoreCircuit(Result):
-    """The core circuit: ``heads`` and ``mlps`` kept, their node view's f (``node_faithfulness``), the grow
-    ``curve`` {heads in the ranked prefix: f}, ``how`` (one sentence), the ``ranking`` it grew from
-    ((node, node score), best first), the nodes ``pruned`` after growing, m(clean) / m(corrupt)."""
+    """The core circuit: ``heads`` and ``mlps`` kept, their node view's f on the rows they were chosen on
+    (``node_faithfulness``) with its 95 % bootstrap ``interval``, the same on held-out rows (``holdout``: {n, f,
+    interval, clean, corrupt}; empty when none were given), the ``curve`` {heads in the ranked prefix: f},
+    ``how`` (one sentence), the ``ranking`` ((node, cost), the core first), the nodes ``pruned`` (in the order
+    they were dropped), ``needed`` {core node: f without it}, the ``path`` of accepted sets [[heads, MLPs, f,
+    lower end], ...], m(clean) / m(corrupt) of the selection rows and the ``margin`` rule."""
 
     SCHEMA = SCHEMA
     WHAT = "a core-circuit JSON (qk.core_circuit(...).to_json())"
@@ -100,18 +102,36 @@ class CoreCircuit(Result):
     model: str = ""
     settings: Dict[str, object] = field(default_factory=dict)
     timing: Dict[str, float] = field(default_factory=dict)
+    interval: List[float] = field(default_factory=list)
+    holdout: Dict[str, object] = field(default_factory=dict)
+    margin: str = "interval"
+    needed: Dict[str, float] = field(default_factory=dict)
+    path: List[List[Real]] = field(default_factory=list)
 
     @property
     def nodes(self) -> List[str]:
         return list(self.heads) + list(self.mlps)
 
+    @property
+    def holdout_f(self) -> float:
+        """f of the core on the held-out rows (NaN when none were given)."""
+        return float(self.holdout.get("f", float("nan"))) if self.holdout else float("nan")
+
     def to_dict(self) -> Dict[str, object]:
         from .._foundation.io import json_number
 
+        def nums(xs):
+            return [json_number(x) for x in xs]
+
+        hold = {k: (nums(v) if isinstance(v, list) else json_number(v) if isinstance(v, float) else v)
+                for k, v in self.holdout.items()}
         return {"schema": SCHEMA, "model": self.model, "heads": list(self.heads), "mlps": list(self.mlps),
-                "node_faithfulness": json_number(self.node_faithfulness),
+                "node_faithfulness": json_number(self.node_faithfulness), "interval": nums(self.interval),
+                "holdout": hold, "margin": self.margin,
                 "curve": {str(k): json_number(v) for k, v in self.curve.items()}, "how": self.how,
                 "threshold": self.threshold, "pruned": list(self.pruned),
+                "needed": {k: json_number(v) for k, v in self.needed.items()},
+                "path": [[int(p[0]), int(p[1]), json_number(p[2]), json_number(p[3])] for p in self.path],
                 "ranking": [[n, json_number(v)] for n, v in self.ranking], "clean": json_number(self.clean),
                 "corrupt": json_number(self.corrupt), "settings": self.settings, "timing": self.timing}
 
@@ -120,22 +140,27 @@ class CoreCircuit(Result):
         def num(v) -> float:
             return float("nan") if v is None else float(v)
 
+        hold = {k: ([num(x) for x in v] if isinstance(v, list) else num(v) if k in ("f", "clean", "corrupt") else v)
+                for k, v in dict(d.get("holdout") or {}).items()}
         return cls([str(h) for h in d["heads"]], [str(m) for m in d["mlps"]], num(d["node_faithfulness"]),
                    {int(k): num(v) for k, v in d["curve"].items()}, str(d["how"]),
                    [(str(n), num(v)) for n, v in d.get("ranking", [])], [str(n) for n in d.get("pruned", [])],
                    num(d.get("clean")), num(d.get("corrupt")), float(d.get("threshold", THRESHOLD)),
-                   str(d.get("model", "")), dict(d.get("settings", {})), dict(d.get("timing", {})))
+                   str(d.get("model", "")), dict(d.get("settings", {})), dict(d.get("timing", {})),
+                   [num(x) for x in d.get("interval", [])], hold, str(d.get("margin", "none")),
+                   {str(k): num(v) for k, v in dict(d.get("needed") or {}).items()},
+                   [[int(p[0]), int(p[1]), num(p[2]), num(p[3])] for p in d.get("path", [])])
 
     def top(self, k: int = 10) -> List[Tuple[str, float]]:
-        """The core's ``k`` nodes of largest ranking score: ``(node, node score)``."""
+        """The core's ``k`` nodes first in the ranking: ``(node, cost)``."""
         keep = set(self.nodes)
         return [(n, v) for n, v in self.ranking if n in keep][:k]
 
     def to_frame(self):
-        """One row per grid point of the grow curve: heads in the prefix, f."""
+        """One row per measured prefix of the ranking: heads in the prefix, f."""
         import pandas as pd
 
-        return pd.DataFrame([{"heads": k, "f": v} for k, v in self.curve.items()])
+        return pd.DataFrame([{"heads": k, "f": v} for k, v in sorted(self.curve.items())])
 
     def circuit(self, scores):
         """The core as an edge circuit of ``scores``' graph: every edge between its nodes (the embedding and the
@@ -169,11 +194,21 @@ class CoreCircuit(Result):
         kw.setdefault("corrupt", scores.corrupt)
         return roles(model, task, self.circuit(scores), also=self.outside(scores, share), **kw)
 
+    def f_text(self) -> str:
+        """"node f 0.912 [0.871-0.948] on the 43 selection rows; held-out 0.884 [0.80-0.95] on 21 rows"."""
+        ci = f" [{self.interval[0]:.3f}-{self.interval[1]:.3f}]" if len(self.interval) == 2 else ""
+        n = self.settings.get("rows")
+        out = f"node f {self.node_faithfulness:.3f}{ci} on the {n} selection rows" if n else \
+            f"node f {self.node_faithfulness:.3f}{ci}"
+        if self.holdout:
+            lo, hi = (list(self.holdout.get("interval") or []) + [float("nan")] * 2)[:2]
+            out += f"; held-out {self.holdout_f:.3f} [{lo:.3f}-{hi:.3f}] on {self.holdout.get('n')} rows"
+        return out
+
     def _text(self) -> str:
         shown = ", ".join(self.heads[:16]) + (" …" if len(self.heads) > 16 else "")
         mlps = f" + {len(self.mlps)} MLPs" if self.mlps else ""
-        return (f"CoreCircuit({self.model}: {len(self.heads)} heads{mlps}, node f {self.node_faithfulness:.3f}; "
-                f"heads {shown})")
+        return f"CoreCircuit({self.model}: {len(self.heads)} heads{mlps}, {self.f_text()}; heads {shown})"
 
     def _html(self) -> str:
         import html
@@ -190,77 +225,6 @@ def _reads(g: Graph, r: int, keep) -> bool:
     if into == "in":
         return name in keep
     return any(h in keep for h in g.receiver_heads(r))
-
-
-# ----------------------------------------------------------------------------------------------- measuring
-
-
-def node_mask_of(g: Graph, heads: Sequence[str], mlps: Optional[Sequence[str]]) -> Tensor:
-    """Every edge of the graph except those leaving a head not in ``heads`` or (``mlps`` given) an MLP not in
-    ``mlps``: the edge-level form of the node view (the embedding always sends)."""
-    keep = set(heads) | (set(mlps) if mlps is not None else {n for n in g.senders if n.startswith("mlp")})
-    out = torch.tensor([s == "emb" or s in keep for s in g.senders])
-    return g.valid & out[:, None]
-
-
-def node_rows(model, g: Graph, task: Task) -> int:
-    """Rows per shard for the node view's corrupt record (z and MLP outputs of every layer) in ``NODE_BYTES``."""
-    elt = model.W_E.element_size()
-    per_row = task.clean.shape[1] * g.n_layers * (model.cfg.n_heads * model.cfg.d_head + model.cfg.d_model) * elt
-    return max(1, min(task.n, NODE_BYTES // max(per_row, 1)))
-
-
-class NodeViews:
-    """Measures node views on one model and task: ``metrics(sets)`` → the metric mean of each (heads, MLPs)
-    set (MLPs None: all clean). The corrupt records are held across calls when the task is one shard."""
-
-    def __init__(self, model, task: Task, rows_per_shard: Optional[int] = None, clean: Optional[float] = None):
-        from .shards import shard_rows
-
-        self.model, self.g = model, graph(model)
-        self.task = task.to(model.W_E.device)
-        self.fast = z_patchable(model, self.g)
-        self.rows = rows_per_shard or (node_rows(model, self.g, self.task) if self.fast
-                                       else shard_rows(model, self.g, self.task, buffers=3))
-        self.shards = self.task.shards(self.rows)
-        self.keep: Optional[Dict[int, Record]] = {} if len(self.shards) == 1 else None
-        self.clean = clean
-        self.corrupt: Optional[float] = None
-        self.calls = 0
-
-    def _record(self, j: int, shard: Task) -> Record:
-        if self.keep is not None and j in self.keep:
-            return self.keep[j]
-        rec = (z_record(self.model, self.g, shard, shard.corrupt, mlps=True) if self.fast
-               else record(self.model, self.g, shard, shard.corrupt))
-        if self.keep is not None:
-            self.keep[j] = rec
-        return rec
-
-    def metrics(self, sets: Sequence[NodeSet]) -> List[float]:
-        g = self.g
-        sums = [0.0] * len(sets)
-        clean = corrupt = 0.0
-        for j, shard in enumerate(self.shards):
-            rec = self._record(j, shard)
-            corrupt += float(rec.rows.sum())
-            if self.clean is None:
-                clean += float(clean_rows(self.model, shard).sum())
-            for i, (heads, mlps) in enumerate(sets):
-                if self.fast:
-                    keep = set(heads)
-                    out = [_head_key(n) for n in g.senders if _is_head(n) and n not in keep]
-                    mlp_out = [] if mlps is None else [L for L in range(g.n_layers) if g.has_mlp
-                                                       and f"mlp{L}" not in set(mlps)]
-                    sums[i] += float(node_run(self.model, g, shard, rec, out, mlp_out).sum())
-                else:
-                    sums[i] += float(patched_run(self.model, g, shard, rec, node_mask_of(g, heads, mlps)[None]).sum())
-            self.calls += len(sets)
-        n = self.task.n
-        if self.clean is None:
-            self.clean = clean / n
-        self.corrupt = corrupt / n
-        return [s / n for s in sums]
 
 
 # ----------------------------------------------------------------------------------------------- the search
@@ -297,66 +261,139 @@ def prefix(order: Sequence[str], k: int) -> List[str]:
     return list(order)
 
 
-def search(order: Sequence[str], all_mlps: Sequence[str], f_of: Callable[[Sequence[Sequence[str]]], List[float]],
-           threshold: float, prune: bool = True) -> Tuple[List[str], float, Dict[int, float], List[str], str]:
-    """Grow then prune over ``order`` (the ranked candidates) with ``f_of(node lists) → f each``. MLPs not in
-    ``order`` are always kept (``mlps=False``: ``all_mlps`` is then every MLP). Returns (nodes, f, curve,
-    pruned, what happened in words)."""
-    fixed = [m for m in all_mlps if m not in set(order)]
-    n_heads = sum(_is_head(n) for n in order)
-    ks = [0] + grid(n_heads)
-    fs = f_of([prefix(order, k) + fixed for k in ks])
-    curve = dict(zip(ks, fs))
-    hit = next((i for i, v in enumerate(fs) if v >= threshold), None)
-    if hit is None:
-        return list(order) + fixed, float(curve[n_heads]), curve, [], "no prefix reaches"
-    lo, hi, f_hi = (ks[hit - 1] if hit else -1), ks[hit], fs[hit]
-    while hi - lo > 1:                   # bisection: a k whose prefix reaches the threshold and whose k − 1 does not
-        mid = (lo + hi) // 2
-        (f_mid,) = f_of([prefix(order, mid) + fixed])
-        if f_mid >= threshold:
-            hi, f_hi = mid, f_mid
+class Judge:
+    """f and the lower end of its 95 % interval of per-row metrics [k, n] against the rows' clean and corrupt
+    metrics, and whether a set is enough (``margin``: "interval" → lower end ≥ threshold, "none" → f ≥ it)."""
+
+    def __init__(self, clean: Tensor, corrupt: Tensor, threshold: float, margin: str, n_boot: int = BOOTSTRAP,
+                 seed: int = 0):
+        self.clean, self.corrupt, self.threshold, self.margin = clean, corrupt, threshold, margin
+        self.n_boot, self.seed = n_boot, seed
+        self.c, self.z = float(clean.mean()), float(corrupt.mean())
+
+    def __call__(self, rows: Tensor) -> Tuple[List[float], List[float], List[float]]:
+        """(f, lower end, upper end) of each set."""
+        m = rows.double().mean(1)
+        f = [(float(v) - self.z) / (self.c - self.z) if self.c != self.z else float("nan") for v in m]
+        lo, hi = ratio_intervals(rows, self.clean, self.corrupt, self.n_boot, self.seed)
+        return f, lo.tolist(), hi.tolist()
+
+    def enough(self, f: float, lo: float) -> bool:
+        v = lo if self.margin == "interval" else f
+        return math.isfinite(v) and v >= self.threshold
+
+    def room(self, f: float, lo: float) -> float:
+        """How much m may fall (metric units, better direction) before the set stops being enough (≥ 0)."""
+        v = lo if self.margin == "interval" else f
+        return max(0.0, (v - self.threshold) * abs(self.c - self.z)) if math.isfinite(v) else 0.0
+
+
+def search(candidates: Sequence[str], fixed: Sequence[str], costs: Dict[str, float], measure, judge: Judge,
+           sign: float, prune: bool = True, bar=None) -> Dict[str, Any]:
+    """Backward elimination with re-linearisation (module docstring) over ``candidates`` (MLPs in ``fixed`` are
+    always kept). ``measure``: ``sets(list of NodeSet) → [k, n]`` per-row metrics, ``clean_rows()``, and
+    ``attribute(NodeSet) → (rows, {node: a_n}) | None``. Returns {nodes, f, lo, hi, path, chunks, needed, costs,
+    what}."""
+
+    def as_set(nodes: Sequence[str]) -> NodeSet:
+        mlps = tuple(n for n in list(nodes) + list(fixed) if n.startswith("mlp"))
+        return tuple(n for n in nodes if _is_head(n)), mlps
+
+    def tick(k: int) -> None:
+        if bar is not None:
+            bar.update(k)
+
+    K = list(candidates)
+    f_K, lo_K, hi_K = (v[0] for v in judge(measure.clean_rows()[None]))
+    tick(1)
+    if not judge.enough(f_K, lo_K):
+        return {"nodes": K, "f": f_K, "lo": lo_K, "hi": hi_K, "path": [(K, f_K, lo_K)], "chunks": [], "needed": {},
+                "costs": dict(costs), "what": "not enough"}
+    costs = dict(costs)
+    path, chunks, needed, step = [(list(K), f_K, lo_K)], [], set(), None
+    while True:
+        order = sorted((n for n in K if n not in needed), key=lambda n: costs.get(n, 0.0))
+        if not order:
+            break
+        room, total, c = judge.room(f_K, lo_K), 0.0, 0
+        for n in order:                     # the cheapest nodes whose summed cost fits in the room (at least one)
+            total += costs.get(n, 0.0)
+            if c >= 1 and total > room:
+                break
+            c += 1
+        c = max(1, min(c, step) if step is not None else c)
+        drop = set(order[:c])
+        trial = [n for n in K if n not in drop]
+        (f2,), (lo2,), (hi2,) = judge(measure.sets([as_set(trial)]))
+        tick(1)
+        if judge.enough(f2, lo2):
+            K, f_K, lo_K, hi_K = trial, f2, lo2, hi2
+            chunks.append(sorted(drop, key=lambda n: -costs.get(n, 0.0)))
+            path.append((list(K), f_K, lo_K))
+            step = 2 * c
+            # re-estimated where the set changed enough for the estimates to move (a drop of a node or two out
+            # of many leaves them as they were; the final leave-one-out batch measures every node anyway)
+            got = measure.attribute(as_set(K)) if K and c >= max(3, len(K) // 10) else None
+            if got is not None:
+                costs.update({n: sign * v for n, v in got[1].items()})
+                tick(1)
+        elif c == 1:
+            needed.add(order[0])            # this node cannot go (measured); the next cheapest are tried
+            step = None
         else:
-            lo = mid
-    nodes, f, grown, dropped = prefix(order, hi), f_hi, hi, []
-    # Weakest first. A node that stayed was tried against the set as it was then; only a removal after that
-    # try changes its set, so the next pass retries only the nodes tried before the pass's last removal.
-    todo = list(reversed(nodes)) if prune else []
-    while todo:
-        last, failed = -1, []
-        for i, n in enumerate(todo):
-            trial = [m for m in nodes if m != n]
-            (ft,) = f_of([trial + fixed])
-            if ft >= threshold:
-                nodes, f, last = trial, ft, i
-                dropped.append(n)
-            else:
-                failed.append((i, n))
-        todo = [n for i, n in failed if i < last]
-    return nodes + fixed, float(f), curve, dropped, f"grown to {grown} heads"
+            step = max(1, c // 2)
+    without: Dict[str, float] = {}
+    while prune and K:                      # every node left, dropped alone, measured (one stacked batch)
+        trials = [[m for m in K if m != n] for n in K]
+        fs, los, his = judge(measure.sets([as_set(t) for t in trials]))
+        tick(len(trials))
+        ok = [i for i in range(len(K)) if judge.enough(fs[i], los[i])]
+        if not ok:
+            without = {n: fs[i] for i, n in enumerate(K)}
+            break
+        best = max(ok, key=lambda i: (los[i], fs[i]))
+        chunks.append([K[best]])
+        K, f_K, lo_K, hi_K = trials[best], fs[best], los[best], his[best]
+        path.append((list(K), f_K, lo_K))
+    return {"nodes": K, "f": f_K, "lo": lo_K, "hi": hi_K, "path": path, "chunks": chunks, "needed": without,
+            "costs": costs, "what": "eliminated"}
 
 
 def core_circuit(model, task: Task, scores, *, threshold: Real = THRESHOLD, by: str = "signed", mlps: bool = True,
-                 prune: bool = True, rows_per_shard: Optional[int] = None, progress: bool = True,
-                 backend: Any = None) -> CoreCircuit:
-    """The fewest heads (and MLPs) whose node view reaches f ≥ ``threshold``, grown from ``scores``' node
-    scores and pruned (module docstring). ``scores``: ``qk.edge_scores`` (node score = the sum of a node's
-    outgoing edge scores) or ``qk.node_scores``. ``mlps=False``: every MLP stays clean and only heads are
-    searched. ``backend`` as in ``edge_scores`` (on Ray, every measured set is summed over prompt shards)."""
+                 prune: bool = True, margin: str = "interval", holdout: Any = None, seed: int = 0,
+                 rows_per_shard: Optional[int] = None, progress: bool = True, backend: Any = None) -> CoreCircuit:
+    """The fewest heads (and MLPs) whose node view is enough (f's lower 95 % end ≥ ``threshold`` on ``task``'s rows;
+    ``margin="none"``: f itself), found by backward elimination from ``scores``' node scores, re-estimated at each
+    accepted set (module docstring). ``scores``: ``qk.edge_scores`` or ``qk.node_scores`` of ``task``.
+    ``mlps=False``: every MLP stays clean and only heads are searched. ``holdout``: a Task of other prompts of the
+    same behaviour: the core's f is measured there too (``CoreCircuit.holdout``). ``seed``: the bootstrap's.
+    ``backend`` as in ``edge_scores`` (on Ray, every measured set is summed over prompt shards)."""
     from .shards import check_task
 
     check_plain(scores)
+    _check_margin(margin)
     if backend is not None:
         from .._foundation.backends import as_backend
 
         return as_backend(backend).run("core_circuit", model, local=core_circuit, task=task, scores=scores,
-                                       threshold=threshold, by=by, mlps=mlps, prune=prune,
-                                       rows_per_shard=rows_per_shard, progress=progress)
+                                       threshold=threshold, by=by, mlps=mlps, prune=prune, margin=margin,
+                                       holdout=holdout, seed=seed, rows_per_shard=rows_per_shard, progress=progress)
     check_task(model, task)
-    views = NodeViews(model, task, rows_per_shard, clean=known_clean(model, task, scores))
-    return build_core(views.g, task, scores, lambda sets: views.metrics(sets), lambda: (views.clean, views.corrupt),
-                      threshold=threshold, by=by, mlps=mlps, prune=prune, progress=progress,
+    views = NodeViews(model, task, rows_per_shard)
+    if holdout is not None and not isinstance(holdout, NodeViews):
+        check_task(model, holdout)
+    # a NodeViews of held-out rows is shared by callers judging several cores there (its corrupt and clean
+    # runs made once): ``stability``
+    held = holdout if isinstance(holdout, NodeViews) or holdout is None else NodeViews(model, holdout)
+    return build_core(views.g, task, scores, views, held, threshold=threshold, by=by, mlps=mlps, prune=prune,
+                      margin=margin, seed=seed, progress=progress,
                       settings={"rows_per_shard": views.rows, "node_run": "z" if views.fast else "patched"})
+
+
+def _check_margin(margin: str) -> None:
+    if margin not in MARGINS:
+        raise QKCircuitsError(f"margin must be one of {', '.join(MARGINS)} (interval: the lower end of f's 95 % "
+                              f"interval must reach the threshold; none: f itself), got {margin!r}")
 
 
 def known_clean(model, task: Task, scores) -> Optional[float]:
@@ -388,54 +425,87 @@ def node_scores_of(scores) -> Dict[str, float]:
     raise QKCircuitsError(f"scores must be qk.edge_scores(...) or qk.node_scores(...), got {type(scores).__name__}")
 
 
-def build_core(g: Graph, task: Task, scores, metrics: Callable[[Sequence[NodeSet]], List[float]],
-               ends: Callable[[], Tuple[float, float]], *, threshold: Real, by: str, mlps: bool, prune: bool,
-               progress: bool, settings: Dict[str, object]) -> CoreCircuit:
-    """The search of ``core_circuit`` on any way of measuring: ``metrics(sets)`` gives the metric means of
-    (heads, MLPs) sets, ``ends()`` then (m(clean), m(corrupt)). Local: ``NodeViews``; Ray: ``ray_tasks``."""
+def build_core(g: Graph, task: Task, scores, measure, held=None, *, threshold: Real, by: str, mlps: bool,
+               prune: bool, margin: str = "interval", seed: int = 0, progress: bool = True,
+               settings: Optional[Dict[str, object]] = None) -> CoreCircuit:
+    """The search of ``core_circuit`` on any way of measuring node views (``measure``: ``NodeViews`` here, its Ray
+    twin on prompt shards; ``held``: the same on held-out rows, or None)."""
     from tqdm.auto import tqdm
 
     if isinstance(threshold, bool) or not isinstance(threshold, Real) or not 0 < float(threshold) <= 1:
         raise QKCircuitsError(f"threshold must be a number in (0, 1], got {threshold!r}")
+    _check_margin(margin)
     t0 = time.perf_counter()
     sign = 1.0 if task.higher_is_better else -1.0
-    ranking = rank(node_scores_of(scores), sign, by, mlps and g.has_mlp)
+    searched = mlps and g.has_mlp
+    ranking0 = rank(node_scores_of(scores), sign, by, searched)
     all_mlps = [f"mlp{L}" for L in range(g.n_layers)] if g.has_mlp else []
+    candidates = [n for n, _ in ranking0]
+    fixed = [m for m in all_mlps if m not in set(candidates)]
+    costs = {n: (abs(v) if by == "abs" else sign * v) if math.isfinite(v) else math.inf for n, v in ranking0}
+    judge = Judge(measure.clean_rows(), measure.corrupt_rows(), float(threshold), margin, BOOTSTRAP, seed)
     bar = tqdm(desc="core circuit", unit="set", disable=not progress, leave=False, file=sys.stderr)
-    measured = [0]
-
-    def f_of(node_lists: Sequence[Sequence[str]]) -> List[float]:
-        sets = [(tuple(n for n in ns if _is_head(n)), tuple(n for n in ns if n.startswith("mlp"))) for ns in node_lists]
-        values = metrics(sets)
-        clean, corrupt = ends()
-        bar.update(len(sets))
-        measured[0] += len(sets)
-        return [ratio(v, clean, corrupt) for v in values]
-
     try:
-        nodes, f, curve, dropped, what = search([n for n, _ in ranking], all_mlps, f_of, float(threshold), prune)
+        found = search(candidates, fixed, costs, measure, judge, sign, prune, bar)
+        nodes = found["nodes"]
+        # the ranking: the core by its last cost, then the dropped chunks, last dropped first
+        final = found["costs"]
+        order = sorted(nodes, key=lambda n: -final.get(n, 0.0))
+        for chunk in reversed(found["chunks"]):
+            order += chunk
+        order += [n for n in candidates if n not in set(order)]
+        ranking = [(n, float(final.get(n, costs.get(n, 0.0)))) for n in order]
+        # the curve: the accepted sets (prefixes of the ranking) and the small prefixes of the core
+        n_core = sum(_is_head(n) for n in nodes)
+        small = [k for k in [0] + grid(n_core) if k < n_core]
+        sets = [prefix(order, k) for k in small]
+        fs, _, _ = judge(measure.sets([(tuple(n for n in p if _is_head(n)),
+                                        tuple(n for n in list(p) + fixed if n.startswith("mlp"))) for p in sets]))
+        bar.update(len(sets))
     finally:
         bar.close()
-    clean, corrupt = ends()
+    curve = {k: f for k, f in zip(small, fs)}
+    for ns, f, _ in reversed(found["path"]):
+        curve[sum(_is_head(n) for n in ns)] = f
+    curve = dict(sorted(curve.items()))
     heads = sorted((n for n in nodes if _is_head(n)), key=_head_key)
-    kept_mlps = sorted((n for n in nodes if n.startswith("mlp")), key=lambda m: int(m[3:]))
-    how = _how(scores, by, mlps and g.has_mlp, g.has_mlp, threshold, what, heads, kept_mlps, dropped, prune)
-    return CoreCircuit(heads, kept_mlps, f, curve, how, ranking, dropped, clean, corrupt, float(threshold),
+    kept_mlps = sorted(set(n for n in nodes if n.startswith("mlp")) | set(fixed), key=lambda m: int(m[3:]))
+    hold: Dict[str, object] = {}
+    if held is not None:
+        hc, hz = held.clean_rows(), held.corrupt_rows()
+        rows = held.sets([(tuple(heads), tuple(kept_mlps) if g.has_mlp else None)])
+        hj = Judge(hc, hz, float(threshold), margin, BOOTSTRAP, seed)
+        (hf,), (hlo,), (hhi,) = hj(rows)
+        hold = {"n": int(hc.shape[0]), "f": hf, "interval": [hlo, hhi], "clean": hj.c, "corrupt": hj.z,
+                "enough": bool(hj.enough(hf, hlo))}
+    dropped = [n for chunk in found["chunks"] for n in chunk]
+    how = _how(scores, by, searched, g.has_mlp, float(threshold), margin, found["what"], heads, kept_mlps, dropped,
+               prune, measure.attribute is not None and getattr(measure, "fast", True))
+    forwards = float(getattr(measure, "forwards", float("nan"))) + float(getattr(held, "forwards", 0.0) or 0.0)
+    return CoreCircuit(heads, kept_mlps, found["f"], curve, how, ranking, dropped, judge.c, judge.z, float(threshold),
                        getattr(scores, "model", ""),
-                       {"by": by, "mlps": "searched" if mlps and g.has_mlp else "clean", "prune": prune,
-                        "method": getattr(scores, "method", ""), "sets_measured": measured[0], **settings},
-                       {"core_s": round(time.perf_counter() - t0, 3)})
+                       {"by": by, "mlps": "searched" if searched else "clean", "prune": prune,
+                        "method": getattr(scores, "method", ""), "rows": int(judge.clean.shape[0]),
+                        "sets_measured": int(getattr(measure, "sets_measured", 0)), "forwards": round(forwards, 2),
+                        "bootstrap": BOOTSTRAP, "seed": seed, **(settings or {})},
+                       {"core_s": round(time.perf_counter() - t0, 3)}, [found["lo"], found["hi"]], hold, margin,
+                       {n: float(v) for n, v in found["needed"].items()},
+                       [[sum(_is_head(n) for n in ns), sum(n.startswith("mlp") for n in ns), f, lo]
+                        for ns, f, lo in found["path"]])
 
 
-def _how(scores, by: str, mlps: bool, has_mlp: bool, threshold: Real, what: str, heads: List[str],
-         kept_mlps: List[str], dropped: List[str], prune: bool) -> str:
+def _how(scores, by: str, mlps: bool, has_mlp: bool, threshold: float, margin: str, what: str, heads: List[str],
+         kept_mlps: List[str], dropped: List[str], prune: bool, relinearised: bool) -> str:
     method = str(getattr(scores, "method", "") or "").upper()
-    ranked = f"heads{' and MLPs' if mlps else ''} ranked by {by} {method + ' ' if method else ''}node score"
+    crit = (f"the lower end of f's 95 % interval on these rows >= {threshold:g}" if margin == "interval"
+            else f"f >= {threshold:g}")
     clean_mlps = " (every MLP kept clean)" if has_mlp and not mlps else ""
-    if what == "no prefix reaches":
-        return f"{ranked}; no prefix reaches node f >= {threshold:g}, so the core is every node{clean_mlps}"
-    pruned = (f", then {len(dropped)} node{'s' if len(dropped) != 1 else ''} dropped while f stayed >= {threshold:g}"
-              if prune else "")
+    if what == "not enough":
+        return (f"even every node is not enough ({crit} fails for the clean run itself: too few rows or a "
+                f"behaviour the model does not show), so the core is every node{clean_mlps}")
+    start = f"heads{' and MLPs' if mlps else ''} ranked by {by} {method + ' ' if method else ''}node score"
+    again = ", re-estimated at each accepted set by one forward and backward there" if relinearised else ""
     mlp_part = f" + {len(kept_mlps)} MLPs" if mlps else clean_mlps
-    return (f"{ranked} (sum of outgoing edge scores); grown along the ranking until node f >= {threshold:g} "
-            f"({what}){pruned}: {len(heads)} heads{mlp_part}")
+    need = "; every node left is needed (each dropped alone, measured)" if prune else ""
+    return (f"{start}{again}; {len(dropped)} nodes dropped, cheapest first, while {crit}: "
+            f"{len(heads)} heads{mlp_part}{need}")

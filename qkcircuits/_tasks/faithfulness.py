@@ -85,11 +85,18 @@ class Faithfulness(Result):
     timing: Dict[str, float] = field(default_factory=dict)
     # bootstrap intervals over prompts (``bootstrap.bootstrap_curve``; empty without ``bootstrap=``)
     bootstrap: Dict[str, object] = field(default_factory=dict)
+    # the same circuits measured on held-out rows (``faithfulness(holdout=...)``): {n, clean, corrupt, curve,
+    # cpr, cmd, node_faithfulness, bootstrap}; empty without one
+    holdout: Dict[str, object] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, object]:
         from .._foundation.io import json_number
 
         extra = {"bootstrap": _finite(self.bootstrap)} if self.bootstrap else {}
+        if self.holdout:
+            h = dict(self.holdout)
+            h["curve"] = {str(k): v for k, v in h.get("curve", {}).items()}
+            extra["holdout"] = _finite(h)
         return {"schema": SCHEMA, "model": self.model, "clean": json_number(self.clean),
                 "corrupt": json_number(self.corrupt), "curve": {str(k): json_number(v) for k, v in self.curve.items()},
                 "metric_values": {str(k): json_number(v) for k, v in self.metric_values.items()},
@@ -108,7 +115,8 @@ class Faithfulness(Result):
                    {float(k): int(v) for k, v in d["n_edges"].items()}, num(d["clean"]), num(d["corrupt"]),
                    num(d["cpr"]), num(d["cmd"]), float(d["chosen_percent"]), c,
                    num(d["circuit"].get("node_faithfulness")), c.heads, str(d.get("model", "")),
-                   dict(d.get("settings", {})), dict(d.get("timing", {})), dict(d.get("bootstrap") or {}))
+                   dict(d.get("settings", {})), dict(d.get("timing", {})), dict(d.get("bootstrap") or {}),
+                   _holdout_from(d.get("holdout")))
 
     @property
     def reached(self) -> bool:
@@ -139,6 +147,20 @@ class Faithfulness(Result):
 
         return f"<p>{html.escape(self._text())}</p>"
 
+
+
+def _holdout_from(h) -> Dict[str, object]:
+    """The ``holdout`` entry read back (percent keys as floats, null numbers as NaN)."""
+    from .._foundation.io import read_float as num
+
+    if not h:
+        return {}
+    out = dict(h)
+    out["curve"] = {float(k): num(v) for k, v in dict(h.get("curve") or {}).items()}
+    for k in ("clean", "corrupt", "cpr", "cmd", "node_faithfulness"):
+        if k in out:
+            out[k] = num(out[k])
+    return out
 
 
 def _finite(o):
@@ -341,7 +363,8 @@ def _check_graph_of(model, task: Task, g: Graph) -> None:
 
 def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by: str = "signed",
                  how: str = "top", threshold: Real = THRESHOLD, rows_per_shard: Optional[int] = None,
-                 progress: bool = True, backend: Any = None, bootstrap: int = 0, seed: int = 0) -> Faithfulness:
+                 progress: bool = True, backend: Any = None, bootstrap: int = 0, seed: int = 0,
+                 holdout: Optional[Task] = None) -> Faithfulness:
     """The faithfulness curve over ``sizes`` (percent of edges, truncated to whole edges as MIB does), CPR/CMD,
     the chosen circuit (the smallest grid size with f ≥ ``threshold``, else the largest, with a warning: no size
     below 100 % reaching it means no circuit) and its node view (module docstring). ``scores`` are read, never
@@ -353,7 +376,10 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     is summed over prompt shards and f computed once from the sums (``qkcircuits._scale.ray_tasks``).
     ``bootstrap``: that many resamples of the prompt rows (seeded by ``seed``) give 95 % intervals of each f,
     CPR and CMD from the per-row metrics, with no model run per resample (``bootstrap.py``; the clean rows
-    are then run even when the scores measured m(clean))."""
+    are then run even when the scores measured m(clean)). ``holdout``: a Task of other prompts of the same
+    behaviour: the grid's circuits (chosen on ``task``) are measured there too, with 95 % intervals over its rows
+    (``bootstrap`` resamples, at least 200; no model run per resample), in ``Faithfulness.holdout`` — the
+    numbers to report, since the circuits were not chosen on those rows."""
     from .bootstrap import check_bootstrap
     from .shards import check_task, shard_rows
 
@@ -365,6 +391,8 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
         if isinstance(sg, Graph) and (sg.ungrouped or sg.positions):
             raise QKCircuitsError("the ungrouped and position-aware graphs run in this process only (backend=None)")
         extra = {"bootstrap": bootstrap, "seed": seed} if bootstrap else {}
+        if holdout is not None:
+            extra["holdout"] = holdout
         return as_backend(backend).run("faithfulness", model, local=faithfulness, task=task, scores=scores,
                                        sizes=sizes, by=by, how=how, threshold=threshold, rows_per_shard=rows_per_shard,
                                        progress=progress, **extra)
@@ -396,9 +424,37 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     t1 = time.perf_counter()
     nf = node_faithfulness(model, task, circuit.heads, rows, clean=clean, records=records)
     del records
-    return finish(sizes, circuits, values, clean, corrupt, curve, chosen, circuit, nf, getattr(scores, "model", ""),
-                  {"by": by, "how": how, "threshold": threshold, "rows_per_shard": rows}, t0, t1, per_row, bootstrap,
-                  seed, threshold)
+    out = finish(sizes, circuits, values, clean, corrupt, curve, chosen, circuit, nf, getattr(scores, "model", ""),
+                 {"by": by, "how": how, "threshold": threshold, "rows_per_shard": rows}, t0, t1, per_row, bootstrap,
+                 seed, threshold)
+    if holdout is not None:
+        check_task(model, holdout)
+        out.holdout = held_out(model, holdout, circuits, sizes, circuit, g, max(bootstrap, HELD_BOOTSTRAP), seed)
+    return out
+
+
+HELD_BOOTSTRAP = 200
+
+
+def held_out(model, holdout: Task, circuits: List, sizes: List[float], chosen, g: Graph, bootstrap: int,
+             seed: int) -> Dict[str, object]:
+    """The grid's circuits (and the chosen one's node view) measured on held-out rows, with bootstrap intervals."""
+    from .bootstrap import bootstrap_curve
+    from .shards import shard_rows
+
+    held = with_reference(model, holdout.to(model.W_E.device))
+    rows = shard_rows(model, g, held, buffers=3)
+    records: Optional[Dict[int, Record]] = {} if rows >= held.n else None
+    per: Dict[str, Tensor] = {}
+    values, clean, corrupt = circuit_metric(model, held, [c.mask if c.position_mask is None else c.position_mask
+                                                          for c in circuits], rows, records=records, g=g, per_row=per)
+    curve = {p: ratio(v, clean, corrupt) for p, v in zip(sizes, values)}
+    xs = [p / 100 for p in sizes]
+    f = list(curve.values())
+    nf = node_faithfulness(model, held, chosen.heads, rows, clean=clean, records=records)
+    return {"n": held.n, "clean": clean, "corrupt": corrupt, "curve": curve, "cpr": _area(xs, f),
+            "cmd": _area(xs, [abs(1 - v) for v in f]), "node_faithfulness": nf,
+            "bootstrap": bootstrap_curve(xs, per["masks"], per["clean"], per["corrupt"], bootstrap, seed)}
 
 
 def choose(sizes: List[float], circuits: List, values: List[float], clean: float, corrupt: float,

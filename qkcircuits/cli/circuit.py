@@ -33,6 +33,7 @@ from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
 from .._foundation.metric_table import names
+from .._tasks.holdout import HOLDOUT
 from ._common import add_model_args, metric_arg, non_negative_int, output_arg, positive_int
 
 SCHEMA = "qkcircuits.circuit/1"
@@ -49,6 +50,17 @@ def _percent(text: str) -> float:
         v = -1.0
     if not 0 < v <= 100:
         raise argparse.ArgumentTypeError(f"expected a percent in (0, 100], got {text!r}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction of the prompts in [0, 1) (0: no held-out part), got "
+                                         f"{text!r}")
     return v
 
 
@@ -106,6 +118,14 @@ def add_parser(sub) -> None:
     p.add_argument("--core-mlps", choices=("searched", "clean"), default="searched",
                    help="searched (default): MLPs are nodes of the core like heads (one left out gives its "
                         "corrupt output); clean: every MLP stays clean and only heads are searched")
+    p.add_argument("--holdout", type=_fraction, default=HOLDOUT, metavar="FRACTION",
+                   help="the part of the prompts held out (default 1/3; 0: none): edges, the core and the roles are "
+                        "chosen on the rest, f, CPR/CMD and node f reported on these (ioi/induction: a fresh draw "
+                        "of the generator; a .jsonl: a seeded random part of its rows)")
+    p.add_argument("--resamples", type=non_negative_int, default=0, metavar="N",
+                   help="N independent draws of the prompts (the first is the selection part; ioi leaves one "
+                        "sentence frame out per draw, a .jsonl is resampled): how often each node is in the core, "
+                        "Jaccard between draws, roles with their frequency, the stable core (this process only)")
     p.add_argument("--bootstrap", type=non_negative_int, default=0, metavar="N",
                    help="N resamples of the prompts give 95%% intervals of the curve, CPR and CMD (no model run "
                         "per resample; default 0: none)")
@@ -146,12 +166,24 @@ def backend(args: argparse.Namespace):
 
 
 def task_step(model, *, task: str, n: int, seed: int, prepend_bos=None, metric: str = "logit-diff",
-              gqa: str = "grouped", positions: bool = False):
-    """The step "task": the task built with this model's tokenizer, and the graph its edges are scored on."""
+              holdout: float = 0.0, gqa: str = "grouped", positions: bool = False):
+    """The step "task": the task built with this model's tokenizer (its selection part, and its held-out part or
+    None: ``holdout.Source.parts``), and the graph its edges are scored on."""
+    from .._tasks.holdout import Source
     from .._tasks.scores import task_graph
 
-    built = build_task(model, task, n, seed, prepend_bos, metric)
-    return built, task_graph(model, built, gqa, positions)
+    sel, held = Source.of(model, task, n, seed, prepend_bos, metric).parts(holdout)
+    return sel, held, task_graph(model, sel, gqa, positions)
+
+
+def stability_step(model, *, task: str, n: int, seed: int, prepend_bos=None, metric: str = "logit-diff",
+                   sel, held, resamples: int, first, percent: float, progress: bool = True, **kw):
+    """The step "stability": ``resamples`` draws of the prompts (``_tasks.stability``), draw 0 being ``first``."""
+    from .._tasks.holdout import Source
+    from .._tasks.stability import stability
+
+    source = Source.of(model, task, n, seed, prepend_bos, metric)
+    return stability(model, source, sel, held, resamples, first=first, percent=percent, progress=progress, **kw)
 
 
 def circuit_faithfulness_step(model, *, task, circuit, graph, progress: bool = True):
@@ -194,6 +226,10 @@ def run(args: argparse.Namespace) -> int:
                               "--bos auto or yes")
     if args.ray is not None and (args.gqa != "grouped" or args.positions):
         raise QKCircuitsError("--gqa ungrouped and --positions run in this process only (not with --ray)")
+    if args.resamples and args.ray is not None:
+        raise QKCircuitsError("--resamples runs in this process only (not with --ray)")
+    if args.resamples and (args.no_core or args.positions):
+        raise QKCircuitsError("--resamples compares the draws' core circuits: not with --no-core or --positions")
     t0 = time.perf_counter()
     with backend(args).pool(args.model) as pool:      # the model loaded once (here, or on each Ray worker)
         return _run(args, pool, t0)
@@ -231,11 +267,16 @@ def _run(args: argparse.Namespace, pool, t0: float) -> int:
     from .._tasks.task import bos_mode_arg, does_the_task, not_done_message
 
     progress = not args.quiet
-    task, g = pool.run("task", local=task_step, task=args.task, n=args.n, seed=args.seed,
-                       prepend_bos=bos_mode_arg(args.bos), metric=args.metric, **_graph_kw(args))
+    task, held, g = pool.run("task", local=task_step, task=args.task, n=args.n, seed=args.seed,
+                             prepend_bos=bos_mode_arg(args.bos), metric=args.metric, holdout=args.holdout,
+                             **_graph_kw(args))
     t_load = time.perf_counter() - t0
-    header = (f"{args.model}: task {task.name}, {task.n} prompts x {task.clean.shape[1]} tokens, {bos_text(task, pool, args)}"
-              f", metric {task.metric_name}; graph {g.n_nodes} nodes, {g.n_edges} edges"
+    n_all = task.n + (held.n if held is not None else 0)
+    split = (f" ({task.n} to choose the circuit on, {held.n} held out to judge it: "
+             f"{'a fresh draw' if args.task in ('ioi', 'induction') else 'a seeded random part of the file'})"
+             if held is not None else " (no held-out part: chosen and judged on the same prompts)")
+    header = (f"{args.model}: task {task.name}, {n_all} prompts x {task.clean.shape[1]} tokens{split}, "
+              f"{bos_text(task, pool, args)}, metric {task.metric_name}; graph {g.n_nodes} nodes, {g.n_edges} edges"
               + (f"; on Ray, {pool.workers.size} workers" if args.ray is not None else ""))
     print(header, file=sys.stderr, flush=True)             # the first line: the BOS is said before anything runs
     warned = []
@@ -245,6 +286,7 @@ def _run(args: argparse.Namespace, pool, t0: float) -> int:
         warned.append(line)
         print(f"warning: {line}", file=sys.stderr, flush=True)
 
+    hold = {"holdout": held} if held is not None else {}
     with _quiet_python_warnings():
         t1 = time.perf_counter()
         scores = pool.run("edge_scores", local=edge_scores, task=task, method=args.method, steps=args.steps,
@@ -261,10 +303,10 @@ def _run(args: argparse.Namespace, pool, t0: float) -> int:
         # (core_circuit refuses it) and none named when the model does not do the task, unless --force
         if not args.no_core and not g.positions and (args.force or (done and not undefined)):
             core = pool.run("core_circuit", local=core_circuit, task=task, scores=scores,
-                            mlps=args.core_mlps == "searched", progress=progress)
+                            mlps=args.core_mlps == "searched", progress=progress, **hold)
         t_core = time.perf_counter()
         faith = pool.run("faithfulness", local=faithfulness, task=task, scores=scores, by=args.by, how=args.how,
-                         progress=progress, **({"bootstrap": args.bootstrap} if args.bootstrap else {}))
+                         progress=progress, **({"bootstrap": args.bootstrap} if args.bootstrap else {}), **hold)
         t3 = time.perf_counter()
         explicit = args.edges is not None or args.percent is not None
         if done and not undefined and not explicit and not faith.reached:
@@ -274,10 +316,14 @@ def _run(args: argparse.Namespace, pool, t0: float) -> int:
             sign = _sign_check(args, pool, task, scores, warn_now)
         t_sign = time.perf_counter()
         named = args.force or (done and not undefined and (explicit or faith.reached))
+        judged = held if held is not None else task          # the rows f is reported on
         if explicit:
             circ = scores.circuit(edges=args.edges, percent=args.percent, by=args.by, how=args.how)
-            f_circ, node_f = pool.run("circuit_faithfulness", local=circuit_faithfulness_step, task=task,
+            f_circ, node_f = pool.run("circuit_faithfulness", local=circuit_faithfulness_step, task=judged,
                                       circuit=circ, graph=g, progress=progress)
+        elif held is not None:
+            circ = faith.circuit
+            f_circ, node_f = faith.holdout["curve"][faith.chosen_percent], faith.holdout["node_faithfulness"]
         else:
             circ, f_circ, node_f = faith.circuit, faith.curve[faith.chosen_percent], faith.node_faithfulness
         t4 = time.perf_counter()
@@ -294,36 +340,62 @@ def _run(args: argparse.Namespace, pool, t0: float) -> int:
                    "no grid size below 100% reaches f >= 0.8 (warning above)")
             roles = Roles({}, task.name, {"not_named": f"{why}; --force names them anyway"})
         t5 = time.perf_counter()
+        stab = None
+        if args.resamples and core is not None:
+            stab = pool.run("stability", local=stability_step, task=args.task, n=args.n, seed=args.seed,
+                            prepend_bos=bos_mode_arg(args.bos), metric=args.metric, sel=task, held=held,
+                            resamples=args.resamples, first={"scores": scores, "core": core, "roles": roles},
+                            percent=faith.chosen_percent, progress=progress, method=args.method, steps=args.steps,
+                            rule=args.rule, by=args.by, mlps=args.core_mlps == "searched")
+        t6 = time.perf_counter()
+    # the means over every row of the task (the selection and the held-out part)
+    clean_all, corrupt_all = scores.clean, scores.corrupt
+    if held is not None and faith.holdout:
+        clean_all = (scores.clean * task.n + faith.holdout["clean"] * held.n) / n_all
+        corrupt_all = (scores.corrupt * task.n + faith.holdout["corrupt"] * held.n) / n_all
     lines = [f"warning: {w}" for w in warned] + [header,
-             f"  clean {task.metric_name} {scores.clean:.4f}, corrupt {scores.corrupt:.4f}"]
+             f"  clean {task.metric_name} {clean_all:.4f}, corrupt {corrupt_all:.4f} (every prompt)"]
     if core is not None:
         lines += core_lines(core)
         lines.append("  roles (the core's heads, and heads outside it whose direct or node effect reaches 5 %):")
         lines += [f"  {line}" for line in roles.sentences()]
+        if stab is not None:
+            lines += [f"  {line}" for line in stab.lines()]
         lines.append("  edge circuit:")
     elif g.positions and not args.no_core:
         lines.append("  core circuit: none on the position-aware graph (the core's nodes are heads at every position)")
+    report = faith.holdout if held is not None else None     # the numbers reported: held-out when there is a part
+    curve = report["curve"] if report else faith.curve
+    cpr, cmd = (report["cpr"], report["cmd"]) if report else (faith.cpr, faith.cmd)
+    b = report["bootstrap"] if report else faith.bootstrap
+    where = f" on the {held.n} held-out prompts" if report else ""
     if undefined:                         # f = (m − m(corrupt)) / (m(clean) − m(corrupt)) has no value
         lines.append(f"  faithfulness is undefined: clean and corrupt {task.metric_name} are equal ({scores.clean:.4g});"
                      f" the curve, CPR and CMD are NaN (null in the JSON)")
     else:
-        lines.append("  faithfulness f by percent of edges: " + ", ".join(f"{k:g}%: {v:.3f}" for k, v in faith.curve.items()))
-        b = faith.bootstrap
+        lines.append(f"  faithfulness f by percent of edges{where}: " + ", ".join(f"{k:g}%: {v:.3f}" for k, v in curve.items()))
+        if report:
+            lines.append(f"    on the {task.n} selection prompts (where the circuit was chosen): "
+                         + ", ".join(f"{k:g}%: {v:.3f}" for k, v in faith.curve.items()))
         ci = (lambda key: f" [{100 * b['level']:g} % interval {b[key][0]:.3f}-{b[key][1]:.3f}]") if b else (lambda key: "")
-        lines.append(f"  CPR {faith.cpr:.3f}{ci('cpr')} (higher is better), CMD {faith.cmd:.3f}{ci('cmd')} (lower is "
-                     f"better)" + (f"; intervals from {b['n']} resamples of the prompts" if b else ""))
+        lines.append(f"  CPR {cpr:.3f}{ci('cpr')} (higher is better), CMD {cmd:.3f}{ci('cmd')} (lower is "
+                     f"better){where}" + (f"; intervals from {b['n']} resamples of the prompts" if b else "")
+                     + (f"; on the selection prompts CPR {faith.cpr:.3f}, CMD {faith.cmd:.3f}" if report else ""))
     how = (f"{args.edges} edges requested" if args.edges is not None else f"{args.percent:g}% requested"
-           if args.percent is not None else f"smallest grid size with f >= 0.8: {faith.chosen_percent:g}%"
-           if faith.reached else f"f undefined: the largest grid size, {faith.chosen_percent:g}%" if undefined else
+           if args.percent is not None else f"smallest grid size with f >= 0.8 on the selection prompts: "
+           f"{faith.chosen_percent:g}%" if faith.reached else f"f undefined: the largest grid size, "
+           f"{faith.chosen_percent:g}%" if undefined else
            f"no grid size below 100% reaches f >= 0.8: the largest, {faith.chosen_percent:g}%")
     if named:
-        lines.append(f"  circuit ({how}): {circ.n_edges} edges after pruning, f {f_circ:.3f}; {len(circ.heads)} heads, "
-                     f"node view f {node_f:.3f} (every other head's output corrupted)")
+        f_sel = faith.curve.get(faith.chosen_percent) if not explicit else None
+        sel_part = (f" (selection {f_sel:.3f})" if report and f_sel is not None else "")
+        lines.append(f"  circuit ({how}): {circ.n_edges} edges after pruning, f {f_circ:.3f}{where}{sel_part}; "
+                     f"{len(circ.heads)} heads, node view f {node_f:.3f} (every other head's output corrupted)")
         lines += [f"    {s:>7} -> {r:<8} {x:<3} {v:+.4f}" for s, r, x, v in circ.edges()[:10]]
         if circ.position_mask is not None:
-            where = circ.position_nodes
-            lines.append(f"  where its nodes act ({len(where)} node@position): {', '.join(where[:24])}"
-                         f"{' …' if len(where) > 24 else ''}")
+            where_nodes = circ.position_nodes
+            lines.append(f"  where its nodes act ({len(where_nodes)} node@position): {', '.join(where_nodes[:24])}"
+                         f"{' …' if len(where_nodes) > 24 else ''}")
     else:
         lines.append(f"  no circuit named ({how}): " + (
             "the model does not do the task" if not done or undefined else "it would be the whole graph")
@@ -334,24 +406,32 @@ def _run(args: argparse.Namespace, pool, t0: float) -> int:
     timing = {"load_s": round(t_load, 2), "edge_scores_s": round(t2 - t1, 2), "core_s": round(t_core - t2, 2),
               "faithfulness_s": round(t3 - t_core, 2),
               "sign_check_s": round(t_sign - t3, 2), "circuit_s": round(t4 - t_sign, 2), "roles_s": round(t5 - t4, 2),
-              "total_s": round(t5 - t0, 2)}
+              "stability_s": round(t6 - t5, 2), "total_s": round(t6 - t0, 2)}
     circuit = {**circ.to_dict(), "faithfulness": f_circ, "node_faithfulness": node_f, "named": bool(named)}
+    if report and not explicit:
+        circuit["selection_faithfulness"] = faith.curve[faith.chosen_percent]
+        circuit["selection_node_faithfulness"] = faith.node_faithfulness
     if not named:                       # the edges of no circuit are not drawn as one (the CSV keeps every score)
         circuit.update(edges=[], heads=[], mlps=[], n_edges=0, **({"position_nodes": []} if "position_nodes" in circuit
                                                                    else {}))
-    data = {"schema": SCHEMA, "model": args.model, "task": task.name, "n_prompts": task.n,
-            "metric": task.metric_name, "clean": scores.clean, "corrupt": scores.corrupt, "method": args.method,
-            "steps": scores.steps, "rule": scores.rule, "curve": {f"{k:g}": v for k, v in faith.curve.items()},
-            "cpr": faith.cpr, "cmd": faith.cmd, "circuit": circuit, "roles": dict(roles.roles),
+    data = {"schema": SCHEMA, "model": args.model, "task": task.name, "n_prompts": n_all,
+            "metric": task.metric_name, "clean": clean_all, "corrupt": corrupt_all, "method": args.method,
+            "steps": scores.steps, "rule": scores.rule, "curve": {f"{k:g}": v for k, v in curve.items()},
+            "cpr": cpr, "cmd": cmd, "circuit": circuit, "roles": dict(roles.roles),
             "roles_of": "core" if core is not None else "circuit" if named else None, "warnings": warned,
             "timing": timing, "bos": task.bos_info(), "bos_prepended": bool(task.bos), "graph": g.to_dict(),
             "n_edges_by_percent": {f"{k:g}": v for k, v in faith.n_edges.items()},
             "chosen_percent": faith.chosen_percent, "by": args.by, "how": args.how, "force": bool(args.force),
-            "positions": sorted(task.positions), "versions": scores.settings.get("versions", {})}
+            "positions": sorted(task.positions), "versions": scores.settings.get("versions", {}),
+            "holdout": _holdout_json(args, task, held),
+            "selection": {"n": task.n, "clean": scores.clean, "corrupt": scores.corrupt,
+                          "curve": {f"{k:g}": v for k, v in faith.curve.items()}, "cpr": faith.cpr, "cmd": faith.cmd}}
     if core is not None:
         data["core"] = core_json(core)
-    if faith.bootstrap:
-        data["bootstrap"] = faith.bootstrap
+    if b:
+        data["bootstrap"] = b
+    if stab is not None:
+        data["stability"] = stab.to_dict()
     if sign is not None:
         data["sign_check"] = sign
     if args.timing:
@@ -362,11 +442,22 @@ def _run(args: argparse.Namespace, pool, t0: float) -> int:
     return 0
 
 
+def _holdout_json(args, task, held) -> dict:
+    """The ``holdout`` key: how the prompts were split (docs/tasks.md)."""
+    if held is None:
+        return {"fraction": 0.0, "n": 0, "how": "none: chosen and judged on the same prompts"}
+    fresh = args.task in ("ioi", "induction")
+    return {"fraction": args.holdout, "n": held.n, "selection_n": task.n,
+            "how": "a fresh draw of the generator" if fresh else "a seeded random part of the file's rows",
+            "seed": args.seed + (1_000_003 if fresh else 0)}
+
+
 def core_json(core) -> dict:
     """The ``core`` key of the circuit JSON (docs/tasks.md): heads, mlps, node_faithfulness, curve {heads in the
     ranked prefix: f}, how, and the search's settings."""
     d = core.to_dict()
-    keep = ("heads", "mlps", "node_faithfulness", "curve", "how", "threshold", "pruned")
+    keep = ("heads", "mlps", "node_faithfulness", "interval", "holdout", "margin", "curve", "how", "threshold",
+            "pruned", "needed", "path")
     return {**{k: d[k] for k in keep}, "by": core.settings.get("by"), "mlps_searched": core.settings.get("mlps") == "searched",
             "sets_measured": core.settings.get("sets_measured"), "seconds": core.timing.get("core_s")}
 
@@ -374,11 +465,12 @@ def core_json(core) -> dict:
 def core_lines(core) -> list:
     """The summary's lines of the core circuit: its size and node f, its nodes, how it was found, the grow curve."""
     mlps = f" + {len(core.mlps)} MLPs" if core.mlps and core.settings.get("mlps") == "searched" else ""
-    return [f"  core circuit: {len(core.heads)} heads{mlps}, node f {core.node_faithfulness:.3f} (every other head"
+    return [f"  core circuit: {len(core.heads)} heads{mlps}, {core.f_text()} (every other head"
             f"{' and MLP' if mlps else ''} gives its corrupt output)",
             f"    heads {', '.join(core.heads)}" + (f"; MLPs {', '.join(core.mlps)}" if mlps else ""),
             f"    how: {core.how}",
-            "    f by heads in the ranked prefix: " + ", ".join(f"{k}: {v:.3f}" for k, v in core.curve.items())]
+            "    f by heads in the ranked prefix (selection prompts): "
+            + ", ".join(f"{k}: {v:.3f}" for k, v in core.curve.items())]
 
 
 def _graph_kw(args) -> dict:
