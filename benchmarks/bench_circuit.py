@@ -9,6 +9,11 @@ forward is re-timed around every run: each run's ratio is to the mean of the for
 (printed per run: ``--repeats`` runs of each method, the first a fresh call, the others warm), and the table's
 seconds are the fastest run against the median forward. Targets: EAP <= 4 forwards, EAP-IG(5) <= 20, the curve <= 12 (printed on its own too: the
 node view is one more patched forward, not part of the curve).
+
+``--whole`` (issue 41 ask 4) instead runs the whole ``qkcircuits circuit MODEL --task ioi`` command in this process
+(``--n`` prompts, the default held-out third) and then ``--resamples 5``, and prints each step's seconds (the
+command's own ``--timing``) in plain forwards of the ``--n`` prompts, timed before and after in the same
+process. Targets: the whole command <= 60 forwards, with ``--resamples 5`` <= 5 x that.
 """
 
 from __future__ import annotations
@@ -21,6 +26,44 @@ import time
 import torch
 
 
+def whole(args) -> None:
+    """The whole circuit command (and with --resamples 5), each step in plain forwards of the batch."""
+    import json
+    import tempfile
+
+    import qkcircuits as qk
+    from qkcircuits.cli import main as cli
+
+    model = qk.load(args.model, device="cpu", verbose=False)
+    task = qk.tasks.ioi(model, n=args.n)
+    times = []
+
+    def forward() -> None:
+        with torch.no_grad():
+            t = time.perf_counter()
+            model(task.clean)
+            times.append(time.perf_counter() - t)
+
+    forward(), forward()
+    out = tempfile.mkdtemp()
+    runs = {}
+    for name, extra in (("circuit --task ioi", []), ("circuit --task ioi --resamples 5", ["--resamples", "5"])):
+        forward()
+        path = os.path.join(out, f"{len(runs)}.json")
+        assert cli(["circuit", args.model, "--task", "ioi", "--n", str(args.n), "--json", path, "--quiet",
+                    "--threads", "1", *extra]) == 0
+        runs[name] = json.load(open(path))["timing"]
+        forward()
+    fwd = statistics.median(times)
+    print(f"model {args.model}: {args.n} IOI prompts; one plain forward of them {fwd:.2f} s (median of {len(times)}, "
+          f"range {min(times):.2f}-{max(times):.2f}); load average {os.getloadavg()[0]:.1f}; torch threads "
+          f"{torch.get_num_threads()}; the command loads its own model (load_s, not counted below)")
+    for name, timing in runs.items():
+        total = timing["total_s"] - timing["load_s"]
+        steps = ", ".join(f"{k[:-2]} {v / fwd:.1f}" for k, v in timing.items() if k not in ("total_s", "load_s") and v)
+        print(f"  {name:<36} {total:8.1f} s  {total / fwd:7.1f} forwards   ({steps})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -29,8 +72,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="runs of each method (a fresh one, then warm ones)")
     ap.add_argument("--save", default="", help="torch.save the EAP / EAP-IG scores and the curve here "
                                                 "(to check that a change keeps the results)")
+    ap.add_argument("--whole", action="store_true", help="the whole circuit command and --resamples 5 (issue 41)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.whole:
+        return whole(args)
     import qkcircuits as qk
     from qkcircuits._tasks.runs import patched_run, record
     from qkcircuits._tasks.scores import EXACT_BYTES, shard_rows

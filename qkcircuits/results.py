@@ -29,6 +29,7 @@ from ._tasks.faithfulness import Faithfulness
 from ._tasks.roles import Roles
 from ._tasks.scores import EdgeScores, NodeScores
 from ._tasks.selection import TaskCircuit
+from ._tasks.stability import Stability
 from ._weights.circuit import Circuit
 from ._weights.composition import CompositionScores
 from ._weights.kv_cache import KVCache
@@ -37,4 +38,5 @@ from ._weights.verify import CircuitCheck
 
 __all__ = ["Activations", "Attribution", "Circuit", "CircuitCheck", "CompositionScores", "CoreCircuit", "EdgeScores",
            "Faithfulness", "GroupEffect", "HeadDiagnostics", "HeadEffects", "HeadScores", "KVCache", "NodeScores",
-           "OffsetProfile", "PathEffects", "RandomComparison", "Result", "Roles", "TaskCircuit", "Zoo", "load_result"]
+           "OffsetProfile", "PathEffects", "RandomComparison", "Result", "Roles", "Stability", "TaskCircuit", "Zoo",
+           "load_result"]

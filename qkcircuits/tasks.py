@@ -1,6 +1,8 @@
 """Tasks (clean/corrupt prompt pairs) and what the circuit analyses of a task need below the root's
 ``qk.Task``, ``qk.graph``, ``qk.edge_scores``, ``qk.node_scores``, ``qk.faithfulness``, ``qk.core_circuit`` and
-``qk.evaluate``: the task builders, the graph class, the evaluation result, the node view's faithfulness.
+``qk.evaluate``: the task builders, the graph class, the evaluation result, the node view's faithfulness, where a
+behaviour's prompts come from (``Source``: its selection and held-out parts, more draws) and how stable its
+circuit is over draws (``stability``).
 
 >>> import qkcircuits as qk
 >>> model = qk.load("toy-induction")
@@ -17,6 +19,8 @@ from ._tasks.builders import FRAMES, NAMES, OBJECTS, PLACES, build_task, from_js
 from ._tasks.evaluation import Evaluation
 from ._tasks.faithfulness import node_faithfulness
 from ._tasks.graph import Graph
+from ._tasks.holdout import Source
+from ._tasks.stability import stability
 
-__all__ = ["Evaluation", "FRAMES", "Graph", "NAMES", "OBJECTS", "PLACES", "build_task", "from_jsonl", "induction", "ioi",
-           "node_faithfulness", "single_tokens"]
+__all__ = ["Evaluation", "FRAMES", "Graph", "NAMES", "OBJECTS", "PLACES", "Source", "build_task", "from_jsonl",
+           "induction", "ioi", "node_faithfulness", "single_tokens", "stability"]

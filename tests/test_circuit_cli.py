@@ -189,7 +189,7 @@ def test_core_is_printed_first_and_written_with_bootstrap(tmp_path, capsys):
     core = d["core"]
     assert {"heads", "mlps", "node_faithfulness", "curve", "how"} <= set(core)
     assert core["heads"] == ["0.0", "1.0"] and core["mlps"] == [] and core["node_faithfulness"] == 1.0
-    assert core["curve"]["2"] == 1.0 and "grown to 2 heads" in core["how"]
+    assert core["curve"]["2"] == 1.0 and "every node left is needed" in core["how"]
     assert d["roles_of"] == "core" and d["roles"]["1.0"]["in_circuit"] is True
     assert d["bootstrap"]["n"] == 30 and d["bootstrap"]["cpr"] == pytest.approx([0.85, 0.85], abs=1e-6)
     assert main(["circuit", "toy-induction", "--task", "induction", "--n", "8", "--method", "exact", "--no-core",

@@ -124,13 +124,14 @@ def node_metric_job(model, shared: Task, *, rows: Tuple[int, int], heads: List[s
 
 
 def task_job(model, shared, *, spec: str, n: int, seed: int, prepend_bos: Optional[bool] = None,
-             metric: str = "logit-diff", holdout: float = 0.0) -> Dict[str, Any]:
+             metric: str = "logit-diff", holdout: Optional[float] = None) -> Dict[str, Any]:
     """The CLI's task (``ioi``, ``induction`` or a .jsonl path the workers can read) built with this worker's
     tokenizer (``builders.task_source``): its selection part and held-out part (None with ``holdout=0``), and the
     graph (the driver has no model)."""
-    from .._tasks.holdout import Source
+    from .._tasks.holdout import HOLDOUT, Source
 
-    sel, held = Source.of(model, spec, n, seed, prepend_bos, metric).parts(holdout)
+    sel, held = Source.of(model, spec, n, seed, prepend_bos, metric).parts(
+        HOLDOUT if holdout is None else holdout, strict=holdout is not None)
     return {"task": sel.to("cpu"), "held": held.to("cpu") if held is not None else None, "graph": graph(model)}
 
 
@@ -312,7 +313,7 @@ def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: s
                            "node_faithfulness": ray_node_faithfulness(pool, held, circuit.heads, rows_per_shard,
                                                                       clean=hc),
                            "bootstrap": bootstrap_curve(xs, per["masks"], per["clean"], per["corrupt"],
-                                                        max(bootstrap, HELD_BOOTSTRAP), seed)}
+                                                        bootstrap or HELD_BOOTSTRAP, seed)}
     finally:
         if own:
             pool.close()
@@ -376,7 +377,8 @@ def ray_core_circuit(spec, task, scores, *, threshold: Real = THRESHOLD, by: str
 
 
 def ray_task_and_graph(pool: Pool, spec: str, n: int, seed: int, prepend_bos: Optional[bool] = None,
-                       metric: str = "logit-diff", holdout: float = 0.0) -> Tuple[Task, Optional[Task], Any]:
+                       metric: str = "logit-diff", holdout: Optional[float] = None
+                       ) -> Tuple[Task, Optional[Task], Any]:
     """The CLI's task (selection part, held-out part or None) and the model's graph, built on a worker (the
     driver has no tokenizer)."""
     out = pool.call(JOB + "task_job", {"spec": spec, "n": n, "seed": seed, "prepend_bos": prepend_bos,
@@ -397,7 +399,7 @@ def ray_roles(pool: Pool, task: Task, circuit: TaskCircuit, clean: Real, corrupt
 
 
 def ray_task(spec, *, task: str, n: int, seed: int, prepend_bos: Optional[bool] = None, metric: str = "logit-diff",
-             holdout: float = 0.0, pool: Pool, progress: bool = True) -> Tuple[Task, Optional[Task], Any]:
+             holdout: Optional[float] = None, pool: Pool, progress: bool = True) -> Tuple[Task, Optional[Task], Any]:
     """The step "task" on Ray: the task ``task`` (ioi, induction or a .jsonl path the workers can read), its
     held-out part and the model's graph, built on a worker (``ray_task_and_graph``)."""
     return ray_task_and_graph(pool, task, n, seed, prepend_bos, metric, holdout)

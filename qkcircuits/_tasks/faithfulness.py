@@ -378,7 +378,7 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     CPR and CMD from the per-row metrics, with no model run per resample (``bootstrap.py``; the clean rows
     are then run even when the scores measured m(clean)). ``holdout``: a Task of other prompts of the same
     behaviour: the grid's circuits (chosen on ``task``) are measured there too, with 95 % intervals over its rows
-    (``bootstrap`` resamples, at least 200; no model run per resample), in ``Faithfulness.holdout`` — the
+    (``bootstrap`` resamples, 200 when 0; no model run per resample), in ``Faithfulness.holdout`` — the
     numbers to report, since the circuits were not chosen on those rows."""
     from .bootstrap import check_bootstrap
     from .shards import check_task, shard_rows
@@ -429,7 +429,7 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
                  seed, threshold)
     if holdout is not None:
         check_task(model, holdout)
-        out.holdout = held_out(model, holdout, circuits, sizes, circuit, g, max(bootstrap, HELD_BOOTSTRAP), seed)
+        out.holdout = held_out(model, holdout, circuits, sizes, circuit, g, bootstrap or HELD_BOOTSTRAP, seed)
     return out
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from numbers import Real
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -58,7 +58,7 @@ def held_size(n: int, fraction: float) -> int:
     return h
 
 
-def split_rows(task: Task, fraction: float, seed: int = 0) -> Tuple[Task, Optional[Task]]:
+def split_rows(task: Task, fraction: Any, seed: int = 0) -> Tuple[Task, Optional[Task]]:
     """(selection rows in their order, a seeded random ``fraction`` of the rows) of fixed rows (a file)."""
     h = held_size(task.n, check_holdout(fraction))
     if h == 0:
@@ -92,9 +92,13 @@ class Source:
     def generated(self) -> bool:
         return self.build is not None
 
-    def parts(self, holdout: float = HOLDOUT) -> Tuple[Task, Optional[Task]]:
-        """(selection part, held-out part or None) (module docstring)."""
+    def parts(self, holdout: Any = HOLDOUT, strict: bool = True) -> Tuple[Task, Optional[Task]]:
+        """(selection part, held-out part or None) (module docstring). ``strict=False``: prompts too few to split
+        (fewer than 2 in either part) give no held-out part instead of an error (the CLI's default fraction)."""
         fraction = check_holdout(holdout)
+        n = self.n if self.generated else self.rows.n
+        if not strict and fraction and n - max(2, int(round(n * fraction))) < 2:
+            fraction = 0.0
         if not self.generated:
             return split_rows(self.rows, fraction, self.seed)
         h = held_size(self.n, fraction)

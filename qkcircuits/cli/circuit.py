@@ -30,6 +30,7 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 from .._foundation.errors import QKCircuitsError
 from .._foundation.metric_table import names
@@ -118,8 +119,9 @@ def add_parser(sub) -> None:
     p.add_argument("--core-mlps", choices=("searched", "clean"), default="searched",
                    help="searched (default): MLPs are nodes of the core like heads (one left out gives its "
                         "corrupt output); clean: every MLP stays clean and only heads are searched")
-    p.add_argument("--holdout", type=_fraction, default=HOLDOUT, metavar="FRACTION",
-                   help="the part of the prompts held out (default 1/3; 0: none): edges, the core and the roles are "
+    p.add_argument("--holdout", type=_fraction, default=None, metavar="FRACTION",
+                   help="the part of the prompts held out (default 1/3, none when the prompts are too few to split; "
+                        "0: none): edges, the core and the roles are "
                         "chosen on the rest, f, CPR/CMD and node f reported on these (ioi/induction: a fresh draw "
                         "of the generator; a .jsonl: a seeded random part of its rows)")
     p.add_argument("--resamples", type=non_negative_int, default=0, metavar="N",
@@ -166,13 +168,15 @@ def backend(args: argparse.Namespace):
 
 
 def task_step(model, *, task: str, n: int, seed: int, prepend_bos=None, metric: str = "logit-diff",
-              holdout: float = 0.0, gqa: str = "grouped", positions: bool = False):
+              holdout: Optional[float] = None, gqa: str = "grouped", positions: bool = False):
     """The step "task": the task built with this model's tokenizer (its selection part, and its held-out part or
     None: ``holdout.Source.parts``), and the graph its edges are scored on."""
     from .._tasks.holdout import Source
     from .._tasks.scores import task_graph
 
-    sel, held = Source.of(model, task, n, seed, prepend_bos, metric).parts(holdout)
+    # the default third (``holdout`` None) is dropped when the prompts are too few to split; a given one is not
+    sel, held = Source.of(model, task, n, seed, prepend_bos, metric).parts(HOLDOUT if holdout is None else holdout,
+                                                                             strict=holdout is not None)
     return sel, held, task_graph(model, sel, gqa, positions)
 
 
@@ -274,7 +278,8 @@ def _run(args: argparse.Namespace, pool, t0: float) -> int:
     n_all = task.n + (held.n if held is not None else 0)
     split = (f" ({task.n} to choose the circuit on, {held.n} held out to judge it: "
              f"{'a fresh draw' if args.task in ('ioi', 'induction') else 'a seeded random part of the file'})"
-             if held is not None else " (no held-out part: chosen and judged on the same prompts)")
+             if held is not None else " (no held-out part: chosen and judged on the same prompts" + (
+                 ", too few to hold a third out)" if args.holdout is None else ")"))
     header = (f"{args.model}: task {task.name}, {n_all} prompts x {task.clean.shape[1]} tokens{split}, "
               f"{bos_text(task, pool, args)}, metric {task.metric_name}; graph {g.n_nodes} nodes, {g.n_edges} edges"
               + (f"; on Ray, {pool.workers.size} workers" if args.ray is not None else ""))
@@ -447,7 +452,7 @@ def _holdout_json(args, task, held) -> dict:
     if held is None:
         return {"fraction": 0.0, "n": 0, "how": "none: chosen and judged on the same prompts"}
     fresh = args.task in ("ioi", "induction")
-    return {"fraction": args.holdout, "n": held.n, "selection_n": task.n,
+    return {"fraction": HOLDOUT if args.holdout is None else args.holdout, "n": held.n, "selection_n": task.n,
             "how": "a fresh draw of the generator" if fresh else "a seeded random part of the file's rows",
             "seed": args.seed + (1_000_003 if fresh else 0)}
 

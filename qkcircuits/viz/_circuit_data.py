@@ -189,6 +189,7 @@ class Core:
     curve: Dict[int, float] = field(default_factory=dict)
     how: str = ""
     edges: Optional[List[Edge]] = None
+    holdout_f: Optional[float] = None          # its f on the held-out prompts, when the file has them
 
     def nodes(self) -> List[Node]:
         return self.heads + self.mlps
@@ -339,8 +340,10 @@ def _core(raw: Any, name: str) -> Optional[Core]:
     if not isinstance(how, str):
         raise QKCircuitsError(f"{name}: core.how must be a sentence, got {_short(how)}")
     edges = _edges(raw["edges"], name + " core") if "edges" in raw else None
+    held = raw.get("holdout")
+    hf = held.get("f") if isinstance(held, dict) else None
     return Core(out["heads"], out["mlps"], None if nf is None else float(nf), dict(sorted(checked.items())), how,
-                edges)
+                edges, float(hf) if _number(hf) else None)
 
 
 def _warnings(raw: Any, name: str) -> List[str]:

@@ -148,13 +148,14 @@ def summary(view: CircuitView) -> str:
     if c is not None:
         bits.append(f"core circuit: {len(c.heads)} heads + {len(c.mlps)} MLPs"
                     + (f", node faithfulness {evidence_text(c.node_faithfulness)}" if c.node_faithfulness is not None
-                       else ""))
+                       else "") + (f" on the selection prompts, {evidence_text(c.holdout_f)} held out"
+                                   if c.holdout_f is not None else ""))
     return "; ".join(bits)
 
 
 def core_rows(view: CircuitView) -> List[List]:
     """[number of heads, f] of the core's curve (the core table)."""
-    return [[n, round_float(f)] for n, f in view.core.curve.items()] if view.core else []
+    return [[str(n), round_float(f)] for n, f in view.core.curve.items()] if view.core else []   # counts as text
 
 
 def circuit_section(view: CircuitView, n_layers: Optional[int] = None, n_heads: Optional[int] = None,
@@ -182,6 +183,12 @@ def circuit_section(view: CircuitView, n_layers: Optional[int] = None, n_heads: 
     if view.core is not None and view.core.curve:
         blocks.append({"type": "table", "id": "circuit-core", "title": "Core circuit: node faithfulness f by "
                        "number of heads", "header": ["heads", "f"], "rows": core_rows(view)})
+    st = view.get("stability")
+    if isinstance(st, dict) and st.get("draws"):
+        from ._stability_view import stability_blocks
+
+        L, H = view.shape()
+        blocks += stability_blocks(st, n_layers or L, n_heads or H)
     edges = edge_rows(view, k)
     blocks.append({"type": "table", "id": "circuit-edges", "title": f"Top edges by |score| ({len(edges)} of "
                    f"{len(view.edges)})", "header": ["sender", "receiver", "input", "score", "sender role",
