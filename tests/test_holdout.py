@@ -119,3 +119,29 @@ def test_bad_held_out_or_resample_values_get_one_line(argv, message, capsys):
     rc = main(["circuit", "toy-induction", "--task", "induction", "--quiet", "--device", "cpu", *argv])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_attend_with_a_task_says_how_stable_each_source_is(hand_built):
+    from types import SimpleNamespace
+
+    from qkcircuits._explain.resample import source_stability
+
+    task = qk.tasks.induction(hand_built, n=8, seg_len=6)
+    r = qk.attend(hand_built, "1.0", task=task)
+    st = r.settings["stability"]
+    own = {n: s for n, _, s in r.key_sources(len(r.key_names))}
+    assert st["key"][0]["source"] == "0.0" and st["key"][0]["top3"] == 1.0 and st["prompts"] == 8
+    for e in st["key"] + st["query"]:
+        lo, hi = e["interval"]
+        assert lo - 1e-9 <= e["share"] <= hi + 1e-9 and 0.0 <= e["top3"] <= 1.0
+    assert all(abs(e["share"] - own[e["source"]]) < 1e-9 for e in st["key"])
+    # made-up rows: source a carries prompt 0 entirely (2 rows of 1), source b prompt 1 (1 row of 2); a resample of
+    # the 2 prompts draws (2, 0), (1, 1) or (0, 2) of them (1/4, 1/2, 1/4): a's share is 1, 1/2 or 0, and a is the
+    # top source unless prompt 1 is drawn twice (a tie goes to the first): 3/4; c never counts
+    rows = [{"prompt": 0}, {"prompt": 0}, {"prompt": 1}]
+    vals = torch.tensor([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 2.0, 0.0]])
+    fake = SimpleNamespace(rows=rows, query_names=["a", "b", "c"], key_names=["a", "b", "c"], query_values=vals,
+                           key_values=vals)
+    got = {e["source"]: e for e in source_stability(fake, n=400, seed=1, top=1)["key"]}
+    assert got["a"]["share"] == pytest.approx(0.5) and got["a"]["interval"] == pytest.approx([0.0, 1.0])
+    assert 0.65 < got["a"]["top3"] < 0.85 and got["a"]["top3"] + got["b"]["top3"] == 1.0 and got["c"]["top3"] == 0.0

@@ -60,7 +60,9 @@ def attend(model, head, tokens=None, *, task=None, query=None, key=None, versus=
     ``task`` with named positions (``query="END", key="IO", versus="S1"``; ``qk.tasks.induction`` needs none).
     ``reading``: "contrast" (default), "raw" or "versus" (implied by ``versus``). ``expand``: "key" or "query"
     splits the ``k`` largest head sources on that side by the position each read from. ``labels``: names for
-    sources ({"16.0": "previous-token"}), shown next to them. ``batch_size``: prompts per forward.
+    sources ({"16.0": "previous-token"}), shown next to them. ``batch_size``: prompts per forward. With a ``task``,
+    ``settings["stability"]`` holds each source's share with a 95 % bootstrap interval over the prompts and how
+    often it is among the top 3 (``resample.source_stability``; no model run per resample).
     """
     heads = model_heads(model, [head] if isinstance(head, Head) else head)
     if len(heads) != 1:
@@ -118,6 +120,11 @@ def attend_heads(model, heads: Optional[HeadsLike] = None, tokens=None, *, task=
                                 torch.cat(a["k_vals"]), torch.cat(a["attention"]), extra=a["extra"],
                                 exact_error=max(a["score_error"], a["pattern_error"]), settings=stamped(settings),
                                 expanded=expanded, side=expand)
+        if task is not None and rows[L].tokens.shape[0] > 1:
+            # with a task's prompts: how much each source's share would move with another draw of them
+            from .resample import source_stability
+
+            out[str(h)].settings["stability"] = source_stability(out[str(h)])
     return out
 
 

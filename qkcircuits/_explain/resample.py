@@ -29,7 +29,7 @@ from .._foundation.errors import QKCircuitsError
 
 
 def source_stability(attribution, n: int = 200, seed: int = 0, top: int = 3, level: float = 0.95
-                     ) -> Dict[str, List[Dict[str, Any]]]:
+                     ) -> Dict[str, Any]:
     """{"query": [...], "key": [...], "n", "prompts"}: per source its share, interval and top-``top`` frequency
     over ``n`` resamples of the prompts (module docstring)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:

@@ -27,10 +27,11 @@ The bootstrap resamples the per-row metrics (no model run per resample; the same
    see — a name mover matters only while the heads that point it at the name are in);
 2. drop the cheapest nodes, as many as their summed cost fits in the set's room above the threshold (at least
    one; never more than twice the last accepted step), and measure the smaller set: enough → accepted, costs
-   re-estimated there; not enough → the step is halved, and a single node that cannot go is kept;
-3. ``prune=True``: at the end every node left is dropped alone and measured (one stacked batch); while one
-   can go, the one with the highest lower end goes. Every node of the core is then needed: without any one of
-   them the set is not enough (``needed`` holds f without each, measured).
+   re-estimated there; not enough → the step is halved, until a single node misses;
+3. ``prune=True``: then every node left is dropped alone and measured, in one stacked batch; the nodes that can
+   go alone are tried together (else the one whose set keeps the highest lower end goes), and the batch is
+   measured again, until none can go. Every node of the core is then needed: without any one of them the set
+   is not enough (``needed`` holds f without each, measured).
 
 The **ranking** is the order of elimination reversed (the core's nodes first, by their last cost), so every
 accepted set is a prefix of it; the **curve** {heads in the prefix: f} holds those sets and the small prefixes of
@@ -310,11 +311,9 @@ def search(candidates: Sequence[str], fixed: Sequence[str], costs: Dict[str, flo
         return {"nodes": K, "f": f_K, "lo": lo_K, "hi": hi_K, "path": [(K, f_K, lo_K)], "chunks": [], "needed": {},
                 "costs": dict(costs), "what": "not enough"}
     costs = dict(costs)
-    path, chunks, needed, step = [(list(K), f_K, lo_K)], [], set(), None
-    while True:
-        order = sorted((n for n in K if n not in needed), key=lambda n: costs.get(n, 0.0))
-        if not order:
-            break
+    path, chunks, step = [(list(K), f_K, lo_K)], [], None
+    while K:                                # coarse: chunks of the cheapest nodes, the step halved on a miss
+        order = sorted(K, key=lambda n: costs.get(n, 0.0))
         room, total, c = judge.room(f_K, lo_K), 0.0, 0
         for n in order:                     # the cheapest nodes whose summed cost fits in the room (at least one)
             total += costs.get(n, 0.0)
@@ -332,14 +331,13 @@ def search(candidates: Sequence[str], fixed: Sequence[str], costs: Dict[str, flo
             path.append((list(K), f_K, lo_K))
             step = 2 * c
             # re-estimated where the set changed enough for the estimates to move (a drop of a node or two out
-            # of many leaves them as they were; the final leave-one-out batch measures every node anyway)
+            # of many leaves them as they were; the leave-one-out batches below measure every node anyway)
             got = measure.attribute(as_set(K)) if K and c >= max(3, len(K) // 10) else None
             if got is not None:
                 costs.update({n: sign * v for n, v in got[1].items()})
                 tick(1)
         elif c == 1:
-            needed.add(order[0])            # this node cannot go (measured); the next cheapest are tried
-            step = None
+            break                           # single nodes: measured all at once below
         else:
             step = max(1, c // 2)
     without: Dict[str, float] = {}
@@ -347,13 +345,24 @@ def search(candidates: Sequence[str], fixed: Sequence[str], costs: Dict[str, flo
         trials = [[m for m in K if m != n] for n in K]
         fs, los, his = judge(measure.sets([as_set(t) for t in trials]))
         tick(len(trials))
-        ok = [i for i in range(len(K)) if judge.enough(fs[i], los[i])]
+        ok = sorted((i for i in range(len(K)) if judge.enough(fs[i], los[i])), key=lambda i: (-los[i], -fs[i]))
         if not ok:
             without = {n: fs[i] for i, n in enumerate(K)}
             break
-        best = max(ok, key=lambda i: (los[i], fs[i]))
-        chunks.append([K[best]])
-        K, f_K, lo_K, hi_K = trials[best], fs[best], los[best], his[best]
+        # every node that can go alone, tried together first; else the one whose set keeps the highest lower end
+        best = ok[:1]
+        if len(ok) > 1:
+            both = [n for j, n in enumerate(K) if j not in set(ok)]
+            (f2,), (lo2,), (hi2,) = judge(measure.sets([as_set(both)]))
+            tick(1)
+            if judge.enough(f2, lo2):
+                best = ok
+        gone = [K[i] for i in best]
+        chunks.append(gone)
+        if len(best) == 1:
+            K, f_K, lo_K, hi_K = trials[best[0]], fs[best[0]], los[best[0]], his[best[0]]
+        else:
+            K, f_K, lo_K, hi_K = both, f2, lo2, hi2
         path.append((list(K), f_K, lo_K))
     return {"nodes": K, "f": f_K, "lo": lo_K, "hi": hi_K, "path": path, "chunks": chunks, "needed": without,
             "costs": costs, "what": "eliminated"}
