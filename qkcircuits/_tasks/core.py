@@ -21,13 +21,13 @@ The bootstrap resamples the per-row metrics (no model run per resample; the same
 
 1. every head (and MLP, ``mlps=True``) starts in; its *cost* is the estimated loss of m when it is left out, in the
    metric's better direction: first the scores' node score (the sum of its outgoing edge scores: EAP / EAP-IG
-   from the clean run), then, at every accepted smaller set that dropped at least 3 nodes and a tenth of the
-   set, a_n from one forward and one backward AT that set
+   from the clean run), then, at every accepted smaller set, a_n from one forward and one backward AT that set
    (``NodeViews.attribute``: what the node adds given the nodes still in, which the clean-run estimate cannot
    see — a name mover matters only while the heads that point it at the name are in);
 2. drop the cheapest nodes, as many as their summed cost fits in the set's room above the threshold (at least
    one; never more than twice the last accepted step), and measure the smaller set: enough → accepted, costs
-   re-estimated there; not enough → the step is halved, until a single node misses;
+   re-estimated there; not enough → the step is halved; a single node that misses is kept (in a set of more
+   than ``BATCH`` = 48 nodes; in a smaller one the search moves on to 3);
 3. ``prune=True``: then every node left is dropped alone and measured, in one stacked batch; the nodes that can
    go alone are tried together (else the one whose set keeps the highest lower end goes), and the batch is
    measured again, until none can go. Every node of the core is then needed: without any one of them the set
@@ -75,6 +75,7 @@ THRESHOLD = 0.8
 SCHEMA = "qkcircuits.core_circuit/1"
 MARGINS = ("interval", "none")
 BOOTSTRAP = 200          # resamples of the rows behind every lower end (the search's and the reported intervals)
+BATCH = 48               # a set this small has its single nodes measured in one stacked batch, not one by one
 
 
 @dataclass(repr=False)      # the repr is _text (Result)
@@ -311,9 +312,11 @@ def search(candidates: Sequence[str], fixed: Sequence[str], costs: Dict[str, flo
         return {"nodes": K, "f": f_K, "lo": lo_K, "hi": hi_K, "path": [(K, f_K, lo_K)], "chunks": [], "needed": {},
                 "costs": dict(costs), "what": "not enough"}
     costs = dict(costs)
-    path, chunks, step = [(list(K), f_K, lo_K)], [], None
+    path, chunks, step, kept = [(list(K), f_K, lo_K)], [], None, set()
     while K:                                # coarse: chunks of the cheapest nodes, the step halved on a miss
-        order = sorted(K, key=lambda n: costs.get(n, 0.0))
+        order = sorted((n for n in K if n not in kept), key=lambda n: costs.get(n, 0.0))
+        if not order:
+            break
         room, total, c = judge.room(f_K, lo_K), 0.0, 0
         for n in order:                     # the cheapest nodes whose summed cost fits in the room (at least one)
             total += costs.get(n, 0.0)
@@ -330,14 +333,16 @@ def search(candidates: Sequence[str], fixed: Sequence[str], costs: Dict[str, flo
             chunks.append(sorted(drop, key=lambda n: -costs.get(n, 0.0)))
             path.append((list(K), f_K, lo_K))
             step = 2 * c
-            # re-estimated where the set changed enough for the estimates to move (a drop of a node or two out
-            # of many leaves them as they were; the leave-one-out batches below measure every node anyway)
-            got = measure.attribute(as_set(K)) if K and c >= max(3, len(K) // 10) else None
+            # re-estimated where the set now stands: stale estimates near the threshold make many small misses
+            got = measure.attribute(as_set(K)) if K else None
             if got is not None:
                 costs.update({n: sign * v for n, v in got[1].items()})
                 tick(1)
+        elif c == 1 and len(K) <= BATCH:
+            break                           # single nodes of a small set: measured all at once below
         elif c == 1:
-            break                           # single nodes: measured all at once below
+            kept.add(order[0])              # this node cannot go now (measured); the next cheapest are tried
+            step = None
         else:
             step = max(1, c // 2)
     without: Dict[str, float] = {}
