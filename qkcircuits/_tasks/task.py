@@ -15,9 +15,11 @@ the one table of names ``_foundation/metric_table``) whenever it is set. Task me
 ``END`` position, the last real token (rows shorter than the longest are right-padded, which a causal model
 never sees from positions ≤ END):
 
-- ``"logit-diff"`` (default): logit[answer] − logit[wrong];
-- ``"prob-diff"``: p(answer) − p(wrong) after a softmax over the vocabulary;
-- ``"answer-loss"``: −log p(answer) (lower is better: faithfulness is a ratio, so the sign cancels there; a
+- ``"logit-diff"`` (default): logit[answer] − logit[wrong]; with answer sets the mean logit of the answer set −
+  the mean of the wrong set;
+- ``"prob-diff"``: p(answer) − p(wrong) after a softmax over the vocabulary; with sets Σ p(answer set) −
+  Σ p(wrong set) (Hanna et al. 2023's greater-than metric);
+- ``"answer-loss"``: −log p(answer), with a set −log Σ p(answer set) (lower is better: faithfulness is a ratio, so the sign cancels there; a
   signed circuit ranks edges by −score, the direction that carries the behaviour). ``"loss"`` is its old name
   (one release, DeprecationWarning);
 - ``"kl"``: KL(p_clean ‖ p) = Σ_v p_clean(v) (log p_clean(v) − log p(v)) at END, p_clean the clean run's
@@ -46,6 +48,7 @@ from .._foundation.args import check_tokens
 from .._foundation.arch.model import default_bos_id
 from .._foundation.errors import QKCircuitsError
 from .._analysis.metrics import TASK, Metric, as_metric, is_builtin, reads_reference
+from .answers import AnswerLike, answer_ids, repeat_rows, row_ids
 
 BOS_MODES = ("auto", "yes", "no")
 
@@ -53,7 +56,7 @@ BOS_MODES = ("auto", "yes", "no")
 @dataclass
 class Task:
     """Clean and corrupt token rows [n, pos] (same shape, checked), per-row ``answer``/``wrong`` token
-    ids [n], a ``metric`` (a name, ``qk.Metric`` or declared callable, stored as the ``Metric``; see the module
+    ids [n] or token-id sets [n, k] (ragged sets padded with -1: ``_tasks/answers.py``), a ``metric`` (a name, ``qk.Metric`` or declared callable, stored as the ``Metric``; see the module
     docstring), named positions per row (``positions[name]`` is
     a [n] tensor of indices; ``END`` is where the metric reads and defaults to the last position), a
     ``name``, whether a BOS token was prepended (``bos``), the prompt texts when built from text, how the BOS
@@ -61,12 +64,12 @@ class Task:
     task built from ids, described as "yes"/"no" by ``bos``) and, for ``metric="kl"``, the clean run's
     log-probabilities at END (``reference`` [n, vocab]: ``with_reference`` fills it)."""
 
-    # what __init__ accepts (ids as tensors or nested lists; one answer id for every row, or one per row);
-    # __post_init__ stores [n, pos] / [n] long tensors
+    # what __init__ accepts (ids as tensors or nested lists; one answer id for every row, one per row, or a set
+    # of ids per row: answers.answer_ids); __post_init__ stores [n, pos] and [n] or [n, k] (PAD-padded sets) tensors
     clean: Union[Int[Tensor, "n pos"], Sequence[Sequence[int]]]
     corrupt: Union[Int[Tensor, "n_corrupt pos_corrupt"], Sequence[Sequence[int]]]   # == clean's shape: checked below, one line
-    answer: Union[int, Sequence[int], Int[Tensor, "..."]]
-    wrong: Union[int, Sequence[int], Int[Tensor, "..."]]
+    answer: AnswerLike
+    wrong: AnswerLike
     metric: Union[str, Metric, Callable] = "logit-diff"     # stored as the resolved Metric (__setattr__)
     positions: Dict[str, Tensor] = field(default_factory=dict)
     name: str = "custom"
@@ -84,14 +87,7 @@ class Task:
         n = self.clean.shape[0]
         if n < 1:
             raise QKCircuitsError("a task needs at least one prompt row")
-        self.answer = torch.as_tensor(self.answer).long().reshape(-1).expand(n).clone() \
-            if torch.as_tensor(self.answer).numel() == 1 else torch.as_tensor(self.answer).long()
-        self.wrong = torch.as_tensor(self.wrong).long().reshape(-1).expand(n).clone() \
-            if torch.as_tensor(self.wrong).numel() == 1 else torch.as_tensor(self.wrong).long()
-        for what, ids in (("answer", self.answer), ("wrong", self.wrong)):
-            if ids.shape != (n,):
-                raise QKCircuitsError(f"{what} must hold one token id per prompt row ({n}), got shape "
-                                      f"{tuple(ids.shape)}")
+        self.answer, self.wrong = answer_ids(self.answer, n, "answer"), answer_ids(self.wrong, n, "wrong")
         if self.bos_mode is not None and self.bos_mode not in BOS_MODES:
             raise QKCircuitsError(f"bos_mode must be one of {', '.join(BOS_MODES)} or None, got {self.bos_mode!r}")
         if self.reference is not None and (self.reference.dim() != 2 or self.reference.shape[0] != n):
@@ -165,7 +161,7 @@ class Task:
         rows = torch.arange(b, device=logits.device)
         end = self.positions["END"].to(logits.device).repeat(copies)
         last = logits[rows, end].float()                                        # [b, vocab]
-        a, w = self.answer.to(logits.device).repeat(copies), self.wrong.to(logits.device).repeat(copies)
+        a, w = (repeat_rows(t.to(logits.device), copies) for t in (self.answer, self.wrong))
         ref = None if self.reference is None else self.reference.to(logits.device).float().repeat(copies, 1)
         return self.metric.rows(last, a, w, ref)                                # ref: [b, vocab] log p_clean
 
@@ -183,6 +179,8 @@ class Task:
             return None
         h = hashlib.sha1()
         for t in (self.clean, self.corrupt, self.answer, self.wrong, self.positions["END"]):
+            if t.dim() > 1 and t is not self.clean and t is not self.corrupt:   # answer sets: their shape too
+                h.update(repr(tuple(t.shape)).encode())
             h.update(t.detach().cpu().contiguous().numpy().tobytes())
         if self.reference is not None:
             h.update(self.reference.detach().float().cpu().contiguous().numpy().tobytes())
@@ -287,7 +285,11 @@ def not_done_message(task: Task, clean: float, corrupt: float, model=None) -> st
             return f"{tok.decode([i])!r} (id {i})" if tok is not None else f"id {i}"
         except Exception:     # a tokenizer that cannot decode this id: the id is enough
             return f"id {i}"
-    answers = (f"the answer tokens (row 0: answer {word(int(task.answer[0]))}, wrong {word(int(task.wrong[0]))}: "
+    def words(ids) -> str:
+        got = row_ids(ids, 0)
+        return word(got[0]) if len(got) == 1 else "{" + ", ".join(word(i) for i in got[:6]) + (
+            ", …}" if len(got) > 6 else "}")
+    answers = (f"the answer tokens (row 0: answer {words(task.answer)}, wrong {words(task.wrong)}: "
                f"is the answer the token the model should predict next, leading space included?)"
                if not reads_reference(task.metric) else "the corrupt prompts (they must change the next-token distribution)")
     return (f"{NOT_DONE} {task.name!r}: clean {task.metric_name} {clean:.4g} vs corrupt {corrupt:.4g} ({better} is "
