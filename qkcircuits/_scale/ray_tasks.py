@@ -126,8 +126,8 @@ def node_metric_job(model, shared: Task, *, rows: Tuple[int, int], heads: List[s
 def task_job(model, shared, *, spec: str, n: int, seed: int, prepend_bos: Optional[bool] = None,
              metric: str = "logit-diff") -> Dict[str, Any]:
     """The CLI's task (``ioi``, ``induction`` or a .jsonl path the workers can read) built with this worker's
-    tokenizer (``builders.build_task``), and the graph (the driver has no model)."""
-    from .._tasks.builders import build_task
+    tokenizer (``registry.build_task``), and the graph (the driver has no model)."""
+    from .._tasks.registry import build_task
 
     task = build_task(model, spec, n, seed, prepend_bos=prepend_bos, metric=metric)
     return {"task": task.to("cpu"), "graph": graph(model)}

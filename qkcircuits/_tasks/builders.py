@@ -1,4 +1,5 @@
-"""Task builders: ``qk.tasks.ioi``, ``qk.tasks.induction``, ``qk.tasks.from_jsonl``.
+"""Task builders: ``qk.tasks.ioi``, ``qk.tasks.induction``, ``qk.tasks.from_jsonl`` (registered by name in
+``registry.py``, which also resolves a command's ``--task``).
 
 >>> task = qk.tasks.induction(model, n=8, seg_len=5, seed=1)
 >>> task.n, task.clean.shape[1]
@@ -144,7 +145,7 @@ def induction(model, n: int = 32, seg_len: int = 10, seed: int = 0, metric="logi
     other = torch.stack(other)
     clean = rep[:, :-1]
     corrupt = torch.cat([rep[:, :1], other, rep[:, seg_len + 1:-1]], 1)
-    return Task(clean, corrupt, rep[:, -1], other[:, -1], metric, {}, "induction", True, None, "yes")
+    return Task(clean, corrupt, rep[:, -1], other[:, -1], metric, {}, "induction", True, None, "yes", None, "induction")
 
 
 KEYS = ("clean", "corrupt", "answer", "wrong")
@@ -324,18 +325,4 @@ def _answer_tokens(tok, value, key: str, special, where: str) -> List[int]:
     return out
 
 
-def build_task(model, spec: str, n: int = 64, seed: int = 0, *, prepend_bos: Optional[bool] = None,
-               metric="logit-diff") -> Task:
-    """The command line's task: ``spec`` "ioi", "induction" or a .jsonl path (``n``/``seed`` for the first two).
-    ``induction`` always starts with BOS: ``prepend_bos=False`` is refused for it (one line)."""
-    if spec == "ioi":
-        return ioi(model, n=n, seed=seed, prepend_bos=prepend_bos, metric=metric)
-    if spec == "induction":
-        if prepend_bos is False:
-            raise QKCircuitsError("--bos no: the induction task's prompts are [BOS] + R + R and always start with BOS; "
-                                  "use --bos auto or yes")
-        return induction(model, n=n, seed=seed, metric=metric)
-    return from_jsonl(model, spec, prepend_bos=prepend_bos, metric=metric)
-
-
-__all__ = ["build_task", "ioi", "induction", "from_jsonl", "named_positions", "single_tokens", "FRAMES", "NAMES", "PLACES", "OBJECTS"]
+__all__ = ["ioi", "induction", "from_jsonl", "named_positions", "single_tokens", "FRAMES", "NAMES", "PLACES", "OBJECTS"]

@@ -62,7 +62,10 @@ class Task:
     ``name``, whether a BOS token was prepended (``bos``), the prompt texts when built from text, how the BOS
     was decided (``bos_mode``: "auto" = what the tokenizer does on its own, "yes"/"no" = forced; None for a
     task built from ids, described as "yes"/"no" by ``bos``) and, for ``metric="kl"``, the clean run's
-    log-probabilities at END (``reference`` [n, vocab]: ``with_reference`` fills it)."""
+    log-probabilities at END (``reference`` [n, vocab]: ``with_reference`` fills it) and, for a task whose rows
+    are read by a pattern rather than named positions, that pattern (``pattern``: ``"induction"`` for
+    ``qk.tasks.induction``, each repeated token → the token after its earlier copy; ``qk.attend`` and the roles'
+    QK evidence read it)."""
 
     # what __init__ accepts (ids as tensors or nested lists; one answer id for every row, one per row, or a set
     # of ids per row: answers.answer_ids); __post_init__ stores [n, pos] and [n] or [n, k] (PAD-padded sets) tensors
@@ -77,6 +80,7 @@ class Task:
     prompts: Optional[List[str]] = None
     bos_mode: Optional[str] = None
     reference: Optional[Tensor] = None
+    pattern: Optional[str] = None       # the rows a head is read at when no position is named ("induction")
 
     def __post_init__(self) -> None:
         check_tokens(self.clean, "clean"), check_tokens(self.corrupt, "corrupt")     # ids, not text or floats
@@ -126,12 +130,13 @@ class Task:
         ref = None if self.reference is None else self.reference[idx.to(self.reference.device)]
         return Task(self.clean[idx], self.corrupt[idx], self.answer[idx], self.wrong[idx], self.metric,
                     {k: v[idx] for k, v in self.positions.items()}, self.name, self.bos,
-                    [self.prompts[i] for i in idx.tolist()] if self.prompts else None, self.bos_mode, ref)
+                    [self.prompts[i] for i in idx.tolist()] if self.prompts else None, self.bos_mode, ref,
+                    self.pattern)
 
     def at_end(self) -> "Task":
         """The same rows with END = 0: for logits already taken at each row's END position ([b, 1, vocab])."""
         return Task(self.clean[:, :1], self.corrupt[:, :1], self.answer, self.wrong, self.metric, {}, self.name,
-                    self.bos, None, self.bos_mode, self.reference)
+                    self.bos, None, self.bos_mode, self.reference, self.pattern)
 
     def shards(self, rows_per_shard: int) -> List["Task"]:
         return [self.rows(slice(i, i + rows_per_shard)) for i in range(0, self.n, max(1, rows_per_shard))]
@@ -139,7 +144,8 @@ class Task:
     def to(self, device) -> "Task":
         return Task(self.clean.to(device), self.corrupt.to(device), self.answer.to(device), self.wrong.to(device),
                     self.metric, {k: v.to(device) for k, v in self.positions.items()}, self.name, self.bos,
-                    self.prompts, self.bos_mode, None if self.reference is None else self.reference.to(device))
+                    self.prompts, self.bos_mode, None if self.reference is None else self.reference.to(device),
+                    self.pattern)
 
     # ---------------------------------------------------------------------------------------- metric
 
@@ -236,7 +242,7 @@ def with_reference(model, task: Task) -> Task:
             parts.append(F.log_softmax(logits[rows, shard.positions["END"].to(logits.device)].float(), -1).cpu())
     ref = torch.cat(parts)
     return Task(task.clean, task.corrupt, task.answer, task.wrong, task.metric, task.positions, task.name, task.bos,
-                task.prompts, task.bos_mode, ref.to(task.clean.device))
+                task.prompts, task.bos_mode, ref.to(task.clean.device), task.pattern)
 
 
 def evaluate(model, task: Task, rows_per_shard: int = 16, warn: bool = True) -> Dict[str, float]:

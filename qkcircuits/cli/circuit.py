@@ -29,7 +29,6 @@ import sys
 import time
 import warnings
 from contextlib import contextmanager
-from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
 from .._foundation.metric_table import names
@@ -59,8 +58,9 @@ def add_parser(sub) -> None:
                                    "(faithfulness over 0.1-100% of the edges, CPR and CMD) and name the roles of "
                                    "the circuit's heads.")
     add_model_args(p)
-    p.add_argument("--task", required=True, help="ioi, induction, or a .jsonl file (one {clean, corrupt, answer, "
-                                                 "wrong[, positions]} object per line)")
+    p.add_argument("--task", required=True, help="a registered task (ioi, induction, greater-than, ...: "
+                                                 "qk.tasks.task_names()) or a .jsonl file (one {clean, corrupt, "
+                                                 "answer, wrong[, positions]} object per line)")
     p.add_argument("--n", type=positive_int, default=64, help="prompts for ioi/induction (default 64)")
     p.add_argument("--seed", type=int, default=0, help="seed of the ioi/induction prompts (default 0)")
     p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
@@ -125,7 +125,7 @@ def add_parser(sub) -> None:
 
 
 def build_task(model, spec: str, n: int, seed: int, prepend_bos=None, metric: str = "logit-diff"):
-    from .._tasks.builders import build_task as build
+    from .._tasks.registry import build_task as build
 
     return build(model, spec, n, seed, prepend_bos=prepend_bos, metric=metric)
 
@@ -182,16 +182,14 @@ def token_text(pool, i: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.task not in ("ioi", "induction") and not Path(args.task).is_file():
-        raise QKCircuitsError(f"--task {args.task!r}: expected ioi, induction, or an existing .jsonl file")
+    from .._tasks.registry import check_task_arg
+
+    check_task_arg(args.task, bos=args.bos)          # a registered task or a .jsonl file; --bos no where it cannot be
     if args.rule is not None and args.method not in ("eap-ig", "eap-ig-activations"):
         raise QKCircuitsError(f"--rule {args.rule}: applies to --method eap-ig and eap-ig-activations, not {args.method}")
     if args.mib and args.positions:
         raise QKCircuitsError("--mib: MIB's graph has no position groups; drop --positions (--gqa ungrouped is MIB's "
                               "own k/v count)")
-    if args.task == "induction" and args.bos == "no":
-        raise QKCircuitsError("--bos no: the induction task's prompts are [BOS] + R + R and always start with BOS; use "
-                              "--bos auto or yes")
     if args.ray is not None and (args.gqa != "grouped" or args.positions):
         raise QKCircuitsError("--gqa ungrouped and --positions run in this process only (not with --ray)")
     t0 = time.perf_counter()
@@ -201,8 +199,11 @@ def run(args: argparse.Namespace) -> int:
 
 def bos_text(task, pool, args) -> str:
     """How the prompts start, in words (the first line says it)."""
-    if task.name == "induction" and args.task == "induction":
-        return f"BOS {token_text(pool, int(task.clean[0, 0]))} prepended (induction prompts always start with BOS)"
+    from .._tasks.registry import spec_of
+
+    spec = spec_of(task)
+    if spec is not None and spec.always_bos and args.task == spec.name:
+        return f"BOS {token_text(pool, int(task.clean[0, 0]))} prepended ({spec.name} prompts always start with BOS)"
     mode = task.bos_mode or ("yes" if task.bos else "no")
     if mode == "auto":
         return (f"BOS {token_text(pool, int(task.clean[0, 0]))} prepended (--bos auto: the tokenizer adds it)" if task.bos
