@@ -21,6 +21,20 @@ token), ``XX`` (the
 start year's century: its last token), ``YY`` (the start year's tens digit, or its two-digit token), ``END``.
 Every prompt is checked token by token (the pieces tokenize to the same ids in place); a tokenizer with neither
 form is refused in one line naming its tokenization of " 1732".
+
+**gendered-pronoun** (Mathwin et al. 2023): "So Mary is a really great friend, isn't" → " she" (wrong " he");
+corrupt: a name of the other gender (its answer the other pronoun). Positions ``NAME``, ``END``.
+
+**capital-country** (factual recall): "The city of Paris is the capital of" → " France"; corrupt: another
+capital, whose country is the wrong token. Positions ``CITY``, ``END``.
+
+**successor** (successor heads, Gould et al. 2023): "March, April, May," → " June"; the answer is the successor
+of the last item, the wrong set every other item of its sequence (months, weekdays, number words: each one token
+with its leading space for this tokenizer); corrupt: the three items before another item of the same sequence.
+Positions ``FIRST``, ``LAST`` (the items), ``END``.
+
+Words that are not ONE token with their leading space for this model's tokenizer are left out of every list; a
+list left too short is refused in one line.
 """
 
 from __future__ import annotations
@@ -126,4 +140,130 @@ def _positions(model, prefix: List[int], frame: str, noun: str, century: int, yy
     return out
 
 
-__all__ = ["CENTURIES", "NOUNS", "TEMPLATES", "greater_than", "year_form"]
+# ----------------------------------------------------------------------------------- word-list tasks
+
+FEMALE = ("Mary", "Anna", "Emma", "Sarah", "Lisa", "Kate", "Laura", "Rachel", "Linda", "Susan", "Grace", "Jane",
+          "Amy", "Helen", "Lucy", "Rose", "Karen", "Alice")
+MALE = ("John", "Tom", "James", "David", "Michael", "Paul", "Mark", "Peter", "Jack", "Daniel", "Steve", "George",
+        "Henry", "Adam", "Ryan", "Kevin", "Brian", "Eric", "Frank", "Bob")
+PRONOUN_FRAMES = ("So {name} is a really great friend, isn't", "Well, {name} is such a kind person, isn't",
+                  "I think {name} is very tired today, isn't")
+CAPITALS = (("Paris", "France"), ("Berlin", "Germany"), ("Rome", "Italy"), ("Madrid", "Spain"), ("Tokyo", "Japan"),
+            ("London", "England"), ("Moscow", "Russia"), ("Cairo", "Egypt"), ("Athens", "Greece"),
+            ("Vienna", "Austria"), ("Lisbon", "Portugal"), ("Dublin", "Ireland"), ("Warsaw", "Poland"),
+            ("Ottawa", "Canada"), ("Beijing", "China"), ("Stockholm", "Sweden"), ("Oslo", "Norway"),
+            ("Helsinki", "Finland"), ("Budapest", "Hungary"), ("Delhi", "India"))
+CAPITAL_FRAMES = ("The city of {city} is the capital of", "Everyone knows that {city} is the capital of",
+                  "The capital of which country is {city}? It is the capital of")
+SEQUENCES = {"months": ("January", "February", "March", "April", "May", "June", "July", "August", "September",
+                        "October", "November", "December"),
+             "weekdays": ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"),
+             "numbers": ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")}
+
+
+def _word(tok, word: str) -> Optional[int]:
+    ids = tok(" " + word, add_special_tokens=False)["input_ids"]
+    return ids[0] if len(ids) == 1 else None
+
+
+def _check_n(n) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise QKCircuitsError(f"n must be an integer >= 1, got {n!r}")
+
+
+def _position(model, prefix, text: str, upto: str, where: str) -> int:
+    """The index of the last token of ``text[:text.index(upto) + len(upto)]`` in ``text``'s ids (checked in place)."""
+    full, head = encode(model, text, prefix), encode(model, text[:text.index(upto) + len(upto)], prefix)
+    if full[:len(head)] != head:
+        raise QKCircuitsError(f"{where} prompt {text!r}: {upto!r} does not tokenize in place")
+    return len(head) - 1
+
+
+def _assemble(model, prefix, mode, rows, name: str, metric) -> Task:
+    """rows: (clean text, corrupt text, answer ids, wrong ids, {position: index}) per prompt."""
+    clean = [encode(model, r[0], prefix) for r in rows]
+    corrupt = [encode(model, r[1], prefix) for r in rows]
+    for (text, bad, *_), a, b in zip(rows, clean, corrupt):
+        if len(a) != len(b):
+            raise QKCircuitsError(f"{name} prompt {text!r} and its corruption {bad!r} tokenize to {len(a)} and "
+                                  f"{len(b)} tokens")
+    pos = {k: torch.tensor([r[4][k] for r in rows]) for k in rows[0][4]}
+    pos["END"] = torch.tensor([len(r) - 1 for r in clean])
+    return Task(pad_rows(model, clean), pad_rows(model, corrupt), [r[2] for r in rows], [r[3] for r in rows], metric,
+                pos, name, bool(prefix), [r[0] for r in rows], mode)
+
+
+def gendered_pronoun(model, n: int = 64, seed: int = 0, *, prepend_bos: Optional[bool] = None,
+                     metric="logit-diff", frames: Sequence[str] = PRONOUN_FRAMES) -> Task:
+    """``n`` gendered-pronoun prompts (module docstring), half with a female name, frames in turn; seeded."""
+    _check_n(n)
+    tok = tokenizer_of(model)
+    prefix, mode = bos_prefix(model, prepend_bos)
+    names = {g: [w for w in ws if _word(tok, w) is not None] for g, ws in (("she", FEMALE), ("he", MALE))}
+    pron = {g: _word(tok, g) for g in names}
+    if min(len(v) for v in names.values()) < 2 or None in pron.values():
+        raise QKCircuitsError("gendered-pronoun: this tokenizer has too few single-token names (need 2 of each "
+                              "gender) or no single-token ' he' / ' she'")
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        frame = frames[(i // 2) % len(frames)]
+        this, other = ("she", "he") if i % 2 == 0 else ("he", "she")
+        name = names[this][int(torch.randint(len(names[this]), (1,), generator=g))]
+        alt = names[other][int(torch.randint(len(names[other]), (1,), generator=g))]
+        text = frame.format(name=name)
+        rows.append((text, frame.format(name=alt), pron[this], pron[other],
+                     {"NAME": _position(model, prefix, text, name, "gendered-pronoun")}))
+    return _assemble(model, prefix, mode, rows, "gendered-pronoun", metric)
+
+
+def capital_country(model, n: int = 64, seed: int = 0, *, prepend_bos: Optional[bool] = None,
+                    metric="logit-diff", frames: Sequence[str] = CAPITAL_FRAMES) -> Task:
+    """``n`` capital → country prompts (module docstring), frames in turn; seeded."""
+    _check_n(n)
+    tok = tokenizer_of(model)
+    prefix, mode = bos_prefix(model, prepend_bos)
+    pairs = [(c, k) for c, k in CAPITALS if _word(tok, c) is not None and _word(tok, k) is not None]
+    if len(pairs) < 2:
+        raise QKCircuitsError(f"capital-country: this tokenizer has {len(pairs)} capital/country pairs that are one "
+                              f"token each with a leading space (need >= 2)")
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        frame = frames[i % len(frames)]
+        a, b = (pairs[j] for j in torch.randperm(len(pairs), generator=g)[:2].tolist())
+        text = frame.format(city=a[0])
+        rows.append((text, frame.format(city=b[0]), _word(tok, a[1]), _word(tok, b[1]),
+                     {"CITY": _position(model, prefix, text, a[0], "capital-country")}))
+    return _assemble(model, prefix, mode, rows, "capital-country", metric)
+
+
+def successor(model, n: int = 64, seed: int = 0, *, prepend_bos: Optional[bool] = None,
+              metric="prob-diff") -> Task:
+    """``n`` successor prompts (module docstring): the sequences in turn, start items seeded."""
+    _check_n(n)
+    tok = tokenizer_of(model)
+    prefix, mode = bos_prefix(model, prepend_bos)
+    usable = {k: v for k, v in SEQUENCES.items() if all(_word(tok, w) is not None for w in v)}
+    if not usable:
+        raise QKCircuitsError("successor: no sequence (months, weekdays, number words) whose every item is one token "
+                              "with its leading space for this tokenizer")
+    kinds = sorted(usable)
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        items = usable[kinds[i % len(kinds)]]
+        ids = [_word(tok, w) for w in items]
+        perm = torch.randperm(len(items) - 3, generator=g).tolist()      # starts whose successor exists
+        start, other = perm[0], perm[1 % len(perm)]
+        text = ", ".join(items[start:start + 3]) + ","
+        bad = ", ".join(items[other:other + 3]) + ","
+        nxt = start + 3
+        rows.append((text, bad, ids[nxt], [x for j, x in enumerate(ids) if j != nxt],
+                     {"FIRST": _position(model, prefix, text, items[start], "successor"),
+                      "LAST": _position(model, prefix, text, items[start + 2], "successor")}))
+    return _assemble(model, prefix, mode, rows, "successor", metric)
+
+
+__all__ = ["CAPITALS", "CENTURIES", "NOUNS", "SEQUENCES", "TEMPLATES", "capital_country", "gendered_pronoun",
+           "greater_than", "successor", "year_form"]

@@ -270,7 +270,13 @@ for _spec in (
                              and abs(e["node_share"]) >= 0.05,
                              why="attends from END to the start year's tens digit (YY) and carries at least 5 % of "
                                  "the behaviour"),),
-                 description="Hanna et al. 2023: 'from the year 1732 to the year 17' -> a later year; answer sets")):
+                 description="Hanna et al. 2023: 'from the year 1732 to the year 17' -> a later year; answer sets"),
+        TaskSpec("successor", literature.successor, metric="prob-diff", positions=("FIRST", "LAST", "END"),
+                 description="Gould et al. 2023: 'March, April, May,' -> ' June' against the other items"),
+        TaskSpec("gendered-pronoun", literature.gendered_pronoun, positions=("NAME", "END"),
+                 description="Mathwin et al. 2023: 'So Mary is a really great friend, isn't' -> ' she'"),
+        TaskSpec("capital-country", literature.capital_country, positions=("CITY", "END"),
+                 description="factual recall: 'The city of Paris is the capital of' -> ' France'")):
     _REGISTRY[_spec.name] = _spec
 del _spec
 
