@@ -167,3 +167,16 @@ def test_jsonl_answer_list_errors_are_one_line(gpt2_folder, tmp_path, answer, wr
     with pytest.raises(qk.QKCircuitsError, match=message) as e:
         qk.tasks.from_jsonl(model, path)
     assert "\n" not in str(e.value) and "line 1" in str(e.value)
+
+
+def test_a_set_task_the_model_does_not_do_names_its_sets_and_bad_patterns_are_refused(hand_built):
+    base = qk.tasks.induction(hand_built, n=2, seg_len=4, seed=0)
+    a2, w2 = _pair(base, hand_built.cfg.d_vocab)
+    swapped = qk.Task(base.clean, base.corrupt, torch.stack([base.wrong, w2], 1), torch.stack([base.answer, a2], 1),
+                      "prob-diff")
+    with pytest.warns(UserWarning, match="does not do task") as seen:
+        evaluate(hand_built, swapped)
+    a, w = base.wrong[0], base.answer[0]
+    assert f"answer {{id {int(a)}, id {int(w2[0])}}}, wrong {{id {int(w)}, id {int(a2[0])}}}" in str(seen[0].message)
+    with pytest.raises(qk.QKCircuitsError, match="pattern must be None .* or one of induction, got 'previous'"):
+        qk.Task(base.clean, base.corrupt, 1, 2, pattern="previous")

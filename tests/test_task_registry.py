@@ -185,3 +185,26 @@ def test_greater_than_builds_answer_sets_and_the_years_positions(tmp_path_factor
         assert bad == text.replace(f"year {start}", f"year {start[:2]}0{start[3]}")
     with pytest.raises(qk.QKCircuitsError, match="no BOS choice|--bos no"):
         qk.tasks.build_task(model, "induction", n=2, prepend_bos=False)
+
+
+def test_greater_than_through_circuit_and_attend_on_the_tiny_gpt2(tmp_path_factory, tmp_path, capsys):
+    """``--task greater-than`` in ``circuit`` (answer sets end to end: the JSON's clean/corrupt are the task's
+    prob-diff means from plain forwards) and ``attend`` (its named positions: END -> YY)."""
+    from _tiny import gpt2_dir
+    from qkcircuits._tasks.task import evaluate
+    from qkcircuits.cli import main
+
+    folder = str(gpt2_dir(tmp_path_factory))
+    out, att = tmp_path / "c.json", tmp_path / "a.json"
+    assert main(["circuit", folder, "--task", "greater-than", "--n", "4", "--metric", "prob-diff", "--method", "eap",
+                 "--percent", "20", "--quiet", "--device", "cpu", "--json", str(out), "--no-sign-check"]) == 0
+    assert main(["attend", folder, "--head", "1.0", "--task", "greater-than", "--to", "YY", "--n", "4",
+                 "--no-labels", "--device", "cpu", "--json", str(att)]) == 0
+    err = capsys.readouterr().err
+    assert "task greater-than, 4 prompts" in err
+    d = json.loads(out.read_text())
+    model = qk.load(folder, device="cpu", verbose=False)
+    ref = evaluate(model, qk.tasks.build_task(model, "greater-than", n=4, metric="prob-diff"), warn=False)
+    assert d["clean"] == pytest.approx(ref["clean"], abs=1e-5) and d["corrupt"] == pytest.approx(ref["corrupt"], abs=1e-5)
+    a = json.loads(att.read_text())
+    assert len(a["rows"]) == 4 and a["settings"]["positions"]["key"] == "YY", a["settings"]["positions"]

@@ -51,6 +51,7 @@ from .._analysis.metrics import TASK, Metric, as_metric, is_builtin, reads_refer
 from .answers import AnswerLike, answer_ids, repeat_rows, row_ids
 
 BOS_MODES = ("auto", "yes", "no")
+PATTERNS = (None, "induction")      # Task.pattern: the rows a head is read at when the task names no position
 
 
 @dataclass
@@ -92,6 +93,9 @@ class Task:
         if n < 1:
             raise QKCircuitsError("a task needs at least one prompt row")
         self.answer, self.wrong = answer_ids(self.answer, n, "answer"), answer_ids(self.wrong, n, "wrong")
+        if self.pattern not in PATTERNS:
+            raise QKCircuitsError(f"pattern must be None (the task's named positions) or one of "
+                                  f"{', '.join(p for p in PATTERNS if p)}, got {self.pattern!r}")
         if self.bos_mode is not None and self.bos_mode not in BOS_MODES:
             raise QKCircuitsError(f"bos_mode must be one of {', '.join(BOS_MODES)} or None, got {self.bos_mode!r}")
         if self.reference is not None and (self.reference.dim() != 2 or self.reference.shape[0] != n):
