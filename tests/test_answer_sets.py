@@ -98,7 +98,7 @@ def test_every_method_reads_sets_linearly(hand_built):
     first = base
     second = qk.Task(base.clean, base.corrupt, a2, w2, "prob-diff", base.positions, "induction", True, None, "yes")
     both = qk.Task(base.clean, base.corrupt, torch.stack([base.answer, a2], 1), torch.stack([base.wrong, w2], 1),
-                   "prob-diff", base.positions, "induction", True, None, "yes")
+                   "prob-diff", base.positions, "induction", True, None, "yes", None, "induction")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")               # the second pair is arbitrary: "does not do the task"
         for method in ("eap-ig", "exact"):             # gradients and patched runs
