@@ -350,7 +350,7 @@ def ray_roles(pool: Pool, task: Task, circuit: TaskCircuit, clean: Real, corrupt
 
 def ray_task(spec, *, task: str, n: int, seed: int, prepend_bos: Optional[bool] = None, metric: str = "logit-diff",
              pool: Pool, progress: bool = True) -> Tuple[Task, Any]:
-    """The step "task" on Ray: the task ``task`` (ioi, induction or a .jsonl path the workers can read) and the
+    """The step "task" on Ray: the task ``task`` (a registered task's name, or a .jsonl path the workers can read) and the
     model's graph, built on a worker (``ray_task_and_graph``)."""
     return ray_task_and_graph(pool, task, n, seed, prepend_bos, metric)
 
