@@ -97,20 +97,33 @@ def test_successor(words):
         assert bad != items and bad == list(seq[seq.index(bad[0]):seq.index(bad[0]) + 3])
 
 
+def test_docstring(words):
+    tok = words.tokenizer
+    task = qk.tasks.build_task(words, "docstring", n=4, seed=0, prepend_bos=False)
+    for i, text in enumerate(task.prompts):
+        args = text.split("(self, ")[1].split(")")[0].split(", ")
+        assert len(args) == 5 and text.endswith(":param")
+        assert [_at(task, tok, i, k).strip() for k in ("DEF_C", "DOC_A", "DOC_B")] == [args[2], args[0], args[1]]
+        assert tok.decode([int(task.answer[i])]) == " " + args[2]
+        assert sorted(tok.decode([int(x)]).strip() for x in task.wrong[i]) == sorted(args[:2] + args[3:])
+        bad = tok.decode(task.corrupt[i, :task.positions["END"][i] + 1])
+        assert not set(args) & set(bad.split("(self, ")[1].split(")")[0].replace(",", "").split())
+
+
 def test_a_tokenizer_without_the_words_is_refused_in_one_line():
     class Chars(Words):
         def __call__(self, text, add_special_tokens=False):
             return super().__call__(" ".join(text))          # every character its own token
     model = SimpleNamespace(tokenizer=Chars())
     for name, message in (("successor", "no sequence"), ("gendered-pronoun", "too few single-token names"),
-                          ("capital-country", "capital/country pairs")):
+                          ("capital-country", "capital/country pairs"), ("docstring", "argument words")):
         with pytest.raises(qk.QKCircuitsError, match=message) as e:
             qk.tasks.build_task(model, name, n=2, prepend_bos=False)
         assert "\n" not in str(e.value)
 
 
 @pytest.mark.smollm2
-@pytest.mark.parametrize("name", ["greater-than", "successor", "gendered-pronoun", "capital-country"])
+@pytest.mark.parametrize("name", ["greater-than", "successor", "gendered-pronoun", "capital-country", "docstring"])
 def test_smollm2_does_each_task_on_every_prompt(smollm2, name):
     task = qk.tasks.build_task(smollm2, name, n=8, seed=0)
     with torch.no_grad():

@@ -33,6 +33,11 @@ of the last item, the wrong set every other item of its sequence (months, weekda
 with its leading space for this tokenizer); corrupt: the three items before another item of the same sequence.
 Positions ``FIRST``, ``LAST`` (the items), ``END``.
 
+**docstring** (Heimersheim & Janiak 2023): a ``def`` with five arguments after ``self``, a docstring documenting
+the first two, then ``:param`` → the third argument's name; the wrong set is the other four. Corrupt: the
+``def``'s arguments replaced by five other words (the docstring unchanged). Positions ``DEF_C`` (the answer in the
+``def``), ``DOC_A``, ``DOC_B`` (the documented names), ``END``.
+
 Words that are not ONE token with their leading space for this model's tokenizer are left out of every list; a
 list left too short is refused in one line.
 """
@@ -265,5 +270,50 @@ def successor(model, n: int = 64, seed: int = 0, *, prepend_bos: Optional[bool] 
     return _assemble(model, prefix, mode, rows, "successor", metric)
 
 
-__all__ = ["CAPITALS", "CENTURIES", "NOUNS", "SEQUENCES", "TEMPLATES", "capital_country", "gendered_pronoun",
+ARGUMENTS = ("load", "size", "files", "last", "port", "shape", "token", "value", "name", "data", "count", "index",
+             "path", "mode", "key", "item", "node", "text", "user", "page", "line", "time", "code", "type", "word",
+             "file", "state", "field", "group", "order")
+DESCRIPTIONS = ("crime population", "unit dark", "river rain", "boat metal", "glass song", "tree dinner",
+                "window paper", "horse light")
+DOCSTRING = 'def {fn}(self, {args}):\n    """{desc}\n\n    :param {a}: {d1}\n    :param {b}: {d2}\n    :param'
+
+
+def docstring(model, n: int = 64, seed: int = 0, *, prepend_bos: Optional[bool] = None,
+              metric="logit-diff") -> Task:
+    """``n`` docstring prompts (module docstring): argument names, function name and descriptions seeded."""
+    _check_n(n)
+    tok = tokenizer_of(model)
+    prefix, mode = bos_prefix(model, prepend_bos)
+    words = [w for w in ARGUMENTS if _word(tok, w) is not None]
+    if len(words) < 11:
+        raise QKCircuitsError(f"docstring: this tokenizer has {len(words)} argument words that are one token with a "
+                              f"leading space (need >= 11)")
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        pick = [words[j] for j in torch.randperm(len(words), generator=g)[:11].tolist()]
+        args, other, fn = pick[:5], pick[5:10], pick[10]
+        d1, d2 = (DESCRIPTIONS[int(j)] for j in torch.randint(len(DESCRIPTIONS), (2,), generator=g))
+        fill = dict(fn=fn, desc=DESCRIPTIONS[i % len(DESCRIPTIONS)], a=args[0], b=args[1], d1=d1, d2=d2)
+        text = DOCSTRING.format(args=", ".join(args), **fill)
+        bad = DOCSTRING.format(args=", ".join(other), **fill)
+        head = f"def {fn}(self, " + ", ".join(args[:3])
+        doc = text.index(":param") + len(":param ")                       # where the first documented name starts
+        second = text.index(":param", doc) + len(":param ")
+        rows.append((text, bad, _word(tok, args[2]), [_word(tok, w) for w in args if w != args[2]],
+                     {"DEF_C": _at_end(model, prefix, text, head, "docstring"),
+                      "DOC_A": _at_end(model, prefix, text, text[:doc + len(args[0])], "docstring"),
+                      "DOC_B": _at_end(model, prefix, text, text[:second + len(args[1])], "docstring")}))
+    return _assemble(model, prefix, mode, rows, "docstring", metric)
+
+
+def _at_end(model, prefix, text: str, head: str, where: str) -> int:
+    """The index in ``text``'s ids of the last token of its prefix ``head`` (checked in place)."""
+    full, ids = encode(model, text, prefix), encode(model, head, prefix)
+    if not text.startswith(head) or full[:len(ids)] != ids:
+        raise QKCircuitsError(f"{where} prompt {text!r}: {head[-20:]!r} does not tokenize in place")
+    return len(ids) - 1
+
+
+__all__ = ["ARGUMENTS", "CAPITALS", "CENTURIES", "NOUNS", "SEQUENCES", "TEMPLATES", "capital_country", "docstring", "gendered_pronoun",
            "greater_than", "successor", "year_form"]

@@ -276,7 +276,9 @@ for _spec in (
         TaskSpec("gendered-pronoun", literature.gendered_pronoun, positions=("NAME", "END"),
                  description="Mathwin et al. 2023: 'So Mary is a really great friend, isn't' -> ' she'"),
         TaskSpec("capital-country", literature.capital_country, positions=("CITY", "END"),
-                 description="factual recall: 'The city of Paris is the capital of' -> ' France'")):
+                 description="factual recall: 'The city of Paris is the capital of' -> ' France'"),
+        TaskSpec("docstring", literature.docstring, positions=("DEF_C", "DOC_A", "DOC_B", "END"),
+                 description="Heimersheim & Janiak 2023: ':param' -> the next undocumented argument's name")):
     _REGISTRY[_spec.name] = _spec
 del _spec
 
