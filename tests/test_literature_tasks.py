@@ -129,3 +129,28 @@ def test_smollm2_does_each_task_on_every_prompt(smollm2, name):
     with torch.no_grad():
         clean, corrupt = (task.row_values(smollm2(getattr(task, w))) for w in ("clean", "corrupt"))
     assert bool((clean > corrupt).all()), (name, clean, corrupt)
+
+
+def test_greater_than_two_digit_form():
+    """A tokenizer that writes " 1732" as " 17", "32" (GPT-2's way): the sets are the two-digit years above the
+    start year's YY and those up to it (Hanna et al.'s), YY the start year's second token."""
+    class Pairs(Words):
+        def __call__(self, text, add_special_tokens=False):
+            out = []
+            for piece in re.findall(r" ?\d\d|\d\d| ?\w+|[^\w\s]| ", text):
+                if piece not in self.ids:
+                    self.ids[piece] = len(self.words)
+                    self.words.append(piece)
+                out.append(self.ids[piece])
+            return {"input_ids": out}
+
+    model = SimpleNamespace(tokenizer=Pairs())
+    tok = model.tokenizer
+    task = qk.tasks.build_task(model, "greater-than", n=4, seed=0, prepend_bos=False)
+    for i, text in enumerate(task.prompts):
+        start = text.split("year ")[1][:4]
+        yy = int(start[2:])
+        assert _at(task, tok, i, "YY") == start[2:] and _at(task, tok, i, "XX").strip() == start[:2]
+        assert sorted(int(tok.decode([int(x)])) for x in task.answer[i] if x >= 0) == list(range(yy + 1, 100))
+        assert sorted(int(tok.decode([int(x)])) for x in task.wrong[i] if x >= 0) == list(range(yy + 1))
+        assert tok.decode(task.corrupt[i, :task.positions["END"][i] + 1]).split("year ")[1][:4] == start[:2] + "01"
