@@ -82,7 +82,7 @@ def test_one_element_sets_give_todays_edge_scores_bit_for_bit(hand_built):
     task = qk.tasks.induction(hand_built, n=2, seg_len=4, seed=0)
     sets = qk.Task(task.clean, task.corrupt, [[int(a)] for a in task.answer], [[int(w)] for w in task.wrong],
                    task.metric, task.positions, task.name, task.bos, None, task.bos_mode)
-    for method in ("eap-ig",):                            # gradients at 2 points (EAP is its one-point case)
+    for method in ("eap",):                               # the gradient path (EAP-IG: the same at more points)
         a = qk.edge_scores(hand_built, task, method=method, steps=2, progress=False).scores
         b = qk.edge_scores(hand_built, sets, method=method, steps=2, progress=False).scores
         ok = ~torch.isnan(a)                              # NaN where a sender does not feed a receiver
@@ -91,8 +91,8 @@ def test_one_element_sets_give_todays_edge_scores_bit_for_bit(hand_built):
 
 
 def test_every_method_reads_sets_linearly(hand_built):
-    """prob-diff over two-element sets = the sum of the two one-token prob-diffs, so EAP-IG and exact edge
-    scores (each linear in the metric; EAP is EAP-IG's one-point case) add up; faithfulness, the core (node runs), roles and attend run on it."""
+    """prob-diff over two-element sets = the sum of the two one-token prob-diffs, so EAP and exact edge
+    scores (each linear in the metric; EAP-IG sums EAP's gradients at more points) add up; faithfulness, the core (node runs), roles and attend run on it."""
     base = qk.tasks.induction(hand_built, n=2, seg_len=4, seed=0, metric="prob-diff")
     a2, w2 = _pair(base, hand_built.cfg.d_vocab)
     first = base
@@ -101,7 +101,7 @@ def test_every_method_reads_sets_linearly(hand_built):
                    "prob-diff", base.positions, "induction", True, None, "yes", None, "induction")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")               # the second pair is arbitrary: "does not do the task"
-        for method in ("eap-ig", "exact"):             # gradients and patched runs
+        for method in ("eap", "exact"):                # gradients (EAP-IG: the same at more points), patched runs
             s1, s2, s12 = (qk.edge_scores(hand_built, t, method=method, steps=2, progress=False)
                            for t in (first, second, both))
             ok = ~torch.isnan(s12.scores)
