@@ -49,6 +49,7 @@ from ._tasks.core import core_circuit
 from ._tasks.evaluation import evaluate
 from ._tasks.faithfulness import faithfulness
 from ._tasks.graph import graph
+from ._tasks.registry import register_task
 from ._tasks.scores import edge_scores, node_scores
 from ._tasks.task import Task
 

@@ -238,7 +238,7 @@ def test_cli_prints_sentences_and_writes_the_json_contract(tmp_path, capsys):
     (["--prompt", "a b"], "give --key J"),
     (["--task", "ioi"], "name the key position with --to"),
     (["--task", "induction", "--to", "IO"], "picks its own rows"),
-    (["--task", "nofile.jsonl", "--to", "IO"], "expected ioi, induction, or an existing .jsonl file"),
+    (["--task", "nofile.jsonl", "--to", "IO"], "expected a registered task (ioi, induction"),
     (["--query", "3"], "--query/--key are positions in a --prompt"),
     (["--head", "9.0"], "layer"),
 ])

@@ -61,7 +61,7 @@ def test_timing_flag(capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--task", "nope.jsonl"], "expected ioi, induction, or an existing .jsonl file"),
+    (["--task", "nope.jsonl"], "expected a registered task (ioi, induction"),
     (["--task", "induction", "--percent", "0"], "expected a percent"),
     (["--task", "induction", "--method", "magic"], "invalid choice"),
 ])

@@ -91,7 +91,7 @@ def test_zoo_task_ioi_adds_each_models_circuit(tmp_path, tmp_path_factory, capsy
     of its own curve) and name movers (each with the evidence the rule needs); the toy (no tokenizer) is skipped
     with the builder's reason. The tiny GPT-2's tokenizer has none of the default single-token names, so the
     builder is given words that are one token for it (tests/test_tasks.py's). One pipeline run (it is slow)."""
-    from qkcircuits._scale.zoo import ioi_summary
+    from qkcircuits._scale.zoo import task_summary
     from qkcircuits._tasks import builders
     from qkcircuits._tasks.task import evaluate
 
@@ -109,9 +109,10 @@ def test_zoo_task_ioi_adds_each_models_circuit(tmp_path, tmp_path_factory, capsy
     d = json.loads(j.read_text())
     got = d["models"][0]["ioi"]
     assert d["settings"]["task"] == "ioi" and set(d["models"][0]["timing_s"]) >= {"scan", "ioi"}
-    assert "no tokenizer" in ioi_summary(hand_built, n=4)["skipped"]
+    assert "no tokenizer" in task_summary(hand_built, "ioi", n=4)["skipped"]
     model = qk.load(folder, device="cpu", verbose=False)
     ref = evaluate(model, tiny_ioi(model, n=4), warn=False)
+    assert got["metric"] == "logit-diff" and got["values"] == got["logit_diff"] and got["task"] == "ioi"
     assert got["logit_diff"]["clean"] == pytest.approx(ref["clean"], abs=1e-4)
     assert got["logit_diff"]["corrupt"] == pytest.approx(ref["corrupt"], abs=1e-4)
     xs = [float(k) / 100 for k in got["curve"]]
@@ -124,8 +125,8 @@ def test_zoo_task_ioi_adds_each_models_circuit(tmp_path, tmp_path_factory, capsy
     for m in got["name_movers"]:
         assert m["direct_effect"] > 0 and m["END->IO"] > m["END->S"]
     out = capsys.readouterr().out
-    assert "IOI (logit difference" in out and "name movers" in out and "CPR" in out
-    assert "IOI circuits" in page.read_text()
+    assert "ioi (the task's metric" in out and "logit-diff" in out and "name movers" in out and "CPR" in out
+    assert "ioi circuits" in page.read_text()
 
 
 def test_zoo_cli_in_a_fresh_interpreter(tmp_path):

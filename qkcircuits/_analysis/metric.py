@@ -10,7 +10,8 @@ What ``fn`` reads (``needs``) and is defined on (``prompts``; the table: ``_foun
   scalar``, a mean over the batch (a slice of the batch and the whole batch mean the same thing); ``m(logits,
   tokens)``.
 - ``needs="logits"``, ``prompts="task"``: one value per prompt row, from the logits at each row's END and the
-  task's answer and wrong tokens: ``fn(end_logits [b, vocab] float32, answer [b], wrong [b], reference) -> [b]``
+  task's answer and wrong tokens: ``fn(end_logits [b, vocab] float32, answer, wrong, reference) -> [b]``, answer
+  and wrong ids [b] (one per row) or [b, k] (a set per row, padded with -1; ``_tasks/answers.py``)
   (``reference``: the clean run's log-probabilities at END [b, vocab], or None; only ``kl`` reads it);
   ``m.rows(end_logits, answer, wrong, reference)``. A ``qk.Task`` evaluates it.
 - ``needs="pattern"`` / ``"z"``: a receiver metric of path patching, ``fn(pattern [batch, q, k], z [batch, pos,

@@ -18,8 +18,8 @@ meaning, one direction, what it reads and what prompts it is defined on:
 - given token rows: ``induction-loss``, ``induction-loss-first-half``, ``text-loss``, ``logit-diff:C,W`` (token
   ids; ``@P`` for a position other than -1), and for path patching the receiver metrics ``induction`` (pattern)
   and ``direct-logit`` (z);
-- a task's rows (``qk.Task``; answer and wrong token per row, read at END): ``logit-diff``, ``prob-diff``,
-  ``answer-loss``, ``kl`` (and the any-rows names above, as a batch mean).
+- a task's rows (``qk.Task``; answer and wrong token, or token set, per row, read at END): ``logit-diff``,
+  ``prob-diff``, ``answer-loss``, ``kl`` (and the any-rows names above, as a batch mean).
 
 ``"loss"`` is the old name of two of them (``induction-loss`` given tokens, ``answer-loss`` in a task): accepted
 for one release with a DeprecationWarning. A name used where it cannot apply (``logit-diff`` given tokens
@@ -35,7 +35,7 @@ import inspect
 import re
 import sys
 import warnings
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -186,25 +186,47 @@ def _one_token(text: str, model) -> Tensor:
 
 # ------------------------------------------------------------------------------------------ task metrics
 # One value per row from the logits at each row's END ([b, vocab], float32) and the row's answer / wrong ids
-# (Metric.rows; a qk.Task evaluates them). These are the operations Task.row_values has always run, so a task's
-# numbers are unchanged.
+# (Metric.rows; a qk.Task evaluates them): [b] (one id per row: the operations Task.row_values has always run, so
+# a one-token task's numbers are unchanged) or [b, k] (a set per row, padded with -1: _tasks/answers.py).
 
 def _rows(last: Tensor) -> Tensor:
     return torch.arange(last.shape[0], device=last.device)
 
 
+def _at(values: Tensor, ids: Tensor, fill: float) -> Tuple[Tensor, Tensor]:
+    """``values`` [b, vocab] at a set per row ``ids`` [b, k] (``fill`` at the padding) and the set's mask."""
+    mask = ids >= 0
+    got = values.gather(1, ids.clamp(min=0))
+    return torch.where(mask, got, torch.full_like(got, fill)), mask
+
+
+def _mean_logit(last: Tensor, ids: Tensor) -> Tensor:
+    if ids.dim() == 1:
+        return last[_rows(last), ids]
+    got, mask = _at(last, ids, 0.0)
+    return got.sum(-1) / mask.sum(-1)
+
+
+def _total_prob(logp: Tensor, ids: Tensor) -> Tensor:
+    if ids.dim() == 1:
+        return logp[_rows(logp), ids].exp()
+    return _at(logp, ids, float("-inf"))[0].exp().sum(-1)
+
+
 def _logit_diff_rows(last: Tensor, answer: Tensor, wrong: Tensor, reference: Optional[Tensor]) -> Tensor:
-    r = _rows(last)
-    return last[r, answer] - last[r, wrong]
+    return _mean_logit(last, answer) - _mean_logit(last, wrong)
 
 
 def _prob_diff_rows(last: Tensor, answer: Tensor, wrong: Tensor, reference: Optional[Tensor]) -> Tensor:
-    r, logp = _rows(last), F.log_softmax(last, -1)
-    return logp[r, answer].exp() - logp[r, wrong].exp()
+    logp = F.log_softmax(last, -1)
+    return _total_prob(logp, answer) - _total_prob(logp, wrong)
 
 
 def _answer_loss_rows(last: Tensor, answer: Tensor, wrong: Tensor, reference: Optional[Tensor]) -> Tensor:
-    return -F.log_softmax(last, -1)[_rows(last), answer]
+    logp = F.log_softmax(last, -1)
+    if answer.dim() == 1:
+        return -logp[_rows(last), answer]
+    return -torch.logsumexp(_at(logp, answer, float("-inf"))[0], -1)
 
 
 def _kl_rows(last: Tensor, answer: Tensor, wrong: Tensor, reference: Optional[Tensor]) -> Tensor:

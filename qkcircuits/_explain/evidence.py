@@ -23,7 +23,7 @@ from .attend import attend_heads
 def key_position(model, task, head, patterns: Optional[Dict[int, torch.Tensor]] = None) -> Optional[str]:
     """The key position a head is read at (module docstring), or None: the induction rows, or a task that names
     no position but END (no evidence then). ``patterns``: {layer: pattern} captured once for several heads."""
-    if getattr(task, "name", "") == "induction":
+    if getattr(task, "pattern", None) == "induction":
         return None
     if "IO" in task.positions:
         return "IO"
@@ -59,7 +59,7 @@ def qk_evidence(model, task, heads: Sequence, k: int = 3, labels: Optional[Dict[
     patterns.clear()
     out: Dict[str, Dict] = {}
     for key, hs in groups.items():
-        if key is None and getattr(task, "name", "") != "induction":
+        if key is None and getattr(task, "pattern", None) != "induction":
             continue                          # a task with no position to read the head at: no evidence
         try:
             res = attend_heads(model, hs, task=task, **({} if key is None else {"query": "END", "key": key}),

@@ -108,7 +108,7 @@ def rows_for(model, layer: int, tokens=None, *, task=None, query: Pos = None, ke
         raise QKCircuitsError("give tokens or a task, not both")
     if task is not None:
         t = task.clean.long()
-        if query is None and key is None and versus is None and getattr(task, "name", "") == "induction":
+        if query is None and key is None and versus is None and getattr(task, "pattern", None) == "induction":
             return _induction(t, torch.full((t.shape[0],), t.shape[1]), window, "the induction task's prompts")
         return _named(task, t, query, key, versus, window)
     if tokens is None:

@@ -14,7 +14,7 @@ docs/architecture.md ("Metrics") is this one, checked by tests/test_metric_vocab
 - ``needs``: what the metric reads from a forward: ``logits``; ``pattern`` / ``z``: one receiver head's (path
   patching only).
 - ``prompts``: what it is defined on: ``any`` token rows; ``repeated``: ``[BOS] + R + R`` (``qk.repeated_tokens``);
-  ``task``: a ``qk.Task``'s rows (an answer and a wrong token per row, read at the row's ``END``).
+  ``task``: a ``qk.Task``'s rows (an answer and a wrong token, or token set, per row, read at the row's ``END``).
 - Where it applies: analyses given token rows (``ablate``, ``group_effect``, ``compare_to_random``, ``sweep``,
   ``attribution``, ``path_patch``, ``edge_attribution``, ``trace``; CLI ``ablate``) take ``prompts`` in
   ``TOKENS``; a task (``qk.Task``: ``evaluate``, ``edge_scores``, ``node_scores``, ``faithfulness``,
@@ -30,7 +30,7 @@ from typing import Dict, Optional, Sequence, Tuple
 NEEDS = ("logits", "pattern", "z")
 PROMPTS = {"any": "any token rows",
            "repeated": "[BOS] + R + R (qk.repeated_tokens)",
-           "task": "a qk.Task's rows: an answer and a wrong token per row, read at its END position"}
+           "task": "a qk.Task's rows: an answer and a wrong token (or token set) per row, read at its END position"}
 TOKENS = ("repeated", "any")    # the prompts of analyses given token rows (sweep, ablation, path patching, trace)
 TASK = ("task", "any")          # the prompts of a qk.Task (edge / node scores, faithfulness, evaluate, core, roles)
 
@@ -55,9 +55,12 @@ TABLE: Tuple[Row, ...] = (
     Row("logit-diff:C,W", True, "logits", "any",
         "mean over rows of logit[C] − logit[W] at position −1 (`@P`: position P); C, W token ids"),
     Row("text-loss", False, "logits", "any", "mean −log p(tokens[i+1] | tokens[≤i]) over every position"),
-    Row("logit-diff", True, "logits", "task", "logit[answer] − logit[wrong] at END"),
-    Row("prob-diff", True, "logits", "task", "p(answer) − p(wrong) at END (softmax over the vocabulary)"),
-    Row("answer-loss", False, "logits", "task", "−log p(answer) at END"),
+    Row("logit-diff", True, "logits", "task",
+        "logit[answer] − logit[wrong] at END; with answer sets the mean logit of the answer set − the mean of the "
+        "wrong set"),
+    Row("prob-diff", True, "logits", "task",
+        "p(answer) − p(wrong) at END (softmax over the vocabulary); with answer sets Σ p(answer set) − Σ p(wrong set)"),
+    Row("answer-loss", False, "logits", "task", "−log p(answer) at END; with an answer set −log Σ p(answer set)"),
     Row("kl", False, "logits", "task",
         "KL(p_clean ‖ p) = Σ_v p_clean(v) (log p_clean(v) − log p(v)) at END; 0 on the clean run"),
     Row("induction", True, "pattern", "repeated",

@@ -124,15 +124,16 @@ def node_metric_job(model, shared: Task, *, rows: Tuple[int, int], heads: List[s
 
 
 def task_job(model, shared, *, spec: str, n: int, seed: int, prepend_bos: Optional[bool] = None,
-             metric: str = "logit-diff", holdout: Optional[float] = None) -> Dict[str, Any]:
+             metric: Optional[str] = None, holdout: Optional[float] = None) -> Dict[str, Any]:
     """The CLI's task (``ioi``, ``induction`` or a .jsonl path the workers can read) built with this worker's
-    tokenizer (``builders.task_source``): its selection part and held-out part (None with ``holdout=0``), and the
+    tokenizer (``holdout.Source``, through the task registry): its selection part and held-out part (None with ``holdout=0``), and the
     graph (the driver has no model)."""
     from .._tasks.holdout import HOLDOUT, Source
 
-    sel, held = Source.of(model, spec, n, seed, prepend_bos, metric).parts(
-        HOLDOUT if holdout is None else holdout, strict=holdout is not None)
-    return {"task": sel.to("cpu"), "held": held.to("cpu") if held is not None else None, "graph": graph(model)}
+    source = Source.of(model, spec, n, seed, prepend_bos, metric)
+    sel, held = source.parts(HOLDOUT if holdout is None else holdout, strict=holdout is not None)
+    return {"task": sel.to("cpu"), "held": held.to("cpu") if held is not None else None, "graph": graph(model),
+            "how": source.how}
 
 
 def roles_job(model, shared: Task, *, circuit: TaskCircuit, clean: Real, corrupt: Real, also: Sequence[str] = (),
@@ -377,13 +378,13 @@ def ray_core_circuit(spec, task, scores, *, threshold: Real = THRESHOLD, by: str
 
 
 def ray_task_and_graph(pool: Pool, spec: str, n: int, seed: int, prepend_bos: Optional[bool] = None,
-                       metric: str = "logit-diff", holdout: Optional[float] = None
-                       ) -> Tuple[Task, Optional[Task], Any]:
+                       metric: Optional[str] = None, holdout: Optional[float] = None
+                       ) -> Tuple[Task, Optional[Task], Any, str]:
     """The CLI's task (selection part, held-out part or None) and the model's graph, built on a worker (the
     driver has no tokenizer)."""
     out = pool.call(JOB + "task_job", {"spec": spec, "n": n, "seed": seed, "prepend_bos": prepend_bos,
                                        "metric": metric, "holdout": holdout})
-    return out["task"], out["held"], out["graph"]
+    return out["task"], out["held"], out["graph"], out["how"]
 
 
 def ray_roles(pool: Pool, task: Task, circuit: TaskCircuit, clean: Real, corrupt: Real, also: Sequence[str] = (),
@@ -398,9 +399,9 @@ def ray_roles(pool: Pool, task: Task, circuit: TaskCircuit, clean: Real, corrupt
 # (``Ray.jobs``' "task", "circuit_faithfulness", "roles": called by ``RayPool.run`` with the open workers)
 
 
-def ray_task(spec, *, task: str, n: int, seed: int, prepend_bos: Optional[bool] = None, metric: str = "logit-diff",
-             holdout: Optional[float] = None, pool: Pool, progress: bool = True) -> Tuple[Task, Optional[Task], Any]:
-    """The step "task" on Ray: the task ``task`` (ioi, induction or a .jsonl path the workers can read), its
+def ray_task(spec, *, task: str, n: int, seed: int, prepend_bos: Optional[bool] = None, metric: Optional[str] = None,
+             holdout: Optional[float] = None, pool: Pool, progress: bool = True) -> Tuple[Task, Optional[Task], Any, str]:
+    """The step "task" on Ray: the task ``task`` (a registered task's name, or a .jsonl path the workers can read), its
     held-out part and the model's graph, built on a worker (``ray_task_and_graph``)."""
     return ray_task_and_graph(pool, task, n, seed, prepend_bos, metric, holdout)
 

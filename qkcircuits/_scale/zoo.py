@@ -15,11 +15,12 @@ head feeds each listed induction head's keys, by exact path patching into K (``k
 ``{"18.6": "16.0"}`` = the top K-path sender, kept when its effect is above that receiver's
 95th percentile over all its senders, else ``null`` for that head (and for layer-0 heads).
 
-With ``task="ioi"`` (``qkcircuits zoo --task ioi``) each entry also gets ``ioi`` (``ioi_summary``): the
-model's IOI logit difference (clean and corrupt, ``task_n`` prompts of ``qk.tasks.ioi``), the faithfulness
-curve of its EAP-IG circuit with CPR/CMD, the chosen circuit's size and node view, and its name movers
-(``roles``), each with its direct effect and END → IO / END → S attention; ``{"skipped": reason}`` for a
-model the task cannot be built for (no tokenizer, too few single-token names).
+With ``task=NAME``, a registered task (``qkcircuits zoo --task ioi``; ``qk.tasks.task_names()``), each entry also
+gets the key NAME (``task_summary``): the task's metric (its name, clean and corrupt means over ``task_n``
+prompts; ``logit_diff`` too where the metric is logit-diff), the faithfulness curve of its EAP-IG circuit with
+CPR/CMD, the chosen circuit's size and node view, its role counts and name movers (``roles``; IOI's), each with its
+direct effect and END → IO / END → S attention; ``{"skipped": reason}`` for a model the task cannot be built for
+(no tokenizer, too few single-token words).
 
 Memory: one loaded model at a time per process (locally the previous one is released before the
 next loads); with Ray each worker loads the models of the shards it runs, one at a time.
@@ -144,10 +145,10 @@ def scan_one(spec: str, *, load_kwargs: Optional[Dict[str, Any]] = None, confirm
     out["k_sources"] = k_sources(model, [h["head"] for h in out["induction"]], n_seqs=n_seqs, seed=seed)
     out["timing_s"] = {"load": round(t1 - t0, 3), "scan": round(t2 - t1, 3),
                        "k_sources": round(time.perf_counter() - t2, 3)}
-    if task == "ioi":
+    if task is not None:
         t3 = time.perf_counter()
-        out["ioi"] = ioi_summary(model, n=task_n, seed=seed, prepend_bos=task_bos)
-        out["timing_s"]["ioi"] = round(time.perf_counter() - t3, 3)
+        out[task] = task_summary(model, task, n=task_n, seed=seed, prepend_bos=task_bos)
+        out["timing_s"][task] = round(time.perf_counter() - t3, 3)
     if own:
         del model
         gc.collect()
@@ -180,19 +181,21 @@ def k_sources(model, heads: Sequence[str], *, n_seqs: int = 8, seed: int = 0) ->
     return out
 
 
-def ioi_summary(model, *, n: int = 32, seed: int = 0, method: str = "eap-ig", steps: int = 5,
-                prepend_bos: Optional[bool] = None) -> Dict[str, Any]:
-    """The zoo's IOI entry of one loaded model: ``qk.tasks.ioi(model, n, seed, prepend_bos=...)`` (None: what the
-    model's tokenizer does on its own), EAP-IG edge scores, the faithfulness curve (MIB grid) with CPR/CMD, the
-    chosen circuit (smallest size with f ≥ 0.8) and its node view, and the name movers among its roles (largest
-    direct effect first; none when the model does not do the task: ``roles`` refuses). ``{"skipped": reason}`` when
-    the task cannot be built for this model. Cost: as ``qkcircuits circuit MODEL --task ioi --n n``."""
-    from .._tasks.builders import ioi
+def task_summary(model, name: str, *, n: int = 32, seed: int = 0, method: str = "eap-ig", steps: int = 5,
+                 prepend_bos: Optional[bool] = None) -> Dict[str, Any]:
+    """The zoo's entry for the registered task ``name`` on one loaded model: the task built by the registry
+    (``n`` prompts, ``seed``, ``prepend_bos``: None = what the model's tokenizer does on its own), EAP-IG edge
+    scores, the faithfulness curve (MIB grid) with CPR/CMD, the chosen circuit (smallest size with f ≥ 0.8) and its
+    node view, its role counts and the name movers among its roles (largest direct effect first; none when the
+    model does not do the task: ``roles`` refuses). ``{"skipped": reason}`` when the task cannot be built for this
+    model. Cost: as ``qkcircuits circuit MODEL --task NAME --n n``."""
     from .._tasks.faithfulness import faithfulness
+    from .._tasks.registry import build_task
     from .._tasks.scores import edge_scores
+    from .._tasks.task import does_the_task
 
     try:
-        task = ioi(model, n=n, seed=seed, prepend_bos=prepend_bos)
+        task = build_task(model, name, n, seed, prepend_bos=prepend_bos)
     except QKCircuitsError as e:
         return {"skipped": str(e)}
     with warnings.catch_warnings():          # the entry says it: does_task, and no name movers
@@ -205,9 +208,11 @@ def ioi_summary(model, *, n: int = 32, seed: int = 0, method: str = "eap-ig", st
     counts: Dict[str, int] = {}
     for r in roles.roles.values():
         counts[str(r["role"])] = counts.get(str(r["role"]), 0) + 1
-    return {"n_prompts": task.n, "method": method, "steps": steps, "rule": scores.rule, "bos": task.bos_info(),
-            "logit_diff": {"clean": json_number(scores.clean), "corrupt": json_number(scores.corrupt)},
-            "does_task": bool(scores.clean > scores.corrupt),
+    values = {"clean": json_number(scores.clean), "corrupt": json_number(scores.corrupt)}
+    return {"task": name, "n_prompts": task.n, "method": method, "steps": steps, "rule": scores.rule,
+            "bos": task.bos_info(), "metric": task.metric.name, "values": values,
+            **({"logit_diff": values} if task.metric.name == "logit-diff" else {}),
+            "does_task": does_the_task(task, float(scores.clean), float(scores.corrupt)),
             "curve": {f"{k:g}": json_number(v) for k, v in faith.curve.items()}, "cpr": json_number(faith.cpr),
             "cmd": json_number(faith.cmd), "chosen_percent": faith.chosen_percent,
             "circuit_edges": faith.circuit.n_edges, "circuit_heads": len(faith.circuit.heads),
@@ -242,8 +247,8 @@ def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Op
     model first). Any other backend: one ``backend.pool(spec)`` per model, in turn (the model loaded once, its
     scan, K sources and task on it: the step ``"zoo_entry"``); ``load_kwargs`` reach ``qk.Local``'s and
     ``qk.Ray``'s loads (another backend loads as it does). ``confirm_k``: induction heads ablated together for the causal check (0: none).
-    ``task``: None, or ``"ioi"``: each entry also gets ``ioi`` (``ioi_summary`` on ``task_n`` prompts, BOS as
-    ``task_bos``: None = what each model's tokenizer does on its own, True / False forced).
+    ``task``: None, or a registered task's name (``"ioi"``): each entry also gets that key (``task_summary`` on
+    ``task_n`` prompts, BOS as ``task_bos``: None = what each model's tokenizer does on its own, True / False forced).
     Old names (one release, with a DeprecationWarning): ``models=``, ``confirm_top=``, ``max_heads=``. The
     ``settings`` JSON keys stay ``confirm_top`` and ``max_heads`` (old files and readers agree).
     """
@@ -254,8 +259,12 @@ def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Op
     check_int("n_seqs", n_seqs)
     check_int("confirm_k", confirm_k, 0)
     check_int("task_n", task_n)
-    if task not in (None, "ioi"):
-        raise QKCircuitsError(f"zoo task must be 'ioi' (or None: the scan only), got {task!r}")
+    if task is not None:
+        from .._tasks.registry import task_spec
+
+        task_spec(task)                      # a registered task (one line naming them otherwise)
+        if task in ZOO_KEYS or task in ("name", "strongest", "scores", "timing_s"):
+            raise QKCircuitsError(f"zoo task {task!r} has the name of an entry's own key; register it under another")
     load_kwargs = dict(load_kwargs or {})
     if isinstance(chosen, Local):            # the zoo's load options, under the backend's own
         chosen = replace(chosen, load_kwargs={**load_kwargs, **chosen.load_kwargs})

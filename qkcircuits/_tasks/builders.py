@@ -1,4 +1,5 @@
-"""Task builders: ``qk.tasks.ioi``, ``qk.tasks.induction``, ``qk.tasks.from_jsonl``.
+"""Task builders: ``qk.tasks.ioi``, ``qk.tasks.induction``, ``qk.tasks.from_jsonl`` (registered by name in
+``registry.py``, which also resolves a command's ``--task``).
 
 >>> task = qk.tasks.induction(model, n=8, seg_len=5, seed=1)
 >>> task.n, task.clean.shape[1]
@@ -144,7 +145,7 @@ def induction(model, n: int = 32, seg_len: int = 10, seed: int = 0, metric="logi
     other = torch.stack(other)
     clean = rep[:, :-1]
     corrupt = torch.cat([rep[:, :1], other, rep[:, seg_len + 1:-1]], 1)
-    return Task(clean, corrupt, rep[:, -1], other[:, -1], metric, {}, "induction", True, None, "yes")
+    return Task(clean, corrupt, rep[:, -1], other[:, -1], metric, {}, "induction", True, None, "yes", None, "induction")
 
 
 KEYS = ("clean", "corrupt", "answer", "wrong")
@@ -203,7 +204,8 @@ def named_positions(tok, spec, row: Sequence[int], start: int, where: str) -> Di
 
 
 def from_jsonl(model, path: Union[str, Path], *, prepend_bos: Optional[bool] = None, metric="logit-diff") -> Task:
-    """One JSON object per line: ``{"clean": str, "corrupt": str, "answer": str, "wrong": str}`` and optionally
+    """One JSON object per line: ``{"clean": str, "corrupt": str, "answer": str, "wrong": str}`` (``answer`` and
+    ``wrong`` may each be a list of texts, an answer set: ``"answer": ["4", "5"]``, each one token) and optionally
     ``"positions": {"S": " John", "IO": " Mary"}`` (named positions: each word's first occurrence in the clean
     prompt, ``{"text": " John", "occurrence": 2}`` for the n-th; one token each; every line names the same
     positions; ``named_positions``). ``answer``/``wrong`` are the text that would follow the prompt (" Mary",
@@ -231,6 +233,7 @@ def from_jsonl(model, path: Union[str, Path], *, prepend_bos: Optional[bool] = N
     raw = path.read_bytes()
     raw = raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
     clean_rows, corrupt_rows, answers, wrongs, prompts = [], [], [], [], []
+    sets = False                            # a line gave an answer or wrong list: sets per row (answers.py)
     named: Dict[str, List[int]] = {}
     first_named = None                      # (line number, names) of the first line
     for no, data in enumerate(raw.split(b"\n"), 1):
@@ -258,21 +261,16 @@ def from_jsonl(model, path: Union[str, Path], *, prepend_bos: Optional[bool] = N
         missing = [k for k in KEYS if k not in obj]
         if missing:
             raise QKCircuitsError(f"{where}: missing key(s) {', '.join(missing)}")
-        bad = [k for k in KEYS if not isinstance(obj[k], str) or not obj[k]]
+        bad = [k for k in ("clean", "corrupt") if not isinstance(obj[k], str) or not obj[k]]
         if bad:
             raise QKCircuitsError(f"{where}: {', '.join(bad)} must be non-empty strings")
-        ids = {}
-        for k in ("answer", "wrong"):
-            t = tok(obj[k], add_special_tokens=False)["input_ids"]
-            if len(t) != 1:
-                raise QKCircuitsError(f"{where}: {k} {obj[k]!r} is {len(t)} tokens {t}; it must be one token "
-                                      f"(the text that follows the prompt, leading space included)")
-            if t[0] in special:
-                raise QKCircuitsError(f"{where}: {k} {obj[k]!r} is the tokenizer's special token {t[0]}; it must be "
-                                      f"text that follows the prompt")
-            ids[k] = t[0]
-        if ids["answer"] == ids["wrong"]:
-            raise QKCircuitsError(f"{where}: answer and wrong are the same token {obj['answer']!r}")
+        ids = {k: _answer_tokens(tok, obj[k], k, special, where) for k in ("answer", "wrong")}
+        both = sorted(set(ids["answer"]) & set(ids["wrong"]))
+        if both:
+            same = tok.decode([both[0]])
+            raise QKCircuitsError(f"{where}: answer and wrong are the same token {same!r}" if len(ids["answer"]) ==
+                                  len(ids["wrong"]) == 1 else f"{where}: token {same!r} is in both the answer and the "
+                                  f"wrong set")
         row, crow = encode(model, obj["clean"], prefix), encode(model, obj["corrupt"], prefix)
         if len(row) != len(crow):
             raise QKCircuitsError(f"{where}: clean has {len(row)} tokens and corrupt {len(crow)}; they must "
@@ -292,28 +290,39 @@ def from_jsonl(model, path: Union[str, Path], *, prepend_bos: Optional[bool] = N
         corrupt_rows.append(crow)
         answers.append(ids["answer"])
         wrongs.append(ids["wrong"])
+        sets = sets or isinstance(obj["answer"], list) or isinstance(obj["wrong"], list)
         prompts.append(obj["clean"])
     if not clean_rows:
         raise QKCircuitsError(f"task file {path.name} is empty; expected one JSON object per line with keys "
                               f"{', '.join(KEYS)}")
     end = torch.tensor([len(r) - 1 for r in clean_rows])
     positions = {"END": end, **{k: torch.tensor(v) for k, v in named.items()}}
-    return Task(pad_rows(model, clean_rows), pad_rows(model, corrupt_rows), torch.tensor(answers),
-                torch.tensor(wrongs), metric, positions, path.stem, bool(prefix), prompts, mode)
+    if not sets:
+        answers, wrongs = [a[0] for a in answers], [w[0] for w in wrongs]
+    return Task(pad_rows(model, clean_rows), pad_rows(model, corrupt_rows), answers, wrongs, metric, positions,
+                path.stem, bool(prefix), prompts, mode)
 
 
-def build_task(model, spec: str, n: int = 64, seed: int = 0, *, prepend_bos: Optional[bool] = None,
-               metric="logit-diff") -> Task:
-    """The command line's task: ``spec`` "ioi", "induction" or a .jsonl path (``n``/``seed`` for the first two).
-    ``induction`` always starts with BOS: ``prepend_bos=False`` is refused for it (one line)."""
-    if spec == "ioi":
-        return ioi(model, n=n, seed=seed, prepend_bos=prepend_bos, metric=metric)
-    if spec == "induction":
-        if prepend_bos is False:
-            raise QKCircuitsError("--bos no: the induction task's prompts are [BOS] + R + R and always start with BOS; "
-                                  "use --bos auto or yes")
-        return induction(model, n=n, seed=seed, metric=metric)
-    return from_jsonl(model, spec, prepend_bos=prepend_bos, metric=metric)
+def _answer_tokens(tok, value, key: str, special, where: str) -> List[int]:
+    """A JSONL line's ``answer`` / ``wrong``: one text, or a non-empty list of texts (a set), each ONE token that is
+    not a special token, no token twice; their ids."""
+    texts = value if isinstance(value, list) else [value]
+    if not texts or not all(isinstance(t, str) and t for t in texts):
+        raise QKCircuitsError(f"{where}: {key} must be a non-empty string or a non-empty list of non-empty strings "
+                              f"(an answer set), got {json.dumps(value)[:80]}")
+    out: List[int] = []
+    for text in texts:
+        t = tok(text, add_special_tokens=False)["input_ids"]
+        if len(t) != 1:
+            raise QKCircuitsError(f"{where}: {key} {text!r} is {len(t)} tokens {t}; it must be one token "
+                                  f"(the text that follows the prompt, leading space included)")
+        if t[0] in special:
+            raise QKCircuitsError(f"{where}: {key} {text!r} is the tokenizer's special token {t[0]}; it must be "
+                                  f"text that follows the prompt")
+        if t[0] in out:
+            raise QKCircuitsError(f"{where}: {key} {text!r} is in the set twice (token {t[0]})")
+        out.append(t[0])
+    return out
 
 
-__all__ = ["build_task", "ioi", "induction", "from_jsonl", "named_positions", "single_tokens", "FRAMES", "NAMES", "PLACES", "OBJECTS"]
+__all__ = ["ioi", "induction", "from_jsonl", "named_positions", "single_tokens", "FRAMES", "NAMES", "PLACES", "OBJECTS"]

@@ -36,6 +36,7 @@ from .task import Task
 
 HOLDOUT = 1 / 3
 HELD_SEED = 1_000_003          # the held-out draw's seed is the task's seed + this (never a resample's seed + r)
+FRESH, PART = "a fresh draw of the generator", "a seeded random part of the file's rows"     # ``Source.how``
 
 
 def check_holdout(fraction) -> float:
@@ -84,13 +85,18 @@ class Source:
     template_of: Optional[Callable[[Task], Optional[Tensor]]] = None
 
     @classmethod
-    def of(cls, model, spec: str, n: int, seed: int = 0, prepend_bos=None, metric: str = "logit-diff") -> "Source":
+    def of(cls, model, spec: str, n: int, seed: int = 0, prepend_bos=None, metric=None) -> "Source":
         """The source of the CLI's ``--task`` (a built-in generator's name or a .jsonl path)."""
         return task_source(model, spec, n, seed, prepend_bos=prepend_bos, metric=metric)
 
     @property
     def generated(self) -> bool:
         return self.build is not None
+
+    @property
+    def how(self) -> str:
+        """Where the held-out part comes from, in words."""
+        return FRESH if self.generated else PART
 
     def parts(self, holdout: Any = HOLDOUT, strict: bool = True) -> Tuple[Task, Optional[Task]]:
         """(selection part, held-out part or None) (module docstring). ``strict=False``: prompts too few to split
@@ -126,20 +132,18 @@ class Source:
 
 
 def task_source(model, spec: str, n: int = 64, seed: int = 0, *, prepend_bos: Optional[bool] = None,
-                metric="logit-diff"):
-    """The command line's task as a ``holdout.Source``: "ioi" and "induction" are generators (a fresh draw for
-    the held-out part and for each resample; IOI's sentence frames are its templates, row i using frame
-    (i // 2) mod T), a .jsonl path fixed rows."""
-    from .builders import FRAMES, build_task, from_jsonl, induction, ioi
+                metric=None) -> "Source":
+    """The command line's task as a ``Source``: a registered task is a generator (a fresh draw for the held-out
+    part and for each resample; its templates, where it declares them, left out in turn), a .jsonl path fixed
+    rows."""
+    from .registry import build_task, check_task_arg
 
-    if spec == "ioi":
-        def build_ioi(k: int, s: int, templates=None) -> Task:
-            frames = FRAMES if templates is None else [FRAMES[i] for i in templates]
-            return ioi(model, n=k, seed=s, prepend_bos=prepend_bos, metric=metric, frames=frames)
+    found = check_task_arg(spec)
+    if found is None:
+        return Source(n, seed, rows=build_task(model, spec, n, seed, prepend_bos=prepend_bos, metric=metric))
 
-        return Source(n, seed, build_ioi, len(FRAMES),
-                      template_of=lambda t: (torch.arange(t.n) // 2) % len(FRAMES))
-    if spec == "induction":
-        build_task(model, spec, 1, seed, prepend_bos=prepend_bos, metric=metric)      # the BOS check, one line
-        return Source(n, seed, lambda k, s, templates=None: induction(model, n=k, seed=s, metric=metric))
-    return Source(n, seed, rows=from_jsonl(model, spec, prepend_bos=prepend_bos, metric=metric))
+    def build(k: int, s: int, templates=None) -> Task:
+        extra = {} if templates is None else {"templates": list(templates)}
+        return found(model, k, s, prepend_bos=prepend_bos, metric=metric, **extra)
+
+    return Source(n, seed, build, found.n_templates, template_of=found.template_of)

@@ -47,6 +47,9 @@ Classes, in this order:
 3. unclassified: a large direct or node effect that fits no class, kept with its evidence;
 4. minor: the rest.
 
+A registered task may declare its own roles (``qk.register_task(..., roles=[qk.tasks.Role(name, rule, why)])``):
+each a rule over the evidence above, tried in its order before these classes (``declared_roles``).
+
 ``classify`` is the rule on the evidence alone (tested on constructed evidence); ``roles`` gathers it.
 """
 
@@ -389,6 +392,7 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
                 if sname in judged and (bool(circuit.mask[s, r]) or sname in outside or rname in outside):
                     q_edges[(sname, rname)] = float(scores[s, r])
     out = classify(evidence, q_edges, ioi=ioi, denom=denom, thresholds=thresholds)
+    declared_roles(task, out)
     for name, entry in out.items():
         entry["in_circuit"] = name not in set(extra)
     t = {**THRESHOLDS, **(thresholds or {})}
@@ -401,6 +405,20 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
 
 
 QK_ROLES = ("name mover", "negative name mover", "induction head")
+
+
+def declared_roles(task, out: Dict[str, Dict[str, object]]) -> None:
+    """The roles the task's registration declares (``qk.tasks.Role``: a rule over a head's evidence), tried in
+    their order before the classes above: the first whose rule holds names the head, its ``why`` the reason."""
+    from .registry import spec_of
+
+    spec = spec_of(task)
+    for entry in out.values():
+        for role in (spec.roles if spec is not None else ()):
+            if role.rule(entry["evidence"]):
+                entry["role"] = role.name
+                entry["why"] = role.why or f"the {spec.name} task's rule for a {role.name}"
+                break
 
 
 def _add_qk_evidence(model, task, out: Dict[str, Dict[str, object]], settings: Dict[str, object]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .._foundation.errors import QKCircuitsError
 from .graph import Graph
+from .answers import check_vocab
 from .task import Task
 
 # The faithfulness curve's shards (``shard_rows``' default budget, ``faithfulness.py``: the corrupt record and
@@ -39,7 +40,6 @@ def shard_rows(model, g: Graph, task: Task, buffers: int = 2, budget: int = DELT
 def check_task(model, task: Task) -> None:
     V, n_ctx = model.cfg.d_vocab, model.cfg.n_ctx
     for what, t in (("clean", task.clean), ("corrupt", task.corrupt), ("answer", task.answer), ("wrong", task.wrong)):
-        if int(t.min()) < 0 or int(t.max()) >= V:
-            raise QKCircuitsError(f"task {what} holds token ids outside the model's vocabulary 0-{V - 1}")
+        check_vocab(t, V, what)                   # answer / wrong sets: their padding left out
     if task.clean.shape[1] > n_ctx:
         raise QKCircuitsError(f"task rows of {task.clean.shape[1]} tokens exceed the model's context of {n_ctx}")

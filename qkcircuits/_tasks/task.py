@@ -15,9 +15,11 @@ the one table of names ``_foundation/metric_table``) whenever it is set. Task me
 ``END`` position, the last real token (rows shorter than the longest are right-padded, which a causal model
 never sees from positions ≤ END):
 
-- ``"logit-diff"`` (default): logit[answer] − logit[wrong];
-- ``"prob-diff"``: p(answer) − p(wrong) after a softmax over the vocabulary;
-- ``"answer-loss"``: −log p(answer) (lower is better: faithfulness is a ratio, so the sign cancels there; a
+- ``"logit-diff"`` (default): logit[answer] − logit[wrong]; with answer sets the mean logit of the answer set −
+  the mean of the wrong set;
+- ``"prob-diff"``: p(answer) − p(wrong) after a softmax over the vocabulary; with sets Σ p(answer set) −
+  Σ p(wrong set) (Hanna et al. 2023's greater-than metric);
+- ``"answer-loss"``: −log p(answer), with a set −log Σ p(answer set) (lower is better: faithfulness is a ratio, so the sign cancels there; a
   signed circuit ranks edges by −score, the direction that carries the behaviour). ``"loss"`` is its old name
   (one release, DeprecationWarning);
 - ``"kl"``: KL(p_clean ‖ p) = Σ_v p_clean(v) (log p_clean(v) − log p(v)) at END, p_clean the clean run's
@@ -46,27 +48,32 @@ from .._foundation.args import check_tokens
 from .._foundation.arch.model import default_bos_id
 from .._foundation.errors import QKCircuitsError
 from .._analysis.metrics import TASK, Metric, as_metric, is_builtin, reads_reference
+from .answers import AnswerLike, answer_ids, repeat_rows, row_ids
 
 BOS_MODES = ("auto", "yes", "no")
+PATTERNS = (None, "induction")      # Task.pattern: the rows a head is read at when the task names no position
 
 
 @dataclass
 class Task:
     """Clean and corrupt token rows [n, pos] (same shape, checked), per-row ``answer``/``wrong`` token
-    ids [n], a ``metric`` (a name, ``qk.Metric`` or declared callable, stored as the ``Metric``; see the module
+    ids [n] or token-id sets [n, k] (ragged sets padded with -1: ``_tasks/answers.py``), a ``metric`` (a name, ``qk.Metric`` or declared callable, stored as the ``Metric``; see the module
     docstring), named positions per row (``positions[name]`` is
     a [n] tensor of indices; ``END`` is where the metric reads and defaults to the last position), a
     ``name``, whether a BOS token was prepended (``bos``), the prompt texts when built from text, how the BOS
     was decided (``bos_mode``: "auto" = what the tokenizer does on its own, "yes"/"no" = forced; None for a
     task built from ids, described as "yes"/"no" by ``bos``) and, for ``metric="kl"``, the clean run's
-    log-probabilities at END (``reference`` [n, vocab]: ``with_reference`` fills it)."""
+    log-probabilities at END (``reference`` [n, vocab]: ``with_reference`` fills it) and, for a task whose rows
+    are read by a pattern rather than named positions, that pattern (``pattern``: ``"induction"`` for
+    ``qk.tasks.induction``, each repeated token → the token after its earlier copy; ``qk.attend`` and the roles'
+    QK evidence read it)."""
 
-    # what __init__ accepts (ids as tensors or nested lists; one answer id for every row, or one per row);
-    # __post_init__ stores [n, pos] / [n] long tensors
+    # what __init__ accepts (ids as tensors or nested lists; one answer id for every row, one per row, or a set
+    # of ids per row: answers.answer_ids); __post_init__ stores [n, pos] and [n] or [n, k] (PAD-padded sets) tensors
     clean: Union[Int[Tensor, "n pos"], Sequence[Sequence[int]]]
     corrupt: Union[Int[Tensor, "n_corrupt pos_corrupt"], Sequence[Sequence[int]]]   # == clean's shape: checked below, one line
-    answer: Union[int, Sequence[int], Int[Tensor, "..."]]
-    wrong: Union[int, Sequence[int], Int[Tensor, "..."]]
+    answer: AnswerLike
+    wrong: AnswerLike
     metric: Union[str, Metric, Callable] = "logit-diff"     # stored as the resolved Metric (__setattr__)
     positions: Dict[str, Tensor] = field(default_factory=dict)
     name: str = "custom"
@@ -74,6 +81,7 @@ class Task:
     prompts: Optional[List[str]] = None
     bos_mode: Optional[str] = None
     reference: Optional[Tensor] = None
+    pattern: Optional[str] = None       # the rows a head is read at when no position is named ("induction")
 
     def __post_init__(self) -> None:
         check_tokens(self.clean, "clean"), check_tokens(self.corrupt, "corrupt")     # ids, not text or floats
@@ -84,14 +92,10 @@ class Task:
         n = self.clean.shape[0]
         if n < 1:
             raise QKCircuitsError("a task needs at least one prompt row")
-        self.answer = torch.as_tensor(self.answer).long().reshape(-1).expand(n).clone() \
-            if torch.as_tensor(self.answer).numel() == 1 else torch.as_tensor(self.answer).long()
-        self.wrong = torch.as_tensor(self.wrong).long().reshape(-1).expand(n).clone() \
-            if torch.as_tensor(self.wrong).numel() == 1 else torch.as_tensor(self.wrong).long()
-        for what, ids in (("answer", self.answer), ("wrong", self.wrong)):
-            if ids.shape != (n,):
-                raise QKCircuitsError(f"{what} must hold one token id per prompt row ({n}), got shape "
-                                      f"{tuple(ids.shape)}")
+        self.answer, self.wrong = answer_ids(self.answer, n, "answer"), answer_ids(self.wrong, n, "wrong")
+        if self.pattern not in PATTERNS:
+            raise QKCircuitsError(f"pattern must be None (the task's named positions) or one of "
+                                  f"{', '.join(p for p in PATTERNS if p)}, got {self.pattern!r}")
         if self.bos_mode is not None and self.bos_mode not in BOS_MODES:
             raise QKCircuitsError(f"bos_mode must be one of {', '.join(BOS_MODES)} or None, got {self.bos_mode!r}")
         if self.reference is not None and (self.reference.dim() != 2 or self.reference.shape[0] != n):
@@ -130,12 +134,13 @@ class Task:
         ref = None if self.reference is None else self.reference[idx.to(self.reference.device)]
         return Task(self.clean[idx], self.corrupt[idx], self.answer[idx], self.wrong[idx], self.metric,
                     {k: v[idx] for k, v in self.positions.items()}, self.name, self.bos,
-                    [self.prompts[i] for i in idx.tolist()] if self.prompts else None, self.bos_mode, ref)
+                    [self.prompts[i] for i in idx.tolist()] if self.prompts else None, self.bos_mode, ref,
+                    self.pattern)
 
     def at_end(self) -> "Task":
         """The same rows with END = 0: for logits already taken at each row's END position ([b, 1, vocab])."""
         return Task(self.clean[:, :1], self.corrupt[:, :1], self.answer, self.wrong, self.metric, {}, self.name,
-                    self.bos, None, self.bos_mode, self.reference)
+                    self.bos, None, self.bos_mode, self.reference, self.pattern)
 
     def shards(self, rows_per_shard: int) -> List["Task"]:
         return [self.rows(slice(i, i + rows_per_shard)) for i in range(0, self.n, max(1, rows_per_shard))]
@@ -143,7 +148,8 @@ class Task:
     def to(self, device) -> "Task":
         return Task(self.clean.to(device), self.corrupt.to(device), self.answer.to(device), self.wrong.to(device),
                     self.metric, {k: v.to(device) for k, v in self.positions.items()}, self.name, self.bos,
-                    self.prompts, self.bos_mode, None if self.reference is None else self.reference.to(device))
+                    self.prompts, self.bos_mode, None if self.reference is None else self.reference.to(device),
+                    self.pattern)
 
     # ---------------------------------------------------------------------------------------- metric
 
@@ -165,7 +171,7 @@ class Task:
         rows = torch.arange(b, device=logits.device)
         end = self.positions["END"].to(logits.device).repeat(copies)
         last = logits[rows, end].float()                                        # [b, vocab]
-        a, w = self.answer.to(logits.device).repeat(copies), self.wrong.to(logits.device).repeat(copies)
+        a, w = (repeat_rows(t.to(logits.device), copies) for t in (self.answer, self.wrong))
         ref = None if self.reference is None else self.reference.to(logits.device).float().repeat(copies, 1)
         return self.metric.rows(last, a, w, ref)                                # ref: [b, vocab] log p_clean
 
@@ -183,6 +189,8 @@ class Task:
             return None
         h = hashlib.sha1()
         for t in (self.clean, self.corrupt, self.answer, self.wrong, self.positions["END"]):
+            if t.dim() > 1 and t is not self.clean and t is not self.corrupt:   # answer sets: their shape too
+                h.update(repr(tuple(t.shape)).encode())
             h.update(t.detach().cpu().contiguous().numpy().tobytes())
         if self.reference is not None:
             h.update(self.reference.detach().float().cpu().contiguous().numpy().tobytes())
@@ -238,7 +246,7 @@ def with_reference(model, task: Task) -> Task:
             parts.append(F.log_softmax(logits[rows, shard.positions["END"].to(logits.device)].float(), -1).cpu())
     ref = torch.cat(parts)
     return Task(task.clean, task.corrupt, task.answer, task.wrong, task.metric, task.positions, task.name, task.bos,
-                task.prompts, task.bos_mode, ref.to(task.clean.device))
+                task.prompts, task.bos_mode, ref.to(task.clean.device), task.pattern)
 
 
 def evaluate(model, task: Task, rows_per_shard: int = 16, warn: bool = True) -> Dict[str, float]:
@@ -287,7 +295,11 @@ def not_done_message(task: Task, clean: float, corrupt: float, model=None) -> st
             return f"{tok.decode([i])!r} (id {i})" if tok is not None else f"id {i}"
         except Exception:     # a tokenizer that cannot decode this id: the id is enough
             return f"id {i}"
-    answers = (f"the answer tokens (row 0: answer {word(int(task.answer[0]))}, wrong {word(int(task.wrong[0]))}: "
+    def words(ids) -> str:
+        got = row_ids(ids, 0)
+        return word(got[0]) if len(got) == 1 else "{" + ", ".join(word(i) for i in got[:6]) + (
+            ", …}" if len(got) > 6 else "}")
+    answers = (f"the answer tokens (row 0: answer {words(task.answer)}, wrong {words(task.wrong)}: "
                f"is the answer the token the model should predict next, leading space included?)"
                if not reads_reference(task.metric) else "the corrupt prompts (they must change the next-token distribution)")
     return (f"{NOT_DONE} {task.name!r}: clean {task.metric_name} {clean:.4g} vs corrupt {corrupt:.4g} ({better} is "

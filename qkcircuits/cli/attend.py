@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
 from ._common import add_model_args, input_arg, load_model, output_arg, positive_int
+
+DEFAULT_TASK = "induction"     # the registered task attend reads without --task or --prompt
 
 
 def _position(text: str):
@@ -35,7 +36,8 @@ def add_parser(sub) -> None:
                                    "their values in the run, so the parts add up to the model's own score.")
     add_model_args(p)
     p.add_argument("--head", required=True, help="the head to explain, e.g. 18.6")
-    p.add_argument("--task", default=None, help="induction (default without --prompt), ioi, or a .jsonl task file")
+    p.add_argument("--task", default=None, help="a registered task (induction, the default without --prompt; ioi, "
+                                                 "greater-than, ...) or a .jsonl task file")
     p.add_argument("--from", dest="query_name", metavar="POS", help="the task's query position (default END)")
     p.add_argument("--to", dest="key_name", metavar="POS", help="the task's key position, e.g. IO")
     p.add_argument("--versus", metavar="POS", help="compare with this key position (task name, or an integer "
@@ -78,18 +80,20 @@ def run(args: argparse.Namespace) -> int:
             raise QKCircuitsError("with --prompt give --key J (and --query I), or --key induction|duplicate|previous")
     elif args.query is not None or args.key is not None:
         raise QKCircuitsError("--query/--key are positions in a --prompt; with a task use --from/--to")
-    task_spec = args.task or (None if args.prompt else "induction")
-    if task_spec not in (None, "ioi", "induction") and not Path(task_spec).is_file():
-        raise QKCircuitsError(f"--task {task_spec!r}: expected ioi, induction, or an existing .jsonl file")
-    if task_spec == "induction" and (args.query_name or args.key_name or args.versus):
-        raise QKCircuitsError("--task induction picks its own rows (each repeated token -> the token after its earlier "
-                              "copy); --from/--to/--versus are for ioi or a .jsonl task")
-    if task_spec not in (None, "induction") and not args.key_name:
-        raise QKCircuitsError(f"--task {task_spec}: name the key position with --to (e.g. --from END --to IO)")
+    task_spec = args.task or (None if args.prompt else DEFAULT_TASK)
+    if task_spec is not None:
+        from .._tasks.registry import check_task_arg
+
+        spec = check_task_arg(task_spec, bos=args.bos)          # a registered task or a .jsonl file
+        if spec is not None and spec.pattern and (args.query_name or args.key_name or args.versus):
+            raise QKCircuitsError(f"--task {task_spec} picks its own rows ({spec.pattern} pattern); --from/--to/--versus "
+                                  f"are for a task with named positions")
+        if (spec is None or not spec.pattern) and not args.key_name:
+            raise QKCircuitsError(f"--task {task_spec}: name the key position with --to (e.g. --from END --to IO)")
     model = load_model(args)
     kw = dict(reading=args.reading, expand=args.expand, k=args.top)
     if task_spec is not None:
-        from .._tasks.builders import build_task
+        from .._tasks.registry import build_task
         from .._tasks.task import bos_mode_arg
 
         task = build_task(model, task_spec, args.n, args.seed, prepend_bos=bos_mode_arg(args.bos))

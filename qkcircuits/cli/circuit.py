@@ -29,7 +29,6 @@ import sys
 import time
 import warnings
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Optional
 
 from .._foundation.errors import QKCircuitsError
@@ -72,17 +71,20 @@ def add_parser(sub) -> None:
                                    "(faithfulness over 0.1-100% of the edges, CPR and CMD) and name the roles of "
                                    "the circuit's heads.")
     add_model_args(p)
-    p.add_argument("--task", required=True, help="ioi, induction, or a .jsonl file (one {clean, corrupt, answer, "
-                                                 "wrong[, positions]} object per line)")
+    p.add_argument("--task", required=True, help="a registered task (ioi, induction, greater-than, ...: "
+                                                 "qk.tasks.task_names()) or a .jsonl file (one {clean, corrupt, "
+                                                 "answer, wrong[, positions]} object per line)")
     p.add_argument("--n", type=positive_int, default=64, help="prompts for ioi/induction (default 64)")
     p.add_argument("--seed", type=int, default=0, help="seed of the ioi/induction prompts (default 0)")
     p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
                    help="prepend a BOS to each prompt: auto (default) = what the model's tokenizer does on its own "
                         "(Llama/Gemma add <bos>, GPT-2 and SmolLM2 add none), yes / no = forced; induction prompts "
                         "always start with BOS")
-    p.add_argument("--metric", type=metric_arg("--metric", METRICS, ("task",)), default="logit-diff",
+    p.add_argument("--metric", type=metric_arg("--metric", METRICS, ("task",)), default=None,
                    metavar="{" + ",".join(METRICS) + "}",
-                   help="logit-diff (default), prob-diff, answer-loss (-log p(answer) at END; 'loss' is its old name), "
+                   help="the task's own (a registered task declares it: logit-diff for ioi, prob-diff for "
+                        "greater-than; logit-diff for a .jsonl), or logit-diff, prob-diff, answer-loss (-log p(answer) "
+                        "at END; 'loss' is its old name), "
                         "or kl (KL(clean || patched) at END, lower is better)")
     p.add_argument("--method", choices=METHODS, default="eap-ig",
                    help="eap-ig (default; integrated gradients on the input embeddings), eap, exact (one patched "
@@ -146,8 +148,8 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def build_task(model, spec: str, n: int, seed: int, prepend_bos=None, metric: str = "logit-diff"):
-    from .._tasks.builders import build_task as build
+def build_task(model, spec: str, n: int, seed: int, prepend_bos=None, metric: Optional[str] = None):
+    from .._tasks.registry import build_task as build
 
     return build(model, spec, n, seed, prepend_bos=prepend_bos, metric=metric)
 
@@ -167,7 +169,7 @@ def backend(args: argparse.Namespace):
 # ``qk.Ray.jobs``' "task", "circuit_faithfulness" and "roles", in qkcircuits._scale.ray_tasks).
 
 
-def task_step(model, *, task: str, n: int, seed: int, prepend_bos=None, metric: str = "logit-diff",
+def task_step(model, *, task: str, n: int, seed: int, prepend_bos=None, metric: Optional[str] = None,
               holdout: Optional[float] = None, gqa: str = "grouped", positions: bool = False):
     """The step "task": the task built with this model's tokenizer (its selection part, and its held-out part or
     None: ``holdout.Source.parts``), and the graph its edges are scored on."""
@@ -175,12 +177,12 @@ def task_step(model, *, task: str, n: int, seed: int, prepend_bos=None, metric: 
     from .._tasks.scores import task_graph
 
     # the default third (``holdout`` None) is dropped when the prompts are too few to split; a given one is not
-    sel, held = Source.of(model, task, n, seed, prepend_bos, metric).parts(HOLDOUT if holdout is None else holdout,
-                                                                             strict=holdout is not None)
-    return sel, held, task_graph(model, sel, gqa, positions)
+    source = Source.of(model, task, n, seed, prepend_bos, metric)
+    sel, held = source.parts(HOLDOUT if holdout is None else holdout, strict=holdout is not None)
+    return sel, held, task_graph(model, sel, gqa, positions), source.how
 
 
-def stability_step(model, *, task: str, n: int, seed: int, prepend_bos=None, metric: str = "logit-diff",
+def stability_step(model, *, task: str, n: int, seed: int, prepend_bos=None, metric: Optional[str] = None,
                    sel, held, resamples: int, first, percent: float, progress: bool = True, **kw):
     """The step "stability": ``resamples`` draws of the prompts (``_tasks.stability``), draw 0 being ``first``."""
     from .._tasks.holdout import Source
@@ -218,16 +220,14 @@ def token_text(pool, i: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.task not in ("ioi", "induction") and not Path(args.task).is_file():
-        raise QKCircuitsError(f"--task {args.task!r}: expected ioi, induction, or an existing .jsonl file")
+    from .._tasks.registry import check_task_arg
+
+    check_task_arg(args.task, bos=args.bos)          # a registered task or a .jsonl file; --bos no where it cannot be
     if args.rule is not None and args.method not in ("eap-ig", "eap-ig-activations"):
         raise QKCircuitsError(f"--rule {args.rule}: applies to --method eap-ig and eap-ig-activations, not {args.method}")
     if args.mib and args.positions:
         raise QKCircuitsError("--mib: MIB's graph has no position groups; drop --positions (--gqa ungrouped is MIB's "
                               "own k/v count)")
-    if args.task == "induction" and args.bos == "no":
-        raise QKCircuitsError("--bos no: the induction task's prompts are [BOS] + R + R and always start with BOS; use "
-                              "--bos auto or yes")
     if args.ray is not None and (args.gqa != "grouped" or args.positions):
         raise QKCircuitsError("--gqa ungrouped and --positions run in this process only (not with --ray)")
     if args.resamples and args.ray is not None:
@@ -241,8 +241,11 @@ def run(args: argparse.Namespace) -> int:
 
 def bos_text(task, pool, args) -> str:
     """How the prompts start, in words (the first line says it)."""
-    if task.name == "induction" and args.task == "induction":
-        return f"BOS {token_text(pool, int(task.clean[0, 0]))} prepended (induction prompts always start with BOS)"
+    from .._tasks.registry import spec_of
+
+    spec = spec_of(task)
+    if spec is not None and spec.always_bos and args.task == spec.name:
+        return f"BOS {token_text(pool, int(task.clean[0, 0]))} prepended ({spec.name} prompts always start with BOS)"
     mode = task.bos_mode or ("yes" if task.bos else "no")
     if mode == "auto":
         return (f"BOS {token_text(pool, int(task.clean[0, 0]))} prepended (--bos auto: the tokenizer adds it)" if task.bos
@@ -271,13 +274,13 @@ def _run(args: argparse.Namespace, pool, t0: float) -> int:
     from .._tasks.task import bos_mode_arg, does_the_task, not_done_message
 
     progress = not args.quiet
-    task, held, g = pool.run("task", local=task_step, task=args.task, n=args.n, seed=args.seed,
+    task, held, g, drawn = pool.run("task", local=task_step, task=args.task, n=args.n, seed=args.seed,
                              prepend_bos=bos_mode_arg(args.bos), metric=args.metric, holdout=args.holdout,
                              **_graph_kw(args))
     t_load = time.perf_counter() - t0
     n_all = task.n + (held.n if held is not None else 0)
     split = (f" ({task.n} to choose the circuit on, {held.n} held out to judge it: "
-             f"{'a fresh draw' if args.task in ('ioi', 'induction') else 'a seeded random part of the file'})"
+             f"{drawn})"
              if held is not None else " (no held-out part: chosen and judged on the same prompts" + (
                  ", too few to hold a third out)" if args.holdout is None else ")"))
     header = (f"{args.model}: task {task.name}, {n_all} prompts x {task.clean.shape[1]} tokens{split}, "
@@ -428,7 +431,7 @@ def _run(args: argparse.Namespace, pool, t0: float) -> int:
             "n_edges_by_percent": {f"{k:g}": v for k, v in faith.n_edges.items()},
             "chosen_percent": faith.chosen_percent, "by": args.by, "how": args.how, "force": bool(args.force),
             "positions": sorted(task.positions), "versions": scores.settings.get("versions", {}),
-            "holdout": _holdout_json(args, task, held),
+            "holdout": _holdout_json(args, task, held, drawn),
             "selection": {"n": task.n, "clean": scores.clean, "corrupt": scores.corrupt,
                           "curve": {f"{k:g}": v for k, v in faith.curve.items()}, "cpr": faith.cpr, "cmd": faith.cmd}}
     if core is not None:
@@ -447,14 +450,14 @@ def _run(args: argparse.Namespace, pool, t0: float) -> int:
     return 0
 
 
-def _holdout_json(args, task, held) -> dict:
+def _holdout_json(args, task, held, drawn: str) -> dict:
     """The ``holdout`` key: how the prompts were split (docs/tasks.md)."""
+    from .._tasks.holdout import FRESH, HELD_SEED
+
     if held is None:
         return {"fraction": 0.0, "n": 0, "how": "none: chosen and judged on the same prompts"}
-    fresh = args.task in ("ioi", "induction")
     return {"fraction": HOLDOUT if args.holdout is None else args.holdout, "n": held.n, "selection_n": task.n,
-            "how": "a fresh draw of the generator" if fresh else "a seeded random part of the file's rows",
-            "seed": args.seed + (1_000_003 if fresh else 0)}
+            "how": drawn, "seed": args.seed + (HELD_SEED if drawn == FRESH else 0)}
 
 
 def core_json(core) -> dict:

@@ -22,8 +22,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the prompt sets (default 0)")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS|local:N",
                    help="one model per Ray worker: an address, local:N, or nothing ($RAY_ADDRESS, else local)")
-    p.add_argument("--task", choices=("ioi",), default=None,
-                   help="also find each model's IOI circuit: logit difference, CPR/CMD, name movers")
+    p.add_argument("--task", default=None, metavar="NAME",
+                   help="also find each model's circuit of this registered task (ioi, greater-than, ...: "
+                        "qk.tasks.task_names()): its metric, CPR/CMD, roles (IOI: name movers)")
     p.add_argument("--task-n", type=positive_int, default=32, metavar="N",
                    help="prompts of the --task (default 32)")
     p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
@@ -41,11 +42,15 @@ def run(args: argparse.Namespace) -> int:
 
     for spec in args.models:          # every spec before the first model loads
         check_spec(spec)
+    if args.task is not None:
+        from .._tasks.registry import task_spec
+
+        task_spec(args.task)          # a registered task (a .jsonl file is `qkcircuits circuit`'s)
     z = zoo(args.models, backend="ray" if args.ray is not None else "local", ray_address=args.ray or None,
             confirm_k=args.confirm, n_seqs=args.n_seqs, seed=args.seed, progress=not args.quiet,
             load_kwargs={"device": args.device, "dtype": args.dtype}, task=args.task, task_n=args.task_n,
             task_bos={"auto": None, "yes": True, "no": False}[args.bos])
-    print(format_zoo(z.models))
+    print(format_zoo(z.models, args.task))
     if args.json:
         z.to_json(args.json)
         print(f"wrote {args.json}", file=sys.stderr)
@@ -57,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_zoo(models) -> str:
+def format_zoo(models, task=None) -> str:
     lines = [f"{'model':<28}{'shape':>8}  {'induction heads (top 3: score@depth)':<48}  {'prev-token (top 2)':<32}  "
              f"causal check"]
     for m in models:
@@ -73,19 +78,20 @@ def format_zoo(models) -> str:
         ks = m.get("k_sources")
         if ks:     # which earlier head each induction head's keys read (None: no sender above the p95)
             lines.append(f"  {m['model'][-27:]} K sources: " + ", ".join(f"{r}<-{s or '?'}" for r, s in ks.items()))
-    task_lines = [format_ioi(m) for m in models if "ioi" in m]
+    task_lines = [format_task(m, task) for m in models if task is not None and task in m]
     if task_lines:
-        lines += ["IOI (logit difference clean / corrupt; faithfulness of the EAP-IG circuit; name movers: direct "
-                  "share of the logit difference, END -> IO attention)"] + task_lines
+        lines += [f"{task} (the task's metric clean / corrupt; faithfulness of the EAP-IG circuit; name movers: "
+                  f"direct share of the metric's difference, END -> IO attention)"] + task_lines
     return "\n".join(lines)
 
 
-def format_ioi(m) -> str:
-    t = m["ioi"]
+def format_task(m, task: str) -> str:
+    t = m[task]
     name = m["model"][-27:]
     if "skipped" in t:
         return f"  {name}: skipped ({t['skipped']})"
     movers = ", ".join(f"{h['head']} {h['direct_share']:.2f}/{h['END->IO']:.2f}" for h in t["name_movers"][:5])
-    return (f"  {name}: logit diff {t['logit_diff']['clean']:+.2f} / {t['logit_diff']['corrupt']:+.2f}; CPR "
+    values = t.get("values") or t["logit_diff"]          # older files: logit_diff only
+    return (f"  {name}: {t.get('metric', 'logit-diff')} {values['clean']:+.2f} / {values['corrupt']:+.2f}; CPR "
             f"{t['cpr']:.3f}, CMD {t['cmd']:.3f}; circuit {t['chosen_percent']:g}% ({t['circuit_edges']} edges, "
             f"{t['circuit_heads']} heads, node f {t['node_faithfulness']:.2f}); name movers {movers or 'none'}")

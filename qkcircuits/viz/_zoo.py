@@ -63,11 +63,11 @@ def _heads(items: List[Dict[str, Any]]) -> str:
     return ", ".join(f"{html.escape(h['head'])} ({h['score']:.2f} @ {h['depth']:.2f})" for h in items)
 
 
-def _ioi_table(models: List[Dict[str, Any]]) -> str:
-    """The ``zoo --task ioi`` section: per model its logit difference, CPR/CMD, circuit and name movers."""
+def _task_table(models: List[Dict[str, Any]], task) -> str:
+    """The ``zoo --task NAME`` section: per model the task's metric, CPR/CMD, circuit and name movers."""
     rows = []
     for m in models:
-        t = m.get("ioi")
+        t = m.get(task) if task else None
         if t is None:
             continue
         if "skipped" in t:
@@ -76,13 +76,17 @@ def _ioi_table(models: List[Dict[str, Any]]) -> str:
             continue
         movers = ", ".join(f"{html.escape(h['head'])} ({h['direct_share']:.2f} of the logit difference, END → IO "
                            f"{h['END->IO']:.2f})" for h in t["name_movers"]) or "<span class=muted>none</span>"
-        rows.append(f"<tr><td><b>{html.escape(m['model'])}</b></td><td>{t['logit_diff']['clean']:+.3f} / "
-                    f"{t['logit_diff']['corrupt']:+.3f}</td><td>{t['cpr']:.3f} / {t['cmd']:.3f}</td><td>"
+        values = t.get("values") or t["logit_diff"]          # older files: logit_diff only
+        rows.append(f"<tr><td><b>{html.escape(m['model'])}</b></td><td>{values['clean']:+.3f} / "
+                    f"{values['corrupt']:+.3f}</td><td>{t['cpr']:.3f} / {t['cmd']:.3f}</td><td>"
                     f"{t['chosen_percent']:g}% of the edges: {t['circuit_edges']} edges, {t['circuit_heads']} heads "
                     f"(node view f {t['node_faithfulness']:.3f})</td><td>{movers}</td></tr>")
     if not rows:
         return ""
-    return ("<h2>IOI circuits</h2><table class=zoo><tr><th>model</th><th>logit difference clean / corrupt</th>"
+    ran = [m[task] for m in models if isinstance(m.get(task), dict) and "skipped" not in m[task]]
+    metric = ran[0].get("metric", "logit-diff") if ran else "logit-diff"
+    return (f"<h2>{html.escape(str(task))} circuits</h2><table class=zoo><tr><th>model</th><th>"
+            f"{html.escape(metric)} clean / corrupt</th>"
             "<th>CPR / CMD</th><th>circuit (smallest size with f ≥ 0.8)</th><th>name movers</th></tr>"
             + "".join(rows) + "</table>")
 
@@ -108,7 +112,7 @@ def zoo_html(zoo) -> str:
     table = ("<table class=zoo><tr><th>model</th><th>induction heads (score @ depth)</th><th>previous-token heads"
              "</th><th>causal check: top induction heads ablated</th><th>K sources</th></tr>"
              + "".join(rows) + "</table>")
-    table += _ioi_table(models)
+    table += _task_table(models, d.get("settings", {}).get("task"))
     note = html.escape(d.get("notes", {}).get("k_sources", ""))
     css = CSS + (".zoo { border-collapse: collapse; font-size: 13px; } .zoo td, .zoo th { border-bottom: 1px solid "
                  "#ddd; padding: 4px 8px; text-align: left; vertical-align: top; }")
