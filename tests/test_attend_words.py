@@ -1,0 +1,107 @@
+"""What the attend texts and figures say (issue 45): every list of sources states its coverage, a head that does not
+attend its key gets no "why it attends" (and no percentages of a negative total), expansions only above noise with
+shares above 100 % explained once, and the figure draws the top pair the text names.
+
+Ground truth: constructed Attributions whose numbers are chosen here (coverage, the top pair outside the top
+marginals, noise), and the hand-built model, whose induction head 1.0 attends the token after the earlier copy
+(attention > 0.999) and not the copy itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qkcircuits as qk
+from qkcircuits._explain import words
+from qkcircuits._explain.attribution import Attribution
+from qkcircuits._explain.evidence import evidence_sentence
+
+
+def _made(P, q_names, k_names, attention=0.5, expanded=(), reading="contrast"):
+    """An Attribution of one row whose full pair table is ``P`` (query sources x key sources; no "other" kept)."""
+    P = torch.tensor(P, dtype=torch.float64)
+    Pk = torch.zeros(P.shape[0] + 1, P.shape[1] + 1, dtype=torch.float64)
+    Pk[:-1, :-1] = P
+    rows = [{"prompt": 0, "query": 5, "key": 2, "attention": attention, "value": float(P.sum())}]
+    return Attribution("m", "3.1", reading, rows, list(q_names), list(k_names), P.sum(1)[None], P.sum(0)[None],
+                       list(q_names) + ["other"], list(k_names) + ["other"], Pk, 0.0, {"rows": "from 5 to 2"},
+                       list(expanded))
+
+
+def test_every_side_says_its_coverage():
+    # key sources 4, 3, 2, 1 (total 10): the top 2 cover 70 %, the other 2 hold 30 %, the largest of them 20 %
+    r = _made([[4.0, 3.0, 2.0, 1.0]], ["q"], ["a", "b", "c", "d"])
+    key = next(s for s in r.sentences(k=2) if s.startswith("Key side"))
+    assert key == "Key side: a 40 %, b 30 % (these 2 sources: 70 % of the total; 30 % spread over 2 others, none " \
+                  "above 20 %).", key
+    query = next(s for s in r.sentences(k=2) if s.startswith("Query side"))
+    assert "all 1 source: 100 % of the total" in query
+    assert "these 3 sources: 90 % of the total; 10 % spread over 1 other" in repr(r)     # the notebook repr, k=3
+    assert "30 % spread over 2 others" in r._repr_html_() or "10 % spread" in r._repr_html_()
+
+
+def test_no_why_for_a_head_that_does_not_attend_or_a_negative_total():
+    neg = _made([[-3.0, 1.0], [0.5, 0.0]], ["q1", "q2"], ["a", "b"], attention=0.5)     # total -1.5
+    text = neg.sentences()
+    assert not neg.attends() and "does not prefer this key" in text[0] and "negative (-1.5" in text[0]
+    assert " attends " not in text[0] and not any("%" in s for s in text if s.startswith(("Key", "Query", "Top"))), text
+    assert "a -2.5, b +1" in text[1] and "of the total -1.5" in text[1], text[1]
+    low = _made([[2.0]], ["q"], ["a"], attention=0.02)                                  # positive, but attention 0.02
+    assert not low.attends() and "attention 0.02 (below 0.10)" in low.sentences()[0]
+    assert _made([[2.0]], ["q"], ["a"], attention=0.5).attends()
+    # the same rule in the roles' evidence: values, not shares, and no "why"
+    ev = {"from": "END", "to": "IO", "attention": 0.01, "total": -0.5, "reading": "contrast",
+          "query": [["mlp0", 1.23], ["emb", -0.84]], "key": [["0.0", 1.0]],
+          "query_values": [["mlp0", -0.615], ["emb", 0.42]], "key_values": [["0.0", -0.5]],
+          "query_rest": {"n": 2, "value": -0.305, "largest": 0.2}, "key_rest": {"n": 0, "value": 0.0, "largest": 0.0}}
+    line = evidence_sentence("17.4", ev)
+    assert not line.startswith("why") and "does not prefer this key" in line and "123 %" not in line, line
+    assert "mlp0 -0.615" in line and "spread over 2 others, none above 0.2 in size" in line, line
+    good = dict(ev, attention=0.6, total=2.0, query=[["mlp0", 0.6]], query_values=[["mlp0", 1.2]],
+                query_rest={"n": 3, "value": 0.8, "largest": 0.5})
+    assert evidence_sentence("17.4", good).startswith("why 17.4 attends from END to IO (attention 0.60)")
+    assert "these 1 source: 60 % of the total; 40 % spread over 3 others, none above 25 %" in evidence_sentence(
+        "17.4", good)
+
+
+def test_the_hand_built_induction_head_does_not_prefer_the_copy_itself(hand_built):
+    t = qk.repeated_tokens(hand_built, n_seqs=2, seg_len=6, seed=0)
+    target = qk.attend(hand_built, "1.0", t, key="induction")
+    assert target.attends() and target.sentences()[0].startswith("1.0 attends")
+    copy = qk.attend(hand_built, "1.0", t, key="duplicate")      # the earlier copy: the head looks one further on
+    assert copy.attention < words.MIN_ATTENTION and not copy.attends()
+    assert "does not prefer this key" in copy.sentences()[0] and "why" not in copy._html().split("</b>")[0].lower()
+
+
+def test_expansions_only_above_noise_with_over_100_explained_once():
+    exp = [{"source": "0.0", "side": "key", "value": 12.7, "share": 1.27, "whole": 10.0, "offset": 1,
+            "example": "supervisor", "example_token": "isor"},
+           {"source": "0.1", "side": "key", "value": 0.2, "share": 2.78, "whole": 0.072, "offset": 0,   # noise
+            "example": "x"},
+           {"source": "0.2", "side": "key", "value": 0.3, "share": 0.03, "whole": 10.0, "offset": 2}]   # part: noise
+    r = _made([[10.0, 10.0]], ["q"], ["0.0", "0.2"], expanded=exp)          # total 20: noise below 1.0
+    text = r.sentences()
+    came = [s for s in text if "came from" in s]
+    assert len(came) == 1 and "position j-1 (1 before the key)" in came[0], came
+    assert "e.g. 'supervisor' (token 'isor')" in came[0]
+    assert sum("count against" in s for s in text) == 1
+
+
+def test_the_figure_draws_the_top_pair_and_labels_the_rest():
+    from qkcircuits.viz._attend_view import attend_figure
+
+    # query marginals a 6, b 5, c 0 (c's pairs cancel: +9 and -9): with k=1 only a is a top query source, but the
+    # largest |pair| is c's (9), which the sentences name, so the figure must draw c too
+    P = [[6.0, 0.0, 0.0], [0.0, 5.0, 0.0], [9.0, -9.0, 0.0]]
+    r = _made(P, ["a", "b", "c"], ["x", "y", "z"])
+    a, b, v, _ = r.pairs(1)[0]
+    assert a == "c" and abs(v) == 9.0
+    fig = attend_figure(r, k=1)
+    heat = fig["data"][0]
+    assert a in heat["y"] and b in heat["x"], (heat["y"], heat["x"])
+    M = torch.tensor(heat["z"])
+    assert float(M.sum()) == pytest.approx(r.total)                          # the cells still add up
+    assert "Top pair: query c x key x (" in " ".join(r.sentences())
+    labels = [t for ax in fig["layout"].values() if isinstance(ax, dict) for t in ax.get("ticktext", []) or []]
+    assert "rest: 1 other, 45 %" in labels and "rest: 2 others, -36 %" in labels, labels   # b 5 of 11; y + z -4
