@@ -80,11 +80,13 @@ def test_expansions_only_above_noise_with_over_100_explained_once():
            {"source": "0.1", "side": "key", "value": 0.2, "share": 2.78, "whole": 0.072, "offset": 0,   # noise
             "example": "x"},
            {"source": "0.2", "side": "key", "value": 0.3, "share": 0.03, "whole": 10.0, "offset": 2}]   # part: noise
-    r = _made([[10.0, 10.0]], ["q"], ["0.0", "0.2"], expanded=exp)          # total 20: noise below 1.0
+    r = _made([[10.0, 10.0]], ["q"], ["0.0", "0.2"], expanded=exp)          # total 20: noise below 2.0
     text = r.sentences()
     came = [s for s in text if "came from" in s]
-    assert len(came) == 1 and "position j-1 (1 before the key)" in came[0], came
-    assert "e.g. 'supervisor' (token 'isor')" in came[0]
+    assert len(came) == 1 and "position j-1, 1 before the key (127 % of its 10" in came[0], came
+    assert "e.g. 'supervisor'" in came[0]
+    r.expanded[0].update(example=None)
+    assert "e.g. token 'isor', no whole word there" in " ".join(r.sentences())
     assert sum("count against" in s for s in text) == 1
 
 

@@ -167,15 +167,15 @@ class Attribution(Result):
             where = "key" if e["side"] == "key" else "query"
             pos = "j" if where == "key" else "i"
             if "position" in e:
-                at = f"position {e['position']} (the task's {e['position']})"
+                at = f"the task's position {e['position']}"
             else:
                 off = int(e["offset"])
                 at = f"position {pos if off == 0 else f'{pos}{-off:+d}'}" + (
-                    f" ({abs(off)} before the {where})" if off > 0 else f" (the {where} itself)" if off == 0 else
-                    f" ({-off} after the {where})")
-            ex = e.get("example")
-            token = e.get("example_token")
-            example = "" if ex is None else f"; e.g. {ex!r}" + (f" (token {token!r})" if token not in (None, ex) else "")
+                    f", {abs(off)} before the {where}" if off > 0 else f", the {where} itself" if off == 0 else
+                    f", {-off} after the {where}")
+            ex, token = e.get("example"), e.get("example_token")
+            example = f"; e.g. {ex!r}" if ex is not None else f"; e.g. token {token!r}, no whole word there" \
+                if token is not None else ""
             s = float(e["share"]) if e.get("share") is not None else math.nan
             over = over or (s == s and not 0 <= s <= 1)
             out.append(f"{self.label(e['source'])}'s write at the {where}, which {self.head} reads, came from {at} "
@@ -345,7 +345,8 @@ def _decoder(model):
 
 def _offsets(expanded: Dict[str, Dict[str, Tensor]], rows, side: str, decode, k: int = 3) -> List[Dict[str, Any]]:
     """Per expanded source: its value by where it read, averaged over rows, the ``k`` largest |value| first, with
-    the share of the source's whole value there and an example token. Where it read is a task's named position
+    the share of the source's whole value there and an example: a token there that is a whole word on its own
+    (``example``), else the first token there (``example_token``, ``example`` None). Where it read is a task's named position
     when the rows come from a task ("S2") and the source position is one of that prompt's, else the offset from
     the key (or query) position (``offset`` 1: the position before)."""
     out = []
@@ -357,16 +358,21 @@ def _offsets(expanded: Dict[str, Dict[str, Tensor]], rows, side: str, decode, k:
         n = vals.shape[0]
         by: Dict[Any, float] = {}
         example: Dict[Any, Any] = {}
+        pieces: Dict[int, List[Any]] = {}
         for r, row in enumerate(vals.tolist()):
             b, a = prompts[r], anchor[r]
             for m, v in enumerate(row):
                 where = next((p for p, pos in named.items() if pos[b] == m), a - m)
                 by[where] = by.get(where, 0.0) + v / n
-                if where not in example and m < rows.tokens.shape[1]:
-                    example[where] = (words.whole_word([decode(t) for t in rows.tokens[b].tolist()], m),
-                                      decode(rows.tokens[b, m]))
+                if m < rows.tokens.shape[1] and (where not in example or not example[where][2]):
+                    if b not in pieces:
+                        pieces[b] = [decode(t) for t in rows.tokens[b].tolist()]
+                    word, token = words.whole_word(pieces[b], m), pieces[b][m]
+                    # a token that is a word on its own is the example; else the first token, said to be one
+                    is_word = isinstance(token, str) and word == token.strip() and bool(word)
+                    example[where] = (word if is_word else None, token, is_word)
         for where in sorted(by, key=lambda x: -abs(by[x]))[:k]:
-            word, token = example.get(where, (None, None))
+            word, token, _ = example.get(where, (None, None, False))
             entry = {"source": name, "side": side, "value": by[where], "share": _share(by[where], whole),
                      "whole": whole, "example": word, "example_token": token}
             entry.update({"position": where} if isinstance(where, str) else {"offset": int(where)})

@@ -26,7 +26,7 @@ import math
 from typing import Any, List, Optional, Sequence
 
 MIN_ATTENTION = 0.1      # below it a head does not attend the key: no "why it attends"
-NOISE = 0.05             # an expansion is shown when the source and the part are >= this fraction of |total|
+NOISE = 0.1              # an expansion is shown when the source and the part are >= this fraction of |total|
 OVER_100 = ("a share above 100 % (or below 0) means the writes it read at other positions count against it "
             "(they add up to the rest)")
 
@@ -41,7 +41,10 @@ def number(x: float) -> str:
 
 
 def pct(share: Optional[float]) -> str:
-    return "n/a" if share is None or (isinstance(share, float) and math.isnan(share)) else f"{100 * share:.0f} %"
+    """ "29 %" ("0 %", never "-0 %"; "n/a" for no share)."""
+    if share is None or (isinstance(share, float) and math.isnan(share)):
+        return "n/a"
+    return f"{round(100 * share) + 0:.0f} %"
 
 
 def verdict(attention: Optional[float], total: float, reading: str) -> Optional[str]:
