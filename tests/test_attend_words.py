@@ -107,3 +107,43 @@ def test_the_figure_draws_the_top_pair_and_labels_the_rest():
     assert "Top pair: query c x key x (" in " ".join(r.sentences())
     labels = [t for ax in fig["layout"].values() if isinstance(ax, dict) for t in ax.get("ticktext", []) or []]
     assert "rest: 1 other, 45 %" in labels and "rest: 2 others, -36 %" in labels, labels   # b 5 of 11; y + z -4
+
+
+def test_a_typo_in_head_or_position_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    # issue 45 ask 8: the shape comes from the metadata (a config.json here; the GGUF header below), the positions
+    # from the task's names: the load is never reached (it would raise)
+    import json as _json
+
+    from qkcircuits._foundation import model as model_module
+    from qkcircuits._foundation.shape import gguf_shape
+    from _cli import errors, run
+
+    def no_load(*a, **kw):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(model_module, "load", no_load)
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(_json.dumps({"num_hidden_layers": 30, "num_attention_heads": 9}))
+    code, _, err = run(["attend", str(folder), "--head", "18.60"], capsys)
+    assert code == 2 and errors(err) == ["error: --head '18.60': head 18.60 is out of range: the model has layers "
+                                         "0-29 and heads 0-8 per layer"], err
+    code, _, err = run(["attend", str(folder), "--head", "18.6", "--task", "ioi", "--to", "IOO"], capsys)
+    assert code == 2 and errors(err) == ["error: --to 'IOO' is not a position of task 'ioi'; it has IO, S1, S1+1, S2, END"]
+    task = tmp_path / "t.jsonl"
+    task.write_text(_json.dumps({"clean": "a", "corrupt": "b", "answer": "c", "wrong": "d",
+                                 "positions": {"X": " a"}}) + "\n")
+    code, _, err = run(["attend", str(folder), "--head", "1.0", "--task", str(task), "--to", "Y"], capsys)
+    assert code == 2 and "--to 'Y' is not a position of task 't.jsonl'; it has X, END" in err
+    code, _, err = run(["ablate", str(folder), "--heads", "3.1,31.0"], capsys)
+    assert code == 2 and errors(err)[0].startswith("error: --heads '3.1,31.0': head 31.0 is out of range"), err
+
+
+def test_the_gguf_header_gives_the_shape(tmp_path_factory):
+    from _tiny import gguf_path
+
+    from qkcircuits._foundation.shape import gguf_shape, read_shape
+
+    path = gguf_path(tmp_path_factory)
+    model = qk.load(str(path), verbose=False)
+    assert gguf_shape(path) == read_shape(str(path)) == (int(model.cfg.n_layers), int(model.cfg.n_heads))

@@ -27,6 +27,37 @@ def _position(text: str):
                                          f"got {text!r}") from None
 
 
+IOI_POSITIONS = ("IO", "S1", "S1+1", "S2", "END")       # qk.tasks.ioi's named positions
+
+
+def task_positions(task_spec: str):
+    """The position names of ``--task`` without the model: ioi's, or a .jsonl file's first line's ``positions``
+    plus END (every line names the same ones: ``from_jsonl`` checks it). None when the file cannot be read here
+    (``from_jsonl`` says why after the load)."""
+    if task_spec == "ioi":
+        return list(IOI_POSITIONS)
+    import json
+
+    try:
+        with open(task_spec, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+        named = json.loads(first).get("positions", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    return [*named, "END"] if isinstance(named, dict) else None
+
+
+def _check_positions(task_spec: str, given) -> None:
+    """``--from`` / ``--to`` / ``--versus`` checked against the task's position names before the model loads."""
+    known = task_positions(task_spec)
+    if known is None:
+        return
+    for flag, name in given.items():
+        if name is not None and name not in known:
+            what = "ioi" if task_spec == "ioi" else Path(task_spec).name
+            raise QKCircuitsError(f"{flag} {name!r} is not a position of task {what!r}; it has {', '.join(known)}")
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("attend", help="why a head attends where it does: its score split into pairs of sources",
                        description="Split one head's attention score (query position -> key position) exactly into "
@@ -62,7 +93,14 @@ def add_parser(sub) -> None:
     p.add_argument("--no-labels", action="store_true", help="do not label sources (no scan)")
     output_arg(p, "--json", metavar="PATH", help="write the result (the attend JSON contract)")
     output_arg(p, "-o", "--output", metavar="HTML", help="write a standalone page (heatmap and marginals)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, precheck=precheck)
+
+
+def precheck(args: argparse.Namespace) -> None:
+    """The task's position names checked before torch is imported and the model loads (``cli.main`` runs it)."""
+    task_spec = args.task or (None if args.prompt else "induction")
+    if task_spec not in (None, "induction") and (task_spec == "ioi" or Path(task_spec).is_file()):
+        _check_positions(task_spec, {"--from": args.query_name, "--to": args.key_name, "--versus": args.versus})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
                               "copy); --from/--to/--versus are for ioi or a .jsonl task")
     if task_spec not in (None, "induction") and not args.key_name:
         raise QKCircuitsError(f"--task {task_spec}: name the key position with --to (e.g. --from END --to IO)")
+    precheck(args)
     model = load_model(args)
     kw = dict(reading=args.reading, expand=args.expand, k=args.top)
     if task_spec is not None:
