@@ -147,3 +147,31 @@ def test_the_gguf_header_gives_the_shape(tmp_path_factory):
     path = gguf_path(tmp_path_factory)
     model = qk.load(str(path), verbose=False)
     assert gguf_shape(path) == read_shape(str(path)) == (int(model.cfg.n_layers), int(model.cfg.n_heads))
+
+
+def test_the_report_follows_the_circuit_and_says_its_prompts(hand_built):
+    # issue 45 ask 5: with a circuit, the "why" sections are its role heads first (in role order), then the scan's
+    # top heads not already explained; every section says its prompts (task, n, seed) and rows
+    from qkcircuits.viz._circuit_data import load_circuit
+    from qkcircuits.viz._report import attend_results
+
+    task = qk.tasks.induction(hand_built, n=4, seg_len=6)
+    c = qk.edge_scores(hand_built, task, method="eap", progress=False).circuit(percent=20).to_dict()
+    d = {"model": c["model"], "circuit": c, "task": "induction", "n_prompts": 4,     # as `qkcircuits circuit --json`
+         "roles": {"0.0": {"role": "previous-token head", "evidence": {}},
+                   "1.0": {"role": "induction head", "evidence": {}}}}
+    view = load_circuit(d)
+    scores = qk.scan(hand_built, scores="induction,previous_token", progress=False)
+    got = attend_results(hand_built, scores, None, view)
+    assert [r.head for r in got[:2]] == ["1.0", "0.0"], [getattr(r, "head", r) for r in got]
+    assert got[0].settings["explains_role"] == "induction head" and len(got) == 2     # the scan's heads: the same
+    first = got[0].sentences()[0]
+    assert first.startswith("1.0 attends from each repeated token to the token after its earlier copy on induction "
+                            "(n 4, seed 0) (attention 1.00"), first
+    from qkcircuits.viz._attend_view import attend_sections
+
+    titles = [s["title"] for s in attend_sections(got)]
+    assert titles[0] == "Why 1.0 attends (induction head in the circuit)", titles
+    # the scan's own explanation says its prompts too
+    top = attend_results(hand_built, scores, None)
+    assert all("on [BOS] + R + R (repeated random tokens) (n 4, seed 1)" in r.sentences()[0] for r in top)

@@ -165,5 +165,39 @@ def explain_top_heads(model, scores, k: int = 1, n_seqs: int = 4, seg_len: int =
                 continue
             res.settings["labels"] = source_labels(model, res, scores=scores)
             res.settings["explains"] = score
+            res.settings["prompts"] = {"task": "[BOS] + R + R (repeated random tokens)", "n": n_seqs, "seed": 1}
             out.append(res)
+    return out
+
+
+# the roles a circuit's "why it attends" sections follow, in this order (name movers and S-inhibition heads first)
+ROLE_ORDER = ("name mover", "S-inhibition head", "negative name mover", "induction head", "duplicate-token head",
+              "previous-token head")
+
+
+def explain_roles(model, task, roles: Dict[str, str], k: int = 4, prompts: Optional[Dict] = None) -> List:
+    """``attend`` for the ``k`` heads of ``roles`` ({head: role}, e.g. a circuit file's) whose role is in
+    ``ROLE_ORDER``, in that order, each at the task's rows the roles read it at (``key_position``: END → IO on
+    IOI, the induction rows on the induction task); ``prompts`` ({"task", "n", "seed"}) is recorded in each
+    result. A head that cannot be explained gives (head, role, reason), as ``explain_top_heads``."""
+    from .._foundation.errors import QKCircuitsError
+
+    order = {r: n for n, r in enumerate(ROLE_ORDER)}
+    chosen = sorted((h for h, r in roles.items() if r in order), key=lambda h: (order[roles[h]], h))[:k]
+    out = []
+    patterns: Dict[int, torch.Tensor] = {}
+    for h in chosen:
+        try:
+            key = key_position(model, task, h, patterns)
+            if key is None and getattr(task, "name", "") != "induction":
+                out.append((h, roles[h], f"the task {getattr(task, 'name', '')!r} names no position to read {h} at"))
+                continue
+            res = attend_heads(model, [h], task=task, **({} if key is None else {"query": "END", "key": key}))[h]
+        except QKCircuitsError as e:
+            out.append((h, roles[h], str(e)))
+            continue
+        res.settings["explains_role"] = roles[h]
+        if prompts:
+            res.settings["prompts"] = dict(prompts)
+        out.append(res)
     return out

@@ -133,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
 
         task = build_task(model, task_spec, args.n, args.seed, prepend_bos=bos_mode_arg(args.bos))
         res = attend(model, args.head, task=task, query=args.query_name, key=args.key_name, versus=args.versus, **kw)
+        res.settings["prompts"] = {"task": task_spec if task_spec in ("ioi", "induction") else Path(task_spec).name,
+                                   "n": int(task.n), **({"seed": args.seed} if task_spec in ("ioi", "induction")
+                                                        else {})}
     else:
         versus = None
         if args.versus is not None:
@@ -141,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
             except ValueError:
                 raise QKCircuitsError(f"--versus {args.versus!r}: with --prompt give an integer position") from None
         res = attend(model, args.head, args.prompt, query=args.query, key=args.key, versus=versus, **kw)
+        res.settings["prompts"] = {"task": "--prompt", "n": len(args.prompt)}
     if not args.no_labels:
         res.settings["labels"] = source_labels(model, res, scores_path=args.scores)
     print(f"{args.model}: head {res.head}, {len(res.rows)} rows, reading {res.reading}")

@@ -85,7 +85,7 @@ def attend_figure(res: Attribution, k: int = 12) -> Dict:
                   row=2, col=1)
     height = max(420, 150 + 24 * len(qn) + 110)
     what = f"why {res.head} attends" if res.attends() else f"{res.head} does not prefer this key"
-    title = (f"{what}: {res.reading} {round_float(total)} over {len(res.rows)} rows, attention "
+    title = (f"{what}: {res.reading} {round_float(total)} over {len(res.rows)} rows{res._prompts()}, attention "
              f"{res.attention:.2f} (exact to {res.exact_error:.0e})")
     fig.update_layout(**base_layout(title, height=height, width=max(640, 260 + 46 * len(kn) + 180),
                                     margin=dict(l=8, r=20, t=TOP_MARGIN + 10, b=8)))
@@ -131,12 +131,12 @@ def attend_sections(results) -> List[Dict]:
     for n, res in enumerate(results):
         if not isinstance(res, Attribution):
             head, score, reason = res
-            out.append({"id": f"attend-{n}", "title": f"Why {head} attends ({score.replace('_', '-')})",
+            out.append({"id": f"attend-{n}", "title": f"Why {head} attends ({str(score).replace('_', '-')})",
                         "blocks": [{"type": "note", "text": reason}]})
             continue
-        what = res.settings.get("explains")
+        what, role = res.settings.get("explains"), res.settings.get("explains_role")
         title = (f"Why {res.head} attends" if res.attends() else f"{res.head} does not prefer this key") + \
-            (f" (top {what.replace('_', '-')} head)" if what else "")
+            (f" (top {what.replace('_', '-')} head)" if what else f" ({role} in the circuit)" if role else "")
         blocks = [{"type": "note", "text": s} for s in res.sentences()]
         blocks.append({"type": "figures", "figures": [{"id": f"attend-figure-{n}", "figure": attend_figure(res)}]})
         out.append({"id": f"attend-{n}", "title": title, "blocks": blocks})
