@@ -175,3 +175,29 @@ def test_the_report_follows_the_circuit_and_says_its_prompts(hand_built):
     # the scan's own explanation says its prompts too
     top = attend_results(hand_built, scores, None)
     assert all("on [BOS] + R + R (repeated random tokens) (n 4, seed 1)" in r.sentences()[0] for r in top)
+
+
+def test_the_attend_page_is_styled_and_its_axes_read_plainly(tmp_path):
+    # issue 45 ask 6: the standalone page carries the report's CSS and names its prompts; the key marginal shows its
+    # own tick values; the query bars point right for positive values; core counts print as integers
+    from qkcircuits.viz._attend_view import attend_figure, attend_page
+    from qkcircuits.viz._circuit_view import core_rows
+    from qkcircuits.viz._page import CSS
+
+    r = _made([[4.0, 3.0], [1.0, 2.0]], ["q1", "q2"], ["a", "b"])
+    r.settings["prompts"] = {"task": "ioi", "n": 8, "seed": 0}
+    page = attend_page(r)
+    assert CSS.strip()[:40] in page and "on ioi (n 8, seed 0)" in page and "<h1>" in page
+    lay = attend_figure(r)["layout"]
+    key_bar = next(ax for name, ax in lay.items() if name.startswith("yaxis") and isinstance(ax, dict)
+                   and (ax.get("title") or {}).get("text") == "key side")
+    assert key_bar.get("showticklabels") is True
+    query_bar = next(ax for name, ax in lay.items() if name.startswith("xaxis") and isinstance(ax, dict)
+                     and "query side" in ((ax.get("title") or {}).get("text") or ""))
+    assert query_bar.get("autorange") != "reversed"
+
+    from qkcircuits.viz._circuit_data import load_circuit
+
+    view = load_circuit({"circuit": {"edges": []}, "core": {"heads": ["1.0"], "mlps": [], "curve": {"12": 0.81,
+                                                                                                   "3": 0.5}}})
+    assert sorted(row[0] for row in core_rows(view)) == ["12", "3"]

@@ -69,7 +69,7 @@ def attend_figure(res: Attribution, k: int = 12) -> Dict:
     lab_k = dict(zip(kn, kl))
     lim = float(M.abs().max()) or 1.0
     fig = make_subplots(rows=2, cols=2, column_widths=[0.22, 0.78], row_heights=[0.22, 0.78], shared_xaxes="columns",
-                        shared_yaxes="rows", horizontal_spacing=0.02, vertical_spacing=0.02)
+                        shared_yaxes="rows", horizontal_spacing=0.04, vertical_spacing=0.02)
     hover = [[f"query {lab_q[a] if a == 'rest' else res.label(a)}<br>key {lab_k[b] if b == 'rest' else res.label(b)}"
               f"<br>value {round_float(v)}<br>share {_pct(v, total)}" for b, v in zip(kn, row)]
              for a, row in zip(qn, M.tolist())]
@@ -98,8 +98,8 @@ def attend_figure(res: Attribution, k: int = 12) -> Dict:
                      automargin=True)
     fig.update_yaxes(autorange="reversed", showticklabels=False, row=2, col=2)
     fig.update_yaxes(tickmode="array", tickvals=qn, ticktext=ql, autorange="reversed", automargin=True, row=2, col=1)
-    fig.update_xaxes(title_text="query side", row=2, col=1, autorange="reversed")
-    fig.update_yaxes(title_text="key side", row=1, col=2)
+    fig.update_xaxes(title_text="query side (value)", row=2, col=1)               # positive to the right
+    fig.update_yaxes(title_text="key side", row=1, col=2, showticklabels=True)   # its own tick values
     fig.update_xaxes(showticklabels=False, row=1, col=2)
     out = figure_dict(fig)
     out["meta"] = {"kind": "attend", "head": res.head, "reading": res.reading, "total": total}
@@ -144,8 +144,16 @@ def attend_sections(results) -> List[Dict]:
 
 
 def attend_page(res: Attribution) -> str:
-    """A standalone offline page (plotly inlined) for ``qkcircuits attend -o``."""
-    from ._notebook import _page_html, as_figure, figure_html
+    """A standalone offline page (plotly inlined) for ``qkcircuits attend -o``, in the report's style (its CSS,
+    a title and a line naming the model, the rows and the prompts)."""
+    from ._notebook import as_figure, figure_html
+    from ._page import CSS
 
-    body = attend_section(res, figure_html(as_figure(attend_figure(res)), libraries=True))
-    return _page_html(f"why {res.head} attends ({res.model})", body)
+    title = f"qkcircuits attend: {res.head} on {res.model}"
+    sub = (f"{len(res.rows)} rows: {res.settings.get('rows', '')}{res._prompts()}; reading {res.reading}; "
+           f"exact to {res.exact_error:.0e}")
+    body = (f"<h1>{html.escape(title)}</h1><p class=muted>{html.escape(sub)}</p>"
+            + attend_section(res, figure_html(as_figure(attend_figure(res)), libraries=True)))
+    css = CSS + ".qk-attend ul { padding-left: 18px; font-size: 13px; } .qk-attend li { margin: 2px 0; }"
+    return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+            f"<title>{html.escape(title)}</title><style>{css}</style></head>\n<body>\n{body}\n</body></html>\n")

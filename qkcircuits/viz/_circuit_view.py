@@ -169,8 +169,10 @@ def summary(view: CircuitView) -> str:
 
 
 def core_rows(view: CircuitView) -> List[List]:
-    """[number of heads, f] of the core's curve (the core table)."""
-    return [[n, round_float(f)] for n, f in view.core.curve.items()] if view.core else []
+    """[number of heads, f] of the core's curve (the core table); the count as text ("12", not the page's
+    four-decimal number format "12.0000")."""
+    return [[str(int(n)) if float(n).is_integer() else str(n), round_float(f)] for n, f in view.core.curve.items()] \
+        if view.core else []
 
 
 def circuit_section(view: CircuitView, n_layers: Optional[int] = None, n_heads: Optional[int] = None,
