@@ -201,3 +201,27 @@ def test_the_attend_page_is_styled_and_its_axes_read_plainly(tmp_path):
     view = load_circuit({"circuit": {"edges": []}, "core": {"heads": ["1.0"], "mlps": [], "curve": {"12": 0.81,
                                                                                                    "3": 0.5}}})
     assert sorted(row[0] for row in core_rows(view)) == ["12", "3"]
+
+
+def test_no_trace_edge_runs_through_another_node():
+    # issue 45 ask 6: 16.0, 17.3 and 18.6 sit on one line at (head, layer); the edge 16.0 -> 18.6 must not pass
+    # through 17.3 (it read as a chain). Geometry of the figure's own data (the browser draws these points).
+    from qkcircuits.viz._figures import NEAR, _distance, circuit_graph
+
+    nodes = [{"head": h, "layer": int(h.split(".")[0]), "index": int(h.split(".")[1]), "label": ""}
+             for h in ("16.0", "17.3", "18.6")]
+    edges = [{"src": (16, 0), "dst": (18, 6), "input": "k", "effect": 0.8},
+             {"src": (17, 3), "dst": (18, 6), "input": "k", "effect": 0.3},
+             {"src": (16, 0), "dst": (17, 3), "input": "q", "effect": 0.2}]
+    fig = circuit_graph(nodes, edges, 30, 9, "t")
+    lines = [t for t in fig["data"] if t.get("mode") == "lines"]
+    assert len(lines) == 3
+    pts = {(n["index"], n["layer"]) for n in nodes}
+    for t in lines:
+        segs = list(zip(zip(t["x"], t["y"]), zip(t["x"][1:], t["y"][1:])))
+        ends = {(t["x"][0], t["y"][0]), (t["x"][-1], t["y"][-1])}
+        assert ends <= pts
+        for p in pts - ends:
+            assert min(_distance(p, u, v) for u, v in segs) >= NEAR, (t["meta"], p)
+    straight = [t for t in lines if len(t["x"]) == 2]
+    assert len(straight) == 2                               # only the edge with a node in the way is bent
