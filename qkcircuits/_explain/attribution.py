@@ -125,7 +125,7 @@ class Attribution(Result):
                 f" ({words.coverage([v for _, v, _ in items], k, total)})"
 
         no = words.verdict(self.attention, total, self.reading)
-        rows = f"{self.settings.get('rows', '')}{self._prompts()}"
+        rows = f"{self.settings.get('rows', '')}{self.prompts_text()}"
         if no is None:
             out = [f"{self.head} attends {rows} (attention {self.attention:.2f}, {len(self.rows)} rows); {what}: "
                    f"{show.number(total)}."]
@@ -146,7 +146,7 @@ class Attribution(Result):
             out.append(f"Caveat: {c}.")
         return out
 
-    def _prompts(self) -> str:
+    def prompts_text(self) -> str:
         """ " on ioi (n 32, seed 0)": the prompts the rows come from, where the command recorded them."""
         p = self.settings.get("prompts")
         if not isinstance(p, dict) or not p.get("task"):

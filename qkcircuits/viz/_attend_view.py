@@ -85,7 +85,7 @@ def attend_figure(res: Attribution, k: int = 12) -> Dict:
                   row=2, col=1)
     height = max(420, 150 + 24 * len(qn) + 110)
     what = f"why {res.head} attends" if res.attends() else f"{res.head} does not prefer this key"
-    title = (f"{what}: {res.reading} {round_float(total)} over {len(res.rows)} rows{res._prompts()}, attention "
+    title = (f"{what}: {res.reading} {round_float(total)} over {len(res.rows)} rows{res.prompts_text()}, attention "
              f"{res.attention:.2f} (exact to {res.exact_error:.0e})")
     fig.update_layout(**base_layout(title, height=height, width=max(640, 260 + 46 * len(kn) + 180),
                                     margin=dict(l=8, r=20, t=TOP_MARGIN + 10, b=8)))
@@ -150,7 +150,7 @@ def attend_page(res: Attribution) -> str:
     from ._page import CSS
 
     title = f"qkcircuits attend: {res.head} on {res.model}"
-    sub = (f"{len(res.rows)} rows: {res.settings.get('rows', '')}{res._prompts()}; reading {res.reading}; "
+    sub = (f"{len(res.rows)} rows: {res.settings.get('rows', '')}{res.prompts_text()}; reading {res.reading}; "
            f"exact to {res.exact_error:.0e}")
     body = (f"<h1>{html.escape(title)}</h1><p class=muted>{html.escape(sub)}</p>"
             + attend_section(res, figure_html(as_figure(attend_figure(res)), libraries=True)))
