@@ -172,6 +172,12 @@ def test_the_report_follows_the_circuit_and_says_its_prompts(hand_built):
 
     titles = [s["title"] for s in attend_sections(got)]
     assert titles[0] == "Why 1.0 attends (induction head in the circuit)", titles
+    # a circuit whose prompts the report cannot rebuild (IOI on a model without a tokenizer): a note, not a failure
+    from qkcircuits.viz._report import circuit_attend
+
+    d_ioi = dict(d, task="ioi", roles={"1.0": {"role": "name mover", "evidence": {}}})
+    note = circuit_attend(hand_built, load_circuit(d_ioi))
+    assert len(note) == 1 and note[0][:2] == ("1.0", "name mover") and "could not rebuild" in note[0][2]
     # the scan's own explanation says its prompts too
     top = attend_results(hand_built, scores, None)
     assert all("on [BOS] + R + R (repeated random tokens) (n 4, seed 1)" in r.sentences()[0] for r in top)

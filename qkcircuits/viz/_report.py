@@ -189,7 +189,11 @@ def circuit_attend(model, cview, k: int = 4) -> List:
 
     n = min(int(cview.get("n_prompts") or 32), 64)
     seed = int(cview.get("seed") or 0)
-    task = build_task(model, task_name, n, seed)
+    try:
+        task = build_task(model, task_name, n, seed)
+    except QKCircuitsError as e:          # e.g. IOI on a model without a tokenizer: the report goes on, and says so
+        h, r = next(iter(roles.items()))
+        return [(h, r, f"the report could not rebuild the circuit's {task_name} prompts ({e})")]
     return explain_roles(model, task, roles, k=k, prompts={"task": task_name, "n": n, "seed": seed})
 
 
