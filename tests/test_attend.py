@@ -369,8 +369,9 @@ def test_roles_carry_the_qk_evidence_of_their_induction_head(hand_built):
 
     view = load_circuit(scores.circuit(percent=20).to_dict(), roles=roles)
     row = next(r for r in roles_rows(view) if r[0] == "1.0")
-    assert len(row) == 4 and row[3].startswith("each repeated token → the token after its earlier copy: query emb")
-    assert "key 0.0 (" in row[3]
+    assert len(row) == 4 and row[3].startswith("attends from each repeated token to the token after its earlier copy "
+                                               "(attention 1.00): query side emb"), row[3]
+    assert "key side 0.0 (" in row[3] and "of the total" in row[3]
     none = scores.circuit(percent=20).roles(hand_built, task, qk=False)
     assert "qk" not in none.roles["1.0"]
 

@@ -64,10 +64,11 @@ def test_python_block_on_the_toy_model():
         assert a in code
         code = code.replace(a, b)
     want, got = expected(code), run_block(code)
-    assert len(want) == len(got) == 2, (want, got)
+    assert len(want) == len(got) == 3, (want, got)
     for w, g in zip(want, got):
         assert matches(shape(w), shape(g)), (w, g)
     assert got[1].startswith("1.0 reads its keys from 0.0 (previous-token; ")      # the fixture, by construction
+    assert got[2].startswith("Key side: 0.0 ")                                     # why 1.0 attends: 0.0's write
 
 
 @pytest.mark.smollm2

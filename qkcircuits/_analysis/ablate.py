@@ -350,7 +350,14 @@ class RandomComparison(Result):
         heads, re = ", ".join(map(str, self.heads)), self.random_effects.float()
         return (f"RandomComparison(heads {heads}: effect {self.effect:+.4g} on {self.metric}; {re.numel()} random "
                 f"sets of {len(self.heads)}: mean {float(re.mean()):+.4g}, max {float(re.max()):+.4g}; "
-                f"{self.fraction_at_least:.0%} of draws >= the group)")
+                f"{self.fraction_at_least:.0%} of draws >= the group; {self.verdict()})")
+
+    def verdict(self) -> str:
+        """Whether the effect clears the random sets' spread: "above random: the margin over the random max, +2.1,
+        is 4.9 SDs ..." or "WARNING: within the random sets' spread ..." (``stats.random_verdict``)."""
+        from .._foundation.stats import random_verdict
+
+        return random_verdict(self.effect, self.random_effects.tolist())
 
     def _html(self) -> str:
         re = self.random_effects.float()
@@ -359,7 +366,8 @@ class RandomComparison(Result):
                            f"{show.number(self.baseline)})"),
                 (f"{re.numel()} random sets", f"mean {float(re.mean()):+.4g}, median {float(re.median()):+.4g}, "
                                               f"max {float(re.max()):+.4g}"),
-                ("draws ≥ the group", f"{self.fraction_at_least:.0%}"), ("seed", str(self.seed))]
+                ("draws ≥ the group", f"{self.fraction_at_least:.0%}"), ("verdict", self.verdict()),
+                ("seed", str(self.seed))]
         return show.box("RandomComparison", show.table(rows))
 
 

@@ -336,14 +336,19 @@ def confirmation_sentence(conf: Dict) -> str:
     prints it and the report shows it beside its figure.
 
     >>> confirmation_sentence({"heads": ["1.0"], "effect": 8.25, "random_effects": [0.1, 0.3]})
-    'causal check: ablating the top induction heads (1.0) raises the repeated-half loss by +8.250 nats; 2 random sets of as many heads: mean +0.200, max +0.300'
+    'causal check: ablating the top induction heads (1.0) raises the repeated-half loss by +8.250 nats; 2 random sets of as many heads: mean +0.200, max +0.300; above random: the margin over the random max, +7.950, is 56.2 SDs of the 2 random sets (z = 56.9)'
+
+    A margin over the random sets' max that is within their spread ends in a warning (``stats.random_verdict``).
     """
+    from .._foundation.stats import random_verdict
+
     heads = ", ".join(str(h) for h in conf.get("heads", []))
     rnd = [float(x) for x in conf.get("random_effects", [])]
     mean_rnd = sum(rnd) / len(rnd) if rnd else float("nan")
     return (f"causal check: ablating the top induction heads ({heads}) raises the repeated-half loss by "
             f"{float(conf.get('effect', float('nan'))):+.3f} nats; {len(rnd)} random sets of as many heads: mean "
-            f"{mean_rnd:+.3f}, max {max(rnd) if rnd else float('nan'):+.3f}")
+            f"{mean_rnd:+.3f}, max {max(rnd) if rnd else float('nan'):+.3f}; "
+            f"{random_verdict(float(conf.get('effect', float('nan'))), rnd)}")
 
 
 def _settings(model, **kw) -> Dict[str, object]:

@@ -144,7 +144,8 @@ def _passes(model, by_layer: Dict[int, List[int]], rows: Dict[int, Rows], shards
 
 def _expand_choice(a: Dict, side: str, k: int) -> List[str]:
     """The ``k`` head sources with the largest |mean value| on ``side`` over all rows (at least 5 % of the
-    largest one: a tiny value splits into noise)."""
+    largest one: a tiny value splits into noise). The sentences say only the expansions above ``words.NOISE`` of
+    the head's total (``Attribution.expansions``); the data keeps every chosen one."""
     vals = torch.cat(a["k_vals" if side == "key" else "q_vals"]).mean(0).abs()
     heads = [n for n, name in enumerate(a["names"]) if "." in name]
     top = max((float(vals[n]) for n in heads), default=0.0)

@@ -27,6 +27,7 @@ from .._foundation import display as show
 from .._foundation.io import json_floats, json_number, read_float, read_floats
 from .._foundation.model import model_name
 from .._foundation.result import Result
+from . import words
 
 KEEP = 40            # sources per side in the pair table (the rest in "other")
 
@@ -102,38 +103,85 @@ class Attribution(Result):
         return f"{source} ({lab})" if lab else source
 
     # ------------------------------------------------------------------------------------------ words
+    def attends(self) -> bool:
+        """Whether the head attends its key here (``words.verdict``): attention at least ``words.MIN_ATTENTION`` and,
+        for the contrast and versus readings, a positive total. Otherwise no sentence says why it attends."""
+        return words.verdict(self.attention, self.total, self.reading) is None
+
     def sentences(self, k: int = 3) -> List[str]:
-        """What a researcher can quote: where the head attends, which sources shape its key and its query, the top
-        pair, how exact the split is, and what the expansion found."""
+        """What a researcher can quote: where the head attends, which sources shape its key and its query (and how
+        much of the total the listed ones cover), the top pair, how exact the split is, and what the expansion
+        found above noise. A head that does not attend its key (``attends``) is said so, with values in score
+        units instead of shares."""
         what = {"raw": "score", "contrast": "contrast (score at the key minus the mean over the other keys)",
                 "versus": "score at the key minus the score at the versus position"}[self.reading]
+        total, shares = self.total, words.shares_shown(self.total)
+
+        def amount(v: float, s: float) -> str:
+            return _pct(s) if shares else f"{v:+.3g}"
 
         def side(items):
-            return ", ".join(f"{self.label(n)} {_pct(s)}" for n, _, s in items)
+            return ", ".join(f"{self.label(n)} {amount(v, s)}" for n, v, s in items[:k]) + \
+                f" ({words.coverage([v for _, v, _ in items], k, total)})"
 
-        out = [f"{self.head} attends {self.settings.get('rows', '')} (attention {self.attention:.2f}, "
-               f"{len(self.rows)} rows); {what}: {show.number(self.total)}.",
-               f"Key side: {side(self.key_sources(k))}.",
-               f"Query side: {side(self.query_sources(k))}."]
+        no = words.verdict(self.attention, total, self.reading)
+        rows = f"{self.settings.get('rows', '')}{self.prompts_text()}"
+        if no is None:
+            out = [f"{self.head} attends {rows} (attention {self.attention:.2f}, {len(self.rows)} rows); {what}: "
+                   f"{show.number(total)}."]
+        else:
+            out = [f"{self.head} {no} ({rows}, {len(self.rows)} rows); {what}: {show.number(total)}. What follows is "
+                   f"what sets that {self.reading}, not why the head attends"
+                   + ("" if shares else "; in score units, not shares of a negative total") + "."]
+        out += [f"Key side: {side(self.key_sources())}.", f"Query side: {side(self.query_sources())}."]
         top = self.pairs(1)
         if top:
             a, b, v, s = top[0]
-            out.append(f"Top pair: query {self.label(a)} x key {self.label(b)} ({_pct(s)}, {show.number(v)}).")
+            out.append(f"Top pair: query {self.label(a)} x key {self.label(b)} ("
+                       + (f"{_pct(s)}, {show.number(v)}" if shares else show.number(v)) + ").")
         out.append(f"Exact to {self.exact_error:.1e} (softmax of the rebuilt rows vs the model's pattern"
                    f"{', and the captured scores' if self.settings.get('score_error') else ''}).")
-        for e in _top_offsets(self.expanded):
+        out += self._expansion_sentences()
+        for c in self.settings.get("caveats", []):
+            out.append(f"Caveat: {c}.")
+        return out
+
+    def prompts_text(self) -> str:
+        """ " on ioi (n 32, seed 0)": the prompts the rows come from, where the command recorded them."""
+        p = self.settings.get("prompts")
+        if not isinstance(p, dict) or not p.get("task"):
+            return ""
+        bits = [f"{key} {p[key]}" for key in ("n", "seed") if p.get(key) is not None]
+        return f" on {p['task']}" + (f" ({', '.join(bits)})" if bits else "")
+
+    def expansions(self) -> List[Dict[str, Any]]:
+        """The expansion entries worth a sentence: per expanded source its largest part, when both the source's
+        value and that part are at least ``words.NOISE`` of the head's total."""
+        total = self.total
+        return [e for e in _top_offsets(self.expanded)
+                if words.above_noise(float(e["whole"]), total) and words.above_noise(float(e["value"]), total)]
+
+    def _expansion_sentences(self) -> List[str]:
+        out, over = [], False
+        for e in self.expansions():
             where = "key" if e["side"] == "key" else "query"
             pos = "j" if where == "key" else "i"
             if "position" in e:
-                at = e["position"]
+                at = f"the task's position {e['position']}"
             else:
                 off = int(e["offset"])
-                at = pos if off == 0 else f"{pos}{-off:+d}"
-            example = f"; e.g. token {e['example']!r}" if e.get("example") is not None else ""
-            out.append(f"{self.label(e['source'])}'s write at the {where}, which {self.head} reads, came from position "
-                       f"{at} ({_pct(e['share'])} of its {show.number(e['whole'])}{example}).")
-        for c in self.settings.get("caveats", []):
-            out.append(f"Caveat: {c}.")
+                at = f"position {pos if off == 0 else f'{pos}{-off:+d}'}" + (
+                    f", {abs(off)} before the {where}" if off > 0 else f", the {where} itself" if off == 0 else
+                    f", {-off} after the {where}")
+            ex, token = e.get("example"), e.get("example_token")
+            example = f"; e.g. {ex!r}" if ex is not None else f"; e.g. token {token!r}, no whole word there" \
+                if token is not None else ""
+            s = float(e["share"]) if e.get("share") is not None else math.nan
+            over = over or (s == s and not 0 <= s <= 1)
+            out.append(f"{self.label(e['source'])}'s write at the {where}, which {self.head} reads, came from {at} "
+                       f"({_pct(s)} of its {show.number(e['whole'])}{example}).")
+        if over:
+            out.append(f"Note: {words.OVER_100}.")
         return out
 
     def summary(self) -> str:
@@ -176,16 +224,26 @@ class Attribution(Result):
                    read_float(d["exact_error"]), dict(d.get("settings", {})), list(d.get("expanded", [])))
 
     def _text(self) -> str:
-        return (f"Attribution({self.head} on {self.model}: {self.reading} {show.number(self.total)} over "
-                f"{len(self.rows)} rows; key side {', '.join(n for n, _, _ in self.key_sources(3))}; query side "
-                f"{', '.join(n for n, _, _ in self.query_sources(3))}; exact to {self.exact_error:.1e})")
+        total = self.total
+
+        def side(items) -> str:
+            return (f"{', '.join(n for n, _, _ in items[:3])} "
+                    f"({words.coverage([v for _, v, _ in items], 3, total)})")
+
+        no = words.verdict(self.attention, total, self.reading)
+        return (f"Attribution({self.head} on {self.model}: {self.reading} {show.number(total)} over "
+                f"{len(self.rows)} rows, attention {self.attention:.2f}{'; ' + no if no else ''}; key side "
+                f"{side(self.key_sources())}; query side {side(self.query_sources())}; exact to "
+                f"{self.exact_error:.1e})")
 
     def _html(self) -> str:
-        rows = [(self.label(a), self.label(b), show.number(v), _pct(s)) for a, b, v, s in self.pairs(8)]
-        sides = [(self.label(n), show.number(v), _pct(s)) for n, v, s in self.key_sources(8)]
-        qs = [(self.label(n), show.number(v), _pct(s)) for n, v, s in self.query_sources(8)]
+        pc = _pct if words.shares_shown(self.total) else (lambda s: "n/a")      # noqa: E731
+        rows = [(self.label(a), self.label(b), show.number(v), pc(s)) for a, b, v, s in self.pairs(8)]
+        sides = [(self.label(n), show.number(v), pc(s)) for n, v, s in self.key_sources(8)]
+        qs = [(self.label(n), show.number(v), pc(s)) for n, v, s in self.query_sources(8)]
         text = "".join(f"<div>{show.escape(s)}</div>" for s in self.sentences())
-        return show.box(f"Attribution: why {self.head} attends", text,
+        title = f"why {self.head} attends" if self.attends() else f"{self.head} does not prefer this key"
+        return show.box(f"Attribution: {title}", text,
                         show.table(sides, ("key source", "value", "share")),
                         show.table(qs, ("query source", "value", "share")),
                         show.table(rows, ("query source", "key source", "value", "share")))
@@ -195,8 +253,7 @@ def _share(v: float, total: float) -> float:
     return v / total if total != 0 and math.isfinite(total) else math.nan
 
 
-def _pct(s: float) -> str:
-    return "n/a" if s is None or (isinstance(s, float) and math.isnan(s)) else f"{100 * s:.0f} %"
+_pct = words.pct
 
 
 def _top_offsets(expanded: List[Dict[str, Any]], per_source: int = 1) -> List[Dict[str, Any]]:
@@ -288,7 +345,8 @@ def _decoder(model):
 
 def _offsets(expanded: Dict[str, Dict[str, Tensor]], rows, side: str, decode, k: int = 3) -> List[Dict[str, Any]]:
     """Per expanded source: its value by where it read, averaged over rows, the ``k`` largest |value| first, with
-    the share of the source's whole value there and an example token. Where it read is a task's named position
+    the share of the source's whole value there and an example: a token there that is a whole word on its own
+    (``example``), else the first token there (``example_token``, ``example`` None). Where it read is a task's named position
     when the rows come from a task ("S2") and the source position is one of that prompt's, else the offset from
     the key (or query) position (``offset`` 1: the position before)."""
     out = []
@@ -300,16 +358,23 @@ def _offsets(expanded: Dict[str, Dict[str, Tensor]], rows, side: str, decode, k:
         n = vals.shape[0]
         by: Dict[Any, float] = {}
         example: Dict[Any, Any] = {}
+        pieces: Dict[int, List[Any]] = {}
         for r, row in enumerate(vals.tolist()):
             b, a = prompts[r], anchor[r]
             for m, v in enumerate(row):
                 where = next((p for p, pos in named.items() if pos[b] == m), a - m)
                 by[where] = by.get(where, 0.0) + v / n
-                if where not in example and m < rows.tokens.shape[1]:
-                    example[where] = decode(rows.tokens[b, m])
+                if m < rows.tokens.shape[1] and (where not in example or not example[where][2]):
+                    if b not in pieces:
+                        pieces[b] = [decode(t) for t in rows.tokens[b].tolist()]
+                    word, token = words.whole_word(pieces[b], m), pieces[b][m]
+                    # a token that is a word on its own is the example; else the first token, said to be one
+                    is_word = isinstance(token, str) and word == token.strip() and bool(word)
+                    example[where] = (word if is_word else None, token, is_word)
         for where in sorted(by, key=lambda x: -abs(by[x]))[:k]:
+            word, token, _ = example.get(where, (None, None, False))
             entry = {"source": name, "side": side, "value": by[where], "share": _share(by[where], whole),
-                     "whole": whole, "example": example.get(where)}
+                     "whole": whole, "example": word, "example_token": token}
             entry.update({"position": where} if isinstance(where, str) else {"offset": int(where)})
             out.append(entry)
     return out

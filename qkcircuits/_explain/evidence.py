@@ -12,11 +12,12 @@ from END (its mean attention), or the rows of the head's own largest attention w
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from .._foundation.heads import model_heads
+from . import words
 from .attend import attend_heads
 
 
@@ -47,9 +48,10 @@ def key_position(model, task, head, patterns: Optional[Dict[int, torch.Tensor]] 
 
 def qk_evidence(model, task, heads: Sequence, k: int = 3, labels: Optional[Dict[str, str]] = None,
                 errors: Optional[Dict[str, str]] = None) -> Dict[str, Dict]:
-    """{head: {"query": [[source, share], ...], "key": [...], "from": "END", "to": "IO" (or "induction"),
-    "reading": "contrast", "total": value, "exact_error": ...}} for each of ``heads`` (the ``k`` largest sources of
-    each side by |value|). Heads that share a key position are attributed in one forward. With ``errors`` (a
+    """{head: {"query": [[source, share], ...], "key": [...], "query_values": [[source, value], ...], "key_values",
+    "query_rest": {"n": sources not listed, "value": their sum, "largest": the largest |value| among them},
+    "key_rest", "from": "END", "to": "IO" (or "induction"), "reading": "contrast", "total": value, "attention",
+    "exact_error": ...}} for each of ``heads`` (the ``k`` largest sources of each side by |value|). Heads that share a key position are attributed in one forward. With ``errors`` (a
     dict), a group the attribution refuses (or that fails) is left out and its heads map to the reason there,
     so the other groups keep their evidence; without it the first refusal raises."""
     groups: Dict[Optional[str], List[str]] = {}
@@ -72,22 +74,65 @@ def qk_evidence(model, task, heads: Sequence, k: int = 3, labels: Optional[Dict[
         for h, r in res.items():
             out[h] = {"query": [[n, round(s, 4)] for n, _, s in r.query_sources(k)],
                       "key": [[n, round(s, 4)] for n, _, s in r.key_sources(k)],
+                      "query_values": [[n, v] for n, v, _ in r.query_sources(k)],
+                      "key_values": [[n, v] for n, v, _ in r.key_sources(k)],
+                      "query_rest": _rest(r.query_sources(), k), "key_rest": _rest(r.key_sources(), k),
                       "from": "END" if key else "each repeated token", "to": key or "the token after its earlier copy",
                       "reading": r.reading, "total": r.total, "attention": r.attention, "exact_error": r.exact_error}
     return out
 
 
-def evidence_sentence(head: str, ev: Dict, role_of: Optional[Dict[str, str]] = None) -> str:
-    """One line: "23.0 at END -> IO: query side 20.0 (S-inhibition) 23 %, ...; key side ..."."""
+def _rest(items, k: int) -> Dict[str, Any]:
+    rest = items[k:]
+    return {"n": len(rest), "value": sum(v for _, v, _ in rest), "largest": max((abs(v) for _, v, _ in rest),
+                                                                                 default=0.0)}
+
+
+def evidence_clause(ev: Dict, role_of: Optional[Dict[str, str]] = None) -> str:
+    """The two sides of one head's QK evidence (``qk_evidence``), sources named with their roles, each with its
+    coverage: "query side 20.0 (S-inhibition head) 31 %, ... (these 3 sources: 62 % of the total; 38 % spread over
+    290 others, none above 4 %); key side ...". Shares only of a positive total; values (score units) otherwise.
+    An entry written before coverage was recorded (no ``*_rest``) lists its sources alone."""
     role_of = role_of or {}
+    total = ev.get("total")
+    total = float(total) if isinstance(total, (int, float)) else None
+    shares = total is not None and words.shares_shown(total)
 
-    def side(items) -> str:
-        return ", ".join(f"{n}{f' ({role_of[n]})' if n in role_of else ''} {100 * s:.0f} %" for n, s in items)
+    def side(name: str) -> str:
+        items = ev.get(name, []) or []
+        values = ev.get(f"{name}_values")
+        if not shares and total is not None and not values:
+            values = [[n, float(s) * total] for n, s in items]          # an older entry: its shares × the total
+        shown = [(n, float(s)) for n, s in items] if shares or not values else [(n, float(v)) for n, v in values]
+        text = ", ".join(f"{n}{f' ({role_of[n]})' if n in role_of else ''} "
+                         f"{words.pct(x) if shares or not values else f'{x:+.3g}'}" for n, x in shown)
+        rest = ev.get(f"{name}_rest")
+        if isinstance(rest, dict) and total is not None:
+            listed = [float(v) for _, v in values] if values else [float(s) * total for _, s in items]
+            text += " (" + words.coverage_of(sum(listed), len(listed), float(rest.get("value", 0.0)),
+                                             int(rest.get("n", 0)), float(rest.get("largest", 0.0)), total) + ")"
+        return text
 
+    return f"query side {side('query')}; key side {side('key')}"
+
+
+def evidence_sentence(head: str, ev: Dict, role_of: Optional[Dict[str, str]] = None) -> str:
+    """One line: "why 23.0 attends from END to IO (attention 0.57): query side 20.0 (S-inhibition head) 23 %, ...
+    (coverage); key side ...", or, for a head that does not attend its key (``words.verdict``), "17.4 does not
+    prefer this key (from END to IO): attention 0.01 (below 0.10) ...; what sets its contrast -0.53, in score
+    units: query side ..."."""
     where = f" from {ev['from']} to {ev['to']}" if "from" in ev and "to" in ev else ""
-    att = f" (attention {ev['attention']:.2f})" if isinstance(ev.get("attention"), (int, float)) else ""
-    return (f"{head} attends{where}{att}: query side {side(ev.get('query', []))}; key side "
-            f"{side(ev.get('key', []))}")
+    attention = ev.get("attention") if isinstance(ev.get("attention"), (int, float)) else None
+    total = ev.get("total") if isinstance(ev.get("total"), (int, float)) else None
+    no = words.verdict(attention, float(total), str(ev.get("reading", "contrast"))) if total is not None else None
+    if no is None and attention is not None and attention < words.MIN_ATTENTION:
+        no = words.verdict(attention, 1.0, "raw")
+    clause = evidence_clause(ev, role_of)
+    if no is None:
+        att = f" (attention {attention:.2f})" if attention is not None else ""
+        return f"why {head} attends{where}{att}: {clause}"
+    return (f"{head}{where} {no}; not why it attends, what sets its {ev.get('reading', 'contrast')} "
+            f"{words.number(total)}: {clause}")
 
 
 # the scan's labelled scores and the rows their heads are explained on, on the scan's own [BOS] + R + R prompts
@@ -120,5 +165,39 @@ def explain_top_heads(model, scores, k: int = 1, n_seqs: int = 4, seg_len: int =
                 continue
             res.settings["labels"] = source_labels(model, res, scores=scores)
             res.settings["explains"] = score
+            res.settings["prompts"] = {"task": "[BOS] + R + R (repeated random tokens)", "n": n_seqs, "seed": 1}
             out.append(res)
+    return out
+
+
+# the roles a circuit's "why it attends" sections follow, in this order (name movers and S-inhibition heads first)
+ROLE_ORDER = ("name mover", "S-inhibition head", "negative name mover", "induction head", "duplicate-token head",
+              "previous-token head")
+
+
+def explain_roles(model, task, roles: Dict[str, str], k: int = 4, prompts: Optional[Dict] = None) -> List:
+    """``attend`` for the ``k`` heads of ``roles`` ({head: role}, e.g. a circuit file's) whose role is in
+    ``ROLE_ORDER``, in that order, each at the task's rows the roles read it at (``key_position``: END → IO on
+    IOI, the induction rows on the induction task); ``prompts`` ({"task", "n", "seed"}) is recorded in each
+    result. A head that cannot be explained gives (head, role, reason), as ``explain_top_heads``."""
+    from .._foundation.errors import QKCircuitsError
+
+    order = {r: n for n, r in enumerate(ROLE_ORDER)}
+    chosen = sorted((h for h, r in roles.items() if r in order), key=lambda h: (order[roles[h]], h))[:k]
+    out = []
+    patterns: Dict[int, torch.Tensor] = {}
+    for h in chosen:
+        try:
+            key = key_position(model, task, h, patterns)
+            if key is None and getattr(task, "pattern", None) != "induction":
+                out.append((h, roles[h], f"the task {getattr(task, 'name', '')!r} names no position to read {h} at"))
+                continue
+            res = attend_heads(model, [h], task=task, **({} if key is None else {"query": "END", "key": key}))[h]
+        except QKCircuitsError as e:
+            out.append((h, roles[h], str(e)))
+            continue
+        res.settings["explains_role"] = roles[h]
+        if prompts:
+            res.settings["prompts"] = dict(prompts)
+        out.append(res)
     return out

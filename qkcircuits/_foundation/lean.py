@@ -110,7 +110,7 @@ def _release_parameters(model: torch.nn.Module, state_dict: Dict[str, object]) -
 
 
 @contextlib.contextmanager
-def _lean_steps(bridge) -> Iterator[None]:
+def _lean_steps(bridge, store=None) -> Iterator[None]:
     # Patches TransformerLens's ProcessWeights static methods for the duration of one load (not thread-safe:
     # do not load two models at once in one process). Checked against transformer-lens 4.3 (pyproject pins
     # <5); a TransformerLens whose steps leave a parameter unplaced trips LeanIncomplete, and ``load`` then
@@ -131,7 +131,15 @@ def _lean_steps(bridge) -> Iterator[None]:
             # and empty it, then release the parameters they came from.
             mine = _owned(state_dict)
             _release_parameters(bridge, mine)
-            return _by_group(lambda d: fn(d, *args, **kwargs), mine)
+            if store is not None:            # the processed weights of this very input, kept from an earlier load
+                done = store.load(mine, kwargs)
+                if done is not None:
+                    mine.clear()
+                    return done
+            out = _by_group(lambda d: fn(d, *args, **kwargs), mine)
+            if store is not None:
+                store.save(out, kwargs)
+            return out
         return staticmethod(run)
 
     try:
@@ -211,14 +219,18 @@ def _pop(d: Dict[str, object]) -> Dict[str, object]:
     return out
 
 
-def fold_in_place(bridge) -> None:
+def fold_in_place(bridge, store=None) -> None:
     """``bridge.enable_compatibility_mode(disable_warnings=True)`` with one copy of the weights at a time.
+
+    ``store`` (``gguf_cache.Processed``): where the processed weights of this checkpoint were kept by an earlier
+    load (``load(input, options)`` gives them, or None) and are kept for the next (``save(output, options)``);
+    TransformerLens's own steps around the processing (placing the weights, its flags) run as always.
 
     Raises ``LeanIncomplete`` (the bridge is then unusable: reload it) if a parameter was left on
     the meta device.
     """
     trim_heap()                                    # what the dequantisation freed, before the peak
-    with _lean_steps(bridge):
+    with _lean_steps(bridge, store):
         bridge.enable_compatibility_mode(disable_warnings=True)
     missing = [n for n, p in bridge.named_parameters() if p.device.type == "meta"]
     if missing:

@@ -170,7 +170,13 @@ def _load(spec: object, *, device, dtype, fold_ln: bool, device_map, verbose: bo
     if fold_ln and lean:
         from .lean import fold_in_place
 
-        fold_in_place(bridge)
+        done = getattr(bridge, "qk_converted", None)        # a GGUF's cached conversion: its folded weights too
+        if done is not None:
+            from .gguf_cache import Processed
+
+            fold_in_place(bridge, store=Processed(done, torch_dtype))
+        else:
+            fold_in_place(bridge)
     elif fold_ln:
         bridge.enable_compatibility_mode(disable_warnings=True)
     bridge.eval()
@@ -338,24 +344,43 @@ def _folder_error(label: str, e: BaseException) -> QKCircuitsError:
 
 
 def _load_gguf(path: Path, dev, dtype, device_map, model_name: Optional[str] = None) -> TransformerBridge:
-    """Dequantize a GGUF file through transformers, then wrap it (tokenizer from the GGUF)."""
+    """Dequantize a GGUF file through transformers, then wrap it (tokenizer from the GGUF). The conversion is kept
+    in the cache by the file's sha256 (``gguf_cache``): the next load of the same file reads it instead."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from . import gguf_cache
     from .gguf_reuse import parsed_once
 
-    folder, fname = str(path.parent), path.name
-    with parsed_once():                          # the file's header parsed once per load, not four times
-        _check_gguf(path)
+    hf_model = tokenizer = None
+    done = gguf_cache.converted(path)
+    if done is not None:
         try:
             with _hub_offline():
-                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-                hf_kwargs: dict = {"gguf_file": fname, "dtype": dtype}
+                tokenizer = AutoTokenizer.from_pretrained(str(done))
+                hf_kwargs: dict = {"dtype": dtype}
                 if device_map is not None:
                     hf_kwargs["device_map"] = device_map
-                hf_model = AutoModelForCausalLM.from_pretrained(folder, **hf_kwargs)
-        except (ValueError, KeyError, OSError, RuntimeError) as e:
-            raise QKCircuitsError(f"transformers cannot load GGUF {str(path)!r}: {_first_line(e)}; use a GGUF of an "
-                                  f"architecture transformers dequantizes (llama, mistral, qwen2, gemma, gpt2, ...)") from e
+                hf_model = AutoModelForCausalLM.from_pretrained(str(done), **hf_kwargs)
+        except Exception:  # noqa: BLE001  a damaged cache entry: convert the GGUF again (and replace nothing)
+            hf_model = tokenizer = None
+    if hf_model is None:
+        folder, fname = str(path.parent), path.name
+        with parsed_once():                          # the file's header parsed once per load, not four times
+            _check_gguf(path)
+            try:
+                with _hub_offline():
+                    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+                    hf_kwargs = {"gguf_file": fname, "dtype": dtype}
+                    if device_map is not None:
+                        hf_kwargs["device_map"] = device_map
+                    hf_model = AutoModelForCausalLM.from_pretrained(folder, **hf_kwargs)
+            except (ValueError, KeyError, OSError, RuntimeError) as e:
+                raise QKCircuitsError(f"transformers cannot load GGUF {str(path)!r}: {_first_line(e)}; use a GGUF of "
+                                      f"an architecture transformers dequantizes (llama, mistral, qwen2, gemma, gpt2, "
+                                      f"...)") from e
+        if device_map is None:
+            done = gguf_cache.store(path, hf_model, tokenizer)
+    folder = str(path.parent)
     if not getattr(hf_model.config, "architectures", None):
         # GGUF configs can lack `architectures`; TransformerLens picks its adapter from it.
         hf_model.config.architectures = [type(hf_model).__name__]
@@ -367,6 +392,8 @@ def _load_gguf(path: Path, dev, dtype, device_map, model_name: Optional[str] = N
     with _hub_offline():
         bridge = _boot(model_name or folder, dev, dtype, None, label=str(path), hf_model=hf_model, tokenizer=tokenizer)
     _record_own(bridge, own)
+    if device_map is None and done is not None:
+        bridge.qk_converted = done          # where its folded weights are kept (``_load``)
     if model_name is None:          # results name the file the user gave, not its folder (as for a local folder)
         bridge.cfg.model_name = str(path)
     return bridge

@@ -40,6 +40,7 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.io import check_int, json_floats, json_number
 from .._foundation.renamed import renamed
 from .._foundation.result import Result
+from .._foundation.stats import versus_random
 
 SCHEMA = "qkcircuits.zoo/1"
 # The detectors a zoo entry lists heads of (their names are JSON keys; thresholds come from the registry).
@@ -93,6 +94,19 @@ class Zoo(Result):
 
 
 @renamed(max_heads="k")
+def confirmation_verdict(c: Dict[str, Any]) -> str:
+    """A zoo entry's causal check against its random sets, in words (``stats.random_verdict``'s): "above random
+    (z = 12.3)" or "WARNING: within the random sets' spread (margin +0.18 < SD 0.43, z = 1.4)"; an entry written
+    before the SD was recorded says so."""
+    if c.get("clear") is None or c.get("random_sd") is None:
+        return "no verdict (no spread of the random sets recorded)"
+    margin, sd, z = float(c["effect"]) - float(c["random_max"]), float(c["random_sd"]), c.get("z")
+    zt = f"z = {float(z):.1f}" if isinstance(z, (int, float)) else "z = inf"
+    if c["clear"]:
+        return f"above random (margin {margin:+.3f} > SD {sd:.3f}, {zt})"
+    return f"WARNING: within the random sets' spread (margin {margin:+.3f} <= SD {sd:.3f}, {zt})"
+
+
 def summarise(spec: str, scores, *, k: int = 10) -> Dict[str, Any]:
     """The zoo entry of one model from its ``HeadScores`` (with ``extras["confirmation"]`` when checked)."""
     L, H = scores.n_layers, scores.n_heads
@@ -106,10 +120,12 @@ def summarise(spec: str, scores, *, k: int = 10) -> Dict[str, Any]:
         strongest[kind] = _head(*ranked[0], L)
     out["strongest"] = strongest
     conf = scores.extras.get("confirmation")
+    vs = None if conf is None else versus_random(float(conf["effect"]), conf["random_effects"])
     out["confirmation"] = None if conf is None else {
         "effect": json_number(conf["effect"]), "random_max": json_number(max(conf["random_effects"])),
         "random_mean": json_number(sum(conf["random_effects"]) / len(conf["random_effects"])),
-        "heads": conf["heads"], "n_draws": len(conf["random_effects"]), "baseline": json_number(conf["baseline"])}
+        "heads": conf["heads"], "n_draws": len(conf["random_effects"]), "baseline": json_number(conf["baseline"]),
+        "random_sd": json_number(vs["sd"]), "z": json_number(vs["z"]), "clear": vs["clear"]}
     out["k_sources"] = None
     out["scores"] = {k: json_floats(scores[k]) for k in ZOO_DETECTORS}
     return out

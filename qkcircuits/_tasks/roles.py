@@ -159,12 +159,14 @@ class Roles(Result):
         return lines
 
     def qk_sentence(self, head: str) -> str:
-        """Why ``head`` attends where it does (its ``qk`` entry), sources named with their roles: "23.0 attends
-        from END to IO (attention 0.57): query side 20.0 (S-inhibition head) 31 %, ...; key side emb 60 %, ..."."""
+        """Why ``head`` attends where it does (its ``qk`` entry), sources named with their roles and each side's
+        coverage: "why 23.0 attends from END to IO (attention 0.57): query side 20.0 (S-inhibition head) 31 %, ...
+        (these 3 sources: 62 % of the total; ...); key side emb 60 %, ..."; a head that does not attend its key is
+        said so ("17.4 from END to IO does not prefer this key: attention 0.01 ...", values in score units)."""
         from .._explain.evidence import evidence_sentence
 
         role_of = {h: str(r.get("role")) for h, r in self.roles.items()}
-        return "  why " + evidence_sentence(head, self.roles[head]["qk"], role_of)
+        return "  " + evidence_sentence(head, self.roles[head]["qk"], role_of)
 
     def to_dict(self) -> Dict[str, object]:
         return {"roles": dict(self.roles), "task": self.task, "settings": self.settings}

@@ -99,9 +99,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if threading.current_thread() is threading.main_thread():
             previous = (signal.signal(signal.SIGTERM, _on_sigterm), signal.signal(signal.SIGINT, _on_sigint))
         args = build_parser().parse_args(argv)
-        from ._common import check_paths
+        from ._common import check_paths, check_shape
 
         check_paths(args)                         # outputs vs inputs, before any work
+        check_shape(args)                         # heads vs the model's shape from its metadata, before the load
+        if getattr(args, "precheck", None):       # a command's own argument checks that need no torch
+            args.precheck(args)
         if args.command not in TORCH_FREE:
             _import_torch()
             if getattr(args, "threads", None):

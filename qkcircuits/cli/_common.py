@@ -175,6 +175,31 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
                         "machine's physical cores; on a shared machine fewer can be faster)")
 
 
+HEAD_FLAGS = ("head", "heads", "receivers")     # argument dests naming heads, checked before the model loads
+
+
+def check_shape(args: argparse.Namespace) -> None:
+    """Refuse a ``--head`` / ``--heads`` / ``--receivers`` outside the model's shape, read from its files' metadata
+    (``_foundation/shape``: config.json, the GGUF header) before any weight loads, so a typo such as ``--head 18.60``
+    fails in a second. A model whose shape cannot be read cheaply is checked after loading, as before."""
+    given = [(d, getattr(args, d)) for d in HEAD_FLAGS if isinstance(getattr(args, d, None), str)]
+    spec = getattr(args, "model", None)
+    if not given or not isinstance(spec, str):
+        return
+    from .._foundation.heads import check_heads, parse_heads
+    from .._foundation.shape import read_shape
+
+    shape = read_shape(spec)
+    if shape is None:
+        return
+    L, H = shape
+    for dest, value in given:
+        try:
+            check_heads(parse_heads(value, n_heads=H), L, H)
+        except QKCircuitsError as e:
+            raise QKCircuitsError(f"{_flag(dest)} {value!r}: {e}") from None
+
+
 def load_model(args):
     from .._foundation.model import load
 

@@ -10,6 +10,7 @@ expanded, schema). ``-o`` writes a standalone page with the pair heatmap and the
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import sys
 
 from .._foundation.errors import QKCircuitsError
@@ -26,6 +27,40 @@ def _position(text: str):
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a position (an integer, negative from the end), induction, duplicate or previous, "
                                          f"got {text!r}") from None
+
+
+
+
+def task_positions(task_spec: str):
+    """The position names of ``--task`` without the model: a registered task's declared ones (none declared, or a
+    task read by a pattern: None, not checked here), or a .jsonl file's first line's ``positions`` plus END (every
+    line names the same ones: ``from_jsonl`` checks it). None when the file cannot be read here (``from_jsonl``
+    says why after the load)."""
+    from .._tasks.registry import task_names, task_spec as spec_named
+
+    if task_spec in task_names():
+        spec = spec_named(task_spec)
+        return None if spec.pattern or not spec.positions else [*spec.positions, *(() if "END" in spec.positions else ("END",))]
+    import json
+
+    try:
+        with open(task_spec, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+        named = json.loads(first).get("positions", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    return [*named, "END"] if isinstance(named, dict) else None
+
+
+def _check_positions(task_spec: str, given) -> None:
+    """``--from`` / ``--to`` / ``--versus`` checked against the task's position names before the model loads."""
+    known = task_positions(task_spec)
+    if known is None:
+        return
+    for flag, name in given.items():
+        if name is not None and name not in known:
+            what = task_spec if not Path(task_spec).is_file() else Path(task_spec).name
+            raise QKCircuitsError(f"{flag} {name!r} is not a position of task {what!r}; it has {', '.join(known)}")
 
 
 def add_parser(sub) -> None:
@@ -64,7 +99,14 @@ def add_parser(sub) -> None:
     p.add_argument("--no-labels", action="store_true", help="do not label sources (no scan)")
     output_arg(p, "--json", metavar="PATH", help="write the result (the attend JSON contract)")
     output_arg(p, "-o", "--output", metavar="HTML", help="write a standalone page (heatmap and marginals)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, precheck=precheck)
+
+
+def precheck(args: argparse.Namespace) -> None:
+    """The task's position names checked before the model loads (``cli.main`` runs it)."""
+    task_spec = args.task or (None if args.prompt else DEFAULT_TASK)
+    if task_spec is not None:
+        _check_positions(task_spec, {"--from": args.query_name, "--to": args.key_name, "--versus": args.versus})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,14 +132,18 @@ def run(args: argparse.Namespace) -> int:
                                   f"are for a task with named positions")
         if (spec is None or not spec.pattern) and not args.key_name:
             raise QKCircuitsError(f"--task {task_spec}: name the key position with --to (e.g. --from END --to IO)")
+    precheck(args)
     model = load_model(args)
     kw = dict(reading=args.reading, expand=args.expand, k=args.top)
     if task_spec is not None:
-        from .._tasks.registry import build_task
+        from .._tasks.registry import build_task, task_names
         from .._tasks.task import bos_mode_arg
 
         task = build_task(model, task_spec, args.n, args.seed, prepend_bos=bos_mode_arg(args.bos))
         res = attend(model, args.head, task=task, query=args.query_name, key=args.key_name, versus=args.versus, **kw)
+        from_file = Path(task_spec).is_file() and task_spec not in task_names()
+        res.settings["prompts"] = {"task": Path(task_spec).name if from_file else task_spec, "n": int(task.n),
+                                   **({} if from_file else {"seed": args.seed})}
     else:
         versus = None
         if args.versus is not None:
@@ -106,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
             except ValueError:
                 raise QKCircuitsError(f"--versus {args.versus!r}: with --prompt give an integer position") from None
         res = attend(model, args.head, args.prompt, query=args.query, key=args.key, versus=versus, **kw)
+        res.settings["prompts"] = {"task": "--prompt", "n": len(args.prompt)}
     if not args.no_labels:
         res.settings["labels"] = source_labels(model, res, scores_path=args.scores)
     print(f"{args.model}: head {res.head}, {len(res.rows)} rows, reading {res.reading}")

@@ -63,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_zoo(models, task=None) -> str:
+    from .._scale.zoo import confirmation_verdict
+
     lines = [f"{'model':<28}{'shape':>8}  {'induction heads (top 3: score@depth)':<48}  {'prev-token (top 2)':<32}  "
              f"causal check"]
     for m in models:
@@ -71,7 +73,7 @@ def format_zoo(models, task=None) -> str:
         prev = ", ".join(f"{h['head']} {h['score']:.2f}@{h['depth']:.2f}" for h in m["previous_token"][:2]) or (
             f"none (best {m['strongest']['previous_token']['head']})")
         c = m["confirmation"]
-        conf = "-" if not c else f"{c['effect']:+.2f} vs random max {c['random_max']:+.2f}"
+        conf = "-" if not c else f"{c['effect']:+.2f} vs random max {c['random_max']:+.2f}: {confirmation_verdict(c)}"
         shape = f"{m['n_layers']}x{m['n_heads']}"
         lines.append(f"{m['model'][-27:]:<28}{shape:>8}  {ind:<48}  {prev:<32}  {conf}")
     for m in models:

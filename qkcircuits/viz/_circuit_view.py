@@ -90,25 +90,41 @@ def roles_rows(view: CircuitView) -> List[List[str]]:
     rows = []
     for name, r in sorted(view.roles.items(), key=lambda kv: _order(kv[0])):
         row = [name, str(r.get("role") or ""), evidence_text(r.get("evidence"))]
-        rows.append(row + [qk_text(r.get("qk"), view.roles)] if with_qk else row)
+        qk = r.get("qk")
+        qk = {**qk, "head": name} if isinstance(qk, dict) else qk
+        rows.append(row + [qk_text(qk, view.roles)] if with_qk else row)
     return rows
 
 
 def qk_text(qk: Any, roles: Dict[str, Dict[str, Any]]) -> str:
-    """A role's QK evidence (``roles.roles(qk=True)``) as one line: "END → IO: query 20.0 (S-inhibition head)
-    31 %, emb 20 %; key emb 60 %, ..." (sources named with their roles where the file gives them)."""
+    """A role's QK evidence (``roles.roles(qk=True)``) as one line, the roles' own words
+    (``_explain.evidence.evidence_sentence``): "why 23.0 attends from END → IO (attention 0.57): query side 20.0
+    (S-inhibition head) 31 %, emb 20 % (these 3 sources: ...); key side emb 60 %, ...", or that the head does not
+    prefer that key (values, not shares of a negative total). Malformed entries in a file are skipped."""
+    from .._explain.evidence import evidence_sentence
+
     if not isinstance(qk, dict):
         return ""
+    role_of = {str(h): str(r["role"]) for h, r in roles.items() if isinstance(r, dict) and r.get("role")}
+    clean = dict(qk)
+    for side in ("query", "key", "query_values", "key_values"):
+        clean[side] = [list(x[:2]) for x in qk.get(side) or [] if isinstance(x, (list, tuple)) and len(x) >= 2
+                       and isinstance(x[1], (int, float))]
+    for side in ("query_rest", "key_rest"):
+        if not isinstance(qk.get(side), dict):
+            clean.pop(side, None)
+    clean["from"], clean["to"] = str(qk.get("from", "?")), str(qk.get("to", "?"))
+    head = str(qk.get("head", "this head"))
+    return _strip_head(evidence_sentence(head, clean, role_of), head)
 
-    def side(items) -> str:
-        out = []
-        for item in items or []:
-            if isinstance(item, (list, tuple)) and len(item) >= 2 and isinstance(item[1], (int, float)):
-                role = roles.get(str(item[0]), {}).get("role") if isinstance(roles.get(str(item[0])), dict) else None
-                out.append(f"{item[0]}{f' ({role})' if role else ''} {100 * float(item[1]):.0f} %")
-        return ", ".join(out)
 
-    return f"{qk.get('from', '?')} → {qk.get('to', '?')}: query {side(qk.get('query'))}; key {side(qk.get('key'))}"
+def _strip_head(sentence: str, head: str) -> str:
+    """The roles table's row already names the head: "why 23.0 attends from END to IO ..." → "attends from END to
+    IO ..."."""
+    for prefix in (f"why {head} ", f"{head} "):
+        if sentence.startswith(prefix):
+            return sentence[len(prefix):]
+    return sentence
 
 
 def _order(name: str):
@@ -154,8 +170,10 @@ def summary(view: CircuitView) -> str:
 
 
 def core_rows(view: CircuitView) -> List[List]:
-    """[number of heads, f] of the core's curve (the core table)."""
-    return [[str(n), round_float(f)] for n, f in view.core.curve.items()] if view.core else []   # counts as text
+    """[number of heads, f] of the core's curve (the core table); the count as text ("12", not the page's
+    four-decimal number format "12.0000")."""
+    return [[str(int(n)) if float(n).is_integer() else str(n), round_float(f)] for n, f in view.core.curve.items()] \
+        if view.core else []
 
 
 def circuit_section(view: CircuitView, n_layers: Optional[int] = None, n_heads: Optional[int] = None,

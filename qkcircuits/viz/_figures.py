@@ -306,6 +306,39 @@ def reads_from_bars(rows: Sequence[Dict], head: str, kind: str = "exact") -> Dic
     return figure_dict(fig)
 
 
+NEAR = 0.3          # a node this close (heads / layers) to an edge's straight line would read as on it
+
+
+def _distance(p, a, b) -> float:
+    """Distance from point ``p`` to the segment ``a``-``b`` (data units)."""
+    (px, py), (ax, ay), (bx, by) = p, a, b
+    dx, dy = bx - ax, by - ay
+    t = max(0.0, min(1.0, ((px - ax) * dx + (py - ay) * dy) / ((dx * dx + dy * dy) or 1.0)))
+    return ((px - ax - t * dx) ** 2 + (py - ay - t * dy) ** 2) ** 0.5
+
+
+def edge_path(a, b, points, n: int = 17):
+    """The x and y of the edge ``a`` → ``b`` (points (head, layer)): the straight line, or, when another of the
+    graph's ``points`` lies within ``NEAR`` of it (16.0 → 18.6 through 17.3: read as a chain), a curve bowed
+    sideways just enough that every point is at least ``NEAR`` away (``n`` points of a quadratic Bézier)."""
+    others = [p for p in points if p != tuple(a) and p != tuple(b)]
+    if not any(_distance(p, a, b) < NEAR for p in others):
+        return [a[0], b[0]], [a[1], b[1]]
+    (ax, ay), (bx, by) = a, b
+    dx, dy = bx - ax, by - ay
+    norm = (dx * dx + dy * dy) ** 0.5 or 1.0
+    nx, ny = -dy / norm, dx / norm                       # unit normal
+    for bow in (0.6, -0.6, 1.0, -1.0, 1.5, -1.5, 2.2, -2.2):
+        cx, cy = (ax + bx) / 2 + bow * nx * norm / 2, (ay + by) / 2 + bow * ny * norm / 2
+        ts = [i / (n - 1) for i in range(n)]
+        xs = [(1 - t) ** 2 * ax + 2 * (1 - t) * t * cx + t * t * bx for t in ts]
+        ys = [(1 - t) ** 2 * ay + 2 * (1 - t) * t * cy + t * t * by for t in ts]
+        segs = list(zip(zip(xs, ys), zip(xs[1:], ys[1:])))
+        if all(min(_distance(p, u, v) for u, v in segs) >= NEAR for p in others):
+            break
+    return [round_float(x) for x in xs], [round_float(y) for y in ys]
+
+
 def circuit_graph(nodes: Sequence[Dict], edges: Sequence[Dict], n_layers: int, n_heads: int, title: str) -> Dict:
     """Traced heads as a graph at (x = head, y = layer), so a click selects the head like a grid cell.
 
@@ -313,17 +346,20 @@ def circuit_graph(nodes: Sequence[Dict], edges: Sequence[Dict], n_layers: int, n
     src/dst as (layer, head). Nodes are coloured by their first scan label; edges by input, labelled q/k/v."""
     traces = []
     hx, hy, htext = [], [], []
+    points = [(n["index"], n["layer"]) for n in nodes]
     for e in edges:
         (l0, h0), (l1, h1) = e["src"], e["dst"]
+        xs, ys = edge_path((h0, l0), (h1, l1), points)
         # meta: the edge as data (sender, receiver, input, effect), so a figure can be checked against its result
-        traces.append(go.Scatter(x=[h0, h1], y=[l0, l1], mode="lines", showlegend=False, hoverinfo="skip",
+        traces.append(go.Scatter(x=xs, y=ys, mode="lines", showlegend=False, hoverinfo="skip",
                                  meta={"src": f"{l0}.{h0}", "dst": f"{l1}.{h1}", "input": e["input"],
                                        "effect": round_float(e["effect"])},
                                  line=dict(color=INPUT_COLOURS[e["input"]], width=1 + 5 * min(1.0, abs(e["effect"])))))
         # the effect in the hover of a marker at 40% of the way from the receiver (no text on the edges: labels of
         # edges into one receiver overlapped)
-        hx.append(h1 + 0.4 * (h0 - h1))
-        hy.append(l1 + 0.4 * (l0 - l1))
+        at = round(0.6 * (len(xs) - 1)) if len(xs) > 2 else None
+        hx.append(xs[at] if at is not None else h1 + 0.4 * (h0 - h1))
+        hy.append(ys[at] if at is not None else l1 + 0.4 * (l0 - l1))
         share = f" ({e['effect'] / abs(e['clean']):.0%} of the clean {e['clean']:.3g})" if e.get("clean") else ""
         htext.append(f"{l0}.{h0} → {l1}.{h1} ({e['input']})<br>effect {e['effect']:.3f}{share}")
     if edges:

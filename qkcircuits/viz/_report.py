@@ -122,7 +122,8 @@ def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=Non
                         + (f"{view} inputs" if view else "direct inputs at layer 0 and contextual inputs (the mean "
                            "residual each layer reads for a token over a packaged English corpus) after it")
                         + "; each figure's title says which. Offsets and composition come from the weights."),
-            "sections": report_sections(cview, scores, L, H, n_kv_heads(model), attend_results(model, scores, attend)),
+            "sections": report_sections(cview, scores, L, H, n_kv_heads(model),
+                                        attend_results(model, scores, attend, cview)),
             "left_out": left_out, "grids": grid_list, "heads": list(panels), "first": first, "panels": panels}
     scripts = (f"<script>{script_text('plotly')}</script>\n"
                f"<script>{script_text('circuitsvis')}</script>")
@@ -161,15 +162,40 @@ def report_sections(cview, scores, n_layers: Optional[int], n_heads: Optional[in
     return out + attend_sections(attend)
 
 
-def attend_results(model, scores, attend) -> List:
-    """The Attributions the report shows: those given, else the scan's top heads explained."""
+def attend_results(model, scores, attend, cview=None) -> List:
+    """The Attributions the report shows: those given (in their order), else the given circuit's role heads first
+    (name movers, S-inhibition heads, ...: ``circuit_attend``), then the scan's top heads."""
     if attend is not None:
         return list(attend)
+    out = circuit_attend(model, cview) if cview is not None else []
     if scores is None:
-        return []
+        return out
     from .._explain.evidence import explain_top_heads
 
-    return explain_top_heads(model, scores)
+    seen = {r.head if hasattr(r, "head") else r[0] for r in out}
+    return out + [r for r in explain_top_heads(model, scores) if (r.head if hasattr(r, "head") else r[0]) not in seen]
+
+
+def circuit_attend(model, cview, k: int = 4) -> List:
+    """Why the circuit file's role heads attend (``_explain.evidence.explain_roles``), on the file's task (a
+    registered one, its ``n_prompts`` up to 64, its seed or the circuit command's default 0); [] for a file without
+    roles or with a task of its own (a .jsonl the report cannot rebuild)."""
+    from .._tasks.registry import build_task, task_names
+
+    task_name = cview.get("task")
+    roles = {str(h): str(r.get("role")) for h, r in cview.roles.items() if isinstance(r, dict)}
+    if task_name not in task_names() or not roles:
+        return []
+    from .._explain.evidence import explain_roles
+
+    n = min(int(cview.get("n_prompts") or 32), 64)
+    seed = int(cview.get("seed") or 0)
+    try:
+        task = build_task(model, task_name, n, seed)
+    except QKCircuitsError as e:          # e.g. IOI on a model without a tokenizer: the report goes on, and says so
+        h, r = next(iter(roles.items()))
+        return [(h, r, f"the report could not rebuild the circuit's {task_name} prompts ({e})")]
+    return explain_roles(model, task, roles, k=k, prompts={"task": task_name, "n": n, "seed": seed})
 
 
 def causal_check_blocks(conf: Dict) -> List[Dict]:

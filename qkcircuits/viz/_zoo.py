@@ -93,6 +93,8 @@ def _task_table(models: List[Dict[str, Any]], task) -> str:
 
 def zoo_html(zoo) -> str:
     """The page for a ``Zoo`` (or its ``to_dict()``)."""
+    from .._scale.zoo import confirmation_verdict
+
     d = zoo if isinstance(zoo, dict) else zoo.to_dict()
     models = d["models"]
     fig = zoo_figure(models).to_html(full_html=False, include_plotlyjs=False, div_id="zoo-figure",
@@ -101,7 +103,8 @@ def zoo_html(zoo) -> str:
     for m in models:
         c = m.get("confirmation")
         conf = ("—" if not c else f"{c['effect']:+.3f} nats (random sets: max {c['random_max']:+.3f}, mean "
-                                  f"{c['random_mean']:+.3f}; heads {', '.join(map(html.escape, c['heads']))})")
+                                  f"{c['random_mean']:+.3f}; heads {', '.join(map(html.escape, c['heads']))}); "
+                                  f"{html.escape(confirmation_verdict(c))}")
         ks = m.get("k_sources")
         ks_text = "not traced" if ks is None else (
             ", ".join(f"{html.escape(k)} ← {html.escape(str(v) if v else 'no clear source')}" for k, v in ks.items())
