@@ -14,17 +14,17 @@ import sys
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, input_arg, load_model, output_arg, positive_int
+from ._common import add_model_args, bounded_int, head_arg, input_arg, int_arg, load_model, output_arg, positive_int, short
 
 
 def _position(text: str):
     if text in ("induction", "duplicate", "previous"):
         return text
     try:
-        return int(text)
+        return bounded_int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a position (an integer, negative from the end), induction, duplicate or previous, "
-                                         f"got {text!r}") from None
+                                         f"got {short(text)!r}") from None
 
 
 def add_parser(sub) -> None:
@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
                                    "embedding, every earlier head and MLP, constant biases. Norm scales are held at "
                                    "their values in the run, so the parts add up to the model's own score.")
     add_model_args(p)
-    p.add_argument("--head", required=True, help="the head to explain, e.g. 18.6")
+    p.add_argument("--head", required=True, type=head_arg, help="the head to explain, e.g. 18.6")
     p.add_argument("--task", default=None, help="induction (default without --prompt), ioi, or a .jsonl task file")
     p.add_argument("--from", dest="query_name", metavar="POS", help="the task's query position (default END)")
     p.add_argument("--to", dest="key_name", metavar="POS", help="the task's key position, e.g. IO")
@@ -56,7 +56,7 @@ def add_parser(sub) -> None:
     p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
                    help="BOS before ioi / .jsonl prompts: auto (default: what the model's tokenizer does on its own), "
                         "yes, no (induction prompts always start with one)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the ioi/induction prompts (default 0)")
+    p.add_argument("--seed", type=int_arg, default=0, help="seed of the ioi/induction prompts (default 0)")
     input_arg(p, "--scores", metavar="SCAN.json", help="label sources from this scan (default: a quick scan of the "
                                                        "labelled detectors)")
     p.add_argument("--no-labels", action="store_true", help="do not label sources (no scan)")
@@ -98,9 +98,9 @@ def run(args: argparse.Namespace) -> int:
         versus = None
         if args.versus is not None:
             try:
-                versus = int(args.versus)
+                versus = bounded_int(args.versus)
             except ValueError:
-                raise QKCircuitsError(f"--versus {args.versus!r}: with --prompt give an integer position") from None
+                raise QKCircuitsError(f"--versus {short(args.versus)!r}: with --prompt give an integer position") from None
         res = attend(model, args.head, args.prompt, query=args.query, key=args.key, versus=versus, **kw)
     if not args.no_labels:
         res.settings["labels"] = source_labels(model, res, scores_path=args.scores)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, load_model, non_negative_int, positive_int, renamed_arg
+from ._common import add_model_args, head_arg, load_model, non_negative_int, positive_int, renamed_arg
 
 
 def add_parser(sub) -> None:
@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
                    help="a result of `qkcircuits attend --json` (repeat for several): a 'why it attends' section "
                         "(default: the top head of each labelled score, explained on the scan's repeated prompts)")
     p.add_argument("--no-attend", action="store_true", help="no 'why it attends' sections")
-    p.add_argument("--heads", help="heads to include besides the top ones, e.g. '5.1,L6H9'")
+    p.add_argument("--heads", type=head_arg, help="heads to include besides the top ones, e.g. '5.1,L6H9'")
     renamed_arg(p, "--grid-k", "--per-score", type=non_negative_int, default=3,
                 help="top heads per grid to precompute (default 3)")
     renamed_arg(p, "--k", "--top-k", type=positive_int, default=5, help="output tokens per source token in the OV view")
