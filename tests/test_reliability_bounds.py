@@ -99,3 +99,48 @@ def test_app_bad_heads_are_a_400_within_a_second(app_client, head, fragment):
     r = app_client.post("/api/head", data=json.dumps({"head": head}), content_type="application/json")
     assert r.status_code == 400 and fragment in r.get_json()["error"], r.get_json()
     assert time.perf_counter() - t < 1
+
+
+# ------------------------------------------------------------------------------------------ row 3: safe CSV
+HOSTILE = ['=HYPERLINK("http://x"),evil', "+1", "-2+3", "@SUM(A1)", "\tTAB", 'say "hi"']
+
+
+def test_csv_fields_are_quoted_and_formulas_inert():
+    import csv
+    import io as _io
+
+    from qkcircuits._foundation.io import csv_text
+
+    text = csv_text(["name", "score"], [[h, -0.5] for h in HOSTILE] + [["plain", float("nan")]])
+    rows = list(csv.reader(_io.StringIO(text)))
+    assert all(len(r) == 2 for r in rows) and len(rows) == 1 + len(HOSTILE) + 1
+    assert [r[0] for r in rows[1:-1]] == ["'" + h if h[0] in "=+-@\t" else h for h in HOSTILE]
+    assert all(r[1] == "-0.5" for r in rows[1:-1]) and rows[-1] == ["plain", ""]   # numbers stay numbers
+
+
+def test_circuit_csv_with_hostile_position_names_from_a_task_file(tmp_path_factory, tmp_path, capsys):
+    """Row 3: named positions from a JSONL task file reach the edge names of a position graph; the --csv has 5
+    fields on every line and no cell starting with a formula character."""
+    import csv
+
+    from _tiny import gpt2_dir
+
+    names = {'=HYPERLINK("http://x"),evil': " old", "-cmd+1": " town"}
+    lines = [{"clean": "the old town", "corrupt": "the new town", "answer": " would", "wrong": " asked",
+              "positions": names},
+             {"clean": "them old town", "corrupt": "them new town", "answer": " old", "wrong": " new",
+              "positions": names}]
+    task = tmp_path / "hostile.jsonl"
+    task.write_text("\n".join(json.dumps(x) for x in lines))
+    out = tmp_path / "c.csv"
+    code, _, err = run(["circuit", gpt2_dir(tmp_path_factory), "--task", task, "--method", "eap", "--positions",
+                        "--csv", out, "--quiet", "--device", "cpu", "--no-sign-check"], capsys)
+    assert code == 0, err
+    rows = list(csv.reader(out.open(newline="")))
+    assert rows[0] == ["sender", "receiver", "input", "score", "in_circuit"] and len(rows) > 10
+    assert all(len(r) == 5 for r in rows), [r for r in rows if len(r) != 5][:3]
+    cells = [c for r in rows[1:] for c in r[:3]]
+    assert not [c for c in cells if c[:1] in ("=", "+", "-", "@", "\t")]
+    assert any(c.startswith("emb@") and c.endswith('@=HYPERLINK("http://x"),evil') for c in cells)   # one cell
+    assert any(r[3].startswith("-") and float(r[3]) < 0 for r in rows[1:])     # negative scores stay numbers
+    assert any("-cmd+1" in c for c in cells)

@@ -204,8 +204,9 @@ def _int_at_least(least: int, words: str):
         except ValueError:
             value = least - 1
         if value < least:
-            raise argparse.ArgumentTypeError(f"expected a {words} integer (at most {MAX_INT_DIGITS} digits), got "
-                                             f"{short(text)!r}")
+            many = len(text.strip().lstrip("+-")) > MAX_INT_DIGITS
+            raise argparse.ArgumentTypeError(f"expected a {words} integer, got {short(text)!r}"
+                                             + (f" (at most {MAX_INT_DIGITS} digits)" if many else ""))
         return value
     return parse
 

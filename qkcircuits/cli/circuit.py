@@ -420,16 +420,15 @@ def _finite(o):
 
 
 def _write(args, data, scores, circ, roles) -> None:
-    from .._foundation.io import dump_json, write_atomic
+    from .._foundation.io import csv_text, dump_json, write_atomic
 
     if args.json:
         dump_json(_finite(data), args.json)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.csv:
         inside = {tuple(e[:3]) for e in circ.edges()} if circ is not None else set()
-        lines = ["sender,receiver,input,score,in_circuit"]
-        lines += [f"{s},{r},{x},{v:.6g},{int((s, r, x) in inside)}" for s, r, x, v in scores.edge_list()]
-        write_atomic(args.csv, "\n".join(lines) + "\n")
+        rows = [[s, r, x, float(f"{v:.6g}"), int((s, r, x) in inside)] for s, r, x, v in scores.edge_list()]
+        write_atomic(args.csv, csv_text(["sender", "receiver", "input", "score", "in_circuit"], rows))
         print(f"wrote {args.csv}", file=sys.stderr)
     if args.mib:
         scores.to_mib(args.mib, circuit=circ)
