@@ -144,3 +144,92 @@ def test_circuit_csv_with_hostile_position_names_from_a_task_file(tmp_path_facto
     assert any(c.startswith("emb@") and c.endswith('@=HYPERLINK("http://x"),evil') for c in cells)   # one cell
     assert any(r[3].startswith("-") and float(r[3]) < 0 for r in rows[1:])     # negative scores stay numbers
     assert any("-cmd+1" in c for c in cells)
+
+
+# ----------------------------------------------------------------- rows 5-7: one strict reader for every file
+def _mib_text(g, edit):
+    from test_mib import _random_scores
+
+    d = json.loads(_random_scores(g).to_mib())
+    return edit(d) if callable(edit) else edit
+
+
+NAN_EDGE = "a0.h1->m0"
+
+
+@pytest.mark.parametrize("text, fragment", [
+    (lambda d: json.dumps(d).replace('"a0.h1->m0": {"score": ', '"a0.h1->m0": {"score": NaN, "x": ', 1),
+     'edges["a0.h1->m0"].score is NaN'),
+    (lambda d: json.dumps(d).replace('"a0.h1->m0": {"score": ', '"a0.h1->m0": {"score": Infinity, "x": ', 1),
+     'edges["a0.h1->m0"].score is Infinity'),
+    (lambda d: json.dumps(d).replace('"a0.h1->m0": {"score": ', '"a0.h1->m0": {"score": 1e400, "x": ', 1),
+     'edges["a0.h1->m0"].score is 1e400, which is out of range for a float'),
+    (lambda d: json.dumps(d).replace('"a0.h1->m0": {"score": ', '"a0.h1->m0": {"score": ' + "1" + "0" * 400 + ', "x": ', 1),
+     "has 401 digits"),
+    (lambda d: '{"cfg": ' + "[" * 200_000 + "]" * 200_000 + "}", "nested too deeply"),
+    (lambda d: '{"cfg": ' + "[" * 100 + "]" * 100 + "}", "is nested more than 64 levels deep"),
+    (lambda d: json.dumps({**d, "edges": {**d["edges"], NAN_EDGE: {"score": 1.0, "in_graph": "false"}}}),
+     'edges["a0.h1->m0"].in_graph must be true or false, got "false"'),
+    (lambda d: json.dumps({**d, "nodes": {**d["nodes"], "a7.h9": {"in_graph": True}}}),
+     'nodes["a7.h9"] is not a node of this model\'s graph'),
+    (lambda d: json.dumps({**d, "nodes": {**d["nodes"], "m0": {"in_graph": 1}}}), 'nodes.m0 must be'),
+    (lambda d: json.dumps({**d, "edges": {**d["edges"], NAN_EDGE: {"score": 1.0, "weight": 2}}}),
+     "unknown field 'weight'"),
+    (lambda d: json.dumps({**d, "extra": 1}), "unknown key 'extra'"),
+    (lambda d: json.dumps({**d, "cfg": {**d["cfg"], "parallel_attn_mlp": 1}}), "cfg parallel_attn_mlp is 1"),
+    (lambda d: json.dumps(d).replace('"a0.h0->m0": {', '"a0.h0->m0": {"score": 1.0}, "a0.h0->m0": {', 1),
+     "given more than once"),
+])
+def test_mib_import_refuses_what_it_must_in_one_line_naming_the_place(text, fragment, tmp_path):
+    from qkcircuits._tasks.graph import Graph
+
+    g = Graph(2, 4, 2, True, "m")
+    path = tmp_path / "mib.json"
+    path.write_text(_mib_text(g, text))
+    err, seconds, _ = bounded(lambda: qk.results.EdgeScores.from_mib(path, g))
+    assert isinstance(err, QKCircuitsError), repr(err)
+    assert fragment in str(err) and str(err).startswith(str(path)) and "\n" not in str(err), str(err)
+    assert seconds < 2
+
+
+def test_mib_scores_that_sum_past_float32_are_refused(tmp_path):
+    from qkcircuits._tasks.graph import Graph
+
+    g = Graph(2, 4, 2, True, "m")        # grouped k/v: the two query heads of a group are summed
+    d = json.loads(_mib_text(g, lambda d: json.dumps(d)))
+    d["edges"]["input->a1.h2<v>"] = {"score": 3e38, "in_graph": False}
+    d["edges"]["input->a1.h3<v>"] = {"score": 3e38, "in_graph": False}
+    (tmp_path / "m.json").write_text(json.dumps(d))
+    with pytest.raises(QKCircuitsError, match="past the float32 range"):
+        qk.results.EdgeScores.from_mib(tmp_path / "m.json", g)
+
+
+@pytest.mark.parametrize("line, fragment", [
+    ('{"clean": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),          # row 6
+    ('{"clean": "a", "corrupt": "b", "answer": " c", "wrong": " d", "positions": {"S": {"occurrence": NaN}}}',
+     "positions.S.occurrence is NaN"),
+    ('{"clean": "a", "corrupt": "b", "answer": " c", "wrong": " d", "positions": {"S": {"occurrence": '
+     + "9" * 5000 + "}}}", "has 5000 digits"),
+])
+def test_jsonl_task_lines_go_through_the_strict_reader(line, fragment, tmp_path_factory, tmp_path, capsys):
+    from _tiny import gpt2_dir
+
+    task = tmp_path / "t.jsonl"
+    task.write_text(line + "\n")
+    code, _, err = run(["attend", gpt2_dir(tmp_path_factory), "--head", "1.0", "--task", task, "--to", "S",
+                        "--no-labels", "--device", "cpu"], capsys)
+    assert code == 2 and len(errors(err)) == 1 and "t.jsonl line 1: " in errors(err)[0], err
+    assert fragment in errors(err)[0] and "Traceback" not in err
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ('{"circuit": {"edges": ' + "[" * 100_000 + "]" * 100_000 + "}}", "nested too deeply"),   # row 6
+    ('{"clean": NaN, "circuit": {"edges": []}}', "clean is NaN"),                              # row 7
+    ('{"clean": 1e400, "circuit": {"edges": []}}', "clean is 1e400"),
+    ('{"circuit": {"edges": [["0.0", "1.0", "k", -1e999]]}}', "circuit.edges[0][3] is -1e999"),
+])
+def test_report_circuit_files_go_through_the_strict_reader(content, fragment, tmp_path, capsys):
+    (tmp_path / "c.json").write_text(content)
+    code, _, err = run(["report", "toy-induction", "--circuit", tmp_path / "c.json", "-o", tmp_path / "r.html"], capsys)
+    assert code == 2 and len(errors(err)) == 1 and fragment in errors(err)[0], err
+    assert not (tmp_path / "r.html").exists()

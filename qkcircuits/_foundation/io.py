@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 from .errors import QKCircuitsError
+from .jsonread import (MAX_JSON_BYTES, JSONProblem, json_error, json_path, parse_json,  # noqa: F401  (one reader)
+                       read_text_file)
 
 # Read once at import: flipping the process umask later to read it would race with other threads.
 _UMASK = os.umask(0o022)
@@ -244,17 +246,6 @@ def dump_json(data: Dict[str, Any], path: Optional[Union[str, Path]] = None, ind
     return text
 
 
-def _finite(text: str) -> float:
-    x = float(text)
-    if math.isinf(x):
-        raise ValueError(f"number {text[:20]}... is out of range")
-    return x
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
-
-
 def looks_like_json(text: str) -> bool:
     """A string that is JSON text rather than a path: it starts with ``{``/``[`` or spans lines."""
     return text.lstrip().startswith(("{", "[")) or "\n" in text
@@ -266,7 +257,8 @@ def load_json(text_or_path: Union[str, Path], what: str, schema: Optional[str] =
     A ``Path`` is always a file; a string is JSON text when it starts with ``{``/``[``, else a path. Errors
     are one line naming the file (not its content) and ``what`` is expected. With ``schema`` (e.g.
     ``"qkcircuits.head_scores/1"``) the object's ``"schema"`` field, when present, is checked (``check_schema``).
-    Infinite numbers (``1e400``), ``NaN``, deep nesting and binary files are refused.
+    The parsing is ``parse_json``'s: infinite numbers (``1e400``), ``NaN``, huge integers, repeated keys, deep
+    nesting, files over 1 GiB and binary files are refused, naming the place in the file.
 
     >>> load_json('{"schema": "qkcircuits.x/1", "a": 1}', "an x", schema="qkcircuits.x/1")["a"]
     1
@@ -281,21 +273,13 @@ def load_json(text_or_path: Union[str, Path], what: str, schema: Optional[str] =
         if not p.is_file():
             raise QKCircuitsError(f"no JSON file at {source}; pass the path of {what}"
                                   + ("" if isinstance(text_or_path, Path) else " or its JSON text"))
-        try:
-            text = p.read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            raise QKCircuitsError(f"{source} is not a text (UTF-8 JSON) file; expected {what}") from None
-        except OSError as e:
-            raise QKCircuitsError(f"cannot read {source} ({e.strerror or e}); expected {what}") from None
+        text = read_text_file(p, source, what)
     else:
         text, source = str(text_or_path), "JSON text"
     try:
-        d = json.loads(text, parse_float=_finite, parse_constant=_no_constant)
-    except RecursionError:
-        raise QKCircuitsError(f"{source} is nested too deeply to be {what}") from None
-    except ValueError as e:
-        raise QKCircuitsError(f"{source} is not valid JSON ({' '.join(str(e).split())[:160]}); expected "
-                              f"{what}") from None
+        d = parse_json(text)
+    except JSONProblem as e:
+        raise json_error(source, e, what) from None
     if not isinstance(d, dict):
         raise QKCircuitsError(f"{source} holds a JSON {type(d).__name__}, not an object; expected {what}")
     if schema is not None:
