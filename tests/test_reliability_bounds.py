@@ -15,6 +15,7 @@ from qkcircuits import QKCircuitsError, parse_heads
 from qkcircuits.viz import create_app
 
 from _cli import errors, run
+from _typecheck import unchecked
 
 HUGE = "9" * 5000                      # past Python's 4,300-digit int() limit
 
@@ -233,3 +234,40 @@ def test_report_circuit_files_go_through_the_strict_reader(content, fragment, tm
     code, _, err = run(["report", "toy-induction", "--circuit", tmp_path / "c.json", "-o", tmp_path / "r.html"], capsys)
     assert code == 2 and len(errors(err)) == 1 and fragment in errors(err)[0], err
     assert not (tmp_path / "r.html").exists()
+
+
+# -------------------------------------------------------------- row 9: the public API says what it takes
+@pytest.fixture(scope="module")
+def toy_task(hand_built):
+    task = qk.tasks.induction(hand_built, n=4, seg_len=3)
+    return task, qk.edge_scores(hand_built, task, method="eap", progress=False)
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda m, t, s: unchecked(qk.attend)("toy-induction", "1.0", task=t), "call model = qk.load('toy-induction') first"),
+    (lambda m, t, s: unchecked(qk.attend)(None, "1.0", task=t), "model must be a model from qk.load(...)"),
+    (lambda m, t, s: unchecked(qk.evaluate)(m, t, None), "circuit must be a circuit"),
+    (lambda m, t, s: unchecked(qk.evaluate)(m, t, 5), "got int 5"),
+    (lambda m, t, s: unchecked(qk.evaluate)(m, None, ["1.0"]), "task must be a qk.Task, got None"),
+    (lambda m, t, s: unchecked(qk.faithfulness)(m, t, None), "scores must be edge scores"),
+    (lambda m, t, s: unchecked(qk.faithfulness)("gpt2", t, s), "call model = qk.load('gpt2') first"),
+    (lambda m, t, s: unchecked(qk.faithfulness)(m, "induction", s), "build it with qk.tasks.induction(model)"),
+])
+def test_api_misuse_is_one_sentence_naming_what_is_taken(hand_built, toy_task, call, fragment):
+    with pytest.raises(QKCircuitsError) as e:
+        call(hand_built, *toy_task)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+    assert isinstance(e.value, ValueError)           # QKCircuitsError is the project's ValueError
+
+
+def test_versus_equal_to_the_key_is_refused(tmp_path_factory, tmp_path, capsys):
+    from _tiny import gpt2_dir
+
+    task = tmp_path / "t.jsonl"
+    task.write_text(json.dumps({"clean": "the old town", "corrupt": "the new town", "answer": " would",
+                                "wrong": " asked", "positions": {"X": " old"}}) + "\n")
+    for argv in (["--task", task, "--to", "X", "--versus", "X"],
+                 ["--prompt", "a b a b", "--query", "3", "--key", "1", "--versus", "1"]):
+        code, _, err = run(["attend", gpt2_dir(tmp_path_factory), "--head", "1.0", "--no-labels", "--device", "cpu",
+                            *argv], capsys)
+        assert code == 2 and len(errors(err)) == 1 and "is the key position itself" in errors(err)[0], err

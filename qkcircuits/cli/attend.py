@@ -84,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     if task_spec == "induction" and (args.query_name or args.key_name or args.versus):
         raise QKCircuitsError("--task induction picks its own rows (each repeated token -> the token after its earlier "
                               "copy); --from/--to/--versus are for ioi or a .jsonl task")
+    if args.versus is not None and args.versus == (args.key_name if task_spec is not None else str(args.key)):
+        raise QKCircuitsError(f"--versus {short(args.versus)!r} is the key position itself: score(to) - score(versus) "
+                              f"would be 0 by construction; compare with another position")
     if task_spec not in (None, "induction") and not args.key_name:
         raise QKCircuitsError(f"--task {task_spec}: name the key position with --to (e.g. --from END --to IO)")
     model = load_model(args)
