@@ -75,10 +75,13 @@ def test_without_the_shape_a_range_is_bounded_and_with_it_ranges_still_work(hand
     (["circuits", "toy-induction", "--head", HUGE + ".0"], "5000-digit number"),
     (["report", "toy-induction", "--heads", "1.0-99999999", "-o", "x.html"], "8-digit number"),
     (["scan", "toy-induction", "--n-seqs", HUGE], "at most 18 digits"),
+    (["attend", "toy-induction", "--head", "1.0", "--scores", "missing.json"], "no scores JSON file at"),   # row 10
+    (["attend", "toy-induction", "--head", "1.0", "--scores", "trace.json"], "qkcircuits.path_effects/1"),
 ])
 def test_cli_bad_heads_and_giant_numbers_are_one_line_exit_2_before_the_model_loads(argv, fragment, capsys,
                                                                                      monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "trace.json").write_text(json.dumps({"schema": "qkcircuits.path_effects/1"}))
     import qkcircuits._foundation.model as model_module
 
     monkeypatch.setattr(model_module, "load", lambda *a, **k: pytest.fail("the model was loaded"))
@@ -86,7 +89,7 @@ def test_cli_bad_heads_and_giant_numbers_are_one_line_exit_2_before_the_model_lo
     code, out, err = run(argv, capsys)
     assert code == 2 and len(errors(err)) == 1 and fragment in errors(err)[0], (code, err)
     assert "Traceback" not in err and len(errors(err)[0]) < 400 and time.perf_counter() - t < 2
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["trace.json"]
 
 
 @pytest.mark.parametrize("head, fragment", [
@@ -271,3 +274,160 @@ def test_versus_equal_to_the_key_is_refused(tmp_path_factory, tmp_path, capsys):
         code, _, err = run(["attend", gpt2_dir(tmp_path_factory), "--head", "1.0", "--no-labels", "--device", "cpu",
                             *argv], capsys)
         assert code == 2 and len(errors(err)) == 1 and "is the key position itself" in errors(err)[0], err
+
+
+# ---------------------------------------------------------------- row 10: the app against 127.0.0.1, bounded
+@pytest.fixture(scope="module")
+def served(hand_built):
+    import threading
+
+    from qkcircuits.viz._app import make_server
+
+    server = make_server("127.0.0.1", 0, create_app(hand_built, attend=[]), read_timeout=1.0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.port
+    server.shutdown()
+    thread.join(5)
+
+
+def raw_request(port, data: bytes, wait: float = 5.0):
+    """(status code or None when the server closed without an answer, seconds) of one raw HTTP exchange; reads
+    for at most ``wait`` seconds (a bounded loop: the test cannot hang)."""
+    import socket
+
+    t = time.perf_counter()
+    out = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as s:
+        s.sendall(data)
+        try:
+            while time.perf_counter() - t < wait:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+                if b"\r\n\r\n" in out and b"Connection: close" not in out.split(b"\r\n\r\n")[0]:
+                    break
+        except (socket.timeout, ConnectionResetError):
+            pass
+    status = int(out.split(b" ", 2)[1]) if out.startswith(b"HTTP/") else None
+    return status, time.perf_counter() - t
+
+
+HEAD = b"POST /api/head HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+
+
+def test_app_slow_or_absent_body_is_let_go(served):
+    status, seconds = raw_request(served, HEAD + b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+    assert status in (408, None) and seconds < 3, (status, seconds)      # was: held until the client gave up
+    status, seconds = raw_request(served, b"POST /api/head HTTP/1.1\r\nHost: 127.0.0.1\r\n")   # headers never end
+    assert status in (408, None) and seconds < 3, (status, seconds)
+
+
+def test_app_chunked_bodies_are_held_to_the_limit(served):
+    from qkcircuits.viz._app import MAX_BODY
+
+    def chunked(body: bytes) -> bytes:
+        parts = b"".join(b"%x\r\n" % len(body[i:i + 4096]) + body[i:i + 4096] + b"\r\n"
+                         for i in range(0, len(body), 4096))
+        return HEAD + b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n" + parts + b"0\r\n\r\n"
+
+    status, seconds = raw_request(served, chunked(json.dumps({"head": "1.0", "prompt": "x" * MAX_BODY}).encode()))
+    assert status == 413 and seconds < 3, (status, seconds)               # was: cut at 64 KB, then a 400
+    status, _ = raw_request(served, chunked(json.dumps({"head": "1.0", "prompt": "0 1 2"}).encode()))
+    assert status == 200                                                    # a small chunked body is served
+
+
+@pytest.mark.parametrize("ctype", [b"text/plain", b"application/x-www-form-urlencoded", b"multipart/form-data"])
+def test_app_serves_json_posts_only(served, ctype):
+    body = b'{"head": "1.0"}'
+    status, seconds = raw_request(served, HEAD + b"Content-Type: " + ctype + b"\r\nContent-Length: %d\r\n\r\n"
+                                  % len(body) + body)
+    assert status == 415 and seconds < 1
+
+
+# -------------------------------------------------------- row 8: one run's outputs are committed as one set
+SCAN = ["scan", "toy-induction", "--n-seqs", "2", "--seg-len", "6", "--scores", "induction", "--quiet"]
+
+
+def _scan_argv(tmp_path):
+    return SCAN + ["--json", tmp_path / "out.json", "--csv", tmp_path / "out.csv"]
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("failure, earlier", [("write", False), ("write", True), ("ctrl-c", True), ("sigterm", True)])
+def test_a_failed_or_interrupted_run_writes_none_of_its_outputs(tmp_path, capsys, monkeypatch, failure, earlier):
+    import tempfile
+
+    from qkcircuits._foundation import io as qio
+
+    if earlier:                                  # an earlier run's files stay exactly as they were
+        (tmp_path / "out.json").write_text("earlier json")
+        (tmp_path / "out.csv").write_text("earlier csv")
+    before = _files(tmp_path)
+    real = tempfile.mkstemp
+
+    def failing_mkstemp(*a, prefix="", **k):     # the CSV is written after the JSON: it fails, or is interrupted
+        if ".out.csv." in prefix:
+            if failure == "write":
+                raise OSError(28, "No space left on device")
+            raise KeyboardInterrupt if failure == "ctrl-c" else qio.Terminated()
+        return real(*a, prefix=prefix, **k)
+
+    monkeypatch.setattr(qio.tempfile, "mkstemp", failing_mkstemp)
+    code, _, err = run(_scan_argv(tmp_path), capsys)
+    assert code == {"write": 2, "ctrl-c": 130, "sigterm": 143}[failure], err
+    if failure == "write":
+        assert "cannot write" in errors(err)[0] and "No space left on device" in errors(err)[0]
+    assert _files(tmp_path) == before                  # no new file, no temporary file, nothing replaced
+
+
+def test_a_run_replaces_its_earlier_outputs_together(tmp_path, capsys):
+    (tmp_path / "out.json").write_text("earlier json")
+    (tmp_path / "out.csv").write_text("earlier csv")
+    code, _, err = run(_scan_argv(tmp_path), capsys)
+    assert code == 0, err
+    files = _files(tmp_path)
+    assert sorted(files) == ["out.csv", "out.json"]
+    assert json.loads(files["out.json"])["n_layers"] == 2 and files["out.csv"].startswith(b"layer,head,")
+
+
+def test_a_rename_that_fails_puts_the_earlier_files_back(tmp_path, monkeypatch):
+    import os
+
+    from qkcircuits._foundation import io as qio
+
+    for name in ("a.json", "b.json"):
+        (tmp_path / name).write_text("earlier " + name)
+    real = os.replace
+    calls = []
+
+    def replace_once(src, dst):
+        calls.append(dst)
+        if str(dst).endswith("b.json") and not str(src).endswith(".old"):
+            raise OSError(5, "Input/output error")
+        return real(src, dst)
+
+    monkeypatch.setattr(qio.os, "replace", replace_once)
+    with pytest.raises(QKCircuitsError, match="no output of this run was written"):
+        with qio.output_set([tmp_path / "a.json", tmp_path / "b.json"]):
+            qio.write_atomic(tmp_path / "a.json", "new a")
+            qio.write_atomic(tmp_path / "b.json", "new b")
+    assert _files(tmp_path) == {"a.json": b"earlier a.json", "b.json": b"earlier b.json"}
+
+
+def test_sigterm_outside_main_is_terminated_143():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import os, signal, time\nfrom qkcircuits import cli\n"
+            "def fake(argv=None):\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(2)\n    return 0\n"
+            "cli.main = fake\ncli.entry()\n")
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root,
+                       env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert p.returncode == 143 and p.stderr.strip().splitlines() == ["terminated"], (p.returncode, p.stderr)

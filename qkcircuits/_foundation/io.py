@@ -70,11 +70,105 @@ def _sigterm_unwinds():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+class OutputSet:
+    """One run's outputs, committed as one set (``output_set``): ``write_atomic`` to one of ``targets`` leaves its
+    temporary file staged; ``commit`` renames them all in at the end (SIGINT/SIGTERM held for those few renames;
+    a rename that fails puts the earlier ones back), ``discard`` removes them all, leaving earlier files as they
+    were."""
+
+    def __init__(self, targets):
+        self.targets = {Path(t).expanduser().resolve() for t in targets}
+        self.staged: Dict[Path, str] = {}
+        self.lock = threading.Lock()
+
+    def owns(self, target: Path) -> bool:
+        return target.resolve() in self.targets
+
+    def stage(self, target: Path, tmp: str) -> None:
+        with self.lock:
+            old = self.staged.pop(target.resolve(), None)
+            if old is not None:
+                Path(old).unlink(missing_ok=True)
+            self.staged[target.resolve()] = tmp
+
+    def discard(self) -> None:
+        with self.lock:
+            for tmp in self.staged.values():
+                Path(tmp).unlink(missing_ok=True)
+            self.staged.clear()
+
+    def commit(self) -> None:
+        held = threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask")
+        if held:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        done: list = []                                   # (target, backup of the earlier file or None)
+        try:
+            with self.lock:
+                for target, tmp in self.staged.items():
+                    backup = None
+                    if target.exists():
+                        backup = f"{tmp}.old"
+                        try:
+                            os.link(target, backup)       # the earlier file, kept until every rename went in
+                        except OSError:
+                            backup = None
+                    try:
+                        os.replace(tmp, target)
+                    except OSError as e:
+                        if backup:
+                            Path(backup).unlink(missing_ok=True)
+                        for t, b in reversed(done):       # put the earlier ones back
+                            if b:
+                                os.replace(b, t)
+                            else:
+                                t.unlink(missing_ok=True)
+                        done.clear()
+                        raise QKCircuitsError(f"cannot write {str(target)!r}: {e.strerror or e}; no output of this "
+                                              f"run was written (earlier files are unchanged)") from None
+                    done.append((target, backup))
+        finally:
+            for _, b in done:
+                if b:
+                    Path(b).unlink(missing_ok=True)
+            self.discard()
+            if held:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+_SETS: list = []          # the output sets open now (cli.main opens one per command)
+
+
+@contextlib.contextmanager
+def output_set(targets):
+    """Commit the files written to ``targets`` (by ``write_atomic``, in this block) together at its end; on an
+    exception, Ctrl-C or SIGTERM, none of them is written and earlier files at those paths are untouched.
+
+    >>> with output_set([tmp / "a.json", tmp / "b.csv"]):
+    ...     write_atomic(tmp / "a.json", "{}")
+    ...     print(sorted(p.name for p in tmp.iterdir() if not p.name.startswith(".")))
+    []
+    >>> sorted(p.name for p in tmp.iterdir())
+    ['a.json']
+    """
+    s = OutputSet(targets)
+    _SETS.append(s)
+    try:
+        yield s
+    except BaseException:
+        s.discard()
+        raise
+    else:
+        s.commit()
+    finally:
+        _SETS.remove(s)
+
+
 def write_atomic(path: Union[str, Path], text: str) -> None:
     """Write ``text`` through a temporary file in the same folder and rename it: the whole file or none.
 
     The file gets the usual permissions (0666 less the umask), not mkstemp's private 0600. Ctrl-C and
-    SIGTERM during the write remove the temporary file.
+    SIGTERM during the write remove the temporary file. Inside ``output_set`` a target of the set is only staged:
+    the rename happens with the others at the end of the set.
 
     >>> write_atomic(tmp / "a.txt", "hello")
     >>> sorted(p.name for p in tmp.iterdir())
@@ -82,11 +176,18 @@ def write_atomic(path: Union[str, Path], text: str) -> None:
     """
     target = check_writable(path)
     with _sigterm_unwinds():
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:                # no temporary file (a full disk, a folder that turned read-only): one line too
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        except OSError as e:
+            raise QKCircuitsError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
         try:
             os.fchmod(fd, 0o666 & ~_UMASK)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
+            owner = next((s for s in reversed(_SETS) if s.owns(target)), None)
+            if owner is not None:
+                owner.stage(target, tmp)
+                return
             os.replace(tmp, target)
         except OSError as e:
             Path(tmp).unlink(missing_ok=True)

@@ -168,6 +168,13 @@ def check_paths(args: argparse.Namespace) -> None:
             seen.append((flag, value, out))
 
 
+def output_paths(args: argparse.Namespace) -> List[Path]:
+    """Every file this run writes (its declared outputs: ``OUTPUT_NAMES`` and ``output_arg`` flags): ``cli.main``
+    commits them as one set (``io.output_set``)."""
+    outs = list(dict.fromkeys([*OUTPUT_NAMES, *(getattr(args, "_qk_outputs", None) or [])]))
+    return [Path(v).expanduser() for d in outs for v in _values(args, d) if v.strip()]
+
+
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
     """``--threads N`` (every command that runs torch; ``cli.main`` applies it before the command runs)."""
     p.add_argument("--threads", type=positive_int, default=None, metavar="N",

@@ -89,6 +89,11 @@ def run(args: argparse.Namespace) -> int:
                               f"would be 0 by construction; compare with another position")
     if task_spec not in (None, "induction") and not args.key_name:
         raise QKCircuitsError(f"--task {task_spec}: name the key position with --to (e.g. --from END --to IO)")
+    if args.scores is not None and not args.no_labels:     # a missing or foreign scan: one line before the model loads
+        from .._analysis.results import HeadScores
+        from .report import _read
+
+        _read(HeadScores, args.scores, "--scores", "a scan JSON from `qkcircuits scan --json`")
     model = load_model(args)
     kw = dict(reading=args.reading, expand=args.expand, k=args.top)
     if task_spec is not None:
