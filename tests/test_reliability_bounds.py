@@ -431,3 +431,32 @@ def test_sigterm_outside_main_is_terminated_143():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root,
                        env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert p.returncode == 143 and p.stderr.strip().splitlines() == ["terminated"], (p.returncode, p.stderr)
+
+
+# ------------------------------------------- row 4: another model's result is refused unless asked for
+def test_another_models_result_is_refused_unless_allow_other_model(tmp_path, capsys):
+    out = tmp_path / "a.json"
+    assert run(["attend", "toy-induction", "--head", "1.0", "--json", out, "--no-labels"], capsys)[0] == 0
+    d = json.loads(out.read_text())
+    assert d["model"] in ("toy-induction", "hand-built-induction")        # the result records its model
+    other = tmp_path / "gpt2_attend.json"
+    other.write_text(json.dumps({**d, "model": "gpt2"}))                  # the same head exists in both
+    html = tmp_path / "r.html"
+    code, _, err = run(["report", "toy-induction", "-o", html, "--quiet", "--grid-k", "1",
+                        "--attend", other], capsys)
+    assert code == 2 and len(errors(err)) == 1, err
+    assert "is a result of model 'gpt2', not of 'toy-induction'" in errors(err)[0] and "--allow-other-model" in err
+    assert not html.exists()
+    # --allow-other-model lets it through (the check itself: a whole report is ~10 s on the toy)
+    import argparse
+
+    from qkcircuits._explain.attribution import Attribution
+    from qkcircuits.cli.report import check_same_model
+
+    res = Attribution.from_json(other)
+    args = argparse.Namespace(model="toy-induction", allow_other_model=True)
+    check_same_model(qk.load("toy-induction"), args, ("--attend", other, res))
+    args.allow_other_model = False
+    with pytest.raises(QKCircuitsError, match="is a result of model 'gpt2'"):
+        check_same_model(qk.load("toy-induction"), args, ("--attend", other, res))
+    check_same_model(qk.load("toy-induction"), args, ("--attend", out, Attribution.from_json(out)))
