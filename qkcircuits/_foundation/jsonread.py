@@ -45,19 +45,40 @@ class _Refused:
         self.text, self.why = text, why
 
 
-def _float_or_refused(text: str):
-    x = float(text)
-    return x if math.isfinite(x) else _Refused(text, "is out of range for a float")
+def _hooks(refused: list):
+    """The parser's number hooks for one parse; each refused value is also appended to ``refused`` (so a document
+    without any is never walked for one)."""
+    def refuse(text: str, why: str) -> _Refused:
+        r = _Refused(text, why)
+        refused.append(r)
+        return r
+
+    def flt(text: str):
+        x = float(text)
+        return x if math.isfinite(x) else refuse(text, "is out of range for a float")
+
+    def integer(text: str):
+        if len(text) > MAX_JSON_INT_DIGITS and len(text.lstrip("-")) > MAX_JSON_INT_DIGITS:
+            return refuse(text, f"has {len(text.lstrip('-'))} digits (at most {MAX_JSON_INT_DIGITS})")
+        return int(text)
+
+    def constant(name: str):
+        return refuse(name, "is not a JSON number (JSON has no NaN or Infinity)")
+
+    return flt, integer, constant
 
 
-def _int_or_refused(text: str):
-    if len(text.lstrip("-")) > MAX_JSON_INT_DIGITS:
-        return _Refused(text, f"has {len(text.lstrip('-'))} digits (at most {MAX_JSON_INT_DIGITS})")
-    return int(text)
-
-
-def _constant_refused(name: str):
-    return _Refused(name, "is not a JSON number (JSON has no NaN or Infinity)")
+def _deeper_than(data: Any, depth: int) -> bool:
+    """Whether ``data`` nests containers more than ``depth`` levels (breadth first, containers only: fast)."""
+    level = [data] if isinstance(data, (dict, list)) else []
+    for _ in range(depth):
+        nxt: list = []
+        for x in level:
+            nxt.extend(v for v in (x.values() if isinstance(x, dict) else x) if isinstance(v, (dict, list)))
+        if not nxt:
+            return False
+        level = nxt
+    return True
 
 
 def _unique_keys(pairs):
@@ -103,7 +124,8 @@ def _check_tree(data: Any, depth: int) -> None:
             raise JSONProblem(f"{json_path(path)} is {shown}, which {x.why}; numbers must be finite")
         if isinstance(x, (dict, list)):
             if len(path) >= depth:
-                raise JSONProblem(f"{json_path(path[:depth])} is nested more than {depth} levels deep")
+                where = json_path(path[:4]) + ("..." if len(path) > 4 else "")
+                raise JSONProblem(f"{where} is nested more than {depth} levels deep")
             items = x.items() if isinstance(x, dict) else enumerate(x)
             stack.extend((v, path + (k,)) for k, v in reversed(list(items)))
 
@@ -123,9 +145,11 @@ def parse_json(text: str, depth: int = MAX_JSON_DEPTH) -> Any:
     """
     if len(text) > MAX_JSON_BYTES:
         raise JSONProblem(f"it is {len(text) / 2 ** 20:.0f} MiB of text; at most {MAX_JSON_BYTES >> 20} MiB are read")
+    refused: list = []
+    flt, integer, constant = _hooks(refused)
     try:
-        data = json.loads(text, parse_float=_float_or_refused, parse_int=_int_or_refused,
-                          parse_constant=_constant_refused, object_pairs_hook=_unique_keys)
+        data = json.loads(text, parse_float=flt, parse_int=integer, parse_constant=constant,
+                          object_pairs_hook=_unique_keys)
     except RecursionError:
         raise JSONProblem(f"it is nested too deeply (at most {depth} levels)") from None
     except JSONProblem:
@@ -134,7 +158,8 @@ def parse_json(text: str, depth: int = MAX_JSON_DEPTH) -> Any:
         raise JSONProblem(" ".join(str(e).split())[:160], syntax=True, error=e) from None
     except ValueError as e:                  # e.g. int() past Python's own digit limit inside the parser
         raise JSONProblem(" ".join(str(e).split())[:160]) from None
-    _check_tree(data, depth)
+    if refused or _deeper_than(data, depth):
+        _check_tree(data, depth)                # the slow walk, only to name the place of what is refused
     return data
 
 
