@@ -87,7 +87,7 @@ def test_malformed_and_foreign_requests(client):
     r = post(client, "{not json", raw=True)
     assert r.status_code == 400 and "JSON object" in r.get_json()["error"]
     r = client.post("/api/head", data="head=1.0", content_type="application/x-www-form-urlencoded")
-    assert r.status_code == 400
+    assert r.status_code == 415 and "application/json" in r.get_json()["error"]     # JSON-only POSTs (issue 43)
     r = post(client, json.dumps({"head": "1.0", "prompt": "1 " * 40000}), raw=True)
     assert r.status_code == 413 and "error" in r.get_json()
     for path in ("/static/../../etc/passwd", "/static/%2e%2e/%2e%2e/etc/passwd", "/etc/passwd", "/static/app.py",

@@ -51,6 +51,13 @@ def test_a_files_rows_split_into_a_seeded_held_out_part(gpt2):
     assert "\n" not in str(e.value)
 
 
+def test_the_commands_default_is_the_libraries():
+    from qkcircuits._tasks import holdout
+    from qkcircuits.cli import circuit
+
+    assert circuit.HOLDOUT == holdout.HOLDOUT
+
+
 def test_a_generators_held_out_part_is_a_fresh_draw(hand_built):
     source = Source.of(hand_built, "induction", n=30, seed=2)
     sel, held = source.parts()

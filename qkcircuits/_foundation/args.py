@@ -48,6 +48,40 @@ def check_model(model: Any, arg: str = "model", *, spec_ok: bool = False) -> Any
     raise QKCircuitsError(f"{arg} must be a model from qk.load (a TransformerBridge), got {type(model).__name__}")
 
 
+def describe(value: Any) -> str:
+    """A value as an error line shows it: ``None``, ``the string 'x'``, ``int 5``, ``a HeadScores``.
+
+    >>> describe(None), describe("induction"), describe(5), describe([1])
+    ('None', "the string 'induction'", 'int 5', 'list [1]')
+    """
+    if value is None:
+        return "None"
+    if isinstance(value, str):
+        return f"the string {value[:40]!r}"
+    if isinstance(value, (bool, int, float, list, tuple, dict, set)):
+        return f"{type(value).__name__} {repr(value)[:40]}"
+    return f"a {type(value).__name__}"
+
+
+def require_model(model: Any, arg: str = "model") -> Any:
+    """``model`` if it is a loaded model; anything else (a spec string, None, a task ...) is one line saying what
+    is taken. Where no loaded model can be handed back (``model_heads``, ``check_task``), a cheap spec is refused
+    too, with the call that loads it.
+
+    >>> require_model(None)
+    Traceback (most recent call last):
+    ...
+    qkcircuits._foundation.errors.QKCircuitsError: model must be a model from qk.load(...) (a TransformerBridge), got None
+    """
+    if is_model(model):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        spec = os.fspath(model)
+        raise QKCircuitsError(f"{arg} must be a loaded model, got the spec string {spec[:80]!r}; call model = "
+                              f"qk.load({spec[:80]!r}) first and pass that")
+    raise QKCircuitsError(f"{arg} must be a model from qk.load(...) (a TransformerBridge), got {describe(model)}")
+
+
 def check_tokens(tokens: Any, arg: str = "tokens") -> Any:
     """``tokens`` unchanged if it is token ids: an integer tensor (or nested lists of ints) of 1 or 2 dims."""
     if tokens is None:

@@ -436,7 +436,8 @@ def edit(model, name: str, heads: HeadsLike, replace: Replacement, *, kv_heads: 
                               f"or edit 'q'/'z' for a single query head")
     if kv_heads:
         from .heads import check_heads, parse_heads
-        targets = check_heads(parse_heads(heads, n_heads=n_kv), model.cfg.n_layers, n_kv)
+        targets = check_heads(parse_heads(heads, n_heads=n_kv, n_layers=int(model.cfg.n_layers)), model.cfg.n_layers,
+                              n_kv)
     else:
         targets = model_heads(model, heads)
     by_layer: Dict[int, List[Head]] = {}

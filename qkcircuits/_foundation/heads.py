@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Union
 
 from .errors import QKCircuitsError
-from .arch.model import n_kv_heads as kv_heads_of
 
 _DOT = re.compile(r"^\s*(\d+)\s*\.\s*(\d+|\*)(?:\s*-\s*(\d+))?\s*$")
 _LH = re.compile(r"^\s*[Ll]\s*(\d+)\s*[Hh]\s*(\d+|\*)(?:\s*-\s*(\d+))?\s*$")
@@ -47,35 +46,82 @@ class Head:
 
 HeadsLike = Union[str, Head, Sequence[int], Iterable[Union[str, Head, Sequence[int]]]]
 
+MAX_DIGITS = 6        # a layer or head index has at most this many digits (no model comes near 10**6)
+MAX_RANGE = 4096      # heads one range may name when the model's shape is not known
 
-def parse_heads(spec: HeadsLike, *, n_heads: Optional[int] = None) -> List[Head]:
+
+def _short(text: str, n: int = 40) -> str:
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def _spec_parts(item: str):
+    """``(layer, first, last)`` of one text item, with ``first`` ``"*"`` or an int and ``last`` an int or None;
+    nothing is expanded, and no number longer than ``MAX_DIGITS`` is converted."""
+    m = _DOT.match(item) or _LH.match(item)
+    if not m:
+        raise QKCircuitsError(f"cannot read a head from {_short(item)!r}; use {_ACCEPTED}")
+    for g in m.groups():
+        if g is not None and len(g) > MAX_DIGITS:
+            raise QKCircuitsError(f"head spec {_short(item.strip())!r} has a {len(g)}-digit number; a layer or head "
+                                  f"index has at most {MAX_DIGITS} digits")
+    layer, first, last = int(m.group(1)), m.group(2), m.group(3)
+    first = first if first == "*" else int(first)
+    last = None if last is None else int(last)
+    if first == "*" and last is not None:
+        raise QKCircuitsError(f"cannot read a head from {_short(item)!r}; use {_ACCEPTED}")
+    if last is not None and last < first:
+        raise QKCircuitsError(f"head range {item.strip()!r} runs backwards; write it as {layer}.{last}-{first}")
+    return layer, first, last
+
+
+def check_head_spec(text: str) -> str:
+    """``text`` if it reads as heads (syntax only: nothing expanded, no model needed), else a one-line error.
+    The CLI's ``--head``/``--heads``/``--receivers`` use it as their argparse ``type`` (exit 2 before the model
+    loads).
+
+    >>> check_head_spec("5.1,L6H*")
+    '5.1,L6H*'
+    """
+    items = _items(text)
+    if not items:
+        raise QKCircuitsError(f"no heads given in {_short(str(text))!r}; name at least one, e.g. '0.0' or 'L0H0'")
+    for item in items:
+        layer, first, last = _spec_parts(item)
+        if last is not None and last - first + 1 > MAX_RANGE:
+            raise QKCircuitsError(f"head range {item.strip()!r} names {last - first + 1} heads; at most {MAX_RANGE}")
+    return text
+
+
+def parse_heads(spec: HeadsLike, *, n_heads: Optional[int] = None, n_layers: Optional[int] = None) -> List[Head]:
     """Heads from text (``"5.1,L6H9,7.0-2,8.*"``), a ``Head``, a ``(layer, head)`` pair or a list of those.
 
-    ``"L.*"`` needs ``n_heads``. Order is kept, duplicates dropped.
+    ``"L.*"`` needs ``n_heads``. Order is kept, duplicates dropped. With ``n_layers``/``n_heads`` a range is
+    checked by its ends against the shape BEFORE it is expanded; without them a range is limited to ``MAX_RANGE``
+    heads, and every index to ``MAX_DIGITS`` digits (``"1.0-99999999"`` is one line, at once).
     """
     out: List[Head] = []
     for item in _items(spec):
         if isinstance(item, Head):
             out.append(item)
             continue
-        if isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(x, int) for x in item):
+        if isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                        for x in item):
             out.append(Head(int(item[0]), int(item[1])))
             continue
         if not isinstance(item, str):
-            raise QKCircuitsError(f"cannot read a head from {item!r}; use {_ACCEPTED}")
-        m = _DOT.match(item) or _LH.match(item)
-        if not m:
-            raise QKCircuitsError(f"cannot read a head from {item!r}; use {_ACCEPTED}")
-        layer, first, last = int(m.group(1)), m.group(2), m.group(3)
+            raise QKCircuitsError(f"cannot read a head from {_short(repr(item))}; use {_ACCEPTED}")
+        layer, first, last = _spec_parts(item)
         if first == "*":
             if n_heads is None:
                 raise QKCircuitsError(f"head spec {item!r} needs the model's head count to expand '*'")
-            out.extend(Head(layer, h) for h in range(n_heads))
-        else:
-            stop = int(last) if last is not None else int(first)
-            if stop < int(first):
-                raise QKCircuitsError(f"head range {item!r} runs backwards; write it as {layer}.{stop}-{first}")
-            out.extend(Head(layer, h) for h in range(int(first), stop + 1))
+            first, last = 0, n_heads - 1
+        last = first if last is None else last
+        if n_layers is not None and n_heads is not None:
+            for h in (first, last):            # the ends, checked before anything is built
+                check_heads([Head(layer, h)], n_layers, n_heads)
+        elif last - first + 1 > MAX_RANGE:
+            raise QKCircuitsError(f"head range {item.strip()!r} names {last - first + 1} heads; at most {MAX_RANGE}")
+        out.extend(Head(layer, h) for h in range(first, last + 1))
     seen, unique = set(), []
     for h in out:
         if h not in seen:
@@ -111,14 +157,21 @@ def check_heads(heads: Iterable[Head], n_layers: int, n_heads: int) -> List[Head
 
 def model_heads(model, spec: HeadsLike) -> List[Head]:
     """Parse ``spec`` and validate it against ``model.cfg`` (``n_layers``, ``n_heads``)."""
-    heads = check_heads(parse_heads(spec, n_heads=model.cfg.n_heads), model.cfg.n_layers, model.cfg.n_heads)
+    if not hasattr(getattr(model, "cfg", None), "n_heads"):      # None, a spec string, a task ...: one line
+        from .args import require_model
+
+        require_model(model)
+    L, H = int(model.cfg.n_layers), int(model.cfg.n_heads)
+    heads = check_heads(parse_heads(spec, n_heads=H, n_layers=L), L, H)
     if not heads:
-        raise QKCircuitsError(f"no heads given in {spec!r}; name at least one, e.g. '0.0' or 'L0H0'")
+        raise QKCircuitsError(f"no heads given in {_short(repr(spec))}; name at least one, e.g. '0.0' or 'L0H0'")
     return heads
 
 
 def n_kv_heads(model) -> int:
     """Number of key/value heads per layer (== ``n_heads`` without grouped-query attention)."""
+    from .arch.model import n_kv_heads as kv_heads_of       # here: parsing heads (the CLI's argparse) needs no torch
+
     return kv_heads_of(model)
 
 

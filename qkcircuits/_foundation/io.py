@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 from .errors import QKCircuitsError
+from .jsonread import (MAX_JSON_BYTES, JSONProblem, json_error, json_path, parse_json,  # noqa: F401  (one reader)
+                       read_text_file)
 
 # Read once at import: flipping the process umask later to read it would race with other threads.
 _UMASK = os.umask(0o022)
@@ -68,11 +70,105 @@ def _sigterm_unwinds():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+class OutputSet:
+    """One run's outputs, committed as one set (``output_set``): ``write_atomic`` to one of ``targets`` leaves its
+    temporary file staged; ``commit`` renames them all in at the end (SIGINT/SIGTERM held for those few renames;
+    a rename that fails puts the earlier ones back), ``discard`` removes them all, leaving earlier files as they
+    were."""
+
+    def __init__(self, targets):
+        self.targets = {Path(t).expanduser().resolve() for t in targets}
+        self.staged: Dict[Path, str] = {}
+        self.lock = threading.Lock()
+
+    def owns(self, target: Path) -> bool:
+        return target.resolve() in self.targets
+
+    def stage(self, target: Path, tmp: str) -> None:
+        with self.lock:
+            old = self.staged.pop(target.resolve(), None)
+            if old is not None:
+                Path(old).unlink(missing_ok=True)
+            self.staged[target.resolve()] = tmp
+
+    def discard(self) -> None:
+        with self.lock:
+            for tmp in self.staged.values():
+                Path(tmp).unlink(missing_ok=True)
+            self.staged.clear()
+
+    def commit(self) -> None:
+        held = threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask")
+        if held:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        done: list = []                                   # (target, backup of the earlier file or None)
+        try:
+            with self.lock:
+                for target, tmp in self.staged.items():
+                    backup = None
+                    if target.exists():
+                        backup = f"{tmp}.old"
+                        try:
+                            os.link(target, backup)       # the earlier file, kept until every rename went in
+                        except OSError:
+                            backup = None
+                    try:
+                        os.replace(tmp, target)
+                    except OSError as e:
+                        if backup:
+                            Path(backup).unlink(missing_ok=True)
+                        for t, b in reversed(done):       # put the earlier ones back
+                            if b:
+                                os.replace(b, t)
+                            else:
+                                t.unlink(missing_ok=True)
+                        done.clear()
+                        raise QKCircuitsError(f"cannot write {str(target)!r}: {e.strerror or e}; no output of this "
+                                              f"run was written (earlier files are unchanged)") from None
+                    done.append((target, backup))
+        finally:
+            for _, b in done:
+                if b:
+                    Path(b).unlink(missing_ok=True)
+            self.discard()
+            if held:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+_SETS: list = []          # the output sets open now (cli.main opens one per command)
+
+
+@contextlib.contextmanager
+def output_set(targets):
+    """Commit the files written to ``targets`` (by ``write_atomic``, in this block) together at its end; on an
+    exception, Ctrl-C or SIGTERM, none of them is written and earlier files at those paths are untouched.
+
+    >>> with output_set([tmp / "a.json", tmp / "b.csv"]):
+    ...     write_atomic(tmp / "a.json", "{}")
+    ...     print(sorted(p.name for p in tmp.iterdir() if not p.name.startswith(".")))
+    []
+    >>> sorted(p.name for p in tmp.iterdir())
+    ['a.json']
+    """
+    s = OutputSet(targets)
+    _SETS.append(s)
+    try:
+        yield s
+    except BaseException:
+        s.discard()
+        raise
+    else:
+        s.commit()
+    finally:
+        _SETS.remove(s)
+
+
 def write_atomic(path: Union[str, Path], text: str) -> None:
     """Write ``text`` through a temporary file in the same folder and rename it: the whole file or none.
 
     The file gets the usual permissions (0666 less the umask), not mkstemp's private 0600. Ctrl-C and
-    SIGTERM during the write remove the temporary file.
+    SIGTERM during the write remove the temporary file. Inside ``output_set`` a target of the set is only staged:
+    the rename happens with the others at the end of the set.
 
     >>> write_atomic(tmp / "a.txt", "hello")
     >>> sorted(p.name for p in tmp.iterdir())
@@ -80,11 +176,18 @@ def write_atomic(path: Union[str, Path], text: str) -> None:
     """
     target = check_writable(path)
     with _sigterm_unwinds():
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:                # no temporary file (a full disk, a folder that turned read-only): one line too
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        except OSError as e:
+            raise QKCircuitsError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
         try:
             os.fchmod(fd, 0o666 & ~_UMASK)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
+            owner = next((s for s in reversed(_SETS) if s.owns(target)), None)
+            if owner is not None:
+                owner.stage(target, tmp)
+                return
             os.replace(tmp, target)
         except OSError as e:
             Path(tmp).unlink(missing_ok=True)
@@ -92,6 +195,56 @@ def write_atomic(path: Union[str, Path], text: str) -> None:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_field(value: Any) -> Any:
+    """One CSV cell made inert (the OWASP rule for CSV injection): a string starting with ``= + - @``, a tab or a
+    carriage return gets a leading ``'`` so a spreadsheet shows it as text instead of running it as a formula;
+    numbers stay numbers (``-0.5`` is a number, not a formula); NaN/inf and None are an empty cell.
+
+    >>> csv_field("=1+1"), csv_field(-0.5), csv_field("5.1"), csv_field(float("nan"))
+    ("'=1+1", -0.5, '5.1', '')
+    """
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return "'" + value if value.startswith(_FORMULA_START) else value
+    if isinstance(value, float) and not math.isfinite(value):
+        return ""
+    item = getattr(value, "item", None)            # numpy / torch scalars: as the Python number
+    if callable(item) and getattr(value, "shape", None) == ():
+        return csv_field(item())
+    return value
+
+
+def csv_text(header: Sequence[str], rows) -> str:
+    """CSV text of ``header`` and ``rows`` (sequences of cells): THE CSV writer of the project. The ``csv`` module
+    quotes each field as needed (commas, quotes, newlines inside a name stay in one cell), and every cell goes
+    through ``csv_field`` (formulas made inert). Lines end with ``\n``.
+
+    >>> print(csv_text(["name", "score"], [["=1+1,evil", -0.5], ["a\\nb", 1]]), end="")
+    name,score
+    "'=1+1,evil",-0.5
+    "a
+    b",1
+    """
+    import csv
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n", quoting=csv.QUOTE_MINIMAL)
+    w.writerow([csv_field(h) for h in header])
+    for row in rows:
+        w.writerow([csv_field(v) for v in row])
+    return buf.getvalue()
+
+
+def frame_csv(frame) -> str:
+    """``csv_text`` of a pandas DataFrame (its columns as the header, no index)."""
+    return csv_text([str(c) for c in frame.columns], frame.itertuples(index=False, name=None))
 
 
 def json_number(x, significant: Optional[int] = None) -> Optional[float]:
@@ -194,17 +347,6 @@ def dump_json(data: Dict[str, Any], path: Optional[Union[str, Path]] = None, ind
     return text
 
 
-def _finite(text: str) -> float:
-    x = float(text)
-    if math.isinf(x):
-        raise ValueError(f"number {text[:20]}... is out of range")
-    return x
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
-
-
 def looks_like_json(text: str) -> bool:
     """A string that is JSON text rather than a path: it starts with ``{``/``[`` or spans lines."""
     return text.lstrip().startswith(("{", "[")) or "\n" in text
@@ -216,7 +358,8 @@ def load_json(text_or_path: Union[str, Path], what: str, schema: Optional[str] =
     A ``Path`` is always a file; a string is JSON text when it starts with ``{``/``[``, else a path. Errors
     are one line naming the file (not its content) and ``what`` is expected. With ``schema`` (e.g.
     ``"qkcircuits.head_scores/1"``) the object's ``"schema"`` field, when present, is checked (``check_schema``).
-    Infinite numbers (``1e400``), ``NaN``, deep nesting and binary files are refused.
+    The parsing is ``parse_json``'s: infinite numbers (``1e400``), ``NaN``, huge integers, repeated keys, deep
+    nesting, files over 1 GiB and binary files are refused, naming the place in the file.
 
     >>> load_json('{"schema": "qkcircuits.x/1", "a": 1}', "an x", schema="qkcircuits.x/1")["a"]
     1
@@ -231,21 +374,13 @@ def load_json(text_or_path: Union[str, Path], what: str, schema: Optional[str] =
         if not p.is_file():
             raise QKCircuitsError(f"no JSON file at {source}; pass the path of {what}"
                                   + ("" if isinstance(text_or_path, Path) else " or its JSON text"))
-        try:
-            text = p.read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            raise QKCircuitsError(f"{source} is not a text (UTF-8 JSON) file; expected {what}") from None
-        except OSError as e:
-            raise QKCircuitsError(f"cannot read {source} ({e.strerror or e}); expected {what}") from None
+        text = read_text_file(p, source, what)
     else:
         text, source = str(text_or_path), "JSON text"
     try:
-        d = json.loads(text, parse_float=_finite, parse_constant=_no_constant)
-    except RecursionError:
-        raise QKCircuitsError(f"{source} is nested too deeply to be {what}") from None
-    except ValueError as e:
-        raise QKCircuitsError(f"{source} is not valid JSON ({' '.join(str(e).split())[:160]}); expected "
-                              f"{what}") from None
+        d = parse_json(text)
+    except JSONProblem as e:
+        raise json_error(source, e, what) from None
     if not isinstance(d, dict):
         raise QKCircuitsError(f"{source} holds a JSON {type(d).__name__}, not an object; expected {what}")
     if schema is not None:

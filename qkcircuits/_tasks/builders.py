@@ -24,13 +24,13 @@ always starts with BOS (its prompts are the scan's [BOS] + R + R). ``Task.bos`` 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
 from .._foundation.errors import QKCircuitsError
+from .._foundation.jsonread import MAX_JSON_BYTES, JSONProblem, parse_json
 from .task import Task, bos_prefix, encode, pad_rows, tokenizer_of
 
 NAMES = ("Mary", "John", "Alice", "Bob", "Tom", "James", "Sarah", "David", "Michael", "Emma", "Anna", "Paul",
@@ -152,14 +152,6 @@ KEYS = ("clean", "corrupt", "answer", "wrong")
 OPTIONAL = ("positions",)
 
 
-def _no_repeated_keys(pairs):
-    keys = [k for k, _ in pairs]
-    repeated = sorted({k for k in keys if keys.count(k) > 1})
-    if repeated:
-        raise ValueError(f"key(s) {', '.join(map(repr, repeated))} given more than once")
-    return dict(pairs)
-
-
 def named_positions(tok, spec, row: Sequence[int], start: int, where: str) -> Dict[str, int]:
     """A JSONL line's ``"positions"`` {name: word} as {name: index in ``row``}: the word's first occurrence in the
     clean prompt, or {"text": word, "occurrence": n} for the n-th (n ≥ 1). A word is ONE token of this tokenizer,
@@ -230,6 +222,9 @@ def from_jsonl(model, path: Union[str, Path], *, prepend_bos: Optional[bool] = N
     special = set(getattr(tok, "all_special_ids", None) or [])
     # lines end at "\n" only (JSON strings may hold U+2028, U+0085 ... which str.splitlines would break at); a
     # UTF-8 byte-order mark at the start is allowed
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise QKCircuitsError(f"task file {str(path)!r} is {path.stat().st_size >> 20} MiB; at most "
+                              f"{MAX_JSON_BYTES >> 20} MiB are read")
     raw = path.read_bytes()
     raw = raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
     clean_rows, corrupt_rows, answers, wrongs, prompts = [], [], [], [], []
@@ -245,12 +240,13 @@ def from_jsonl(model, path: Union[str, Path], *, prepend_bos: Optional[bool] = N
                                   f"object per line")
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line, object_pairs_hook=_no_repeated_keys)
-        except json.JSONDecodeError as e:
-            raise QKCircuitsError(f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})")
-        except ValueError as e:
-            raise QKCircuitsError(f"{where}: {e}")
+        try:                  # the strict reader: repeated keys, NaN, 1e400, huge integers, deep nesting refused
+            obj = parse_json(line)
+        except JSONProblem as e:
+            if e.syntax:
+                raise QKCircuitsError(f"{where}: not valid JSON ({e.error.msg.removesuffix(' at')} at column "
+                                      f"{e.error.colno})") from None
+            raise QKCircuitsError(f"{where}: {e.detail}") from None
         if not isinstance(obj, dict):
             raise QKCircuitsError(f"{where}: expected an object with keys {', '.join(KEYS)}, got "
                                   f"{type(obj).__name__}")

@@ -92,6 +92,11 @@ def evaluate(model, task: Task, circuit, *, gqa: str = "grouped",
     every position a node set is the node view of ``qk.faithfulness`` and runs as it does (one plain forward with
     the other heads' corrupt z where the model allows it). The scores and the circuit given are not changed."""
     check_task(model, task)
+    if not isinstance(circuit, (TaskCircuit, Tensor, list, tuple, set, frozenset)):
+        from .._foundation.args import describe
+
+        raise QKCircuitsError(f"circuit must be a circuit (scores.circuit(...)), a bool mask tensor, a list of edge "
+                              f"tuples (sender, receiver, input) or a list of node names, got {describe(circuit)}")
     items = None
     if isinstance(circuit, TaskCircuit):
         g = circuit.graph

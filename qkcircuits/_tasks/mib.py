@@ -168,6 +168,64 @@ def to_mib(scores, path: Optional[PathLike] = None, mask: Optional[Tensor] = Non
     return text
 
 
+EDGE_FIELDS = ("score", "in_graph")
+
+
+def _read_checked(p: Path, g: Graph) -> Dict[str, object]:
+    """The MIB JSON at ``p`` through the strict reader (``_foundation/jsonread``: NaN, ``1e400``, huge integers,
+    deep nesting, repeated keys refused) and checked against its known shape: keys cfg, nodes, edges; cfg of this
+    graph; node names of this graph's reference nodes; edges ``{"score": number, "in_graph": true|false}``. Every
+    error is one line naming the file and the place in it (``edges["a3.h2->m5"].in_graph``)."""
+    from .._foundation.jsonread import JSONProblem, json_path, parse_json, read_text_file
+
+    what = "a MIB circuit JSON"
+    try:
+        d = parse_json(read_text_file(p, str(p), what))
+    except JSONProblem as e:
+        raise QKCircuitsError(f"{p}: not a MIB circuit JSON ({e.detail})") from None
+    except QKCircuitsError as e:
+        raise QKCircuitsError(f"{p}: not a MIB circuit JSON ({e})") from None
+    if not isinstance(d, dict) or not all(isinstance(d.get(k), dict) for k in ("cfg", "nodes", "edges")):
+        raise QKCircuitsError(f"{p}: not a MIB circuit JSON: expected the keys cfg, nodes, edges (objects)")
+    unknown = sorted(set(d) - {"cfg", "nodes", "edges"})
+    if unknown:
+        raise QKCircuitsError(f"{p}: unknown key {unknown[0]!r} at the top level; a MIB circuit JSON has cfg, "
+                              f"nodes, edges")
+    cfg = d["cfg"]
+    want = {"n_layers": g.n_layers, "n_heads": g.n_heads, "parallel_attn_mlp": g.parallel}
+    for k, v in want.items():
+        if k not in cfg:
+            raise QKCircuitsError(f"{p}: cfg has no {k!r} (the reference writes n_layers, n_heads, "
+                                  f"parallel_attn_mlp, d_model)")
+        if type(cfg[k]) is not type(v) or cfg[k] != v:           # True is not 1, 2.0 is not 2
+            raise QKCircuitsError(f"{p}: cfg {k} is {cfg[k]!r} but this model's graph has {v!r}")
+    known = set(reference_nodes(g.n_layers, g.n_heads))
+    for name, node in d["nodes"].items():
+        if name not in known:
+            raise QKCircuitsError(f"{p}: {json_path(['nodes', name])} is not a node of this model's graph (nodes "
+                                  f"are input, aL.hH, mL, logits)")
+        flag = node.get("in_graph", False) if isinstance(node, dict) else node
+        if not isinstance(node, (dict, bool)) or (isinstance(node, dict) and set(node) - {"in_graph"}) \
+                or not isinstance(flag, bool):
+            raise QKCircuitsError(f"{p}: {json_path(['nodes', name])} must be {{\"in_graph\": true or false}}, got "
+                                  f"{json.dumps(node)[:60]}")
+    for name, e in d["edges"].items():
+        where = json_path(["edges", name])
+        if not isinstance(e, dict):
+            raise QKCircuitsError(f"{p}: {where} must be {{\"score\": number, \"in_graph\": true or false}}, got "
+                                  f"{json.dumps(e)[:60]}")
+        extra = sorted(set(e) - set(EDGE_FIELDS))
+        if extra:
+            raise QKCircuitsError(f"{p}: {where} has the unknown field {extra[0]!r}; an edge has score and in_graph")
+        score = e.get("score")
+        if not isinstance(score, (int, float)) or isinstance(score, bool):
+            raise QKCircuitsError(f"{p}: edge {name!r} is missing or has no numeric score ({where}.score is "
+                                  f"{json.dumps(score)[:40]})")
+        if not isinstance(e.get("in_graph", False), bool):
+            raise QKCircuitsError(f"{p}: {where}.in_graph must be true or false, got {json.dumps(e['in_graph'])[:40]}")
+    return d
+
+
 def read_mib(path: PathLike, model_or_graph, gqa: str = "grouped") -> Tuple[Graph, Tensor, Tensor, Dict[str, object]]:
     """(graph, scores [S, R] float32 with NaN off the graph, in_graph mask [S, R], the file's cfg) of a MIB JSON
     for this model's graph (``gqa`` as in ``qk.graph`` when a model is given; grouped k/v: the query heads' copies
@@ -176,20 +234,8 @@ def read_mib(path: PathLike, model_or_graph, gqa: str = "grouped") -> Tuple[Grap
     g = _graph(model_or_graph, gqa)
     _check_plain(g)
     p = Path(path)
-    try:
-        d = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise QKCircuitsError(f"{p}: not a MIB circuit JSON ({type(e).__name__}: {e})") from None
-    if not isinstance(d, dict) or not all(isinstance(d.get(k), dict) for k in ("cfg", "nodes", "edges")):
-        raise QKCircuitsError(f"{p}: not a MIB circuit JSON: expected the keys cfg, nodes, edges (objects)")
+    d = _read_checked(p, g)
     cfg = d["cfg"]
-    want = {"n_layers": g.n_layers, "n_heads": g.n_heads, "parallel_attn_mlp": g.parallel}
-    for k, v in want.items():
-        if k in cfg and cfg[k] != v:
-            raise QKCircuitsError(f"{p}: cfg {k} is {cfg[k]!r} but this model's graph has {v!r}")
-        if k not in cfg:
-            raise QKCircuitsError(f"{p}: cfg has no {k!r} (the reference writes n_layers, n_heads, "
-                                  f"parallel_attn_mlp, d_model)")
     senders, recv = _index(g)
     acc = torch.zeros(g.n_senders, g.n_receivers, dtype=torch.float64)
     seen = torch.zeros(g.n_senders, g.n_receivers, dtype=torch.int32)
@@ -199,7 +245,7 @@ def read_mib(path: PathLike, model_or_graph, gqa: str = "grouped") -> Tuple[Grap
         name = edge_name(parent, child, x)
         names.add(name)
         e = d["edges"].get(name)
-        if not isinstance(e, dict) or not isinstance(e.get("score"), (int, float)) or isinstance(e.get("score"), bool):
+        if e is None:
             raise QKCircuitsError(f"{p}: edge {name!r} is missing or has no numeric score (every edge of the "
                                   f"model's graph must be there)")
         s, r = senders.get(parent), recv.get((child, x))
@@ -210,10 +256,13 @@ def read_mib(path: PathLike, model_or_graph, gqa: str = "grouped") -> Tuple[Grap
             continue
         acc[s, r[0]] += float(e["score"])
         seen[s, r[0]] += 1
-        inside[s, r[0]] |= bool(e.get("in_graph", False))
+        inside[s, r[0]] |= e.get("in_graph", False)         # a boolean: _read_checked
     extra = [n for n in d["edges"] if n not in names]
     if extra:
         raise QKCircuitsError(f"{p}: edge {extra[0]!r} is not an edge of this model's graph ({len(extra)} unknown)")
+    if not bool(acc.float()[g.valid].isfinite().all()):
+        raise QKCircuitsError(f"{p}: the scores of one edge of this model's graph add up past the float32 range; "
+                              f"expected finite importance scores")
     scores = acc.float()
     scores[~g.valid] = float("nan")
     return g, scores, inside & g.valid, dict(cfg)

@@ -327,6 +327,11 @@ def select(scores, edges: Optional[int] = None, percent: Optional[Real] = None, 
     metric's better direction, −score for a lower-is-better metric; "abs": |score|), chosen
     ``how``: "top" (the top edges of the whole graph) or "greedy" (grown from the logits,
     ``greedy_mask``), then pruned."""
+    if not (hasattr(scores, "graph") and hasattr(scores, "scores")):
+        from .._foundation.args import describe
+
+        raise QKCircuitsError(f"scores must be edge scores (an EdgeScores from qk.edge_scores(model, task) or "
+                              f"EdgeScores.from_json / from_mib), got {describe(scores)}")
     g = scores.graph
     if (edges is None) == (percent is None):
         raise QKCircuitsError("give exactly one of edges=N or percent=P")

@@ -99,20 +99,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         if threading.current_thread() is threading.main_thread():
             previous = (signal.signal(signal.SIGTERM, _on_sigterm), signal.signal(signal.SIGINT, _on_sigint))
         args = build_parser().parse_args(argv)
-        from ._common import check_paths, check_shape
+        from ._common import check_paths, check_shape, output_paths
 
         check_paths(args)                         # outputs vs inputs, before any work
         check_shape(args)                         # heads vs the model's shape from its metadata, before the load
-        if getattr(args, "precheck", None):       # a command's own argument checks that need no torch
+        if args.command not in TORCH_FREE:
+            _import_torch()                       # (signals held while torch imports: nothing imports it before)
+        if getattr(args, "precheck", None):       # a command's own argument checks, before its model loads
             args.precheck(args)
         if args.command not in TORCH_FREE:
-            _import_torch()
             if getattr(args, "threads", None):
                 import torch
 
                 threads = torch.get_num_threads()        # restored afterwards (main() may run inside a process)
                 torch.set_num_threads(args.threads)
-        return int(args.func(args) or 0)
+        from .._foundation.io import output_set
+
+        with output_set(output_paths(args)):      # the run's outputs: all written at its end, or none
+            return int(args.func(args) or 0)
     except QKCircuitsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -148,8 +152,17 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"
 
 
+def _terminated_now(signum, frame) -> NoReturn:
+    print("terminated", file=sys.stderr, flush=True)
+    os._exit(143)
+
+
 def entry() -> NoReturn:
-    """``python -m qkcircuits`` and the ``qkcircuits`` script: run :func:`main`, exit with its code."""
+    """``python -m qkcircuits`` and the ``qkcircuits`` script: run :func:`main`, exit with its code. SIGTERM
+    outside ``main`` (before it installs its handler, or after its outputs are committed and it restored this one)
+    is ``terminated``, exit 143, too (not a silent -15)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated_now)
     code = main()
     # CPython (3.8-3.13) marks an interruption "unhandled" when a KeyboardInterrupt leaves code run from a
     # *string* (exec/eval of source: dataclasses, typing and many libraries do that while importing), even

@@ -168,6 +168,13 @@ def check_paths(args: argparse.Namespace) -> None:
             seen.append((flag, value, out))
 
 
+def output_paths(args: argparse.Namespace) -> List[Path]:
+    """Every file this run writes (its declared outputs: ``OUTPUT_NAMES`` and ``output_arg`` flags): ``cli.main``
+    commits them as one set (``io.output_set``)."""
+    outs = list(dict.fromkeys([*OUTPUT_NAMES, *(getattr(args, "_qk_outputs", None) or [])]))
+    return [Path(v).expanduser() for d in outs for v in _values(args, d) if v.strip()]
+
+
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
     """``--threads N`` (every command that runs torch; ``cli.main`` applies it before the command runs)."""
     p.add_argument("--threads", type=positive_int, default=None, metavar="N",
@@ -206,16 +213,61 @@ def load_model(args):
     return load(args.model, device=args.device, dtype=args.dtype, fold_ln=not args.no_fold_ln)
 
 
+MAX_INT_DIGITS = 18     # an integer argument has at most this many digits (a 5,000-digit one is one line)
+
+
+def short(text: str, n: int = 40) -> str:
+    """``text`` cut to ``n`` characters for an error line."""
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def bounded_int(text: str) -> int:
+    """``int(text)`` for an argument of at most ``MAX_INT_DIGITS`` digits; else ``ValueError`` naming it."""
+    digits = text.strip().lstrip("+-")
+    if len(digits) > MAX_INT_DIGITS:
+        raise ValueError(f"{short(text)!r} has {len(digits)} digits; at most {MAX_INT_DIGITS}")
+    return int(text)
+
+
 def _int_at_least(least: int, words: str):
     def parse(text: str) -> int:
         try:
-            value = int(text)
+            value = bounded_int(text)
         except ValueError:
             value = least - 1
         if value < least:
-            raise argparse.ArgumentTypeError(f"expected a {words} integer, got {text!r}")
+            many = len(text.strip().lstrip("+-")) > MAX_INT_DIGITS
+            raise argparse.ArgumentTypeError(f"expected a {words} integer, got {short(text)!r}"
+                                             + (f" (at most {MAX_INT_DIGITS} digits)" if many else ""))
         return value
     return parse
+
+
+def int_arg(text: str) -> int:
+    """The ``type=`` of an integer flag (``--seed``): at most ``MAX_INT_DIGITS`` digits."""
+    try:
+        return bounded_int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer (at most {MAX_INT_DIGITS} digits), got "
+                                         f"{short(text)!r}") from None
+
+
+int_arg.__name__ = "integer"
+
+
+def head_arg(text: str) -> str:
+    """The ``type=`` of a ``--head``/``--heads``/``--receivers`` flag: the spec's syntax, digit counts and range
+    sizes are checked at parse time (``heads.check_head_spec``: exit 2 before the model loads); the command
+    checks it against the model's shape by its ends (``model_heads``) before anything is built."""
+    from .._foundation.heads import check_head_spec
+
+    try:
+        return check_head_spec(text)
+    except QKCircuitsError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+head_arg.__name__ = "head"
 
 
 positive_int = _int_at_least(1, "positive")

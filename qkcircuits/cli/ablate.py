@@ -9,7 +9,7 @@ import time
 
 from .._foundation.backends import Ray
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, finite_json, load_model, non_negative_int, positive_int, write_atomic, renamed_arg
+from ._common import add_model_args, head_arg, finite_json, load_model, non_negative_int, positive_int, write_atomic, renamed_arg
 
 METRICS = ("induction-loss", "text-loss")     # the table's token-row names with default prompts (default_tokens)
 
@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
                                    "baseline, the ablated value and the change of the metric.")
     add_model_args(p)
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--heads", help="heads ablated together, e.g. 5.1,5.5 or L5H1 or 5.*")
+    what.add_argument("--heads", type=head_arg, help="heads ablated together, e.g. 5.1,5.5 or L5H1 or 5.*")
     what.add_argument("--sweep", action="store_true", help="ablate every head alone and list the largest effects")
     p.add_argument("--method", choices=("zero", "mean", "resample"), default="zero",
                    help="zero; mean over the prompts (per position); resample from the prompts rolled by one row")

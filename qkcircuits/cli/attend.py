@@ -14,7 +14,7 @@ from pathlib import Path
 import sys
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, input_arg, load_model, output_arg, positive_int
+from ._common import add_model_args, bounded_int, head_arg, input_arg, int_arg, load_model, output_arg, positive_int, short
 
 DEFAULT_TASK = "induction"     # the registered task attend reads without --task or --prompt
 
@@ -23,10 +23,10 @@ def _position(text: str):
     if text in ("induction", "duplicate", "previous"):
         return text
     try:
-        return int(text)
+        return bounded_int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a position (an integer, negative from the end), induction, duplicate or previous, "
-                                         f"got {text!r}") from None
+                                         f"got {short(text)!r}") from None
 
 
 
@@ -47,7 +47,7 @@ def task_positions(task_spec: str):
         with open(task_spec, encoding="utf-8") as f:
             first = next((line for line in f if line.strip()), "")
         named = json.loads(first).get("positions", {})
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):     # the strict reader says why after the load
         return None
     return [*named, "END"] if isinstance(named, dict) else None
 
@@ -70,7 +70,7 @@ def add_parser(sub) -> None:
                                    "embedding, every earlier head and MLP, constant biases. Norm scales are held at "
                                    "their values in the run, so the parts add up to the model's own score.")
     add_model_args(p)
-    p.add_argument("--head", required=True, help="the head to explain, e.g. 18.6")
+    p.add_argument("--head", required=True, type=head_arg, help="the head to explain, e.g. 18.6")
     p.add_argument("--task", default=None, help="a registered task (induction, the default without --prompt; ioi, "
                                                  "greater-than, ...) or a .jsonl task file")
     p.add_argument("--from", dest="query_name", metavar="POS", help="the task's query position (default END)")
@@ -93,7 +93,7 @@ def add_parser(sub) -> None:
     p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
                    help="BOS before ioi / .jsonl prompts: auto (default: what the model's tokenizer does on its own), "
                         "yes, no (induction prompts always start with one)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the ioi/induction prompts (default 0)")
+    p.add_argument("--seed", type=int_arg, default=0, help="seed of the ioi/induction prompts (default 0)")
     input_arg(p, "--scores", metavar="SCAN.json", help="label sources from this scan (default: a quick scan of the "
                                                        "labelled detectors)")
     p.add_argument("--no-labels", action="store_true", help="do not label sources (no scan)")
@@ -132,7 +132,15 @@ def run(args: argparse.Namespace) -> int:
                                   f"are for a task with named positions")
         if (spec is None or not spec.pattern) and not args.key_name:
             raise QKCircuitsError(f"--task {task_spec}: name the key position with --to (e.g. --from END --to IO)")
+    if args.versus is not None and args.versus == (args.key_name if task_spec is not None else str(args.key)):
+        raise QKCircuitsError(f"--versus {short(args.versus)!r} is the key position itself: score(to) - score(versus) "
+                              f"would be 0 by construction; compare with another position")
     precheck(args)
+    if args.scores is not None and not args.no_labels:     # a missing or foreign scan: one line before the model loads
+        from .._analysis.results import HeadScores
+        from .report import _read
+
+        _read(HeadScores, args.scores, "--scores", "a scan JSON from `qkcircuits scan --json`")
     model = load_model(args)
     kw = dict(reading=args.reading, expand=args.expand, k=args.top)
     if task_spec is not None:
@@ -148,9 +156,9 @@ def run(args: argparse.Namespace) -> int:
         versus = None
         if args.versus is not None:
             try:
-                versus = int(args.versus)
+                versus = bounded_int(args.versus)
             except ValueError:
-                raise QKCircuitsError(f"--versus {args.versus!r}: with --prompt give an integer position") from None
+                raise QKCircuitsError(f"--versus {short(args.versus)!r}: with --prompt give an integer position") from None
         res = attend(model, args.head, args.prompt, query=args.query, key=args.key, versus=versus, **kw)
         res.settings["prompts"] = {"task": "--prompt", "n": len(args.prompt)}
     if not args.no_labels:

@@ -33,7 +33,6 @@ from typing import Optional
 
 from .._foundation.errors import QKCircuitsError
 from .._foundation.metric_table import names
-from .._tasks.holdout import HOLDOUT
 from ._common import add_model_args, metric_arg, non_negative_int, output_arg, positive_int
 
 SCHEMA = "qkcircuits.circuit/1"
@@ -41,6 +40,8 @@ METHODS = ("eap-ig", "eap", "exact", "eap-ig-activations", "clean-corrupted")
 METRICS = names(prompts=("task",))      # the task metrics of the one table: logit-diff, prob-diff, answer-loss, kl
 # the sign check's EAP-IG runs on this many prompts (the first ones): a quarter of the default 64's cost
 SIGN_ROWS = 16
+# the default held-out part (``_tasks.holdout.HOLDOUT``; not imported here: the parser is built without torch)
+HOLDOUT = 1 / 3
 
 
 def _percent(text: str) -> float:
@@ -520,16 +521,15 @@ def _finite(o):
 
 
 def _write(args, data, scores, circ, roles) -> None:
-    from .._foundation.io import dump_json, write_atomic
+    from .._foundation.io import csv_text, dump_json, write_atomic
 
     if args.json:
         dump_json(_finite(data), args.json)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.csv:
         inside = {tuple(e[:3]) for e in circ.edges()} if circ is not None else set()
-        lines = ["sender,receiver,input,score,in_circuit"]
-        lines += [f"{s},{r},{x},{v:.6g},{int((s, r, x) in inside)}" for s, r, x, v in scores.edge_list()]
-        write_atomic(args.csv, "\n".join(lines) + "\n")
+        rows = [[s, r, x, float(f"{v:.6g}"), int((s, r, x) in inside)] for s, r, x, v in scores.edge_list()]
+        write_atomic(args.csv, csv_text(["sender", "receiver", "input", "score", "in_circuit"], rows))
         print(f"wrote {args.csv}", file=sys.stderr)
     if args.mib:
         scores.to_mib(args.mib, circuit=circ)

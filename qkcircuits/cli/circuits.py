@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, finite_json, load_model, positive_int, write_atomic, renamed_arg
+from ._common import add_model_args, head_arg, finite_json, load_model, positive_int, write_atomic, renamed_arg
 
 
 def add_parser(sub) -> None:
@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
                                    "circuit, top K-composition partners (random baseline subtracted), and its "
                                    "position preference. Conventions: docs/circuits.md.")
     add_model_args(p)
-    p.add_argument("--head", required=True, help="the head, e.g. 3.1 or L3H1")
+    p.add_argument("--head", required=True, type=head_arg, help="the head, e.g. 3.1 or L3H1")
     p.add_argument("--tokens", default=None,
                    help="text whose residual rows feed the offset profile and whose first tokens' full-OV outputs are "
                         "listed (default: natural text when the model has a tokenizer)")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, load_model, non_negative_int, positive_int, renamed_arg
+from ._common import add_model_args, head_arg, load_model, non_negative_int, positive_int, renamed_arg
 
 
 def add_parser(sub) -> None:
@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
                    help="a result of `qkcircuits attend --json` (repeat for several): a 'why it attends' section "
                         "(default: the top head of each labelled score, explained on the scan's repeated prompts)")
     p.add_argument("--no-attend", action="store_true", help="no 'why it attends' sections")
-    p.add_argument("--heads", help="heads to include besides the top ones, e.g. '5.1,L6H9'")
+    p.add_argument("--heads", type=head_arg, help="heads to include besides the top ones, e.g. '5.1,L6H9'")
     renamed_arg(p, "--grid-k", "--per-score", type=non_negative_int, default=3,
                 help="top heads per grid to precompute (default 3)")
     renamed_arg(p, "--k", "--top-k", type=positive_int, default=5, help="output tokens per source token in the OV view")
@@ -61,12 +61,13 @@ def _read(cls, path: str, flag: str, what: str):
 
 def add_result_args(p) -> None:
     """The result files the report and the app read (``load_inputs``, ``read_trace``): --scores, --ablation,
-    --diagnostics, --trace."""
+    --diagnostics, --trace (and --allow-other-model)."""
     p.add_argument("--scores", metavar="JSON", help="scores from `qkcircuits scan --json` (default: run a scan)")
     p.add_argument("--ablation", metavar="JSON", help="per-head effects from `qkcircuits ablate --sweep --json`")
     p.add_argument("--diagnostics", metavar="JSON", help="flags from `qkcircuits diagnose --json`")
     p.add_argument("--trace", metavar="JSON", help="path effects from `qkcircuits trace --json` (circuit graph and "
                                                    "a 'reads from' panel per traced head)")
+    add_allow_other_model(p)
 
 
 def load_inputs(args):
@@ -135,6 +136,43 @@ def check_attend(attend, model, args):
     return attend
 
 
+def add_allow_other_model(p) -> None:
+    p.add_argument("--allow-other-model", action="store_true",
+                   help="show result files (--scores, --ablation, --diagnostics, --trace, --attend, --circuit) that "
+                        "name another model than this one (default: refused)")
+
+
+def _names_of(model, args) -> set:
+    """The names a result of this model may record: the spec it was loaded from (the CLI writes that), its file or
+    folder name and resolved path, and ``model_name(model)`` (what the API writes)."""
+    from .._foundation.model import model_name
+
+    spec = str(args.model)
+    names = {spec, model_name(model)}
+    p = Path(spec).expanduser()
+    if p.exists():
+        names |= {p.name, str(p.resolve())}
+    return names
+
+
+def check_same_model(model, args, *results) -> None:
+    """Refuse (one line naming both) a result file that records another model than ``model``, unless
+    ``--allow-other-model``. ``results``: ``(flag, path, result)`` with the result's recorded ``model`` (a result
+    class's field, or a circuit file's ``info``); a result that records none passes."""
+    if getattr(args, "allow_other_model", False):
+        return
+    names = _names_of(model, args)
+    for flag, path, res in results:
+        if res is None:
+            continue
+        recorded = res.info.get("model") if hasattr(res, "info") else getattr(res, "model", None)
+        if isinstance(recorded, str) and recorded.strip() and recorded not in names and \
+                Path(recorded).name not in names:
+            raise QKCircuitsError(f"{flag} {str(path)!r} is a result of model {recorded[:80]!r}, not of "
+                                  f"{str(args.model)[:80]!r}; compute it for this model, or pass --allow-other-model "
+                                  f"to show it anyway")
+
+
 def read_circuit(args):
     """The checked circuit of ``--circuit`` (None when not given): a missing, foreign or damaged file is one line
     naming it, before the model loads."""
@@ -154,6 +192,10 @@ def run(args: argparse.Namespace) -> int:
     circuit = read_circuit(args)
     attend = read_attend(args)
     model = load_model(args)
+    check_same_model(model, args, ("--scores", args.scores, scores), ("--ablation", args.ablation, effects),
+                     ("--diagnostics", args.diagnostics, diagnostics), ("--trace", args.trace, trace),
+                     ("--circuit", args.circuit, circuit),
+                     *(("--attend", f, a) for f, a in zip(args.attend or [], attend or [])))
     attend = check_attend(attend, model, args)
     if scores is None:
         # eigen_copying comes from the report's own weight-only pass

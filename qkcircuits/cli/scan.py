@@ -49,6 +49,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .._foundation.io import frame_csv
     from .._analysis.detect import scan
     from .._analysis.detectors import select
 
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         scores.to_json(args.json)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.csv:
-        write_atomic(args.csv, scores.to_frame().to_csv(index=False))
+        write_atomic(args.csv, frame_csv(scores.to_frame()))      # quoted as needed, formulas made inert
         print(f"wrote {args.csv}", file=sys.stderr)
     return 0
 

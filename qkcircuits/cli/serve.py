@@ -7,7 +7,7 @@ import sys
 
 from .._foundation.errors import QKCircuitsError
 from ._common import add_model_args, load_model, positive_int
-from .report import add_result_args, check_attend, check_trace, load_inputs, read_attend, read_circuit, read_trace
+from .report import add_result_args, check_attend, check_same_model, check_trace, load_inputs, read_attend, read_circuit, read_trace
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -42,6 +42,10 @@ def run(args: argparse.Namespace) -> int:
     circuit = read_circuit(args)
     attend = read_attend(args)
     model = load_model(args)
+    check_same_model(model, args, ("--scores", args.scores, scores), ("--ablation", args.ablation, effects),
+                     ("--diagnostics", args.diagnostics, diagnostics), ("--trace", args.trace, trace),
+                     ("--circuit", args.circuit, circuit),
+                     *(("--attend", f, a) for f, a in zip(args.attend or [], attend or [])))
     trace = check_trace(trace, model, args)  # before the scan and before listening
     attend = check_attend(attend, model, args)
     if scores is None and not args.no_scan:

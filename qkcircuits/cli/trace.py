@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, load_model, positive_int, renamed_arg
+from ._common import add_model_args, head_arg, load_model, positive_int, renamed_arg
 from .ablate import ray_backend
 
 INPUT_WORDS = {"q": "queries", "k": "keys", "v": "values"}
@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
                                    "receiver's queries, keys or values and measure the harm: for q and k the "
                                    "receiver's induction attention, for v its direct logit for the correct token.")
     add_model_args(p)
-    p.add_argument("--receivers", help="receiver heads, e.g. 18.6,17.3 (default: the top --k induction heads)")
+    p.add_argument("--receivers", type=head_arg, help="receiver heads, e.g. 18.6,17.3 (default: the top --k induction heads)")
     p.add_argument("--into", type=_into, default=["q", "k", "v"], help="inputs to patch (default q,k,v)")
     p.add_argument("--method", choices=("mean", "zero", "resample"), default="mean",
                    help="mean over the prompts per position (default); zero; resample from another prompt")

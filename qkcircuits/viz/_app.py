@@ -19,7 +19,10 @@ numbers, wrong types) → 400 ``{"error": one line}``; anything unexpected → 5
 (...)"}``, never a traceback. Computations hold a lock: the model runs one request at a time.
 
 Bounded and closed: per-request caches are LRUs (``ViewContext``), so memory stays flat however many token
-sets arrive; a request whose ``Host`` is not this machine (127.0.0.1, localhost, ::1, or the bound address)
+sets arrive; a body is at most ``MAX_BODY`` bytes, declared or chunked (413); a connection whose request or
+body stops arriving is let go after ``READ_TIMEOUT`` (408 or closed); POSTs must be ``application/json`` (415:
+no "simple" cross-site request from a web page); a request is bounded (one head checked by its ends, at most 64
+tokens and ``max_prompt`` prompt tokens) and waits at most ``LOCK_WAIT`` for the model (503); a request whose ``Host`` is not this machine (127.0.0.1, localhost, ::1, or the bound address)
 gets 403, which stops DNS rebinding; every answer carries ``X-Content-Type-Options: nosniff``,
 ``X-Frame-Options: DENY`` and a Content-Security-Policy that allows the page's own inline scripts (by hash)
 and the two served libraries only; the ``Server`` header names no versions (``make_server``).
@@ -28,6 +31,7 @@ and the two served libraries only; the ``Server`` header names no versions (``ma
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import re
@@ -35,7 +39,7 @@ import threading
 from typing import Iterable, Optional
 
 from flask import Flask, Response, jsonify, request
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge, RequestTimeout, ServiceUnavailable
 
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import all_heads, model_heads, n_kv_heads
@@ -48,6 +52,8 @@ from ._views import grids, panel
 TOKEN_SEPARATOR = "|"
 MAX_BODY = 64 * 1024     # bytes of a request body
 MAX_DEPTH = 8            # nesting of a request body (the API needs 2)
+READ_TIMEOUT = 10.0      # seconds a connection may wait for the next bytes of a request (a slow or absent body)
+LOCK_WAIT = 30.0         # seconds a request waits for the model (one computation at a time) before a 503
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 _INLINE_SCRIPT = re.compile(r"<script>(.*?)</script>", re.DOTALL)
 
@@ -138,7 +144,7 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
     from .._foundation.model import model_name
 
     app = Flask(__name__, static_folder=None)          # no static folder: nothing on disk is reachable by URL
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY      # a declared Content-Length past it: 413 before any read
     ctx = ViewContext(model)
     lock = threading.Lock()
     L, H = int(model.cfg.n_layers), int(model.cfg.n_heads)
@@ -158,6 +164,10 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
         if _host_name(request.host or "") not in allowed:
             return jsonify(error=f"host {request.host[:60]!r} is not served here; open http://127.0.0.1 or "
                                  f"http://localhost (the address the app is bound to)"), 403
+        if request.method == "POST" and request.mimetype != "application/json":
+            # a "simple" cross-site request (text/plain, a form) would reach us from any web page: JSON only
+            return jsonify(error=f"send the body as JSON (Content-Type: application/json), not "
+                                 f"{(request.mimetype or 'none')[:60]!r}"), 415
         return None
 
     @app.after_request
@@ -170,7 +180,7 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
 
     def info():
         if "info" not in state:
-            with lock:
+            with model_lock():
                 heads = [str(h) for h in all_heads(L, H)]
                 first = str(scores.top(1, "induction")[0][0]) if scores is not None and "induction" in scores.scores \
                     else heads[0]
@@ -210,7 +220,7 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
 
     @app.post("/api/head")
     def api_head():
-        body = parse_body(request.get_data(cache=False))
+        body = parse_body(read_body())
         unknown = set(body) - {"head", "tokens", "prompt", "view", "input"}
         if unknown:
             raise QKCircuitsError(f"unknown field(s) {', '.join(sorted(unknown))}; accepted: head, tokens, prompt, "
@@ -247,9 +257,21 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
                 from None
         if len(pids) > max_prompt:
             raise QKCircuitsError(f"the prompt is {len(pids)} tokens (with BOS); at most {max_prompt} are accepted")
-        with lock:
+        with model_lock():
             return jsonify(panel(ctx, head[0], ids, pids, scores=scores, effects=effects, diagnostics=diagnostics,
                                  view=view, trace=trace))
+
+
+    @contextlib.contextmanager
+    def model_lock():
+        """The model runs one request at a time; a request that waits past ``LOCK_WAIT`` gets a 503."""
+        if not lock.acquire(timeout=LOCK_WAIT):
+            raise ServiceUnavailable(f"the model is busy (another request has held it for {LOCK_WAIT:.0f} s); try "
+                                     f"again")
+        try:
+            yield
+        finally:
+            lock.release()
 
     @app.errorhandler(QKCircuitsError)
     def bad_input(e):
@@ -257,7 +279,10 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
 
     @app.errorhandler(HTTPException)
     def http_error(e):
-        return jsonify(error=f"{e.code} {e.name}: {e.description}"), e.code
+        resp = jsonify(error=f"{e.code} {e.name}: {e.description}")
+        if e.code in (408, 413):            # the rest of the body may still be on its way: end the connection
+            resp.headers["Connection"] = "close"
+        return resp, e.code
 
     @app.errorhandler(Exception)
     def internal(e):           # never a traceback to the client; the server log keeps it
@@ -267,13 +292,44 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
     return app
 
 
-def make_server(host: str, port: int, app: Flask):
+def read_body() -> bytes:
+    """The request body, at most ``MAX_BODY`` bytes whether its length is declared or it comes in chunks (a
+    chunked body past the limit is a 413, not a body cut short); a body that stops arriving for the server's
+    read timeout is a 408."""
+    declared = request.content_length
+    if declared is not None and declared > MAX_BODY:
+        raise RequestEntityTooLarge(f"the request body is {declared} bytes; at most {MAX_BODY} are read")
+    stream = request.environ.get("wsgi.input")
+    if stream is None or (declared is None and not request.environ.get("wsgi.input_terminated")):
+        return b""                                       # no length and not chunked: no body
+    want = MAX_BODY + 1 if declared is None else declared
+    parts, size = [], 0
+    try:
+        while size < want:
+            part = stream.read(min(16384, want - size))
+            if not part:
+                break
+            parts.append(part)
+            size += len(part)
+    except TimeoutError:
+        raise RequestTimeout("the request body stopped arriving (the server's read timeout)") from None
+    if size > MAX_BODY:
+        raise RequestEntityTooLarge(f"the request body is over {MAX_BODY} bytes")
+    if declared is not None and size < declared:
+        raise QKCircuitsError(f"the request body ended after {size} of the {declared} bytes it declared")
+    return b"".join(parts)
+
+
+def make_server(host: str, port: int, app: Flask, read_timeout: float = READ_TIMEOUT):
     """werkzeug's threaded server for ``app`` whose ``Server`` header is just "qkcircuits" (no Werkzeug or
-    Python version banner)."""
+    Python version banner). Each connection's socket times out after ``read_timeout`` seconds without a byte: a
+    request line, headers or body that never arrive close the connection (or answer 408) instead of holding it."""
     from werkzeug.serving import WSGIRequestHandler
     from werkzeug.serving import make_server as _make_server
 
     class Handler(WSGIRequestHandler):
+        timeout = read_timeout              # socketserver applies it to the connection (StreamRequestHandler)
+
         def version_string(self) -> str:
             return "qkcircuits"
 

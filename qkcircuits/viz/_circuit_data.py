@@ -26,7 +26,6 @@ Memory: the file's numbers as Python floats (a few per edge).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .._foundation.errors import QKCircuitsError
 from .._foundation.io import check_schema
+from .._foundation.jsonread import JSONProblem, parse_json, read_text_file
 
 SCHEMA = "qkcircuits.circuit"       # the CLI's file; a Faithfulness result's JSON holds a circuit too
 # the schemas this reader knows (name/newest version): the CLI's file, qk.faithfulness(...) and scores.circuit(...)
@@ -228,16 +228,19 @@ def _read(source: Any) -> Tuple[Dict, str]:
         if not p.is_file():
             raise QKCircuitsError(f"no circuit JSON file at {name!r} (write one with `qkcircuits circuit MODEL "
                                   f"--task ioi --json FILE`)")
-        text = p.read_text(encoding="utf-8", errors="replace")
+        text = read_text_file(p, name, "a circuit JSON from `qkcircuits circuit --json`")
     elif isinstance(source, str):
         name, text = "circuit JSON", source
     else:
         raise QKCircuitsError(f"expected a circuit (a result, a JSON dict, a path or JSON text), got "
                               f"{type(source).__name__}")
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise QKCircuitsError(f"{name}: not JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        data = parse_json(text)            # the strict reader: NaN, 1e400, huge integers, deep nesting refused
+    except JSONProblem as e:
+        if e.syntax:
+            raise QKCircuitsError(f"{name}: not JSON ({e.error.msg} at line {e.error.lineno}, column "
+                                  f"{e.error.colno})") from None
+        raise QKCircuitsError(f"{name}: {e.detail}") from None
     if not isinstance(data, dict):
         raise QKCircuitsError(f"{name}: expected a JSON object from `qkcircuits circuit --json`, got a "
                               f"{type(data).__name__}")
