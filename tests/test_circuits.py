@@ -517,7 +517,7 @@ def test_cli_circuits_bad_head_exits_2(tmp_path_factory, capsys):
 
     assert main(["circuits", str(_tiny.gpt2_dir(tmp_path_factory)), "--device", "cpu", "--head", "7.0"]) == 2
     err = capsys.readouterr().err
-    assert "\nerror: head 7.0 is out of range" in err and "Traceback" not in err
+    assert "error: --head '7.0': head 7.0 is out of range" in err and "Traceback" not in err
 
 
 def test_qk_norm_model_is_flagged_and_really_leaves_the_bilinear_form(tmp_path):

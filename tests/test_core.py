@@ -68,6 +68,8 @@ def test_toy_induction_core_is_exactly_the_two_known_heads(hand_built):
         assert core.ranking[0][0] == "1.0" and [n for n, _ in core.ranking[:2]] == ["1.0", "0.0"]
         # each core node is needed, measured: f without it is 0
         assert core.needed == pytest.approx({"0.0": 0.0, "1.0": 0.0}, abs=1e-4) and "needed" in core.how
+        # prune=False keeps going past a single miss too: the same two heads here
+        assert qk.core_circuit(hand_built, task, scores, by=by, prune=False, progress=False).heads == ["0.0", "1.0"]
         back = qk.results.CoreCircuit.from_json(core.to_json())
         assert (back.heads, back.mlps) == (core.heads, core.mlps) and back.curve == pytest.approx(core.curve, abs=1e-6)
         assert back.holdout == core.holdout and back.needed == core.needed          # exact round trip
@@ -88,6 +90,8 @@ def test_stacked_node_views_equal_one_node_run_per_set(family):
     last = g.n_layers - 1
     sets = [(("0.1", f"{last}.0"), ("mlp0",)), ((f"{last}.1",), ()), (tuple(h for h in g.senders if h[0].isdigit()),
                                                                        None), ((), ("mlp0", f"mlp{last}")), ((), None)]
+    # and a chunk whose copies all leave layer 0's heads (and MLP) out: that layer's attention and MLP are not run
+    sets += [((f"{last}.1",), tuple(f"mlp{L}" for L in range(1, g.n_layers))), ((f"{last}.0",), ())]
     got = views.sets(sets)
     want = torch.stack([runs.patched_run(model, g, task, runs.record(model, g, task, task.corrupt),
                                          node_mask_of(g, h, m)[None])[0] for h, m in sets]).double()
@@ -101,6 +105,13 @@ def test_stacked_node_views_equal_one_node_run_per_set(family):
         rows, attr = views.attribute(sets[0])
         torch.testing.assert_close(rows, got[0], rtol=1e-5, atol=1e-5)
         assert set(attr) == {"0.1", f"{last}.0", "mlp0"}
+        # signed like the measured fall of the mean when the node is left out (a first-order estimate: its sign
+        # where the fall is not small)
+        fall = {n: float(got[0].mean() - views.sets([(tuple(h for h in sets[0][0] if h != n),
+                                                       tuple(m for m in sets[0][1] if m != n))])[0].mean())
+                for n in attr}
+        big = [n for n in attr if abs(fall[n]) > 0.2 * max(abs(v) for v in fall.values())]
+        assert big and all((attr[n] > 0) == (fall[n] > 0) for n in big), (attr, fall)
     else:
         assert views.attribute(sets[0]) is None          # post-norms: no backward, the scores' costs are kept
 
@@ -239,6 +250,27 @@ def test_search_on_a_known_f_finds_the_fewest_nodes():
     found = search(names, [], costs, m, judge, 1.0)
     assert sorted(found["nodes"]) == sorted(need) and found["needed"] == {"2.1": 0.0, "3.0": 0.0}
     assert found["f"] == pytest.approx(1.0 / f(names))
+    # without the final leave-one-out batch the search still goes past a single miss
+    assert sorted(search(names, [], costs, Measure(), judge, 1.0, prune=False)["nodes"]) == sorted(need)
+
+
+def test_the_attribution_at_a_set_is_the_measured_fall_where_the_metric_is_linear(hand_built):
+    # the toy's induction head 1.0 writes the answer logit directly (no norm after it): its a_n is exactly what
+    # leaving it out costs; the saturated previous-token head 0.0 gets ~0 from the linear estimate although it is
+    # needed (why the search measures every step)
+    task = qk.tasks.induction(hand_built, n=8, seg_len=6)
+    views = NodeViews(hand_built, task)
+    rows, attr = views.attribute((("0.0", "1.0"), None))
+    (without,) = views.sets([(("0.0",), None)])
+    assert attr["1.0"] == pytest.approx(float(rows.mean() - without.mean()), rel=1e-4)
+    assert abs(attr["0.0"]) < 1e-2 * attr["1.0"]
+
+
+def test_token_row_metrics_use_f_itself_as_the_margin(hand_built):
+    task = qk.tasks.induction(hand_built, n=8, seg_len=6, metric="text-loss")
+    scores = qk.edge_scores(hand_built, task, method="exact", progress=False)
+    core = qk.core_circuit(hand_built, task, scores, progress=False)
+    assert core.margin == "none" and "batch mean" in core.settings["margin_note"] and "f >= 0.8" in core.how
 
 
 def test_prefix_and_grid():

@@ -20,7 +20,8 @@ def gguf_file(tmp_path_factory):
     return _tiny.gguf_path(tmp_path_factory)
 
 
-def test_one_load_reads_the_header_once_and_restores_gguf(gguf_file, monkeypatch):
+def test_one_load_reads_the_header_once_and_restores_gguf(gguf_file, monkeypatch, tmp_path):
+    monkeypatch.setenv("QKCIRCUITS_CACHE", str(tmp_path / "cache"))     # a first load: no cached conversion
     built = []
     real = gguf.GGUFReader
 

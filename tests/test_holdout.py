@@ -111,8 +111,8 @@ def test_the_circuit_command_reports_held_out_and_stability(tmp_path, capsys):
     assert main(["circuit", "toy-induction", "--task", "induction", "--n", "8", "--method", "exact", "--holdout", "0",
                  "--json", str(out), "--quiet", "--device", "cpu"]) == 0
     d = json.loads(out.read_text())
-    assert d["holdout"]["n"] == 0 and d["curve"] == d["selection"]["curve"] and "holdout" not in d["core"] or \
-        d["core"]["holdout"] == {}
+    assert d["holdout"]["n"] == 0 and d["curve"] == d["selection"]["curve"] and d["core"]["holdout"] == {}
+    assert d["n_prompts"] == 8 and d["clean"] == d["selection"]["clean"]
 
 
 @pytest.mark.parametrize("argv, message", [

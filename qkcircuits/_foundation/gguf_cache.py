@@ -17,6 +17,8 @@ modification time (``_hash``), so an unchanged file is hashed once.
 
 from __future__ import annotations
 
+import weakref
+
 import json
 import os
 import shutil
@@ -180,3 +182,20 @@ class Processed:
             os.replace(tmp, path)
         except (OSError, RuntimeError, ValueError):
             pass
+
+
+# which cached conversion a loaded bridge came from (its folded weights are kept beside it): per bridge, weakly
+_CONVERTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def remember(bridge, folder) -> None:
+    """Record that ``bridge`` was loaded from the cached conversion ``folder``."""
+    _CONVERTED[bridge] = folder
+
+
+def converted_of(bridge):
+    """The cached conversion ``bridge`` was loaded from, or None."""
+    try:
+        return _CONVERTED.get(bridge)
+    except TypeError:           # not weak-referenceable: nothing was recorded for it
+        return None

@@ -157,10 +157,9 @@ def check_heads(heads: Iterable[Head], n_layers: int, n_heads: int) -> List[Head
 
 def model_heads(model, spec: HeadsLike) -> List[Head]:
     """Parse ``spec`` and validate it against ``model.cfg`` (``n_layers``, ``n_heads``)."""
-    if not hasattr(getattr(model, "cfg", None), "n_heads"):      # None, a spec string, a task ...: one line
-        from .args import require_model
+    from .args import require_model
 
-        require_model(model)
+    require_model(model)                  # None, a spec string, a task ...: one line (arch.model.is_model decides)
     L, H = int(model.cfg.n_layers), int(model.cfg.n_heads)
     heads = check_heads(parse_heads(spec, n_heads=H, n_layers=L), L, H)
     if not heads:

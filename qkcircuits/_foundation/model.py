@@ -170,10 +170,10 @@ def _load(spec: object, *, device, dtype, fold_ln: bool, device_map, verbose: bo
     if fold_ln and lean:
         from .lean import fold_in_place
 
-        done = getattr(bridge, "qk_converted", None)        # a GGUF's cached conversion: its folded weights too
-        if done is not None:
-            from .gguf_cache import Processed
+        from .gguf_cache import Processed, converted_of
 
+        done = converted_of(bridge)                           # a GGUF's cached conversion: its folded weights too
+        if done is not None:
             fold_in_place(bridge, store=Processed(done, torch_dtype))
         else:
             fold_in_place(bridge)
@@ -393,7 +393,9 @@ def _load_gguf(path: Path, dev, dtype, device_map, model_name: Optional[str] = N
         bridge = _boot(model_name or folder, dev, dtype, None, label=str(path), hf_model=hf_model, tokenizer=tokenizer)
     _record_own(bridge, own)
     if device_map is None and done is not None:
-        bridge.qk_converted = done          # where its folded weights are kept (``_load``)
+        from .gguf_cache import remember
+
+        remember(bridge, done)              # where its folded weights are kept (``_load``)
     if model_name is None:          # results name the file the user gave, not its folder (as for a local folder)
         bridge.cfg.model_name = str(path)
     return bridge

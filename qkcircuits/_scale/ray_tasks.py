@@ -112,6 +112,21 @@ def node_sets_job(model, shared: Task, *, rows: Tuple[int, int], sets: List[Any]
             "forwards": views.forwards, "seconds": time.perf_counter() - t0}
 
 
+def node_attribute_job(model, shared: Task, *, rows: Tuple[int, int], node_set: Any,
+                       rows_per_shard: Optional[int]) -> Dict[str, Any]:
+    """``NodeViews.attribute`` at ``node_set`` on prompt rows ``rows``: the metric of each row and the attribution
+    sums (a_n × rows), or ``{"none": True}`` where node views are patched runs (no backward there)."""
+    from .._tasks.nodeviews import NodeViews
+
+    sub = _rows(shared, rows).to(model.W_E.device)
+    views = NodeViews(model, sub, rows_per_shard)
+    got = views.attribute(node_set)
+    if got is None:
+        return {"rows": rows, "n": sub.n, "none": True}
+    return {"rows": rows, "n": sub.n, "values": got[0], "sums": {k: v * sub.n for k, v in got[1].items()},
+            "forwards": views.forwards}
+
+
 def node_metric_job(model, shared: Task, *, rows: Tuple[int, int], heads: List[str], need_clean: bool,
                     rows_per_shard: Optional[int]) -> Dict[str, Any]:
     """``node_metric`` (the node view's forwards, the local ones) of prompt rows ``rows``: the metric sums of
@@ -322,11 +337,12 @@ def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: s
 
 
 class RayViews:
-    """``NodeViews``' measuring on prompt shards of Ray workers (``node_sets_job``; each row's metric comes back,
-    concatenated in row order). No backward is taken there: ``attribute`` is None, so the core's costs stay the
-    scores' node scores."""
+    """``NodeViews``' measuring on prompt shards of Ray workers (``node_sets_job``, ``node_attribute_job``; each
+    row's metric comes back, concatenated in row order; attributions summed over the shards), so the search on the
+    driver takes the same steps as the local one. Where node views are patched runs (post-norms) ``attribute`` is
+    None, as locally."""
 
-    fast = False
+    fast = True
 
     def __init__(self, pool: Pool, task: Task, rows_per_shard: Optional[int]):
         self.pool, self.task, self.rows_per_shard = pool, task, rows_per_shard
@@ -354,7 +370,19 @@ class RayViews:
         return self._ends[1]
 
     def attribute(self, node_set):
-        return None
+        if not self.fast:
+            return None
+        jobs = [{"rows": r, "node_set": node_set, "rows_per_shard": self.rows_per_shard} for r in self.shards]
+        parts = self.pool.map(JOB + "node_attribute_job", jobs, self.task, costs=[float(b - a) for a, b in self.shards],
+                              progress=False)
+        if any(p.get("none") for p in parts):
+            self.fast = False
+            return None
+        self.sets_measured += 1
+        self.forwards += sum(p["forwards"] * p["n"] for p in parts) / self.task.n
+        names = list(parts[0]["sums"])
+        return (torch.cat([p["values"] for p in parts]),
+                {k: sum(p["sums"][k] for p in parts) / self.task.n for k in names})
 
 
 def ray_core_circuit(spec, task, scores, *, threshold: Real = THRESHOLD, by: str = "signed", mlps: bool = True,

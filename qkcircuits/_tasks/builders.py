@@ -24,6 +24,7 @@ always starts with BOS (its prompts are the scan's [BOS] + R + R). ``Task.bos`` 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 

@@ -43,9 +43,10 @@ its 95 % interval, the number to report (the core was not chosen on those rows).
 Where a node view is a patched run (post-attention norms: Gemma-2/3) no backward is taken: the costs stay the
 scores' node scores. Scores of the ungrouped graph give the same core as the grouped one (a node's score sums
 its outgoing edges on either graph). Position-aware scores are refused in one line: their nodes are (head,
-position group) pairs, and the node view here corrupts a head at every position. When even every node is not
-enough by the criterion (a model that does not do the task, or too few rows for a tight interval), the core is
-every node and ``how`` says so.
+position group) pairs, and the node view here corrupts a head at every position. f of the clean run is 1 in every
+resample, so every node is always enough, except where m(clean) = m(corrupt) (f undefined): the core is then every
+node and ``how`` says so. The costs' direction is the one f rises in (the sign of m(clean) − m(corrupt) on these
+rows). A metric on token rows (a batch mean per shard, no per-row values) has no interval: its margin is f itself.
 
 Cost (``settings["forwards"]``, in plain forwards of the rows): one clean and one corrupt forward, per accepted
 set one node view (a fraction of a forward: skipped layers) and one forward + backward (~3), per rejected set
@@ -291,7 +292,7 @@ class Judge:
 
 
 def search(candidates: Sequence[str], fixed: Sequence[str], costs: Dict[str, float], measure, judge: Judge,
-           sign: float, prune: bool = True, bar=None) -> Dict[str, Any]:
+           sign: float, prune: bool = True, bar=None, by: str = "signed") -> Dict[str, Any]:
     """Backward elimination with re-linearisation (module docstring) over ``candidates`` (MLPs in ``fixed`` are
     always kept). ``measure``: ``sets(list of NodeSet) → [k, n]`` per-row metrics, ``clean_rows()``, and
     ``attribute(NodeSet) → (rows, {node: a_n}) | None``. Returns {nodes, f, lo, hi, path, chunks, needed, costs,
@@ -336,9 +337,9 @@ def search(candidates: Sequence[str], fixed: Sequence[str], costs: Dict[str, flo
             # re-estimated where the set now stands: stale estimates near the threshold make many small misses
             got = measure.attribute(as_set(K)) if K else None
             if got is not None:
-                costs.update({n: sign * v for n, v in got[1].items()})
+                costs.update({n: abs(v) if by == "abs" else sign * v for n, v in got[1].items()})
                 tick(1)
-        elif c == 1 and len(K) <= BATCH:
+        elif c == 1 and len(K) <= BATCH and prune:
             break                           # single nodes of a small set: measured all at once below
         elif c == 1:
             kept.add(order[0])              # this node cannot go now (measured); the next cheapest are tried
@@ -450,17 +451,27 @@ def build_core(g: Graph, task: Task, scores, measure, held=None, *, threshold: R
         raise QKCircuitsError(f"threshold must be a number in (0, 1], got {threshold!r}")
     _check_margin(margin)
     t0 = time.perf_counter()
-    sign = 1.0 if task.higher_is_better else -1.0
+    # the metric's better direction here is the one f rises in: clean − corrupt's sign on these rows (the declared
+    # direction when the model does the task; a task it does backwards, forced through, is searched as it runs)
+    clean_rows, corrupt_rows = measure.clean_rows(), measure.corrupt_rows()
+    gap = float(clean_rows.mean() - corrupt_rows.mean())
+    sign = (1.0 if gap > 0 else -1.0) if gap != 0 else (1.0 if task.higher_is_better else -1.0)
     searched = mlps and g.has_mlp
     ranking0 = rank(node_scores_of(scores), sign, by, searched)
     all_mlps = [f"mlp{L}" for L in range(g.n_layers)] if g.has_mlp else []
     candidates = [n for n, _ in ranking0]
     fixed = [m for m in all_mlps if m not in set(candidates)]
     costs = {n: (abs(v) if by == "abs" else sign * v) if math.isfinite(v) else math.inf for n, v in ranking0}
-    judge = Judge(measure.clean_rows(), measure.corrupt_rows(), float(threshold), margin, BOOTSTRAP, seed)
+    if margin == "interval" and task.metric.prompts != "task":
+        # a metric on token rows is a batch mean per shard: every row holds the same value, so there is no
+        # per-row interval to take a lower end of
+        margin = "none"
+        settings = {**(settings or {}), "margin_note": f"metric {task.metric_name} is a batch mean (no per-row "
+                                                       f"values): f itself is held to the threshold"}
+    judge = Judge(clean_rows, corrupt_rows, float(threshold), margin, BOOTSTRAP, seed)
     bar = tqdm(desc="core circuit", unit="set", disable=not progress, leave=False, file=sys.stderr)
     try:
-        found = search(candidates, fixed, costs, measure, judge, sign, prune, bar)
+        found = search(candidates, fixed, costs, measure, judge, sign, prune, bar, by)
         nodes = found["nodes"]
         # the ranking: the core by its last cost, then the dropped chunks, last dropped first
         final = found["costs"]
@@ -485,6 +496,7 @@ def build_core(g: Graph, task: Task, scores, measure, held=None, *, threshold: R
     heads = sorted((n for n in nodes if _is_head(n)), key=_head_key)
     kept_mlps = sorted(set(n for n in nodes if n.startswith("mlp")) | set(fixed), key=lambda m: int(m[3:]))
     hold: Dict[str, object] = {}
+    held_before = float(getattr(held, "forwards", 0.0) or 0.0)
     if held is not None:
         hc, hz = held.clean_rows(), held.corrupt_rows()
         rows = held.sets([(tuple(heads), tuple(kept_mlps) if g.has_mlp else None)])
@@ -495,7 +507,8 @@ def build_core(g: Graph, task: Task, scores, measure, held=None, *, threshold: R
     dropped = [n for chunk in found["chunks"] for n in chunk]
     how = _how(scores, by, searched, g.has_mlp, float(threshold), margin, found["what"], heads, kept_mlps, dropped,
                prune, measure.attribute is not None and getattr(measure, "fast", True))
-    forwards = float(getattr(measure, "forwards", float("nan"))) + float(getattr(held, "forwards", 0.0) or 0.0)
+    forwards = float(getattr(measure, "forwards", float("nan"))) + float(getattr(held, "forwards", 0.0) or 0.0) \
+        - held_before       # a held-out NodeViews shared by several cores (stability): this core's part
     return CoreCircuit(heads, kept_mlps, found["f"], curve, how, ranking, dropped, judge.c, judge.z, float(threshold),
                        getattr(scores, "model", ""),
                        {"by": by, "mlps": "searched" if searched else "clean", "prune": prune,
@@ -515,8 +528,7 @@ def _how(scores, by: str, mlps: bool, has_mlp: bool, threshold: float, margin: s
             else f"f >= {threshold:g}")
     clean_mlps = " (every MLP kept clean)" if has_mlp and not mlps else ""
     if what == "not enough":
-        return (f"even every node is not enough ({crit} fails for the clean run itself: too few rows or a "
-                f"behaviour the model does not show), so the core is every node{clean_mlps}")
+        return (f"f is undefined (m(clean) = m(corrupt) on these rows), so the core is every node{clean_mlps}")
     start = f"heads{' and MLPs' if mlps else ''} ranked by {by} {method + ' ' if method else ''}node score"
     again = ", re-estimated at each accepted set by one forward and backward there" if relinearised else ""
     mlp_part = f" + {len(kept_mlps)} MLPs" if mlps else clean_mlps

@@ -19,8 +19,9 @@ left-out MLPs (``runs.node_run``, the same metric as the edge-level patched run:
   ``known_mlps``): a small set costs a fraction of a forward;
 - **per row**: every result is the metric of each row ([k, n]), so a bootstrap over prompts needs no model run;
 - **attribution** (``attribute``): one forward and one backward at a set give the metric per row and, for every
-  kept node n, a_n = Σ_rows ∂m/∂out_n · (out_n − out_n(corrupt)), the linear estimate of what m loses when n is
-  left out too (EAP at that set: exact for one node where m is linear in its output).
+  kept node n, a_n = mean over rows of ∂m/∂out_n · (out_n − out_n(corrupt)), the linear estimate of what the
+  metric's mean loses when n is left out too (EAP at that set: exact for one node where m is linear in its
+  output).
 
 The corrupt record (z, MLP and attention outputs of every layer) is made once per prompt shard and held across
 calls when the rows fit one shard (``NODE_BYTES``); the clean rows are run once. Where the model has
@@ -234,8 +235,8 @@ class NodeViews:
 
     def attribute(self, node_set: NodeSet) -> Optional[Tuple[Tensor, Dict[str, float]]]:
         """(the metric of each row [n] at ``node_set``, {kept node: a_n}) from one forward and one backward, a_n =
-        Σ_rows ∂m/∂out_n · (out_n − out_n(corrupt)) (module docstring); None where node views are patched runs
-        (post-attention norms)."""
+        the mean over rows of ∂m/∂out_n · (out_n − out_n(corrupt)) (module docstring); None where node views are
+        patched runs (post-attention norms)."""
         if not self.fast:
             return None
         g = self.g

@@ -311,7 +311,7 @@ def _run(args: argparse.Namespace, pool, t0: float) -> int:
         # the core first: the fewest heads (and MLPs) that carry the behaviour; none on the position-aware graph
         # (core_circuit refuses it) and none named when the model does not do the task, unless --force
         if not args.no_core and not g.positions and (args.force or (done and not undefined)):
-            core = pool.run("core_circuit", local=core_circuit, task=task, scores=scores,
+            core = pool.run("core_circuit", local=core_circuit, task=task, scores=scores, by=args.by,
                             mlps=args.core_mlps == "searched", progress=progress, **hold)
         t_core = time.perf_counter()
         faith = pool.run("faithfulness", local=faithfulness, task=task, scores=scores, by=args.by, how=args.how,
