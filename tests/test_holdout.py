@@ -128,6 +128,16 @@ def test_bad_held_out_or_resample_values_get_one_line(argv, message, capsys):
     assert rc == 2 and message in err and "Traceback" not in err
 
 
+def test_attend_refuses_a_task_that_is_not_a_task_in_one_line(hand_built):
+    # issue 43 row 9: qk.attend(model, "1.0", task="induction") was an AttributeError
+    for bad in ("induction", 3):
+        with pytest.raises(qk.QKCircuitsError, match="task must be a qk.Task") as e:
+            qk.attend(hand_built, "1.0", task=bad)
+        assert "\n" not in str(e.value)
+    with pytest.raises(qk.QKCircuitsError, match="qk.load"):
+        qk.attend("toy-induction", "1.0", task=qk.tasks.induction(hand_built, n=2))
+
+
 def test_attend_with_a_task_says_how_stable_each_source_is(hand_built):
     from types import SimpleNamespace
 

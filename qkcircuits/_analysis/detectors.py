@@ -138,36 +138,15 @@ def load_plugins(entry_points=None) -> List[str]:
     nothing: one that fails to load, or any of whose names is already registered (a built-in, another plugin's,
     the user's), is skipped whole with one warning naming it; loading the same entry point again replaces its
     own detectors."""
-    import warnings
-
     if entry_points is None:
         from importlib.metadata import entry_points as installed
 
         entry_points = installed(group=ENTRY_POINT_GROUP)
-    names: List[str] = []
+    from .._foundation.plugins import load_entry_points
+
     with _plugins_lock:
-        for ep in entry_points:
-            key = f"{ep.name} = {ep.value}"
-            own = set(_plugins["by_entry"].get(key, ()))
-            try:
-                obj = ep.load()
-                found = obj() if callable(obj) and not isinstance(obj, Detector) else obj
-                dets = [found] if isinstance(found, Detector) else list(found)
-                bad = [d for d in dets if not isinstance(d, Detector)]
-                if bad:
-                    raise QKCircuitsError(f"it gave {type(bad[0]).__name__}, not a qk.Detector")
-                taken = [d.name for d in dets if d.name in _REGISTRY and d.name not in own]
-                if taken:
-                    raise QKCircuitsError(f"detector {taken[0]!r} is already registered")
-                for d in dets:
-                    register_detector(d, replace=True)
-            except Exception as e:  # noqa: BLE001  a third party's bug: say which plugin, keep the rest
-                warnings.warn(f"qkcircuits: the detector plugin {ep.name!r} ({ep.value}) was not loaded: "
-                              f"{type(e).__name__}: {e}", stacklevel=2)
-                continue
-            _plugins["by_entry"][key] = [d.name for d in dets]
-            names += [d.name for d in dets]
-    return names
+        return load_entry_points(entry_points, Detector, "qk.Detector", "detector", _REGISTRY, _plugins["by_entry"],
+                                 lambda d: register_detector(d, replace=True))
 
 
 def register_detector(det: Detector, *, replace: bool = False) -> Detector:

@@ -21,7 +21,7 @@ in half of them is one draw's answer. Resamples whose total is 0 are dropped.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
 

@@ -60,7 +60,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -68,8 +68,9 @@ from torch import Tensor
 from .._foundation.errors import QKCircuitsError
 from .._foundation.result import Result
 from .bootstrap import ratio_intervals
-from .graph import Graph, graph
-from .nodeviews import NodeSet, NodeViews, head_key as _head_key, is_head as _is_head, node_mask_of, node_rows
+from .graph import Graph
+from .nodeviews import NodeSet, NodeViews, head_key as _head_key, is_head as _is_head
+from .nodeviews import node_mask_of, node_rows  # noqa: F401  (their home before nodeviews.py; tests import them here)
 from .task import Task
 
 THRESHOLD = 0.8

@@ -31,12 +31,11 @@ patched run of its edge mask (``patched_run``), stacked the same way, and ``attr
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph
 from .patched import patched_run
 from .record import Record, _metric_rows, clean_rows, record

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import inspect
 import threading
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -166,30 +165,11 @@ def load_plugins(entry_points=None) -> List[str]:
         from importlib.metadata import entry_points as installed
 
         entry_points = installed(group=ENTRY_POINT_GROUP)
-    names: List[str] = []
+    from .._foundation.plugins import load_entry_points
+
     with _plugins_lock:
-        for ep in entry_points:
-            key = f"{ep.name} = {ep.value}"
-            own = set(_plugins["by_entry"].get(key, ()))
-            try:
-                obj = ep.load()
-                found = obj() if callable(obj) and not isinstance(obj, TaskSpec) else obj
-                specs = [found] if isinstance(found, TaskSpec) else list(found)
-                bad = [s for s in specs if not isinstance(s, TaskSpec)]
-                if bad:
-                    raise QKCircuitsError(f"it gave {type(bad[0]).__name__}, not a qk.tasks.TaskSpec")
-                taken = [s.name for s in specs if s.name in _REGISTRY and s.name not in own]
-                if taken:
-                    raise QKCircuitsError(f"task {taken[0]!r} is already registered")
-                for s in specs:
-                    _REGISTRY[s.name] = s
-            except Exception as e:  # noqa: BLE001  a third party's bug: say which plugin, keep the rest
-                warnings.warn(f"qkcircuits: the task plugin {ep.name!r} ({ep.value}) was not loaded: "
-                              f"{type(e).__name__}: {e}", stacklevel=2)
-                continue
-            _plugins["by_entry"][key] = [s.name for s in specs]
-            names += [s.name for s in specs]
-    return names
+        return load_entry_points(entry_points, TaskSpec, "qk.tasks.TaskSpec", "task", _REGISTRY, _plugins["by_entry"],
+                                 lambda s: _REGISTRY.__setitem__(s.name, s))
 
 
 def register_task(name: Union[str, TaskSpec], build: Optional[Callable[..., Task]] = None, *,

@@ -31,7 +31,6 @@ held-out rows for every draw's core and the stable core.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from dataclasses import dataclass, field
 from numbers import Real

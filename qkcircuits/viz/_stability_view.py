@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 
 import plotly.graph_objects as go
 
-from ._figures import base_layout, figure_dict, round_float
+from ._figures import base_layout, figure_dict
 
 
 def _num(v: Any) -> Optional[float]:
