@@ -80,10 +80,10 @@ def attend_heads(model, heads: Optional[HeadsLike] = None, tokens=None, *, task=
     that head's layer). Memory: per head its kept pair table [41, 41] and marginals [rows, sources] when one shard
     holds every prompt; the full pair table [sources, sources], summed over shards, otherwise."""
     from .._foundation.args import describe, require_model
-    from .._tasks.task import Task
 
     require_model(model)                  # a spec string, None, ...: one line naming qk.load
-    if task is not None and not isinstance(task, Task):
+    # a task is read by what it holds (``_tasks`` is a later layer than this one: no import of its class)
+    if task is not None and not all(hasattr(task, a) for a in ("clean", "corrupt", "positions", "answer")):
         raise QKCircuitsError(f"task must be a qk.Task, got {describe(task)}; build one with "
                               f"qk.tasks.build_task(model, NAME) or qk.tasks.from_jsonl(model, path)")
     heads = all_heads(int(model.cfg.n_layers), int(model.cfg.n_heads)) if heads is None else model_heads(model, heads)
