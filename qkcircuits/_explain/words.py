@@ -25,19 +25,14 @@ from __future__ import annotations
 import math
 from typing import Any, List, Optional, Sequence
 
+from .._foundation.display import number
+
 MIN_ATTENTION = 0.1      # below it a head does not attend the key: no "why it attends"
 NOISE = 0.1              # an expansion is shown when the source and the part are >= this fraction of |total|
 OVER_100 = ("a share above 100 % (or below 0) means the writes it read at other positions count against it "
             "(they add up to the rest)")
 
 
-def number(x: float) -> str:
-    x = float(x)
-    if math.isnan(x):
-        return "nan"
-    if x != 0 and (abs(x) >= 1e4 or abs(x) < 1e-3):
-        return f"{x:.3g}"
-    return f"{x:.4f}".rstrip("0").rstrip(".")
 
 
 def pct(share: Optional[float]) -> str:
