@@ -40,7 +40,8 @@ __all__ = sorted([
     # why a head attends
     "attend", "attend_heads",
     # tasks and circuits over the whole graph (builders and the rest: qk.tasks)
-    "Task", "core_circuit", "edge_scores", "evaluate", "faithfulness", "graph", "node_scores", "register_task",
+    "Task", "core_circuit", "edge_scores", "evaluate", "faithfulness", "find_circuit", "graph", "node_scores",
+    "register_task",
     # every result class is in qk.results; the base and the reader of any result file are here
     "Result", "load_result",
     # views

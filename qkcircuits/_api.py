@@ -46,6 +46,7 @@ from ._explain.attend import attend, attend_heads
 
 # Explain a behaviour: tasks, the whole graph's edge scores, circuits and their faithfulness (the builders: qk.tasks).
 from ._tasks.core import core_circuit
+from ._tasks.find import find_circuit
 from ._tasks.evaluation import evaluate
 from ._tasks.faithfulness import faithfulness
 from ._tasks.graph import graph

@@ -24,6 +24,7 @@ from ._foundation.capture import Activations
 from ._foundation.result import Result, load_result
 from ._paths.path_effects import PathEffects
 from ._scale.zoo import Zoo
+from ._tasks.circuit_report import CircuitReport
 from ._tasks.core import CoreCircuit
 from ._tasks.faithfulness import Faithfulness
 from ._tasks.roles import Roles
@@ -36,7 +37,7 @@ from ._weights.kv_cache import KVCache
 from ._weights.rotary import OffsetProfile
 from ._weights.verify import CircuitCheck
 
-__all__ = ["Activations", "Attribution", "Circuit", "CircuitCheck", "CompositionScores", "CoreCircuit", "EdgeScores",
+__all__ = ["Activations", "Attribution", "Circuit", "CircuitCheck", "CircuitReport", "CompositionScores", "CoreCircuit", "EdgeScores",
            "Faithfulness", "GroupEffect", "HeadDiagnostics", "HeadEffects", "HeadScores", "KVCache", "NodeScores",
            "OffsetProfile", "PathEffects", "RandomComparison", "Result", "Roles", "Stability", "TaskCircuit", "Zoo",
            "load_result"]

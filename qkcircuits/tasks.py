@@ -11,7 +11,7 @@ circuit is over draws (``stability``).
 (8, True)
 
 The task registry (``_tasks/registry.py``): ``register_task`` (also ``qk.register_task``), ``task_spec``,
-``task_names``, ``unregister_task``, ``TaskSpec``, ``Role``, and ``build_task`` (a command's ``--task``: a registered
+``task_names``, ``unregister_task``, ``TaskSpec``, ``Role``, ``IOI_ROLES`` (IOI's roles, declared as any task's), and ``build_task`` (a command's ``--task``: a registered
 name or a .jsonl file); installed packages add tasks under the ``qkcircuits.tasks`` entry point.
 
 ``Graph``, ``Evaluation`` and ``node_faithfulness`` were root names before; the root names still work for one
@@ -20,6 +20,7 @@ release, with a DeprecationWarning (docs/architecture.md, "Root names that moved
 
 # ruff: noqa: F401
 from ._tasks.builders import FRAMES, NAMES, OBJECTS, PLACES, from_jsonl, induction, ioi, single_tokens
+from ._tasks.role_rules import IOI_ROLES
 from ._tasks.registry import Role, TaskSpec, build_task, register_task, task_names, task_spec, unregister_task
 from ._tasks.evaluation import Evaluation
 from ._tasks.faithfulness import node_faithfulness
@@ -27,6 +28,6 @@ from ._tasks.graph import Graph
 from ._tasks.holdout import Source
 from ._tasks.stability import stability
 
-__all__ = ["Evaluation", "FRAMES", "Graph", "NAMES", "OBJECTS", "PLACES", "Role", "Source", "TaskSpec", "build_task",
+__all__ = ["Evaluation", "FRAMES", "Graph", "IOI_ROLES", "NAMES", "OBJECTS", "PLACES", "Role", "Source", "TaskSpec", "build_task",
            "from_jsonl", "induction", "ioi", "register_task", "task_names", "task_spec", "unregister_task",
            "node_faithfulness", "single_tokens", "stability"]

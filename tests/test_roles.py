@@ -108,3 +108,39 @@ def test_other_tasks_use_the_detectors_labels():
     many = {f"1.{i}": {**_ev(0.001, node=0.001), **_det([])} for i in range(40)}
     text = Roles(classify({**ev, **many}, {}, ioi=False, denom=4.0), "pairs", {}).sentences()
     assert any(t.startswith("minor ") and "(+33 more)" in t for t in text)
+
+
+def test_ioi_is_one_declaration_and_a_user_declares_roles_the_same_way():
+    """Issue 42 ask 3: a role is a rule over evidence declared with the task; IOI's classes are such a declaration
+    (registered with ``ioi``), and a user's declaration (a stricter name mover, a role fed by it) replaces it."""
+    import qkcircuits as qk
+    from qkcircuits._tasks.role_rules import IOI_ROLES
+
+    assert qk.tasks.task_spec("ioi").roles == IOI_ROLES == qk.tasks.IOI_ROLES
+    explicit = classify({h: dict(e) for h, (e, _) in EVIDENCE.items()}, Q_EDGES, roles=IOI_ROLES, denom=4.0)
+    assert {h: r["role"] for h, r in explicit.items()} == {h: r["role"] for h, r in _classify().items()}
+    strict = qk.tasks.Role("name mover", lambda v: v["large_direct"] and v["direct_effect"] > 0 and v["END->IO"] >= 0.5,
+                           why=lambda v: f"END→IO {v['END->IO']:.2f} ≥ 0.5")
+    feeder = qk.tasks.Role("feeder", lambda v: bool(v["feeds"]), why="writes into a name mover's q", feeds="name mover")
+    out = classify({h: dict(e) for h, (e, _) in EVIDENCE.items()}, Q_EDGES, roles=[strict, feeder], denom=4.0)
+    roles = {h: r["role"] for h, r in out.items()}
+    # 9.1 (END→IO 0.60) is a name mover, 9.0 (0.40) no longer: the built-in class of a large direct effect
+    assert roles["9.1"] == "name mover" and out["9.1"]["why"] == "END→IO 0.60 ≥ 0.5"
+    assert roles["9.0"] == "direct-logit head"
+    # the feeders read the first role's heads: 7.0 and 7.5 write into 9.1's q; 7.2 fed 9.0, which is no mover now;
+    # 7.1's edge (0.04) is below 0.1 × the largest (0.5)
+    assert {h for h, r in roles.items() if r == "feeder"} == {"7.0", "7.5"}
+    assert out["7.2"]["evidence"]["feeds_name_movers_q"] == {} and out["7.0"]["evidence"]["feeds_name_movers_q"] == {"9.1": 0.5}
+    # no IOI pattern class was declared: a pattern head with a large node effect falls to the built-in classes
+    assert roles["5.0"] == "unclassified" and out["5.0"]["evidence"]["patterns"] == ["induction head"]
+
+
+def test_a_role_is_checked_when_declared():
+    import qkcircuits as qk
+
+    for kwargs, message in ((dict(name="", rule=lambda v: True), "non-empty string"),
+                            (dict(name="r", rule=3), "rule must be callable"),
+                            (dict(name="r", rule=lambda v: True, why=3), "why must be a sentence"),
+                            (dict(name="r", rule=lambda v: True, feeds=""), "feeds must name a role")):
+        with pytest.raises(qk.QKCircuitsError, match=message):
+            qk.tasks.Role(**kwargs)

@@ -139,7 +139,7 @@ def node_metric_job(model, shared: Task, *, rows: Tuple[int, int], heads: List[s
 
 
 def task_job(model, shared, *, spec: str, n: int, seed: int, prepend_bos: Optional[bool] = None,
-             metric: Optional[str] = None, holdout: Optional[float] = None) -> Dict[str, Any]:
+             metric: Optional[str] = None, holdout: Optional[Real] = None) -> Dict[str, Any]:
     """The CLI's task (``ioi``, ``induction`` or a .jsonl path the workers can read) built with this worker's
     tokenizer (``holdout.Source``, through the task registry): its selection part and held-out part (None with ``holdout=0``), and the
     graph (the driver has no model)."""
@@ -406,7 +406,7 @@ def ray_core_circuit(spec, task, scores, *, threshold: Real = THRESHOLD, by: str
 
 
 def ray_task_and_graph(pool: Pool, spec: str, n: int, seed: int, prepend_bos: Optional[bool] = None,
-                       metric: Optional[str] = None, holdout: Optional[float] = None
+                       metric: Optional[str] = None, holdout: Optional[Real] = None
                        ) -> Tuple[Task, Optional[Task], Any, str]:
     """The CLI's task (selection part, held-out part or None) and the model's graph, built on a worker (the
     driver has no tokenizer)."""
@@ -428,7 +428,7 @@ def ray_roles(pool: Pool, task: Task, circuit: TaskCircuit, clean: Real, corrupt
 
 
 def ray_task(spec, *, task: str, n: int, seed: int, prepend_bos: Optional[bool] = None, metric: Optional[str] = None,
-             holdout: Optional[float] = None, pool: Pool, progress: bool = True) -> Tuple[Task, Optional[Task], Any, str]:
+             holdout: Optional[Real] = None, pool: Pool, progress: bool = True) -> Tuple[Task, Optional[Task], Any, str]:
     """The step "task" on Ray: the task ``task`` (a registered task's name, or a .jsonl path the workers can read), its
     held-out part and the model's graph, built on a worker (``ray_task_and_graph``)."""
     return ray_task_and_graph(pool, task, n, seed, prepend_bos, metric, holdout)

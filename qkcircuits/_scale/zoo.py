@@ -18,7 +18,9 @@ head feeds each listed induction head's keys, by exact path patching into K (``k
 With ``task=NAME``, a registered task (``qkcircuits zoo --task ioi``; ``qk.tasks.task_names()``), each entry also
 gets the key NAME (``task_summary``): the task's metric (its name, clean and corrupt means over ``task_n``
 prompts; ``logit_diff`` too where the metric is logit-diff), the faithfulness curve of its EAP-IG circuit with
-CPR/CMD, the chosen circuit's size and node view, its role counts and name movers (``roles``; IOI's), each with its
+CPR/CMD, the chosen circuit's size and node view (``circuit_named`` false, its size 0 and no roles, when the model
+does not do the task or no size below 100 % reaches f ≥ 0.8: as ``qk.find_circuit``, which computes the entry
+without the core and the held-out part), its role counts and name movers (``roles``; IOI's), each with its
 direct effect and END → IO / END → S attention; ``{"skipped": reason}`` for a model the task cannot be built for
 (no tokenizer, too few single-token words).
 
@@ -205,37 +207,30 @@ def task_summary(model, name: str, *, n: int = 32, seed: int = 0, method: str = 
     node view, its role counts and the name movers among its roles (largest direct effect first; none when the
     model does not do the task: ``roles`` refuses). ``{"skipped": reason}`` when the task cannot be built for this
     model. Cost: as ``qkcircuits circuit MODEL --task NAME --n n``."""
-    from .._tasks.faithfulness import faithfulness
-    from .._tasks.registry import build_task
-    from .._tasks.scores import edge_scores
-    from .._tasks.task import does_the_task
+    from .._tasks.find import find_circuit
 
-    try:
-        task = build_task(model, name, n, seed, prepend_bos=prepend_bos)
-    except QKCircuitsError as e:
+    bos = {None: "auto", True: "yes", False: "no"}[prepend_bos]
+    try:           # the command's pipeline, as the zoo always ran it: no core, no held-out part
+        report = find_circuit(model, name, n=n, seed=seed, bos=bos, method=method, steps=steps, core=False,
+                              holdout=0, progress=False)
+    except QKCircuitsError as e:           # the task cannot be built for this model (e.g. a name is not one token)
         return {"skipped": str(e)}
-    with warnings.catch_warnings():          # the entry says it: does_task, and no name movers
-        warnings.simplefilter("ignore", UserWarning)
-        scores = edge_scores(model, task, method=method, steps=steps, progress=False)
-        faith = faithfulness(model, task, scores, progress=False)
-    roles = faith.circuit.roles(model, task, clean=scores.clean, corrupt=scores.corrupt)
-    movers = sorted(((h, r["evidence"]) for h, r in roles.roles.items() if r["role"] == "name mover"),
+    d = report.data
+    movers = sorted(((h, r["evidence"]) for h, r in d["roles"].items() if r["role"] == "name mover"),
                     key=lambda t: -float(t[1]["direct_effect"]))
     counts: Dict[str, int] = {}
-    for r in roles.roles.values():
+    for r in d["roles"].values():
         counts[str(r["role"])] = counts.get(str(r["role"]), 0) + 1
-    values = {"clean": json_number(scores.clean), "corrupt": json_number(scores.corrupt)}
-    return {"task": name, "n_prompts": task.n, "method": method, "steps": steps, "rule": scores.rule,
-            "bos": task.bos_info(), "metric": task.metric.name, "values": values,
-            **({"logit_diff": values} if task.metric.name == "logit-diff" else {}),
-            "does_task": does_the_task(task, float(scores.clean), float(scores.corrupt)),
-            "curve": {f"{k:g}": json_number(v) for k, v in faith.curve.items()}, "cpr": json_number(faith.cpr),
-            "cmd": json_number(faith.cmd), "chosen_percent": faith.chosen_percent,
-            "circuit_edges": faith.circuit.n_edges, "circuit_heads": len(faith.circuit.heads),
-            "node_faithfulness": json_number(faith.node_faithfulness),
-            "name_movers": [{"head": h, "direct_effect": json_number(e["direct_effect"]),
-                             "direct_share": json_number(e["direct_share"]), "END->IO": json_number(e["END->IO"]),
-                             "END->S": json_number(e["END->S"])} for h, e in movers],
+    values = {"clean": d["clean"], "corrupt": d["corrupt"]}
+    faith_circuit = d["circuit"]
+    return {"task": name, "n_prompts": d["n_prompts"], "method": method, "steps": steps, "rule": d["rule"],
+            "bos": d["bos"], "metric": d["metric"], "values": values,
+            **({"logit_diff": values} if d["metric"] == "logit-diff" else {}),
+            "does_task": d["does_task"], "circuit_named": faith_circuit["named"], "curve": d["curve"], "cpr": d["cpr"], "cmd": d["cmd"],
+            "chosen_percent": d["chosen_percent"], "circuit_edges": faith_circuit["n_edges"],
+            "circuit_heads": len(faith_circuit["heads"]), "node_faithfulness": faith_circuit["node_faithfulness"],
+            "name_movers": [{"head": h, "direct_effect": e["direct_effect"], "direct_share": e["direct_share"],
+                             "END->IO": e["END->IO"], "END->S": e["END->S"]} for h, e in movers],
             "roles": dict(sorted(counts.items()))}
 
 

@@ -13,7 +13,7 @@ A task is registered with ``qk.register_task(name, build, *, metric=, positions=
 seed, prepend_bos, metric) -> qk.Task`` (it may take fewer of these: only those it takes are passed; a BOS choice
 other than auto to one that takes none is refused), ``metric`` its default metric, ``positions`` the named positions
 every task it builds holds (checked), ``roles`` its own roles (``Role``: a rule over a head's evidence, tried
-before the built-in classes of ``_tasks/roles.py``). Installed packages declare tasks under the entry point
+before the built-in classes: ``_tasks/role_rules.py``; IOI's own are such a declaration). Installed packages declare tasks under the entry point
 ``qkcircuits.tasks`` (a ``TaskSpec``, a list of them, or a function returning either), loaded as detector plugins
 are (``_analysis/detectors.load_plugins``): on the registry's first use, under a lock, each plugin whole or not at
 all (one warning naming it), never taking a name another holds. ``build_task`` resolves a command's ``--task``:
@@ -31,35 +31,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .._foundation.errors import QKCircuitsError
 from . import builders, literature
+from .role_rules import IOI_ROLES, Role
 from .task import Task
 
 ENTRY_POINT_GROUP = "qkcircuits.tasks"
 OPTIONS = ("n", "seed", "prepend_bos", "metric", "templates")       # what build may take
-
-
-@dataclass(frozen=True)
-class Role:
-    """A role as a rule over one head's evidence (``roles``' dict: ``direct_effect``, ``direct_share``,
-    ``node_effect``, ``node_share``, ``attn_from_END`` {position: attention}, ``END_top_position``, and on tasks
-    without IOI positions ``detectors`` / ``labels``): ``rule(evidence) -> bool``. ``why``: the sentence the role
-    gives as its reason.
-
-    >>> r = Role("year reader", lambda e: e["attn_from_END"].get("YY", 0) > 0.3 and e["node_share"] > 0.05,
-    ...          why="attends the start year's last two digits from END and carries the behaviour")
-    >>> r.rule({"attn_from_END": {"YY": 0.5}, "node_share": 0.2})
-    True
-    """
-
-    name: str
-    rule: Callable[[Dict[str, object]], bool]
-    why: str = ""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name.strip():
-            raise QKCircuitsError(f"a role's name must be a non-empty string, got {self.name!r}")
-        if not callable(self.rule):
-            raise QKCircuitsError(f"role {self.name!r}: rule must be callable (evidence dict -> bool), got "
-                                  f"{type(self.rule).__name__}")
 
 
 @dataclass(frozen=True)
@@ -258,7 +234,7 @@ def _induction(model, *, n, seed, metric):
 
 
 for _spec in (
-        TaskSpec("ioi", _ioi, positions=("IO", "S1", "S1+1", "S2", "END"),
+        TaskSpec("ioi", _ioi, positions=("IO", "S1", "S1+1", "S2", "END"), roles=IOI_ROLES,
                  description="indirect-object identification (Wang et al. 2022), ABC-corrupted",
                  n_templates=len(builders.FRAMES), template_of=_ioi_frame),
         TaskSpec("induction", _induction, always_bos=True, pattern="induction",

@@ -47,10 +47,10 @@ Classes, in this order:
 3. unclassified: a large direct or node effect that fits no class, kept with its evidence;
 4. minor: the rest.
 
-A registered task may declare its own roles (``qk.register_task(..., roles=[qk.tasks.Role(name, rule, why)])``):
-each a rule over the evidence above, tried in its order before these classes (``declared_roles``).
-
-``classify`` is the rule on the evidence alone (tested on constructed evidence); ``roles`` gathers it.
+A role is a rule over this evidence, declared with the task (``qk.register_task(..., roles=[qk.tasks.Role(name,
+rule, why)])``); the IOI classes above are one such declaration (``role_rules.IOI_ROLES``, registered with ``ioi``
+and read by any task that names IOI's positions), the other tasks' classes are the built-in ones every task ends
+with (``role_rules.classify``, tested on constructed evidence); ``roles`` gathers the evidence.
 """
 
 from __future__ import annotations
@@ -64,29 +64,15 @@ import torch
 
 from .._foundation.errors import QKCircuitsError
 from .._foundation.result import Result
+from .role_rules import DETECTORS, IOI_ROLES, PATTERNS, THRESHOLDS, Role, classify, detector_roles, _largest  # noqa: F401
 
-THRESHOLDS = {"direct_relative": 0.1, "direct_share_min": 0.01, "effect_relative": 0.1, "edge_relative": 0.1,
-              "names_attention": 0.1, "pattern": 0.3}
 # heads outside a (core) circuit are named too when their direct or node effect reaches this share of
 # m(clean) − m(corrupt), either sign (``significant_heads``): negative name movers are never in a signed circuit
 ALSO_SHARE = 0.05
 IOI_POSITIONS = ("IO", "S1", "S1+1", "S2", "END")
-# IOI classes in the order they are tested, then the two catch-alls; (role, the attention key of a pattern class)
+# IOI classes in the order they are tested, then the two catch-alls (the order ``Roles`` lists them in)
 ORDER = ("name mover", "negative name mover", "direct-logit head", "S-inhibition head", "induction head",
          "duplicate-token head", "previous-token head", "unclassified", "minor", "feeds the circuit")
-PATTERNS = (("induction head", "S2->S1+1"), ("duplicate-token head", "S2->S1"), ("previous-token head", "S1+1->S1"))
-# other tasks: (role, the scan's score, its label); "feeds the circuit" is only read back from older files
-DETECTORS = (("induction head", "induction", "induction"), ("duplicate-token head", "duplicate_token", "duplicate-token"),
-             ("previous-token head", "previous_token", "previous-token"))
-
-
-def detector_roles() -> Tuple[Tuple[str, str, str], ...]:
-    """(role, score, label) of every labelled detector in the registry, in its order: the built-ins' roles above,
-    a user's detector (``qk.register_detector`` or the ``qkcircuits.detectors`` entry point) as "<label> head"."""
-    from .._analysis.detectors import detectors
-
-    known = {label: role for role, _, label in DETECTORS}
-    return tuple((known.get(d.label, f"{d.label} head"), d.name, d.label) for d in detectors() if d.label)
 
 
 @dataclass(repr=False)      # the repr is _text (Result)
@@ -217,83 +203,6 @@ def _patterns(model, task, layers: List[int]) -> Dict[int, torch.Tensor]:
     return {L: torch.cat(v) for L, v in out.items()}
 
 
-def _largest(values) -> float:
-    return max((abs(float(v)) for v in values), default=0.0)
-
-
-def classify(evidence: Dict[str, Dict[str, object]], q_edges: Dict[Tuple[str, str], float], *, ioi: bool,
-             denom: float = float("nan"), thresholds: Optional[Dict[str, float]] = None) -> Dict[str, Dict[str, object]]:
-    """Each head's role from its ``evidence`` (module docstring; keys ``direct_effect``, ``node_effect`` and, for
-    IOI, the attention keys) and ``q_edges`` {(sender head, receiver head): score} of the circuit's edges into
-    heads' q. ``denom`` = m(clean) − m(corrupt) (for ``direct_share_min``). Returns {head: {role, evidence, why}}."""
-    t = {**THRESHOLDS, **(thresholds or {})}
-    roles_of = detector_roles() if not ioi else ()
-    max_de = _largest(e["direct_effect"] for e in evidence.values())
-    max_ne = _largest(e.get("node_effect", 0.0) for e in evidence.values())
-    floor = t["direct_share_min"] * abs(denom) if denom == denom else 0.0
-    d_cut = max(t["direct_relative"] * max_de, floor)
-
-    def large_direct(e) -> bool:
-        return abs(float(e["direct_effect"])) >= d_cut and float(e["direct_effect"]) != 0.0
-
-    def large_node(e) -> bool:
-        return max_ne > 0 and abs(float(e.get("node_effect", 0.0))) >= t["effect_relative"] * max_ne
-
-    na = t["names_attention"]
-    movers = {h for h, e in evidence.items() if ioi and large_direct(e) and float(e["direct_effect"]) > 0
-              and e["END->IO"] >= na and e["END->IO"] > e["END->S"]}
-    into = {(s, m): v for (s, m), v in q_edges.items() if m in movers}
-    max_q = max((v for v in into.values() if v > 0), default=0.0)
-    out: Dict[str, Dict[str, object]] = {}
-    for name, e in evidence.items():
-        de = float(e["direct_effect"])
-        if not ioi:
-            labels = [role for role, _, label in roles_of if label in e.get("labels", ())]
-            if large_direct(e):
-                role, why = "direct-logit head", (f"|direct effect| {abs(de):.3g} ≥ {d_cut:.3g} "
-                                                  f"({t['direct_relative']:g} × the largest {max_de:.3g})")
-            elif labels and large_node(e):
-                role = labels[0]
-                score = dict((r, k) for r, k, _ in roles_of)[role]
-                why = (f"the scan labels it ({score} {float(e['detectors'][score]):.2f}); |node effect| "
-                       f"{abs(float(e['node_effect'])):.3g} ≥ {t['effect_relative']:g} × {max_ne:.3g}")
-            elif large_node(e):
-                role, why = "unclassified", (f"large node effect {float(e['node_effect']):+.3g} but no detector label "
-                                             f"and a small direct effect")
-            else:
-                role, why = "minor", (f"|direct| {abs(de):.3g} < {d_cut:.3g}, |node effect| "
-                                      f"{abs(float(e['node_effect'])):.3g} < {t['effect_relative'] * max_ne:.3g}")
-            out[name] = {"role": role, "evidence": e, "why": why}
-            continue
-        feeds = {m: round(v, 6) for (s, m), v in sorted(into.items()) if s == name
-                 and v > 0 and v >= t["edge_relative"] * max_q}
-        e["feeds_name_movers_q"] = feeds
-        e["patterns"] = [role for role, key in PATTERNS if e[key] >= t["pattern"]]
-        if name in movers:
-            role, why = "name mover", (f"direct effect {de:+.3g} ≥ {d_cut:.3g} and END→IO {e['END->IO']:.2f} > "
-                                       f"END→S {e['END->S']:.2f}")
-        elif large_direct(e) and de < 0 and e["END->IO"] + e["END->S"] >= na:
-            role, why = "negative name mover", (f"direct effect {de:+.3g} ≤ −{d_cut:.3g}; END→IO {e['END->IO']:.2f}"
-                                                f" + END→S {e['END->S']:.2f} ≥ {na:g}")
-        elif feeds and not large_direct(e) and e["END->S2"] >= na and e["END->S2"] > e["END->IO"]:
-            role, why = "S-inhibition head", (f"edges into name movers' q {', '.join(feeds)} ≥ "
-                                              f"{t['edge_relative']:g} × {max_q:.3g}; END→S2 {e['END->S2']:.2f} > "
-                                              f"END→IO {e['END->IO']:.2f}")
-        elif e["patterns"] and large_node(e) and not large_direct(e):
-            role = e["patterns"][0]
-            key = dict(PATTERNS)[role]
-            why = (f"{key} {e[key]:.2f} ≥ {t['pattern']:g}; |node effect| {abs(float(e['node_effect'])):.3g} ≥ "
-                   f"{t['effect_relative']:g} × {max_ne:.3g}")
-        elif large_direct(e) or large_node(e):
-            role, why = "unclassified", (f"large effect (direct {de:+.3g}, node {float(e['node_effect']):+.3g}) but "
-                                         f"no class fits")
-        else:
-            role, why = "minor", (f"|direct| {abs(de):.3g} < {d_cut:.3g}, |node effect| "
-                                  f"{abs(float(e['node_effect'])):.3g} < {t['effect_relative'] * max_ne:.3g}")
-        out[name] = {"role": role, "evidence": e, "why": why}
-    return out
-
-
 def significant_heads(scores, clean: Real, corrupt: Real, share: Real = ALSO_SHARE) -> List[str]:
     """Heads of ``scores``' graph whose direct effect (head → logits edge score) or node effect (the sum of its
     outgoing edge scores) is at least ``share`` × |m(clean) − m(corrupt)| in size, either sign; in graph order."""
@@ -383,7 +292,8 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
             e["detectors"] = {k: round(float(hs.scores[k][L, h]), 4) for _, k, _ in found}
             e["labels"] = [label for _, _, label in found if name in labelled[label]]
     q_edges: Dict[Tuple[str, str], float] = {}
-    if ioi:
+    declared = declared_roles(task, ioi)
+    if any(r.feeds is not None for r in declared):         # a role reads edges into other heads' q (IOI's S-inhibition)
         judged, outside = set(heads), set(extra)
         for r, (rname, x) in enumerate(g.receivers):
             if x != "q" or rname not in judged:
@@ -393,8 +303,8 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
                 sname = g.senders[s]
                 if sname in judged and (bool(circuit.mask[s, r]) or sname in outside or rname in outside):
                     q_edges[(sname, rname)] = float(scores[s, r])
-    out = classify(evidence, q_edges, ioi=ioi, denom=denom, thresholds=thresholds)
-    declared_roles(task, out)
+    out = classify(evidence, q_edges, roles=declared, denom=denom, thresholds=thresholds,
+                   task=task.name)
     for name, entry in out.items():
         entry["in_circuit"] = name not in set(extra)
     t = {**THRESHOLDS, **(thresholds or {})}
@@ -409,18 +319,16 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
 QK_ROLES = ("name mover", "negative name mover", "induction head")
 
 
-def declared_roles(task, out: Dict[str, Dict[str, object]]) -> None:
-    """The roles the task's registration declares (``qk.tasks.Role``: a rule over a head's evidence), tried in
-    their order before the classes above: the first whose rule holds names the head, its ``why`` the reason."""
+def declared_roles(task, ioi: bool) -> Tuple[Role, ...]:
+    """The task's roles: those its registration declares (``qk.tasks.Role``; IOI's are ``IOI_ROLES``), then IOI's
+    where it names IOI's positions and does not declare them already (a .jsonl IOI)."""
     from .registry import spec_of
 
     spec = spec_of(task)
-    for entry in out.values():
-        for role in (spec.roles if spec is not None else ()):
-            if role.rule(entry["evidence"]):
-                entry["role"] = role.name
-                entry["why"] = role.why or f"the {spec.name} task's rule for a {role.name}"
-                break
+    declared = tuple(spec.roles) if spec is not None else ()
+    if ioi and not any(r in declared for r in IOI_ROLES):
+        declared += IOI_ROLES
+    return declared
 
 
 def _add_qk_evidence(model, task, out: Dict[str, Dict[str, object]], settings: Dict[str, object]) -> None:

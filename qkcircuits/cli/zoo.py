@@ -95,5 +95,13 @@ def format_task(m, task: str) -> str:
     movers = ", ".join(f"{h['head']} {h['direct_share']:.2f}/{h['END->IO']:.2f}" for h in t["name_movers"][:5])
     values = t.get("values") or t["logit_diff"]          # older files: logit_diff only
     return (f"  {name}: {t.get('metric', 'logit-diff')} {values['clean']:+.2f} / {values['corrupt']:+.2f}; CPR "
-            f"{t['cpr']:.3f}, CMD {t['cmd']:.3f}; circuit {t['chosen_percent']:g}% ({t['circuit_edges']} edges, "
-            f"{t['circuit_heads']} heads, node f {t['node_faithfulness']:.2f}); name movers {movers or 'none'}")
+            f"{t['cpr']:.3f}, CMD {t['cmd']:.3f}; " + _circuit_words(t) + f"; name movers {movers or 'none'}")
+
+
+def _circuit_words(t) -> str:
+    """The entry's circuit, or why none is named (older files: every circuit was named)."""
+    if not t.get("circuit_named", True):
+        return ("no circuit named (" + ("the model does not do the task" if not t.get("does_task", True) else
+                                        "no size below 100% reaches f >= 0.8") + ")")
+    return (f"circuit {t['chosen_percent']:g}% ({t['circuit_edges']} edges, {t['circuit_heads']} heads, node f "
+            f"{t['node_faithfulness']:.2f})")

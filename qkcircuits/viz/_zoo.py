@@ -79,8 +79,11 @@ def _task_table(models: List[Dict[str, Any]], task) -> str:
         values = t.get("values") or t["logit_diff"]          # older files: logit_diff only
         rows.append(f"<tr><td><b>{html.escape(m['model'])}</b></td><td>{values['clean']:+.3f} / "
                     f"{values['corrupt']:+.3f}</td><td>{t['cpr']:.3f} / {t['cmd']:.3f}</td><td>"
-                    f"{t['chosen_percent']:g}% of the edges: {t['circuit_edges']} edges, {t['circuit_heads']} heads "
-                    f"(node view f {t['node_faithfulness']:.3f})</td><td>{movers}</td></tr>")
+                    + (f"{t['chosen_percent']:g}% of the edges: {t['circuit_edges']} edges, {t['circuit_heads']} heads "
+                       f"(node view f {t['node_faithfulness']:.3f})" if t.get("circuit_named", True) else
+                       "<span class=muted>none named (" + ("the model does not do the task" if not
+                       t.get("does_task", True) else "no size below 100% reaches f ≥ 0.8") + ")</span>")
+                    + f"</td><td>{movers}</td></tr>")
     if not rows:
         return ""
     ran = [m[task] for m in models if isinstance(m.get(task), dict) and "skipped" not in m[task]]
