@@ -61,6 +61,7 @@ def test_ray_sweep_equals_local_sweep(method, llama, ray_local):
     assert abs(res.baseline - local.baseline) < 1e-5
     assert set(res.timing) >= {"startup_s", "load_s", "sweep_s"} and all(v >= 0 for v in res.timing.values())
     assert res.reference == local.reference and res.layers == local.layers
+    assert res.settings["fingerprint"] == local.settings["fingerprint"]    # the workers' model is this one (issue 43)
 
 
 def _killer(job_suffix: str):

@@ -5,6 +5,7 @@ the public API names what it takes. In-process on the hand-built 2x2 model (``to
 from __future__ import annotations
 
 import json
+import re
 import time
 import tracemalloc
 
@@ -249,6 +250,7 @@ def toy_task(hand_built):
 @pytest.mark.parametrize("call, fragment", [
     (lambda m, t, s: unchecked(qk.attend)("toy-induction", "1.0", task=t), "call model = qk.load('toy-induction') first"),
     (lambda m, t, s: unchecked(qk.attend)(None, "1.0", task=t), "model must be a model from qk.load(...)"),
+    (lambda m, t, s: unchecked(qk.attend)(m, "1.0", task="induction"), "task must be a qk.Task, got the string"),
     (lambda m, t, s: unchecked(qk.evaluate)(m, t, None), "circuit must be a circuit"),
     (lambda m, t, s: unchecked(qk.evaluate)(m, t, 5), "got int 5"),
     (lambda m, t, s: unchecked(qk.evaluate)(m, None, ["1.0"]), "task must be a qk.Task, got None"),
@@ -344,6 +346,20 @@ def test_app_serves_json_posts_only(served, ctype):
     status, seconds = raw_request(served, HEAD + b"Content-Type: " + ctype + b"\r\nContent-Length: %d\r\n\r\n"
                                   % len(body) + body)
     assert status == 415 and seconds < 1
+
+
+@pytest.mark.parametrize("scores, fragment", [("missing.json", "no scores JSON file at 'missing.json'"),
+                                             ("attend.json", "expected 'qkcircuits.head_scores/1'")])
+def test_attend_scores_of_the_wrong_kind_are_refused_before_the_model_loads(scores, fragment, tmp_path, capsys,
+                                                                             monkeypatch):
+    """Row 10: a missing or wrong-kind ``attend --scores`` was noticed only after the model load and the attribution."""
+    import qkcircuits.cli.attend as attend_cli
+
+    (tmp_path / "attend.json").write_text(json.dumps({"schema": "qkcircuits.attribution/1"}))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(attend_cli, "load_model", lambda args: pytest.fail("the model was loaded"))
+    code, _, err = run(["attend", "toy-induction", "--head", "1.0", "--scores", scores], capsys)
+    assert code == 2 and len(errors(err)) == 1 and fragment in errors(err)[0], err
 
 
 # -------------------------------------------------------- row 8: one run's outputs are committed as one set
@@ -445,7 +461,9 @@ def test_another_models_result_is_refused_unless_allow_other_model(tmp_path, cap
     code, _, err = run(["report", "toy-induction", "-o", html, "--quiet", "--grid-k", "1",
                         "--attend", other], capsys)
     assert code == 2 and len(errors(err)) == 1, err
-    assert "is a result of model 'gpt2', not of 'toy-induction'" in errors(err)[0] and "--allow-other-model" in err
+    # both models named, each with its fingerprint (the file's was the toy's: only the name differs)
+    assert re.search(r"is a result of model 'gpt2' \(fingerprint [0-9a-f]{12}\), not of 'toy-induction' \(fingerprint "
+                     r"[0-9a-f]{12}\)", errors(err)[0]) and "--allow-other-model" in err, err
     assert not html.exists()
     # --allow-other-model lets it through (the check itself: a whole report is ~10 s on the toy)
     import argparse

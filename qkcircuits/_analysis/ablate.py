@@ -41,7 +41,7 @@ from torch import Tensor
 
 from .._foundation.capture import as_tokens, capture, hook_name
 from .._foundation import display as show
-from .._foundation.result import Result
+from .._foundation.result import Result, stamped
 from .._foundation.errors import QKCircuitsError
 from .._foundation.args import check_model, check_tokens
 from .._foundation.heads import Head, HeadsLike, all_heads, model_heads
@@ -283,7 +283,7 @@ def group_effect(model, heads: HeadsLike, tokens, metric="induction-loss", metho
         base = float(metric(model(tokens), tokens))
         with model.hooks(fwd_hooks=_ablation_hooks([targets], repl, rows=None)):
             abl = float(metric(model(tokens), tokens))
-    return GroupEffect(targets, base, abl, method, metric.name, metric.higher_is_better)
+    return GroupEffect(targets, base, abl, method, metric.name, metric.higher_is_better, stamped({}, model, name=True))
 
 
 @dataclass(repr=False)      # the repr is _text (Result)
@@ -401,7 +401,7 @@ def compare_to_random(model, heads: HeadsLike, tokens, metric="induction-loss", 
     if bar is not None:
         bar.close()
     return RandomComparison(targets, base, metric.effect(base, values[0]), metric.effect(base, torch.tensor(values[1:])),
-                            draws, method, metric.name, seed)
+                            draws, method, metric.name, seed, stamped({}, model, name=True))
 
 
 def progress_bar(total: int, desc: str, enabled):

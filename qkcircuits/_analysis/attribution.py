@@ -28,6 +28,7 @@ from torch import Tensor
 
 from .._foundation.capture import check_layers, hook_name
 from .._foundation.model import model_name
+from .._foundation.result import stamped
 from .ablate import make_replacement, prepare_metric
 from .sweep import HeadEffects
 
@@ -71,4 +72,4 @@ def attribution(model, tokens, metric="induction-loss", method: str = "zero", *,
             effects[L] = -metric.sign * ((target - z) * g).sum((0, 1, 3)).float().cpu()
     return HeadEffects(effects, float(value.detach()), model_name(model), method, metric.name, "attribution",
                        int(b), int(p), per_position, repl.reference, list(layers),
-                       higher_is_better=metric.higher_is_better)
+                       higher_is_better=metric.higher_is_better, settings=stamped({}, model))

@@ -353,7 +353,7 @@ def confirmation_sentence(conf: Dict) -> str:
 
 def _settings(model, **kw) -> Dict[str, object]:
     return stamped({**kw, "fold_ln": folded(model), "dtype": str(model.W_E.dtype),
-                    "device": str(model.W_E.device)})
+                    "device": str(model.W_E.device)}, model)
 
 
 def __getattr__(name: str):

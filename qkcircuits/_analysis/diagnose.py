@@ -38,6 +38,7 @@ from .._foundation.capture import check_layers, has_rotary, stream
 from .._foundation.errors import QKCircuitsError
 from .._foundation.io import check_int
 from .._foundation.model import model_name
+from .._foundation.result import stamped
 from .._foundation.sequences import check_seed, repeated_tokens, segment_length, text_tokens, token_pool
 from .._foundation.arch import adapter
 from .._weights.circuits import attention_scale
@@ -364,5 +365,5 @@ def diagnose(model, *, prompt_sets: Optional[Sequence[str]] = None, n_seqs: int 
         "scale_measured": {str(k): v for k, v in sorted(measured_scale.items())},
     }                                   # + versions (Result.__post_init__: written in one place)
     return HeadDiagnostics(model=model_name(model), n_layers=L, n_heads=H,
-                           d_head=d_head, measures=measures, scale=scale, settings=settings, by_set=by_set)
+                           d_head=d_head, measures=measures, scale=scale, settings=stamped(settings, model), by_set=by_set)
 

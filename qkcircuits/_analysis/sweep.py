@@ -27,7 +27,7 @@ from torch import Tensor
 from .._foundation.capture import check_layers
 from .._foundation.backends import BackendLike, as_backend
 from .._foundation import display as show
-from .._foundation.result import Result
+from .._foundation.result import Result, stamped
 from .._foundation.errors import QKCircuitsError
 from .._foundation.args import check_model, check_tokens
 from .._foundation.heads import Head
@@ -183,7 +183,7 @@ def local_sweep(model, tokens, metric="induction-loss", method: str = "zero", *,
     return HeadEffects(effects, baseline, model_name(model), method, metric.name, "sweep", int(tokens.shape[0]),
                        int(tokens.shape[1]), per_position, repl.reference, list(layers),
                        timing={"sweep_s": round(time.perf_counter() - t0, 3)}, backend={"name": "local"},
-                       higher_is_better=metric.higher_is_better)
+                       higher_is_better=metric.higher_is_better, settings=stamped({}, model))
 
 
 def naive_sweep(model, tokens, metric="induction-loss", method: str = "zero", *, reference=None,

@@ -125,7 +125,7 @@ def attend_heads(model, heads: Optional[HeadsLike] = None, tokens=None, *, task=
         _check_exact(model, str(h), {e: a[e] for e in ERRORS})
         out[str(h)] = summarise(model, str(h), reading, rows[L], a["names"], pairs, torch.cat(a["q_vals"]),
                                 torch.cat(a["k_vals"]), torch.cat(a["attention"]), extra=a["extra"],
-                                exact_error=max(a["score_error"], a["pattern_error"]), settings=stamped(settings),
+                                exact_error=max(a["score_error"], a["pattern_error"]), settings=stamped(settings, model, task),
                                 expanded=expanded, side=expand)
         if task is not None and rows[L].tokens.shape[0] > 1:
             # with a task's prompts: how much each source's share would move with another draw of them

@@ -42,7 +42,7 @@ from .arch import adapter, architecture, family
 from .arch.rotary import has_rotary  # noqa: F401  (re-exported)
 from .attention import attention_scale, native_rotary, rotate_native
 from . import display as show
-from .result import Result
+from .result import Result, stamped
 from .rope import STYLES, RotarySpec, rotate
 from .errors import QKCircuitsError
 from .arch.model import positional
@@ -233,7 +233,7 @@ def capture(model, tokens, names: Sequence[str] = ("q", "k", "v", "pattern"),
     """
     names = _resolve_names(model, names)
     layers = _check_layers(model, layers)
-    acts = Activations(n_heads=model.cfg.n_heads)
+    acts = Activations(n_heads=model.cfg.n_heads, settings=stamped({}, model, name=True))
 
     def keep(name: str, layer: int):
         def fn(t: Tensor, hook) -> None:

@@ -51,11 +51,22 @@ def versions() -> Dict[str, str]:
             "transformer_lens": package_version("transformer-lens"), "transformers": package_version("transformers")}
 
 
-def stamped(settings: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """``settings`` (a fresh dict) with ``"versions"`` filled in; a producer's one call before returning a result."""
+def stamped(settings: Optional[Dict[str, Any]] = None, model: Any = None, task: Any = None,
+            name: bool = False) -> Dict[str, Any]:
+    """``settings`` (a fresh dict) with ``"versions"`` filled in; a producer's one call before returning a result.
+    With ``model``: also ``"fingerprint"`` (``fingerprint.fingerprint``: the model's architecture and weights'
+    shapes), ``"task"`` (the task's name, when ``task`` is given) and, with ``name=True`` (a result class without
+    a ``model`` field), ``"model"``: what readers check a result file against (``fingerprint.mismatch``)."""
     out = dict(settings or {})
     if not _loading.get():
         out.setdefault("versions", dict(versions()))
+        if model is not None:
+            from .fingerprint import record
+
+            rec = record(model, task)
+            if not name:
+                rec.pop("model")
+            out.update(rec)
     return out
 
 

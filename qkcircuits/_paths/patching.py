@@ -321,4 +321,4 @@ def patch_settings(model, tokens: Tensor, per_position: bool, reference: str, n_
 
     return stamped({"n_prompts": int(tokens.shape[0]), "n_positions": int(tokens.shape[1]), "per_position": per_position,
             "reference": reference, "n_edges": n_edges, "receiver_layers": n_layers_recv,
-            "fold_ln": folded(model), "dtype": str(model.W_E.dtype)})
+            "fold_ln": folded(model), "dtype": str(model.W_E.dtype)}, model)

@@ -340,9 +340,11 @@ class Pool:
 
 @job("describe")
 def _describe(model, shared) -> Dict[str, Any]:
+    from .._foundation.fingerprint import fingerprint
     from .._foundation.model import model_name
 
-    return {"name": model_name(model), "n_layers": model.cfg.n_layers, "n_heads": model.cfg.n_heads,
+    return {"name": model_name(model), "fingerprint": fingerprint(model), "n_layers": model.cfg.n_layers,
+            "n_heads": model.cfg.n_heads,
             "d_model": model.cfg.d_model, "d_vocab": model.cfg.d_vocab,
             "block_params": sum(p.numel() for p in model.blocks[0].parameters()),
             "dtype": str(model.W_E.dtype), "device": str(model.W_E.device)}

@@ -187,7 +187,8 @@ def _sweep_on(pool: Pool, tokens, make_tokens: bool, metric_obj, method: str, re
     effects = -metric_obj.sign * effects           # ablated − clean → the metric's sign (+ = the head matters)
     res = HeadEffects(effects, baseline, info["name"], method, metric_obj.name, "sweep", int(tokens.shape[0]),
                       int(tokens.shape[1]), per_position, repl.reference, layers,
-                      higher_is_better=metric_obj.higher_is_better)
+                      higher_is_better=metric_obj.higher_is_better,
+                      settings={"fingerprint": info["fingerprint"]} if info.get("fingerprint") else {})
     res.timing = {k: round(v, 3) for k, v in timing.items()}
     res.backend = {"name": "ray", "workers": pool.size, "threads": pool.threads, "shards": len(shards),
                    "retries": pool.retries,

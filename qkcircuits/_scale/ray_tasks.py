@@ -314,7 +314,7 @@ def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: s
         nf = ray_node_faithfulness(pool, task, circuit.heads, rows_per_shard, clean=clean)
         out = finish(sizes, circuits, values, clean, corrupt, curve, chosen, circuit, nf, getattr(scores, "model", ""),
                      {"by": by, **selection, "threshold": threshold, "rows_per_shard": rows_per_shard,
-                      "backend": backend}, t0, t1, per_row, bootstrap, seed, threshold)
+                      "backend": backend}, t0, t1, per_row, bootstrap, seed, threshold, task)
         if holdout is not None:           # faithfulness.held_out, its sums from prompt shards
             from .._tasks.bootstrap import bootstrap_curve
             from .._tasks.faithfulness import HELD_BOOTSTRAP, _area, ratio

@@ -55,7 +55,7 @@ K_SOURCES_NOTE = ("k_sources: per listed induction head, the earlier head with t
 
 @dataclass(repr=False)      # the repr is _text (Result)
 class Zoo(Result):
-    """One summary dict per model (``ZOO_KEYS`` plus ``name``, ``strongest``, ``scores``, ``timing_s``)."""
+    """One summary dict per model (``ZOO_KEYS`` plus ``name``, ``fingerprint``, ``strongest``, ``scores``, ``timing_s``)."""
 
     SCHEMA = SCHEMA
     WHAT = "a 'qkcircuits zoo --json' output"
@@ -113,6 +113,8 @@ def summarise(spec: str, scores, *, k: int = 10) -> Dict[str, Any]:
     """The zoo entry of one model from its ``HeadScores`` (with ``extras["confirmation"]`` when checked)."""
     L, H = scores.n_layers, scores.n_heads
     out: Dict[str, Any] = {"model": spec, "name": scores.model, "n_layers": L, "n_heads": H}
+    if scores.settings.get("fingerprint"):           # the model's fingerprint (``_foundation/fingerprint``)
+        out["fingerprint"] = scores.settings["fingerprint"]
     strongest = {}
     for kind in ZOO_DETECTORS:
         score, minimum = kind, detector(kind).threshold
@@ -274,7 +276,7 @@ def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Op
         from .._tasks.registry import task_spec
 
         task_spec(task)                      # a registered task (one line naming them otherwise)
-        if task in ZOO_KEYS or task in ("name", "strongest", "scores", "timing_s"):
+        if task in ZOO_KEYS or task in ("name", "strongest", "scores", "timing_s", "fingerprint"):
             raise QKCircuitsError(f"zoo task {task!r} has the name of an entry's own key; register it under another")
     load_kwargs = dict(load_kwargs or {})
     if isinstance(chosen, Local):            # the zoo's load options, under the backend's own

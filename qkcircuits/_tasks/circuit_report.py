@@ -8,7 +8,8 @@ m: task t
 >>> CircuitReport.from_json(r.to_json()).data == r.data
 True
 
-``data`` is the JSON contract, documented once (docs/tasks.md, "The circuit JSON"): model, task, n_prompts,
+``data`` is the JSON contract, documented once (docs/tasks.md, "The circuit JSON"): model, fingerprint (the
+model's: docs/reliability.md), task, n_prompts,
 metric, clean, corrupt (means over every prompt), does_task, method, steps, rule, curve {percent: f}, cpr, cmd (on the held-out
 prompts when there are some), circuit {edges: [[sender, receiver, input, score], ...], heads, mlps, n_edges,
 faithfulness, node_faithfulness, named, ...}, core {heads, mlps, node_faithfulness, interval, holdout, margin,
@@ -182,7 +183,7 @@ def assemble(*, model: str, header: str, task, held, graph, drawn: str, holdout,
     if not named:                       # the edges of no circuit are not drawn as one (the CSV keeps every score)
         circuit.update(edges=[], heads=[], mlps=[], n_edges=0,
                        **({"position_nodes": []} if "position_nodes" in circuit else {}))
-    data = {"schema": SCHEMA, "model": model, "task": task.name, "n_prompts": n_all,
+    data = {"schema": SCHEMA, "model": model, "fingerprint": graph.fingerprint, "task": task.name, "n_prompts": n_all,
             "metric": task.metric_name, "clean": clean_all, "corrupt": corrupt_all, "does_task": bool(done),
             "method": method,
             "steps": scores.steps, "rule": scores.rule, "curve": {f"{k:g}": v for k, v in curve.items()},

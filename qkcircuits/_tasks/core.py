@@ -68,7 +68,7 @@ from torch import Tensor
 from .._foundation.errors import QKCircuitsError
 from .._foundation.result import Result
 from .bootstrap import ratio_intervals
-from .graph import Graph
+from .graph import Graph, provenance
 from .nodeviews import NodeSet, NodeViews, head_key as _head_key, is_head as _is_head
 from .nodeviews import node_mask_of, node_rows  # noqa: F401  (their home before nodeviews.py; tests import them here)
 from .task import Task
@@ -515,7 +515,7 @@ def build_core(g: Graph, task: Task, scores, measure, held=None, *, threshold: R
                        {"by": by, "mlps": "searched" if searched else "clean", "prune": prune,
                         "method": getattr(scores, "method", ""), "rows": int(judge.clean.shape[0]),
                         "sets_measured": int(getattr(measure, "sets_measured", 0)), "forwards": round(forwards, 2),
-                        "bootstrap": BOOTSTRAP, "seed": seed, **(settings or {})},
+                        "bootstrap": BOOTSTRAP, "seed": seed, **(settings or {}), **provenance(g, task)},
                        {"core_s": round(time.perf_counter() - t0, 3)}, [found["lo"], found["hi"]], hold, margin,
                        {n: float(v) for n, v in found["needed"].items()},
                        [[sum(_is_head(n) for n in ns), sum(n.startswith("mlp") for n in ns), f, lo]

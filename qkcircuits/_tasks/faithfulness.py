@@ -41,7 +41,7 @@ from torch import Tensor
 
 from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
-from .graph import Graph, graph
+from .graph import Graph, graph, provenance
 from .positions import group_index, position_groups, position_node_mask, split
 from .record import Record, clean_rows, record, reuse
 from .patched import patched_run
@@ -426,7 +426,7 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     del records
     out = finish(sizes, circuits, values, clean, corrupt, curve, chosen, circuit, nf, getattr(scores, "model", ""),
                  {"by": by, "how": how, "threshold": threshold, "rows_per_shard": rows}, t0, t1, per_row, bootstrap,
-                 seed, threshold)
+                 seed, threshold, task)
     if holdout is not None:
         check_task(model, holdout)
         out.holdout = held_out(model, holdout, circuits, sizes, circuit, g, bootstrap or HELD_BOOTSTRAP, seed)
@@ -468,7 +468,7 @@ def choose(sizes: List[float], circuits: List, values: List[float], clean: float
 
 def finish(sizes, circuits, values, clean, corrupt, curve, chosen, circuit, nf, model: str,
            settings: Dict[str, object], t0: float, t1: float, per_row, bootstrap: int, seed: int,
-           threshold: Real) -> "Faithfulness":
+           threshold: Real, task: Optional[Task] = None) -> "Faithfulness":
     """The ``Faithfulness`` of a measured curve: CPR and CMD (trapezoids over the grid), timings, the bootstrap
     intervals when ``per_row`` holds the per-row metrics, and the one warning when no size reaches
     ``threshold``. The local and the Ray faithfulness both end here."""
@@ -478,7 +478,8 @@ def finish(sizes, circuits, values, clean, corrupt, curve, chosen, circuit, nf, 
     f = list(curve.values())
     out = Faithfulness(curve, dict(zip(sizes, values)), {p: c.n_edges for p, c in zip(sizes, circuits)}, clean,
                        corrupt, _area(xs, f), _area(xs, [abs(1 - v) for v in f]), chosen, circuit, nf, circuit.heads,
-                       model, {**settings, "cpr_cmd": "trapezoid over the grid, x = fraction of edges"},
+                       model, {**settings, "cpr_cmd": "trapezoid over the grid, x = fraction of edges",
+                               **provenance(circuit.graph, task)},
                        {"curve_s": round(t1 - t0, 3), "node_view_s": round(time.perf_counter() - t1, 3)})
     if per_row is not None:
         out.bootstrap = bootstrap_curve(xs, per_row["masks"], per_row["clean"], per_row["corrupt"], bootstrap, seed)

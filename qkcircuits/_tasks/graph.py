@@ -40,7 +40,7 @@ a leading group axis [groups, S, R] (``positions.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Dict, Iterable, List, Sequence, Tuple
 
@@ -50,6 +50,7 @@ from torch import Tensor
 
 from .._foundation.arch import adapter
 from .._foundation.errors import QKCircuitsError
+from .._foundation.fingerprint import fingerprint
 from .._foundation.arch.model import (has_mlps, logits_transform, mlp_input, model_name,  # noqa: F401  (re-exported)
                                       parallel_blocks, post_norm_module)
 from .._foundation.heads import n_kv_heads
@@ -70,6 +71,9 @@ class Graph:
     parallel: bool = False          # attention and MLP of a block read the same residual (no head → own-MLP edge)
     ungrouped: bool = False         # k/v inputs per QUERY head (the EAP-IG authors' and MIB's count), not per KV head
     positions: Tuple[str, ...] = ()  # position groups (the task's named positions, then "other"); () = not split
+    # the model's fingerprint (``_foundation/fingerprint``): which model the graph (and every result on it) is of;
+    # not compared (a graph is the same graph whichever model of its shape it was built from)
+    fingerprint: str = field(default="", compare=False)
 
     @property
     def n_groups(self) -> int:
@@ -195,7 +199,8 @@ class Graph:
                 "n_kv_heads": self.n_kv, "mlps": self.has_mlp, "parallel": self.parallel,
                 "gqa": "ungrouped" if self.ungrouped else "grouped", "positions": list(self.positions),
                 "kv_note": ("" if self.n_kv == self.n_heads else "k and v inputs per query head (ungrouped)"
-                            if self.ungrouped else "k and v inputs belong to the key-value head")}
+                            if self.ungrouped else "k and v inputs belong to the key-value head"),
+                **({"fingerprint": self.fingerprint} if self.fingerprint else {})}
 
     @classmethod
     def from_dict(cls, gd: Dict[str, object], model_name: str = "") -> "Graph":
@@ -203,8 +208,10 @@ class Graph:
         gqa = gd.get("gqa", "grouped")
         if gqa not in GQA:
             raise QKCircuitsError(f"graph gqa {gqa!r} is not one of {', '.join(GQA)}")
+        fp = gd.get("fingerprint", "")
         return cls(int(gd["n_layers"]), int(gd["n_heads"]), int(gd["n_kv_heads"]), bool(gd["mlps"]), model_name,
-                   bool(gd.get("parallel", False)), gqa == "ungrouped", tuple(str(p) for p in gd.get("positions", ())))
+                   bool(gd.get("parallel", False)), gqa == "ungrouped", tuple(str(p) for p in gd.get("positions", ())),
+                   fp if isinstance(fp, str) else "")
 
     def __repr__(self) -> str:
         kv = (f", {self.n_kv} KV heads (k/v inputs per {'query' if self.ungrouped else 'KV'} head)"
@@ -216,6 +223,15 @@ class Graph:
 
 
 GQA = ("grouped", "ungrouped")
+
+
+def provenance(g: Graph, task=None) -> Dict[str, str]:
+    """``{"fingerprint": ..., "task": ...}`` for the settings of a result on graph ``g`` (its model's fingerprint, when
+    the graph was built from a model; ``task``'s name, when given): where a task result came from."""
+    out = {"fingerprint": g.fingerprint} if g.fingerprint else {}
+    if task is not None:
+        out["task"] = str(task.name)
+    return out
 OTHER = "other"          # the position group of the positions no name points at
 
 
@@ -260,7 +276,8 @@ def graph(model, gqa: str = "grouped", positions=None) -> Graph:
         groups = position_groups(positions)
     cfg = model.cfg
     return Graph(cfg.n_layers, cfg.n_heads, n_kv_heads(model), has_mlps(model), model_name(model),
-                 parallel_blocks(model), gqa == "ungrouped" and n_kv_heads(model) != cfg.n_heads, groups)
+                 parallel_blocks(model), gqa == "ungrouped" and n_kv_heads(model) != cfg.n_heads, groups,
+                 fingerprint(model))
 
 
 # ------------------------------------------------------------------------------------------ the graph's reads

@@ -63,7 +63,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._foundation.errors import QKCircuitsError
-from .._foundation.result import Result
+from .._foundation.result import Result, stamped
 from .role_rules import DETECTORS, IOI_ROLES, PATTERNS, THRESHOLDS, Role, classify, detector_roles, _largest  # noqa: F401
 
 # heads outside a (core) circuit are named too when their direct or node effect reaches this share of
@@ -246,7 +246,8 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
     if not force and not does_the_task(task, float(clean), float(corrupt)):
         t = {**THRESHOLDS, **(thresholds or {})}
         why = not_done_message(task, float(clean), float(corrupt), model) + " (force=True / --force names them anyway)"
-        return Roles({}, task.name, {"thresholds": t, "clean": clean, "corrupt": corrupt, "not_named": why})
+        return Roles({}, task.name, stamped({"thresholds": t, "clean": clean, "corrupt": corrupt, "not_named": why},
+                                            model, task, name=True))
     denom = float(clean - corrupt) or float("nan")
     own = circuit.heads
     extra = [h for h in also if h not in set(own)]
@@ -313,7 +314,7 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
                 "largest_node_effect": _largest(e["node_effect"] for e in evidence.values())}
     if qk:
         _add_qk_evidence(model, task, out, settings)
-    return Roles(out, task.name, settings)
+    return Roles(out, task.name, stamped(settings, model, task, name=True))
 
 
 QK_ROLES = ("name mover", "negative name mover", "induction head")

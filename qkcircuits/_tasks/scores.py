@@ -51,11 +51,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._foundation.result import Result
+from .._foundation.result import Result, stamped
 from .._foundation.arch.model import folded
 from .._foundation.errors import QKCircuitsError
 from .gradients import gradient_scores, n_runs, points, resolve_rule
-from .graph import Graph, graph
+from .graph import Graph, graph, provenance
 from .exact import exact_edges, exact_nodes
 from .positions import at, position_groups
 from .record import check_graph, record
@@ -182,7 +182,7 @@ class EdgeScores(Result):
         name = g.model_name if isinstance(model, Graph) else model_name(model)
         return cls(g, scores, "mib", 0, float("nan"), float("nan"),
                    {"metric": "logit-diff", "higher_is_better": True, "source": "mib"}, name,
-                   {"source": str(path), "format": "mib", "d_model": cfg.get("d_model")})
+                   {"source": str(path), "format": "mib", "d_model": cfg.get("d_model"), **provenance(g)})
 
     def core(self, model, task: Task, **kw):
         """The core circuit of these scores: the fewest heads (and MLPs) whose node view reaches f ≥ 0.8
@@ -240,9 +240,9 @@ class EdgeScores(Result):
 
 def _settings(model, task: Task, rows: int, extra: Dict[str, object]) -> Dict[str, object]:
     """The run's settings; the library versions are ``Result``'s (``result.versions``, written in one place)."""
-    return {"rows_per_shard": rows, "bos_prepended": bool(task.bos), "dtype": str(model.W_E.dtype),
-            "d_model": int(model.cfg.d_model),
-            "fold_ln": folded(model), "task_digest": task.digest(model), **extra}
+    return stamped({"rows_per_shard": rows, "bos_prepended": bool(task.bos), "dtype": str(model.W_E.dtype),
+                    "d_model": int(model.cfg.d_model),
+                    "fold_ln": folded(model), "task_digest": task.digest(model), **extra}, model, task)
 
 
 def task_graph(model, task: Task, gqa: str = "grouped", positions: Any = False) -> Graph:

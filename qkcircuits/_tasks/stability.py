@@ -37,7 +37,7 @@ from numbers import Real
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .._foundation.errors import QKCircuitsError
-from .._foundation.result import Result
+from .._foundation.result import Result, stamped
 from .core import THRESHOLD, Judge, core_circuit, _head_key, _is_head
 from .holdout import Source
 from .nodeviews import NodeViews
@@ -237,8 +237,8 @@ def stability(model, source: Source, sel: Task, held: Optional[Task], resamples:
            if source.generated else "bootstrap resamples of the file's selection rows")
     return Stability(draws, inclusion, {"nodes": _summary(cores), "edges": _summary(edges)}, role_freq, stable_core,
                      getattr(first["scores"] if first else sc, "model", ""),
-                     {"method": method, "steps": steps, "percent": float(percent), "by": by, "threshold": threshold,
-                      "margin": margin, "mlps": "searched" if mlps else "clean", "share": float(share),
-                      "draws_are": f"draw 0 = the selection part, then {how}", "roles": bool(roles),
-                      "holdout_rows": held.n if held is not None else 0},
+                     stamped({"method": method, "steps": steps, "percent": float(percent), "by": by,
+                              "threshold": threshold, "margin": margin, "mlps": "searched" if mlps else "clean",
+                              "share": float(share), "draws_are": f"draw 0 = the selection part, then {how}",
+                              "roles": bool(roles), "holdout_rows": held.n if held is not None else 0}, model, sel),
                      {"stability_s": round(time.perf_counter() - t0, 3)})

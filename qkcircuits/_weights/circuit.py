@@ -23,7 +23,7 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike
 from .._foundation.io import json_floats, read_floats
 from .._foundation.model import model_name
-from .._foundation.result import Result
+from .._foundation.result import Result, stamped
 from .circuits import to_head, attn_scale, circuit_caveats, full_ov, full_qk, is_folded, ov, ov_affine, qk, qk_affine
 from .rotary import positional_qk, qk_at_offset, rotary_spec
 
@@ -123,4 +123,4 @@ def circuit(model, head: HeadsLike, kind: str = "qk", *, offset: int = 0, normal
     else:
         fn = {"qk": qk, "ov": ov, "qk_affine": qk_affine, "ov_affine": ov_affine}.get(kind)
         mat = fn(model, h) if fn else (full_qk if kind == "full_qk" else full_ov)(model, h, normalize)
-    return Circuit(mat, kind, h, settings, caveats)
+    return Circuit(mat, kind, h, stamped(settings, model), caveats)

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .._foundation import display as show
 from .._foundation.renamed import renamed
-from .._foundation.result import Result
+from .._foundation.result import Result, stamped
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike, model_heads
 from .._foundation.io import json_floats, read_float, read_floats
@@ -209,7 +209,7 @@ def composition_scores(model, mode: str = "K", *, baseline: bool = True, n_sampl
     settings = {"model": model_name(model), "fold_ln": is_folded(model), "caveats": caveats,
                 "baseline_samples": n_samples if baseline else 0, "seed": seed,
                 "convention": "scores[earlier layer, earlier head, later layer, later head]"}
-    return CompositionScores(mode, (raw - base).float(), raw.float(), base, settings)
+    return CompositionScores(mode, (raw - base).float(), raw.float(), base, stamped(settings, model))
 
 
 def composition_column(model, head: HeadsLike, mode: str = "K", *, baseline: bool = True, n_samples: int = 200,

@@ -21,7 +21,7 @@ import torch
 
 from .._foundation.arch import adapter, architecture
 from .._foundation.model import model_name
-from .._foundation.result import Result
+from .._foundation.result import Result, stamped
 
 
 @dataclass(repr=False)      # the repr is _text (Result)
@@ -108,4 +108,4 @@ def kv_cache(model) -> KVCache:
             kinds.add(f"GQA {att.n_kv_heads} of {att.n_heads}")
     names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
     return KVCache(", ".join(sorted(kinds)), per, mha, names.get(dt, str(dt)),
-                   {"model": model_name(model), "architecture": architecture(model)})
+                   stamped({"model": model_name(model), "architecture": architecture(model)}, model))

@@ -36,7 +36,7 @@ from .._foundation.arch import adapter
 from .._foundation.arch.rotary import has_rotary, rotate_native  # noqa: F401 (re-exported)
 from .._foundation.attention import layer_type, native_rotary, sliding_window  # noqa: F401 (re-exported)
 from .._foundation import display as show
-from .._foundation.result import Result
+from .._foundation.result import Result, stamped
 from .._foundation.rope import STYLES, RotarySpec, rotate, rotation  # noqa: F401 (re-exported)
 from .._foundation.errors import QKCircuitsError
 from .._foundation.arch.model import positional
@@ -246,7 +246,7 @@ def offset_profile(model, head: HeadsLike, offsets: Iterable[int] = range(0, 65)
     settings = {"rotary": spec.describe(), "caveats": warn_caveats(model, "the offset profile") + list(spec.caveats),
                 "rows": "normalised token embeddings" if x is None else f"{x.shape[0]} given rows",
                 "attn_scale": scale}
-    return OffsetProfile(str(h), torch.tensor(offs), mean.cpu(), norm.cpu(), settings)
+    return OffsetProfile(str(h), torch.tensor(offs), mean.cpu(), norm.cpu(), stamped(settings, model, name=True))
 
 
 _MEAN_ROWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -36,7 +36,7 @@ from .._foundation.arch import adapter, architecture
 from .._foundation.capture import as_tokens
 from .._foundation.io import json_floats, json_number, read_floats
 from .._foundation.model import model_name
-from .._foundation.result import Result
+from .._foundation.result import Result, stamped
 from .circuits import attn_input_hook, layer_weights, ov
 from .rotary import rotary_spec, rotation
 
@@ -142,7 +142,7 @@ def verify_circuits(model, tokens=None, *, tolerance: Optional[float] = None) ->
         ov_err[layer], o_src[layer] = _ov_errors(model, layer, got)
     settings = {"model": model_name(model), "architecture": architecture(model), "family": adapter(model, 0).family,
                 "tokens": list(toks.shape), "tolerance": tolerance}       # + versions (Result.__post_init__)
-    return CircuitCheck(qk_err, ov_err, s_src, o_src, float(tolerance), settings)
+    return CircuitCheck(qk_err, ov_err, s_src, o_src, float(tolerance), stamped(settings, model))
 
 
 def _layer_run(model, toks: Tensor, layer: int) -> Dict[str, Tensor]:

@@ -97,6 +97,8 @@ def add_parser(sub) -> None:
     input_arg(p, "--scores", metavar="SCAN.json", help="label sources from this scan (default: a quick scan of the "
                                                        "labelled detectors)")
     p.add_argument("--no-labels", action="store_true", help="do not label sources (no scan)")
+    p.add_argument("--allow-other-model", action="store_true",
+                   help="label sources from a --scores scan of another model than this one (default: refused)")
     output_arg(p, "--json", metavar="PATH", help="write the result (the attend JSON contract)")
     output_arg(p, "-o", "--output", metavar="HTML", help="write a standalone page (heatmap and marginals)")
     p.set_defaults(func=run, precheck=precheck)
@@ -136,12 +138,17 @@ def run(args: argparse.Namespace) -> int:
         raise QKCircuitsError(f"--versus {short(args.versus)!r} is the key position itself: score(to) - score(versus) "
                               f"would be 0 by construction; compare with another position")
     precheck(args)
+    scan = None
     if args.scores is not None and not args.no_labels:     # a missing or foreign scan: one line before the model loads
         from .._analysis.results import HeadScores
         from .report import _read
 
-        _read(HeadScores, args.scores, "--scores", "a scan JSON from `qkcircuits scan --json`")
+        scan = _read(HeadScores, args.scores, "--scores", "a scan JSON from `qkcircuits scan --json`")
     model = load_model(args)
+    if scan is not None:                                   # another model's scan: one line naming both
+        from .report import check_same_model
+
+        check_same_model(model, args, ("--scores", args.scores, scan))
     kw = dict(reading=args.reading, expand=args.expand, k=args.top)
     if task_spec is not None:
         from .._tasks.registry import build_task, task_names
@@ -162,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         res = attend(model, args.head, args.prompt, query=args.query, key=args.key, versus=versus, **kw)
         res.settings["prompts"] = {"task": "--prompt", "n": len(args.prompt)}
     if not args.no_labels:
-        res.settings["labels"] = source_labels(model, res, scores_path=args.scores)
+        res.settings["labels"] = source_labels(model, res, scores=scan)
     print(f"{args.model}: head {res.head}, {len(res.rows)} rows, reading {res.reading}")
     for line in res.sentences(k=args.top):
         print(f"  {line}")

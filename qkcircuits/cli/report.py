@@ -156,21 +156,24 @@ def _names_of(model, args) -> set:
 
 
 def check_same_model(model, args, *results) -> None:
-    """Refuse (one line naming both) a result file that records another model than ``model``, unless
-    ``--allow-other-model``. ``results``: ``(flag, path, result)`` with the result's recorded ``model`` (a result
-    class's field, or a circuit file's ``info``); a result that records none passes."""
+    """Refuse (one line naming both models, name and fingerprint) a result file of another model than ``model``,
+    unless ``--allow-other-model``. ``results``: ``(flag, path, result)``; what a result records is read by
+    ``fingerprint.recorded`` (a result's ``model`` and ``settings["fingerprint"]``, a circuit file's keys). The same
+    name (any of ``_names_of``) and fingerprint pass; a file without a fingerprint (older files) is compared by
+    name; a result that records no model passes."""
     if getattr(args, "allow_other_model", False):
         return
+    from .._foundation.fingerprint import fingerprint, mismatch
+
     names = _names_of(model, args)
     for flag, path, res in results:
         if res is None:
             continue
-        recorded = res.info.get("model") if hasattr(res, "info") else getattr(res, "model", None)
-        if isinstance(recorded, str) and recorded.strip() and recorded not in names and \
-                Path(recorded).name not in names:
-            raise QKCircuitsError(f"{flag} {str(path)!r} is a result of model {recorded[:80]!r}, not of "
-                                  f"{str(args.model)[:80]!r}; compute it for this model, or pass --allow-other-model "
-                                  f"to show it anyway")
+        other = mismatch(model, res, names)
+        if other is not None:
+            raise QKCircuitsError(f"{flag} {str(path)!r} is a result of {other}, not of {str(args.model)[:80]!r} "
+                                  f"(fingerprint {fingerprint(model)}); compute it for this model, or pass "
+                                  f"--allow-other-model to show it anyway")
 
 
 def read_circuit(args):

@@ -27,7 +27,22 @@ def add_parser(sub) -> None:
                    help="a result of `qkcircuits attend --json` (repeat for several): a 'why it attends' section "
                         "(default: the top head of each labelled score, explained when the page first loads)")
     p.add_argument("--no-attend", action="store_true", help="no 'why it attends' sections")
+    p.add_argument("--max-request-work", type=work_arg, default=None, metavar="N",
+                   help="multiply-adds one request may cost, estimated before it runs (default 1e11; a request past "
+                        "it gets a 422; 0: no bound)")
     p.set_defaults(func=run)
+
+
+def work_arg(text: str) -> float:
+    """A number of multiply-adds: ``1e11``, ``200000000``, or 0 (no bound); one line for anything else."""
+    try:
+        value = float(text) if len(text.strip()) <= 24 else float("nan")
+    except ValueError:
+        value = float("nan")
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number of multiply-adds such as 1e11 (0: no bound), got "
+                                         f"{text[:40]!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,8 +65,11 @@ def run(args: argparse.Namespace) -> int:
     attend = check_attend(attend, model, args)
     if scores is None and not args.no_scan:
         scores = scan(model, eigen_copying=False)
+    from ..viz._app import MAX_WORK
+
+    work = MAX_WORK if args.max_request_work is None else (args.max_request_work or None)
     app = create_app(model, scores=scores, effects=effects, diagnostics=diagnostics, title=args.model, trace=trace,
-                     hosts=[args.host], circuit=circuit, attend=attend)
+                     hosts=[args.host], circuit=circuit, attend=attend, max_work=work)
     try:
         server = make_server(args.host, args.port, app)
     except OSError as e:

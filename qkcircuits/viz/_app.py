@@ -22,7 +22,9 @@ Bounded and closed: per-request caches are LRUs (``ViewContext``), so memory sta
 sets arrive; a body is at most ``MAX_BODY`` bytes, declared or chunked (413); a connection whose request or
 body stops arriving is let go after ``READ_TIMEOUT`` (408 or closed); POSTs must be ``application/json`` (415:
 no "simple" cross-site request from a web page); a request is bounded (one head checked by its ends, at most 64
-tokens and ``max_prompt`` prompt tokens) and waits at most ``LOCK_WAIT`` for the model (503); a request whose ``Host`` is not this machine (127.0.0.1, localhost, ::1, or the bound address)
+tokens and ``max_prompt`` prompt tokens), its cost is estimated before anything runs (``request_work``) and one
+past ``max_work`` multiply-adds (default ``MAX_WORK``; ``serve --max-request-work``) gets a 422 at once, and it
+waits at most ``LOCK_WAIT`` for the model (503); a request whose ``Host`` is not this machine (127.0.0.1, localhost, ::1, or the bound address)
 gets 403, which stops DNS rebinding; every answer carries ``X-Content-Type-Options: nosniff``,
 ``X-Frame-Options: DENY`` and a Content-Security-Policy that allows the page's own inline scripts (by hash)
 and the two served libraries only; the ``Server`` header names no versions (``make_server``).
@@ -36,12 +38,14 @@ import hashlib
 import json
 import re
 import threading
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 from flask import Flask, Response, jsonify, request
-from werkzeug.exceptions import HTTPException, RequestEntityTooLarge, RequestTimeout, ServiceUnavailable
+from werkzeug.exceptions import (HTTPException, RequestEntityTooLarge, RequestTimeout, ServiceUnavailable,
+                                 UnprocessableEntity)
 
 from .._foundation.errors import QKCircuitsError
+from .._foundation.fingerprint import facts
 from .._foundation.heads import all_heads, model_heads, n_kv_heads
 from .._weights.contextual import INPUTS
 from ._page import embed_json, page, script_text
@@ -54,6 +58,7 @@ MAX_BODY = 64 * 1024     # bytes of a request body
 MAX_DEPTH = 8            # nesting of a request body (the API needs 2)
 READ_TIMEOUT = 10.0      # seconds a connection may wait for the next bytes of a request (a slow or absent body)
 LOCK_WAIT = 30.0         # seconds a request waits for the model (one computation at a time) before a 503
+MAX_WORK = 10 ** 11      # multiply-adds one /api/head request may cost (``request_work``); past it: 422, nothing run
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 _INLINE_SCRIPT = re.compile(r"<script>(.*?)</script>", re.DOTALL)
 
@@ -114,6 +119,29 @@ def _finite_float(text: str) -> float:
     return x
 
 
+def layer_work(shape: dict, layer: int) -> int:
+    """Multiply-adds per token of block ``layer`` (``shape``: ``fingerprint.facts(model)``): its Q, K, V and O
+    projections (``d_model · (d_qk · (heads + kv_heads) + d_v · kv_heads + heads · d_v)``) and its MLP counted as
+    gated (``3 · d_model · d_mlp``: an upper bound for a plain one)."""
+    h, kv, d_qk, d_v = shape["attention"][layer]
+    return shape["d_model"] * (d_qk * (h + kv) + d_v * kv + h * d_v) + 3 * shape["d_model"] * (shape["d_mlp"] or 0)
+
+
+def request_work(shape: dict, layer: int, n_prompt: int, n_tokens: int) -> int:
+    """Multiply-adds of one head panel, estimated from the model's shape before anything runs: the prompt's
+    forward up to the head's layer (``T · layer_work`` per block plus ``T² · heads · (d_qk + d_v)`` for its
+    scores and their mix of values) and the token views of ``n`` tokens (OV through the unembedding ``n · d_model
+    · d_vocab``, the QK grid ``n² · d_qk``, block 0 on each token for the effective view ``n · layer_work(0)``).
+    Weight-only scores computed once per model (K-composition, eigenvalue copying) and the contextual view's
+    corpus statistics (once per model) are not a request's."""
+    T, n = int(n_prompt), int(n_tokens)
+    forward = sum(T * layer_work(shape, L) + T * T * shape["attention"][L][0] * sum(shape["attention"][L][2:])
+                  for L in range(layer + 1))
+    d_model, d_vocab = shape["W_U"]
+    views = n * d_model * d_vocab + n * n * shape["attention"][layer][2] + n * layer_work(shape, 0)
+    return forward + views
+
+
 def _host_name(host: str) -> str:
     """``Host`` header without the port: "127.0.0.1:8050" -> "127.0.0.1", "[::1]:80" -> "::1"."""
     host = host.strip().lower()
@@ -133,21 +161,29 @@ def _tokens_field(model, ids) -> str:
 
 def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Optional[str] = None,
                max_prompt: int = MAX_PROMPT, trace=None, hosts: Optional[Iterable[str]] = None, circuit=None,
-               attend=None) -> Flask:
+               attend=None, max_work: Optional[Union[int, float]] = MAX_WORK) -> Flask:
     """The Flask app for ``model``; ``scores``/``effects``/``diagnostics`` add grids and numbers (optional);
     ``circuit`` (what ``report_html(circuit=...)`` takes) adds the report's circuit section above the heads;
     ``attend``: "why it attends" sections, as ``report_html`` (default: the scan's top heads, computed on the first
     request; ``[]``: none).
 
     ``hosts``: extra ``Host`` names answered besides the loopback ones (``serve`` adds its bound address).
+    ``max_work``: the multiply-adds one request may cost (``request_work``, estimated before it runs; past it a
+    422 that says so); None: no bound.
     """
     from .._foundation.model import model_name
+
+    if max_work is not None and (isinstance(max_work, bool) or not isinstance(max_work, (int, float))
+                                 or not max_work > 0 or max_work != max_work):
+        raise QKCircuitsError(f"max_work must be a positive number of multiply-adds (or None: no bound), got "
+                              f"{max_work!r}")
 
     app = Flask(__name__, static_folder=None)          # no static folder: nothing on disk is reachable by URL
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY      # a declared Content-Length past it: 413 before any read
     ctx = ViewContext(model)
     lock = threading.Lock()
     L, H = int(model.cfg.n_layers), int(model.cfg.n_heads)
+    shape = facts(model)                     # what a request's cost is estimated from (request_work)
     name = title or model_name(model)
     default_ids = token_set(model)
     state = {}
@@ -257,6 +293,12 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
                 from None
         if len(pids) > max_prompt:
             raise QKCircuitsError(f"the prompt is {len(pids)} tokens (with BOS); at most {max_prompt} are accepted")
+        work = request_work(shape, head[0].layer, len(pids), len(ids))
+        if max_work is not None and work > max_work:         # refused before the lock and before any compute
+            raise UnprocessableEntity(f"this request would cost about {work:.3g} multiply-adds (a {len(pids)}-token "
+                                      f"prompt through layers 0-{head[0].layer}, {len(ids)} tokens in the views); "
+                                      f"this app's bound is {max_work:.3g} (create_app(max_work=), serve "
+                                      f"--max-request-work): send a shorter prompt, fewer tokens or an earlier head")
         with model_lock():
             return jsonify(panel(ctx, head[0], ids, pids, scores=scores, effects=effects, diagnostics=diagnostics,
                                  view=view, trace=trace))

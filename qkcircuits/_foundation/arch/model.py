@@ -136,3 +136,25 @@ def rope_type(model) -> str:
     """The rotary scaling type ("default", "yarn", "dynamic", "longrope", ...)."""
     rope = getattr(model.cfg, "rope_parameters", None) or getattr(hf_config(model), "rope_parameters", None) or {}
     return str(rope.get("rope_type", "default")) if isinstance(rope, dict) else "default"
+
+
+# the config fields a fingerprint records (``_foundation/fingerprint.py``); None where the config has none
+SHAPE_CONFIG = ("n_layers", "n_heads", "d_model", "d_head", "d_mlp", "d_vocab", "n_ctx", "normalization_type",
+                "rotary_dim")
+
+
+def shape_config(model) -> dict:
+    """``{name: value}`` of ``SHAPE_CONFIG`` as the model's config holds them (None where absent), plus
+    ``n_kv_heads`` and ``positional``; and the shapes of the embedding, unembedding and (learned) position
+    matrices as the model holds them now (``W_E``, ``W_U``, ``W_pos``: views, nothing copied)."""
+    cfg = model.cfg
+    out = {}
+    for name in SHAPE_CONFIG:
+        v = getattr(cfg, name, None)
+        out[name] = v if v is None or isinstance(v, (bool, str)) else int(v) if float(v).is_integer() else float(v)
+    out["n_kv_heads"] = n_kv_heads(model)
+    out["positional"] = positional(model)
+    out["W_E"] = [int(n) for n in model.W_E.shape]
+    out["W_U"] = [int(n) for n in model.W_U.shape]
+    out["W_pos"] = [int(n) for n in model.W_pos.shape] if learned_positions(model) else None
+    return out
