@@ -25,10 +25,10 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Tuple
 
 from .._foundation.errors import QKCircuitsError
-from .._foundation.io import check_writable, finite_json, write_atomic  # noqa: F401  (re-exported for the subcommands)
+from .._foundation.io import check_writable, write_atomic
 
 # Argument names (dest) that always name files read / written, whichever command adds them.
 INPUT_NAMES = ("model", "models", "scores", "ablation", "diagnostics", "trace", "task", "circuit", "attend")
@@ -173,6 +173,64 @@ def output_paths(args: argparse.Namespace) -> List[Path]:
     commits them as one set (``io.output_set``)."""
     outs = list(dict.fromkeys([*OUTPUT_NAMES, *(getattr(args, "_qk_outputs", None) or [])]))
     return [Path(v).expanduser() for d in outs for v in _values(args, d) if v.strip()]
+
+
+# ------------------------------------------------------------------------------------------ common flags, once
+RAY_FORMS = ("an address (host:port, ray://...), local:N (a local instance with N one-thread workers), or nothing "
+             "($RAY_ADDRESS, else a local instance)")
+
+
+def ray_arg(p: argparse.ArgumentParser, what: str) -> argparse.Action:
+    """``--ray [ADDRESS|local:N]``: ``what`` (e.g. "the sweep") runs on Ray workers that each load the model once;
+    ``ray_backend(args)`` is the backend it names."""
+    return p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS|local:N",
+                          help=f"run {what} on Ray workers that each load the model once: {RAY_FORMS}")
+
+
+def ray_backend(args: argparse.Namespace):
+    """The ``qk.Ray`` backend of ``--ray`` (its address, ``--threads`` per worker, default 1) with the model flags
+    (what each worker loads)."""
+    from .._foundation.backends import Ray
+
+    return Ray(address=args.ray or None, threads=getattr(args, "threads", None) or 1, load_kwargs=load_kwargs(args))
+
+
+def load_kwargs(args: argparse.Namespace) -> dict:
+    """``qk.load``'s options from the model flags (``add_model_args``)."""
+    return {"device": args.device, "dtype": args.dtype, "fold_ln": not args.no_fold_ln}
+
+
+def json_arg(p: argparse.ArgumentParser, what: str) -> argparse.Action:
+    """``--json PATH``: write ``what`` (one of the run's outputs: ``write_output``)."""
+    return output_arg(p, "--json", metavar="PATH", help=f"write {what}")
+
+
+def html_arg(p: argparse.ArgumentParser, what: str, required: bool = False) -> argparse.Action:
+    """``-o/--output HTML``: write ``what`` as one offline HTML file."""
+    return output_arg(p, "-o", "--output", metavar="HTML", required=required,
+                      help=f"write {what} as one offline HTML file")
+
+
+def timing_arg(p: argparse.ArgumentParser, what: str = "each step") -> argparse.Action:
+    """``--timing``: print how long ``what`` took (the JSON keeps it under ``timing``)."""
+    return p.add_argument("--timing", action="store_true", help=f"print how long {what} took (also in the JSON's timing)")
+
+
+def write_output(path, content, note: str = "") -> None:
+    """One output of the run, when its flag was given (``path`` not None): a result (its ``to_json``), a dict (JSON,
+    non-finite numbers as null) or text (HTML, CSV), written atomically; then ``wrote PATH`` on stderr. ``cli.main``
+    commits the run's outputs as one set. ``note``: said after the path (e.g. the file's size)."""
+    if not path:
+        return
+    from .._foundation.io import dump_json
+
+    if isinstance(content, dict):
+        dump_json(content, str(Path(path).expanduser()))
+    elif isinstance(content, str):
+        write_atomic(str(Path(path).expanduser()), content)
+    else:                                 # a Result: its own JSON (schema first)
+        content.to_json(str(Path(path).expanduser()))
+    print(f"wrote {path}{note}", file=sys.stderr)
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:

@@ -7,9 +7,9 @@ import json
 import sys
 import time
 
-from .._foundation.backends import Ray
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, head_arg, finite_json, load_model, non_negative_int, positive_int, write_atomic, renamed_arg
+from ._common import (add_model_args, head_arg, json_arg, load_model, non_negative_int, positive_int, ray_arg,
+                      ray_backend, renamed_arg, write_output)
 
 METRICS = ("induction-loss", "text-loss")     # the table's token-row names with default prompts (default_tokens)
 
@@ -34,10 +34,8 @@ def add_parser(sub) -> None:
                    help="text-loss: tokens per text row (default 40); with induction-loss, the old name of --seg-len")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random prompts (default 0)")
     renamed_arg(p, "--k", "--top", type=positive_int, default=10, help="heads listed after --sweep (default 10)")
-    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS|local:N",
-                   help="--sweep on Ray workers that each load the model: an address (host:port, ray://...), "
-                        "local:N (a local instance with N one-thread workers), or nothing ($RAY_ADDRESS, else local)")
-    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    ray_arg(p, "--sweep")
+    json_arg(p, "the result as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -106,12 +104,6 @@ def prompt_lengths(args: argparse.Namespace) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def ray_backend(args: argparse.Namespace) -> Ray:
-    """The ``qk.Ray`` backend of ``--ray [ADDRESS|local:N]`` and the model flags (what each worker loads)."""
-    return Ray(address=args.ray or None,
-               load_kwargs={"device": args.device, "dtype": args.dtype, "fold_ln": not args.no_fold_ln})
-
-
 def _print_sweep(args, res, out: dict) -> dict:
     """Print the top effects; return every HeadEffects field (so `report --ablation` reads it) + the CLI's keys."""
     out = {**json.loads(res.to_json()), **out}
@@ -127,6 +119,4 @@ def _print_sweep(args, res, out: dict) -> dict:
 
 
 def _write(args, out: dict) -> None:
-    if args.json:
-        write_atomic(args.json, json.dumps(finite_json(out), indent=1, allow_nan=False))
-        print(f"wrote {args.json}", file=sys.stderr)
+    write_output(args.json, out)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-import sys
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, bounded_int, head_arg, input_arg, int_arg, load_model, output_arg, positive_int, short
+from ._common import (add_model_args, bounded_int, head_arg, html_arg, input_arg, int_arg, json_arg, load_model,
+                      positive_int, short, write_output)
 
 DEFAULT_TASK = "induction"     # the registered task attend reads without --task or --prompt
 
@@ -99,8 +99,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-labels", action="store_true", help="do not label sources (no scan)")
     p.add_argument("--allow-other-model", action="store_true",
                    help="label sources from a --scores scan of another model than this one (default: refused)")
-    output_arg(p, "--json", metavar="PATH", help="write the result (the attend JSON contract)")
-    output_arg(p, "-o", "--output", metavar="HTML", help="write a standalone page (heatmap and marginals)")
+    json_arg(p, "the result (the attend JSON contract)")
+    html_arg(p, "a standalone page (heatmap and marginals)")
     p.set_defaults(func=run, precheck=precheck)
 
 
@@ -173,14 +173,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.model}: head {res.head}, {len(res.rows)} rows, reading {res.reading}")
     for line in res.sentences(k=args.top):
         print(f"  {line}")
-    if args.json:
-        res.to_json(args.json)
-        print(f"wrote {args.json}", file=sys.stderr)
+    write_output(args.json, res)
     if args.output:
         from ..viz._attend_view import attend_page
 
-        from .._foundation.io import write_atomic
-
-        write_atomic(args.output, attend_page(res))
-        print(f"wrote {args.output}", file=sys.stderr)
+        write_output(args.output, attend_page(res))
     return 0

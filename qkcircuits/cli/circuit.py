@@ -30,7 +30,8 @@ import time
 
 from .._foundation.errors import QKCircuitsError
 from .._foundation.metric_table import names
-from ._common import add_model_args, metric_arg, non_negative_int, output_arg, positive_int
+from ._common import (add_model_args, html_arg, json_arg, load_kwargs, metric_arg, non_negative_int, output_arg,
+                      positive_int, ray_arg, ray_backend, timing_arg, write_output)
 
 SCHEMA = "qkcircuits.circuit/1"
 METHODS = ("eap-ig", "eap", "exact", "eap-ig-activations", "clean-corrupted")
@@ -133,15 +134,11 @@ def add_parser(sub) -> None:
                         "per resample; default 0: none)")
     output_arg(p, "--mib", metavar="PATH", help="write the edge scores in the MIB circuit track's JSON (the edge "
                                                 "circuit's edges in_graph; not with --positions)")
-    p.add_argument("--json", metavar="PATH", help="write the result (the circuit JSON contract)")
-    p.add_argument("--csv", metavar="PATH", help="write every edge's score (sender, receiver, input, score, in_circuit)")
-    p.add_argument("-o", "--output", metavar="HTML", help="write the report's circuit section as one offline HTML "
-                                                          "file (curve, graph, roles, top edges)")
-    p.add_argument("--timing", action="store_true", help="print how long each step took (also in the JSON's timing)")
-    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS|local:N",
-                   help="run on Ray workers (each loads the model once; prompt shards, sums combined exactly): an "
-                        "address, local:N, or nothing ($RAY_ADDRESS, else a local instance). A .jsonl task must "
-                        "be readable by the workers")
+    json_arg(p, "the result (the circuit JSON contract: qk.find_circuit's report)")
+    output_arg(p, "--csv", metavar="PATH", help="write every edge's score (sender, receiver, input, score, in_circuit)")
+    html_arg(p, "the report's circuit section (curve, graph, roles, top edges)")
+    timing_arg(p)
+    ray_arg(p, "every step (prompt shards, sums combined exactly; a .jsonl task must be readable by the workers)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
@@ -149,12 +146,11 @@ def add_parser(sub) -> None:
 def backend(args: argparse.Namespace):
     """The backend of this command: ``qk.Ray`` with ``--ray`` (each worker loads the model as the flags say), else
     ``qk.Local`` (this process). Every step runs on ONE pool of it (``qk.find_circuit``)."""
-    from .._foundation.backends import Local, Ray
+    from .._foundation.backends import Local
 
-    load_kwargs = {"device": args.device, "dtype": args.dtype, "fold_ln": not args.no_fold_ln}
     if args.ray is not None:
-        return Ray(address=args.ray or None, threads=args.threads or 1, load_kwargs=load_kwargs)
-    return Local(load_kwargs={**load_kwargs, "verbose": True})
+        return ray_backend(args)
+    return Local(load_kwargs={**load_kwargs(args), "verbose": True})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -187,22 +183,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write(args, report) -> None:
-    from .._foundation.io import csv_text, dump_json, write_atomic
+    from .._foundation.io import csv_text
 
     data, scores, circ = report.to_dict(), report.scores, report.edge_circuit
-    if args.json:
-        dump_json(data, args.json)
-        print(f"wrote {args.json}", file=sys.stderr)
+    write_output(args.json, data)
     if args.csv:
         inside = {tuple(e[:3]) for e in circ.edges()} if circ is not None else set()
         rows = [[s, r, x, float(f"{v:.6g}"), int((s, r, x) in inside)] for s, r, x, v in scores.edge_list()]
-        write_atomic(args.csv, csv_text(["sender", "receiver", "input", "score", "in_circuit"], rows))
-        print(f"wrote {args.csv}", file=sys.stderr)
+        write_output(args.csv, csv_text(["sender", "receiver", "input", "score", "in_circuit"], rows))
     if args.mib:
-        scores.to_mib(args.mib, circuit=circ)
-        print(f"wrote {args.mib}", file=sys.stderr)
+        write_output(args.mib, scores.to_mib(circuit=circ))
     if args.output:          # the report's own circuit section (warnings, curve, graph, roles, top edges), alone
-        from ..viz._report import circuit_page, write_report
+        from ..viz._report import circuit_page
 
-        write_report(args.output, circuit_page(data, source=args.json or f"{data['model']}, {data['task']}"))
-        print(f"wrote {args.output}", file=sys.stderr)
+        write_output(args.output, circuit_page(data, source=args.json or f"{data['model']}, {data['task']}"))

@@ -15,13 +15,11 @@ the output tokens the full OV circuit sends the first tokens to. ``--json`` writ
 
 from __future__ import annotations
 
-import json
-import sys
 import warnings
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, head_arg, finite_json, load_model, positive_int, write_atomic, renamed_arg
+from ._common import add_model_args, head_arg, json_arg, load_model, positive_int, renamed_arg, write_output
 
 
 def add_parser(sub) -> None:
@@ -38,7 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("--offsets", type=positive_int, default=64, help="largest offset in the profile (default 64)")
     renamed_arg(p, "--view", "--input", choices=("direct", "effective", "contextual"), default=None,
                 help="token rows of the OV view and copying rank (default: direct at layer 0, contextual after)")
-    p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
+    json_arg(p, "the summary as JSON")
     p.add_argument("--verify", action="store_true",
                    help="also check every head's factored QK/OV against the model's own scores and head outputs "
                         "(qk.verify_circuits); exit 1 if any relative error exceeds 1e-4 (float32; 4 x the dtype's epsilon "
@@ -140,7 +138,6 @@ def run(args) -> int:
         raise QKCircuitsError(f"cannot write {args.json!r}: its folder does not exist")
     model = load_model(args)
     from .._foundation.heads import model_heads
-    from .._foundation.model import model_name
 
     head = model_heads(model, args.head)
     if len(head) != 1:
@@ -164,7 +161,5 @@ def run(args) -> int:
         for _, row in check.worst(3).iterrows():
             print(f"  head {row['head']}: QK {row['qk_error']:.2e} (vs {row['score_source']}), "
                   f"OV {row['ov_error']:.2e}")
-    if args.json:
-        write_atomic(str(Path(args.json).expanduser()), json.dumps(finite_json(s), indent=1, allow_nan=False))
-        print(f"wrote {args.json}", file=sys.stderr)
+    write_output(args.json, s)
     return 1 if check is not None and not check.passed else 0

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, load_model, non_negative_int, positive_int, write_atomic
+from ._common import add_model_args, json_arg, load_model, non_negative_int, positive_int, write_output
 
 _COLUMNS = [  # (measure, header, format)
     ("qk_var_ratio", "Var(qk)/dk", "{:10.2f}"),
@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
                    help="repeated segment length, sequences are BOS + 2 copies (default 40)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random segments (default 0)")
     p.add_argument("--all", action="store_true", help="list every head, not only the flagged ones")
-    p.add_argument("--json", metavar="PATH", help="write the full result (every measure, every head) as JSON")
+    json_arg(p, "the full result (every measure, every head) as JSON")
     p.set_defaults(func=run)
 
 
@@ -103,7 +103,5 @@ def run(args) -> int:
     diag = diagnose(model, prompt_sets=sets, n_seqs=args.n_seqs, seq_len=args.seq_len, seg_len=args.seg_len,
                     seed=args.seed, progress=sys.stderr.isatty())
     print(format_table(diag, all_heads=args.all))
-    if args.json:
-        write_atomic(str(Path(args.json).expanduser()), diag.to_json())
-        print(f"wrote {args.json}", file=sys.stderr)
+    write_output(args.json, diag)
     return 0

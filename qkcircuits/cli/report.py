@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, head_arg, load_model, non_negative_int, positive_int, renamed_arg
+from ._common import add_model_args, head_arg, html_arg, load_model, non_negative_int, positive_int, renamed_arg, write_output
 
 
 def add_parser(sub) -> None:
@@ -16,7 +15,7 @@ def add_parser(sub) -> None:
                                    "QK/OV heatmaps, the positional/rotary QK profile, K-composition partners and "
                                    "attention patterns. All JavaScript is inlined: it opens offline.")
     add_model_args(p)
-    p.add_argument("-o", "--output", required=True, metavar="PATH", help="the HTML file to write")
+    html_arg(p, "the report", required=True)
     p.add_argument("--tokens", nargs="+", metavar="TOKEN",
                    help="token set of the QK/OV views: each the text of one token (e.g. ' the') or #id "
                         "(default: common English words that are single tokens; ids 0-31 without a tokenizer)")
@@ -188,7 +187,7 @@ def read_circuit(args):
 
 def run(args: argparse.Namespace) -> int:
     from .._analysis.detect import scan
-    from ..viz import report_html, write_report
+    from ..viz import report_html
 
     scores, effects, diagnostics = load_inputs(args)
     trace = read_trace(args)                 # parsed before the model loads: a bad file fails in a second
@@ -209,6 +208,5 @@ def run(args: argparse.Namespace) -> int:
                        tokens=args.tokens, prompt=args.prompt, grid_k=args.grid_k, k=args.k,
                        title=args.model, view=args.view, progress=not args.quiet, trace=trace,
                        circuit=circuit, attend=attend)
-    write_report(args.output, html)
-    print(f"wrote {args.output} ({len(html.encode('utf-8')) / 2 ** 20:.1f} MiB)", file=sys.stderr)
+    write_output(args.output, html, note=f" ({len(html.encode('utf-8')) / 2 ** 20:.1f} MiB)")
     return 0

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from .._foundation.errors import QKCircuitsError
 
-from ._common import add_model_args, load_model, non_negative_int, positive_int, renamed_arg, write_atomic
+from ._common import (add_model_args, json_arg, load_model, non_negative_int, output_arg, positive_int, renamed_arg,
+                      write_output)
 
 
 def table_scores(scores):
@@ -42,8 +42,8 @@ def add_parser(sub) -> None:
                         "ones; qk.detectors() lists them, and an unknown name is refused with the list)")
     p.add_argument("--confirm", type=non_negative_int, default=0, metavar="K",
                    help="ablate the top-K induction heads and K random heads and compare the loss rise")
-    p.add_argument("--json", metavar="PATH", help="write all scores as JSON")
-    p.add_argument("--csv", metavar="PATH", help="write one row per head as CSV")
+    json_arg(p, "all scores as JSON")
+    output_arg(p, "--csv", metavar="PATH", help="write one row per head as CSV")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -63,12 +63,9 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(scores, args.k))
     if "confirmation" in scores.extras:
         print(format_confirmation(scores.extras["confirmation"]))
-    if args.json:
-        scores.to_json(args.json)
-        print(f"wrote {args.json}", file=sys.stderr)
+    write_output(args.json, scores)
     if args.csv:
-        write_atomic(args.csv, frame_csv(scores.to_frame()))      # quoted as needed, formulas made inert
-        print(f"wrote {args.csv}", file=sys.stderr)
+        write_output(args.csv, frame_csv(scores.to_frame()))      # quoted as needed, formulas made inert
     return 0
 
 

@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, head_arg, load_model, positive_int, renamed_arg
-from .ablate import ray_backend
+from ._common import (add_model_args, head_arg, json_arg, load_model, positive_int, ray_arg, ray_backend, renamed_arg,
+                      write_output)
 
 INPUT_WORDS = {"q": "queries", "k": "keys", "v": "values"}
 
@@ -35,11 +35,8 @@ def add_parser(sub) -> None:
                    help="estimate the edges by gradients (edge attribution) instead of exact path patching")
     renamed_arg(p, "--k", "--top", type=positive_int, default=3, help="induction heads traced without --receivers (3)")
     p.add_argument("--show", type=positive_int, default=3, help="senders listed per receiver input (default 3)")
-    p.add_argument("--json", metavar="PATH", help="write the result (the trace JSON contract)")
-    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS|local:N",
-                   help="run the scan and the path patching on Ray workers that each load the model: an address "
-                        "(host:port, ray://...), local:N (a local instance with N one-thread workers), or nothing "
-                        "($RAY_ADDRESS, else local)")
+    json_arg(p, "the result (the trace JSON contract)")
+    ray_arg(p, "the scan and the path patching")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -97,7 +94,5 @@ def run(args: argparse.Namespace) -> int:
             if sp < AGREE and not said:
                 print(f"      {COMPOSITION_VS_RUN}")
                 said = True
-    if args.json:
-        res.to_json(args.json)
-        print(f"wrote {args.json}", file=sys.stderr)
+    write_output(args.json, res)
     return 0

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from ._common import input_arg, non_negative_int, positive_int, write_atomic
+from ._common import html_arg, input_arg, json_arg, non_negative_int, positive_int, ray_arg, write_output
 
 
 def add_parser(sub) -> None:
@@ -20,8 +19,7 @@ def add_parser(sub) -> None:
                    help="ablate the top-K induction heads together against random K-head sets (default 5; 0: skip)")
     p.add_argument("--n-seqs", type=positive_int, default=8, help="sequences of [BOS]+R+R per model (default 8)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the prompt sets (default 0)")
-    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS|local:N",
-                   help="one model per Ray worker: an address, local:N, or nothing ($RAY_ADDRESS, else local)")
+    ray_arg(p, "one model per worker")
     p.add_argument("--task", default=None, metavar="NAME",
                    help="also find each model's circuit of this registered task (ioi, greater-than, ...: "
                         "qk.tasks.task_names()): its metric, CPR/CMD, roles (IOI: name movers)")
@@ -30,8 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
                    help="BOS before each --task prompt: auto (default) = what each model's tokenizer does on its "
                         "own, yes / no = forced")
-    p.add_argument("--json", metavar="PATH", help="write the comparison as JSON")
-    p.add_argument("-o", "--output", metavar="PATH", help="write a self-contained HTML page (works offline)")
+    json_arg(p, "the comparison as JSON")
+    html_arg(p, "the comparison")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -51,14 +49,11 @@ def run(args: argparse.Namespace) -> int:
             load_kwargs={"device": args.device, "dtype": args.dtype}, task=args.task, task_n=args.task_n,
             task_bos={"auto": None, "yes": True, "no": False}[args.bos])
     print(format_zoo(z.models, args.task))
-    if args.json:
-        z.to_json(args.json)
-        print(f"wrote {args.json}", file=sys.stderr)
+    write_output(args.json, z)
     if args.output:
         from ..viz._zoo import zoo_html
 
-        write_atomic(args.output, zoo_html(z))
-        print(f"wrote {args.output}", file=sys.stderr)
+        write_output(args.output, zoo_html(z))
     return 0
 
 
