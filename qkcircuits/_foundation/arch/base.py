@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..rope import RotarySpec
 from .norms import Norm, block_norm, module_eps, read_norm
-from .qkmap import QKMap
+from .qkmap import QKMap, ScoreMaps
 from .rotary import layer_rotary
 
 
@@ -147,20 +147,48 @@ class AttentionAdapter:
         """This layer's rotary (``arch/rotary``), None without rotary; NoPE layers give the identity."""
         return layer_rotary(self, verify)
 
+    # -- the attribution maps (arch/qkmap): ``_maps`` is each family's ---------------------------------
     def query_map(self, head: int) -> QKMap:
         """Query head ``head``'s query as a function of the residual entering the block (``arch/qkmap``)."""
-        raise NotImplementedError
+        return self.query_maps([int(head)])[0]
 
     def key_map(self, kv_head: int) -> QKMap:
         """KV head ``kv_head``'s key as a function of the residual entering the block (``arch/qkmap``)."""
-        raise NotImplementedError
+        return self.key_maps([int(kv_head)])[0]
 
     def query_maps(self, heads) -> List[QKMap]:
         """``query_map`` of each of ``heads``, the layer's weights and norms read once."""
-        return [self.query_map(h) for h in heads]
+        return self._maps("q", [int(h) for h in heads])
 
     def key_maps(self, kv_heads) -> List[QKMap]:
-        return [self.key_map(g) for g in kv_heads]
+        """``key_map`` of each of ``kv_heads``, the layer's weights and norms read once."""
+        return self._maps("k", [int(g) for g in kv_heads])
+
+    def _maps(self, side: str, heads: List[int]) -> List[QKMap]:
+        """The maps of ``side`` ("q": query heads, "k": KV heads) for ``heads``: each family's own."""
+        raise NotImplementedError
+
+    def score_maps(self, heads) -> ScoreMaps:
+        """Everything the score of query heads ``heads`` is made of, in one object (``qkmap.ScoreMaps``): their
+        query maps, their KV heads' key maps, the scale, soft-cap, window, ALiBi slopes and rotary, and what the maps
+        freeze (what ``qk.attend`` asks of a layer)."""
+        heads = [int(h) for h in heads]
+        group = self.n_heads // self.n_kv_heads
+        kv = sorted({h // group for h in heads})
+        factor, source, cap = self.scale()
+        query = self.query_maps(heads)
+        key = dict(zip(kv, self.key_maps(kv)))
+        rotary = (query + list(key.values()))[0].rotary if heads else self.rotary(verify=False)
+        return ScoreMaps(heads, query, key, group, factor, source, cap, self.window(), self.alibi_slopes(), rotary,
+                         self.frozen_factors(), self.family)
+
+    def frozen_factors(self) -> List[str]:
+        """What this layer's attribution maps hold at their value in one run: each per-position scale of a norm
+        between the residual and the score (the input norm's; a QK-norm's)."""
+        out = ["the input norm's 1/σ at each position"] if self.input_norm().kind else []
+        if any(n is not None for n in self.qk_norms()):
+            out.append("the QK-norm's 1/σ of each head's query and key")
+        return out
 
     def uses_rotary(self) -> bool:
         return True

@@ -161,23 +161,15 @@ class LatentAttention(AttentionAdapter):
                 "circuit depends on the input's norm; the contextual token views evaluate the norms at the actual "
                 "inputs and are the default"]
 
+    def frozen_factors(self) -> List[str]:
+        out = ["the input norm's 1/σ at each position"] if self.input_norm().kind else []
+        return out + ["the query and KV latents' RMS scales (the shared rotary key is not normalised)"]
+
     def rotary_module(self) -> torch.nn.Module:
         for _, mod in self.model.original_model.named_modules():
             if isinstance(getattr(mod, "inv_freq", None), Tensor):
                 return mod
         raise QKCircuitsError("cannot find the rotary module (no inv_freq buffer) of this DeepSeek model")
-
-    def query_map(self, head: int) -> LatentQKMap:
-        return self.query_maps([int(head)])[0]
-
-    def key_map(self, kv_head: int) -> LatentQKMap:
-        return self.key_maps([int(kv_head)])[0]
-
-    def query_maps(self, heads) -> List[LatentQKMap]:
-        return self._maps("q", [int(h) for h in heads])
-
-    def key_maps(self, kv_heads) -> List[LatentQKMap]:
-        return self._maps("k", [int(g) for g in kv_heads])
 
     def _maps(self, side: str, heads: List[int]) -> List[LatentQKMap]:
         """The effective per-head maps through the latent (``weights()``), the input norm's weight in front."""
