@@ -62,7 +62,10 @@ def _candidates(model, layer: int, into: str, n: int):
     norm = a.input_norm()
     if norm.kind is None:
         return
-    W, bx = a.input_maps(into, range(a.n_heads if into == "q" else a.n_kv_heads))          # [m, d, e], [m, e]
+    maps = a.input_maps(into, range(a.n_heads if into == "q" else a.n_kv_heads))          # [m, d, e], [m, e]
+    if maps is None:                  # no linear map of the normed input (latent attention): the module path
+        return
+    W, bx = maps
     if W.shape[0] != n and n % W.shape[0] == 0:       # a hook with K/V per query head: ungroup the KV heads
         W = W.repeat_interleave(n // W.shape[0], 0)
         bx = None if bx is None else bx.repeat_interleave(n // bx.shape[0], 0)
@@ -79,7 +82,7 @@ def closed_form(model, layer: int, into: str, x: Float[Tensor, "b p d"], hook_va
                 ) -> Optional[InputParts]:
     """The closed form of layer ``layer``'s ``into`` input, checked against the model's own ``hook_value``
     computed from the residual ``x`` (first row only: the formula is per position), or None."""
-    if x.dtype not in (torch.float32, torch.float64) or adapter(model, layer).family == "latent":
+    if x.dtype not in (torch.float32, torch.float64) or adapter(model, layer).input_maps("q", []) is None:
         return None
     try:
         want = hook_value[:1].detach()

@@ -98,14 +98,7 @@ def kv_cache(model) -> KVCache:
         mine, full = att.kv_floats()
         per.append(mine * size)
         mha.append(full * size)
-        if att.family == "latent":
-            kinds.add(f"MLA: latent {att.kv_lora_rank} + rotary key {att.d_rope}")
-        elif att.n_kv_heads == att.n_heads:
-            kinds.add("MHA")
-        elif att.n_kv_heads == 1:
-            kinds.add("MQA")
-        else:
-            kinds.add(f"GQA {att.n_kv_heads} of {att.n_heads}")
+        kinds.add(att.kv_kind())
     names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
     return KVCache(", ".join(sorted(kinds)), per, mha, names.get(dt, str(dt)),
                    {"model": model_name(model), "architecture": architecture(model)})
