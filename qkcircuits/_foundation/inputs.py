@@ -29,7 +29,8 @@ bias and epsilon (``_foundation/arch/norms``) and returns the parts only after t
 hook value on the run to 1e-5 of its largest entry (float32 rounding: in float64, HF's RMSNorm still
 normalises in float32, so the closed form then differs from the module path by ~1e-7 relative, not 1e-15;
 a wrong epsilon, weight or bias is far outside it); float32/float64 only (bf16 keeps the module path, whose rounding the
-model's own is), and never for multi-head latent attention (its inputs have their own path in graph.py).
+model's own is), and never where the adapter has no ``input_maps`` (multi-head latent attention: its
+inputs come from ``adapter.inputs_from_residuals``).
 """
 
 from __future__ import annotations

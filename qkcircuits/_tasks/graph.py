@@ -295,7 +295,8 @@ def head_outputs(model, layer: int, z: Float[Tensor, "b p h e"], y=None, out=Non
 
 def split_qkv_from_residuals(model, layer: int, into: str, resid: Float[Tensor, "n b p d"],
                              heads: Sequence[int]) -> Float[Tensor, "b p n e"]:
-    """hook_q/k/v values of ``heads`` (query heads for q, KV heads for k/v) of ``layer``, head i computed
+    """hook_q/k/v values of ``heads`` (query heads for q, KV heads for k/v) of ``layer`` (the adapter's
+    ``inputs_from_residuals``), head i computed
     from ITS OWN residual ``resid[i]``: ln1 recomputed per copy (cheap, elementwise), then one einsum with
     the heads' W_Q/W_K/W_V (the flops of the model's own projection). q/k-norm and rotary are applied
     after hook_q/k by the model's attention, so they need nothing here.
