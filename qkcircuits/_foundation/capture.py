@@ -115,7 +115,7 @@ def expand_kv(t: Float[Tensor, "batch pos kv d"], n_heads: int) -> Float[Tensor,
     return t.repeat_interleave(group, dim=2) if group > 1 else t
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class Activations(Result):
     """What ``capture`` read: ``acts[name, layer]`` per query head; ``acts.kv(name, layer)`` per KV head.
 

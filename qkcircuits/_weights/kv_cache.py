@@ -24,7 +24,7 @@ from .._foundation.model import model_name
 from .._foundation.result import Result
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class KVCache(Result):
     """``per_layer_bytes`` / ``mha_bytes`` [layer] per token; ``kind`` MHA, GQA (n of m), MQA or MLA; ``ratio``."""
 

@@ -154,7 +154,7 @@ def positional_qk(model, head: HeadsLike, normalize: bool = False) -> FactoredMa
         return FactoredMatrix(P @ w.W_Q[h.head], (P @ w.W_K[h.head]).T)
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class OffsetProfile(Result):
     """Per-head score against offset: ``mean_score[Δ]`` = scale · q̄ R(Δ) k̄ᵀ for the mean query/key of
     the rows used, and ``norm[Δ]`` = scale · ‖QK(Δ)‖_F; ``settings`` says which rows and rotary."""

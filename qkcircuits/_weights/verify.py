@@ -45,7 +45,7 @@ TOLERANCE = 1e-4
 SCHEMA = "qkcircuits.circuit_check/1"
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class CircuitCheck(Result):
     """``qk_error`` / ``ov_error`` [layer, head] relative errors; ``score_source`` / ``output_source`` say what
     the factored forms were compared with; ``settings`` (model, architecture, tokens, tolerance, versions)."""
