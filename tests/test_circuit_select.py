@@ -1,5 +1,6 @@
 """Circuit selection (``how="top"`` / ``"greedy"``) on hand-set scores whose answer is known by construction."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -50,7 +51,7 @@ def test_a_kv_edge_adds_only_the_group_heads_the_circuit_uses():
     # an unpruned mask whose KV edge has none of its group in the circuit still names the group
     mask = torch.zeros_like(g.valid)
     mask[g.senders.index("emb"), g.receivers.index(("1.kv1", "k"))] = True
-    c.mask = mask
+    c = replace(c, mask=mask)
     assert c.heads == ["1.2", "1.3"]
 
 

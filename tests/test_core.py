@@ -56,7 +56,7 @@ def test_toy_induction_core_is_exactly_the_two_known_heads(hand_built):
     # that is noise (as in the doctests): it is ranked by |score| there; exact ranks signed
     for method, by in (("exact", "signed"), ("eap-ig", "abs")):
         scores = qk.edge_scores(hand_built, task, method=method, progress=False)
-        core = scores.core(hand_built, task, by=by, progress=False, holdout=held)
+        core = qk.core_circuit(hand_built, task, scores, by=by, progress=False, holdout=held)
         assert core.heads == ["0.0", "1.0"] and core.mlps == [], method
         assert core.node_faithfulness == pytest.approx(1.0, abs=1e-4) and core.interval[0] >= 0.8
         assert core.holdout["n"] == 6 and core.holdout_f == pytest.approx(1.0, abs=1e-4)
@@ -316,7 +316,7 @@ def test_roles_name_heads_outside_the_circuit(hand_built):
 def test_core_roles_on_the_toy(hand_built):
     task = qk.tasks.induction(hand_built, n=8, seg_len=6)
     scores = qk.edge_scores(hand_built, task, method="exact", progress=False)
-    core = scores.core(hand_built, task, progress=False)
+    core = qk.core_circuit(hand_built, task, scores, progress=False)
     circ = core.circuit(scores)
     # the core's edge form: every edge between its nodes, the embedding and the logits
     # emb -> q/k/v of 0.0 and 1.0 (6), 0.0 -> q/k/v of 1.0 (3), emb, 0.0, 1.0 -> logits (3)

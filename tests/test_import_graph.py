@@ -1,5 +1,8 @@
 """The package's import graph, read from the source (every ``import`` statement, at the top of a module AND inside
-functions; ``if TYPE_CHECKING:`` blocks excepted): no circle, and no module imports a later layer.
+functions; ``if TYPE_CHECKING:`` blocks excepted; and every import by string: ``importlib.import_module("...")`` with
+a constant name, absolute or relative to the package, and a ``"qkcircuits.x.y:fn"`` string constant, the form jobs
+are named in and imported from when they run): no circle, and no module imports a later
+layer, except the string imports listed in ``KNOWN_UPWARD`` (each with the issue that removes it).
 
 A function-level import that keeps ``import qkcircuits`` light (torch-free CLI start) is fine when it points DOWN
 the layer order (docs/architecture.md); a circle is not, wherever its imports sit: it works only by the order in
@@ -9,8 +12,9 @@ which the modules happen to be imported first.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
-from typing import Dict, List, Set
+from typing import Dict, List, Optional, Set
 
 import qkcircuits
 
@@ -51,12 +55,34 @@ def import_graph(root: Path, package: str) -> Dict[str, Set[str]]:
                 else:
                     base = node.module or ""
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            else:
+                named = string_import(node, package, m if path.name == "__init__.py" else here)
+                targets = [named] if named else []
             for t in targets:
                 while t not in mods and "." in t:      # a name inside a module: the module
                     t = t.rpartition(".")[0]
                 if t in mods and t != m:
                     graph[m].add(t)
     return graph
+
+
+def string_import(node: ast.AST, package: str, here: str) -> Optional[str]:
+    """The module a string names for import: ``importlib.import_module(NAME)`` / ``import_module(NAME, __name__)``
+    with a constant NAME (``.x.y`` relative to the package ``here``), or a constant ``"pkg.x.y:fn"`` / ``"pkg.x.y:"``
+    (a job named by its module, imported when it runs); None for anything else (a dotted name without the colon is
+    not read as an import: entry-point groups and schemas are spelled ``"qkcircuits.tasks"``)."""
+    if isinstance(node, ast.Call) and (ast.unparse(node.func).endswith("import_module")) and node.args \
+            and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+        name = node.args[0].value
+        if name.startswith("."):
+            dots = len(name) - len(name.lstrip("."))
+            parts = here.split(".")
+            name = ".".join(parts[:len(parts) - dots + 1] + [name.lstrip(".")])
+        return name if name.split(".")[0] == package else None
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+            re.fullmatch(rf"{re.escape(package)}(\.[A-Za-z_]\w*)+:\w*", node.value):
+        return node.value.split(":")[0]
+    return None
 
 
 def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
@@ -96,22 +122,37 @@ def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
 
 ROOT = Path(qkcircuits.__file__).parent
 GRAPH = import_graph(ROOT, "qkcircuits")
+# The upward imports known and meant to go, each (module, layer it imports by string) with the issue that removes it.
+# Issue 44, ask 1 ("shards once"): ``qk.Ray`` names its jobs as "qkcircuits._scale.…:fn" strings in ``Ray.jobs`` and
+# imports ``_scale.distributed`` by name when a Ray backend runs; when every analysis declares its shards once and
+# the backends only map them, this entry goes (and the test below fails until it does: a stale entry is an error).
+# Its edges also close a circle (backends -> _scale.* -> _tasks/_paths -> backends, 15 modules), so the circle test
+# leaves them out too.
+KNOWN_UPWARD = {("qkcircuits._foundation.backends", "_scale"):
+                "issue 44 ask 1: Ray.jobs and the string import of _scale.distributed go with the shards declared once"}
+
+
+def layer(m: str) -> str:
+    return m.split(".")[1] if m.count(".") else "__init__"
+
+
+def known(a: str, b: str) -> bool:
+    return (a, layer(b)) in KNOWN_UPWARD
 
 
 def test_the_package_has_no_import_circle():
     assert len(GRAPH) > 90 and sum(map(len, GRAPH.values())) > 300        # the whole package was read
-    assert cycles(GRAPH) == [], "import circles (function-level imports included)"
+    graph = {a: {b for b in bs if not known(a, b)} for a, bs in GRAPH.items()}
+    assert cycles(graph) == [], "import circles (function-level and string imports included)"
 
 
 def test_no_module_imports_a_later_layer():
-    def layer(m: str) -> str:
-        return m.split(".")[1] if m.count(".") else "__init__"
-
     unknown = sorted({layer(m) for m in GRAPH} - set(LAYERS))
     assert not unknown, f"a new top-level module or package {unknown}: place it in LAYERS (and docs/architecture.md)"
-    up = [f"{a} -> {b}" for a, bs in sorted(GRAPH.items()) for b in sorted(bs)
-          if LAYERS.index(layer(b)) > LAYERS.index(layer(a))]
-    assert up == []
+    up = [(a, b) for a, bs in sorted(GRAPH.items()) for b in sorted(bs) if LAYERS.index(layer(b)) > LAYERS.index(layer(a))]
+    assert [f"{a} -> {b}" for a, b in up if not known(a, b)] == []
+    # every known exception is still there (a stale entry would excuse the next upward import silently)
+    assert {(a, layer(b)) for a, b in up if known(a, b)} == set(KNOWN_UPWARD)
 
 
 def test_the_graph_sees_function_level_imports_and_finds_a_circle(tmp_path):
@@ -131,3 +172,22 @@ def test_the_graph_sees_function_level_imports_and_finds_a_circle(tmp_path):
     (pkg / "a.py").write_text("from .sub import c\n")      # pkg -> a -> sub.c -> pkg (the __version__ loop)
     (pkg / "b.py").write_text("")
     assert cycles(import_graph(pkg, "pkg")) == [["pkg", "pkg.a", "pkg.sub.c"]]
+
+
+def test_the_graph_reads_string_imports(tmp_path):
+    """Imports by string count: a job named "pkg.mod:fn", ``importlib.import_module`` absolute and relative (its
+    package ``__name__``); a string that is no import (prose, an f-string, another package, an entry-point group
+    spelled like a module) does not."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import importlib\n\ndef f(name):\n    importlib.import_module('.c', __name__)\n"
+                                     "    return importlib.import_module(f'.{name}', __name__)\n")
+    (pkg / "a.py").write_text("JOBS = {'x': 'pkg.b:run'}\nDOC = 'pkg.b is where it runs'\nOTHER = 'numpy.linalg:norm'\n"
+                              "GROUP = 'pkg.c'\n")
+    (pkg / "b.py").write_text("import importlib\n\ndef g():\n    return importlib.import_module('pkg.c')\n")
+    (pkg / "c.py").write_text("PREFIX = 'pkg.a:'\n")
+    g = import_graph(pkg, "pkg")
+    assert g == {"pkg": {"pkg.c"}, "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.c"}, "pkg.c": {"pkg.a"}}
+    assert cycles(g) == [["pkg.a", "pkg.b", "pkg.c"]]
+    # and the package's own string imports are read: Ray's job table names _scale's modules
+    assert {"qkcircuits._scale.ray_tasks", "qkcircuits._scale.distributed"} <= GRAPH["qkcircuits._foundation.backends"]

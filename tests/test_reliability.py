@@ -23,6 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -302,7 +303,7 @@ def test_embedded_strings_cannot_break_the_report(hand_built):
     from qkcircuits.viz._page import embed_json
 
     scores = qk.scan(hand_built, scores=["induction"], progress=False)
-    scores.model = HOSTILE
+    scores = replace(scores, model=HOSTILE)
     html = report_html(hand_built, scores=scores, title=HOSTILE, per_score=1, progress=False)
     bodies = _script_bodies(html)
     assert len(bodies) >= 3 and html.count("<script") == len(bodies)       # every script closed where it should be

@@ -65,7 +65,7 @@ def test_smollm2_ioi_circuit_carries_the_behaviour_by_5_percent_and_names_its_na
     from qkcircuits._tasks.faithfulness import circuit_metric, ratio
     from qkcircuits._tasks.core import node_mask_of
 
-    core = scores.core(smollm2, task, progress=False)
+    core = qk.core_circuit(smollm2, task, scores, progress=False)
     assert len(core.heads) <= 30 and core.node_faithfulness >= 0.8, (core.heads, core.how)
     (m,), clean, corrupt = circuit_metric(smollm2, task, [node_mask_of(qk.graph(smollm2), core.heads, core.mlps)], 16)
     assert ratio(m, clean, corrupt) == pytest.approx(core.node_faithfulness, abs=1e-3)

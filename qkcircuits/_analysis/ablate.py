@@ -216,7 +216,7 @@ def prepare_metric(model, tokens, metric, where: str = "ablation"):
     return tokens, metric
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class GroupEffect(Result):
     """The metric with a set of heads ablated together: ``baseline`` and ``ablated`` are the metric's own
     values; ``effect = sign · (baseline − ablated)`` is positive when the heads matter (a loss: ``ablated −
@@ -286,7 +286,7 @@ def group_effect(model, heads: HeadsLike, tokens, metric="induction-loss", metho
     return GroupEffect(targets, base, abl, method, metric.name, metric.higher_is_better, stamped({}, model, name=True))
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class RandomComparison(Result):
     """Effect of ablating ``heads`` together versus ablating ``k`` random other heads, ``n_draws`` times.
 

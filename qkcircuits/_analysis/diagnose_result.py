@@ -79,7 +79,7 @@ def check_thresholds(thresholds: Optional[Dict[str, Union[int, float]]]) -> Dict
     return out
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class HeadDiagnostics(Result):
     """Head health measures of one model: ``measures[name]`` is [n_layers, n_heads] (NaN for skipped layers).
 

@@ -26,7 +26,7 @@ from .._foundation.result import Result
 SCHEMA = "qkcircuits.head_scores/1"
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class HeadScores(Result):
     """Named per-head scores, each ``Float[Tensor, "layer head"]`` on the CPU.
 

@@ -38,7 +38,7 @@ from .ablate import ablate, copies_per_forward, make_replacement, prepare_metric
 from .replay import Runner
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class HeadEffects(Result):
     """Per-head effects with the settings that produced them: ``sign · (metric(clean) − metric(ablated))``,
     positive = the head matters (a loss: ablated − clean; ``higher_is_better``: clean − ablated; see

@@ -25,7 +25,8 @@ decomposed before its cap.
 ``exact_error``: the largest of |softmax of the rebuilt score rows − the model's own pattern| and, where the
 bridge exposes real scores, |rebuilt − captured| / max |captured|.
 
-Memory: per prompt shard one ``Writes`` (each earlier layer's z and MLP output); per target layer one source
+Memory: per target layer its heads' query and key maps (``adapter.score_maps``: [d_model, d_qk] float64 each, built
+once per call); per prompt shard one ``Writes`` (each earlier layer's z and MLP output); per target layer one source
 block's projections [s, b, p, heads, d_qk] at a time (float64); per head the pair table summed over rows
 [sources, sources] and the marginals per row [rows, sources]. Never [sources, sources, positions, positions], nor
 one residual copy per source.
@@ -33,12 +34,13 @@ one residual copy per source.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .._foundation.arch import adapter
+from .._foundation.arch.qkmap import ScoreMaps
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike, all_heads, model_heads
 from .._foundation.io import check_int
@@ -97,24 +99,27 @@ def attend_heads(model, heads: Optional[HeadsLike] = None, tokens=None, *, task=
     for h in heads:
         by_layer.setdefault(h.layer, []).append(h.head)
     layers = sorted(by_layer)
+    # what each target layer's score is made of (maps, scale, window, ALiBi, rotary): one adapter call per layer,
+    # kept for every shard
+    forms = {L: adapter(model, L).score_maps(by_layer[L]) for L in layers}
     rows = {L: rows_for(model, L, tokens, task=task, query=query, key=key, versus=versus,
-                        window=adapter(model, L).window()) for L in layers}
+                        window=forms[L].window) for L in layers}
     n_prompts = next(iter(rows.values())).tokens.shape[0]
     shards = torch.arange(n_prompts).split(batch_size)
     chosen: Optional[Dict[str, List[str]]] = None
     if expand and len(shards) > 1:
         # which heads to expand is decided on every row, not on the first shard: a first pass without expansion
-        first = _passes(model, by_layer, rows, shards, reading, None, k, {})
+        first = _passes(model, forms, rows, shards, reading, None, k, {})
         chosen = {name: _expand_choice(a, expand, k) for name, a in first.items()}
-    acc = _passes(model, by_layer, rows, shards, reading, expand, k, chosen or {})
+    acc = _passes(model, forms, rows, shards, reading, expand, k, chosen or {})
     out = {}
     for h in heads:
         a, L = acc[str(h)], h.layer
-        att = adapter(model, L)
-        factor, source, cap = att.scale()
-        settings = {"scale": factor, "scale_source": source, "softcap": cap, "rows": rows[L].what,
+        form = forms[L]
+        cap = form.softcap
+        settings = {"scale": form.scale, "scale_source": form.scale_source, "softcap": cap, "rows": rows[L].what,
                     "positions": rows[L].names, "n_rows": len(rows[L]), "dropped_rows": rows[L].dropped,
-                    "frozen": _frozen_note(att), "labels": dict(labels or {}), "family": att.family,
+                    "frozen": list(form.frozen), "labels": dict(labels or {}), "family": form.family,
                     **{e: a[e] for e in ERRORS}}
         if cap:
             settings["caveats"] = [f"the layer soft-caps its scores at {cap:g}: the pre-cap score is decomposed"]
@@ -135,16 +140,16 @@ def attend_heads(model, heads: Optional[HeadsLike] = None, tokens=None, *, task=
     return out
 
 
-def _passes(model, by_layer: Dict[int, List[int]], rows: Dict[int, Rows], shards, reading: str,
+def _passes(model, forms: Dict[int, ScoreMaps], rows: Dict[int, Rows], shards, reading: str,
             expand: Optional[str], k: int, chosen: Dict[str, List[str]]) -> Dict[str, Dict]:
-    """One forward per prompt shard; every target layer's heads from it, accumulated per head."""
-    layers = sorted(by_layer)
+    """One forward per prompt shard; every target layer's heads (``forms[L].heads``) from it, accumulated per head."""
+    layers = sorted(forms)
     acc: Dict[str, Dict] = {}
     for prompts in shards:
         toks = rows[layers[0]].tokens[prompts].to(model.W_E.device)
         w = capture_writes(model, toks, layers, expand=expand is not None)
         for L in layers:
-            for name, part in _layer(model, w, L, by_layer[L], rows[L], prompts, reading, expand, k, chosen).items():
+            for name, part in _layer(w, L, forms[L], rows[L], prompts, reading, expand, k, chosen).items():
                 _add(acc, name, part, whole=len(shards) == 1)
     return acc
 
@@ -216,15 +221,6 @@ def _add(acc: Dict[str, Dict], name: str, part: Dict, whole: bool) -> None:
         a[e] = max(a[e], part[e])
 
 
-def _frozen_note(att) -> List[str]:
-    out = ["the input norm's 1/σ at each position"] if att.input_norm().kind else []
-    if att.family == "latent":
-        out.append("the query and KV latents' RMS scales (the shared rotary key is not normalised)")
-    elif any(n is not None for n in att.qk_norms()):
-        out.append("the QK-norm's 1/σ of each head's query and key")
-    return out
-
-
 def key_weights(rows: Rows, idx: Tensor, p: int, reading: str, window: Optional[int]) -> Tensor:
     """[n, p] weights over key positions whose sum with the score row is the reading (module docstring)."""
     n = int(idx.numel())
@@ -247,21 +243,21 @@ def key_weights(rows: Rows, idx: Tensor, p: int, reading: str, window: Optional[
     return w
 
 
-def _layer(model, w: Writes, L: int, heads: List[int], rows: Rows, prompts: Tensor, reading: str,
+def _layer(w: Writes, L: int, form: ScoreMaps, rows: Rows, prompts: Tensor, reading: str,
            expand: Optional[str], k: int, chosen: Optional[Dict[str, List[str]]]) -> Dict[str, Dict]:
-    """Each of layer ``L``'s ``heads`` on the rows of ``prompts``: its pair sums, per-row marginals and errors."""
+    """Each of layer ``L``'s heads (``form.heads``) on the rows of ``prompts``: its pair sums, per-row marginals and
+    errors."""
     sel = torch.isin(rows.b, prompts).nonzero().flatten()
     if sel.numel() == 0:
         return {}
-    att = adapter(model, L)
+    heads = form.heads
     dev = w.resid[L].device
     local = {int(b): n for n, b in enumerate(prompts.tolist())}
     rb = torch.tensor([local[int(b)] for b in rows.b[sel]], device=dev)
     ri, rj = rows.i[sel].to(dev), rows.j[sel].to(dev)
-    group = att.n_heads // att.n_kv_heads
-    kv = sorted({h // group for h in heads})
-    qmaps = att.query_maps(heads)
-    kmaps = dict(zip(kv, att.key_maps(kv)))
+    group = form.group
+    kv = sorted(form.key)
+    qmaps, kmaps = form.query, form.key
     for m in qmaps + list(kmaps.values()):
         m.W, m.c = m.W.to(dev), m.c.to(dev)
     # the parts are computed in float32 (float64 weights: float64) and summed in float64: every part's rounding is
@@ -272,11 +268,11 @@ def _layer(model, w: Writes, L: int, heads: List[int], rows: Rows, prompts: Tens
     fq_dt, fk_dt = [f.to(dt) for f in fq], {g: f.to(dt) for g, f in fk.items()}
     Wq = torch.stack([m.W for m in qmaps], 1).to(dt)                                   # [d_model, H', d]
     Wk = torch.stack([kmaps[g].W for g in kv], 1).to(dt)                               # [d_model, G', d]
-    wr = key_weights(rows, sel, w.tokens.shape[1], reading, att.window()).to(dev)      # [n, p]
+    wr = key_weights(rows, sel, w.tokens.shape[1], reading, form.window).to(dev)       # [n, p]
     wr_dt = wr.to(dt)
     names = w.names(L)
     n, S, d = rb.numel(), len(names), Wq.shape[-1]
-    slopes = att.alibi_slopes()
+    slopes = form.alibi_slopes
     # + bias_q / bias_k; with ALiBi one more source on each side, "position_bias", on a coordinate of its own:
     # its query part is the head's slope, its key part Σ_pos w(pos) · pos, so its pair is the bias's share
     extra = 0 if slopes is None else 1
@@ -297,7 +293,7 @@ def _layer(model, w: Writes, L: int, heads: List[int], rows: Rows, prompts: Tens
             K_all[g][:, S + 1, d] = wr @ torch.arange(wr.shape[1], dtype=wr.dtype, device=dev)
         # every key, rebuilt from the whole residual (the parts add up to it by construction: ``bias`` is the rest)
         k_total[g] = kmaps[g].finish(w.resid[L].double() @ kmaps[g].W, fk[g]) + kc
-    factor = att.scale()[0]
+    factor = form.scale
     spread = w.bias_spread(L)
     q_whole = [m.finish((w.resid[L].double() @ m.W)[rb, ri], f, rows=(rb, ri)) + m.constant(f, rows=(rb, ri))
                for m, f in zip(qmaps, fq)]
@@ -309,7 +305,7 @@ def _layer(model, w: Writes, L: int, heads: List[int], rows: Rows, prompts: Tens
         Q, K = Q_all[t].mul_(factor), K_all[g]                                         # [n, Sq, d], [n, Sk, d]
         part = {"names": names, "extra": ["position_bias"] if extra else [], "Q": Q.cpu(), "K": K.cpu(),
                 "attention": w.pattern[L][rb, h, ri, rj].double().cpu(), "bias_spread": spread,
-                **_exactness(att, w, L, h, Q.sum(1)[:, :d] / factor, k_total[g], rb, ri, slopes), "expanded": None,
+                **_exactness(form, w, L, h, Q.sum(1)[:, :d] / factor, k_total[g], rb, ri), "expanded": None,
                 # the parts must add up to the whole, side by side: the query parts to the query the whole residual
                 # makes at each row, the key parts to the reading's sum of the whole keys (an error in one source's
                 # write, or in the weights, would otherwise hide in the bias, which is the remainder)
@@ -381,10 +377,10 @@ def _rel(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def _exactness(att, w: Writes, L: int, h: int, q_tot: Tensor, k_total: Tensor, rb: Tensor, ri: Tensor,
-               slopes: Optional[Tensor] = None) -> Dict[str, float]:
+def _exactness(form: ScoreMaps, w: Writes, L: int, h: int, q_tot: Tensor, k_total: Tensor, rb: Tensor, ri: Tensor
+               ) -> Dict[str, float]:
     """Rebuild each row's whole score row from the summed parts and compare with the model's own."""
-    factor, _, cap = att.scale()
+    factor, cap, slopes = form.scale, form.softcap, form.alibi_slopes
     S = torch.einsum("nd,npd->np", q_tot, k_total[rb]) * factor                    # [n, p]
     if slopes is not None:                                                          # ALiBi: + slope · key position
         S = S + float(slopes[h]) * torch.arange(S.shape[1], dtype=S.dtype, device=S.device)
@@ -392,7 +388,7 @@ def _exactness(att, w: Writes, L: int, h: int, q_tot: Tensor, k_total: Tensor, r
         S = cap * torch.tanh(S / cap)
     pos = torch.arange(S.shape[1], device=S.device)
     ok = pos[None] <= ri[:, None]
-    win = att.window()
+    win = form.window
     if win is not None:
         ok &= (ri[:, None] - pos[None]) < win
     A = S.masked_fill(~ok, float("-inf")).softmax(-1)

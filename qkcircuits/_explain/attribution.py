@@ -32,7 +32,7 @@ from . import words
 KEEP = 40            # sources per side in the pair table (the rest in "other")
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class Attribution(Result):
     """``query_values``/``key_values`` [rows, sources]: each row's marginal per source (its pairs summed over the
     other side); ``pair_values`` [Nq + 1, Nk + 1] the mean pair values over the kept sources (``pair_query`` /

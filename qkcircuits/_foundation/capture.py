@@ -38,7 +38,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .arch import adapter, architecture, family
+from .arch import adapter, architecture
 from .arch.rotary import has_rotary  # noqa: F401  (re-exported)
 from .attention import attention_scale, native_rotary, rotate_native
 from . import display as show
@@ -65,7 +65,6 @@ NAMES: Dict[str, Tuple[str, str]] = {
     "kv_latent": ("hook_kv_latent", "lat"),
     "k_rope": ("hook_rot_k", "kvh"),      # the decoupled rotary key, one for all heads: [b, p, 1, d_rope]
 }
-LATENT_NAMES = ("q_latent", "kv_latent", "k_rope")
 EDITABLE = ("q", "k", "v", "rot_q", "rot_k", "z", "q_latent", "kv_latent", "k_rope")
 Tokens = Int[Tensor, "batch pos"]
 
@@ -99,14 +98,9 @@ def _check_layers(model, layers: Optional[Iterable[int]]) -> List[int]:
 
 def _resolve_names(model, names: Sequence[str]) -> List[str]:
     names = _check_names(names)
-    latent = [n for n in names if n in LATENT_NAMES]
-    if latent and family(model) != "latent":
-        raise QKCircuitsError(f"{latent[0]!r} exists only on multi-head latent attention (DeepSeek-V2/V3); this "
-                              f"{architecture(model)} has standard attention: capture q, k, v, rot_q, rot_k, scores, "
-                              f"pattern or z")
-    if "q_latent" in names and adapter(model, 0).family == "latent" and adapter(model, 0).q_lora_rank is None:
-        raise QKCircuitsError(f"'q_latent' needs a query latent, and this {architecture(model)} has q_lora_rank None "
-                              f"(q = x W_Q directly); capture kv_latent, k_rope, q, k, v or z")
+    refused = adapter(model, 0).activation_refusal(names, architecture(model))   # latents only on latent attention
+    if refused:
+        raise QKCircuitsError(refused)
     if not has_rotary(model):
         bad = [n for n in names if n.startswith("rot_")]
         if bad:
@@ -121,7 +115,7 @@ def expand_kv(t: Float[Tensor, "batch pos kv d"], n_heads: int) -> Float[Tensor,
     return t.repeat_interleave(group, dim=2) if group > 1 else t
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class Activations(Result):
     """What ``capture`` read: ``acts[name, layer]`` per query head; ``acts.kv(name, layer)`` per KV head.
 
@@ -423,7 +417,7 @@ def edit(model, name: str, heads: HeadsLike, replace: Replacement, *, kv_heads: 
         raise QKCircuitsError(f"cannot edit {name!r}; editable activations are {', '.join(EDITABLE)} (patterns and "
                               f"scores are recomputed by the attention module: edit q/k/v/z instead)")
     _resolve_names(model, [name])
-    shared = NAMES[name][1] == "lat" or (name in ("rot_k", "k_rope") and family(model) == "latent")
+    shared = NAMES[name][1] == "lat" or adapter(model, 0).shared_by_heads(name)
     if shared:
         yield from _edit_shared(model, name, heads, replace)
         return

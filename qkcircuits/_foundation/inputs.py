@@ -29,7 +29,8 @@ bias and epsilon (``_foundation/arch/norms``) and returns the parts only after t
 hook value on the run to 1e-5 of its largest entry (float32 rounding: in float64, HF's RMSNorm still
 normalises in float32, so the closed form then differs from the module path by ~1e-7 relative, not 1e-15;
 a wrong epsilon, weight or bias is far outside it); float32/float64 only (bf16 keeps the module path, whose rounding the
-model's own is), and never for multi-head latent attention (its inputs have their own path in graph.py).
+model's own is), and never where the adapter has no ``input_maps`` (multi-head latent attention: its
+inputs come from ``adapter.inputs_from_residuals``).
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def _candidates(model, layer: int, into: str, n: int):
     norm = a.input_norm()
     if norm.kind is None:
         return
-    W, bx = a.input_maps(into, range(a.n_heads if into == "q" else a.n_kv_heads))          # [m, d, e], [m, e]
+    maps = a.input_maps(into, range(a.n_heads if into == "q" else a.n_kv_heads))          # [m, d, e], [m, e]
+    if maps is None:                  # no linear map of the normed input (latent attention): the module path
+        return
+    W, bx = maps
     if W.shape[0] != n and n % W.shape[0] == 0:       # a hook with K/V per query head: ungroup the KV heads
         W = W.repeat_interleave(n // W.shape[0], 0)
         bx = None if bx is None else bx.repeat_interleave(n // bx.shape[0], 0)
@@ -79,7 +83,7 @@ def closed_form(model, layer: int, into: str, x: Float[Tensor, "b p d"], hook_va
                 ) -> Optional[InputParts]:
     """The closed form of layer ``layer``'s ``into`` input, checked against the model's own ``hook_value``
     computed from the residual ``x`` (first row only: the formula is per position), or None."""
-    if x.dtype not in (torch.float32, torch.float64) or adapter(model, layer).family == "latent":
+    if x.dtype not in (torch.float32, torch.float64) or adapter(model, layer).input_maps("q", []) is None:
         return None
     try:
         want = hook_value[:1].detach()

@@ -19,6 +19,12 @@ Every subclass has the same methods and signatures:
 ``repr(r)`` / ``_repr_html_``   the class's own ``_text()`` / ``_html()`` (shared helpers: ``display``)
 ==============================  ============================================================================
 
+Results are data: every subclass is a frozen dataclass (a changed copy is ``dataclasses.replace(r, model="x")``;
+its dict fields, ``settings`` among them, are the producer's to fill before handing the result out), and computing
+is a function of the model and inputs (``qk.core_circuit(model, task, scores)``, not a method of ``scores``); the
+``roles(model, task, ...)`` of ``TaskCircuit`` and ``CoreCircuit`` are the methods left that run the model (issue 44,
+ask 3).
+
 Library versions live in ONE place: ``settings["versions"]`` (``versions()``), written by the producer when it
 makes the result. A JSON file without ``"schema"`` (written before schemas existed) is read as the class's
 version 1; one with another schema name, or a newer version than this library reads, fails with one line

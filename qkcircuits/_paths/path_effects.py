@@ -53,7 +53,7 @@ def _check_input(x: str) -> str:
     return x
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class PathEffects(Result):
     """What ``path_patch`` / ``edge_attribution`` / ``trace_induction`` measured; see the module docstring.
 

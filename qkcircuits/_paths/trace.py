@@ -107,8 +107,8 @@ def local_trace(model, receivers: Optional[HeadsLike] = None, *, top: int = 3, i
         res = edge_attribution(model, recv, into=into, method=method, tokens=tokens)
     else:
         res = local_path_patch(model, recv, into=into, method=method, tokens=tokens, progress=progress)
-    res.labels = {str(h): v for h, v in scores.labels().items()}
-    res.k_composition_spearman = k_composition_spearman(model, res)
+    res = replace(res, labels={str(h): v for h, v in scores.labels().items()},
+                  k_composition_spearman=k_composition_spearman(model, res))
     res.settings["receiver_induction"] = {str(r): float(scores["induction"][r.layer, r.head]) for r in recv}
     res.settings["scan"] = {k: scores.settings.get(k) for k in ("n_seqs", "seq_len", "seed")}
     return res

@@ -16,6 +16,7 @@ one chunk of stacked receiver-layer activations (see ``path_patch``).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -171,8 +172,8 @@ def ray_trace(spec, receivers=None, *, top: int = 3, into=("q", "k", "v"), metho
     scan_s = time.perf_counter() - t0
     res = ray_path_patch(spec, info["receivers"], into, None, method, tokens, per_position=True,
                          progress=progress, pool=pool)
-    res.labels = info["labels"]
-    res.k_composition_spearman = pool.call("qkcircuits._scale.ray_patching:k_composition_job", {}, res)
+    res = replace(res, labels=info["labels"],
+                  k_composition_spearman=pool.call("qkcircuits._scale.ray_patching:k_composition_job", {}, res))
     res.settings["receiver_induction"] = info["receiver_induction"]
     res.settings["scan"] = info["scan"]
     res.settings["backend"]["scan_s"] = round(scan_s, 3)

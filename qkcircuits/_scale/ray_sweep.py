@@ -185,14 +185,13 @@ def _sweep_on(pool: Pool, tokens, make_tokens: bool, metric_obj, method: str, re
               "sweep_s": time.perf_counter() - t0}
     effects, baseline = combine_sweep(parts, n_layers, n_heads)
     effects = -metric_obj.sign * effects           # ablated − clean → the metric's sign (+ = the head matters)
-    res = HeadEffects(effects, baseline, info["name"], method, metric_obj.name, "sweep", int(tokens.shape[0]),
-                      int(tokens.shape[1]), per_position, repl.reference, layers,
-                      higher_is_better=metric_obj.higher_is_better,
-                      settings={"fingerprint": info["fingerprint"]} if info.get("fingerprint") else {})
-    res.timing = {k: round(v, 3) for k, v in timing.items()}
-    res.backend = {"name": "ray", "workers": pool.size, "threads": pool.threads, "shards": len(shards),
-                   "retries": pool.retries,
-                   # per shard: prompt rows, layers, planned cost (block passes x prompts), seconds in the worker
-                   "plan": [{"rows": list(s["rows"]), "layers": s["layers"], "cost": c, "seconds": round(p["seconds"], 3)}
-                            for s, c, p in zip(shards, costs, parts)]}
-    return res
+    backend = {"name": "ray", "workers": pool.size, "threads": pool.threads, "shards": len(shards),
+               "retries": pool.retries,
+               # per shard: prompt rows, layers, planned cost (block passes x prompts), seconds in the worker
+               "plan": [{"rows": list(s["rows"]), "layers": s["layers"], "cost": c, "seconds": round(p["seconds"], 3)}
+                        for s, c, p in zip(shards, costs, parts)]}
+    return HeadEffects(effects, baseline, info["name"], method, metric_obj.name, "sweep", int(tokens.shape[0]),
+                       int(tokens.shape[1]), per_position, repl.reference, layers,
+                       timing={k: round(v, 3) for k, v in timing.items()}, backend=backend,
+                       higher_is_better=metric_obj.higher_is_better,
+                       settings={"fingerprint": info["fingerprint"]} if info.get("fingerprint") else {})

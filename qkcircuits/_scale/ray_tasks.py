@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 import warnings
 from contextlib import contextmanager
+from dataclasses import replace
 from numbers import Real
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -324,12 +325,12 @@ def ray_faithfulness(spec, task, scores, sizes: Sequence[Real] = SIZES, *, by: s
             hv, hc, hz, _ = ray_circuit_metric(pool, held, [c.mask for c in circuits], rows_per_shard, per_row=per)
             hcurve = {p: ratio(v, hc, hz) for p, v in zip(sizes, hv)}
             xs, hf = [p / 100 for p in sizes], list(hcurve.values())
-            out.holdout = {"n": held.n, "clean": hc, "corrupt": hz, "curve": hcurve, "cpr": _area(xs, hf),
-                           "cmd": _area(xs, [abs(1 - v) for v in hf]),
-                           "node_faithfulness": ray_node_faithfulness(pool, held, circuit.heads, rows_per_shard,
-                                                                      clean=hc),
-                           "bootstrap": bootstrap_curve(xs, per["masks"], per["clean"], per["corrupt"],
-                                                        bootstrap or HELD_BOOTSTRAP, seed)}
+            out = replace(out, holdout={
+                "n": held.n, "clean": hc, "corrupt": hz, "curve": hcurve, "cpr": _area(xs, hf),
+                "cmd": _area(xs, [abs(1 - v) for v in hf]),
+                "node_faithfulness": ray_node_faithfulness(pool, held, circuit.heads, rows_per_shard, clean=hc),
+                "bootstrap": bootstrap_curve(xs, per["masks"], per["clean"], per["corrupt"], bootstrap or HELD_BOOTSTRAP,
+                                             seed)})
     finally:
         if own:
             pool.close()

@@ -53,7 +53,7 @@ K_SOURCES_NOTE = ("k_sources: per listed induction head, the earlier head with t
                   "receiver's 95th percentile over all senders; null: no sender stands out (or a layer-0 head)")
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class Zoo(Result):
     """One summary dict per model (``ZOO_KEYS`` plus ``name``, ``fingerprint``, ``strongest``, ``scores``, ``timing_s``)."""
 

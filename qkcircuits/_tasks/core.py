@@ -3,7 +3,7 @@ f on prompts it was not chosen on (``CoreCircuit``).
 
 >>> task = qk.tasks.induction(model, n=8, seg_len=6)
 >>> scores = qk.edge_scores(model, task, method="exact", progress=False)
->>> core = scores.core(model, task, progress=False)
+>>> core = qk.core_circuit(model, task, scores, progress=False)
 >>> core.heads, round(core.node_faithfulness, 3)
 (['0.0', '1.0'], 1.0)
 
@@ -80,7 +80,7 @@ BOOTSTRAP = 200          # resamples of the rows behind every lower end (the sea
 BATCH = 48               # a set this small has its single nodes measured in one stacked batch, not one by one
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class CoreCircuit(Result):
     """The core circuit: ``heads`` and ``mlps`` kept, their node view's f on the rows they were chosen on
     (``node_faithfulness``) with its 95 % bootstrap ``interval``, the same on held-out rows (``holdout``: {n, f,

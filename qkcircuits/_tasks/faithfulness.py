@@ -33,7 +33,7 @@ from numbers import Real
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -59,7 +59,7 @@ def _area(xs: Sequence[float], ys: Sequence[float]) -> float:
     return float(sum((xs[i + 1] - xs[i]) * (ys[i + 1] + ys[i]) / 2 for i in range(len(xs) - 1)))
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class Faithfulness(Result):
     """The faithfulness curve ``curve`` {percent: f}, CPR, CMD, the chosen circuit and its node view. ``reached``:
     whether a grid size below 100 % reaches the threshold (else the chosen circuit is the largest size, most
@@ -90,13 +90,13 @@ class Faithfulness(Result):
     holdout: Dict[str, object] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, object]:
-        from .._foundation.io import json_number
+        from .._foundation.io import finite_json, json_number
 
-        extra = {"bootstrap": _finite(self.bootstrap)} if self.bootstrap else {}
+        extra = {"bootstrap": finite_json(self.bootstrap)} if self.bootstrap else {}
         if self.holdout:
             h = dict(self.holdout)
             h["curve"] = {str(k): v for k, v in h.get("curve", {}).items()}
-            extra["holdout"] = _finite(h)
+            extra["holdout"] = finite_json(h)
         return {"schema": SCHEMA, "model": self.model, "clean": json_number(self.clean),
                 "corrupt": json_number(self.corrupt), "curve": {str(k): json_number(v) for k, v in self.curve.items()},
                 "metric_values": {str(k): json_number(v) for k, v in self.metric_values.items()},
@@ -161,17 +161,6 @@ def _holdout_from(h) -> Dict[str, object]:
         if k in out:
             out[k] = num(out[k])
     return out
-
-
-def _finite(o):
-    """``o`` with NaN / inf numbers as None (JSON has no NaN)."""
-    if isinstance(o, float):
-        return o if math.isfinite(o) else None
-    if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_finite(v) for v in o]
-    return o
 
 
 def _heads_left_out(g: Graph, keep: Sequence[str]) -> List[str]:
@@ -429,7 +418,8 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
                  seed, threshold, task)
     if holdout is not None:
         check_task(model, holdout)
-        out.holdout = held_out(model, holdout, circuits, sizes, circuit, g, bootstrap or HELD_BOOTSTRAP, seed)
+        out = replace(out, holdout=held_out(model, holdout, circuits, sizes, circuit, g, bootstrap or HELD_BOOTSTRAP,
+                                            seed))
     return out
 
 
@@ -476,13 +466,13 @@ def finish(sizes, circuits, values, clean, corrupt, curve, chosen, circuit, nf, 
 
     xs = [p / 100 for p in sizes]
     f = list(curve.values())
+    timing = {"curve_s": round(t1 - t0, 3), "node_view_s": round(time.perf_counter() - t1, 3)}
+    boot = {} if per_row is None else bootstrap_curve(xs, per_row["masks"], per_row["clean"], per_row["corrupt"],
+                                                      bootstrap, seed)
     out = Faithfulness(curve, dict(zip(sizes, values)), {p: c.n_edges for p, c in zip(sizes, circuits)}, clean,
                        corrupt, _area(xs, f), _area(xs, [abs(1 - v) for v in f]), chosen, circuit, nf, circuit.heads,
                        model, {**settings, "cpr_cmd": "trapezoid over the grid, x = fraction of edges",
-                               **provenance(circuit.graph, task)},
-                       {"curve_s": round(t1 - t0, 3), "node_view_s": round(time.perf_counter() - t1, 3)})
-    if per_row is not None:
-        out.bootstrap = bootstrap_curve(xs, per_row["masks"], per_row["clean"], per_row["corrupt"], bootstrap, seed)
+                               **provenance(circuit.graph, task)}, timing, boot)
     if not reached(curve, threshold) and clean != corrupt:
         warnings.warn(unreached_message(curve, threshold), stacklevel=3)
     return out

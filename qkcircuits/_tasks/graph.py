@@ -312,7 +312,8 @@ def head_outputs(model, layer: int, z: Float[Tensor, "b p h e"], y=None, out=Non
 
 def split_qkv_from_residuals(model, layer: int, into: str, resid: Float[Tensor, "n b p d"],
                              heads: Sequence[int]) -> Float[Tensor, "b p n e"]:
-    """hook_q/k/v values of ``heads`` (query heads for q, KV heads for k/v) of ``layer``, head i computed
+    """hook_q/k/v values of ``heads`` (query heads for q, KV heads for k/v) of ``layer`` (the adapter's
+    ``inputs_from_residuals``), head i computed
     from ITS OWN residual ``resid[i]``: ln1 recomputed per copy (cheap, elementwise), then one einsum with
     the heads' W_Q/W_K/W_V (the flops of the model's own projection). q/k-norm and rotary are applied
     after hook_q/k by the model's attention, so they need nothing here.
@@ -322,18 +323,7 @@ def split_qkv_from_residuals(model, layer: int, into: str, resid: Float[Tensor, 
     up-projection; the decoupled rotary key, shared by every head, is recomputed from the same residual, so
     an edge into head i's k carries the sender's effect through both parts). That costs one projection per
     copy, not one einsum for all: fine at MLA test sizes, and said here."""
-    ad = adapter(model, layer)
-    heads = list(heads)
-    if ad.family == "latent":
-        return torch.stack([ad.head_inputs(resid[i], into)[:, :, h] for i, h in enumerate(heads)], 2)
-    blk = model.blocks[layer]
-    n, b, p, d = resid.shape
-    normed = blk.ln1(resid.reshape(n * b, p, d)).view(n, b, p, d)
-    W, bias = ad.input_maps(into, heads)                                           # [n, d, e], [n, e] or None
-    out = torch.einsum("nbpd,nde->bpne", normed, W.to(normed.dtype))
-    if bias is not None:
-        out = out + bias.to(out.dtype)
-    return out
+    return adapter(model, layer).inputs_from_residuals(resid, into, list(heads))
 
 
 def logits_input(model, resid: Tensor) -> Tensor:

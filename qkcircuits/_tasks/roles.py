@@ -75,7 +75,7 @@ ORDER = ("name mover", "negative name mover", "direct-logit head", "S-inhibition
          "duplicate-token head", "previous-token head", "unclassified", "minor", "feeds the circuit")
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class Roles(Result):
     """``roles[head] = {"role": str, "evidence": {...}, "why": str}`` and one sentence per class (``sentences``).
     Its JSON: ``{"roles": {head: {role, evidence, why}}, "task", "settings"}`` (the ``roles`` part is the circuit

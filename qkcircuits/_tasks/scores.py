@@ -74,7 +74,7 @@ def _bar(total: int, desc: str, progress: bool):
     return progress_bar(total=total, desc=desc, enabled=progress)
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class EdgeScores(Result):
     """A score per edge (``scores[s, r]``, NaN where s does not feed r), the method and its settings. A
     position-aware graph's scores per group are ``position_scores[γ, s, r]``; ``scores`` is then their sum over
@@ -183,13 +183,6 @@ class EdgeScores(Result):
         return cls(g, scores, "mib", 0, float("nan"), float("nan"),
                    {"metric": "logit-diff", "higher_is_better": True, "source": "mib"}, name,
                    {"source": str(path), "format": "mib", "d_model": cfg.get("d_model"), **provenance(g)})
-
-    def core(self, model, task: Task, **kw):
-        """The core circuit of these scores: the fewest heads (and MLPs) whose node view reaches f ≥ 0.8
-        (``qk.core_circuit(model, task, self, **kw)``; ``qkcircuits._tasks.core``)."""
-        from .core import core_circuit
-
-        return core_circuit(model, task, self, **kw)
 
     # ---------------------------------------------------------------------------------------- data
     def to_dict(self) -> Dict[str, object]:
@@ -335,7 +328,7 @@ def check_method(method: str, steps) -> None:
         raise QKCircuitsError(f"steps must be an integer >= 1, got {steps!r}")
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class NodeScores(Result):
     """A score per sender node (embedding, heads ``"L.H"``, MLPs ``"mlpL"``): m(clean) − m(node corrupted)."""
 

@@ -98,7 +98,7 @@ def prune(g: Graph, mask: Tensor) -> Tensor:
     return mask & reach[:, None] & recv_useful[None, :]
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class TaskCircuit(Result):
     """A set of edges (``mask`` [S, R]) of ``graph``, chosen from edge scores. Its JSON holds the circuit's
     edges with their scores and the graph's counts (the other edges' scores are not kept: NaN when read)."""

@@ -60,7 +60,7 @@ def _summary(sets: Sequence[set]) -> Dict[str, float]:
     return {"mean": sum(vals) / len(vals), "min": min(vals), "pairs": len(vals)}
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class Stability(Result):
     """The answers of N independent draws and how much they agree (module docstring)."""
 

@@ -30,7 +30,7 @@ from .rotary import positional_qk, qk_at_offset, rotary_spec
 
 # ------------------------------------------------------------------------------------------ results
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class Circuit(Result):
     """A circuit plus what made it: ``matrix`` (FactoredMatrix), ``kind``, ``head``, ``settings``, ``caveats``.
 

@@ -71,11 +71,7 @@ def qk(model, head: HeadsLike) -> FactoredMatrix:
     """QK circuit of one head: ``FactoredMatrix(W_Q, W_Kᵀ)``, [d_model, d_model] (papers: W_Qᵀ W_K)."""
     h = to_head(model, head)
     warn_caveats(model, "the QK circuit")
-    att = adapter(model, h.layer)
-    if att.family == "latent":            # inner dimension: the KV latent + the shared rotary key
-        return FactoredMatrix(*att.latent_qk(h.head))
-    w = att.weights()
-    return FactoredMatrix(w.W_Q[h.head], w.W_K[h.head].T)
+    return FactoredMatrix(*adapter(model, h.layer).qk_factors(h.head))      # MLA: the KV latent inside
 
 
 def ov(model, head: HeadsLike) -> FactoredMatrix:
@@ -83,11 +79,7 @@ def ov(model, head: HeadsLike) -> FactoredMatrix:
 
     Multi-head latent attention: ``FactoredMatrix(W_DKV γ_kv, W_UV^h W_O^h)``, the KV latent as the inner dimension."""
     h = to_head(model, head)
-    att = adapter(model, h.layer)
-    if att.family == "latent":
-        return FactoredMatrix(*att.latent_ov(h.head))
-    w = att.weights()
-    return FactoredMatrix(w.W_V[h.head], w.W_O[h.head])
+    return FactoredMatrix(*adapter(model, h.layer).ov_factors(h.head))
 
 
 def qk_affine(model, head: HeadsLike) -> FactoredMatrix:

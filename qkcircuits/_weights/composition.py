@@ -43,7 +43,7 @@ from .circuits import is_folded, layer_weights, warn_caveats
 MODES = ("Q", "K", "V")
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class CompositionScores(Result):
     """``scores`` = ``raw`` − ``baseline`` [L, H, L, H] (earlier, later; NaN where not earlier → later)."""
 

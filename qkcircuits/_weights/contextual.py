@@ -274,15 +274,10 @@ def head_logits(model, head: HeadsLike, ids: TokenIds, view: Optional[str] = Non
     Memory: one [n, vocab] block (keep ``ids`` to a few hundred)."""
     h = to_head(model, head)
     x = token_inputs(model, h.layer, ids, view)
-    w = layer_weights(model, h.layer)
     U, scale, note = output_reader(model, x.input)
     x.note = f"{x.note}; output {note}"
     with torch.no_grad():
-        X = x.rows.to(w.W_V.dtype)
-        o = (X @ w.W_V[h.head]) @ w.W_O[h.head]
-        att = adapter(model, h.layer)
-        if att.family == "latent":           # MLA: the KV latent's norm, evaluated at each row
-            o = o * att.latent_scales(X[None])[1][0][:, None]
+        o = adapter(model, h.layer).rows_write(x.rows, h.head)     # MLA: the KV latent's norm at each row
         return (o @ U.to(o.dtype) / scale).float().cpu(), x
 
 
@@ -295,15 +290,8 @@ def token_qk(model, head: HeadsLike, ids: TokenIds, view: Optional[str] = None
 
     h = to_head(model, head)
     x = token_inputs(model, h.layer, ids, view)
-    w = layer_weights(model, h.layer)
     with torch.no_grad():
-        X = x.rows.to(w.W_Q.dtype)
-        Q, K = X @ w.W_Q[h.head], X @ w.W_K[h.head]
-        att = adapter(model, h.layer)
-        if att.family == "latent":           # MLA: both latent norms evaluated at each row (not the rotary key)
-            s_q, s_kv = (t[0] for t in att.latent_scales(X[None]))
-            Q = Q * s_q[:, None]
-            K = torch.cat([K[:, : att.d_nope] * s_kv[:, None], K[:, att.d_nope:]], 1)
+        Q, K = adapter(model, h.layer).rows_qk(x.rows, h.head)     # MLA: both latent norms at each row
         grid = Q @ K.T * attn_scale(model, h.layer)
     return grid.float().cpu(), x
 

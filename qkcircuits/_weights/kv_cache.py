@@ -24,7 +24,7 @@ from .._foundation.model import model_name
 from .._foundation.result import Result, stamped
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class KVCache(Result):
     """``per_layer_bytes`` / ``mha_bytes`` [layer] per token; ``kind`` MHA, GQA (n of m), MQA or MLA; ``ratio``."""
 
@@ -98,14 +98,7 @@ def kv_cache(model) -> KVCache:
         mine, full = att.kv_floats()
         per.append(mine * size)
         mha.append(full * size)
-        if att.family == "latent":
-            kinds.add(f"MLA: latent {att.kv_lora_rank} + rotary key {att.d_rope}")
-        elif att.n_kv_heads == att.n_heads:
-            kinds.add("MHA")
-        elif att.n_kv_heads == 1:
-            kinds.add("MQA")
-        else:
-            kinds.add(f"GQA {att.n_kv_heads} of {att.n_heads}")
+        kinds.add(att.kv_kind())
     names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
     return KVCache(", ".join(sorted(kinds)), per, mha, names.get(dt, str(dt)),
                    stamped({"model": model_name(model), "architecture": architecture(model)}, model))

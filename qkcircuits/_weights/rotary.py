@@ -84,10 +84,8 @@ def qk_at_offset(model, head: HeadsLike, offset: int, *, spec: Optional[RotarySp
     warn_caveats(model, "the QK circuit at an offset")
     spec = _spec_for(model, h.layer, spec)
     R = rotation(spec, [int(offset)], relative=True)[0]
-    att = adapter(model, h.layer)
-    if att.family == "latent" and not affine:    # content part through the KV latent + rotary part at Δ
-        o = spec.offset
-        return FactoredMatrix(*att.latent_qk(h.head, R[o:, o:]))
+    if not affine:                               # the adapter's factors (MLA: through the KV latent + rotary at Δ)
+        return FactoredMatrix(*adapter(model, h.layer).qk_factors(h.head, R))
     return _qk_offset(layer_weights(model, h.layer), h.head, R, affine)
 
 
@@ -156,7 +154,7 @@ def positional_qk(model, head: HeadsLike, normalize: bool = False) -> FactoredMa
         return FactoredMatrix(P @ w.W_Q[h.head], (P @ w.W_K[h.head]).T)
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class OffsetProfile(Result):
     """Per-head score against offset: ``mean_score[Δ]`` = scale · q̄ R(Δ) k̄ᵀ for the mean query/key of
     the rows used, and ``norm[Δ]`` = scale · ‖QK(Δ)‖_F; ``settings`` says which rows and rotary."""

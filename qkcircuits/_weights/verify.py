@@ -9,14 +9,15 @@
 Per head h of layer L, on real inputs x (the rows W_Q/W_K/W_V read, ``attn_input_hook``):
 
 - QK: the factored score ŝ_ij = scale · q̃_i R(i−j) k̃_jᵀ (soft-capped where the model caps) with
-  q̃ = x_i W_Q^h + b_Q, k̃ = x_j W_K^h + b_K from ``layer_weights`` (per-head factors of ``qk``/``qk_at_offset``),
-  R from ``rotary_spec``, the score scale from the module; input-dependent norms evaluated at x: QK-norm
-  (Gemma 3: the model's own q_norm/k_norm on q̃, k̃) and MLA's latent RMS scales 1/r_q(i), 1/r_kv(j) on the
-  query and the content key. Compared with the model's own ``hook_attn_scores`` on every unmasked causal pair
+  q̃ = x_i W_Q^h + b_Q, k̃ = x_j W_K^h + b_K from the layer's weights (``layer_weights``: the per-head factors of
+  ``qk``/``qk_at_offset``), R from ``rotary_spec``, the score scale from the module; input-dependent norms evaluated
+  at x: QK-norm (Gemma 3: the model's own q_norm/k_norm on q̃, k̃) and MLA's latent RMS scales 1/r_q(i), 1/r_kv(j)
+  on the query and the content key (the adapter's ``qk_at(x)``). Compared with the model's own ``hook_attn_scores`` on every unmasked causal pair
   (``hook_pattern`` vs softmax(ŝ) where the bridge passes the pattern there, as TL-native models do).
 - OV: the head's factored write o_i = Σ_j A_ij ([x_j, 1] · OV_affine^h) (MLA: (x_j W_DKV γ_kv / r_kv(j)) ·
-  W_UV^h W_O^h, the ``ov`` FactoredMatrix through the latent) with A the model's own pattern, compared with the
-  head's own output: the model's output projection module applied to its own z with every other head zeroed.
+  W_UV^h W_O^h, the ``ov`` factors through the latent: the adapter's ``writes_at(x, h)``) with A the model's own
+  pattern, compared with the head's own output: the model's output projection module applied to its own z with
+  every other head zeroed.
 
 Errors are relative: max |factored − model| / max |model| over the head's entries. ``passed``: every error
 ≤ ``tolerance`` (1e-4 in float32/64; 4 × the dtype's epsilon in bf16/fp16, whose rounding the model's own scores
@@ -37,14 +38,14 @@ from .._foundation.capture import as_tokens
 from .._foundation.io import json_floats, json_number, read_floats
 from .._foundation.model import model_name
 from .._foundation.result import Result, stamped
-from .circuits import attn_input_hook, layer_weights, ov
+from .circuits import attn_input_hook
 from .rotary import rotary_spec, rotation
 
 TOLERANCE = 1e-4
 SCHEMA = "qkcircuits.circuit_check/1"
 
 
-@dataclass(repr=False)      # the repr is _text (Result)
+@dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class CircuitCheck(Result):
     """``qk_error`` / ``ov_error`` [layer, head] relative errors; ``score_source`` / ``output_source`` say what
     the factored forms were compared with; ``settings`` (model, architecture, tokens, tolerance, versions)."""
@@ -162,21 +163,8 @@ def _relative(a: Tensor, b: Tensor) -> float:
 
 def _qk_errors(model, layer: int, got: Dict[str, Tensor]):
     att = adapter(model, layer)
-    w = layer_weights(model, layer)
-    x = got["x"].to(w.W_Q.dtype).double()
-    b, p, _ = x.shape
-    q = torch.einsum("bpm,hmd->bhpd", x, w.W_Q.double()) + w.b_Q.double()[None, :, None]
-    k = torch.einsum("bpm,hmd->bhpd", x, w.W_K.double()) + w.b_K.double()[None, :, None]
-    if att.family == "latent":
-        s_q, s_kv = (s.double() for s in att.latent_scales(got["x"].to(w.W_Q.dtype)))
-        q = q * s_q[:, None, :, None]
-        k = torch.cat([k[..., : att.d_nope] * s_kv[:, None, :, None], k[..., att.d_nope:]], -1)
-    else:
-        for side, mod in zip("qk", att.qk_norm_modules()):
-            if mod is not None:     # QK-norm: the model's own norm, evaluated at these q/k ([b, p, h, d]: per-head
-                t = q if side == "q" else k          # weights, as Cohere's, broadcast over the head axis)
-                t = mod(t.transpose(1, 2).to(w.W_Q.dtype)).transpose(1, 2).double()
-                q, k = (t, k) if side == "q" else (q, t)
+    b, p = got["x"].shape[:2]
+    q, k = att.qk_at(got["x"])              # x W + b per head, the norms after the projection evaluated at x
     from .._foundation.capture import has_rotary
 
     if has_rotary(model):
@@ -222,13 +210,7 @@ def _ov_errors(model, layer: int, got: Dict[str, Tensor]):
     out_mod = _output_module(att)
     errs = []
     for h in range(H):
-        M = ov(model, f"{layer}.{h}")
-        if att.family == "latent":
-            s_kv = att.latent_scales(x.to(M.A.dtype))[1].double()
-            vals = ((x.double() @ M.A.double()) * s_kv[..., None]) @ M.B.double()   # [b, p, d_model]
-        else:
-            w = layer_weights(model, layer)
-            vals = (x.double() @ w.W_V[h].double() + w.b_V[h].double()) @ w.W_O[h].double()
+        vals = att.writes_at(x, h)                      # [b, p, d_model]; MLA: the KV latent's norm at x
         mine = torch.einsum("bqk,bkm->bqm", A[:, h], vals)
         zh = torch.zeros_like(z)
         zh[:, :, h] = z[:, :, h]

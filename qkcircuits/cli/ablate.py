@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 
 from .._foundation.errors import QKCircuitsError
 from ._common import (add_model_args, head_arg, json_arg, load_model, non_negative_int, positive_int, ray_arg,
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
            "n_positions": int(tokens.shape[1]), "seed": args.seed}
     if args.sweep:
         res = sweep(model, tokens, metric, args.method, progress=not args.quiet)
-        res.timing = {"startup_s": 0.0, "load_s": round(load_s, 3), **res.timing}
+        res = replace(res, timing={"startup_s": 0.0, "load_s": round(load_s, 3), **res.timing})
         out = _print_sweep(args, res, out)
     else:
         g = group_effect(model, heads, tokens, metric, args.method)

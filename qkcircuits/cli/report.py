@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
@@ -202,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     if scores is None:
         # eigen_copying comes from the report's own weight-only pass
         scores = scan(model, eigen_copying=False, progress=not args.quiet)
-        scores.model = args.model
+        scores = replace(scores, model=args.model)
     trace = check_trace(trace, model, args)
     html = report_html(model, scores=scores, effects=effects, diagnostics=diagnostics, heads=args.heads,
                        tokens=args.tokens, prompt=args.prompt, grid_k=args.grid_k, k=args.k,

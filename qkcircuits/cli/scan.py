@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from .._foundation.errors import QKCircuitsError
 
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args)
     scores = scan(model, scores=names, n_seqs=args.n_seqs, seg_len=args.seg_len, seed=args.seed, bos=args.bos,
                   text=args.text, confirm_k=args.confirm, progress=not args.quiet)
-    scores.model = args.model
+    scores = replace(scores, model=args.model)
     print(format_table(scores, args.k))
     if "confirmation" in scores.extras:
         print(format_confirmation(scores.extras["confirmation"]))

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..rope import RotarySpec
 from .norms import Norm, block_norm, module_eps, read_norm
-from .qkmap import QKMap
+from .qkmap import QKMap, ScoreMaps
 from .rotary import layer_rotary
 
 
@@ -147,23 +147,134 @@ class AttentionAdapter:
         """This layer's rotary (``arch/rotary``), None without rotary; NoPE layers give the identity."""
         return layer_rotary(self, verify)
 
+    # -- the attribution maps (arch/qkmap): ``_maps`` is each family's ---------------------------------
     def query_map(self, head: int) -> QKMap:
         """Query head ``head``'s query as a function of the residual entering the block (``arch/qkmap``)."""
-        raise NotImplementedError
+        return self.query_maps([int(head)])[0]
 
     def key_map(self, kv_head: int) -> QKMap:
         """KV head ``kv_head``'s key as a function of the residual entering the block (``arch/qkmap``)."""
-        raise NotImplementedError
+        return self.key_maps([int(kv_head)])[0]
 
     def query_maps(self, heads) -> List[QKMap]:
         """``query_map`` of each of ``heads``, the layer's weights and norms read once."""
-        return [self.query_map(h) for h in heads]
+        return self._maps("q", [int(h) for h in heads])
 
     def key_maps(self, kv_heads) -> List[QKMap]:
-        return [self.key_map(g) for g in kv_heads]
+        """``key_map`` of each of ``kv_heads``, the layer's weights and norms read once."""
+        return self._maps("k", [int(g) for g in kv_heads])
+
+    def _maps(self, side: str, heads: List[int]) -> List[QKMap]:
+        """The maps of ``side`` ("q": query heads, "k": KV heads) for ``heads``: each family's own."""
+        raise NotImplementedError
+
+    def score_maps(self, heads) -> ScoreMaps:
+        """Everything the score of query heads ``heads`` is made of, in one object (``qkmap.ScoreMaps``): their
+        query maps, their KV heads' key maps, the scale, soft-cap, window, ALiBi slopes and rotary, and what the maps
+        freeze (what ``qk.attend`` asks of a layer)."""
+        heads = [int(h) for h in heads]
+        group = self.n_heads // self.n_kv_heads
+        kv = sorted({h // group for h in heads})
+        factor, source, cap = self.scale()
+        query = self.query_maps(heads)
+        key = dict(zip(kv, self.key_maps(kv)))
+        rotary = (query + list(key.values()))[0].rotary if heads else self.rotary(verify=False)
+        return ScoreMaps(heads, query, key, group, factor, source, cap, self.window(), self.alibi_slopes(), rotary,
+                         self.frozen_factors(), self.family)
+
+    def frozen_factors(self) -> List[str]:
+        """What this layer's attribution maps hold at their value in one run: each per-position scale of a norm
+        between the residual and the score (the input norm's; a QK-norm's)."""
+        out = ["the input norm's 1/σ at each position"] if self.input_norm().kind else []
+        if any(n is not None for n in self.qk_norms()):
+            out.append("the QK-norm's 1/σ of each head's query and key")
+        return out
 
     def uses_rotary(self) -> bool:
         return True
+
+    # -- a head's circuits and what it computes at given inputs (what _weights asks) ----------------------
+    def qk_factors(self, head: int, R: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """Query head ``head``'s QK circuit as factors (A [d_model, k], B [k, d_model], QK = A B: the bias-free
+        bilinear form, ``_weights.circuits.qk``); ``R`` [d_qk, d_qk]: the rotary's R(Δ) between query and key
+        (``rope.rotation(spec, [Δ], relative=True)[0]``), applied on the query side: QK(Δ) = W_Q R(Δ) W_Kᵀ."""
+        w = self.weights()
+        Q, K = w.W_Q[head], w.W_K[head]
+        if R is not None:
+            Q = Q @ R.to(device=Q.device, dtype=Q.dtype)
+        return Q, K.T
+
+    def ov_factors(self, head: int) -> Tuple[Tensor, Tensor]:
+        """Query head ``head``'s OV circuit as factors (A [d_model, k], B [k, d_model], OV = A B: W_V W_O)."""
+        w = self.weights()
+        return w.W_V[head], w.W_O[head]
+
+    def qk_at(self, x: Float[Tensor, "batch pos d_model"]) -> Tuple[Tensor, Tensor]:
+        """Every query head's factored query and key at the attention's inputs ``x`` (the rows W_Q/W_K read; the
+        model's dtype), before the rotary, [batch, head, pos, d_qk] in float64: x W + b, then every norm after the
+        projection evaluated at these inputs (a QK-norm, MLA's latent norms) — what ``verify_circuits`` compares
+        with the model's own scores."""
+        w = self.weights()
+        q, k = self._factored_qk(x, w)
+        for side, mod in zip("qk", self.qk_norm_modules()):
+            if mod is not None:     # QK-norm: the model's own norm, evaluated at these q/k ([b, p, h, d]: per-head
+                t = q if side == "q" else k          # weights, as Cohere's, broadcast over the head axis)
+                t = mod(t.transpose(1, 2).to(w.W_Q.dtype)).transpose(1, 2).double()
+                q, k = (t, k) if side == "q" else (q, t)
+        return q, k
+
+    @staticmethod
+    def _factored_qk(x: Tensor, w: LayerWeights) -> Tuple[Tensor, Tensor]:
+        """x W + b of every query head, [batch, head, pos, d_qk] in float64 (``qk_at`` before any norm)."""
+        xd = x.to(w.W_Q.dtype).double()
+        q = torch.einsum("bpm,hmd->bhpd", xd, w.W_Q.double()) + w.b_Q.double()[None, :, None]
+        k = torch.einsum("bpm,hmd->bhpd", xd, w.W_K.double()) + w.b_K.double()[None, :, None]
+        return q, k
+
+    def writes_at(self, x: Float[Tensor, "batch pos d_model"], head: int) -> Float[Tensor, "batch pos d_model"]:
+        """What query head ``head`` writes per source position from the attention's inputs ``x`` before the pattern
+        mixes them, in float64: (x W_V + b_V) W_O, with every norm on the way evaluated at ``x`` (MLA's KV latent)."""
+        w = self.weights()
+        return (x.double() @ w.W_V[head].double() + w.b_V[head].double()) @ w.W_O[head].double()
+
+    def rows_qk(self, X: Float[Tensor, "n d_model"], head: int) -> Tuple[Tensor, Tensor]:
+        """Query head ``head``'s query and key for token rows ``X`` (what the layer reads for each token alone: the
+        contextual token views), bias-free and before the rotary, in the weights' dtype: X W_Q, X W_K, with the norms
+        after the projection that the bilinear form keeps (MLA's latent norms, evaluated at each row; a QK-norm is
+        one of the QK circuit's caveats and is left out)."""
+        w = self.weights()
+        X = X.to(w.W_Q.dtype)
+        return X @ w.W_Q[head], X @ w.W_K[head]
+
+    def rows_write(self, X: Float[Tensor, "n d_model"], head: int) -> Tensor:
+        """Query head ``head``'s bias-free write for token rows ``X`` (X W_V W_O, the weights' dtype), every norm on
+        the way evaluated at each row (MLA's KV latent)."""
+        w = self.weights()
+        X = X.to(w.W_V.dtype)
+        return (X @ w.W_V[head]) @ w.W_O[head]
+
+    def inputs_from_residuals(self, resid: Float[Tensor, "n b p d_model"], into: str, heads) -> Tensor:
+        """hook_q/k/v values of ``heads`` (query heads for q, KV heads for k/v), head i's computed from ITS OWN
+        residual ``resid[i]``: [b, p, n, d] (the task graph's general path). Here: the block's own ln1 per copy
+        (cheap, elementwise), then one einsum with the heads' ``input_maps`` (the flops of the model's projection);
+        q/k-norm and rotary come after hook_q/k, so they need nothing here."""
+        heads = list(heads)
+        maps = self.input_maps(into, heads)
+        if maps is None:
+            raise NotImplementedError(f"{type(self).__name__} has no input_maps: it computes its own "
+                                      f"inputs_from_residuals")
+        W, bias = maps                                                                 # [n, d, e], [n, e] or None
+        n, b, p, d = resid.shape
+        normed = self.block.ln1(resid.reshape(n * b, p, d)).view(n, b, p, d)
+        out = torch.einsum("nbpd,nde->bpne", normed, W.to(normed.dtype))
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        return out
+
+    def input_maps(self, into: str, heads) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+        """(W [n, d_model, d], b [n, d] or None) with hook_<into> = ln1(x) W + b for ``heads``, or None where no such
+        linear map of the normed input exists (latent attention reads it through its latents and their norms)."""
+        return None
 
     @property
     def scores_hook_holds_pattern(self) -> bool:
@@ -204,6 +315,31 @@ class AttentionAdapter:
     def kv_floats(self) -> Tuple[int, int]:
         """(floats cached per token by this layer, the same for multi-head attention with these query heads)."""
         raise NotImplementedError
+
+    def kv_kind(self) -> str:
+        """What this layer's KV cache holds, in words: "MHA", "MQA", "GQA 2 of 8" (latent: its latent and rotary key)."""
+        if self.n_kv_heads == self.n_heads:
+            return "MHA"
+        if self.n_kv_heads == 1:
+            return "MQA"
+        return f"GQA {self.n_kv_heads} of {self.n_heads}"
+
+    # -- what a capture of this layer may name -------------------------------------------------------
+    LATENT_ACTIVATIONS = ("q_latent", "kv_latent", "k_rope")
+
+    def activation_refusal(self, names, architecture: str) -> Optional[str]:
+        """Why this layer has no ``names`` to capture or edit (one line naming ``architecture``, the model's), or
+        None where it has them all: the latents and the decoupled rotary key exist only on latent attention."""
+        latent = [n for n in names if n in self.LATENT_ACTIVATIONS]
+        if latent:
+            return (f"{latent[0]!r} exists only on multi-head latent attention (DeepSeek-V2/V3); this {architecture} "
+                    f"has standard attention: capture q, k, v, rot_q, rot_k, scores, pattern or z")
+        return None
+
+    def shared_by_heads(self, name: str) -> bool:
+        """Whether activation ``name`` is one tensor for every head of the layer (an edit of it acts on all of
+        them): the latents and, on latent attention, the shared rotary key."""
+        return name in ("q_latent", "kv_latent")
 
     def head_inputs(self, resid: Float[Tensor, "batch pos d_model"], into: str) -> Tensor:
         """The hook value ``into`` (q, k, v) this layer would compute from residual ``resid``, [batch, pos, head, d]."""

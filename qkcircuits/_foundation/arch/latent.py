@@ -128,6 +128,53 @@ class LatentAttention(AttentionAdapter):
     def W_O(self) -> Float[Tensor, "head d_v d_model"]:
         return self.module.o_proj.weight.detach().T.reshape(self.n_heads, self.d_v, -1)
 
+    # -- a head's circuits and what it computes at given inputs -----------------------------------------
+    def qk_factors(self, head: int, R: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """``latent_qk``: the KV latent and the shared rotary key as the inner dimension (R(Δ) on the rope part)."""
+        return self.latent_qk(head, None if R is None else R[self.d_nope:, self.d_nope:])
+
+    def ov_factors(self, head: int) -> Tuple[Tensor, Tensor]:
+        """``latent_ov``: the KV latent as the inner dimension."""
+        return self.latent_ov(head)
+
+    def qk_at(self, x: Float[Tensor, "batch pos d_model"]) -> Tuple[Tensor, Tensor]:
+        """The effective maps' x W, then the latent RMS scales at ``x``: 1/r_q(i) on the query, 1/r_kv(j) on the
+        content key (the shared rotary key is not normalised)."""
+        w = self.weights()
+        q, k = self._factored_qk(x, w)
+        s_q, s_kv = (s.double() for s in self.latent_scales(x.to(w.W_Q.dtype)))
+        q = q * s_q[:, None, :, None]
+        k = torch.cat([k[..., : self.d_nope] * s_kv[:, None, :, None], k[..., self.d_nope:]], -1)
+        return q, k
+
+    def writes_at(self, x: Float[Tensor, "batch pos d_model"], head: int) -> Float[Tensor, "batch pos d_model"]:
+        """(x W_DKV γ_kv / r_kv(j)) · W_UV^h W_O^h: the OV factors through the latent, its norm at ``x``."""
+        A, B = self.ov_factors(head)
+        s_kv = self.latent_scales(x.to(A.dtype))[1].double()
+        return ((x.double() @ A.double()) * s_kv[..., None]) @ B.double()
+
+    def rows_qk(self, X: Float[Tensor, "n d_model"], head: int) -> Tuple[Tensor, Tensor]:
+        """X W_Q, X W_K of the effective maps with both latent norms evaluated at each row (not the rotary key)."""
+        w = self.weights()
+        X = X.to(w.W_Q.dtype)
+        Q, K = X @ w.W_Q[head], X @ w.W_K[head]
+        s_q, s_kv = (t[0] for t in self.latent_scales(X[None]))
+        return Q * s_q[:, None], torch.cat([K[:, : self.d_nope] * s_kv[:, None], K[:, self.d_nope:]], 1)
+
+    def rows_write(self, X: Float[Tensor, "n d_model"], head: int) -> Tensor:
+        """X W_V W_O of the effective maps, the KV latent's norm evaluated at each row."""
+        w = self.weights()
+        X = X.to(w.W_V.dtype)
+        o = (X @ w.W_V[head]) @ w.W_O[head]
+        return o * self.latent_scales(X[None])[1][0][:, None]
+
+    def inputs_from_residuals(self, resid: Float[Tensor, "n b p d_model"], into: str, heads) -> Tensor:
+        """Head i's input is the layer's own recompute from ``resid[i]`` (``head_inputs``: the latent and its norm
+        from that residual, then only head i's up-projection; the decoupled rotary key, shared by every head, is
+        recomputed from the same residual, so an edge into head i's k carries the sender's effect through both
+        parts). One projection per copy, not one einsum for all: fine at MLA test sizes."""
+        return torch.stack([self.head_inputs(resid[i], into)[:, :, h] for i, h in enumerate(heads)], 2)
+
     def output_module(self) -> Optional[torch.nn.Module]:
         return super().output_module() or self.module.o_proj
 
@@ -161,23 +208,15 @@ class LatentAttention(AttentionAdapter):
                 "circuit depends on the input's norm; the contextual token views evaluate the norms at the actual "
                 "inputs and are the default"]
 
+    def frozen_factors(self) -> List[str]:
+        out = ["the input norm's 1/σ at each position"] if self.input_norm().kind else []
+        return out + ["the query and KV latents' RMS scales (the shared rotary key is not normalised)"]
+
     def rotary_module(self) -> torch.nn.Module:
         for _, mod in self.model.original_model.named_modules():
             if isinstance(getattr(mod, "inv_freq", None), Tensor):
                 return mod
         raise QKCircuitsError("cannot find the rotary module (no inv_freq buffer) of this DeepSeek model")
-
-    def query_map(self, head: int) -> LatentQKMap:
-        return self.query_maps([int(head)])[0]
-
-    def key_map(self, kv_head: int) -> LatentQKMap:
-        return self.key_maps([int(kv_head)])[0]
-
-    def query_maps(self, heads) -> List[LatentQKMap]:
-        return self._maps("q", [int(h) for h in heads])
-
-    def key_maps(self, kv_heads) -> List[LatentQKMap]:
-        return self._maps("k", [int(g) for g in kv_heads])
 
     def _maps(self, side: str, heads: List[int]) -> List[LatentQKMap]:
         """The effective per-head maps through the latent (``weights()``), the input norm's weight in front."""
@@ -262,6 +301,19 @@ class LatentAttention(AttentionAdapter):
     def kv_floats(self) -> Tuple[int, int]:
         """(floats this layer caches per token: latent + rotary key, its multi-head equivalent: H·(d_qk + d_v))."""
         return self.kv_lora_rank + self.d_rope, self.n_heads * (self.d_qk + self.d_v)
+
+    def kv_kind(self) -> str:
+        return f"MLA: latent {self.kv_lora_rank} + rotary key {self.d_rope}"
+
+    # -- what a capture of this layer may name -------------------------------------------------------
+    def activation_refusal(self, names, architecture: str) -> Optional[str]:
+        if "q_latent" in names and self.q_lora_rank is None:
+            return (f"'q_latent' needs a query latent, and this {architecture} has q_lora_rank None (q = x W_Q "
+                    f"directly); capture kv_latent, k_rope, q, k, v or z")
+        return None
+
+    def shared_by_heads(self, name: str) -> bool:
+        return name in ("q_latent", "kv_latent", "rot_k", "k_rope")
 
 
 class _HeadsFirst:

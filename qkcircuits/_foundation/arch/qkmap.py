@@ -29,7 +29,7 @@ its latents, whose RMSNorms divide by r_q(p) and r_kv(p) (frozen too):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from jaxtyping import Float
@@ -180,6 +180,33 @@ class LatentQKMap(QKMap):
 
     def contract_static(self, y: Tensor, fr: Frozen, weights: Tensor, rows: Tensor) -> Tensor:
         return _contract_static(y, (fr.s * fr.post).to(y.dtype), weights.to(y.dtype), rows, self.rotary)
+
+
+@dataclass
+class ScoreMaps:
+    """Everything one layer's score is made of, for some of its query heads (``adapter.score_maps(heads)``): each
+    head's query map (``query``, in the order of ``heads``), each KV head's key map (``key[g]``, g = h // ``group``),
+    the score's ``scale`` (and where it was read, ``scale_source``), its ``softcap`` (or None), the sliding
+    ``window`` (or None), ALiBi's per-head ``alibi_slopes`` [n_heads] (or None), the layer's ``rotary`` (None without
+    one; each map holds it too), ``frozen``: what the maps hold at their value in one run (each norm's per-position
+    scale), and the adapter's ``family``. s_ij = scale · q_i · k_j (+ slope_h · j), soft-capped where ``softcap``."""
+
+    heads: List[int]
+    query: List[QKMap]
+    key: Dict[int, QKMap]
+    group: int
+    scale: float
+    scale_source: str
+    softcap: Optional[float]
+    window: Optional[int]
+    alibi_slopes: Optional[Tensor]
+    rotary: Optional[RotarySpec]
+    frozen: List[str]
+    family: str
+
+    def kv(self, head: int) -> int:
+        """The KV head query head ``head`` reads."""
+        return int(head) // self.group
 
 
 def _contract_static(y: Tensor, f: Tensor, weights: Tensor, rows: Tensor, rotary: Optional[RotarySpec]) -> Tensor:

@@ -231,18 +231,6 @@ class StandardAttention(AttentionAdapter):
                                  kind="RMS", what=f"layer {self.layer}'s {side}-norm"))
         return out[0], out[1]
 
-    def query_map(self, head: int) -> QKMap:
-        return self.query_maps([int(head)])[0]
-
-    def key_map(self, kv_head: int) -> QKMap:
-        return self.key_maps([int(kv_head)])[0]
-
-    def query_maps(self, heads) -> List[QKMap]:
-        return self._maps("q", [int(h) for h in heads])
-
-    def key_maps(self, kv_heads) -> List[QKMap]:
-        return self._maps("k", [int(g) for g in kv_heads])
-
     def _maps(self, side: str, heads: List[int]) -> List[QKMap]:
         """W = P·diag(w)·W_x[h], c = β W_x[h] + b_x[h] (``arch/qkmap``); the key side per KV head. The weights, norms
         and rotary are read once for all ``heads``."""
