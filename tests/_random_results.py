@@ -27,6 +27,7 @@ from qkcircuits._analysis.diagnose_result import HeadDiagnostics
 from qkcircuits._analysis.results import HeadScores
 from qkcircuits._analysis.sweep import HeadEffects
 from qkcircuits._explain.attribution import Attribution
+from qkcircuits._tasks.circuit_report import CircuitReport
 from qkcircuits._tasks.core import CoreCircuit
 from qkcircuits._tasks.stability import Stability
 from qkcircuits._foundation.capture import NAMES, Activations
@@ -299,11 +300,23 @@ def attribution(rng):
                        tensor(rng, (len(pq), len(pk)), torch.float64), number(rng), settings(rng), expanded)
 
 
+def circuit_report(rng):
+    edges = [[f"{rng.randint(0, 9)}.{rng.randint(0, 3)}", rng.choice(["logits", "mlp3", "5.kv0"]), rng.choice(["q", "in"]),
+              number(rng)] for _ in range(rng.randint(0, 4))]
+    data = {"model": text(rng), "task": text(rng), "curve": {f"{p:g}": number(rng) for p in (0.1, 5, 100)},
+            "circuit": {"edges": edges, "heads": sorted({e[0] for e in edges}), "named": rng.random() < 0.5},
+            "roles": {f"{rng.randint(0, 9)}.1": {"role": text(rng), "why": text(rng), "evidence": settings(rng)}},
+            "warnings": [text(rng) for _ in range(rng.randint(0, 2))], "summary": [text(rng), text(rng)],
+            **rng.choice([{}, {"core": {"heads": ["1.0"], "mlps": [], "node_faithfulness": number(rng)}}]),
+            "extra": json_data(rng)}
+    return CircuitReport(data)
+
+
 GENERATORS: Dict[type, Callable[[random.Random], Any]] = {
     HeadScores: head_scores, HeadEffects: head_effects, GroupEffect: group_effect, RandomComparison: random_comparison,
     HeadDiagnostics: head_diagnostics, CompositionScores: composition_scores, HeadCircuit: head_circuit,
     CircuitCheck: circuit_check, OffsetProfile: offset_profile, KVCache: kv_cache, Activations: activations,
     PathEffects: path_effects, Zoo: zoo, EdgeScores: edge_scores, NodeScores: node_scores, TaskCircuit: task_circuit,
     Faithfulness: faithfulness, Roles: roles, Attribution: attribution, CoreCircuit: core_circuit,
-    Stability: stability,
+    Stability: stability, CircuitReport: circuit_report,
 }

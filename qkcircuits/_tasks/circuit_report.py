@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from .._foundation.display import box, escape, table
-from .._foundation.io import dump_json, json_number
+from .._foundation.io import dump_json
 from .._foundation.result import Result
 
 SCHEMA = "qkcircuits.circuit/1"
@@ -50,7 +50,11 @@ class CircuitReport(Result):
     KEYS: ClassVar[Tuple[str, ...]] = ("curve", "circuit")
 
     def __post_init__(self) -> None:
-        self.data.setdefault("schema", SCHEMA)         # the data is what the file holds, schema included
+        # the data is what the file holds (schema included; string keys, lists, null for non-finite numbers), so a
+        # report read back from its file is equal to it
+        held = json.loads(dump_json({"schema": SCHEMA, **self.data}, None, None))
+        self.data.clear()
+        self.data.update(held)
 
     # ------------------------------------------------------------------------------------------ reading
     @property
@@ -207,9 +211,7 @@ def assemble(*, model: str, header: str, task, held, graph, drawn: str, holdout,
     if backend is not None:
         data["backend"] = {k: v for k, v in backend.items() if k != "plan"}
     data["summary"] = lines
-    # through JSON once: the report holds what its file holds (string keys, lists, null), so a report read back
-    # from its file is equal to it
-    return CircuitReport(json.loads(dump_json(finite(data), None, None)), scores=scores, edge_circuit=circ if named else None, core_circuit=core,
+    return CircuitReport(data, scores=scores, edge_circuit=circ if named else None, core_circuit=core,
                          stability=stability)
 
 
@@ -245,15 +247,4 @@ def core_lines(core) -> List[str]:
             + ", ".join(f"{k}: {v:.3f}" for k, v in core.curve.items())]
 
 
-def finite(o):
-    """``o`` with every non-finite float as None (JSON's null)."""
-    if isinstance(o, float):
-        return json_number(o)
-    if isinstance(o, dict):
-        return {k: finite(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [finite(v) for v in o]
-    return o
-
-
-__all__ = ["CircuitReport", "SCHEMA", "assemble", "core_json", "core_lines", "holdout_json", "finite"]
+__all__ = ["CircuitReport", "SCHEMA", "assemble", "core_json", "core_lines", "holdout_json"]
