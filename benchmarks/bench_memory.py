@@ -7,11 +7,17 @@ process, so configurations measured one after another would pollute each other).
 configuration, from /proc/self/status: resident set (VmRSS) after the load, peak resident set
 (VmHWM) over the whole process, and the same two numbers for the process right after its imports
 (what the libraries alone cost: transformers for the plain load; transformers and TransformerLens's
-model bridge for ``qk.load``, which imports it on its first call since ``import qkcircuits`` stays light),
+model bridge for ``qk.load``, which imports it on its first call since ``import qkcircuits`` stays light;
+for ``qk.load`` also the resident set before TransformerLens's import, after ``import qkcircuits`` and the same
+transformers classes as the plain load),
 the bytes held by the model's parameters and buffers, and the bytes of every other live tensor (caches
 on the model, reader buffers: 0 when nothing but the model's own tensors stays); on a GPU also
 torch.cuda.memory_allocated / max_memory_allocated. Ratios are against the plain load: of the whole
-process (steady, peak) and of the load alone (steady minus the imports).
+process (steady, peak), of the load alone (steady minus the imports) and, for ``qk.load``, of the load with
+TransformerLens's import counted in it (steady minus the resident set before that import).
+"Steady" is read after every parameter and buffer was summed once: a load from qkcircuits' GGUF cache maps its
+folded weights from a safetensors file, whose pages count only once read (right after the load the resident
+set was below the weights' own bytes).
 """
 
 from __future__ import annotations
@@ -60,9 +66,15 @@ if loader == "plain":
     model.eval()
 else:
     import qkcircuits as qk
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (as the plain load's imports)
+    pre_tl = status()
     import transformer_lens.model_bridge  # noqa: F401  (qk.load's first call imports it: a library cost, not the load's)
     before = status()
     model = qk.load(model_spec, device=device, dtype=dtype, verbose=False, **kw)
+with torch.no_grad():               # read every weight once: memory-mapped ones count only once read
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type != "meta" and t.numel():
+            t.sum()
 held = {}
 for t in list(model.parameters()) + list(model.buffers()):
     held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
@@ -74,6 +86,7 @@ for o in gc.get_objects():          # every other live tensor: caches, reader bu
         if s.data_ptr() not in held:
             other[s.data_ptr()] = s.nbytes()
 out = {"rss": after["VmRSS"], "peak": after["VmHWM"], "rss_imports": before["VmRSS"], "peak_imports": before["VmHWM"],
+       "rss_before_tl": (pre_tl if loader != "plain" else before)["VmRSS"],
        "tensors": sum(held.values()), "other_tensors": sum(other.values())}
 if device.startswith("cuda"):
     out["cuda"] = torch.cuda.memory_allocated()
@@ -111,8 +124,10 @@ def main() -> int:
             continue
         results[name] = r = measure(loader, args.model, args.device, dict(kw))
         base = results.get("plain transformers (bf16)" if "bf16" in name else "plain transformers (fp32)")
+        plain_load = base["rss"] - base["rss_imports"] if base else 0
         ratio = (f"  x{r['rss'] / base['rss']:.2f} steady, x{r['peak'] / base['peak']:.2f} peak, load alone "
-                 f"x{(r['rss'] - r['rss_imports']) / (base['rss'] - base['rss_imports']):.2f}") if base else ""
+                 f"x{(r['rss'] - r['rss_imports']) / plain_load:.2f}, with TransformerLens's import "
+                 f"x{(r['rss'] - r['rss_before_tl']) / plain_load:.2f}") if base else ""
         cuda = (f"  cuda {r['cuda'] / 1e9:.2f} GB (peak {r['cuda_peak'] / 1e9:.2f})" if "cuda" in r else "")
         print(f"{name:<62} steady {r['rss'] / 1e9:5.2f} GB  peak {r['peak'] / 1e9:5.2f} GB  "
               f"(imports {r['rss_imports'] / 1e9:.2f})  tensors {r['tensors'] / 1e9:.2f} GB (+{r['other_tensors'] / 1e9:.2f} "

@@ -51,9 +51,13 @@ def test_report_circuit_section_draws_offline(browser, hand_built, tmp_path):  #
         .map(t => t.textContent).sort()""")
     assert names == ["0.0", "1.0", "logits"]
     # tables: the file's rows as text; the hostile role is shown, never parsed
-    roles = pg.evaluate("""() => [...document.querySelectorAll('#circuit-roles tr')].slice(1)
-        .map(r => [...r.children].map(c => c.textContent))""")
-    assert roles == [["0.0", HOSTILE, "previous_token 1"], ["1.0", "induction", "induction 0.99, direct effect 0.5"]]
+    roles = pg.evaluate("""() => [...document.querySelectorAll('#circuit-roles > tbody > tr, #circuit-roles > tr')]
+        .slice(1).map(r => [...r.children].map(c => c.querySelector('table.kv')
+            ? [...c.querySelectorAll('table.kv tr')].map(kr => [...kr.children].map(x => x.textContent))
+            : c.textContent))""")
+    # the evidence is a table of its own in its cell: one row per name
+    assert roles == [["0.0", HOSTILE, [["previous token", "1"]]],
+                     ["1.0", "induction", [["induction", "0.99"], ["direct effect", "0.5"]]]]
     assert pg.locator("#circuit-section img").count() == 0
     edges = pg.evaluate("""() => [...document.querySelectorAll('#circuit-edges tr')].slice(1)
         .map(r => [...r.children].map(c => c.textContent).slice(0, 4))""")

@@ -241,8 +241,9 @@ def test_report_section(hand_built):
     d["roles"]["0.0"]["evidence"] = {"note": HOSTILE}
     html = report_html(hand_built, scores=scores, per_score=0, circuit=d, progress=False)
     c = section(html, "circuit-section")
-    assert c["roles"] == [["0.0", "previous-token", f"note {HOSTILE}"], ["1.0", "induction",
-                                                                         "induction 0.99, direct effect 0.5"]]
+    # the evidence as a small table of its own, one row per name (not "key value, key value" on one line)
+    assert c["roles"] == [["0.0", "previous-token", {"kv": [["note", HOSTILE]]}],
+                          ["1.0", "induction", {"kv": [["induction", "0.99"], ["direct effect", "0.5"]]}]]
     assert c["edges"] == [["0.0", "1.0", "k", 0.6, "previous-token", "induction"],
                           ["1.0", "logits", "", -0.3, "induction", ""]]
     assert "node faithfulness 0.97" in c["summary"] and "clean 3, corrupt -1" in c["summary"]

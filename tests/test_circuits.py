@@ -294,10 +294,11 @@ def test_copying_accuracy_chunks_by_element_size_float64(gpt2_folder, monkeypatc
         qk.weights.copying_accuracy(model, "1.2", max_bytes=0)
 
 
-@pytest.mark.parametrize("fixture", ["gpt2", "gpt2_raw"])
+@pytest.mark.parametrize("fixture", ["gpt2", "gpt2_raw", "llama"])
 def test_eigen_copying_from_small_side_equals_vocab_side(fixture, request, monkeypatch):
     """The d_head-side eigenvalues equal those of the dense vocab × vocab circuit in the stated convention:
-    E_n without norm bias, U through the final norm, centred over the vocabulary (M − its row means)."""
+    E_n without norm bias, U through the final norm, centred over the vocabulary (M − its row means). The
+    GQA Llama has query heads sharing W_V: G·W_V is formed once per KV head there."""
     import qkcircuits._weights.circuits as circuits
 
     monkeypatch.setattr(circuits, "CHUNK_ROWS", 53)
@@ -317,7 +318,8 @@ def test_eigen_copying_from_small_side_equals_vocab_side(fixture, request, monke
             assert float(ov_scores[layer, h]) == pytest.approx(float(qk.weights.eigen_copying(torch.linalg.eigvals(dov))),
                                                                abs=1e-4)
     # raw weights: the OV score is put in the folded convention (ln1 weight in W_V, LayerNorm centring)
-    assert torch.allclose(ov_scores, folded_ov, atol=1e-4)
+    if fixture != "llama":
+        assert torch.allclose(ov_scores, folded_ov, atol=1e-4)
 
 
 def _copy_model(sign_per_head):

@@ -67,3 +67,28 @@ def test_the_second_load_reads_the_cached_conversion(tmp_path_factory, tmp_path,
     a, b = dict(half.named_parameters()), dict(plain.named_parameters())
     assert {v.dtype for v in a.values()} == {torch.bfloat16}
     assert all(torch.equal(a[k], b[k]) and torch.equal(c[k], b[k]) for k in a)
+
+
+def test_the_cached_conversion_is_read_in_this_thread(tmp_path_factory, tmp_path, monkeypatch):
+    """transformers' 4 loading threads keep what their casts freed (a bfloat16 load of SmolLM2's float32
+    conversion held 0.08 GB more, docs/benchmarks.md): the cached folder is read with them off, and the
+    setting is put back afterwards."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("QKCIRCUITS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("HF_DEACTIVATE_ASYNC_LOAD", raising=False)
+    path = tmp_path / "m.gguf"
+    shutil.copy(gguf_path(tmp_path_factory), path)
+    qk.load(str(path), verbose=False)                                  # converts and stores
+    seen, real = [], AutoModelForCausalLM.from_pretrained
+
+    def spy(*a, **kw):
+        seen.append(os.environ.get("HF_DEACTIVATE_ASYNC_LOAD"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    qk.load(str(path), dtype="bfloat16", verbose=False)                # reads the cached folder
+    assert seen == ["1"]
+    assert "HF_DEACTIVATE_ASYNC_LOAD" not in os.environ

@@ -6,8 +6,10 @@ import json
 import re
 
 import pytest
+import torch
 
-from qkcircuits import cli
+import qkcircuits as qk
+from qkcircuits import cli, plot
 
 from _cli import errors, run
 
@@ -16,8 +18,9 @@ def test_trace_cli_summary_and_json_contract(tmp_path, capsys):
     out = tmp_path / "t.json"
     assert cli.main(["trace", "toy-induction", "--quiet", "--top", "1", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    # "1.0 reads its keys from 0.0 (previous-token; effect 1.00 of the clean 1.00; next sender 0.00; baseline mean 0.50)"
-    assert re.search(r"1\.0 reads its keys from 0\.0 \(previous-token; effect 1\.00 of the clean 1\.00; next sender "
+    # "1.0 reads its keys from 0.0 (previous-token; effect 1.00 = 100% of the clean 1.00; next sender 0.00; baseline
+    # mean 0.50)"
+    assert re.search(r"1\.0 reads its keys from 0\.0 \(previous-token; effect 1\.00 = 100% of the clean 1\.00; next sender "
                      r"-?0\.00; baseline mean 0\.50\)", text), text
     d = json.loads(out.read_text())
     assert d["model"] and d["method"] == "mean"
@@ -120,3 +123,30 @@ def test_serve_and_report_bad_trace_are_one_line_errors(trace_json, tmp_path, ma
         err = errors(stderr)
         assert len(err) == 1 and msg in err[0], stderr
         assert "Traceback" not in stderr and "serving" not in stderr and not (tmp_path / "r.html").exists()
+
+
+def test_reads_from_says_its_numbers_and_the_panel_claims_only_what_passes():
+    """Issue 45: trace printed "17.4 reads its values from 16.0 (effect 0.00 of the clean 0.01)" (SmolLM2: 0.0012 of a
+    clean direct logit 0.0094, 13 %, which passes READS_FROM): the numbers now carry two significant digits of the
+    clean value and the share; a sentence without a source says which condition failed; the report's panel fades
+    every bar under the threshold."""
+    L, H = 3, 4
+    recv = [qk.Head(2, 0)]
+    eff = {x: torch.full((1, L, H), float("nan")) for x in "qkv"}
+    eff["v"][0, :2] = torch.tensor([[0.0001, 0.0002, 0.0001, 0.0], [0.0012, 0.0007, 0.0001, 0.0002]])
+    eff["q"][0, :2] = torch.tensor([[0.06, 0.01, 0.0, 0.0], [0.02, 0.0, 0.01, 0.0]])    # 8 % of 0.73: under 10 %
+    eff["k"][0, :2] = 0.5                                                               # all equal: not above p95
+    clean = {"q": torch.tensor([0.73]), "k": torch.tensor([0.9]), "v": torch.tensor([0.0094])}
+    res = qk.results.PathEffects("syn", "mean", recv, list("qkv"), {"q": "induction", "k": "induction",
+                                 "v": "direct-logit"}, eff, clean, n_layers=L, n_heads=H,
+                                 labels={"1.0": ["previous-token"]})
+    v = res.summary("2.0", "v")
+    assert v == ("2.0 reads its values from 1.0 (previous-token; effect 0.0012 = 13% of the clean 0.0094; next sender "
+                 "0.0007; baseline mean 0.0003)"), v
+    assert res.summary("2.0", "q").endswith("the largest effect, 0.0 (no label) 0.06, is 8% of the clean 0.73, under 10%")
+    assert res.summary("2.0", "k").endswith("is not above the other senders (p95 0.50)")
+    fig = plot.reads_from(res, "2.0", k=2)
+    solid = {y: o for t in fig.data for y, o in zip(t.y, t.marker.opacity)}
+    assert solid.pop("v: 1.0") == 1.0 and len(solid) == 5 and set(solid.values()) == {0.3}, solid   # the one source
+    title = fig.layout.title.text.replace("<br>", " ")                  # the layout wraps long titles
+    assert title.startswith("senders into 2.0") and "solid: reads from (≥ 10% of clean, > p95)" in title, title

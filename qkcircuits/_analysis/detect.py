@@ -37,6 +37,7 @@ from torch import Tensor
 from .._foundation.capture import stream
 from .._foundation.errors import QKCircuitsError
 from .._foundation.arch.model import folded
+from .._foundation.arch.norms import read_once
 from .._foundation.args import check_model
 from .._foundation.io import check_int
 from .._foundation.renamed import renamed
@@ -271,17 +272,18 @@ def scan(model, *, scores: Optional[Sequence[str]] = None, n_seqs: int = 8, seg_
                        unit="layer", enabled=progress)
     out: Dict[str, Tensor] = {}
     extra: Dict[str, object] = {"eigen_copying_circuit": None}
-    with torch.no_grad():
-        for kind in streamed:
-            toks, seg, first = prompt_set(model, kind, ctx)
-            out.update(stream_scores(model, [d for d in chosen if d.prompts == kind], toks, seg, first,
-                                     exclude_bos, bar))
-    for d in chosen:
-        if d.prompts == "model":
-            got = d.score(model, ctx)
-            out[d.name], info = got if isinstance(got, tuple) else (got, {})
-            extra.update(info or {})
-            bar.update(L)
+    with read_once():                        # the weights stay as they are: each norm is read once per scan
+        with torch.no_grad():
+            for kind in streamed:
+                toks, seg, first = prompt_set(model, kind, ctx)
+                out.update(stream_scores(model, [d for d in chosen if d.prompts == kind], toks, seg, first,
+                                         exclude_bos, bar))
+        for d in chosen:
+            if d.prompts == "model":
+                got = d.score(model, ctx)
+                out[d.name], info = got if isinstance(got, tuple) else (got, {})
+                extra.update(info or {})
+                bar.update(L)
     bar.close()
     result = HeadScores(
         model=model_name(model), n_layers=L, n_heads=model.cfg.n_heads, scores={k: out[k] for k in names},

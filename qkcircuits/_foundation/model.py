@@ -355,7 +355,7 @@ def _load_gguf(path: Path, dev, dtype, device_map, model_name: Optional[str] = N
     done = gguf_cache.converted(path)
     if done is not None:
         try:
-            with _hub_offline():
+            with _hub_offline(), _weights_in_this_thread():
                 tokenizer = AutoTokenizer.from_pretrained(str(done))
                 hf_kwargs: dict = {"dtype": dtype}
                 if device_map is not None:
@@ -399,6 +399,23 @@ def _load_gguf(path: Path, dev, dtype, device_map, model_name: Optional[str] = N
     if model_name is None:          # results name the file the user gave, not its folder (as for a local folder)
         bridge.cfg.model_name = str(path)
     return bridge
+
+
+@contextlib.contextmanager
+def _weights_in_this_thread():
+    """transformers materialises a checkpoint's weights in a pool of 4 threads (``HF_DEACTIVATE_ASYNC_LOAD`` turns it
+    off); each thread's malloc arena keeps what its casts freed. A bfloat16 load of the cached float32 conversion cast
+    every weight there, and 0.08 GB stayed resident after the folded weights replaced them (docs/benchmarks.md,
+    issue 45); loaded in this thread, the freed casts go back to the one heap that ``lean.trim_heap`` returns."""
+    old = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
+    os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("HF_DEACTIVATE_ASYNC_LOAD", None)
+        else:
+            os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = old
 
 
 def _check_gguf(path: Path) -> None:

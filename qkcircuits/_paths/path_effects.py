@@ -47,6 +47,12 @@ COMPOSITION_VS_RUN = ("weights-only K-composition and the path patching above di
                       "including directions the run never writes")
 
 
+def _decimals(scale: float) -> int:
+    """Decimals that show a value to two significant digits of ``scale`` (at least 2): 0.88 → 2, 0.0094 → 4."""
+    a = abs(float(scale))
+    return 2 if not (a == a and 0 < a < math.inf) else max(2, 1 - math.floor(math.log10(a)))
+
+
 def _check_input(x: str) -> str:
     if x not in INPUTS:
         raise QKCircuitsError(f"unknown receiver input {x!r}; choose from q, k, v")
@@ -217,9 +223,11 @@ class PathEffects(Result):
 
     # ------------------------------------------------------------------------------------- display
     def summary(self, receiver, into: str = "k") -> str:
-        """One line, e.g. "1.0 reads its keys from 0.0 (previous-token; effect 0.80 of the clean 0.86; next
+        """One line, e.g. "1.0 reads its keys from 0.0 (previous-token; effect 0.80 = 93 % of the clean 0.86; next
         sender 0.05; baseline mean 0.01)"; when no sender passes ``reads`` (≥ ``READS_FROM`` of the clean value
-        and above p95), it says so and names the largest instead of claiming a source."""
+        and above p95), it says so, names the largest and which condition it misses, instead of claiming a source.
+        Numbers carry two significant digits of the clean value (0.0012 of 0.0094, not 0.00 of 0.01), so the
+        sentence shows the comparison it makes."""
         r = Head.parse(receiver)
         word = {"q": "queries", "k": "keys", "v": "values"}[_check_input(into)]
         top = self.top(2, receiver=r, into=into)
@@ -229,12 +237,16 @@ class PathEffects(Result):
         lab = ", ".join(self.labels.get(str(s), [])) or "no label"
         b = self.baseline(r, into)
         clean = self.clean_value(r, into)
+        d = _decimals(clean)
+        share = f"{e / abs(clean):.0%}" if clean == clean and clean != 0 else "n/a"
         if not self.reads(r, into, e):
-            return (f"{r} reads its {word} from no single earlier head: the largest effect, {s} ({lab}) {e:.2f}, is "
-                    f"under {READS_FROM:.0%} of the clean {clean:.2f} or not above the other senders (p95 "
-                    f"{b['p95']:.2f})")
-        return (f"{r} reads its {word} from {s} ({lab}; effect {e:.2f} of the clean {clean:.2f}; "
-                f"next sender {nxt:.2f}; baseline mean {b['mean']:.2f})")
+            floor = READS_FROM * abs(clean) if clean == clean else 0.0
+            why = ("is not above zero" if e <= 0 else
+                   f"is {share} of the clean {clean:.{d}f}, under {READS_FROM:.0%}" if e < floor else
+                   f"is not above the other senders (p95 {b['p95']:.{d}f})")
+            return f"{r} reads its {word} from no single earlier head: the largest effect, {s} ({lab}) {e:.{d}f}, {why}"
+        return (f"{r} reads its {word} from {s} ({lab}; effect {e:.{d}f} = {share} of the clean {clean:.{d}f}; "
+                f"next sender {nxt:.{d}f}; baseline mean {b['mean']:.{d}f})")
 
     def _text(self) -> str:
         first = [(rc, x) for rc in self.receivers[:3] for x in self.into if self.top(1, receiver=rc, into=x)]

@@ -4,7 +4,7 @@
 >>> res.receivers, res.labels["0.0"]
 ([Head(layer=1, head=0)], ['previous-token'])
 >>> print(res.summary(res.receivers[0], "k"))
-1.0 reads its keys from 0.0 (previous-token; effect 1.00 of the clean 1.00; next sender -0.00; baseline mean 0.50)
+1.0 reads its keys from 0.0 (previous-token; effect 1.00 = 100% of the clean 1.00; next sender -0.00; baseline mean 0.50)
 >>> res.k_composition_spearman     # activations vs weights-only K-composition; None: under 3 senders to rank
 {'1.0': None}
 

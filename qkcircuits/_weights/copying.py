@@ -69,9 +69,23 @@ def copying_scores(model, full: bool = True, normalize: bool = True) -> Float[Te
                 core = O @ V                                                      # eig(V O) = eig(O V)
             else:
                 G_l = G if G is not None else unembed_embed(model, layer, normalize, center_vocab=True).double()
-                core = O @ G_l @ V                                                # [H, d_head, d_head]
+                core = O @ _times_shared(G_l, V)                                  # [H, d_head, d_head]
             out[layer] = eigen_copying(torch.linalg.eigvals(core)).cpu()
     return out
+
+
+def _times_shared(G: Tensor, V: Tensor) -> Tensor:
+    """G @ V[h] for every head, formed once per distinct W_V (query heads of one KV group share theirs, GQA/MQA):
+    [H, d_model, d_head]. O (G V) instead of (O G) V: the products G·V are d_model² · d_head per distinct head
+    where O·G was d_head · d_model² per query head (SmolLM2's 3 KV heads: 3x fewer)."""
+    first, index = [], []
+    for h in range(V.shape[0]):
+        same = next((i for i, f in enumerate(first) if torch.equal(V[f], V[h])), None)
+        if same is None:
+            same = len(first)
+            first.append(h)
+        index.append(same)
+    return (G @ V[first])[index]
 
 
 def _fold_convention(model, layer: int, V: Tensor, O: Tensor) -> "tuple[Tensor, Tensor]":

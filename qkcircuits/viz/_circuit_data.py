@@ -447,3 +447,27 @@ def evidence_text(evidence: Any, digits: int = 3) -> str:
     if isinstance(evidence, (list, tuple)):
         return ", ".join(evidence_text(v, digits) for v in evidence)
     return str(evidence)
+
+
+def evidence_cell(evidence: Any, digits: int = 3) -> Any:
+    """A role's evidence as a cell of the report's roles table: a dict as ``{"kv": [[name, value], ...]}``, which
+    the page draws as a small table of its own (one row per name, the value as ``evidence_text``: a nested dict on
+    one line, an empty list "none"); anything else as ``evidence_text``.
+
+    >>> evidence_cell({"direct_share": 0.51234, "attn_from_END": {"IO": 0.4, "S1": 0.1}, "labels": []})
+    {'kv': [['direct share', '0.512'], ['attention from END', 'IO 0.4, S1 0.1'], ['labels', 'none']]}
+    >>> evidence_cell("a sentence")
+    'a sentence'
+    """
+    if not isinstance(evidence, dict):
+        return evidence_text(evidence, digits)
+    return {"kv": [[_EVIDENCE_NAMES.get(str(k), str(k).replace("_", " ")),
+                    "none" if isinstance(v, (list, tuple, dict)) and not v else evidence_text(v, digits)]
+                   for k, v in evidence.items()]}
+
+
+# names of the roles' evidence keys (``_tasks.roles``) as the table shows them; other keys: "_" read as a space
+_EVIDENCE_NAMES = {"attn_from_END": "attention from END", "END_top_position": "END attends most to position",
+                   "END->IO": "END → IO attention", "END->S": "END → S attention", "END->S2": "END → S2 attention",
+                   "S2->S1": "S2 → S1 attention", "S2->S1+1": "S2 → S1+1 attention", "S1+1->S1": "S1+1 → S1 attention",
+                   "feeds_name_movers_q": "into the name movers' q"}

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 
 import plotly.graph_objects as go
 
-from ._circuit_data import CircuitView, evidence_text, load_circuit, parse_node
+from ._circuit_data import CircuitView, evidence_cell, evidence_text, load_circuit, parse_node
 from ._circuit_graph import (MAX_EDGES, MAX_WIDTH, MIN_WIDTH, NEGATIVE, POSITIVE, circuit_graph, drawn_edges,
                              edge_width)
 from ._figures import figure_dict, base_layout, round_float
@@ -83,13 +83,14 @@ def chosen_percent(view: CircuitView) -> Optional[float]:
     return None
 
 
-def roles_rows(view: CircuitView) -> List[List[str]]:
-    """[head, role, evidence] per head with a role, in forward order (the report's roles table), and a fourth
-    column, why it attends (``qk_text``), when any role carries its QK evidence."""
+def roles_rows(view: CircuitView) -> List[List[Any]]:
+    """[head, role, evidence] per head with a role, in forward order (the report's roles table; the evidence a
+    small table of its own, ``evidence_cell``), and a fourth column, why it attends (``qk_text``), when any role
+    carries its QK evidence."""
     with_qk = any(isinstance(r.get("qk"), dict) for r in view.roles.values())
     rows = []
     for name, r in sorted(view.roles.items(), key=lambda kv: _order(kv[0])):
-        row = [name, str(r.get("role") or ""), evidence_text(r.get("evidence"))]
+        row = [name, str(r.get("role") or ""), evidence_cell(r.get("evidence"))]
         qk = r.get("qk")
         qk = {**qk, "head": name} if isinstance(qk, dict) else qk
         rows.append(row + [qk_text(qk, view.roles)] if with_qk else row)

@@ -274,11 +274,14 @@ INPUT_COLOURS = {"q": "#1f77b4", "k": "#d62728", "v": "#2ca02c"}
 LABEL_COLOURS = {"induction": "#d62728", "previous-token": "#1f77b4", "duplicate-token": "#9467bd"}
 
 
-def reads_from_bars(rows: Sequence[Dict], head: str, kind: str = "exact") -> Dict:
+def reads_from_bars(rows: Sequence[Dict], head: str, kind: str = "exact", threshold: float = 0.10) -> Dict:
     """Top senders of one receiver per input (q, k, v): horizontal effect bars, one colour per input, with
-    the baseline (mean and p95 over all senders) as a dotted and a dashed line per input.
+    the baseline (mean and p95 over all senders) as a dotted and a dashed line per input. A bar is solid where the
+    receiver "reads from" that sender (``reads``: the effect is at least ``threshold`` of the receiver's clean value
+    and above p95), faded where it is not: the panel claims no source the sentences do not.
 
-    ``rows``: [{"input", "sender", "effect", "metric", "mean", "p95"}], best first within an input."""
+    ``rows``: [{"input", "sender", "effect", "metric", "mean", "p95", "clean", "reads"}], best first within an
+    input."""
     traces, shapes = [], []
     order = []
     for x in ("q", "k", "v"):
@@ -287,18 +290,22 @@ def reads_from_bars(rows: Sequence[Dict], head: str, kind: str = "exact") -> Dic
             continue
         names = [f"{x}: {r['sender']}" for r in rs]
         order += names
+        verdict = [("reads from it" if r.get("reads") else f"under the 'reads from' threshold ({threshold:.0%} of the "
+                    f"clean {r['clean']:.3g} and above p95)") if r.get("clean") is not None else "" for r in rs]
         traces.append(go.Bar(x=[round_float(r["effect"]) for r in rs], y=names, orientation="h", name=f"{x} ({rs[0]['metric']})",
-                             marker=dict(color=INPUT_COLOURS[x]),
-                             customdata=[[r["sender"], r["metric"], round_float(r["mean"]), round_float(r["p95"])] for r in rs],
+                             marker=dict(color=INPUT_COLOURS[x], opacity=[1.0 if r.get("reads") else 0.3 for r in rs]),
+                             customdata=[[r["sender"], r["metric"], round_float(r["mean"]), round_float(r["p95"]), v]
+                                         for r, v in zip(rs, verdict)],
                              hovertemplate="sender %{customdata[0]} → " + x + "<br>effect %{x:.4f} (%{customdata[1]})"
-                                           "<br>baseline mean %{customdata[2]}, p95 %{customdata[3]}<extra></extra>"))
+                                           "<br>baseline mean %{customdata[2]}, p95 %{customdata[3]}"
+                                           "<br>%{customdata[4]}<extra></extra>"))
         for key, dash in (("mean", "dot"), ("p95", "dash")):
             v = round_float(rs[0][key])
             if v is not None:
                 shapes.append(dict(type="line", x0=v, x1=v, y0=names[0], y1=names[-1], yref="y",
                                    line=dict(color=INPUT_COLOURS[x], dash=dash, width=1)))
     fig = go.Figure(traces, layout=base_layout(
-        f"{head} reads from ({kind} path patching)",
+        f"senders into {head} ({kind} path patching); solid: reads from (≥ {threshold:.0%} of clean, > p95)",
         height=max(240, 110 + 22 * len(order)), width=600, barmode="overlay", shapes=shapes,
         xaxis=dict(title="effect = harm to the metric (dotted: mean, dashed: p95 over all senders)"),
         yaxis=dict(type="category", categoryorder="array", categoryarray=order[::-1]),

@@ -87,6 +87,7 @@ h1 { font-size: 20px; margin: 0 0 4px; } h2 { font-size: 17px; margin: 18px 0 6p
 .fig { border: 1px solid #eee; min-width: 200px; min-height: 60px; }
 #info table { border-collapse: collapse; font-size: 13px; } #info td { padding: 1px 8px; border-bottom: 1px solid #eee; }
 table.rows { border-collapse: collapse; font-size: 13px; } table.rows td, table.rows th { padding: 1px 8px; border-bottom: 1px solid #eee; text-align: left; }
+table.kv { border-collapse: collapse; font-size: 12px; } table.kv th, table.kv td { padding: 0 6px 0 0; border: 0; font-weight: normal; vertical-align: top; } table.kv th { color: #666; }
 h3 { font-size: 15px; margin: 12px 0 4px; }
 #error { color: #b00; font-weight: bold; white-space: pre-wrap; }
 #controls input[type=text], #controls textarea { width: 560px; font-family: monospace; }
@@ -217,7 +218,15 @@ VIEWER_JS = r"""
     const t = mk('table'); t.id = id; t.className = 'rows';
     const hr = mk('tr'); for (const h of header) hr.appendChild(mk('th', h)); t.appendChild(hr);
     const num = (v) => typeof v !== 'number' ? fmt(v) : (v === 0 || Math.abs(v) >= 1e-3 ? v.toFixed(4) : v.toExponential(2));
-    for (const r of rows) { const tr = mk('tr'); for (const v of r) tr.appendChild(mk('td', num(v))); t.appendChild(tr); }
+    // a cell {kv: [[name, value], ...]} (a role's evidence) is a small table of its own, one row per name
+    const cell = (v) => {
+      if (!(v && typeof v === 'object' && Array.isArray(v.kv))) return mk('td', num(v));
+      const td = mk('td'), kv = mk('table'); kv.className = 'kv';
+      for (const [k, x] of v.kv) { const tr = mk('tr'); tr.appendChild(mk('th', String(k))); tr.appendChild(mk('td', String(x))); kv.appendChild(tr); }
+      td.appendChild(kv);
+      return td;
+    };
+    for (const r of rows) { const tr = mk('tr'); for (const v of r) tr.appendChild(cell(v)); t.appendChild(tr); }
     return t;
   }
 

@@ -21,15 +21,18 @@ from . import _figures as F
 
 
 def reads_from(res: PathEffects, head: Head, k: int = 3) -> Optional[Dict]:
-    """The "reads from" figure of ``head`` when it is one of the trace's receivers, else None."""
+    """The "reads from" figure of ``head`` when it is one of the trace's receivers, else None: its top ``k`` senders
+    per input, solid where the head reads from that sender (``PathEffects.reads``), faded where the effect is under
+    the threshold."""
     if head not in res.receivers:
         return None
     rows = []
     for x in res.into:
         b = res.baseline(head, x)
         for s, e in res.top(k, receiver=head, into=x):
-            rows.append({"input": x, "sender": str(s), "effect": e, "metric": res.metrics[x], **b})
-    return F.reads_from_bars(rows, str(head), res.kind) if rows else None
+            rows.append({"input": x, "sender": str(s), "effect": e, "metric": res.metrics[x], **b,
+                         "clean": res.clean_value(head, x), "reads": res.reads(head, x, e)})
+    return F.reads_from_bars(rows, str(head), res.kind, READS_FROM) if rows else None
 
 
 def circuit_edges(res: PathEffects, per_input: int = 2) -> List[Dict]:

@@ -23,8 +23,9 @@ the module itself applies w = 1, β = 0, which is what ``read_norm`` reads).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -92,13 +93,44 @@ def module_eps(module, default: float) -> float:
     return float(default)
 
 
+# Inside ``read_once()``: (id(module), shape, eps, kind, folded) -> (module, Norm); None outside.
+_ONCE: Optional[Dict[Tuple, Tuple[object, Norm]]] = None
+
+
+@contextlib.contextmanager
+def read_once() -> Iterator[None]:
+    """Within the block each norm module is read once (``read_norm`` runs the module four times on probe rows;
+    a default scan asked the same 31 norms 86 times). For a span in which no weight and no norm hook changes,
+    e.g. one ``scan``; nested blocks share the outer one's reads, and they are forgotten when it ends."""
+    global _ONCE
+    outer = _ONCE
+    if outer is None:
+        _ONCE = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _ONCE = None
+
+
 def read_norm(module, shape: Sequence[int], *, eps: float, kind: Optional[str] = None, folded: bool = False,
               what: str = "norm") -> Norm:
     """The norm ``module`` applies to rows of ``shape`` (e.g. ``(d_model,)``, or ``(heads, d_head)`` for a
     per-head QK-norm), read off its own outputs: with u = (+1, −1, +1, …) (mean 0, rms 1), module(±u) =
     ±w ⊙ u / √(1 + ε) + β gives w and β; module(3·1) tells RMS (w·3/√(9+ε) + β) from LayerNorm (β). ``kind``
     breaks a tie (w ≈ 0). Checked on a random row against the formula; a module that is neither fails in one
-    line naming ``what``."""
+    line naming ``what``. Inside ``read_once()`` a module already read gives the same ``Norm`` back."""
+    memo = _ONCE
+    key = (id(module), tuple(int(x) for x in shape), float(eps), kind, bool(folded))
+    if memo is not None and key in memo:
+        return memo[key][1]
+    norm = _read_norm(module, shape, eps=eps, kind=kind, folded=folded, what=what)
+    if memo is not None:
+        memo[key] = (module, norm)          # the module is held, so its id is not reused while the block lasts
+    return norm
+
+
+def _read_norm(module, shape: Sequence[int], *, eps: float, kind: Optional[str], folded: bool, what: str) -> Norm:
     d = int(shape[-1])
     p = next(iter(module.parameters()), None)
     dev, dt = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
