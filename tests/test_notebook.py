@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -227,22 +226,34 @@ def test_libraries_on_a_page_with_an_amd_loader(hand_built, browser, tmp_path, m
     page.close()
 
 
-def test_script_version(tmp_path):
-    script = ROOT / "scripts" / "find_induction_heads.py"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS=KERNEL_THREADS)
-    out = subprocess.run([sys.executable, str(script), "--model", "toy-induction", "--figures", str(tmp_path / "f")],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
-    assert out.returncode == 0, out.stderr
-    assert "induction heads (score >= 0.4): 1.0\n" in out.stdout and "previous-token heads: 0.0 (1.000)" in out.stdout
-    assert "1.0 OV: 31 of 32 tokens raise themselves most" in out.stdout      # the fixture copies every non-BOS token
+def _script():
+    """scripts/find_induction_heads.py as a module (its ``main(argv)`` is what ``python script.py ARGS`` runs)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("find_induction_heads", ROOT / "scripts" / "find_induction_heads.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_script_version(tmp_path, capsys, monkeypatch):
+    # the script's own main(argv) in this process (a fresh interpreter per call cost ~10 s of imports each): its
+    # exit status is main's return value, anything but a QKCircuitsError would propagate here as an exception
+    monkeypatch.chdir(tmp_path)
+    script = _script()
+    capsys.readouterr()
+    assert script.main(["--model", "toy-induction", "--figures", str(tmp_path / "f")]) == 0
+    out = capsys.readouterr().out
+    assert "induction heads (score >= 0.4): 1.0\n" in out and "previous-token heads: 0.0 (1.000)" in out
+    assert "1.0 OV: 31 of 32 tokens raise themselves most" in out      # the fixture copies every non-BOS token
     names = sorted(p.name for p in (tmp_path / "f").iterdir())
     assert names == sorted(["scores-induction.html", "scores-previous_token.html", "qk-1.0.html", "ov-1.0.html",
                             "offsets-0.0.html", "ablation-vs-random.html", "attention.html"])
-    # a hub name without the hub: one line that says what to do, exit 2, no traceback
-    out = subprocess.run([sys.executable, str(script), "--model", "gpt2"], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=600)
-    err = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert out.returncode == 2 and len(err) == 1 and "smollm2-135m" in err[0] and "Traceback" not in out.stderr
+    # a hub name without the hub (HF_HUB_OFFLINE=1 here): one line that says what to do, exit 2, no traceback
+    assert script.main(["--model", "gpt2"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "smollm2-135m" in lines[0] and "Traceback" not in err
 
 
 # plotly figures in the notebook: 2 score grids, QK, OV, offsets, the random baseline, the traced circuit, the
