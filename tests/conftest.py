@@ -52,3 +52,57 @@ def smollm2_raw():
     import qkcircuits as qk
 
     return qk.load("smollm2-135m", device="cpu", fold_ln=False, verbose=False)
+
+
+# ------------------------------------------------------------------------------ the order files are handed out
+# `bash scripts/dev.sh test` runs pytest-xdist with --dist loadfile: a file is the unit a worker takes, and xdist
+# hands the files out by their number of tests, most first. The slowest files hold few tests (a notebook, a docs
+# page runner, the SmolLM2 and Ray files), so they came last, each a minute or more, and the worker that drew the
+# last of them ran alone at the end. Handed out longest first (the order below, by the seconds each file took
+# under `dev.sh test` on the 2-core machine), the many short files fill in behind them and the two workers finish
+# together. A stale entry only changes the order files are handed out in, never what runs.
+SLOW_FILES = [
+    "tests/test_docs_blocks.py",
+    "tests/test_notebook.py",
+    "tests/test_distributed.py",
+    "tests/test_tasks_smollm2.py",
+    "tests/test_circuit_notebook.py",
+    "tests/test_browser.py",
+    "tests/test_zoo.py",
+    "tests/test_load.py",
+    "tests/test_readme.py",
+    "tests/test_trace_browser.py",
+    "tests/test_capture.py",
+    "tests/test_copying_smollm2.py",
+    "tests/test_ov_sample.py",
+    "tests/test_report_layout.py",
+    "tests/test_literature_tasks.py",
+    "tests/test_circuits_smollm2.py",
+    "tests/test_patching_smollm2.py",
+    "tests/test_ablate_smollm2.py",
+    "tests/test_main_scan.py",
+]
+
+try:
+    from xdist.scheduler import LoadFileScheduling
+except ImportError:                 # no pytest-xdist: one process runs the files in collection order
+    LoadFileScheduling = None
+
+if LoadFileScheduling is not None:
+    class SlowFilesFirst(LoadFileScheduling):
+        """xdist's loadfile scheduling with ``SLOW_FILES`` moved to the front of its queue, in that order."""
+
+        _ordered = False
+
+        def _assign_work_unit(self, node) -> None:
+            if not self._ordered:           # the queue is complete when the first unit is handed out
+                self._ordered = True
+                rank = {path: i for i, path in enumerate(SLOW_FILES)}
+                units = sorted(self.workqueue.items(), key=lambda unit: rank.get(unit[0], len(rank)))   # stable
+                self.workqueue.clear()
+                self.workqueue.update(units)
+            super()._assign_work_unit(node)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(config, log):
+        return SlowFilesFirst(config, log) if config.getvalue("dist") == "loadfile" else None

@@ -19,6 +19,8 @@ import pytest
 import qkcircuits as qk
 from qkcircuits._analysis import detectors as registry
 
+from _cli import errors, run
+
 PLUGIN = '''
 import qkcircuits as qk
 
@@ -45,7 +47,7 @@ def run_cli(tmp: Path, *args: str) -> subprocess.CompletedProcess:
                           cwd=tmp, timeout=300)
 
 
-def test_a_fresh_cli_process_scans_with_an_installed_detector(tmp_path):
+def test_a_fresh_cli_process_scans_with_an_installed_detector(tmp_path, capsys):
     install(tmp_path, "self_attention = mydets:self_attention\nbroken = mydets:not_there")
     done = run_cli(tmp_path, "scan", "toy-induction", "--scores", "self_attention,induction", "--json", "s.json",
                    "--device", "cpu", "--quiet")
@@ -55,13 +57,12 @@ def test_a_fresh_cli_process_scans_with_an_installed_detector(tmp_path):
     # the hand-built model: 0.1 and 1.1 attend to their own position (by construction), 0.0 and 1.0 never do
     assert [round(float(x), 3) for row in data["scores"]["self_attention"] for x in row] == [0.0, 1.0, 0.0, 1.0]
     assert data["scores"]["induction"][1][0] == pytest.approx(1.0, abs=1e-3)
-    # without the package (a folder that does not hold it: python -m puts the working folder on the path), the
-    # same command names the scores it knows (one line, exit 2)
-    (tmp_path / "elsewhere").mkdir()
-    bare = subprocess.run([sys.executable, "-m", "qkcircuits", "scan", "toy-induction", "--scores", "self_attention",
-                           "--device", "cpu", "--quiet"], capture_output=True, text=True, cwd=tmp_path / "elsewhere",
-                          timeout=300)
-    assert bare.returncode == 2 and "unknown score 'self_attention'" in bare.stderr and "Traceback" not in bare.stderr
+    # without the package (this test process: the folder is not on its path, so its entry points hold no mydets),
+    # the same command names the scores it knows (one line, exit 2), run in-process as tests/_cli.py runs commands
+    assert "mydets" not in sys.modules and "self_attention" not in [d.name for d in qk.detectors()]
+    code, _, err = run(["scan", "toy-induction", "--scores", "self_attention", "--device", "cpu", "--quiet"], capsys)
+    assert code == 2 and len(errors(err)) == 1 and "unknown score 'self_attention'" in errors(err)[0], err
+    assert "Traceback" not in err
 
 
 class _Entry:
