@@ -28,6 +28,8 @@ def _same_as_before(new: dict, old: dict) -> None:
             if "ov_copying" in new[k]:
                 new[k]["ov_copying"] = dict(new[k]["ov_copying"])
                 assert new[k]["ov_copying"].pop("method") == "exact"
+            # the model's fingerprint (issue 43: which model a result is of) came after the recorded files
+            assert len(new[k].pop("fingerprint")) == 12
             assert {a: b for a, b in new[k].items() if a != "versions"} == \
                    {a: b for a, b in old[k].items() if a not in OLD_VERSION_KEYS}
             assert list(new[k]["versions"]) == ["qkcircuits", "torch", "transformer_lens", "transformers"]
