@@ -19,3 +19,16 @@ def run(argv, capsys):
 def errors(err: str):
     """The ``error:`` lines of stderr (progress notes such as "qkcircuits: using device cpu" left out)."""
     return [line for line in err.splitlines() if line.startswith("error")]
+
+
+def script(name: str):
+    """``scripts/<name>.py`` as a module: its ``main(argv)`` is what ``python scripts/<name>.py ARGS`` runs, here in
+    this process (a fresh interpreter costs ~10 s of imports)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -3,7 +3,6 @@ diagnose + report, outputs the same as the three separate ``qkcircuits`` command
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -18,10 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("main_scan", ROOT / "scripts" / "main_scan.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    import _cli
+
+    return _cli.script("main_scan")
 
 
 def test_one_load_one_corpus_pass_and_the_same_outputs_as_three_commands(tmp_path, tmp_path_factory, monkeypatch):

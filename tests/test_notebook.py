@@ -254,12 +254,9 @@ def test_libraries_on_a_page_with_an_amd_loader(hand_built, browser, tmp_path, m
 
 def _script():
     """scripts/find_induction_heads.py as a module (its ``main(argv)`` is what ``python script.py ARGS`` runs)."""
-    import importlib.util
+    import _cli
 
-    spec = importlib.util.spec_from_file_location("find_induction_heads", ROOT / "scripts" / "find_induction_heads.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _cli.script("find_induction_heads")
 
 
 def test_script_version(tmp_path, capsys, monkeypatch):
