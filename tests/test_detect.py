@@ -141,7 +141,8 @@ def test_olsson_copying_does_not_depend_on_the_number_of_sequences(trained):
 
 def test_trained_toy_induction_heads_rank_the_source_token_first_with_contextual_inputs(trained):
     """A 2-layer attention-only model can only predict the repeated token through its layer-1 heads."""
-    from qkcircuits import copying_rank, token_pool
+    from qkcircuits import token_pool
+    from qkcircuits.weights import copying_rank
 
     s = qk.scan(trained, scores=["induction"], n_seqs=8, seq_len=12, progress=False)
     ids = token_pool(trained).ids.tolist()

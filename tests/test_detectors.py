@@ -84,10 +84,9 @@ def test_registry_is_what_scan_labels_and_selects():
                                                                 "duplicate_token", "eigen_copying"]
     assert select("duplicate_token,induction", text=True) == ["induction", "duplicate_token", "previous_token_text",
                                                                "duplicate_token_text"]
-    with pytest.warns(DeprecationWarning):
-        assert qk.THRESHOLDS == qk.thresholds()
-    with pytest.warns(DeprecationWarning):
-        assert qk.SCORE_NAMES == tuple(names[:7])
+    for old in ("THRESHOLDS", "SCORE_NAMES", "TEXT_SCORES"):           # the old constants went in 0.2.0
+        with pytest.raises(AttributeError, match=old):
+            getattr(qk, old)
 
 
 @pytest.mark.parametrize("bad, fragment", [

@@ -306,9 +306,6 @@ def _check_scan(seed, n_seqs, prefix_seqs, ov_tokens, scores, text, copying, eig
     return select(scores, text=text, copying=copying, eigen_copying=eigen_copying)
 
 
-_wanted = lambda scores, text, copying, eigen_copying: select(  # noqa: E731  (the old name; cli/scan.py used it)
-    scores, text=text, copying=copying, eigen_copying=eigen_copying)
-
 @renamed(seq_len="seg_len")
 def confirm_induction(model, scores: HeadScores, *, k: int = 5, n_draws: int = 10, seed: int = 0, pool=None,
                       n_seqs: int = 8, seg_len: int = 40) -> Dict[str, object]:
@@ -356,17 +353,3 @@ def confirmation_sentence(conf: Dict) -> str:
 def _settings(model, **kw) -> Dict[str, object]:
     return stamped({**kw, "fold_ln": folded(model), "dtype": str(model.W_E.dtype),
                     "device": str(model.W_E.device)}, model)
-
-
-def __getattr__(name: str):
-    """The old constants, read from the registry (deprecated: use ``qk.detectors()``/``qk.thresholds()``)."""
-    import warnings
-
-    old = {"THRESHOLDS": lambda: thresholds(),
-           "SCORE_NAMES": lambda: tuple(d.name for d in detectors() if d.switch != "text"),
-           "TEXT_SCORES": lambda: tuple(d.name for d in detectors() if d.switch == "text")}
-    if name in old:
-        warnings.warn(f"qkcircuits {name} is deprecated; read the detector registry (qk.detectors(), "
-                      f"qk.thresholds())", DeprecationWarning, stacklevel=2)
-        return old[name]()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
