@@ -88,10 +88,14 @@ def __getattr__(name: str):
 
     if name in _HOME:
         module, attr = _HOME[name]
-        value = (importlib.import_module(f".{attr}", __name__) if module == "." else
-                 getattr(importlib.import_module(module, __name__), attr))
-        globals()[name] = value                                     # later lookups skip this hook
-        return value
+        if module == ".":                                           # a public submodule
+            return importlib.import_module(f".{attr}", __name__)
+        # the views load alone (plotly, Flask); any other name loads the rest of the API with it, as one import
+        wanted = [n for n, (m, _) in _HOME.items() if m not in (".", ".viz")] if module != ".viz" else [name]
+        for n in wanted:
+            m, a = _HOME[n]
+            globals()[n] = getattr(importlib.import_module(m, __name__), a)      # later lookups skip this hook
+        return globals()[name]
     if not name.startswith("__"):
         try:
             return importlib.import_module(f".{name}", __name__)

@@ -115,7 +115,7 @@ def test_restricted_scan_is_one_pattern_pass_and_nothing_else(hand_built, monkey
     monkeypatch.setattr(detect, "stream", counting)
     monkeypatch.setattr(qkcircuits._weights.copying, "copying_scores", forbidden)
     monkeypatch.setattr(qkcircuits._weights.contextual, "ov_copying", forbidden)
-    s = qk.scan(hand_built, scores="induction,previous_token,duplicate_token", n_seqs=4, seq_len=20, progress=False)
+    s = qk.scan(hand_built, scores="induction,previous_token,duplicate_token", n_seqs=4, seg_len=20, progress=False)
     assert calls == [((4, 41), ("pattern",))]
     assert list(s.scores) == ["induction", "previous_token", "duplicate_token"]
     assert s.settings["scores"] == list(s.scores)
@@ -123,7 +123,7 @@ def test_restricted_scan_is_one_pattern_pass_and_nothing_else(hand_built, monkey
 
 
 def test_scan_settings_record_the_installed_transformer_lens(hand_built):
-    s = qk.scan(hand_built, scores=["induction"], n_seqs=1, seq_len=8, progress=False)
+    s = qk.scan(hand_built, scores=["induction"], n_seqs=1, seg_len=8, progress=False)
     assert s.settings["versions"]["transformer_lens"] == metadata.version("transformer-lens") != "?"
 
 

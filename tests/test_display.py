@@ -24,7 +24,7 @@ def results(hand_built):
     toks = qk.repeated_tokens(hand_built, n_seqs=4, seg_len=8, seed=0)
     acts = qk.capture(hand_built, toks, ["pattern"], layers=[1])
     return {
-        "HeadScores": qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, progress=False),
+        "HeadScores": qk.scan(hand_built, n_seqs=4, seg_len=12, prefix_seqs=2, progress=False),
         "HeadEffects": qk.sweep(hand_built, toks, progress=False),
         "GroupEffect": qk.group_effect(hand_built, ["1.0"], toks),
         "RandomComparison": qk.compare_to_random(hand_built, ["1.0"], toks, n_draws=3),

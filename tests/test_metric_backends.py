@@ -39,14 +39,14 @@ def _same(a, b):
 
 def test_name_alias_and_object_give_the_same_numbers_everywhere(gpt2):
     model, toks = gpt2
-    for m in ("induction-loss", "loss", qk.induction_loss()):               # "loss": the old name (deprecated)
+    for m in ("induction-loss", qk.induction_loss()):
         assert qk.as_metric(m).name == "induction-loss"
     sweeps = [qk.sweep(model, toks, m, "mean", progress=False) for m in ("induction-loss", qk.induction_loss())]
     _same(sweeps[0].effects, sweeps[1].effects)
     atts = [qk.attribution(model, toks, m, "mean") for m in ("induction-loss", qk.induction_loss())]
     _same(atts[0].effects, atts[1].effects)
     pps = [qk.path_patch(model, "1.0,1.1", "k", tokens=toks, metric=m, progress=False)
-           for m in ("loss", "induction-loss", qk.induction_loss())]
+           for m in ("induction-loss", qk.induction_loss())]
     for p in pps[1:]:
         _same(pps[0].effects["k"], p.effects["k"])
     assert {p.metrics["k"] for p in pps} == {"induction-loss"}            # "loss" is labelled by its real name
@@ -151,7 +151,7 @@ def test_induction_loss_object_works_in_path_patch_on_the_hand_built_model(hand_
     # issue 16's example (a TypeError before): the induction head's key path from the previous-token head
     res = qk.path_patch(hand_built, "1.0", metric=qk.induction_loss(), progress=False)
     assert res.metrics == {"q": "induction-loss", "k": "induction-loss", "v": "induction-loss"}
-    assert res.top("1.0", "k", 1)[0][0] == qk.Head(0, 0) and res.top("1.0", "k", 1)[0][1] > 1.0
+    assert res.top(1, receiver="1.0", into="k")[0][0] == qk.Head(0, 0) and res.top(1, receiver="1.0", into="k")[0][1] > 1.0
 
 
 # ---- backends ------------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def test_a_new_backend_is_one_subclass(hand_built):
     toks = qk.repeated_tokens(hand_built, n_seqs=2, seg_len=5, seed=0)
     res = qk.sweep(hand_built, toks, backend=Recording(), progress=False)
     qk.path_patch(hand_built, "1.0", tokens=toks, backend=Recording(), progress=False)
-    qk.trace_induction(hand_built, top=1, backend=Recording(), progress=False)
+    qk.trace_induction(hand_built, k=1, backend=Recording(), progress=False)
     assert seen == ["sweep", "path_patch", "trace"] and res.top(1)[0][0] == qk.Head(1, 0)
 
 

@@ -33,7 +33,7 @@ def source_data(html: str) -> dict:
 
 @pytest.fixture(scope="module")
 def toy_scores(hand_built):
-    return qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
+    return qk.scan(hand_built, n_seqs=4, seg_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,6 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .._foundation.errors import QKCircuitsError
-from .._foundation.renamed import renamed
 from .._foundation.heads import HeadsLike
 from .._foundation.sequences import bos_id, natural_text, repeated_tokens, segment_length, text_tokens, token_pool
 from .._foundation.arch import adapter
@@ -198,7 +197,6 @@ def _ln1_bias(model, layer: int) -> Optional[Tensor]:
     return None if norm.folded or norm.bias is None else norm.bias.float()
 
 
-@renamed(input="view")
 def token_inputs(model, layer: int, ids: TokenIds, view: Optional[str] = None) -> TokenInputs:
     """The rows ``layer``'s heads read for tokens ``ids`` (see the module docs for the three inputs).
 
@@ -266,7 +264,6 @@ def output_reader(model, input: str) -> Tuple[Float[Tensor, "d_model vocab"], fl
     return U, scale, note
 
 
-@renamed(input="view")
 def head_logits(model, head: HeadsLike, ids: TokenIds, view: Optional[str] = None
                 ) -> Tuple[Float[Tensor, "n vocab"], TokenInputs]:
     """Logits the head's write raises for each source token of ``ids``: [n, vocab] and the inputs used.
@@ -281,7 +278,6 @@ def head_logits(model, head: HeadsLike, ids: TokenIds, view: Optional[str] = Non
         return (o @ U.to(o.dtype) / scale).float().cpu(), x
 
 
-@renamed(input="view")
 def token_qk(model, head: HeadsLike, ids: TokenIds, view: Optional[str] = None
              ) -> Tuple[Float[Tensor, "query key"], TokenInputs]:
     """Pre-softmax score between every pair of ``ids`` (rows query, columns key), no position, no biases:
@@ -319,7 +315,6 @@ def mid_rank(logits: Float[Tensor, "n vocab"], target: Int[Tensor, "n"]) -> Floa
     return (1 + greater + (equal - 1).clamp_min(0) / 2).float().cpu()
 
 
-@renamed(input="view")
 def copying_rank(model, head: HeadsLike, ids: TokenIds, view: Optional[str] = None) -> Float[Tensor, "n"]:
     """Rank (1 = top) of each source token itself among all output logits of the head's write on it."""
     logits, _ = head_logits(model, head, ids, view)

@@ -33,7 +33,6 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, model_heads
 from .._weights.circuits import attn_scale, embed_rows, layer_weights, unembed_cols
 from .._foundation.lru import LRU
-from .._foundation.renamed import renamed
 from .._weights.contextual import TokenInputs, check_input, head_logits, mid_rank, token_inputs
 
 # Common English tokens that make a QK heatmap readable (those that are one token in the model's vocabulary).
@@ -210,7 +209,6 @@ INPUT_TITLES = {"direct": "direct inputs (token embeddings)",
                 "contextual": "contextual inputs (mean residual at the layer over a corpus)"}
 
 
-@renamed(input="view")
 def qk_grid(ctx: ViewContext, head: Head, ids: Sequence[int], view: Optional[str] = None
             ) -> Float[Tensor, "query key"]:
     """Token-to-token pre-softmax score (no position, no biases): X[q] W_Q W_Kᵀ X[k]ᵀ · scale, with X the
@@ -224,7 +222,6 @@ def qk_grid(ctx: ViewContext, head: Head, ids: Sequence[int], view: Optional[str
         return (q @ k.T * attn_scale(ctx.model, head.layer)).float().cpu()
 
 
-@renamed(input="view")
 def ov_view(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, view: Optional[str] = None
             ) -> Dict[str, object]:
     """For each source token: the ``k`` output tokens whose logits the head's write raises most, and the
@@ -240,7 +237,6 @@ def ov_view(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, view: 
             "note": used.note}
 
 
-@renamed(input="view")
 def ov_top(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, view: Optional[str] = None
            ) -> Tuple[Tensor, Tensor]:
     """(values [n, k], ids [n, k]) of the ``k`` output tokens each source token's OV write raises most
