@@ -150,14 +150,16 @@ def test_report_panel_defaults_to_contextual_past_layer_0_and_titles_say_so(tiny
     assert "effective inputs" in pe["figures"]["ov"]["layout"]["title"]["text"]
 
 
-def test_app_accepts_an_input_and_refuses_a_bad_one(hand_built):
+def test_app_accepts_a_view_and_refuses_a_bad_one(hand_built):
     from qkcircuits.viz import create_app
 
     client = create_app(hand_built).test_client()
-    r = client.post("/api/head", json={"head": "1.0", "input": "effective"})
-    assert r.status_code == 200 and r.get_json()["input"] == "effective"
-    r = client.post("/api/head", json={"head": "1.0", "input": "bogus"})
-    assert r.status_code == 400 and "input" in r.get_json()["error"]
+    r = client.post("/api/head", json={"head": "1.0", "view": "effective"})
+    assert r.status_code == 200 and r.get_json()["input"] == "effective"        # the panel data's key stays
+    r = client.post("/api/head", json={"head": "1.0", "view": "bogus"})
+    assert r.status_code == 400 and "'view' must be one of direct, effective, contextual" in r.get_json()["error"]
+    r = client.post("/api/head", json={"head": "1.0", "input": "effective"})      # the old field went in 0.2.0
+    assert r.status_code == 400 and "unknown field(s) input" in r.get_json()["error"]
 
 
 def test_cli_scan_scores_and_small_errors(tmp_path, capsys):

@@ -173,7 +173,7 @@ def test_cli_ablate_sweep_ray_equals_local(tmp_path, ray_local, capsys):
     from qkcircuits.cli import main
 
     a, b = tmp_path / "local.json", tmp_path / "ray.json"
-    common = ["ablate", "toy-induction", "--sweep", "--n-seqs", "4", "--seq-len", "6", "--quiet", "--method", "mean"]
+    common = ["ablate", "toy-induction", "--sweep", "--n-seqs", "4", "--seg-len", "6", "--quiet", "--method", "mean"]
     assert main(common + ["--json", str(a)]) == 0
     assert main(common + ["--ray", "local:2", "--json", str(b)]) == 0
     la, lb = json.loads(a.read_text()), json.loads(b.read_text())

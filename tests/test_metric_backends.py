@@ -49,8 +49,9 @@ def test_name_alias_and_object_give_the_same_numbers_everywhere(gpt2):
            for m in ("induction-loss", qk.induction_loss())]
     for p in pps[1:]:
         _same(pps[0].effects["k"], p.effects["k"])
-    assert {p.metrics["k"] for p in pps} == {"induction-loss"}            # "loss" is labelled by its real name
-    eas = [qk.edge_attribution(model, "1.0,1.1", "k", None, "mean", toks, m) for m in ("loss", qk.induction_loss())]
+    assert {p.metrics["k"] for p in pps} == {"induction-loss"}
+    eas = [qk.edge_attribution(model, "1.0,1.1", "k", None, "mean", toks, m)
+           for m in ("induction-loss", qk.induction_loss())]
     _same(eas[0].effects["k"], eas[1].effects["k"])
     # the sweep is the per-head group effect, with the same sign (a loss: ablated − clean)
     g = qk.group_effect(model, "1.1", toks, qk.induction_loss(), "mean")
@@ -138,7 +139,7 @@ def test_wrong_metrics_fail_in_one_line(gpt2, hand_built):
          r"cannot evaluate metric 'logit-diff': it needs a task's answer .* qk.logit_diff\(correct, wrong\)"),
         (lambda: qk.Metric("x", len, needs="logitz"), r"needs must be one of logits, pattern, z, got 'logitz'"),
         (lambda: qk.induction_loss()(torch.zeros(1, 3, 5)), r"is called as \(logits, tokens\), got 1 inputs"),
-        (lambda: qk.path_patch(model, "1.0", tokens=toks[:, :5], metric="loss", progress=False),
+        (lambda: qk.path_patch(model, "1.0", tokens=toks[:, :5], metric="induction-loss", progress=False),
          r"induction-loss needs tokens laid out as"),
     ]
     for call, pattern in cases:

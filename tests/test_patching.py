@@ -258,7 +258,7 @@ def test_trained_toy_previous_token_group_dominates_the_k_path(trained):
         assert group > 0.2 and group > 10 * abs(others), (r, k)
         q = res.effects["q"][i, 0].abs().sum()
         assert group > 3 * float(q), (r, k, q)                 # the Q path is far smaller
-        assert res.top(r, "k", 1)[0][0] in prev
+        assert res.top(1, receiver=r, into="k")[0][0] in prev
     # In one unit for all three inputs (the ARENA loss: receiver's patched output run through the layers
     # above): removing the group's path into K raises the loss >10x more than its paths into Q and V.
     loss = qk.path_patch(trained, induction, tokens=toks, metric="induction-loss", progress=False)

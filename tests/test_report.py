@@ -197,7 +197,7 @@ def test_cli_report(tmp_path, toy_scores, capsys):
 
 def test_cli_report_reads_the_ablate_sweep_json(tmp_path, toy_scores):
     sweep = tmp_path / "sweep.json"
-    assert main(["ablate", "toy-induction", "--sweep", "--n-seqs", "2", "--seq-len", "12", "--quiet",
+    assert main(["ablate", "toy-induction", "--sweep", "--n-seqs", "2", "--seg-len", "12", "--quiet",
                  "--json", str(sweep)]) == 0
     back = qk.results.HeadEffects.from_json(sweep.read_text(encoding="utf-8"))
     assert (back.kind, back.n_prompts, back.layers, back.method) == ("sweep", 2, [0, 1], "zero")
