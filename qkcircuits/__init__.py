@@ -39,7 +39,7 @@ _EXPORTS = {
     "._weights.rotary": "offset_profile",
     # Analyses: detectors, ablation, diagnostics.
     "._analysis.ablate": "METHODS as ABLATION_METHODS, ablate, compare_to_random, group_effect",
-    "._analysis.attribution": "attribution",
+    "._analysis.attribution_patching": "attribution",
     "._analysis.detect": "confirm_induction, mask_score, scan",
     "._analysis.detectors": "PROMPT_SETS, Detector, ScanContext, detector, detectors, diagonal_mask, register_detector, "
                             "target_masks, thresholds, unregister_detector",
