@@ -73,7 +73,7 @@ def _need(result, kind: type, what: str, hint: str):
 def scores(result, name: str = "induction") -> Figure:
     """Layer × head heatmap of one score of a ``HeadScores`` (``qk.scan``); hover: the head, every score,
     its labels. Signed scores use a diverging scale centred at 0."""
-    from ._analysis.results import HeadScores
+    from ._analysis.head_scores import HeadScores
 
     _need(result, HeadScores, "plot.scores", "from qk.scan(model)")
     return as_figure(V.score_figure(name, result[name], result))

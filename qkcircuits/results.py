@@ -17,7 +17,7 @@ is read from them).
 # ruff: noqa: F401
 from ._analysis.ablate import GroupEffect, RandomComparison
 from ._analysis.diagnose import HeadDiagnostics
-from ._analysis.results import HeadScores
+from ._analysis.head_scores import HeadScores
 from ._analysis.sweep import HeadEffects
 from ._explain.attribution import Attribution
 from ._foundation.capture import Activations

@@ -49,7 +49,7 @@ from .._weights.circuits import unembed_chunk, layer_weights
 from .._weights.copying import copying_scores
 from .detectors import (PROMPT_SETS, Detector, ScanContext, detector, detectors, duplicate_token_mask, induction_mask,
                         previous_token_mask, register_detector, select, target_masks, thresholds)
-from .results import HeadScores
+from .head_scores import HeadScores
 
 Masks = Dict[str, Bool[Tensor, "batch q k"]]
 

@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     precheck(args)
     scan = None
     if args.scores is not None and not args.no_labels:     # a missing or foreign scan: one line before the model loads
-        from .._analysis.results import HeadScores
+        from .._analysis.head_scores import HeadScores
         from .report import _read
 
         scan = _read(HeadScores, args.scores, "--scores", "a scan JSON from `qkcircuits scan --json`")

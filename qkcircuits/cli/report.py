@@ -73,7 +73,7 @@ def add_result_args(p) -> None:
 def load_inputs(args):
     """(scores, effects, diagnostics) from the JSON files named in ``args`` (None where not given)."""
     from .._analysis.diagnose_result import HeadDiagnostics
-    from .._analysis.results import HeadScores
+    from .._analysis.head_scores import HeadScores
     from .._analysis.sweep import HeadEffects
 
     scores = effects = diagnostics = None
