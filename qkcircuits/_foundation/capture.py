@@ -39,7 +39,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .arch import adapter, architecture
-from .arch.rotary import has_rotary  # noqa: F401  (re-exported)
+from .arch.layer_rotary import has_rotary  # noqa: F401  (re-exported)
 from .attention import attention_scale, native_rotary, rotate_native
 from . import display as show
 from .result import Result, stamped

@@ -23,7 +23,7 @@ from torch import Tensor
 from ..rope import RotarySpec
 from .norms import Norm, block_norm, module_eps, read_norm
 from .qkmap import QKMap, ScoreMaps
-from .rotary import layer_rotary
+from .layer_rotary import layer_rotary
 
 
 @dataclass
@@ -144,7 +144,7 @@ class AttentionAdapter:
         return getattr(o, "original_component", None) if o is not None else None
 
     def rotary(self, verify: bool = True) -> Optional[RotarySpec]:
-        """This layer's rotary (``arch/rotary``), None without rotary; NoPE layers give the identity."""
+        """This layer's rotary (``arch/layer_rotary``), None without rotary; NoPE layers give the identity."""
         return layer_rotary(self, verify)
 
     # -- the attribution maps (arch/qkmap): ``_maps`` is each family's ---------------------------------
