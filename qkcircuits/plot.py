@@ -27,7 +27,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ._foundation.errors import QKCircuitsError
-from ._foundation.arch.model import has_config, is_model
+from ._foundation.arch.model_facts import has_config, is_model
 from ._foundation.heads import Head, HeadsLike, model_heads
 from .viz import _figures as F
 from .viz import _views as V

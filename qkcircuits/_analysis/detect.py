@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .._foundation.capture import stream
 from .._foundation.errors import QKCircuitsError
-from .._foundation.arch.model import folded
+from .._foundation.arch.model_facts import folded
 from .._foundation.arch.norms import read_once
 from .._foundation.args import check_model
 from .._foundation.io import check_int

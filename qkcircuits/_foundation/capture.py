@@ -45,7 +45,7 @@ from . import display as show
 from .result import Result, stamped
 from .rope import STYLES, RotarySpec, rotate
 from .errors import QKCircuitsError
-from .arch.model import positional
+from .arch.model_facts import positional
 from .heads import Head, HeadsLike, kv_head, model_heads, n_kv_heads
 from .io import json_floats, read_floats
 

@@ -48,7 +48,7 @@ from .._analysis.metrics import INDUCTION, Metric
 from .._foundation.backends import BackendLike, as_backend
 from .._foundation.capture import as_tokens
 from .._foundation.errors import QKCircuitsError
-from .._foundation.arch.model import folded
+from .._foundation.arch.model_facts import folded
 from .._foundation.args import check_int, check_model, check_tokens
 from .._foundation.heads import Head, HeadsLike, model_heads
 from .._foundation.io import package_version

@@ -44,7 +44,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .._foundation.args import check_tokens
-from .._foundation.arch.model import default_bos_id
+from .._foundation.arch.model_facts import default_bos_id
 from .._foundation.errors import QKCircuitsError
 from .._analysis.metrics import TASK, Metric, as_metric, is_builtin, reads_reference
 from .answers import AnswerLike, answer_ids, repeat_rows, row_ids

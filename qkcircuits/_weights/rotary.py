@@ -39,7 +39,7 @@ from .._foundation import display as show
 from .._foundation.result import Result, stamped
 from .._foundation.rope import STYLES, RotarySpec, rotate, rotation  # noqa: F401 (re-exported)
 from .._foundation.errors import QKCircuitsError
-from .._foundation.arch.model import positional
+from .._foundation.arch.model_facts import positional
 from .._foundation.heads import HeadsLike
 from .._foundation.io import json_floats, read_floats
 from .circuits import CHUNK_ROWS, to_head, attn_scale, is_folded, layer_weights, normalize_rows, warn_caveats
