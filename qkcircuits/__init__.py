@@ -30,7 +30,7 @@ _EXPORTS = {
     "._foundation.sequences": "natural_text, repeated_tokens, segment_length, text_tokens, token_pool",
     # Circuits: weights only (their weight-level pieces: qk.weights).
     "._weights.circuit": "circuit",
-    "._weights.circuits": "ov, qk",
+    "._weights.qk_ov": "ov, qk",
     "._weights.kv_cache": "kv_cache",
     "._weights.verify": "verify_circuits",
     "._weights.composition": "composition_scores, k_composition_partners",

@@ -15,7 +15,7 @@ module's one list of names (``__all__`` is read from them).
 """
 
 # ruff: noqa: F401
-from ._weights.circuits import (LayerWeights, all_ov, all_qk, attn_input_hook, attn_scale, circuit_caveats, embed_factor,
+from ._weights.qk_ov import (LayerWeights, all_ov, all_qk, attn_input_hook, attn_scale, circuit_caveats, embed_factor,
                                 embed_rows, full_ov, full_qk, layer_weights, ov_affine, qk_affine, top_tokens,
                                 unembed_cols, unembed_embed, unembed_factor)
 from ._weights.composition import composition_baseline, composition_column

@@ -11,7 +11,7 @@ from _typecheck import unchecked
 import torch
 
 import qkcircuits as qk
-from qkcircuits._weights.circuits import attention_scale
+from qkcircuits._weights.qk_ov import attention_scale
 from qkcircuits._analysis.diagnose import head_sums, qk_statistics
 from qkcircuits._analysis.diagnose_result import FLAGS, HeadDiagnostics
 

@@ -111,7 +111,7 @@ def test_qk_ov_equal_the_circuits_api(tmp_path_factory):
 
 def test_offsets_learned_positions(tmp_path_factory):
     model = qk.load(str(_tiny.gpt2_dir(tmp_path_factory)), device="cpu", verbose=False)
-    from qkcircuits._weights.circuits import layer_weights
+    from qkcircuits._weights.qk_ov import layer_weights
 
     fig = plot.offsets(model, "0.1")
     w, P = layer_weights(model, 0), model.W_pos.detach()

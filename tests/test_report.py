@@ -109,7 +109,7 @@ def test_views_agree_with_circuits_module(hand_built):
 
 def test_views_agree_with_circuits_module_on_gpt2_with_biases(tmp_path_factory):
     # GPT-2 has b_Q/b_K: the QK view must leave them out exactly as full_qk does (one convention).
-    from qkcircuits._weights.circuits import layer_weights
+    from qkcircuits._weights.qk_ov import layer_weights
 
     model = qk.load(str(_tiny.gpt2_dir(tmp_path_factory)), device="cpu", verbose=False)
     ids = list(range(1, model.cfg.d_vocab, 13))

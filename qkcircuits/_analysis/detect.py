@@ -45,7 +45,7 @@ from .._foundation.model import model_name
 from .._foundation.progress import progress_bar
 from .._foundation.sequences import check_seed, repeated_tokens, segment_length, text_tokens, token_pool
 from .._weights import contextual as _contextual
-from .._weights.circuits import unembed_chunk, layer_weights
+from .._weights.qk_ov import unembed_chunk, layer_weights
 from .._weights.copying import copying_scores
 from .detectors import (PROMPT_SETS, Detector, ScanContext, detector, detectors, duplicate_token_mask, induction_mask,
                         previous_token_mask, register_detector, select, target_masks, thresholds)

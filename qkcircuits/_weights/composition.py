@@ -37,7 +37,7 @@ from .._foundation.heads import Head, HeadsLike, model_heads
 from .._foundation.io import json_floats, read_float, read_floats
 from .._foundation.model import model_name
 from .._foundation.arch import adapter
-from .circuits import is_folded, layer_weights, warn_caveats
+from .qk_ov import is_folded, layer_weights, warn_caveats
 
 MODES = ("Q", "K", "V")
 

@@ -57,7 +57,7 @@ from .._foundation.heads import HeadsLike
 from .._foundation.sequences import bos_id, natural_text, repeated_tokens, segment_length, text_tokens, token_pool
 from .._foundation.arch import adapter
 from .._foundation.arch.norms import block_norm, final_norm, norm_kind
-from .circuits import to_head, attn_input_hook, is_folded, layer_weights, normalize_rows, unembed_cols
+from .qk_ov import to_head, attn_input_hook, is_folded, layer_weights, normalize_rows, unembed_cols
 
 TokenIds = Union[Sequence[int], Int[Tensor, "n"]]     # token ids: a list or a 1-D tensor
 
@@ -282,7 +282,7 @@ def token_qk(model, head: HeadsLike, ids: TokenIds, view: Optional[str] = None
              ) -> Tuple[Float[Tensor, "query key"], TokenInputs]:
     """Pre-softmax score between every pair of ``ids`` (rows query, columns key), no position, no biases:
     X W_Q W_Kᵀ Xᵀ · scale with X the rows of ``view`` (``view="direct"`` = rows/columns of ``full_qk``)."""
-    from .circuits import attn_scale
+    from .qk_ov import attn_scale
 
     h = to_head(model, head)
     x = token_inputs(model, h.layer, ids, view)

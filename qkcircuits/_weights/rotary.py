@@ -42,7 +42,7 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.arch.model_facts import positional
 from .._foundation.heads import HeadsLike
 from .._foundation.io import json_floats, read_floats
-from .circuits import CHUNK_ROWS, to_head, attn_scale, is_folded, layer_weights, normalize_rows, warn_caveats
+from .qk_ov import CHUNK_ROWS, to_head, attn_scale, is_folded, layer_weights, normalize_rows, warn_caveats
 
 
 def rotary_spec(model, base: Optional[float] = None, verify: bool = True, layer: int = 0) -> RotarySpec:

@@ -49,7 +49,7 @@ def summarize(model, head, text=None, top: int = 5, max_offset: int = 64, input=
     import torch
 
     from .._foundation.capture import has_rotary
-    from .._weights.circuits import attn_scale, circuit_caveats, is_folded
+    from .._weights.qk_ov import attn_scale, circuit_caveats, is_folded
     from .._weights.composition import composition_baseline, k_composition_partners
     from .._weights.contextual import check_input, copying_tokens, head_logits, mid_rank
     from .._weights.copying import copying_scores

@@ -31,7 +31,7 @@ from torch import Tensor
 from .._foundation.capture import capture, has_rotary
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, model_heads
-from .._weights.circuits import attn_scale, embed_rows, layer_weights, unembed_cols
+from .._weights.qk_ov import attn_scale, embed_rows, layer_weights, unembed_cols
 from .._foundation.lru import LRU
 from .._weights.contextual import TokenInputs, check_input, head_logits, mid_rank, token_inputs
 
@@ -166,7 +166,7 @@ class ViewContext:
     def embed(self, layer: int, ids: Sequence[int]) -> Tensor:
         with torch.no_grad():
             E = self.model.W_E.detach()[torch.as_tensor(list(ids), device=self.model.W_E.device)]
-            from .._weights.circuits import normalize_rows
+            from .._weights.qk_ov import normalize_rows
             return normalize_rows(self.model, E, "ln1", layer)
 
     def rotary(self, layer: int):

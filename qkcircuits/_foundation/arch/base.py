@@ -196,7 +196,7 @@ class AttentionAdapter:
     # -- a head's circuits and what it computes at given inputs (what _weights asks) ----------------------
     def qk_factors(self, head: int, R: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """Query head ``head``'s QK circuit as factors (A [d_model, k], B [k, d_model], QK = A B: the bias-free
-        bilinear form, ``_weights.circuits.qk``); ``R`` [d_qk, d_qk]: the rotary's R(Δ) between query and key
+        bilinear form, ``_weights.qk_ov.qk``); ``R`` [d_qk, d_qk]: the rotary's R(Δ) between query and key
         (``rope.rotation(spec, [Δ], relative=True)[0]``), applied on the query side: QK(Δ) = W_Q R(Δ) W_Kᵀ."""
         w = self.weights()
         Q, K = w.W_Q[head], w.W_K[head]
