@@ -332,7 +332,7 @@ def test_the_circuit_apis_own_dicts():
         plot.circuit(part, roles={"1.0": "induction"})
 
 
-# The shape `qkcircuits circuit --json` writes (cli/circuit.py): extra keys, the graph's counts, roles with
+# The shape `qkcircuits circuit --json` writes (cli/circuit_command.py): extra keys, the graph's counts, roles with
 # nested evidence, an undefined clean metric (null) tolerated.
 CLI = {"schema": "qkcircuits.circuit/1", "model": "m", "task": "ioi", "n_prompts": 4, "metric": "logit-diff",
        "clean": None, "corrupt": 0.1, "method": "eap", "steps": None, "curve": {"0.1": 0.3, "5": 0.85, "100": 1.0},

@@ -186,7 +186,7 @@ def test_cli_scan_scores_and_small_errors(tmp_path, capsys):
 
 
 def test_cli_circuits_says_when_there_is_no_positional_preference():
-    from qkcircuits.cli.circuits import format_summary
+    from qkcircuits.cli.circuits_command import format_summary
 
     s = {"head": "0.1", "model": "m", "fold_ln": True, "attn_scale": 1.0, "caveats": [],
          "copying": {"ov": 0.0, "full_ov": 0.0, "full_ov_rank": 1, "n_heads": 4},

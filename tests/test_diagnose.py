@@ -318,7 +318,7 @@ def test_bad_results_and_prompts(hand_built):
 
 def test_cli(hand_built, monkeypatch, tmp_path, capsys):
     import qkcircuits.cli as cli
-    import qkcircuits.cli.diagnose as cmd
+    import qkcircuits.cli.diagnose_command as cmd
 
     monkeypatch.setattr(cli, "COMMANDS", ["diagnose"])       # only this subcommand's parser
     monkeypatch.setattr(cmd, "load_model", lambda args: hand_built)

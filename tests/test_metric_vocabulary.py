@@ -230,7 +230,7 @@ def test_a_declared_task_callable_is_the_built_in_and_signs_the_circuit_like_its
 # ---- the CLI -------------------------------------------------------------------------------------
 
 def test_cli_metric_names(capsys):
-    from qkcircuits.cli import ablate, circuit
+    from qkcircuits.cli import ablate_command as ablate, circuit_command as circuit
 
     assert set(ablate.METRICS) <= set(names(accept=("logits",), prompts=TOKENS))
 

@@ -134,7 +134,7 @@ def test_a_head_circuit_and_a_task_circuit_file_have_different_schemas(hand_buil
     import json as _json
 
     import qkcircuits as qk
-    from qkcircuits.cli.circuit import SCHEMA as CLI_SCHEMA
+    from qkcircuits.cli.circuit_command import SCHEMA as CLI_SCHEMA
 
     head = qk.circuit(hand_built, "1.0", "qk")
     assert _json.loads(head.to_json())["schema"] != CLI_SCHEMA
