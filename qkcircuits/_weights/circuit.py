@@ -4,8 +4,8 @@
 >>> c.kind, tuple(c.matrix.shape), c.exact
 ('qk', (224, 224), True)
 
-Its own module so that ``circuits`` (weights, inputs) and ``rotary`` (positions) import nothing from each
-other: this one imports both (it used to be ``circuits.circuit`` importing ``rotary`` inside the function,
+Its own module so that ``qk_ov`` (weights, inputs) and ``rotary`` (positions) import nothing from each
+other: this one imports both (it used to be ``circuits.circuit``, in today's ``qk_ov``, importing ``rotary`` inside the function,
 while ``rotary`` imported ``circuits``: a circle).
 """
 
