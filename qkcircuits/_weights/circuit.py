@@ -5,8 +5,8 @@
 ('qk', (224, 224), True)
 
 Its own module so that ``qk_ov`` (weights, inputs) and ``rotary`` (positions) import nothing from each
-other: this one imports both (it used to be ``circuits.circuit``, in today's ``qk_ov``, importing ``rotary`` inside the function,
-while ``rotary`` imported ``circuits``: a circle).
+other: this one imports both (it used to be ``circuits.circuit``, today's ``qk_ov``, importing ``rotary`` inside the
+function, while ``rotary`` imported ``circuits``: a circle).
 """
 
 from __future__ import annotations
