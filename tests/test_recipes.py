@@ -40,7 +40,9 @@ def run_recipe(heading: str, folder: Path, monkeypatch) -> dict:
     monkeypatch.chdir(folder)
     ns: dict = {"__name__": "recipe"}
     for i, code in enumerate(section_blocks(heading)):
-        exec(compile(code, f"docs/architecture.md ({heading.lstrip('# ')}, block {i + 1})", "exec"), ns)
+        # dont_inherit: compiled as a reader types it, not under this file's `from __future__ import annotations`
+        exec(compile(code, f"docs/architecture.md ({heading.lstrip('# ')}, block {i + 1})", "exec", dont_inherit=True),
+             ns)
     return ns
 
 
