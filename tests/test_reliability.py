@@ -342,7 +342,7 @@ def test_app_fuzz_no_5xx_flat_memory_closed_host(tiny_folder):
     bodies = [
         "[" * 30000 + "]" * 30000, '{"head": "1.0", "tokens": "#' + "9" * 5000 + '"}',
         '{"head": ' + "9" * 5000 + "}", '{"head": "1.0", "prompt": 1e400}', '{"head": ["1.0"]}',
-        '{"head": "1.0", "tokens": [1, 2]}', '{"head": "1.0", "input": {"a": [[[[[[[[[1]]]]]]]]]}}', "\xff\xfe",
+        '{"head": "1.0", "tokens": [1, 2]}', '{"head": "1.0", "view": {"a": [[[[[[[[[1]]]]]]]]]}}', "\xff\xfe",
         '{"head": "9.9"}', '{"head": "1.0", "prompt": NaN}', "", "null",
     ]
 
@@ -352,7 +352,7 @@ def test_app_fuzz_no_5xx_flat_memory_closed_host(tiny_folder):
         else:                                             # a new token set almost every time
             ids = [(i * 7 + j * 13) % V for j in range(8)]
             data = json.dumps({"head": f"{i % 2}.{i % 4}", "tokens": "|".join(f"#{t}" for t in ids),
-                               "input": ["direct", "effective", "contextual"][i % 3],
+                               "view": ["direct", "effective", "contextual"][i % 3],
                                "prompt": "the cat sat on the mat. the cat sat on the mat."}).encode()
         req = urllib.request.Request(base + "/api/head", data=data, headers={"Content-Type": "application/json"})
         try:
