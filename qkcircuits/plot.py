@@ -21,7 +21,6 @@ Adding a figure is a builder in ``viz/_figures.py`` that returns a JSON-ready di
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional, Sequence, Union
 
 import torch
@@ -29,6 +28,7 @@ import torch
 from ._foundation.errors import QKCircuitsError
 from ._foundation.arch.model_facts import has_config, is_model
 from ._foundation.heads import Head, HeadsLike, model_heads
+from ._foundation.model_cache import remembered
 from .viz import _figures as F
 from .viz import _views as V
 from .viz._notebook import AttentionView, Figure, as_figure, set_bundle, setup
@@ -38,17 +38,12 @@ from .viz._panels import attention as _patterns
 __all__ = ["AttentionView", "Figure", "attend", "attention", "circuit", "diagnostics", "effects", "faithfulness", "offsets",
            "ov", "qk", "reads_from", "scores", "set_bundle", "setup", "trace"]
 
-# One ViewContext per model (its caches: layer weights, unembedding, weight-only scores); dropped with the model.
-_contexts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def _ctx(model) -> ViewContext:
     if not is_model(model):
         raise QKCircuitsError(f"expected a model from qk.load(...), got {type(model).__name__}")
-    ctx = _contexts.get(model)
-    if ctx is None:
-        ctx = _contexts[model] = ViewContext(model)
-    return ctx
+    # one ViewContext per model (its caches: layer weights, unembedding, weight-only scores), made again after a
+    # weight edit and dropped with the model (model_cache)
+    return remembered(model, "view context", None, lambda: ViewContext(model), depends="weights")
 
 
 def _one_head(model, head) -> Head:

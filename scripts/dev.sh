@@ -103,7 +103,8 @@ case "$cmd" in
     workers=${QKCIRCUITS_TEST_WORKERS:-$("$VENV/bin/python" -c 'import os; print(max(1, min(4, os.cpu_count() or 1)))')}
     parallel=()
     if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile); fi
-    "$VENV/bin/python" -m pytest -q ${parallel[@]+"${parallel[@]}"} "$@"
+    # --durations: the slowest tests in every CI log, so that what slows the suite is seen where it runs
+    "$VENV/bin/python" -m pytest -q --durations=20 ${parallel[@]+"${parallel[@]}"} "$@"
     ;;
   *) echo "usage: bash scripts/dev.sh scan|test|setup|qk [args]" >&2; exit 2 ;;
 esac

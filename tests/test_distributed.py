@@ -20,6 +20,7 @@ import torch
 import _tiny
 import qkcircuits as qk
 from qkcircuits import QKCircuitsError
+from qkcircuits._foundation import model_cache
 
 ray = pytest.importorskip("ray")
 
@@ -122,7 +123,7 @@ def test_ray_errors_are_one_line(monkeypatch, llama):
         qk.sweep(str(folder), tokens, backend="ray", ray_address="local:0")
     # a model that qk.load did not load (here: the spec record removed) has nothing a worker can reload
     bare = qk.load(folder, device="cpu", verbose=False)
-    del bare.qk_load_spec
+    model_cache.forget(bare, "load spec")
     with pytest.raises(QKCircuitsError, match="needs the model's spec.*no reloadable spec") as e:
         qk.sweep(bare, tokens, backend=qk.Ray(workers=2))
     assert "\n" not in str(e.value)

@@ -25,7 +25,7 @@ def _script():
 def test_one_load_one_corpus_pass_and_the_same_outputs_as_three_commands(tmp_path, tmp_path_factory, monkeypatch):
     folder = str(_tiny.llama_dir(tmp_path_factory))
     loads, passes = [], []
-    real_load, real_run = model_module.load, C.corpus_stats
+    real_load, real_run, real_pass = model_module.load, C.corpus_stats, C._corpus_pass
 
     def counting_load(*a, **k):
         loads.append(a)
@@ -34,11 +34,14 @@ def test_one_load_one_corpus_pass_and_the_same_outputs_as_three_commands(tmp_pat
     monkeypatch.setattr(model_module, "load", counting_load)
 
     def counting_stats(model, refresh=False):
-        if C.is_folded(model) not in C._CACHE.get(model, {}) or refresh:     # a real corpus pass
-            passes.append(id(model))
         return real_run(model, refresh)
 
+    def counting_pass(model):                    # a real corpus pass (not one remembered)
+        passes.append(id(model))
+        return real_pass(model)
+
     monkeypatch.setattr(C, "corpus_stats", counting_stats)
+    monkeypatch.setattr(C, "_corpus_pass", counting_pass)
     out = tmp_path / "out"
     out.mkdir()
     assert _script().run(["--model", folder, "--out", str(out), "--stem", "tiny", "--confirm", "1", "--prompt", "the cat sat. the cat sat.", "--quiet"]) == 0

@@ -20,6 +20,7 @@ import _tiny
 import qkcircuits as qk
 from qkcircuits import QKCircuitsError
 from qkcircuits._analysis.detect import target_masks
+from qkcircuits._foundation.backends import model_spec
 from qkcircuits._analysis.metrics import repeat_length
 
 ROOT = pathlib.Path(qk.__file__).parent
@@ -179,8 +180,8 @@ def test_model_means_the_same_on_the_local_backend(hand_built):
     pa = qk.path_patch(hand_built, "1.0", tokens=toks, progress=False)
     pb = qk.path_patch("toy-induction", "1.0", tokens=toks, progress=False, backend="local")
     _same(pa.effects["k"], pb.effects["k"])
-    assert qk.load("toy-induction", verbose=False).qk_load_spec == {"spec": "toy-induction", "dtype": None,
-                                                                    "fold_ln": True}
+    assert model_spec(qk.load("toy-induction", verbose=False)) == {"spec": "toy-induction", "dtype": None,
+                                                                   "fold_ln": True}
 
 
 def test_a_new_backend_is_one_subclass(hand_built):

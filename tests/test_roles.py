@@ -4,6 +4,7 @@ each threshold tested from both sides; the model path on the toy is in tests/tes
 from __future__ import annotations
 
 import pytest
+import torch
 
 from qkcircuits._tasks.roles import THRESHOLDS, Roles, classify
 
@@ -12,7 +13,7 @@ def _ev(de, node=None, io=0.0, s=0.0, s2=None, dup=0.0, ind=0.0, prev=0.0):
     return {"direct_effect": de, "direct_share": de / 4.0, "node_effect": de if node is None else node,
             "node_share": (de if node is None else node) / 4.0, "END->IO": io, "END->S": s,
             "END->S2": s if s2 is None else s2, "S2->S1": dup, "S2->S1+1": ind, "S1+1->S1": prev,
-            "END_top_position": 3, "attn_from_END": {}}
+            "END_attends_most": {"where": "END-2", "rows": 3, "of": 4, "counts": {"END-2": 3, "IO": 1}}, "attn_from_END": {}}
 
 
 # largest |direct effect| 2.0 → direct cut 0.2 (0.1 × 2.0; the floor 0.01 × 4 = 0.04 is lower);
@@ -144,3 +145,39 @@ def test_a_role_is_checked_when_declared():
                             (dict(name="r", rule=lambda v: True, feeds=""), "feeds must name a role")):
         with pytest.raises(qk.QKCircuitsError, match=message):
             qk.tasks.Role(**kwargs)
+
+
+# ---------------------------------------------------------------- where END attends most, named by the task (issue 45)
+def test_attends_most_names_each_prompt_by_its_own_positions():
+    from qkcircuits._tasks.roles import attends_most, most_text
+
+    # four prompts of different layouts: the IO token sits at 1, 2, 1, 3; END at 4, 5, 4, 5
+    pos = {"END": torch.tensor([4, 5, 4, 5]), "IO": torch.tensor([1, 2, 1, 3]), "S": torch.tensor([2, 1, 3, 2])}
+    row = torch.zeros(4, 6)
+    row[0, 1] = row[1, 2] = row[3, 3] = 1.0          # IO in prompts 0, 1, 3 (three different absolute positions)
+    row[2, 0] = 1.0                                  # prompt 2: the first token, named by no position
+    got = attends_most(row, pos)
+    assert got == {"where": "IO", "rows": 3, "of": 4, "counts": {"IO": 3, "position 0": 1}}
+    assert most_text(got) == "IO in 3 of 4 prompts"
+    row = torch.zeros(2, 6)
+    row[0, 1] = row[1, 2] = 1.0                      # three before END in both, whatever the absolute position
+    assert attends_most(row, {"END": torch.tensor([4, 5])})["where"] == "END-3"
+
+
+def test_roles_name_where_a_head_attends_by_the_users_positions():
+    """The toy's induction head 1.0 attends from END to the token after END's earlier copy (END - (seg_len - 1)),
+    its previous-token head 0.0 to END - 1, by construction; a user task naming that key gets its name back."""
+    import qkcircuits as qk
+
+    model = qk.load("toy-induction", verbose=False)
+    seg = 6
+    task = qk.tasks.induction(model, n=8, seg_len=seg)
+    r = qk.edge_scores(model, task, method="exact", progress=False).circuit(edges=4).roles(model, task)
+    assert r.roles["1.0"]["evidence"]["END_attends_most"] == {"where": f"END-{seg - 1}", "rows": 8, "of": 8,
+                                                  "counts": {f"END-{seg - 1}": 8}}
+    assert r.roles["0.0"]["evidence"]["END_attends_most"]["where"] == "END-1"
+    named = qk.Task(task.clean, task.corrupt, task.answer, task.wrong, metric=task.metric,
+                    positions={"NEXT": task.positions["END"] - (seg - 1)})
+    r = qk.edge_scores(model, named, method="exact", progress=False).circuit(edges=4).roles(model, named)
+    assert r.roles["1.0"]["evidence"]["END_attends_most"]["where"] == "NEXT"
+    assert r.roles["1.0"]["evidence"]["attn_from_END"]["NEXT"] > 0.9

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import qkcircuits as qk
+from qkcircuits._foundation.model_cache import forget, recall, remember
 from qkcircuits._foundation.own_tokenizer import own_affixes, special_affixes
 from qkcircuits.cli import main
 
@@ -38,11 +39,12 @@ def test_what_the_tokenizer_adds_is_read_from_the_checkpoint(plain, with_bos):
     # TransformerLens' copy of the tokenizer adds BOS for both: it could not have told them apart
     assert plain.tokenizer("a b")["input_ids"][0] == 0 == with_bos.tokenizer("a b")["input_ids"][0]
     # a bridge built elsewhere (no record from qk.load): its tokenizer is reloaded as saved
-    del plain.qk_tokenizer_own
+    recorded = recall(plain, "own tokenizer")
+    forget(plain, "own tokenizer")
     try:
         assert own_affixes(plain)["prefix"] == [] and "as saved" in own_affixes(plain)["source"]
     finally:
-        plain.qk_tokenizer_own = {"prefix": [], "suffix": [], "source": "the checkpoint's tokenizer"}
+        remember(plain, "own tokenizer", recorded)
 
 
 def test_ioi_follows_the_tokenizer_and_forcing_overrides_it(plain, with_bos):

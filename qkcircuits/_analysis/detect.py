@@ -28,6 +28,7 @@ Attention to BOS is never renormalised away: a head parked on BOS scores low, wh
 
 from __future__ import annotations
 
+import copy
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -42,6 +43,7 @@ from .._foundation.args import check_model
 from .._foundation.io import check_int
 from .._foundation.result import stamped
 from .._foundation.model import model_name
+from .._foundation.model_cache import remembered
 from .._foundation.progress import progress_bar
 from .._foundation.sequences import check_seed, repeated_tokens, segment_length, text_tokens, token_pool
 from .._weights import contextual as _contextual
@@ -145,16 +147,22 @@ def copying_reducer(model, tokens: Int[Tensor, "batch pos"], seg_len: int):
 
 
 def ov_copying_score(model, ctx: ScanContext):
-    """``ov_copying``: a thin call of ``_weights.contextual.ov_copying`` on ``ctx.ov_tokens`` corpus tokens."""
-    scores, info = _contextual.ov_copying(model, n_tokens=ctx.ov_tokens, seed=ctx.seed, method=ctx.ov_method)
-    return scores, {"ov_copying": info}
+    """``ov_copying``: a thin call of ``_weights.contextual.ov_copying`` on ``ctx.ov_tokens`` corpus tokens;
+    remembered per model while its weights are unchanged (``model_cache``: a second scan of the model skips it)."""
+    scores, info = remembered(model, "scan: ov_copying", (ctx.ov_tokens, ctx.seed, ctx.ov_method),
+                              lambda: _contextual.ov_copying(model, n_tokens=ctx.ov_tokens, seed=ctx.seed,
+                                                             method=ctx.ov_method), depends="weights")
+    return scores.clone(), {"ov_copying": copy.deepcopy(info)}
 
 
 def eigen_copying_score(model, ctx: ScanContext):
     """``eigen_copying`` from the weights; the full circuit W_E·OV·W_U needs input and output vocabularies to
-    match, else the OV circuit alone (recorded in ``settings["eigen_copying_circuit"]``)."""
+    match, else the OV circuit alone (recorded in ``settings["eigen_copying_circuit"]``). Remembered per model while
+    its weights are unchanged (``model_cache``)."""
     full = model.W_E.shape[0] == model.W_U.shape[-1]
-    return copying_scores(model, full=full).float().cpu(), {"eigen_copying_circuit": "full" if full else "ov"}
+    scores = remembered(model, "scan: eigen_copying", full, lambda: copying_scores(model, full=full).float().cpu(),
+                        depends="weights")
+    return scores.clone(), {"eigen_copying_circuit": "full" if full else "ov"}
 
 
 # label -> (score, minimum). 0.4 is ARENA's cut-off; chance for any of these is ~1/i (uniform attention over i

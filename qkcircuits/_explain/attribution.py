@@ -16,7 +16,6 @@ the choice has a negative share). The pair table keeps the ``KEEP`` largest sour
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -26,6 +25,7 @@ from torch import Tensor
 from .._foundation import display as show
 from .._foundation.io import json_floats, json_number, read_float, read_floats
 from .._foundation.model import model_name
+from .._foundation.model_cache import remembered
 from .._foundation.result import Result
 from . import words
 
@@ -321,16 +321,10 @@ def _kept(vals: Tensor, keep: int) -> List[int]:
     return sorted(int(i) for i in order)
 
 
-_DECODED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def _decoder(model):
-    """Token id → its text (the id itself without a tokenizer), remembered per tokenizer."""
+    """Token id → its text (the id itself without a tokenizer), remembered per model (``model_cache``)."""
     tok = getattr(model, "tokenizer", None)
-    try:
-        seen = _DECODED.setdefault(tok, {}) if tok is not None else {}
-    except TypeError:
-        seen = {}
+    seen = remembered(model, "decoded tokens", id(tok), dict) if tok is not None else {}
 
     def decode(t) -> Any:
         t = int(t)

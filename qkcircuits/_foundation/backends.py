@@ -307,7 +307,9 @@ def as_backend(backend: BackendLike = None, *, address: Optional[str] = None,
 
 def model_spec(model) -> Optional[Dict[str, Any]]:
     """How ``model`` can be loaded again (``{"spec", "dtype", "fold_ln"}``, recorded by ``qk.load``), or None."""
-    return getattr(model, "qk_load_spec", None)
+    from .model_cache import recall
+
+    return recall(model, "load spec")
 
 
 def spec_for_workers(model):

@@ -17,8 +17,6 @@ modification time (``_hash``), so an unchanged file is hashed once.
 
 from __future__ import annotations
 
-import weakref
-
 import json
 import os
 import shutil
@@ -26,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from . import model_cache
 from .fetch import cache_dir, sha256_file
 
 FORMAT = 1          # bump when what is stored changes: older folders are then ignored
@@ -184,18 +183,13 @@ class Processed:
             pass
 
 
-# which cached conversion a loaded bridge came from (its folded weights are kept beside it): per bridge, weakly
-_CONVERTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
+# which cached conversion a loaded bridge came from (its folded weights are kept beside it): a record in the
+# model's store (model_cache), dropped with the bridge
 def remember(bridge, folder) -> None:
     """Record that ``bridge`` was loaded from the cached conversion ``folder``."""
-    _CONVERTED[bridge] = folder
+    model_cache.remember(bridge, "gguf conversion", folder)
 
 
 def converted_of(bridge):
     """The cached conversion ``bridge`` was loaded from, or None."""
-    try:
-        return _CONVERTED.get(bridge)
-    except TypeError:           # not weak-referenceable: nothing was recorded for it
-        return None
+    return model_cache.recall(bridge, "gguf conversion")

@@ -38,6 +38,7 @@ from transformer_lens.model_bridge import TransformerBridge
 from .errors import QKCircuitsError
 from .arch import model_facts as arch_model
 from .fetch import SMOLLM2_HUB_NAME, smollm2_gguf
+from .model_cache import remember
 from .offline import hub_offline as _hub_offline
 
 ALIASES = {"smollm2-135m": "smollm2-135m", "smollm2": "smollm2-135m"}
@@ -136,8 +137,8 @@ def _load_folded(spec, *, device, dtype, fold_ln: bool, device_map, verbose: boo
         bridge = _load(spec, device=device, dtype=dtype, fold_ln=fold_ln, device_map=device_map, verbose=verbose,
                        lean=False)
     # How to load this model again (what a Ray worker loads when handed the loaded model; backends.model_spec).
-    bridge.qk_load_spec = {"spec": os.fspath(spec), "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
-                           "fold_ln": bool(fold_ln)}
+    remember(bridge, "load spec", {"spec": os.fspath(spec), "dtype": None if dtype is None else
+                                   str(dtype).replace("torch.", ""), "fold_ln": bool(fold_ln)})
     return bridge
 
 
@@ -304,7 +305,7 @@ def _record_own(bridge, own) -> None:
     from .own_tokenizer import ATTR
 
     if own is not None and getattr(bridge, "tokenizer", None) is not None:
-        setattr(bridge, ATTR, own)
+        remember(bridge, ATTR, own)
 
 
 def _boot(name: str, dev, dtype, device_map, label: str, local: bool = False, **kwargs: Any) -> TransformerBridge:

@@ -10,7 +10,7 @@ TransformerLens is no guide: it reloads the tokenizer with ``add_bos_token=True`
 whatever the checkpoint's tokenizer does), and its ``cfg.default_prepend_bos`` is True for SmolLM2, whose
 tokenizer adds none (its ``<|im_start|>`` is a chat marker
 that lowers the IOI logit difference from 4.35 to 3.23). So ``qk.load`` reads the tokenizer the checkpoint
-ships (before TransformerLens touches it) and records what it adds (``model.qk_tokenizer_own``); the task
+ships (before TransformerLens touches it) and records what it adds (``model_cache.recall(model, "own tokenizer")``); the task
 builders' ``prepend_bos=None`` follows that.
 """
 
@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional
 
+from . import model_cache
+
 PROBE = "attention heads move information"
-ATTR = "qk_tokenizer_own"
+ATTR = "own tokenizer"          # its name in the model's store (model_cache)
 
 
 def special_affixes(tokenizer, text: str = PROBE) -> Dict[str, List[int]]:
@@ -57,7 +59,7 @@ def own_affixes(model) -> Dict[str, object]:
     for a bridge built elsewhere, its tokenizer reloaded from ``name_or_path`` without TransformerLens'
     ``add_bos_token=True`` (offline), else its tokenizer as it is (which may carry TransformerLens' BOS: said in
     ``source``). A model without a tokenizer adds nothing."""
-    known = getattr(model, ATTR, None)
+    known = model_cache.recall(model, ATTR)
     if isinstance(known, dict):
         return known
     tok = getattr(model, "tokenizer", None)
@@ -76,8 +78,5 @@ def own_affixes(model) -> Dict[str, object]:
         got = read(reload, f"the tokenizer of {name!r} as saved")
     if got is None:
         got = {**special_affixes(tok), "source": "the bridge's tokenizer (TransformerLens may have set add_bos_token)"}
-    try:
-        setattr(model, ATTR, got)
-    except AttributeError:      # a model that refuses attributes: computed again next time
-        pass
+    model_cache.remember(model, ATTR, got)     # a model that takes no weak reference: computed again next time
     return got

@@ -15,7 +15,6 @@ token that occurs twice would split even a perfect induction head's attention.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from importlib import resources
 from typing import List, Optional, Sequence
@@ -25,6 +24,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from .errors import QKCircuitsError
+from .model_cache import remembered
 
 # Vocabularies at least this large are treated as real BPE vocabularies and trimmed at both ends.
 _TRIM_FROM = 1000
@@ -66,17 +66,8 @@ def token_pool(model, *, bos: Optional[int] = None, exclude: Sequence[int] = ())
     b = bos_id(model, bos)
     tok = getattr(model, "tokenizer", None)
     key = (V, b, tuple(sorted(int(x) for x in exclude)), id(tok))
-    try:
-        cached = _POOLS.setdefault(model, {})
-    except TypeError:            # a model that takes no weak reference: no cache
-        cached = {}
-    if key not in cached:
-        cached[key] = _token_pool(model, V, b, exclude, tok)
-    pool = cached[key]
+    pool = remembered(model, "token pool", key, lambda: _token_pool(model, V, b, exclude, tok))
     return TokenPool(ids=pool.ids.clone(), bos_id=pool.bos_id)
-
-
-_POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _token_pool(model, V: int, b: Optional[int], exclude: Sequence[int], tok) -> TokenPool:

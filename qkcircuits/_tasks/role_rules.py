@@ -9,7 +9,7 @@
 ('year reader', 'minor')
 
 A rule reads a **view** of one head: its evidence (``roles``' keys: ``direct_effect``, ``direct_share``,
-``node_effect``, ``node_share``, ``attn_from_END`` {position: attention}, ``END_top_position``; IOI's attention keys
+``node_effect``, ``node_share``, ``attn_from_END`` {position: attention}, ``END_attends_most`` {where, rows, of, counts} (per prompt, named by the task's positions); IOI's attention keys
 ``END->IO`` ...; ``detectors``/``labels`` on tasks without IOI positions) and what only the whole circuit decides:
 
 - ``large_direct``: |direct effect| ≥ the direct cut = max(``direct_relative`` × the largest |direct effect| among

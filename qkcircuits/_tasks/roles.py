@@ -13,7 +13,8 @@ Evidence per head (one clean forward with the attention patterns of the circuit'
 - ``node_effect``: the sum of the scores of every edge leaving the head (the EAP / EAP-IG node estimate:
   what corrupting its output costs), ``node_share`` the same over m(clean) − m(corrupt);
 - ``attn_from_END``: where the head attends from the END position (named positions, mean over prompts),
-  ``END_top_position`` the position it attends most on average;
+  ``END_attends_most`` where it attends most, prompt by prompt, named by the task's own positions
+  (``attends_most``: "IO in 30 of 32 prompts");
 - IOI (tasks with positions IO, S1, S1+1, S2): ``END->IO``, ``END->S`` (S1 + S2), ``END->S2``, ``S2->S1``
   (duplicate token), ``S2->S1+1`` (induction), ``S1+1->S1`` (previous token), ``feeds_name_movers_q``
   {name mover: edge score} and ``patterns`` (the pattern classes below it passes, whatever its effect);
@@ -135,8 +136,8 @@ class Roles(Result):
             det = {r: k for r, k, _ in detector_roles()}.get(role)
             if det and all(det in e.get("detectors", {}) for e in ev):
                 text += f"; scan {det} " + ", ".join(f"{float(e['detectors'][det]):.2f}" for e in ev)
-            if role == "unclassified":
-                text += "; END attends most to position " + ", ".join(str(e["END_top_position"]) for e in ev)
+            if role == "unclassified" and all("END_attends_most" in e for e in ev):
+                text += "; END attends most to " + ", ".join(most_text(e["END_attends_most"]) for e in ev)
             outside = [h for h in shown if self.roles[h].get("in_circuit") is False]
             if outside:
                 text += f"; not in the circuit: {', '.join(outside)}"
@@ -201,6 +202,37 @@ def _patterns(model, task, layers: List[int]) -> Dict[int, torch.Tensor]:
             model.run_with_hooks(shard.clean.to(model.W_E.device),
                                  fwd_hooks=[(f"blocks.{L}.attn.hook_pattern", keep(L)) for L in layers])
     return {L: torch.cat(v) for L, v in out.items()}
+
+
+def attends_most(end_row: torch.Tensor, positions: Dict[str, torch.Tensor], keep: int = 3) -> Dict[str, object]:
+    """Where a head attends most from END, prompt by prompt, named by the task's own positions.
+
+    ``end_row`` [n, pos] is the head's attention from END in each prompt, ``positions`` the task's named positions
+    ({name: [n] index}). Each prompt's most-attended key is named: a named position (END first, then by name),
+    else ``"position 0"`` (the first token: BOS where the task has one), else its offset from END (``"END-3"``).
+    Returns the most frequent name with its count, and the ``keep`` most frequent with theirs:
+
+    >>> row = torch.tensor([[0.1, 0.7, 0.2], [0.1, 0.6, 0.3], [0.8, 0.1, 0.1]])
+    >>> attends_most(row, {"END": torch.tensor([2, 2, 2]), "IO": torch.tensor([1, 1, 0])})
+    {'where': 'IO', 'rows': 3, 'of': 3, 'counts': {'IO': 3}}
+    """
+    top = end_row.argmax(-1).tolist()
+    names = sorted(positions, key=lambda k: (k != "END", k))
+    at = {k: positions[k].tolist() for k in names}
+    end = at.get("END")
+    counts: Dict[str, int] = {}
+    for r, t in enumerate(top):
+        label = next((k for k in names if at[k][r] == t), None)
+        if label is None:
+            label = "position 0" if t == 0 or end is None else f"END-{end[r] - t}"
+        counts[label] = counts.get(label, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:keep]
+    return {"where": ranked[0][0], "rows": ranked[0][1], "of": len(top), "counts": dict(ranked)}
+
+
+def most_text(most: Dict[str, object]) -> str:
+    """``attends_most``'s answer in words: "IO in 30 of 32 prompts"."""
+    return f"{most['where']} in {most['rows']} of {most['of']} prompts"
 
 
 def significant_heads(scores, clean: Real, corrupt: Real, share: Real = ALSO_SHARE) -> List[str]:
@@ -272,7 +304,7 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
                                 "node_effect": round(ne, 6), "node_share": round(ne / denom, 6)}
         end_row = pats[L][rows, h, pos["END"]]                                         # [n, pos]
         e["attn_from_END"] = {k: round(float(end_row[rows, pos[k]].mean()), 4) for k in named}
-        e["END_top_position"] = int(end_row.mean(0).argmax().item())
+        e["END_attends_most"] = attends_most(end_row, pos)
         if ioi:
             e["END->IO"] = round(attn(L, h, "END", "IO"), 4)
             e["END->S"] = round(attn(L, h, "END", "S1") + attn(L, h, "END", "S2"), 4)

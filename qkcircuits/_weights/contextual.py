@@ -44,7 +44,6 @@ median rank r onto [-1, 1] with chance c = (V + 1)/2 at 0: ``log(c/r)/log(c)`` f
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -52,6 +51,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from .._foundation import model_cache
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import HeadsLike
 from .._foundation.sequences import bos_id, natural_text, repeated_tokens, segment_length, text_tokens, token_pool
@@ -63,7 +63,6 @@ TokenIds = Union[Sequence[int], Int[Tensor, "n"]]     # token ids: a list or a 1
 
 INPUTS = ("direct", "effective", "contextual")
 CORPUS = "natural_text() (qkcircuits/data/natural_text.txt)"
-_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def default_input(layer: int) -> str:
@@ -116,12 +115,17 @@ def corpus_stats(model, refresh: bool = False) -> _CorpusStats:
     [BOS]+R+R sequences of its token pool instead (what such toy models are made for). The text is cut
     into rows of 128 tokens (the context allowing), each led by BOS, the last row shorter: every token
     counts. Memory: [distinct tokens, d_model] per layer (SmolLM2: 334 × 576 × 30 floats ≈ 23 MB).
-    The cache knows nothing of later edits: pass ``refresh=True`` after changing the weights (hooks
-    active during the first call, e.g. inside ``qk.edit``, are part of what was measured)."""
-    key = is_folded(model)
-    cached = _CACHE.get(model, {})
-    if key in cached and not refresh:
-        return cached[key]
+    Remembered per model and fold state while the weights are unchanged (``model_cache``, ``depends="weights"``:
+    an in-place edit of any parameter makes it again); ``refresh=True`` makes it again anyway. Hooks are not
+    weights: hooks active during the pass that makes it (inside ``qk.edit``) are part of what was measured."""
+    if refresh:
+        model_cache.forget(model, "corpus stats")
+    return model_cache.remembered(model, "corpus stats", is_folded(model), lambda: _corpus_pass(model),
+                                  depends="weights")
+
+
+def _corpus_pass(model) -> _CorpusStats:
+    """``corpus_stats``'s one streamed pass (not remembered)."""
     dev = model.W_E.device
     if getattr(model, "tokenizer", None) is not None:
         seq_len = max(2, min(128, int(model.cfg.n_ctx) - 1))
@@ -175,7 +179,6 @@ def corpus_stats(model, refresh: bool = False) -> _CorpusStats:
     stats.sums = {layer: v.cpu() for layer, v in stats.sums.items()}
     if scales:
         stats.final_scale = float(torch.cat(scales).mean())
-    _CACHE.setdefault(model, {})[key] = stats
     return stats
 
 

@@ -23,7 +23,6 @@ k pairs with k + rotary_dim/2) or ``pairs`` (adjacent 2k, 2k+1: the TL-native mo
 from __future__ import annotations
 
 import copy
-import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -39,6 +38,7 @@ from .._foundation import display as show
 from .._foundation.result import Result, stamped
 from .._foundation.rope import STYLES, RotarySpec, rotate, rotation  # noqa: F401 (re-exported)
 from .._foundation.errors import QKCircuitsError
+from .._foundation.model_cache import remembered
 from .._foundation.arch.model_facts import positional
 from .._foundation.heads import HeadsLike
 from .._foundation.io import json_floats, read_floats
@@ -247,25 +247,16 @@ def offset_profile(model, head: HeadsLike, offsets: Iterable[int] = range(0, 65)
     return OffsetProfile(str(h), torch.tensor(offs), mean.cpu(), norm.cpu(), stamped(settings, model, name=True))
 
 
-_MEAN_ROWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def _mean_embed_row(model, layer: int) -> Float[Tensor, "d_model"]:
     """The mean over the vocabulary of ``embed_rows(model, layer)`` (float32), in chunks of ``CHUNK_ROWS`` rows:
-    no normalised [vocab, d_model] copy. Cached per model while W_E is unchanged (its storage and version);
-    under ``fold_ln`` every layer's rows are the same, so one mean serves all layers."""
+    no normalised [vocab, d_model] copy. Remembered per model while W_E is unchanged (``model_cache``,
+    ``depends="embed"``); under ``fold_ln`` every layer's rows are the same, so one mean serves all layers."""
     E = model.W_E.detach()
-    key = (None if is_folded(model) else int(layer), E.data_ptr(), E._version, E.shape, str(E.dtype))
-    try:
-        cache = _MEAN_ROWS.setdefault(model, {})
-    except TypeError:
-        cache = {}
-    if key not in cache:
+
+    def mean() -> Tensor:
         total = torch.zeros(E.shape[1], dtype=torch.float64, device=E.device)
         with torch.no_grad():
             for s in range(0, E.shape[0], CHUNK_ROWS):
                 total += normalize_rows(model, E[s:s + CHUNK_ROWS], "ln1", int(layer)).double().sum(0)
-        for old in [k for k in cache if k[1:] != key[1:]]:     # rows of an older W_E
-            del cache[old]
-        cache[key] = (total / E.shape[0]).float()
-    return cache[key]
+        return (total / E.shape[0]).float()
+    return remembered(model, "mean embed row", None if is_folded(model) else int(layer), mean, depends="embed")

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from .._foundation.errors import QKCircuitsError
 from .._foundation.io import check_schema
 from .._foundation.jsonread import JSONProblem, parse_json, read_text_file
+from .._tasks.roles import most_text
 
 SCHEMA = "qkcircuits.circuit"       # the CLI's file; a Faithfulness result's JSON holds a circuit too
 # the schemas this reader knows (name/newest version): the CLI's file, qk.faithfulness(...) and scores.circuit(...)
@@ -456,18 +457,21 @@ def evidence_cell(evidence: Any, digits: int = 3) -> Any:
 
     >>> evidence_cell({"direct_share": 0.51234, "attn_from_END": {"IO": 0.4, "S1": 0.1}, "labels": []})
     {'kv': [['direct share', '0.512'], ['attention from END', 'IO 0.4, S1 0.1'], ['labels', 'none']]}
+    >>> evidence_cell({"END_attends_most": {"where": "IO", "rows": 30, "of": 32, "counts": {"IO": 30, "S2": 2}}})
+    {'kv': [['END attends most to', 'IO in 30 of 32 prompts']]}
     >>> evidence_cell("a sentence")
     'a sentence'
     """
     if not isinstance(evidence, dict):
         return evidence_text(evidence, digits)
     return {"kv": [[_EVIDENCE_NAMES.get(str(k), str(k).replace("_", " ")),
+                    most_text(v) if k == "END_attends_most" and isinstance(v, dict) and "where" in v else
                     "none" if isinstance(v, (list, tuple, dict)) and not v else evidence_text(v, digits)]
                    for k, v in evidence.items()]}
 
 
 # names of the roles' evidence keys (``_tasks.roles``) as the table shows them; other keys: "_" read as a space
-_EVIDENCE_NAMES = {"attn_from_END": "attention from END", "END_top_position": "END attends most to position",
+_EVIDENCE_NAMES = {"attn_from_END": "attention from END", "END_attends_most": "END attends most to",
                    "END->IO": "END → IO attention", "END->S": "END → S attention", "END->S2": "END → S2 attention",
                    "S2->S1": "S2 → S1 attention", "S2->S1+1": "S2 → S1+1 attention", "S1+1->S1": "S1+1 → S1 attention",
                    "feeds_name_movers_q": "into the name movers' q"}

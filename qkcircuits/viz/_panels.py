@@ -22,6 +22,7 @@ partners come from ``composition_scores``.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -149,7 +150,9 @@ class ViewContext:
     """
 
     def __init__(self, model):
-        self.model = model
+        # weakly: a context is remembered per model (model_cache), and a value that held its key would keep the
+        # model alive for ever
+        self._model = weakref.ref(model)
         self._U: Optional[Tensor] = None
         self._weights: Dict[int, object] = {}
         self._eigen: Optional[Tensor] = None
@@ -157,6 +160,13 @@ class ViewContext:
         self._rotary: Dict[int, object] = {}
         # bounded: a long-running app sees a new token set per request (each entry ~50 kB for 64 tokens)
         self._inputs = LRU(INPUTS_CACHE)
+
+    @property
+    def model(self):
+        model = self._model()
+        if model is None:
+            raise QKCircuitsError("this view context's model is gone; make one for a loaded model")
+        return model
 
     def weights(self, layer: int):
         if layer not in self._weights:

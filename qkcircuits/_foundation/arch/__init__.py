@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Tuple, Type
 import torch
 
 from ..errors import QKCircuitsError
+from ..model_cache import recall, remember, remembered
 from .base import AttentionAdapter, LayerWeights
 from .latent import LatentAttention
 from .standard import StandardAttention
@@ -114,16 +115,13 @@ def _check_head_separable(model) -> None:
 
 def family(model) -> str:
     """``"standard"``, ``"latent"`` or a registered family's name; cached on the model (its attention modules do
-    not change)."""
-    fam = getattr(model, "_qk_attention_family", None)
+    not change: a record in the model's store, ``model_cache``)."""
+    fam = recall(model, "attention family")
     if fam is None:
         fam = _detect(model)
         for layer in range(int(model.cfg.n_layers)):
             FAMILIES[fam](model, layer).prepare()
-        try:
-            object.__setattr__(model, "_qk_attention_family", fam)
-        except Exception:  # noqa: BLE001  (a frozen wrapper: detect again next time)
-            pass
+        remember(model, "attention family", fam)     # a model that takes no weak reference: detected again next time
     return fam
 
 
@@ -132,18 +130,18 @@ def prepare(model) -> str:
     return family(model)
 
 
+def adapters(model) -> Dict[Tuple[str, int], AttentionAdapter]:
+    """The adapters made so far for ``model``, by (family, layer): remembered in the model's store
+    (``model_cache``; each adapter holds its model weakly, so the store does not keep the model alive)."""
+    return remembered(model, "adapters", None, dict)
+
+
 def adapter(model, layer: int = 0) -> AttentionAdapter:
     """The adapter of ``layer``'s attention (``layer`` checked against the model's layers)."""
     n = int(model.cfg.n_layers)
     if isinstance(layer, bool) or not 0 <= int(layer) < n:
         raise QKCircuitsError(f"layer {layer!r} is out of range: the model has layers 0-{n - 1}")
-    cache = getattr(model, "_qk_adapters", None)
-    if cache is None:
-        cache = {}
-        try:
-            object.__setattr__(model, "_qk_adapters", cache)
-        except Exception:  # noqa: BLE001
-            pass
+    cache = adapters(model)
     key: Tuple[str, int] = (family(model), int(layer))
     if key not in cache:
         cache[key] = FAMILIES[key[0]](model, int(layer))

@@ -13,6 +13,7 @@ the projections, where the score scale lives, how hooks are shaped); everything 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -20,6 +21,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from ..errors import QKCircuitsError
 from ..rope import RotarySpec
 from .norms import Norm, block_norm, module_eps, read_norm
 from .qkmap import QKMap, ScoreMaps
@@ -55,11 +57,23 @@ class AttentionAdapter:
     family = "abstract"
 
     def __init__(self, model, layer: int):
-        self.model, self.layer = model, int(layer)
+        # weakly: adapters are remembered per model (model_cache), and one that held its model would keep it alive
+        try:
+            self._model = weakref.ref(model)
+        except TypeError:                        # a model that takes no weak reference is not remembered either
+            self._model = lambda: model
+        self.layer = int(layer)
         self.block = model.blocks[self.layer]
         self.bridge = self.block.attn
         comp = getattr(self.bridge, "original_component", None)
         self.module = self.bridge if comp is None else comp     # the module that really computes attention
+
+    @property
+    def model(self):
+        model = self._model()
+        if model is None:
+            raise QKCircuitsError("this adapter's model is gone; ask adapter(model, layer) of a loaded model")
+        return model
 
     # -- shape ------------------------------------------------------------------------------------
     n_heads: int

@@ -23,6 +23,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from ..model_cache import remembered
 from ..errors import QKCircuitsError
 from ..rope import STYLES, RotarySpec, rotate, rotation
 
@@ -61,8 +62,8 @@ def layer_rotary(att, verify: bool = True) -> Optional[RotarySpec]:
 
 
 def _verified_elsewhere(att) -> Optional[RotarySpec]:
-    """A verified rotary spec of another layer of the same model and family (adapters are cached on the model)."""
-    for other in (getattr(att.model, "_qk_adapters", None) or {}).values():
+    """A verified rotary spec of another layer of the same model and family (adapters are remembered per model)."""
+    for other in list(remembered(att.model, "adapters", None, dict).values()):     # arch.adapters(model)
         spec = getattr(other, "_rotary_spec", None)
         if other is not att and other.family == att.family and spec is not None and spec.verified_error is not None \
                 and spec.verified_error <= 1e-4:

@@ -20,6 +20,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ..errors import QKCircuitsError
+from ..model_cache import recall, remember
 from .base import AttentionAdapter, LayerWeights
 from .norms import Norm, module_eps, read_norm
 from .qkmap import QKMap
@@ -166,8 +167,8 @@ class StandardAttention(AttentionAdapter):
     def rot_hooks_fire(self) -> bool:
         """Whether this bridge really fires ``hook_rot_q`` (declared on every rotary bridge, never fired by
         GPT-J's or GPT-NeoX's): one 2-token forward through layer 0, cached on the model (``qk.load`` asks
-        once, in ``prepare``, so no analysis pays a forward for it)."""
-        fires = getattr(self.model, "_qk_rot_hooks_fire", None)
+        once, in ``prepare``, so no analysis pays a forward for it; a record in the model's store)."""
+        fires = recall(self.model, "rotary hooks fire")
         if fires is None:
             seen = []
             toks = torch.zeros(1, 2, dtype=torch.long, device=self.model.W_E.device)
@@ -175,7 +176,7 @@ class StandardAttention(AttentionAdapter):
                 self.model.run_with_hooks(toks, fwd_hooks=[("blocks.0.attn.hook_rot_q",
                                                              lambda t, hook: seen.append(1))], stop_at_layer=1)
             fires = bool(seen)
-            object.__setattr__(self.model, "_qk_rot_hooks_fire", fires)
+            remember(self.model, "rotary hooks fire", fires)
         return fires
 
     def prepare(self) -> None:
