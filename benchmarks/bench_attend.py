@@ -76,7 +76,7 @@ def main() -> None:
     t = time.perf_counter()
     exact = qk.path_patch(model, recv, into="k", progress=False)
     t_patch = time.perf_counter() - t
-    theirs = {str(r): str(exact.top(r, "k", 1)[0][0]) for r in recv}
+    theirs = {str(r): str(exact.top(1, receiver=r, into="k")[0][0]) for r in recv}
     print(f"top induction heads' key sources: attend {mine} in {t_attend:.1f} s; path patching {theirs} in "
           f"{t_patch:.1f} s; path patching / attend = {t_patch / t_attend:.1f}x; same: {mine == theirs}")
 

@@ -7,8 +7,11 @@
 [('1.0', 1.0), ('1.1', 0.0)]
 >>> model = qk.load("smollm2-135m")       # doctest: +SKIP (needs SmolLM2)
 
-The public API is re-exported here (imported from ``qkcircuits._api`` on first use, so ``import qkcircuits``
-and ``qkcircuits --help`` stay light); the modules behind it are private.
+The public API is ONE list, ``_EXPORTS`` below: each root name once, next to the module it comes from. A name is
+imported from its module on first use, so ``import qkcircuits`` and ``qkcircuits --help`` load no torch;
+``__all__`` and ``dir(qk)`` are that list. Specialised names live in the public submodules (each with its own
+explicit imports): ``qk.weights`` (the weight-level pieces of circuits), ``qk.results`` (every result class),
+``qk.tasks`` (task builders and the task analyses' other names), ``qk.plot`` (figures for notebooks).
 """
 
 from ._foundation.io import qkcircuits_version as _version
@@ -16,88 +19,85 @@ from ._foundation.io import qkcircuits_version as _version
 __version__ = _version()      # from the installed metadata (pyproject.toml), the one place it is written
 del _version
 
-# Views (plotly, circuitsvis, Flask) load on first use: `import qkcircuits` stays light.
-_VIEWS = {"create_app", "report_html", "write_report"}
-# Submodules, imported on first use for the same reason: qk.plot (figures for notebooks), qk.tasks (task builders and
-# the task analyses' other names), qk.weights (the weight-level pieces of circuits), qk.results (every result class).
-_LAZY_MODULES = {"plot", "results", "tasks", "weights"}
-
-__all__ = sorted([
-    # foundation
-    "Head", "QKCircuitsError", "all_heads", "capture", "edit", "has_rotary", "hook_name", "kv_head", "load",
-    "model_heads", "n_kv_heads", "natural_text", "parse_heads", "pick_device", "repeated_tokens", "segment_length",
-    "stream", "text_tokens", "token_pool",
-    # circuits (their weight-level pieces: qk.weights)
-    "circuit", "composition_scores", "copying_scores", "k_composition_partners", "kv_cache", "offset_profile", "ov",
-    "ov_copying", "qk", "verify_circuits",
-    # analyses
-    "ABLATION_METHODS", "Metric", "Detector", "PROMPT_SETS", "ScanContext", "detector", "detectors", "diagonal_mask",
-    "register_detector", "thresholds", "unregister_detector", "ablate", "as_metric", "attribution",
-    "compare_to_random", "confirm_induction", "diagnose", "group_effect", "induction_loss", "logit_diff", "mask_score",
-    "qk_statistics", "scan", "sweep", "target_masks", "text_loss",
-    "INTO", "VIEWS", "Backend", "BackendPool", "Local", "Ray", "as_backend",
-    "edge_attribution", "path_patch", "trace_induction", "zoo",
-    # why a head attends
-    "attend", "attend_heads",
-    # tasks and circuits over the whole graph (builders and the rest: qk.tasks)
-    "Task", "core_circuit", "edge_scores", "evaluate", "faithfulness", "find_circuit", "graph", "node_scores",
-    "register_task",
-    # every result class is in qk.results; the base and the reader of any result file are here
-    "Result", "load_result",
-    # views
-    *_VIEWS,
-    *_LAZY_MODULES,
-])
-
-
-_DEPRECATED = {"SCORE_NAMES", "TEXT_SCORES", "THRESHOLDS"}      # read from the detector registry, with a warning
-
-# Root names that moved to a submodule: the old root name works for one release, with a DeprecationWarning
-# (docs/architecture.md, "Root names that moved").
-_MOVED = {
-    **dict.fromkeys(["LayerWeights", "RotarySpec", "TokenInputs", "all_ov", "all_qk", "attn_input_hook", "attn_scale",
-                     "circuit_caveats", "composition_baseline", "composition_column", "copying_accuracy",
-                     "copying_rank", "eigen_copying", "embed_factor", "embed_rows", "full_ov", "full_qk",
-                     "head_logits", "layer_weights", "offset_scores", "ov_affine", "positional_qk", "qk_affine",
-                     "qk_at_offset", "rotary_spec", "rotation", "token_inputs", "token_qk", "top_tokens",
-                     "unembed_cols", "unembed_embed", "unembed_factor"], "weights"),
-    **dict.fromkeys(["Activations", "Attribution", "Circuit", "CircuitCheck", "CompositionScores", "CoreCircuit",
-                     "EdgeScores", "Faithfulness", "GroupEffect", "HeadDiagnostics", "HeadEffects", "HeadScores",
-                     "KVCache", "NodeScores", "OffsetProfile", "PathEffects", "RandomComparison", "Roles",
-                     "TaskCircuit", "Zoo"], "results"),
-    **dict.fromkeys(["Evaluation", "Graph", "node_faithfulness"], "tasks"),
+# The root names, by the module each comes from ("name as alias" where the root name differs). Add a new export
+# here; a specialised one goes to a public submodule instead (weights, results, tasks, plot).
+_EXPORTS = {
+    # Foundation: loading, heads, prompt sets, hooks.
+    "._foundation.capture": "capture, edit, has_rotary, hook_name, stream",
+    "._foundation.errors": "QKCircuitsError",
+    "._foundation.heads": "Head, all_heads, kv_head, model_heads, n_kv_heads, parse_heads",
+    "._foundation.model": "load, pick_device",
+    "._foundation.sequences": "natural_text, repeated_tokens, segment_length, text_tokens, token_pool",
+    # Circuits: weights only (their weight-level pieces: qk.weights).
+    "._weights.circuit": "circuit",
+    "._weights.qk_ov": "ov, qk",
+    "._weights.kv_cache": "kv_cache",
+    "._weights.verify": "verify_circuits",
+    "._weights.composition": "composition_scores, k_composition_partners",
+    "._weights.contextual": "ov_copying, INPUTS as VIEWS",            # the token views ("direct", ...)
+    "._weights.copying": "copying_scores",
+    "._weights.rotary": "offset_profile",
+    # Analyses: detectors, ablation, diagnostics.
+    "._analysis.ablate": "METHODS as ABLATION_METHODS, ablate, compare_to_random, group_effect",
+    "._analysis.attribution_patching": "attribution",
+    "._analysis.detect": "confirm_induction, mask_score, scan",
+    "._analysis.detectors": "PROMPT_SETS, Detector, ScanContext, detector, detectors, diagonal_mask, register_detector, "
+                            "target_masks, thresholds, unregister_detector",
+    "._analysis.diagnose": "diagnose, qk_statistics",
+    "._analysis.metrics": "Metric, as_metric, induction_loss, logit_diff, text_loss",
+    "._analysis.sweep": "sweep",
+    # How heads work together: path patching, edge attribution, the induction trace.
+    "._paths.edges": "edge_attribution",
+    "._paths.patching": "path_patch",
+    "._paths.path_effects": "INPUTS as INTO",                          # the q/k/v inputs
+    "._paths.trace": "trace_induction",
+    # Why a head attends: exact QK attribution of its scores into pairs of upstream sources.
+    "._explain.attend": "attend, attend_heads",
+    # Explain a behaviour: tasks, the whole graph's scores, circuits and their faithfulness (the builders: qk.tasks).
+    "._tasks.core": "core_circuit",
+    "._tasks.find": "find_circuit",
+    "._tasks.evaluation": "evaluate",
+    "._tasks.faithfulness": "faithfulness",
+    "._tasks.graph": "graph",
+    "._tasks.registry": "register_task",
+    "._tasks.scores": "edge_scores, node_scores",
+    "._tasks.task": "Task",
+    # Where analyses run (Ray itself is imported only when a qk.Ray backend runs), and many models at once.
+    "._foundation.backends": "Backend, BackendPool, Local, Ray, as_backend",
+    "._scale.zoo": "zoo",
+    # The one Result base of every result class (the classes: qk.results), and a reader of any result JSON.
+    "._foundation.result": "Result, load_result",
+    # Views (plotly, circuitsvis, Flask load with them).
+    ".viz": "create_app, report_html, write_report",
+    # The public submodules.
+    ".": "plot, results, tasks, weights",
 }
-_RENAMED = {"INPUTS": "VIEWS"}          # qk.INPUTS (the token views) is qk.VIEWS
+_HOME = {}                        # name -> (module, attribute), read from the list above
+for _module, _names in _EXPORTS.items():
+    for _name in _names.split(", "):
+        _attr, _, _alias = _name.partition(" as ")
+        _HOME[_alias or _attr] = (_module, _attr)
+del _module, _names, _name, _attr, _alias
+__all__ = sorted(_HOME)
 
 
 def __getattr__(name: str):
-    """Public names load on first use (see ``_api``): ``import qkcircuits`` imports no torch."""
+    """A root name, imported from its module on first use (``import qkcircuits`` imports no torch); or a
+    submodule (``qk.fixtures``, ``qk._foundation`` ...)."""
     import importlib
 
-    if name in _DEPRECATED:
-        return getattr(importlib.import_module("._analysis.detect", __name__), name)
-    if name in _MOVED or name in _RENAMED:
-        import warnings
-
-        new = f"{_MOVED[name]}.{name}" if name in _MOVED else _RENAMED[name]
-        warnings.warn(f"qk.{name} is deprecated; use qk.{new} (the old name goes in the next release)",
-                      DeprecationWarning, stacklevel=2)
-        if name in _RENAMED:
-            return globals()[new] if new in globals() else __getattr__(new)
-        return getattr(importlib.import_module(f".{_MOVED[name]}", __name__), name)
-    if name in _VIEWS:
-        from . import viz
-
-        return getattr(viz, name)
-    if name in _LAZY_MODULES:
-        return importlib.import_module(f".{name}", __name__)
-    if name in __all__:
-        api = importlib.import_module("._api", __name__)
-        globals().update((k, v) for k, v in vars(api).items() if k in __all__)   # later lookups skip this hook
-        if name in globals():
-            return globals()[name]
-    elif not name.startswith("__"):
-        try:                                   # a submodule: qkcircuits._foundation, qkcircuits.fixtures ...
+    if name in _HOME:
+        module, attr = _HOME[name]
+        if module == ".":                                           # a public submodule
+            return importlib.import_module(f".{attr}", __name__)
+        # the views load alone (plotly, Flask); any other name loads the rest of the API with it, as one import
+        wanted = [n for n, (m, _) in _HOME.items() if m not in (".", ".viz")] if module != ".viz" else [name]
+        for n in wanted:
+            m, a = _HOME[n]
+            globals()[n] = getattr(importlib.import_module(m, __name__), a)      # later lookups skip this hook
+        return globals()[name]
+    if not name.startswith("__"):
+        try:
             return importlib.import_module(f".{name}", __name__)
         except ModuleNotFoundError as e:
             if e.name != f"{__name__}.{name}":
@@ -106,4 +106,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    return sorted({n for n in globals() if n.startswith("__")} | set(__all__))

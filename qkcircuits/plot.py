@@ -26,10 +26,9 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ._foundation.errors import QKCircuitsError
-from ._foundation.arch.model import has_config, is_model
+from ._foundation.arch.model_facts import has_config, is_model
 from ._foundation.heads import Head, HeadsLike, model_heads
 from ._foundation.model_cache import remembered
-from ._foundation.renamed import renamed
 from .viz import _figures as F
 from .viz import _views as V
 from .viz._notebook import AttentionView, Figure, as_figure, set_bundle, setup
@@ -69,7 +68,7 @@ def _need(result, kind: type, what: str, hint: str):
 def scores(result, name: str = "induction") -> Figure:
     """Layer × head heatmap of one score of a ``HeadScores`` (``qk.scan``); hover: the head, every score,
     its labels. Signed scores use a diverging scale centred at 0."""
-    from ._analysis.results import HeadScores
+    from ._analysis.head_scores import HeadScores
 
     _need(result, HeadScores, "plot.scores", "from qk.scan(model)")
     return as_figure(V.score_figure(name, result[name], result))
@@ -98,13 +97,12 @@ def diagnostics(result, measure: Optional[str] = None) -> Figure:
     return as_figure(V.diagnostics_figure(result, measure))
 
 
-@renamed(per_input="k")
 def trace(result, k: int = 2) -> Figure:
     """The circuit graph of a ``PathEffects`` (``qk.trace_induction``, ``qk.path_patch``, ``qk.edge_attribution``):
     the traced heads at (x = head, y = layer), coloured by scan label, and for each receiver and input (q, k, v)
     its ``k`` largest senders whose effect is above zero and above that receiver's 95th percentile over
     all its senders (``result.baseline``). Each edge line carries its data in ``meta`` (src, dst, input, effect).
-    The same builder draws the report's and the app's circuit panel. (``per_input=`` is the old name of ``k``.)"""
+    The same builder draws the report's and the app's circuit panel."""
     from ._foundation.io import check_int
     from ._paths.path_effects import PathEffects
     from .viz._trace_view import circuit

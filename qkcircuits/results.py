@@ -9,15 +9,15 @@
 >>> type(qk.load_result(scores.to_json())).__name__        # any result file, by its schema
 'HeadScores'
 
-These were root names (``qk.HeadScores``, ...) before; the root names still work for one release, with a
-DeprecationWarning (docs/architecture.md, "Root names that moved"). ``qk.Result`` (the base) and
-``qk.load_result`` stay at the root.
+These were root names (``qk.HeadScores``, ...) before 0.2.0 (CHANGELOG.md); ``qk.Result`` (the base) and
+``qk.load_result`` are at the root too. The explicit imports below are the module's one list of names (``__all__``
+is read from them).
 """
 
 # ruff: noqa: F401
 from ._analysis.ablate import GroupEffect, RandomComparison
 from ._analysis.diagnose import HeadDiagnostics
-from ._analysis.results import HeadScores
+from ._analysis.head_scores import HeadScores
 from ._analysis.sweep import HeadEffects
 from ._explain.attribution import Attribution
 from ._foundation.capture import Activations
@@ -37,7 +37,4 @@ from ._weights.kv_cache import KVCache
 from ._weights.rotary import OffsetProfile
 from ._weights.verify import CircuitCheck
 
-__all__ = ["Activations", "Attribution", "Circuit", "CircuitCheck", "CircuitReport", "CompositionScores", "CoreCircuit", "EdgeScores",
-           "Faithfulness", "GroupEffect", "HeadDiagnostics", "HeadEffects", "HeadScores", "KVCache", "NodeScores",
-           "OffsetProfile", "PathEffects", "RandomComparison", "Result", "Roles", "Stability", "TaskCircuit", "Zoo",
-           "load_result"]
+__all__ = sorted(n for n in dir() if not n.startswith("_"))      # the imports above: the one list

@@ -14,8 +14,8 @@ The task registry (``_tasks/registry.py``): ``register_task`` (also ``qk.registe
 ``task_names``, ``unregister_task``, ``TaskSpec``, ``Role``, ``IOI_ROLES`` (IOI's roles, declared as any task's), and ``build_task`` (a command's ``--task``: a registered
 name or a .jsonl file); installed packages add tasks under the ``qkcircuits.tasks`` entry point.
 
-``Graph``, ``Evaluation`` and ``node_faithfulness`` were root names before; the root names still work for one
-release, with a DeprecationWarning (docs/architecture.md, "Root names that moved").
+``Graph``, ``Evaluation`` and ``node_faithfulness`` were root names before 0.2.0 (CHANGELOG.md). The explicit
+imports below are the module's one list of names (``__all__`` is read from them).
 """
 
 # ruff: noqa: F401
@@ -28,6 +28,4 @@ from ._tasks.graph import Graph
 from ._tasks.holdout import Source
 from ._tasks.stability import stability
 
-__all__ = ["Evaluation", "FRAMES", "Graph", "IOI_ROLES", "NAMES", "OBJECTS", "PLACES", "Role", "Source", "TaskSpec", "build_task",
-           "from_jsonl", "induction", "ioi", "register_task", "task_names", "task_spec", "unregister_task",
-           "node_faithfulness", "single_tokens", "stability"]
+__all__ = sorted(n for n in dir() if not n.startswith("_"))      # the imports above: the one list

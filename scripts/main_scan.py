@@ -37,7 +37,7 @@ def _steps(model: str, out: Path, stem: str, confirm: str, prompt, extra: List[s
 
 def run(argv: List[str]) -> int:
     from qkcircuits.cli import build_parser
-    from qkcircuits.cli import _common, diagnose, report, scan
+    from qkcircuits.cli import _common, diagnose_command as diagnose, report_command as report, scan_command as scan
     from qkcircuits._foundation.errors import QKCircuitsError
     from qkcircuits._foundation.io import check_writable
 

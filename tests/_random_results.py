@@ -24,7 +24,7 @@ from transformer_lens.FactoredMatrix import FactoredMatrix
 
 from qkcircuits._analysis.ablate import GroupEffect, RandomComparison
 from qkcircuits._analysis.diagnose_result import HeadDiagnostics
-from qkcircuits._analysis.results import HeadScores
+from qkcircuits._analysis.head_scores import HeadScores
 from qkcircuits._analysis.sweep import HeadEffects
 from qkcircuits._explain.attribution import Attribution
 from qkcircuits._tasks.circuit_report import CircuitReport

@@ -51,7 +51,7 @@ def test_ablate_sweep_json_has_a_layers_by_heads_grid(folder, tmp_path):
     (["--heads", "1.0", "--method", "resample", "--n-seqs", "1", "--seg-len", "8"], "2 or more"),
     (["--heads", "1.0", "--seg-len", "40"], "exceeds the model's context"),
     (["--heads", "1.0", "--metric", "text-loss", "--seg-len", "8"], "rows take --seq-len"),
-    (["--heads", "1.0", "--seg-len", "8", "--seq-len", "8"], "give only --seg-len"),
+    (["--heads", "1.0", "--seq-len", "8"], "--metric induction-loss takes --seg-len"),
 ])
 def test_bad_input_exits_2_with_one_line(folder, capsys, argv, message):
     assert main(["ablate", folder, "--device", "cpu", *argv]) == 2
@@ -59,13 +59,13 @@ def test_bad_input_exits_2_with_one_line(folder, capsys, argv, message):
     assert len(err) == 1 and err[0].startswith("error:") and message in err[0]      # no traceback
 
 
-def test_old_seq_len_of_induction_loss_warns_and_agrees(folder, tmp_path, capsys):
-    """--seq-len with induction-loss is the old spelling of --seg-len: same prompts, a deprecation line."""
-    new, old = tmp_path / "new.json", tmp_path / "old.json"
+def test_seg_len_sets_the_induction_prompts(folder, tmp_path, capsys):
+    """--seg-len is the length of R; --seq-len (text-loss rows) with induction-loss is refused in one line."""
+    out = tmp_path / "new.json"
     base = ["ablate", folder, "--heads", "1.0", "--n-seqs", "2", "--device", "cpu"]
-    assert main([*base, "--seg-len", "6", "--json", str(new)]) == 0
-    assert "deprecated" not in capsys.readouterr().err
-    assert main([*base, "--seq-len", "6", "--json", str(old)]) == 0
-    assert "--seq-len with induction-loss is deprecated; use --seg-len" in capsys.readouterr().err
-    a, b = json.loads(new.read_text()), json.loads(old.read_text())
-    assert a == b and a["n_positions"] == 1 + 2 * 6          # [BOS] + R + R with |R| = 6
+    assert main([*base, "--seg-len", "6", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["n_positions"] == 1 + 2 * 6          # [BOS] + R + R with |R| = 6
+    capsys.readouterr()
+    assert main([*base, "--seq-len", "6"]) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "Loading weights" not in line]
+    assert len(err) == 1 and "--seq-len is the length of text-loss rows" in err[0]

@@ -14,7 +14,7 @@ from qkcircuits.viz._page import plotly_js_path
 
 @pytest.fixture(scope="module")
 def client(hand_built):
-    scores = qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
+    scores = qk.scan(hand_built, n_seqs=4, seg_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
     return create_app(hand_built, scores=scores).test_client()
 
 

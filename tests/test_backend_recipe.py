@@ -94,7 +94,7 @@ def test_circuit_steps_share_one_pool_and_equal_the_local_backend(recipe, toy_ta
 def test_the_circuit_command_runs_every_step_on_one_pool_of_the_recipe_backend(recipe, tmp_path, monkeypatch):
     """Every step of ``qkcircuits circuit`` is one ``pool.run``: with the recipe's backend as the command's, the
     JSON equals the local command's (timing aside), and the model was loaded once."""
-    from qkcircuits.cli import circuit as cli_circuit
+    from qkcircuits.cli import circuit_command as cli_circuit
     from qkcircuits.cli import main
 
     a, b = tmp_path / "local.json", tmp_path / "recipe.json"

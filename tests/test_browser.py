@@ -133,7 +133,7 @@ class Page:
 
 @pytest.fixture(scope="module")
 def toy_report(hand_built, tmp_path_factory):
-    scores = qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
+    scores = qk.scan(hand_built, n_seqs=4, seg_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
     path = tmp_path_factory.mktemp("report") / "toy.html"
     write_report(str(path), report_html(hand_built, scores=scores, grid_k=1, progress=False))
     return path
@@ -176,7 +176,7 @@ class Server:
 
 
 def test_app_choose_head_and_errors(browser, hand_built):
-    scores = qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
+    scores = qk.scan(hand_built, n_seqs=4, seg_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
     srv = Server(create_app(hand_built, scores=scores))
     try:
         p = Page(browser).open(srv.url)
@@ -207,7 +207,7 @@ def test_app_choose_head_and_errors(browser, hand_built):
 
 @pytest.mark.smollm2
 def test_smollm2_report_and_app(browser, smollm2, tmp_path):
-    scores = qk.scan(smollm2, n_seqs=2, seq_len=20, prefix_seqs=2, prefix_len=10, eigen_copying=False, ov_tokens=16,
+    scores = qk.scan(smollm2, n_seqs=2, seg_len=20, prefix_seqs=2, prefix_len=10, eigen_copying=False, ov_tokens=16,
                      progress=False)
     html = report_html(smollm2, scores=scores, heads="0.3", grid_k=2, progress=False)
     path = tmp_path / "smollm2.html"

@@ -180,7 +180,7 @@ def test_threads_on_every_command(monkeypatch, capsys):
         if has:
             assert "default: what torch chooses" in p.format_help().replace("\n", " ").replace("  ", " "), name
     # the command runs with N threads; the caller's count is back afterwards
-    from qkcircuits.cli import scan
+    from qkcircuits.cli import scan_command as scan
 
     seen = []
     monkeypatch.setattr(scan, "run", lambda args: seen.append(torch.get_num_threads()) or 0)

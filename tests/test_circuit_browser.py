@@ -31,7 +31,7 @@ def _click_node(p: Page, layer: int, head: int):
 
 
 def test_report_circuit_section_draws_offline(browser, hand_built, tmp_path):  # noqa: F811
-    scores = qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
+    scores = qk.scan(hand_built, n_seqs=4, seg_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
     data = json.loads(json.dumps(CHAIN))
     data["roles"]["0.0"]["role"] = HOSTILE
     path = tmp_path / "circuit.html"

@@ -236,10 +236,10 @@ def section(html: str, sid: str) -> dict:
 
 
 def test_report_section(hand_built):
-    scores = qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
+    scores = qk.scan(hand_built, n_seqs=4, seg_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
     d = json.loads(json.dumps(CHAIN))
     d["roles"]["0.0"]["evidence"] = {"note": HOSTILE}
-    html = report_html(hand_built, scores=scores, per_score=0, circuit=d, progress=False)
+    html = report_html(hand_built, scores=scores, grid_k=0, circuit=d, progress=False)
     c = section(html, "circuit-section")
     # the evidence as a small table of its own, one row per name (not "key value, key value" on one line)
     assert c["roles"] == [["0.0", "previous-token", {"kv": [["note", HOSTILE]]}],
@@ -259,7 +259,7 @@ def test_cli_report_circuit(tmp_path, capsys):
     good = tmp_path / "c.json"
     good.write_text(json.dumps(CHAIN))
     out = tmp_path / "r.html"
-    assert main(["report", "toy-induction", "-o", str(out), "--circuit", str(good), "--per-score", "1",
+    assert main(["report", "toy-induction", "-o", str(out), "--circuit", str(good), "--grid-k", "1",
                  "--quiet"]) == 0
     assert section(out.read_text(encoding="utf-8"), "circuit-section")["roles"][1][:2] == ["1.0", "induction"]
     bad = tmp_path / "bad.json"
@@ -332,7 +332,7 @@ def test_the_circuit_apis_own_dicts():
         plot.circuit(part, roles={"1.0": "induction"})
 
 
-# The shape `qkcircuits circuit --json` writes (cli/circuit.py): extra keys, the graph's counts, roles with
+# The shape `qkcircuits circuit --json` writes (cli/circuit_command.py): extra keys, the graph's counts, roles with
 # nested evidence, an undefined clean metric (null) tolerated.
 CLI = {"schema": "qkcircuits.circuit/1", "model": "m", "task": "ioi", "n_prompts": 4, "metric": "logit-diff",
        "clean": None, "corrupt": 0.1, "method": "eap", "steps": None, "curve": {"0.1": 0.3, "5": 0.85, "100": 1.0},

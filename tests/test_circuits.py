@@ -248,7 +248,7 @@ def test_normalised_embedding_is_layer0_input(llama):
 
 @pytest.mark.parametrize("chunk_rows", [4096, 37])
 def test_full_ov_rows_top_tokens_and_copying_accuracy_match_brute_force(gpt2_raw, chunk_rows, monkeypatch):
-    import qkcircuits._weights.circuits as circuits
+    import qkcircuits._weights.qk_ov as circuits
 
     monkeypatch.setattr(circuits, "CHUNK_ROWS", chunk_rows)          # 37: many vocabulary chunks
     model = gpt2_raw
@@ -299,7 +299,7 @@ def test_eigen_copying_from_small_side_equals_vocab_side(fixture, request, monke
     """The d_head-side eigenvalues equal those of the dense vocab × vocab circuit in the stated convention:
     E_n without norm bias, U through the final norm, centred over the vocabulary (M − its row means). The
     GQA Llama has query heads sharing W_V: G·W_V is formed once per KV head there."""
-    import qkcircuits._weights.circuits as circuits
+    import qkcircuits._weights.qk_ov as circuits
 
     monkeypatch.setattr(circuits, "CHUNK_ROWS", 53)
     model = request.getfixturevalue(fixture)

@@ -115,7 +115,7 @@ def test_restricted_scan_is_one_pattern_pass_and_nothing_else(hand_built, monkey
     monkeypatch.setattr(detect, "stream", counting)
     monkeypatch.setattr(qkcircuits._weights.copying, "copying_scores", forbidden)
     monkeypatch.setattr(qkcircuits._weights.contextual, "ov_copying", forbidden)
-    s = qk.scan(hand_built, scores="induction,previous_token,duplicate_token", n_seqs=4, seq_len=20, progress=False)
+    s = qk.scan(hand_built, scores="induction,previous_token,duplicate_token", n_seqs=4, seg_len=20, progress=False)
     assert calls == [((4, 41), ("pattern",))]
     assert list(s.scores) == ["induction", "previous_token", "duplicate_token"]
     assert s.settings["scores"] == list(s.scores)
@@ -123,7 +123,7 @@ def test_restricted_scan_is_one_pattern_pass_and_nothing_else(hand_built, monkey
 
 
 def test_scan_settings_record_the_installed_transformer_lens(hand_built):
-    s = qk.scan(hand_built, scores=["induction"], n_seqs=1, seq_len=8, progress=False)
+    s = qk.scan(hand_built, scores=["induction"], n_seqs=1, seg_len=8, progress=False)
     assert s.settings["versions"]["transformer_lens"] == metadata.version("transformer-lens") != "?"
 
 
@@ -150,14 +150,16 @@ def test_report_panel_defaults_to_contextual_past_layer_0_and_titles_say_so(tiny
     assert "effective inputs" in pe["figures"]["ov"]["layout"]["title"]["text"]
 
 
-def test_app_accepts_an_input_and_refuses_a_bad_one(hand_built):
+def test_app_accepts_a_view_and_refuses_a_bad_one(hand_built):
     from qkcircuits.viz import create_app
 
     client = create_app(hand_built).test_client()
-    r = client.post("/api/head", json={"head": "1.0", "input": "effective"})
-    assert r.status_code == 200 and r.get_json()["input"] == "effective"
-    r = client.post("/api/head", json={"head": "1.0", "input": "bogus"})
-    assert r.status_code == 400 and "input" in r.get_json()["error"]
+    r = client.post("/api/head", json={"head": "1.0", "view": "effective"})
+    assert r.status_code == 200 and r.get_json()["input"] == "effective"        # the panel data's key stays
+    r = client.post("/api/head", json={"head": "1.0", "view": "bogus"})
+    assert r.status_code == 400 and "'view' must be one of direct, effective, contextual" in r.get_json()["error"]
+    r = client.post("/api/head", json={"head": "1.0", "input": "effective"})      # the old field went in 0.2.0
+    assert r.status_code == 400 and "unknown field(s) input" in r.get_json()["error"]
 
 
 def test_cli_scan_scores_and_small_errors(tmp_path, capsys):
@@ -184,7 +186,7 @@ def test_cli_scan_scores_and_small_errors(tmp_path, capsys):
 
 
 def test_cli_circuits_says_when_there_is_no_positional_preference():
-    from qkcircuits.cli.circuits import format_summary
+    from qkcircuits.cli.circuits_command import format_summary
 
     s = {"head": "0.1", "model": "m", "fold_ln": True, "attn_scale": 1.0, "caveats": [],
          "copying": {"ov": 0.0, "full_ov": 0.0, "full_ov_rank": 1, "n_heads": 4},

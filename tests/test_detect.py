@@ -54,7 +54,7 @@ def test_mask_score_counts_every_earlier_copy_so_a_perfect_head_scores_one():
 # --- hand-built heads (issue: >= 0.99 on their own score, every other head <= 0.05) --------------
 
 def test_hand_built_heads_score_one_and_the_rest_near_zero(hand_built):
-    s = qk.scan(hand_built, n_seqs=4, seq_len=20, prefix_len=10, eigen_copying=False, progress=False)
+    s = qk.scan(hand_built, n_seqs=4, seg_len=20, prefix_len=10, eigen_copying=False, progress=False)
     own = {"induction": (1, 0), "prefix_matching": (1, 0), "previous_token": (0, 0)}
     for name, (layer, head) in own.items():
         t = s[name]
@@ -70,7 +70,7 @@ def test_olsson_copying_is_one_for_a_copier_its_floor_for_an_anti_copier_and_zer
     from qkcircuits.fixtures import hand_built_induction_model
 
     model = hand_built_induction_model()
-    s = qk.scan(model, scores=["induction", "copying", "ov_copying"], n_seqs=2, seq_len=20, progress=False)
+    s = qk.scan(model, scores=["induction", "copying", "ov_copying"], n_seqs=2, seg_len=20, progress=False)
     # Head 1.0 writes the attended token into the output block: among that sequence's 20 candidates only
     # that token's logit is above the mean, so its share of the positive mass is exactly 1 -> +1.
     assert s["copying"][1, 0] == pytest.approx(1.0, abs=1e-6)
@@ -81,7 +81,7 @@ def test_olsson_copying_is_one_for_a_copier_its_floor_for_an_anti_copier_and_zer
     attn = model.original_model.layers[1].attn
     with torch.no_grad():
         attn.o.weight.neg_()                 # the same head now pushes the attended token *down*
-    anti = qk.scan(model, scores=["induction", "copying", "ov_copying"], n_seqs=2, seq_len=20, progress=False)
+    anti = qk.scan(model, scores=["induction", "copying", "ov_copying"], n_seqs=2, seg_len=20, progress=False)
     assert anti["copying"][1, 0] == pytest.approx(-1 / 19, abs=1e-6)    # share 0: the floor -1/(n_candidates - 1)
     assert anti["ov_copying"][1, 0] == pytest.approx(-1.0, abs=1e-6)    # last of the vocabulary
     assert anti["induction"][1, 0] > 0.99   # where it looks is unchanged
@@ -92,7 +92,7 @@ def test_olsson_copying_is_one_for_a_copier_its_floor_for_an_anti_copier_and_zer
         with torch.no_grad():
             used = (attn.o.weight != 0).any(0)
             attn.o.weight[:, used] = torch.randn(attn.o.weight.shape[0], int(used.sum()), generator=g)
-        r = qk.scan(model, scores=["copying", "ov_copying"], n_seqs=8, seq_len=20, progress=False)
+        r = qk.scan(model, scores=["copying", "ov_copying"], n_seqs=8, seg_len=20, progress=False)
         olsson.append(float(r["copying"][1, 0]))
         ranks.append(float(r["ov_copying"][1, 0]))
     assert max(abs(v) for v in olsson) < 0.05, olsson
@@ -132,8 +132,8 @@ def test_olsson_copying_equals_each_querys_write_read_through_the_unembedding():
 
 def test_olsson_copying_does_not_depend_on_the_number_of_sequences(trained):
     """Candidates are per sequence: more sequences add samples, not candidates (the old pooled score fell)."""
-    few = qk.scan(trained, scores=["copying"], n_seqs=2, seq_len=12, progress=False)["copying"]
-    many = qk.scan(trained, scores=["copying"], n_seqs=16, seq_len=12, progress=False)["copying"]
+    few = qk.scan(trained, scores=["copying"], n_seqs=2, seg_len=12, progress=False)["copying"]
+    many = qk.scan(trained, scores=["copying"], n_seqs=16, seg_len=12, progress=False)["copying"]
     top = many[1].topk(2).indices
     assert (few[1, top] - many[1, top]).abs().max() < 0.1, (few, many)
     assert many[1].max() > 0.5                                         # its induction heads copy
@@ -141,9 +141,10 @@ def test_olsson_copying_does_not_depend_on_the_number_of_sequences(trained):
 
 def test_trained_toy_induction_heads_rank_the_source_token_first_with_contextual_inputs(trained):
     """A 2-layer attention-only model can only predict the repeated token through its layer-1 heads."""
-    from qkcircuits import copying_rank, token_pool
+    from qkcircuits import token_pool
+    from qkcircuits.weights import copying_rank
 
-    s = qk.scan(trained, scores=["induction"], n_seqs=8, seq_len=12, progress=False)
+    s = qk.scan(trained, scores=["induction"], n_seqs=8, seg_len=12, progress=False)
     ids = token_pool(trained).ids.tolist()
     for h in (int(i) for i in (s["induction"][1] > 0.8).nonzero().flatten()):
         r = copying_rank(trained, f"1.{h}", ids, view="contextual")
@@ -151,9 +152,9 @@ def test_trained_toy_induction_heads_rank_the_source_token_first_with_contextual
 
 
 def test_scores_do_not_depend_on_sequence_length(hand_built):
-    short = qk.scan(hand_built, n_seqs=2, seq_len=8, prefix_len=6, eigen_copying=False, copying=False,
+    short = qk.scan(hand_built, n_seqs=2, seg_len=8, prefix_len=6, eigen_copying=False, copying=False,
                     progress=False)
-    long = qk.scan(hand_built, n_seqs=2, seq_len=31, prefix_len=25, eigen_copying=False, copying=False,
+    long = qk.scan(hand_built, n_seqs=2, seg_len=31, prefix_len=25, eigen_copying=False, copying=False,
                    progress=False)
     for name in ("induction", "previous_token", "prefix_matching"):
         assert torch.allclose(short[name], long[name], atol=1e-3), name
@@ -163,7 +164,7 @@ def test_agrees_with_transformer_lens_detect_head_on_the_hand_built_model(hand_b
     from transformer_lens.head_detector import detect_head
 
     toks = qk.repeated_tokens(hand_built, 1, 20, seed=3)
-    ours = qk.scan(hand_built, n_seqs=1, seq_len=20, seed=3, prefix_len=10, eigen_copying=False, copying=False,
+    ours = qk.scan(hand_built, n_seqs=1, seg_len=20, seed=3, prefix_len=10, eigen_copying=False, copying=False,
                    exclude_bos=True, progress=False)
     _, cache = hand_built.run_with_cache(toks[0], remove_batch_dim=True)
     for name, pattern in (("previous_token", "previous_token_head"), ("induction", "induction_head")):
@@ -186,7 +187,7 @@ def _detect_head_on_tokens(model, toks, pattern, cache, detect_head):
 # --- a trained toy model ----------------------------------------------------------------------------
 
 def test_trained_toy_model_has_a_previous_token_head_feeding_induction_heads(trained):
-    s = qk.scan(trained, n_seqs=8, seq_len=12, prefix_len=8, eigen_copying=False, progress=False)
+    s = qk.scan(trained, n_seqs=8, seg_len=12, prefix_len=8, eigen_copying=False, progress=False)
     prev = s["previous_token"][0]
     assert prev.max() > 0.8, prev                           # layer 0 holds a clean previous-token head
     assert s["induction"][1].max() > 0.8, s["induction"]    # layer 1 holds induction heads
@@ -197,12 +198,12 @@ def test_trained_toy_model_has_a_previous_token_head_feeding_induction_heads(tra
     prev_heads = s.heads_labelled("previous-token")
     assert prev_heads and all(h.layer == 0 for h in prev_heads)
     with qk.edit(trained, "z", prev_heads, 0.0):
-        ablated = qk.scan(trained, n_seqs=8, seq_len=12, prefix_len=8, eigen_copying=False, copying=False,
+        ablated = qk.scan(trained, n_seqs=8, seg_len=12, prefix_len=8, eigen_copying=False, copying=False,
                           progress=False)
     assert ablated["induction"][1].max() < 0.2, ablated["induction"]
     control = [h for h in qk.all_heads(1, 4) if h not in prev_heads]
     with qk.edit(trained, "z", control, 0.0):
-        kept = qk.scan(trained, n_seqs=8, seq_len=12, prefix_len=8, eigen_copying=False, copying=False,
+        kept = qk.scan(trained, n_seqs=8, seg_len=12, prefix_len=8, eigen_copying=False, copying=False,
                        progress=False)
     assert kept["induction"][1].max() > 0.8, kept["induction"]
 
@@ -210,7 +211,7 @@ def test_trained_toy_model_has_a_previous_token_head_feeding_induction_heads(tra
 # --- results as data --------------------------------------------------------------------------------
 
 def test_head_scores_round_trip_json_and_frame(hand_built, tmp_path):
-    s = qk.scan(hand_built, n_seqs=2, seq_len=10, prefix_len=6, eigen_copying=False, progress=False)
+    s = qk.scan(hand_built, n_seqs=2, seg_len=10, prefix_len=6, eigen_copying=False, progress=False)
     path = tmp_path / "s.json"
     s.to_json(path)
     back = qk.results.HeadScores.from_json(path)
@@ -235,7 +236,7 @@ def test_bad_scan_input_gives_one_line_errors(hand_built, kwargs, fragment):
 
 
 def test_top_zero_is_refused(hand_built):
-    s = qk.scan(hand_built, n_seqs=1, seq_len=6, prefix_len=4, eigen_copying=False, progress=False)
+    s = qk.scan(hand_built, n_seqs=1, seg_len=6, prefix_len=4, eigen_copying=False, progress=False)
     with pytest.raises(qk.QKCircuitsError, match="k must be an integer >= 1"):
         s.top(0)
 
@@ -244,7 +245,7 @@ def test_cli_scan_table_json_and_errors(tmp_path, capsys):
     from _cli import run
 
     out = tmp_path / "scan.json"
-    cmd = ["scan", "toy-induction", "--quiet", "--top", "2", "--json", out, "--seq-len", "20"]
+    cmd = ["scan", "toy-induction", "--quiet", "--k", "2", "--json", out, "--seg-len", "20"]
     code, stdout, err = run(cmd, capsys)
     assert code == 0, err
     assert "top 2 induction heads" in stdout and "1.0" in stdout
@@ -252,8 +253,8 @@ def test_cli_scan_table_json_and_errors(tmp_path, capsys):
     assert set(data.scores) >= {"induction", "prefix_matching", "previous_token", "duplicate_token", "copying",
                                 "eigen_copying"}
     assert data.scores["induction"][1, 0] > 0.99
-    for bad, fragment in ((["--top", "0"], "positive integer"), (["--seed", "-3"], "non-negative"),
-                          (["--seq-len", "500"], "exceeds the model's context")):
+    for bad, fragment in ((["--k", "0"], "positive integer"), (["--seed", "-3"], "non-negative"),
+                          (["--seg-len", "500"], "exceeds the model's context")):
         code, _, err = run(cmd[:3] + bad, capsys)
         assert code == 2, (bad, err)
         assert fragment in err and "Traceback" not in err
@@ -285,7 +286,7 @@ def test_smollm2_previous_token_heads_also_attend_to_i_minus_1_on_text(smol_scor
 def test_smollm2_ranking_agrees_with_transformer_lens_detect_head(smollm2):
     from transformer_lens.head_detector import detect_head
 
-    ours = qk.scan(smollm2, n_seqs=2, seq_len=40, exclude_bos=True, copying=False, eigen_copying=False,
+    ours = qk.scan(smollm2, n_seqs=2, seg_len=40, exclude_bos=True, copying=False, eigen_copying=False,
                    progress=False)
     toks = qk.repeated_tokens(smollm2, 2, 40, seed=0)
     for name, pattern in (("previous_token", "previous_token_head"), ("induction", "induction_head")):
@@ -310,7 +311,7 @@ def test_cli_usage_errors_and_unwritable_outputs_are_one_line_before_any_work(ca
         except SystemExit as e:                             # argparse exits itself
             return e.code
 
-    cases = ((["scan", "toy-induction", "--top", "0"], "--top: expected a positive integer, got '0'"),
+    cases = ((["scan", "toy-induction", "--k", "0"], "--k: expected a positive integer, got '0'"),
              (["scan", "toy-induction", "--json", str(tmp_path / "missing" / "s.json")], "does not exist"),
              (["scan", "toy-induction", "--csv", str(tmp_path)], "it is a folder"),
              (["scan"], "the following arguments are required: model"))

@@ -66,7 +66,7 @@ def test_registry_scan_is_bit_identical_to_before_on_tiny_models(family, tmp_pat
 def test_cli_table_unchanged(capsys):
     from qkcircuits.cli import main
 
-    assert main(["scan", "toy-induction", "--quiet", "--top", "2"]) == 0
+    assert main(["scan", "toy-induction", "--quiet", "--k", "2"]) == 0
     out = capsys.readouterr().out
     before = (BEFORE / "cli_toy.txt").read_text().split("\n", 1)[1]     # drop the "using device" stderr line
     assert out == before
@@ -84,10 +84,9 @@ def test_registry_is_what_scan_labels_and_selects():
                                                                 "duplicate_token", "eigen_copying"]
     assert select("duplicate_token,induction", text=True) == ["induction", "duplicate_token", "previous_token_text",
                                                                "duplicate_token_text"]
-    with pytest.warns(DeprecationWarning):
-        assert qk.THRESHOLDS == qk.thresholds()
-    with pytest.warns(DeprecationWarning):
-        assert qk.SCORE_NAMES == tuple(names[:7])
+    for old in ("THRESHOLDS", "SCORE_NAMES", "TEXT_SCORES"):           # the old constants went in 0.2.0
+        with pytest.raises(AttributeError, match=old):
+            getattr(qk, old)
 
 
 @pytest.mark.parametrize("bad, fragment", [
@@ -154,7 +153,7 @@ def test_docs_successor_detector_against_a_model_built_to_be_one(capsys):
         assert s.heads_labelled("successor") == [qk.Head(1, 0)] and s["induction"][1, 0] > 0.99
         from qkcircuits.cli import main
 
-        assert main(["scan", "toy-induction", "--quiet", "--top", "1", "--scores", "successor,induction"]) == 0
+        assert main(["scan", "toy-induction", "--quiet", "--k", "1", "--scores", "successor,induction"]) == 0
         assert "top 1 successor heads" in capsys.readouterr().out
     finally:
         if "successor" in [d.name for d in qk.detectors()]:

@@ -11,7 +11,7 @@ from _typecheck import unchecked
 import torch
 
 import qkcircuits as qk
-from qkcircuits._weights.circuits import attention_scale
+from qkcircuits._weights.qk_ov import attention_scale
 from qkcircuits._analysis.diagnose import head_sums, qk_statistics
 from qkcircuits._analysis.diagnose_result import FLAGS, HeadDiagnostics
 
@@ -318,7 +318,7 @@ def test_bad_results_and_prompts(hand_built):
 
 def test_cli(hand_built, monkeypatch, tmp_path, capsys):
     import qkcircuits.cli as cli
-    import qkcircuits.cli.diagnose as cmd
+    import qkcircuits.cli.diagnose_command as cmd
 
     monkeypatch.setattr(cli, "COMMANDS", ["diagnose"])       # only this subcommand's parser
     monkeypatch.setattr(cmd, "load_model", lambda args: hand_built)

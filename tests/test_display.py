@@ -24,7 +24,7 @@ def results(hand_built):
     toks = qk.repeated_tokens(hand_built, n_seqs=4, seg_len=8, seed=0)
     acts = qk.capture(hand_built, toks, ["pattern"], layers=[1])
     return {
-        "HeadScores": qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, progress=False),
+        "HeadScores": qk.scan(hand_built, n_seqs=4, seg_len=12, prefix_seqs=2, progress=False),
         "HeadEffects": qk.sweep(hand_built, toks, progress=False),
         "GroupEffect": qk.group_effect(hand_built, ["1.0"], toks),
         "RandomComparison": qk.compare_to_random(hand_built, ["1.0"], toks, n_draws=3),
@@ -124,18 +124,18 @@ def test_size_bound_on_a_large_model():
     scores = {n: torch.rand(L, H, generator=g) for n in ("induction", "prefix_matching", "previous_token",
                                                          "duplicate_token", "copying")}
     scores["eigen_copying"] = torch.rand(L, H, generator=g) * 2 - 1
-    s = qk.results.HeadScores("big", L, H, scores, thresholds=dict(qk.THRESHOLDS))
+    s = qk.results.HeadScores("big", L, H, scores, thresholds=qk.thresholds())
     html = s._repr_html_()
     assert len(html) < BOUND and "per-layer max" in html
     assert len(cells(html)) == _display.MAX_GRIDS * L                 # one cell per layer: the layer's maximum
-    first = next(iter(qk.THRESHOLDS.values()))[0]                      # grids follow the labels' order
+    first = next(iter(qk.thresholds().values()))[0]                      # grids follow the labels' order
     assert cells(html)[7] == ("L7", pytest.approx(float(scores[first][7].max()), abs=1e-3))
     eff = qk.results.HeadEffects(torch.randn(L, H, generator=g), 1.0, "big", "zero", "loss")
     assert len(eff._repr_html_()) < BOUND
     # at the bound: every head drawn
     L2, H2 = 32, 24
     assert L2 * H2 <= _display.MAX_CELLS
-    s2 = qk.results.HeadScores("mid", L2, H2, {k: v[:L2, :H2] for k, v in scores.items()}, thresholds=dict(qk.THRESHOLDS))
+    s2 = qk.results.HeadScores("mid", L2, H2, {k: v[:L2, :H2] for k, v in scores.items()}, thresholds=qk.thresholds())
     html2 = s2._repr_html_()
     assert len(cells(html2)) == _display.MAX_GRIDS * L2 * H2 and len(html2) < BOUND
     print(f"\nrepr HTML: {L}x{H} heads {len(html) / 1e3:.1f} kB; {L2}x{H2} heads {len(html2) / 1e3:.1f} kB")

@@ -174,7 +174,7 @@ def test_cli_ablate_sweep_ray_equals_local(tmp_path, ray_local, capsys):
     from qkcircuits.cli import main
 
     a, b = tmp_path / "local.json", tmp_path / "ray.json"
-    common = ["ablate", "toy-induction", "--sweep", "--n-seqs", "4", "--seq-len", "6", "--quiet", "--method", "mean"]
+    common = ["ablate", "toy-induction", "--sweep", "--n-seqs", "4", "--seg-len", "6", "--quiet", "--method", "mean"]
     assert main(common + ["--json", str(a)]) == 0
     assert main(common + ["--ray", "local:2", "--json", str(b)]) == 0
     la, lb = json.loads(a.read_text()), json.loads(b.read_text())
@@ -214,7 +214,7 @@ def test_ray_path_patch_equals_local_toy_induction_and_gqa(llama, ray_local):
     res = qk.path_patch("toy-induction", "1.0,1.1", tokens=toks, progress=False, backend="ray", workers=2)
     assert res.settings["backend"]["shards"] == 4 and res.settings["backend"]["workers"] == 2   # 4 row blocks
     _assert_same_effects(res, local)
-    assert res.top("1.0", "k", 1)[0][0] == qk.Head(0, 0) and local.effects["k"][0, 0, 0] > 0.3
+    assert res.top(1, receiver="1.0", into="k")[0][0] == qk.Head(0, 0) and local.effects["k"][0, 0, 0] > 0.3
     assert json.loads(res.to_json())["receivers"]["1.0"]["clean"] > 0.9            # induction attention
 
     folder, model = llama
@@ -244,7 +244,7 @@ def test_cli_trace_ray_equals_local(tmp_path, ray_local):
     from qkcircuits.cli import main
 
     a, b = tmp_path / "local.json", tmp_path / "ray.json"
-    common = ["trace", "toy-induction", "--top", "2", "--quiet"]
+    common = ["trace", "toy-induction", "--k", "2", "--quiet"]
     assert main(common + ["--json", str(a)]) == 0
     assert main(common + ["--ray", "local:2", "--json", str(b)]) == 0
     la, lb = json.loads(a.read_text()), json.loads(b.read_text())

@@ -25,7 +25,7 @@ def test_smollm2_examples(smollm2):
     shape and formula its prose gives for ``qk_at_offset`` / ``offset_scores``."""
     from qkcircuits._foundation.fetch import smollm2_gguf
     from qkcircuits._foundation.own_tokenizer import own_affixes
-    from qkcircuits._weights.circuits import layer_weights
+    from qkcircuits._weights.qk_ov import layer_weights
     from qkcircuits._weights.rotary import offset_scores, qk_at_offset, rotary_spec, rotation
 
     assert smollm2_gguf(quiet=True).name == "SmolLM2-135M-Instruct.Q4_1.gguf"

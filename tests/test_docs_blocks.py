@@ -107,7 +107,8 @@ def run_page(page: str, tmp_path, monkeypatch, smollm2=None) -> Dict[str, float]
                 continue
             t0 = time.perf_counter()
             try:
-                exec(compile(b.code, f"docs/{page}:{b.line}", "exec"), ns)
+                # dont_inherit: compiled as a reader types it, not under this file's `from __future__ import annotations`
+                exec(compile(b.code, f"docs/{page}:{b.line}", "exec", dont_inherit=True), ns)
             except Exception as e:
                 raise AssertionError(f"docs/{page}, the block at line {b.line}: {type(e).__name__}: {e}") from e
             seconds[f"{page}:{b.line}"] = time.perf_counter() - t0
@@ -115,6 +116,10 @@ def run_page(page: str, tmp_path, monkeypatch, smollm2=None) -> Dict[str, float]
         for d in qk.detectors():          # a page may register a detector (docs/detectors.md): not for the others
             if d.name not in registered:
                 qk.unregister_detector(d.name)
+        from qkcircuits._foundation import arch
+
+        for name in [n for n in arch.FAMILIES if n not in arch.BUILT_IN]:     # or a family (docs/architecture.md)
+            arch.unregister_family(name)
     return seconds
 
 

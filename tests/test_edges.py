@@ -108,7 +108,7 @@ def test_edge_attribution_ranks_the_trained_toys_previous_token_heads_first():
     exact = qk.path_patch(model, "1.0,1.1,1.2,1.3", into="k", tokens=toks, progress=False)
     est = qk.edge_attribution(model, "1.0,1.1,1.2,1.3", into="k", tokens=toks)
     for r in exact.receivers:
-        assert est.top(r, "k", 1)[0][0] == exact.top(r, "k", 1)[0][0]
+        assert est.top(1, receiver=r, into="k")[0][0] == exact.top(1, receiver=r, into="k")[0][0]
 
 
 def test_edge_attribution_bad_inputs(hand_built):

@@ -53,7 +53,7 @@ def test_a_files_rows_split_into_a_seeded_held_out_part(gpt2):
 
 def test_the_commands_default_is_the_libraries():
     from qkcircuits._tasks import holdout
-    from qkcircuits.cli import circuit
+    from qkcircuits.cli import circuit_command as circuit
 
     assert circuit.HOLDOUT == holdout.HOLDOUT
 

@@ -21,7 +21,7 @@ import qkcircuits
 # docs/architecture.md's order; a module may import its own layer and the layers before it. ``fixtures`` (the toy
 # model, built from torch and TransformerLens only) comes first: ``qk.load("toy-induction")`` builds it.
 LAYERS = ["fixtures", "_foundation", "_weights", "_analysis", "_paths", "_explain", "_tasks", "_scale", "weights",
-          "results", "tasks", "viz", "plot", "cli", "_api", "__init__", "__main__"]
+          "results", "tasks", "viz", "plot", "cli", "__init__", "__main__"]
 
 
 def modules(root: Path, package: str) -> Dict[str, Path]:

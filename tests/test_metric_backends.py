@@ -40,18 +40,19 @@ def _same(a, b):
 
 def test_name_alias_and_object_give_the_same_numbers_everywhere(gpt2):
     model, toks = gpt2
-    for m in ("induction-loss", "loss", qk.induction_loss()):               # "loss": the old name (deprecated)
+    for m in ("induction-loss", qk.induction_loss()):
         assert qk.as_metric(m).name == "induction-loss"
     sweeps = [qk.sweep(model, toks, m, "mean", progress=False) for m in ("induction-loss", qk.induction_loss())]
     _same(sweeps[0].effects, sweeps[1].effects)
     atts = [qk.attribution(model, toks, m, "mean") for m in ("induction-loss", qk.induction_loss())]
     _same(atts[0].effects, atts[1].effects)
     pps = [qk.path_patch(model, "1.0,1.1", "k", tokens=toks, metric=m, progress=False)
-           for m in ("loss", "induction-loss", qk.induction_loss())]
+           for m in ("induction-loss", qk.induction_loss())]
     for p in pps[1:]:
         _same(pps[0].effects["k"], p.effects["k"])
-    assert {p.metrics["k"] for p in pps} == {"induction-loss"}            # "loss" is labelled by its real name
-    eas = [qk.edge_attribution(model, "1.0,1.1", "k", None, "mean", toks, m) for m in ("loss", qk.induction_loss())]
+    assert {p.metrics["k"] for p in pps} == {"induction-loss"}
+    eas = [qk.edge_attribution(model, "1.0,1.1", "k", None, "mean", toks, m)
+           for m in ("induction-loss", qk.induction_loss())]
     _same(eas[0].effects["k"], eas[1].effects["k"])
     # the sweep is the per-head group effect, with the same sign (a loss: ablated − clean)
     g = qk.group_effect(model, "1.1", toks, qk.induction_loss(), "mean")
@@ -139,7 +140,7 @@ def test_wrong_metrics_fail_in_one_line(gpt2, hand_built):
          r"cannot evaluate metric 'logit-diff': it needs a task's answer .* qk.logit_diff\(correct, wrong\)"),
         (lambda: qk.Metric("x", len, needs="logitz"), r"needs must be one of logits, pattern, z, got 'logitz'"),
         (lambda: qk.induction_loss()(torch.zeros(1, 3, 5)), r"is called as \(logits, tokens\), got 1 inputs"),
-        (lambda: qk.path_patch(model, "1.0", tokens=toks[:, :5], metric="loss", progress=False),
+        (lambda: qk.path_patch(model, "1.0", tokens=toks[:, :5], metric="induction-loss", progress=False),
          r"induction-loss needs tokens laid out as"),
     ]
     for call, pattern in cases:
@@ -152,7 +153,7 @@ def test_induction_loss_object_works_in_path_patch_on_the_hand_built_model(hand_
     # issue 16's example (a TypeError before): the induction head's key path from the previous-token head
     res = qk.path_patch(hand_built, "1.0", metric=qk.induction_loss(), progress=False)
     assert res.metrics == {"q": "induction-loss", "k": "induction-loss", "v": "induction-loss"}
-    assert res.top("1.0", "k", 1)[0][0] == qk.Head(0, 0) and res.top("1.0", "k", 1)[0][1] > 1.0
+    assert res.top(1, receiver="1.0", into="k")[0][0] == qk.Head(0, 0) and res.top(1, receiver="1.0", into="k")[0][1] > 1.0
 
 
 # ---- backends ------------------------------------------------------------------------------------
@@ -196,7 +197,7 @@ def test_a_new_backend_is_one_subclass(hand_built):
     toks = qk.repeated_tokens(hand_built, n_seqs=2, seg_len=5, seed=0)
     res = qk.sweep(hand_built, toks, backend=Recording(), progress=False)
     qk.path_patch(hand_built, "1.0", tokens=toks, backend=Recording(), progress=False)
-    qk.trace_induction(hand_built, top=1, backend=Recording(), progress=False)
+    qk.trace_induction(hand_built, k=1, backend=Recording(), progress=False)
     assert seen == ["sweep", "path_patch", "trace"] and res.top(1)[0][0] == qk.Head(1, 0)
 
 

@@ -133,14 +133,11 @@ def test_induction_loss_and_answer_loss_are_two_names_for_two_numbers(gpt2):
     t = qk.Task(task.clean, task.corrupt, task.answer, task.wrong, metric="answer-loss")
     assert evaluate(model, t, warn=False)["clean"] == pytest.approx(float(answer), abs=1e-5)
     assert abs(float(induction) - float(answer)) > 1e-3          # different positions: not one concept
-    # "loss", the old name of both: each context gets its old meaning, with a DeprecationWarning naming the new one
-    with pytest.warns(DeprecationWarning, match="use 'induction-loss'"):
-        old = qk.sweep(model, full, "loss", progress=False)
-    assert old.metric == "induction-loss" and old.baseline == pytest.approx(float(induction), abs=1e-5)
-    with pytest.warns(DeprecationWarning, match="use 'answer-loss'"):
-        t_old = qk.Task(task.clean, task.corrupt, task.answer, task.wrong, metric="loss")
-    assert t_old.metric is builtin("answer-loss") and t_old.describe()["metric"] == "answer-loss"
-    assert evaluate(model, t_old, warn=False)["clean"] == pytest.approx(float(answer), abs=1e-5)
+    # "loss", the old name of both (gone in 0.2.0): refused in either context, naming what is accepted there
+    with pytest.raises(qk.QKCircuitsError, match="unknown metric 'loss'; use one of induction-loss"):
+        qk.sweep(model, full, "loss", progress=False)
+    with pytest.raises(qk.QKCircuitsError, match="unknown metric 'loss'; use one of logit-diff"):
+        qk.Task(task.clean, task.corrupt, task.answer, task.wrong, metric="loss")
 
 
 def test_a_name_where_it_cannot_apply_is_refused_in_one_line(toy):
@@ -233,7 +230,7 @@ def test_a_declared_task_callable_is_the_built_in_and_signs_the_circuit_like_its
 # ---- the CLI -------------------------------------------------------------------------------------
 
 def test_cli_metric_names(capsys):
-    from qkcircuits.cli import ablate, circuit
+    from qkcircuits.cli import ablate_command as ablate, circuit_command as circuit
 
     assert set(ablate.METRICS) <= set(names(accept=("logits",), prompts=TOKENS))
 
@@ -246,7 +243,6 @@ def test_cli_metric_names(capsys):
         code, out, err = run(argv, capsys)
         assert code == 2 and len(errors(err)) == 1 and re.search(pattern, errors(err)[0]) and "Traceback" not in err
     capsys.readouterr()
-    args = build_parser().parse_args(["circuit", "toy-induction", "--task", "induction", "--metric", "loss"])
-    assert args.metric == "answer-loss"
-    assert "qkcircuits: --metric loss is deprecated; use --metric answer-loss" in capsys.readouterr().err
+    code, out, err = run(["circuit", "toy-induction", "--task", "induction", "--metric", "loss"], capsys)
+    assert code == 2 and "unknown metric 'loss'" in errors(err)[0]           # the old name went in 0.2.0
     assert main(["ablate", "toy-induction", "--heads", "1.0", "--metric", "loss"]) == 2   # never valid there

@@ -209,7 +209,7 @@ def test_report_titles_clear_of_the_toolbar(hand_built, browser, tmp_path):
     # the report draws the same builders: before the fix every grid title sat under the toolbar on hover
     from qkcircuits.viz import report_html, write_report
 
-    scores = qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, progress=False)
+    scores = qk.scan(hand_built, n_seqs=4, seg_len=12, prefix_seqs=2, progress=False)
     write_report(str(tmp_path / "r.html"), report_html(hand_built, scores=scores, grid_k=1, progress=False))
     page = browser.new_page()
     page.goto((tmp_path / "r.html").as_uri())

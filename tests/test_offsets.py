@@ -14,7 +14,7 @@ import torch
 import _tiny
 import qkcircuits as qk
 from qkcircuits import plot
-from qkcircuits.cli.circuits import format_summary, summarize
+from qkcircuits.cli.circuits_command import format_summary, summarize
 from qkcircuits.viz._panels import ViewContext, token_set
 from qkcircuits.viz._views import panel
 

@@ -67,10 +67,10 @@ def test_bad_settings_are_one_line_errors(hand_built):
 
 
 def test_scan_passes_the_method_through(hand_built):
-    s = qk.scan(hand_built, scores=["ov_copying"], n_seqs=2, seq_len=10, ov_method="exact", progress=False)
+    s = qk.scan(hand_built, scores=["ov_copying"], n_seqs=2, seg_len=10, ov_method="exact", progress=False)
     assert s.settings["ov_copying"]["method"] == "exact"
     with pytest.raises(qk.QKCircuitsError, match="sample, exact"):
-        qk.scan(hand_built, scores=["ov_copying"], n_seqs=2, seq_len=10, ov_method="nope", progress=False)
+        qk.scan(hand_built, scores=["ov_copying"], n_seqs=2, seg_len=10, ov_method="nope", progress=False)
 
 
 @pytest.mark.smollm2

@@ -54,7 +54,7 @@ def test_hand_built_loss_metric_and_methods(hand_built):
     assert loss.metrics["k"] == "induction-loss"
     for method in ("mean", "resample"):
         r = qk.path_patch(hand_built, "1.0", into="k", method=method, tokens=toks, progress=False)
-        assert r.top("1.0", "k", 1)[0][0] == qk.Head(0, 0) and r.effects["k"][0, 0, 0] > 0.5
+        assert r.top(1, receiver="1.0", into="k")[0][0] == qk.Head(0, 0) and r.effects["k"][0, 0, 0] > 0.5
 
 
 # --- exactness against a plain reference implementation -----------------------------------------------
@@ -243,7 +243,7 @@ def trained():
 
 
 def test_trained_toy_previous_token_group_dominates_the_k_path(trained):
-    s = qk.scan(trained, n_seqs=8, seq_len=12, prefix_len=8, eigen_copying=False, copying=False, progress=False)
+    s = qk.scan(trained, n_seqs=8, seg_len=12, prefix_len=8, eigen_copying=False, copying=False, progress=False)
     prev = s.heads_labelled("previous-token")
     induction = [h for h, v in s.top(4, "induction") if h.layer == 1 and v > 0.8]
     assert prev and induction
@@ -258,7 +258,7 @@ def test_trained_toy_previous_token_group_dominates_the_k_path(trained):
         assert group > 0.2 and group > 10 * abs(others), (r, k)
         q = res.effects["q"][i, 0].abs().sum()
         assert group > 3 * float(q), (r, k, q)                 # the Q path is far smaller
-        assert res.top(r, "k", 1)[0][0] in prev
+        assert res.top(1, receiver=r, into="k")[0][0] in prev
     # In one unit for all three inputs (the ARENA loss: receiver's patched output run through the layers
     # above): removing the group's path into K raises the loss >10x more than its paths into Q and V.
     loss = qk.path_patch(trained, induction, tokens=toks, metric="induction-loss", progress=False)
@@ -279,7 +279,7 @@ def test_trace_scan_computes_only_what_a_trace_reads_and_agrees_with_the_full_sc
     for name in TRACE_SCORES:
         torch.testing.assert_close(lean[name], full[name])
     assert lean.labels() == full.labels() and lean.top(4, "induction") == full.top(4, "induction")
-    res = qk.trace_induction(trained, top=1, into="k", progress=False)
+    res = qk.trace_induction(trained, k=1, into="k", progress=False)
     assert res.labels == {str(h): v for h, v in full.labels().items()}
 
 

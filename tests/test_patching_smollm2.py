@@ -24,7 +24,7 @@ def test_each_top_induction_head_reads_its_keys_from_a_previous_token_head(trace
     scores, recv, exact, _ = traced
     prev = set(scores.heads_labelled("previous-token"))
     for r in recv:
-        (top, effect), (_, second) = exact.top(r, "k", 2)
+        (top, effect), (_, second) = exact.top(2, receiver=r, into="k")
         b = exact.baseline(r, "k")
         assert top in prev, (r, top)
         assert effect > 0.5 * exact.clean_value(r, "k"), (r, effect)   # the path carries most of the score
@@ -34,7 +34,7 @@ def test_each_top_induction_head_reads_its_keys_from_a_previous_token_head(trace
 def test_edge_attribution_agrees_with_exact_path_patching(traced):
     _, recv, exact, est = traced
     for i, r in enumerate(recv):
-        assert est.top(r, "k", 1)[0][0] == exact.top(r, "k", 1)[0][0], r
+        assert est.top(1, receiver=r, into="k")[0][0] == exact.top(1, receiver=r, into="k")[0][0], r
         # Spearman over the edges whose exact effect is above the baseline mean (the ones that matter).
         e, a = exact.effects["k"][i, :r.layer].flatten(), est.effects["k"][i, :r.layer].flatten()
         keep = e > exact.baseline(r, "k")["mean"]
@@ -53,7 +53,7 @@ def test_attend_reads_the_same_key_source_in_one_forward(traced, smollm2):
     for r in recv:
         res = qk.attend(smollm2, r, task=task)
         assert res.exact_error <= 1e-5, (r, res.exact_error)
-        assert res.key_sources(1)[0][0] == str(exact.top(r, "k", 1)[0][0]), (r, res.key_sources(3))
+        assert res.key_sources(1)[0][0] == str(exact.top(1, receiver=r, into="k")[0][0]), (r, res.key_sources(3))
         assert res.query_sources(1)[0][0] == "mlp0[token]", (r, res.query_sources(3))
 
 

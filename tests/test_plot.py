@@ -34,7 +34,7 @@ def z(fig) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def toy_scores(hand_built):
-    return qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, progress=False)
+    return qk.scan(hand_built, n_seqs=4, seg_len=12, prefix_seqs=2, progress=False)
 
 
 def test_scores_heatmap_is_the_score_tensor(toy_scores):
@@ -111,7 +111,7 @@ def test_qk_ov_equal_the_circuits_api(tmp_path_factory):
 
 def test_offsets_learned_positions(tmp_path_factory):
     model = qk.load(str(_tiny.gpt2_dir(tmp_path_factory)), device="cpu", verbose=False)
-    from qkcircuits._weights.circuits import layer_weights
+    from qkcircuits._weights.qk_ov import layer_weights
 
     fig = plot.offsets(model, "0.1")
     w, P = layer_weights(model, 0), model.W_pos.detach()
@@ -251,7 +251,7 @@ def expected_edges(res, per_input):
 
 
 def test_trace_graph_is_the_path_effects(hand_built):
-    res = qk.trace_induction(hand_built, top=1, progress=False)
+    res = qk.trace_induction(hand_built, k=1, progress=False)
     fig = plot.trace(res)
     assert isinstance(fig, plot.Figure)
     edges = drawn_edges(fig)
@@ -295,4 +295,4 @@ def test_trace_graph_is_the_path_effects(hand_built):
     with pytest.raises(qk.QKCircuitsError, match="4.0 is not a receiver of this trace; receivers: 5.1, 3.0, 1.7"):
         plot.reads_from(syn, "4.0")
     with pytest.raises(qk.QKCircuitsError, match="plot.trace draws a PathEffects"):
-        plot.trace(qk.scan(hand_built, n_seqs=2, seq_len=8, scores=["induction"], progress=False))
+        plot.trace(qk.scan(hand_built, n_seqs=2, seg_len=8, scores=["induction"], progress=False))

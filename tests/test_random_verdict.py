@@ -42,7 +42,7 @@ def test_every_causal_check_warns_within_the_spread():
     entry = {"effect": 9.207, "random_max": 9.026, "random_sd": v["sd"], "z": v["z"], "clear": v["clear"]}
     assert confirmation_verdict(entry).startswith("WARNING: within the random sets' spread (margin +0.181 <= SD 0.192")
     assert confirmation_verdict({"effect": 9.2, "random_max": 9.0}).startswith("no verdict")
-    from qkcircuits.cli.zoo import format_zoo
+    from qkcircuits.cli.zoo_command import format_zoo
 
     m = {"model": "m", "n_layers": 2, "n_heads": 2, "induction": [], "previous_token": [], "confirmation": entry,
          "strongest": {"induction": {"head": "1.0", "score": 0.1}, "previous_token": {"head": "0.0"}}}

@@ -304,7 +304,7 @@ def test_embedded_strings_cannot_break_the_report(hand_built):
 
     scores = qk.scan(hand_built, scores=["induction"], progress=False)
     scores = replace(scores, model=HOSTILE)
-    html = report_html(hand_built, scores=scores, title=HOSTILE, per_score=1, progress=False)
+    html = report_html(hand_built, scores=scores, title=HOSTILE, grid_k=1, progress=False)
     bodies = _script_bodies(html)
     assert len(bodies) >= 3 and html.count("<script") == len(bodies)       # every script closed where it should be
     for body in bodies:
@@ -342,7 +342,7 @@ def test_app_fuzz_no_5xx_flat_memory_closed_host(tiny_folder):
     bodies = [
         "[" * 30000 + "]" * 30000, '{"head": "1.0", "tokens": "#' + "9" * 5000 + '"}',
         '{"head": ' + "9" * 5000 + "}", '{"head": "1.0", "prompt": 1e400}', '{"head": ["1.0"]}',
-        '{"head": "1.0", "tokens": [1, 2]}', '{"head": "1.0", "input": {"a": [[[[[[[[[1]]]]]]]]]}}', "\xff\xfe",
+        '{"head": "1.0", "tokens": [1, 2]}', '{"head": "1.0", "view": {"a": [[[[[[[[[1]]]]]]]]]}}', "\xff\xfe",
         '{"head": "9.9"}', '{"head": "1.0", "prompt": NaN}', "", "null",
     ]
 
@@ -352,7 +352,7 @@ def test_app_fuzz_no_5xx_flat_memory_closed_host(tiny_folder):
         else:                                             # a new token set almost every time
             ids = [(i * 7 + j * 13) % V for j in range(8)]
             data = json.dumps({"head": f"{i % 2}.{i % 4}", "tokens": "|".join(f"#{t}" for t in ids),
-                               "input": ["direct", "effective", "contextual"][i % 3],
+                               "view": ["direct", "effective", "contextual"][i % 3],
                                "prompt": "the cat sat on the mat. the cat sat on the mat."}).encode()
         req = urllib.request.Request(base + "/api/head", data=data, headers={"Content-Type": "application/json"})
         try:
@@ -410,7 +410,7 @@ def _env():
 
 def test_help_and_argument_errors_import_no_torch():
     code = ("import sys; from qkcircuits import cli; rc = [cli.main(a) for a in (['--help'], ['scan', '--help'], "
-            "['scan', 'toy-induction', '--top', '0'])]; print(rc, 'torch' in sys.modules, "
+            "['scan', 'toy-induction', '--k', '0'])]; print(rc, 'torch' in sys.modules, "
             "'transformer_lens' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_env())
     assert r.stdout.strip().splitlines()[-1] == "[0, 0, 2] False False", (r.stdout, r.stderr)

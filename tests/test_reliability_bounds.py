@@ -353,7 +353,7 @@ def test_app_serves_json_posts_only(served, ctype):
 def test_attend_scores_of_the_wrong_kind_are_refused_before_the_model_loads(scores, fragment, tmp_path, capsys,
                                                                              monkeypatch):
     """Row 10: a missing or wrong-kind ``attend --scores`` was noticed only after the model load and the attribution."""
-    import qkcircuits.cli.attend as attend_cli
+    import qkcircuits.cli.attend_command as attend_cli
 
     (tmp_path / "attend.json").write_text(json.dumps({"schema": "qkcircuits.attribution/1"}))
     monkeypatch.chdir(tmp_path)
@@ -469,7 +469,7 @@ def test_another_models_result_is_refused_unless_allow_other_model(tmp_path, cap
     import argparse
 
     from qkcircuits._explain.attribution import Attribution
-    from qkcircuits.cli.report import check_same_model
+    from qkcircuits.cli.report_command import check_same_model
 
     res = Attribution.from_json(other)
     args = argparse.Namespace(model="toy-induction", allow_other_model=True)

@@ -19,7 +19,7 @@ import torch
 import qkcircuits as qk
 from qkcircuits import QKCircuitsError
 from qkcircuits._foundation.fingerprint import facts, fingerprint, mismatch, recorded
-from qkcircuits.cli.report import check_same_model
+from qkcircuits.cli.report_command import check_same_model
 
 from _cli import errors, run
 from _tiny import N_CTX, SEED, _perturb, _save, bpe_tokenizer

@@ -33,7 +33,7 @@ def source_data(html: str) -> dict:
 
 @pytest.fixture(scope="module")
 def toy_scores(hand_built):
-    return qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
+    return qk.scan(hand_built, n_seqs=4, seg_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_views_agree_with_circuits_module(hand_built):
 
 def test_views_agree_with_circuits_module_on_gpt2_with_biases(tmp_path_factory):
     # GPT-2 has b_Q/b_K: the QK view must leave them out exactly as full_qk does (one convention).
-    from qkcircuits._weights.circuits import layer_weights
+    from qkcircuits._weights.qk_ov import layer_weights
 
     model = qk.load(str(_tiny.gpt2_dir(tmp_path_factory)), device="cpu", verbose=False)
     ids = list(range(1, model.cfg.d_vocab, 13))
@@ -197,7 +197,7 @@ def test_cli_report(tmp_path, toy_scores, capsys):
 
 def test_cli_report_reads_the_ablate_sweep_json(tmp_path, toy_scores):
     sweep = tmp_path / "sweep.json"
-    assert main(["ablate", "toy-induction", "--sweep", "--n-seqs", "2", "--seq-len", "12", "--quiet",
+    assert main(["ablate", "toy-induction", "--sweep", "--n-seqs", "2", "--seg-len", "12", "--quiet",
                  "--json", str(sweep)]) == 0
     back = qk.results.HeadEffects.from_json(sweep.read_text(encoding="utf-8"))
     assert (back.kind, back.n_prompts, back.layers, back.method) == ("sweep", 2, [0, 1], "zero")

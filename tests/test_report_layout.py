@@ -33,7 +33,7 @@ def check_page(p: Page, heads):
 
 @pytest.fixture(scope="module")
 def toy_page(hand_built, tmp_path_factory):
-    scores = qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, eigen_copying=False, confirm_k=1,
+    scores = qk.scan(hand_built, n_seqs=4, seg_len=12, prefix_seqs=2, eigen_copying=False, confirm_k=1,
                      progress=False)
     trace = qk.trace_induction(hand_built, k=1, scores=scores, progress=False)
     circuit = json.loads(json.dumps(CHAIN))
@@ -88,7 +88,7 @@ def test_long_token_labels_are_shortened_with_the_full_text_in_the_hover(hand_bu
 
 @pytest.mark.smollm2
 def test_smollm2_report_nothing_cut_no_empty_frame(browser, smollm2, tmp_path):  # noqa: F811
-    scores = qk.scan(smollm2, n_seqs=2, seq_len=20, prefix_seqs=2, prefix_len=10, eigen_copying=False, ov_tokens=16,
+    scores = qk.scan(smollm2, n_seqs=2, seg_len=20, prefix_seqs=2, prefix_len=10, eigen_copying=False, ov_tokens=16,
                      progress=False)
     scores.extras["confirmation"] = qk.confirm_induction(smollm2, scores, k=3, n_draws=4, n_seqs=2, seg_len=20)
     tokens = [" Paris", " France", " the", " and", " Mr", " John", " Mary"]

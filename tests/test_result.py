@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
 
 import qkcircuits as qk
-from qkcircuits._foundation.renamed import renamed, renames
 
 
 def _results(hand_built):
@@ -74,46 +72,14 @@ def test_files_without_schema_still_read(hand_built):
     assert back.settings == {}                               # no versions invented for an old file
 
 
-def test_renamed_keyword_shim():
-    @renamed(seq_len="seg_len")
-    def f(*, seg_len: int = 40) -> int:
-        return seg_len
-
-    with pytest.warns(DeprecationWarning, match=r"f\(seq_len=...\) is deprecated; use seg_len="):
-        assert f(seq_len=7) == 7
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert f(seg_len=8) == 8 and f() == 40
-    with pytest.raises(qk.QKCircuitsError, match="give seg_len= .* or seq_len= .*, not both"):
-        f(seq_len=1, seg_len=2)
-    assert renames(qk.scan) == {"seq_len": "seg_len", "confirm_top": "confirm_k"}
-
-
-def test_scan_old_keyword_and_flag_still_work(hand_built, capsys):
-    with pytest.warns(DeprecationWarning):
-        old = qk.scan(hand_built, scores="induction", seq_len=12, progress=False)
-    new = qk.scan(hand_built, scores="induction", seg_len=12, progress=False)
-    assert old.to_dict() == new.to_dict() and new.settings["seq_len"] == 12
-    from qkcircuits.cli import main
-
-    assert main(["scan", "toy-induction", "--quiet", "--scores", "induction", "--seq-len", "12"]) == 0
-    assert "--seq-len is deprecated; use --seg-len" in capsys.readouterr().err
-
-
-def test_renamed_public_arguments_warn_and_agree(hand_built):
+def test_public_arguments_use_the_one_vocabulary(hand_built):
     comp = qk.composition_scores(hand_built, "K")
-    with pytest.warns(DeprecationWarning, match=r"partners\(top=...\) is deprecated; use k="):
-        old = comp.partners(qk.Head(1, 0), top=1)
-    assert old == comp.partners(qk.Head(1, 0), k=1) and old[0][0] == qk.Head(0, 0)      # 1.0 reads 0.0's OV
-    with pytest.warns(DeprecationWarning):
-        assert qk.k_composition_partners(hand_built, ["1.0"], top=1) == qk.k_composition_partners(hand_built, ["1.0"], k=1)
-    with pytest.warns(DeprecationWarning, match=r"token_inputs\(input=...\)"):
-        old_rows = qk.weights.token_inputs(hand_built, 0, [1, 2], input="direct").rows
-    torch.testing.assert_close(old_rows, qk.weights.token_inputs(hand_built, 0, [1, 2], view="direct").rows)
-    from qkcircuits._paths.trace import trace
-
-    assert renames(qk.trace_induction) == {"top": "k"} and renames(trace) == {"top": "k"}
-    assert qk.INTO == ("q", "k", "v") and qk.VIEWS == qk.INPUTS == ("direct", "effective", "contextual")
+    best = comp.partners(qk.Head(1, 0), k=1)
+    assert best[0][0] == qk.Head(0, 0)                                  # 1.0 reads 0.0's OV
+    assert qk.k_composition_partners(hand_built, ["1.0"], k=1)[qk.Head(1, 0)][0][0] == qk.Head(0, 0)
+    rows = qk.weights.token_inputs(hand_built, 0, [1, 2], view="direct").rows
+    torch.testing.assert_close(rows, hand_built.W_E[[1, 2]])             # direct at layer 0: the embedding rows
+    assert qk.INTO == ("q", "k", "v") and qk.VIEWS == ("direct", "effective", "contextual")
 
 
 def test_task_circuit_verify_and_kv_results_round_trip(hand_built, tmp_path):
@@ -168,7 +134,7 @@ def test_a_head_circuit_and_a_task_circuit_file_have_different_schemas(hand_buil
     import json as _json
 
     import qkcircuits as qk
-    from qkcircuits.cli.circuit import SCHEMA as CLI_SCHEMA
+    from qkcircuits.cli.circuit_command import SCHEMA as CLI_SCHEMA
 
     head = qk.circuit(hand_built, "1.0", "qk")
     assert _json.loads(head.to_json())["schema"] != CLI_SCHEMA

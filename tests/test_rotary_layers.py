@@ -117,7 +117,7 @@ def test_cli_warnings_are_one_line_and_the_callers_format_comes_back(gemma3):
     import warnings
 
     folder, _ = gemma3
-    code = ("import sys, warnings; import qkcircuits.cli.circuits as c; orig = c.summarize\n"
+    code = ("import sys, warnings; import qkcircuits.cli.circuits_command as c; orig = c.summarize\n"
             "def noisy(*a, **k):\n    warnings.warn('something else happened'); return orig(*a, **k)\n"
             "c.summarize = noisy\nfrom qkcircuits.cli import main\n"
             f"sys.exit(main(['circuits', {str(folder)!r}, '--head', '1.0', '--device', 'cpu']))")

@@ -114,9 +114,9 @@ def test_from_json_of_to_json_is_the_same_result(cls):
 
 def test_a_score_one_float32_step_below_a_threshold_keeps_its_labels():
     """The reported case: 0.3999996 at 6 decimals read back as 0.4, so a head under the 0.4 threshold gained it."""
-    s = qkcircuits.HeadScores("m", 1, 2, {"x": torch.tensor([[0.3999996, 1.0]])},
+    s = qkcircuits.results.HeadScores("m", 1, 2, {"x": torch.tensor([[0.3999996, 1.0]])},
                               thresholds={"one": ("x", 1.0), "tenth": ("x", 0.4)})
-    back = qkcircuits.HeadScores.from_json(s.to_json())
+    back = qkcircuits.results.HeadScores.from_json(s.to_json())
     assert {str(h): v for h, v in back.labels().items()} == {"0.1": ["one", "tenth"]} == \
         {str(h): v for h, v in s.labels().items()}
     assert "0.3999996" in s.to_json()       # readable: the shortest decimal of the float32, not 0.39999958872795105

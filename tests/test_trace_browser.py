@@ -35,7 +35,7 @@ def _check_trace_views(p: Page, receiver: str):
 
 
 def test_trace_report_draws_circuit_and_reads_from(browser, hand_built, tmp_path):  # noqa: F811
-    scores = qk.scan(hand_built, n_seqs=4, seq_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
+    scores = qk.scan(hand_built, n_seqs=4, seg_len=12, prefix_seqs=2, eigen_copying=False, progress=False)
     res = trace(hand_built, "1.0", scores=scores, progress=False)
     path = tmp_path / "trace.html"
     write_report(str(path), report_html(hand_built, scores=scores, grid_k=1, trace=res, progress=False))
@@ -56,7 +56,7 @@ def test_trace_report_draws_circuit_and_reads_from(browser, hand_built, tmp_path
 @pytest.mark.smollm2
 def test_smollm2_trace_report(browser, smollm2, tmp_path):  # noqa: F811
     scores = qk.scan(smollm2, eigen_copying=False, copying=False, progress=False)
-    res = trace(smollm2, top=3, into=("q", "k"), scores=scores, progress=False)
+    res = trace(smollm2, k=3, into=("q", "k"), scores=scores, progress=False)
     html = report_html(smollm2, scores=scores, grid_k=1, trace=res, progress=False)
     path = tmp_path / "smollm2-trace.html"
     write_report(str(path), html)

@@ -16,7 +16,7 @@ from _cli import errors, run
 
 def test_trace_cli_summary_and_json_contract(tmp_path, capsys):
     out = tmp_path / "t.json"
-    assert cli.main(["trace", "toy-induction", "--quiet", "--top", "1", "--json", str(out)]) == 0
+    assert cli.main(["trace", "toy-induction", "--quiet", "--k", "1", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     # "1.0 reads its keys from 0.0 (previous-token; effect 1.00 = 100% of the clean 1.00; next sender 0.00; baseline
     # mean 0.50)"
@@ -69,7 +69,7 @@ def test_trace_cli_unwritable_json_fails_before_work(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def trace_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("serve") / "t.json"
-    assert cli.main(["trace", "toy-induction", "--quiet", "--top", "1", "--json", str(out)]) == 0
+    assert cli.main(["trace", "toy-induction", "--quiet", "--k", "1", "--json", str(out)]) == 0
     return out
 
 

@@ -37,22 +37,21 @@ from torch import Tensor
 
 from .._foundation.capture import stream
 from .._foundation.errors import QKCircuitsError
-from .._foundation.arch.model import folded
+from .._foundation.arch.model_facts import folded
 from .._foundation.arch.norms import read_once
 from .._foundation.args import check_model
 from .._foundation.io import check_int
-from .._foundation.renamed import renamed
 from .._foundation.result import stamped
 from .._foundation.model import model_name
 from .._foundation.model_cache import remembered
 from .._foundation.progress import progress_bar
 from .._foundation.sequences import check_seed, repeated_tokens, segment_length, text_tokens, token_pool
 from .._weights import contextual as _contextual
-from .._weights.circuits import unembed_chunk, layer_weights
+from .._weights.qk_ov import unembed_chunk, layer_weights
 from .._weights.copying import copying_scores
 from .detectors import (PROMPT_SETS, Detector, ScanContext, detector, detectors, duplicate_token_mask, induction_mask,
                         previous_token_mask, register_detector, select, target_masks, thresholds)
-from .results import HeadScores
+from .head_scores import HeadScores
 
 Masks = Dict[str, Bool[Tensor, "batch q k"]]
 
@@ -236,7 +235,6 @@ def stream_scores(model, dets: Sequence[Detector], tokens: Int[Tensor, "batch po
             for name in reducers}
 
 
-@renamed(seq_len="seg_len", confirm_top="confirm_k")
 def scan(model, *, scores: Optional[Sequence[str]] = None, n_seqs: int = 8, seg_len: Optional[int] = None,
          seed: int = 0, bos: Optional[int] = None, prefix_seqs: int = 10, prefix_len: Optional[int] = None,
          text: bool = False, copying: bool = True, eigen_copying: bool = True, exclude_bos: bool = False,
@@ -260,8 +258,7 @@ def scan(model, *, scores: Optional[Sequence[str]] = None, n_seqs: int = 8, seg_
     each query's attention away from BOS before scoring; the default counts attention parked on BOS as
     attention not on target. Memory: one layer's [batch, head, pos, pos] pattern at a time, plus
     [n_layers, n_heads] scores. ``confirm_k=k`` ablates the top-k induction heads and k random heads and
-    stores the loss rises in ``extras["confirmation"]``. (``seq_len=`` and ``confirm_top=`` are the old names
-    of ``seg_len`` and ``confirm_k``.)
+    stores the loss rises in ``extras["confirmation"]``.
     ``ov_method``: ``"sample"`` (default) estimates ``ov_copying``'s ranks from a vocabulary sample,
     ``"exact"`` counts every rank over the whole vocabulary (see ``qkcircuits.ov_copying``).
     """
@@ -314,15 +311,11 @@ def _check_scan(seed, n_seqs, prefix_seqs, ov_tokens, scores, text, copying, eig
     return select(scores, text=text, copying=copying, eigen_copying=eigen_copying)
 
 
-_wanted = lambda scores, text, copying, eigen_copying: select(  # noqa: E731  (the old name; cli/scan.py used it)
-    scores, text=text, copying=copying, eigen_copying=eigen_copying)
-
-@renamed(seq_len="seg_len")
 def confirm_induction(model, scores: HeadScores, *, k: int = 5, n_draws: int = 10, seed: int = 0, pool=None,
                       n_seqs: int = 8, seg_len: int = 40) -> Dict[str, object]:
     """Causal check: rise of the repeated-half loss when the top-``k`` induction heads are zero-ablated
     together, against ``n_draws`` sets of ``k`` random other heads (``qkcircuits.compare_to_random``), on
-    ``n_seqs`` prompts [BOS]+R+R with R of ``seg_len`` tokens (``seq_len=`` is its old name).
+    ``n_seqs`` prompts [BOS]+R+R with R of ``seg_len`` tokens.
 
     Returns plain data (JSON-ready): heads, baseline, effect, random_effects, random_heads, seed, n_seqs and
     ``seq_len`` (the JSON key of the segment length, kept so old files and readers agree).
@@ -364,17 +357,3 @@ def confirmation_sentence(conf: Dict) -> str:
 def _settings(model, **kw) -> Dict[str, object]:
     return stamped({**kw, "fold_ln": folded(model), "dtype": str(model.W_E.dtype),
                     "device": str(model.W_E.device)}, model)
-
-
-def __getattr__(name: str):
-    """The old constants, read from the registry (deprecated: use ``qk.detectors()``/``qk.thresholds()``)."""
-    import warnings
-
-    old = {"THRESHOLDS": lambda: thresholds(),
-           "SCORE_NAMES": lambda: tuple(d.name for d in detectors() if d.switch != "text"),
-           "TEXT_SCORES": lambda: tuple(d.name for d in detectors() if d.switch == "text")}
-    if name in old:
-        warnings.warn(f"qkcircuits {name} is deprecated; read the detector registry (qk.detectors(), "
-                      f"qk.thresholds())", DeprecationWarning, stacklevel=2)
-        return old[name]()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -41,7 +41,7 @@ from .._foundation.model import model_name
 from .._foundation.result import stamped
 from .._foundation.sequences import check_seed, repeated_tokens, segment_length, text_tokens, token_pool
 from .._foundation.arch import adapter
-from .._weights.circuits import attention_scale
+from .._weights.qk_ov import attention_scale
 from .._weights.rotary import native_rotary, rotary_spec, rotate, rotate_native
 from .diagnose_result import HeadDiagnostics, MEASURES, check_thresholds
 

@@ -21,8 +21,7 @@ meaning, one direction, what it reads and what prompts it is defined on:
 - a task's rows (``qk.Task``; answer and wrong token, or token set, per row, read at END): ``logit-diff``,
   ``prob-diff``, ``answer-loss``, ``kl`` (and the any-rows names above, as a batch mean).
 
-``"loss"`` is the old name of two of them (``induction-loss`` given tokens, ``answer-loss`` in a task): accepted
-for one release with a DeprecationWarning. A name used where it cannot apply (``logit-diff`` given tokens
+A name used where it cannot apply (``logit-diff`` given tokens
 alone: no answer tokens) is refused in one line naming what is accepted there. A callable is wrapped once, its
 positional parameters deciding what it reads (1 or 2 → logits, 3 → a receiver metric), and only with its
 direction declared: ``qk.as_metric(fn, higher_is_better=False)`` for a loss (the direction is never guessed:
@@ -34,7 +33,6 @@ from __future__ import annotations
 import inspect
 import re
 import sys
-import warnings
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -43,7 +41,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .._foundation.errors import QKCircuitsError
-from .._foundation.metric_table import NEEDS, TASK, TOKENS, names, renamed_metric, row
+from .._foundation.metric_table import NEEDS, TASK, TOKENS, names, row
 from .._foundation.sequences import repeated_tokens, segment_length, text_tokens
 from .detectors import induction_mask
 from .metric import Metric, undeclared
@@ -350,11 +348,6 @@ def as_metric(spec: Any, model=None, *, accept: Sequence[str] = NEEDS, prompts: 
 
 
 def _named(name: str, model, accept: Sequence[str], prompts: Sequence[str], where: str) -> Metric:
-    new = renamed_metric(name, prompts)
-    if new is not None:
-        warnings.warn(f"metric {name!r} is deprecated (it meant two things); use {new!r} (the old name goes in the "
-                      f"next release)", DeprecationWarning, stacklevel=_caller_level())
-        name = new
     metric = builtin(name)
     if metric is None:
         hint = (" (answer and wrong token ids: 'logit-diff:C,W')" if name.startswith("logit-diff")
@@ -389,14 +382,6 @@ def accepted_names(accept: Sequence[str] = NEEDS, prompts: Sequence[str] = TOKEN
             + " with higher_is_better declared")
 
 
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside qkcircuits (a deprecation is the user's line, not ours)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("qkcircuits"):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def _n_positional(fn: Callable) -> int:
     try:
         params = inspect.signature(fn).parameters.values()
@@ -413,18 +398,14 @@ def default_tokens(model, metric: Union[str, Metric], *, n_seqs: int = 8, seg_le
     (default ``segment_length``: 40 capped by context and vocabulary), rows of ``seq_len`` (default 40)
     tokens of the packaged text for text-loss.
 
-    ``seq_len=`` for induction-loss is the old spelling of ``seg_len=`` (one release, DeprecationWarning);
-    ``seg_len=`` for text-loss is refused (text rows have no repeated segment).
+    ``seq_len=`` for induction-loss is refused (``seg_len=`` is the length of R), and ``seg_len=`` for text-loss
+    (text rows have no repeated segment).
     """
     name = metric.name if isinstance(metric, Metric) else as_metric(metric, model).name
     if name.startswith("induction"):
         if seq_len is not None:
-            if seg_len is not None:
-                raise QKCircuitsError("default_tokens: give seg_len= (the length of R), not also seq_len= (its old "
-                                      "name for induction prompts)")
-            warnings.warn("default_tokens(seq_len=...) for induction prompts is deprecated; use seg_len=... (the "
-                          "length of R; the old name goes in the next release)", DeprecationWarning, stacklevel=2)
-            seg_len = seq_len
+            raise QKCircuitsError(f"seq_len={seq_len!r} is the length of text-loss rows; induction prompts take "
+                                  f"seg_len= (the length of R)")
         return repeated_tokens(model, n_seqs=n_seqs, seg_len=seg_len or segment_length(model), seed=seed)
     if name == "text-loss":
         if seg_len is not None:

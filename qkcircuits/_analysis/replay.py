@@ -29,7 +29,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from .._foundation.arch.model import final_norm_module, logits_transform
+from .._foundation.arch.model_facts import final_norm_module, logits_transform
 from .._foundation.errors import QKCircuitsError
 
 Tokens = Int[Tensor, "batch pos"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from .._analysis.results import HeadScores
+from .._analysis.head_scores import HeadScores
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head
 from .attribution import Attribution

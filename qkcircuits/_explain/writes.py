@@ -35,7 +35,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .._foundation.arch import adapter
-from .._foundation.arch.model import has_mlps
+from .._foundation.arch.model_facts import has_mlps
 from .._foundation.arch.norms import Norm
 from .._foundation.capture import _Stop
 from .._foundation.errors import QKCircuitsError

@@ -23,7 +23,7 @@ import os
 from typing import Any
 
 from .errors import QKCircuitsError
-from .arch.model import is_model
+from .arch.model_facts import is_model
 from .io import check_int  # noqa: F401  (re-exported: the positive-integer check)
 
 # Specs cheap enough to load on the caller's behalf (no download, < 1 s).

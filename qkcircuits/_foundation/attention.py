@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 import torch
 
 from .arch import adapter
-from .arch.rotary import rotate_native  # noqa: F401  (re-exported: rotate hook-layout q/k with a TL-native rotary)
+from .arch.layer_rotary import rotate_native  # noqa: F401  (re-exported: rotate hook-layout q/k with a TL-native rotary)
 
 
 def attention_component(model, layer: int):

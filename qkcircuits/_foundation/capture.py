@@ -39,13 +39,13 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .arch import adapter, architecture
-from .arch.rotary import has_rotary  # noqa: F401  (re-exported)
+from .arch.layer_rotary import has_rotary  # noqa: F401  (re-exported)
 from .attention import attention_scale, native_rotary, rotate_native
 from . import display as show
 from .result import Result, stamped
 from .rope import STYLES, RotarySpec, rotate
 from .errors import QKCircuitsError
-from .arch.model import positional
+from .arch.model_facts import positional
 from .heads import Head, HeadsLike, kv_head, model_heads, n_kv_heads
 from .io import json_floats, read_floats
 

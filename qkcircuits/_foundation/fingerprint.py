@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 from .arch import adapter, architecture, family
-from .arch.model import model_name, shape_config
+from .arch.model_facts import model_name, shape_config
 
 LENGTH = 12          # hex digits kept: 48 bits, enough to tell the models of one machine apart
 

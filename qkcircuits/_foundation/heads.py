@@ -159,7 +159,7 @@ def model_heads(model, spec: HeadsLike) -> List[Head]:
     """Parse ``spec`` and validate it against ``model.cfg`` (``n_layers``, ``n_heads``)."""
     from .args import require_model
 
-    require_model(model)                  # None, a spec string, a task ...: one line (arch.model.is_model decides)
+    require_model(model)                  # None, a spec string, a task ...: one line (arch.model_facts.is_model decides)
     L, H = int(model.cfg.n_layers), int(model.cfg.n_heads)
     heads = check_heads(parse_heads(spec, n_heads=H, n_layers=L), L, H)
     if not heads:
@@ -169,7 +169,7 @@ def model_heads(model, spec: HeadsLike) -> List[Head]:
 
 def n_kv_heads(model) -> int:
     """Number of key/value heads per layer (== ``n_heads`` without grouped-query attention)."""
-    from .arch.model import n_kv_heads as kv_heads_of       # here: parsing heads (the CLI's argparse) needs no torch
+    from .arch.model_facts import n_kv_heads as kv_heads_of       # here: parsing heads (the CLI's argparse) needs no torch
 
     return kv_heads_of(model)
 

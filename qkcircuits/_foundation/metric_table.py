@@ -4,8 +4,8 @@
 (False, 'task')
 >>> names(prompts=TASK)
 ('logit-diff', 'prob-diff', 'answer-loss', 'kl', 'logit-diff:C,W', 'text-loss')
->>> renamed_metric("loss", prompts=TOKENS), renamed_metric("loss", prompts=TASK)
-('induction-loss', 'answer-loss')
+>>> direction_of("answer-loss"), direction_of("loss")      # "loss": a name files written before 0.2.0 carry
+(False, False)
 
 Plain data (no torch), so the CLI can check ``--metric`` before anything heavy loads. ``_analysis/metrics.py``
 builds each built-in ``Metric`` from its row (direction, ``needs``, ``prompts``) and its function; the table in
@@ -70,9 +70,9 @@ TABLE: Tuple[Row, ...] = (
         "correct next token t"),
 )
 _ROWS: Dict[str, Row] = {r.name: r for r in TABLE}
-# Old names, each accepted for one release with a DeprecationWarning: "loss" meant the induction loss for
-# analyses given tokens and −log p(answer) for a task. Both meanings are losses (lower is better).
-RENAMED: Dict[str, Dict[str, str]] = {"loss": {"tokens": "induction-loss", "task": "answer-loss"}}
+# The names result files written before 0.2.0 may carry, with their direction (read from files only: analyses refuse
+# them): "loss" meant the induction loss given tokens and −log p(answer) in a task, a loss either way.
+OLD_FILE_NAMES: Dict[str, bool] = {"loss": False}
 
 
 def row(name: str) -> Optional[Row]:
@@ -89,17 +89,11 @@ def names(accept: Sequence[str] = NEEDS, prompts: Sequence[str] = TOKENS) -> Tup
     return tuple(r.name for r in sorted(rows, key=lambda r: list(prompts).index(r.prompts)))
 
 
-def renamed_metric(name: str, prompts: Sequence[str] = TOKENS) -> Optional[str]:
-    """The current name of an old one where it is used (``prompts``: a task's or token rows'); None if not old."""
-    old = RENAMED.get(name)
-    if old is None:
-        return None
-    return old["task"] if "task" in prompts else old["tokens"]
-
-
 def direction_of(name: Optional[str]) -> Optional[bool]:
-    """``higher_is_better`` of a name in the table, old names included ("loss": False); None for any other."""
+    """``higher_is_better`` of a name in the table or in an old file (``OLD_FILE_NAMES``); None for any other."""
     if not isinstance(name, str):
         return None
-    r = row(renamed_metric(name) or name)
+    if name in OLD_FILE_NAMES:
+        return OLD_FILE_NAMES[name]
+    r = row(name)
     return None if r is None else r.higher_is_better

@@ -36,7 +36,7 @@ import torch
 from transformer_lens.model_bridge import TransformerBridge
 
 from .errors import QKCircuitsError
-from .arch import model as arch_model
+from .arch import model_facts as arch_model
 from .fetch import SMOLLM2_HUB_NAME, smollm2_gguf
 from .model_cache import remember
 from .offline import hub_offline as _hub_offline

@@ -216,7 +216,7 @@ def edge_attribution(model, receivers: Optional[HeadsLike] = None, into: Sequenc
     ``receivers`` default to every head of layers ≥ 1; a named layer-0 receiver is kept with an empty sender
     set (NaN effects, as in ``path_patch``: no head precedes it); only layer-0 receivers fail. ``metric``:
     as ``path_patch`` (None: induction for q/k, direct-logit for v). A logits metric (``induction-loss``,
-    old name ``loss``) is differentiated at every receiver layer's z by ONE extra forward and backward in all;
+    ``qk.induction_loss()``) is differentiated at every receiver layer's z by ONE extra forward and backward in all;
     a receiver callable ``fn(pattern, z, tokens)`` must be differentiable in torch.
     Memory: ``CleanCache`` as in ``path_patch``; per receiver layer one attention forward's autograd
     graph over the batch, 3 × n_receiver_heads residual-sized gradients (waiting in blocks of up to

@@ -48,7 +48,7 @@ from .._analysis.metrics import INDUCTION, Metric
 from .._foundation.backends import BackendLike, as_backend
 from .._foundation.capture import as_tokens
 from .._foundation.errors import QKCircuitsError
-from .._foundation.arch.model import folded
+from .._foundation.arch.model_facts import folded
 from .._foundation.args import check_int, check_model, check_tokens
 from .._foundation.heads import Head, HeadsLike, model_heads
 from .._foundation.io import package_version
@@ -244,7 +244,7 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
     receiver has none: its row is NaN). ``tokens`` default to ``default_prompts(model)``. ``metric``: None
     (``induction`` for q/k, ``direct-logit`` for v), any name, ``qk.Metric`` or declared callable of ``as_metric``:
     receiver metrics ``fn(pattern [b, q, k], z [b, p, d_head], tokens)`` read the receiver head, logits
-    metrics (``induction-loss``, old name ``loss``; ``qk.induction_loss()``; ``logit-diff:C,W``) run the patched
+    metrics (``induction-loss``, ``qk.induction_loss()``, ``logit-diff:C,W``) run the patched
     receiver z to the logits. Effects are positive when the sender matters (``Metric.effect``). ``shards``
     splits the prompts into that many row blocks run one after another (same result; less memory).
 

@@ -27,7 +27,7 @@ from .._analysis.metrics import Metric, as_metric, direct_logit, induction_atten
 from .._foundation.capture import StopForward, hook_name
 from .._foundation.arch import adapter
 from .._foundation.errors import QKCircuitsError
-from .._foundation.arch.model import final_norm_module, post_norm_module
+from .._foundation.arch.model_facts import final_norm_module, post_norm_module
 from .._foundation.heads import Head, kv_head, n_kv_heads
 from .path_effects import INPUTS
 

@@ -19,7 +19,6 @@ matters": clean − patched for a score, patched − clean for a loss (``higher_
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -110,19 +109,9 @@ class PathEffects(Result):
         row = self._row(receiver, self.into[0])
         return [Head(int(l), int(h)) for l, h in (~row.isnan()).nonzero().tolist()]
 
-    def top(self, k: Any = 5, *old: Any, receiver: Any = None, into: str = "k") -> List[Tuple[Head, float]]:
+    def top(self, k: int = 5, *, receiver: Any = None, into: str = "k") -> List[Tuple[Head, float]]:
         """The ``k`` senders with the largest effect on input ``into`` of ``receiver`` (default the first
-        receiver), largest first. The old order ``top(receiver, into, k)`` still works (deprecated)."""
-        if isinstance(k, (str, Head, tuple, list)):          # old call form: top(receiver, into="k", k=5)
-            warnings.warn("PathEffects.top(receiver, into, k) is deprecated; use top(k, receiver=..., into=...)",
-                          DeprecationWarning, stacklevel=2)
-            receiver, k = k, 5
-            if old:
-                into = old[0]
-            if len(old) > 1:
-                k = old[1]
-        elif old:
-            raise QKCircuitsError("PathEffects.top takes k, then receiver= and into= by keyword")
+        receiver), largest first."""
         check_int("k", k)
         row = self._row(self.receivers[0] if receiver is None else receiver, into)
         flat = torch.nan_to_num(row.flatten(), nan=-math.inf)

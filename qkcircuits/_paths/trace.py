@@ -21,7 +21,6 @@ from .._analysis.detect import scan
 from .._analysis.detectors import labelled_scores
 from .._foundation.backends import BackendLike, as_backend
 from .._foundation.errors import QKCircuitsError
-from .._foundation.renamed import renamed
 from .._foundation.heads import Head, HeadsLike, model_heads
 from .._foundation.io import check_int
 from .._foundation.stats import spearman
@@ -60,7 +59,6 @@ def k_composition_spearman(model, res: PathEffects) -> Dict[str, Optional[float]
     return out
 
 
-@renamed(top="k")
 def trace(model, receivers: Optional[HeadsLike] = None, *, k: int = 3, into: Sequence[str] = ("q", "k", "v"),
           method: str = "mean", attribution: bool = False, scores=None, tokens=None,
           progress: bool = True, backend: BackendLike = None, ray_address: Optional[str] = None,
@@ -114,7 +112,6 @@ def local_trace(model, receivers: Optional[HeadsLike] = None, *, top: int = 3, i
     return res
 
 
-@renamed(top="k")
 def trace_induction(model, k: int = 3, **kwargs) -> PathEffects:
     """For the ``k`` detected induction heads: the path effect through Q, K and V of every earlier head,
     ranked (``res.top(k, receiver=r, into="k")``), the baseline (``res.baseline(r, "k")``: mean and 95th percentile over

@@ -40,7 +40,6 @@ from .._foundation.backends import BackendLike, Local, Ray, as_backend
 from .._analysis.detectors import detector
 from .._foundation.errors import QKCircuitsError
 from .._foundation.io import check_int, json_floats, json_number
-from .._foundation.renamed import renamed
 from .._foundation.result import Result
 from .._foundation.stats import versus_random
 
@@ -95,7 +94,6 @@ class Zoo(Result):
         return pd.DataFrame(rows, columns=["model", "kind", "head", "layer", "score", "depth"])
 
 
-@renamed(max_heads="k")
 def confirmation_verdict(c: Dict[str, Any]) -> str:
     """A zoo entry's causal check against its random sets, in words (``stats.random_verdict``'s): "above random
     (z = 12.3)" or "WARNING: within the random sets' spread (margin +0.18 < SD 0.43, z = 1.4)"; an entry written
@@ -143,7 +141,6 @@ def _head(head, value: float, n_layers: int) -> Dict[str, Any]:
             "depth": round(head.layer / n_layers, 4)}
 
 
-@renamed(confirm_top="confirm_k", max_heads="k")
 def scan_one(spec: str, *, load_kwargs: Optional[Dict[str, Any]] = None, confirm_k: int = 5, n_seqs: int = 8,
              seed: int = 0, k: int = 10, model=None, task: Optional[str] = None,
              task_n: int = 32, task_bos: Optional[bool] = None) -> Dict[str, Any]:
@@ -246,7 +243,6 @@ def zoo_entry(model, *, spec: str, **kwargs) -> Dict[str, Any]:
     return scan_one(spec, model=model, **kwargs)
 
 
-@renamed(models="specs", confirm_top="confirm_k", max_heads="k")
 def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Optional[str] = None,
         workers: Optional[int] = None, confirm_k: int = 5, n_seqs: int = 8, seed: int = 0, k: int = 10,
         load_kwargs: Optional[Dict[str, Any]] = None, progress: bool = True, task: Optional[str] = None,
@@ -262,8 +258,7 @@ def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Op
     ``qk.Ray``'s loads (another backend loads as it does). ``confirm_k``: induction heads ablated together for the causal check (0: none).
     ``task``: None, or a registered task's name (``"ioi"``): each entry also gets that key (``task_summary`` on
     ``task_n`` prompts, BOS as ``task_bos``: None = what each model's tokenizer does on its own, True / False forced).
-    Old names (one release, with a DeprecationWarning): ``models=``, ``confirm_top=``, ``max_heads=``. The
-    ``settings`` JSON keys stay ``confirm_top`` and ``max_heads`` (old files and readers agree).
+    The ``settings`` JSON keys are ``confirm_top`` and ``max_heads`` (old files and readers agree).
     """
     models = specs
     chosen = as_backend(backend, address=ray_address, workers=workers)

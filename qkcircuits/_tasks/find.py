@@ -289,7 +289,7 @@ def _header(name: str, task: Task, held, drawn: str, g, holdout, bos: str, pool)
 
 
 def _model_name(model) -> str:
-    from .._foundation.arch.model import model_name
+    from .._foundation.arch.model_facts import model_name
 
     return model_name(model)
 

@@ -51,7 +51,7 @@ from torch import Tensor
 from .._foundation.arch import adapter
 from .._foundation.errors import QKCircuitsError
 from .._foundation.fingerprint import fingerprint
-from .._foundation.arch.model import (has_mlps, logits_transform, mlp_input, model_name,  # noqa: F401  (re-exported)
+from .._foundation.arch.model_facts import (has_mlps, logits_transform, mlp_input, model_name,  # noqa: F401  (re-exported)
                                       parallel_blocks, post_norm_module)
 from .._foundation.heads import n_kv_heads
 from .task import Task

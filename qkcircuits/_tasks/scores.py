@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from .._foundation.result import Result, stamped
-from .._foundation.arch.model import folded
+from .._foundation.arch.model_facts import folded
 from .._foundation.errors import QKCircuitsError
 from .gradients import gradient_scores, n_runs, points, resolve_rule
 from .graph import Graph, graph, provenance

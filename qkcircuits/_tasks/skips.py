@@ -44,7 +44,7 @@ from typing import Callable, Dict, Iterable, Iterator, Set, Tuple, Union
 from torch import Tensor, nn
 
 from .._foundation.arch import adapter
-from .._foundation.arch import model as model_facts
+from .._foundation.arch import model_facts as model_facts
 
 Group = Tuple[int, str]
 

@@ -20,8 +20,7 @@ never sees from positions ≤ END):
 - ``"prob-diff"``: p(answer) − p(wrong) after a softmax over the vocabulary; with sets Σ p(answer set) −
   Σ p(wrong set) (Hanna et al. 2023's greater-than metric);
 - ``"answer-loss"``: −log p(answer), with a set −log Σ p(answer set) (lower is better: faithfulness is a ratio, so the sign cancels there; a
-  signed circuit ranks edges by −score, the direction that carries the behaviour). ``"loss"`` is its old name
-  (one release, DeprecationWarning);
+  signed circuit ranks edges by −score, the direction that carries the behaviour);
 - ``"kl"``: KL(p_clean ‖ p) = Σ_v p_clean(v) (log p_clean(v) − log p(v)) at END, p_clean the clean run's
   next-token distribution (``reference``, filled by ``with_reference``: every entry point does it); lower is
   better, 0 on the clean run. Its gradient at the clean run is 0, so EAP (and EAP-IG's right rule at its last
@@ -45,7 +44,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .._foundation.args import check_tokens
-from .._foundation.arch.model import default_bos_id
+from .._foundation.arch.model_facts import default_bos_id
 from .._foundation.errors import QKCircuitsError
 from .._analysis.metrics import TASK, Metric, as_metric, is_builtin, reads_reference
 from .answers import AnswerLike, answer_ids, repeat_rows, row_ids

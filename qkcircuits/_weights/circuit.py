@@ -4,9 +4,9 @@
 >>> c.kind, tuple(c.matrix.shape), c.exact
 ('qk', (224, 224), True)
 
-Its own module so that ``circuits`` (weights, inputs) and ``rotary`` (positions) import nothing from each
-other: this one imports both (it used to be ``circuits.circuit`` importing ``rotary`` inside the function,
-while ``rotary`` imported ``circuits``: a circle).
+Its own module so that ``qk_ov`` (weights, inputs) and ``rotary`` (positions) import nothing from each
+other: this one imports both (it used to be ``circuits.circuit``, today's ``qk_ov``, importing ``rotary`` inside the
+function, while ``rotary`` imported ``circuits``: a circle).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .._foundation.heads import Head, HeadsLike
 from .._foundation.io import json_floats, read_floats
 from .._foundation.model import model_name
 from .._foundation.result import Result, stamped
-from .circuits import to_head, attn_scale, circuit_caveats, full_ov, full_qk, is_folded, ov, ov_affine, qk, qk_affine
+from .qk_ov import to_head, attn_scale, circuit_caveats, full_ov, full_qk, is_folded, ov, ov_affine, qk, qk_affine
 from .rotary import positional_qk, qk_at_offset, rotary_spec
 
 

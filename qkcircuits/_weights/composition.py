@@ -31,14 +31,13 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .._foundation import display as show
-from .._foundation.renamed import renamed
 from .._foundation.result import Result, stamped
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, HeadsLike, model_heads
 from .._foundation.io import json_floats, read_float, read_floats
 from .._foundation.model import model_name
 from .._foundation.arch import adapter
-from .circuits import is_folded, layer_weights, warn_caveats
+from .qk_ov import is_folded, layer_weights, warn_caveats
 
 MODES = ("Q", "K", "V")
 
@@ -57,7 +56,6 @@ class CompositionScores(Result):
     baseline: float
     settings: Dict[str, object] = field(default_factory=dict)
 
-    @renamed(top="k")
     def partners(self, head: Head, k: int = 3, min_score: float = 0.0) -> List[Tuple[Head, float]]:
         """The earlier heads ``head`` composes with most (above ``min_score``), strongest first."""
         col = self.scores[:, :, head.layer, head.head].flatten()
@@ -239,7 +237,6 @@ def composition_column(model, head: HeadsLike, mode: str = "K", *, baseline: boo
     return (raw - base).float()
 
 
-@renamed(top="k")
 def k_composition_partners(model, heads: HeadsLike, k: int = 3, min_score: float = 0.0,
                            scores: Optional[CompositionScores] = None) -> Dict[Head, List[Tuple[Head, float]]]:
     """For each head in ``heads`` (e.g. the induction heads a scan found), the earlier heads whose OV

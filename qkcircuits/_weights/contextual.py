@@ -53,12 +53,11 @@ from torch import Tensor
 
 from .._foundation import model_cache
 from .._foundation.errors import QKCircuitsError
-from .._foundation.renamed import renamed
 from .._foundation.heads import HeadsLike
 from .._foundation.sequences import bos_id, natural_text, repeated_tokens, segment_length, text_tokens, token_pool
 from .._foundation.arch import adapter
 from .._foundation.arch.norms import block_norm, final_norm, norm_kind
-from .circuits import to_head, attn_input_hook, is_folded, layer_weights, normalize_rows, unembed_cols
+from .qk_ov import to_head, attn_input_hook, is_folded, layer_weights, normalize_rows, unembed_cols
 
 TokenIds = Union[Sequence[int], Int[Tensor, "n"]]     # token ids: a list or a 1-D tensor
 
@@ -201,7 +200,6 @@ def _ln1_bias(model, layer: int) -> Optional[Tensor]:
     return None if norm.folded or norm.bias is None else norm.bias.float()
 
 
-@renamed(input="view")
 def token_inputs(model, layer: int, ids: TokenIds, view: Optional[str] = None) -> TokenInputs:
     """The rows ``layer``'s heads read for tokens ``ids`` (see the module docs for the three inputs).
 
@@ -269,7 +267,6 @@ def output_reader(model, input: str) -> Tuple[Float[Tensor, "d_model vocab"], fl
     return U, scale, note
 
 
-@renamed(input="view")
 def head_logits(model, head: HeadsLike, ids: TokenIds, view: Optional[str] = None
                 ) -> Tuple[Float[Tensor, "n vocab"], TokenInputs]:
     """Logits the head's write raises for each source token of ``ids``: [n, vocab] and the inputs used.
@@ -284,12 +281,11 @@ def head_logits(model, head: HeadsLike, ids: TokenIds, view: Optional[str] = Non
         return (o @ U.to(o.dtype) / scale).float().cpu(), x
 
 
-@renamed(input="view")
 def token_qk(model, head: HeadsLike, ids: TokenIds, view: Optional[str] = None
              ) -> Tuple[Float[Tensor, "query key"], TokenInputs]:
     """Pre-softmax score between every pair of ``ids`` (rows query, columns key), no position, no biases:
     X W_Q W_Kᵀ Xᵀ · scale with X the rows of ``view`` (``view="direct"`` = rows/columns of ``full_qk``)."""
-    from .circuits import attn_scale
+    from .qk_ov import attn_scale
 
     h = to_head(model, head)
     x = token_inputs(model, h.layer, ids, view)
@@ -322,7 +318,6 @@ def mid_rank(logits: Float[Tensor, "n vocab"], target: Int[Tensor, "n"]) -> Floa
     return (1 + greater + (equal - 1).clamp_min(0) / 2).float().cpu()
 
 
-@renamed(input="view")
 def copying_rank(model, head: HeadsLike, ids: TokenIds, view: Optional[str] = None) -> Float[Tensor, "n"]:
     """Rank (1 = top) of each source token itself among all output logits of the head's write on it."""
     logits, _ = head_logits(model, head, ids, view)

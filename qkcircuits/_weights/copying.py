@@ -24,7 +24,7 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import HeadsLike
 from .._foundation.io import check_int
 from .._foundation.arch.norms import block_norm, norm_kind
-from .circuits import to_head, embed_factor, is_folded, layer_weights, unembed_embed, unembed_factor
+from .qk_ov import to_head, embed_factor, is_folded, layer_weights, unembed_embed, unembed_factor
 
 
 def eigen_copying(eigenvalues: Tensor) -> Tensor:

@@ -30,11 +30,11 @@ from typing import Dict, Optional
 
 import torch
 
-from .._foundation.arch.model import learned_positions
+from .._foundation.arch.model_facts import learned_positions
 from .._foundation.capture import has_rotary
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import HeadsLike
-from .circuits import attn_input_hook, attn_scale, to_head
+from .qk_ov import attn_input_hook, attn_scale, to_head
 
 ROWS = ("contextual", "embeddings")
 

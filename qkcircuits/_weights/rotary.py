@@ -32,22 +32,22 @@ from torch import Tensor
 from transformer_lens.FactoredMatrix import FactoredMatrix
 
 from .._foundation.arch import adapter
-from .._foundation.arch.rotary import has_rotary, rotate_native  # noqa: F401 (re-exported)
+from .._foundation.arch.layer_rotary import has_rotary, rotate_native  # noqa: F401 (re-exported)
 from .._foundation.attention import layer_type, native_rotary, sliding_window  # noqa: F401 (re-exported)
 from .._foundation import display as show
 from .._foundation.result import Result, stamped
 from .._foundation.rope import STYLES, RotarySpec, rotate, rotation  # noqa: F401 (re-exported)
 from .._foundation.errors import QKCircuitsError
 from .._foundation.model_cache import remembered
-from .._foundation.arch.model import positional
+from .._foundation.arch.model_facts import positional
 from .._foundation.heads import HeadsLike
 from .._foundation.io import json_floats, read_floats
-from .circuits import CHUNK_ROWS, to_head, attn_scale, is_folded, layer_weights, normalize_rows, warn_caveats
+from .qk_ov import CHUNK_ROWS, to_head, attn_scale, is_folded, layer_weights, normalize_rows, warn_caveats
 
 
 def rotary_spec(model, base: Optional[float] = None, verify: bool = True, layer: int = 0) -> RotarySpec:
     """The rotary settings of ``layer`` (its own frequencies where the model keeps one set per layer type), as
-    its architecture adapter reads them (``_foundation/arch/rotary``); ``base`` replaces the frequencies with
+    its architecture adapter reads them (``_foundation/arch/layer_rotary``); ``base`` replaces the frequencies with
     base^(−2k/rotary_dim) (e.g. to show that a wrong base breaks the identity). ``verify`` rotates the layer's
     queries of a short sequence and compares them with the model's own ``hook_rot_q`` (one partial forward,
     once per layer: the adapter keeps the verified spec). Returns a copy the caller may change."""

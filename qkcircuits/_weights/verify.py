@@ -38,7 +38,7 @@ from .._foundation.capture import as_tokens
 from .._foundation.io import json_floats, json_number, read_floats
 from .._foundation.model import model_name
 from .._foundation.result import Result, stamped
-from .circuits import attn_input_hook
+from .qk_ov import attn_input_hook
 from .rotary import rotary_spec, rotation
 
 TOLERANCE = 1e-4

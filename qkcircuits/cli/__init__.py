@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="qkcircuits", description="Find out what each attention head does.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        importlib.import_module(f".{name}", __name__).add_parser(sub)
+        importlib.import_module(f".{name}_command", __name__).add_parser(sub)
     from ._common import add_threads_arg
 
     for name, p in sub.choices.items():

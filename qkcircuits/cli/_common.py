@@ -62,37 +62,11 @@ def output_arg(parser: argparse.ArgumentParser, *flags: str, **kwargs) -> argpar
     return action
 
 
-class _OldFlag(argparse.Action):
-    """A renamed flag: the old spelling still works for one release and says so on stderr."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if option_string in getattr(self, "old", ()):
-            print(f"qkcircuits: {option_string} is deprecated; use {self.option_strings[0]}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
-def renamed_arg(parser: argparse.ArgumentParser, new: str, *old: str, help: str = "", **kwargs) -> argparse.Action:
-    """``--new`` with each ``old`` spelling as a second one that prints a deprecation line on stderr (one
-    release); the help names the old spelling. ``dest`` is the new flag's."""
-    kwargs.setdefault("dest", new.lstrip("-").replace("-", "_"))
-    olds = ", ".join(old)
-    action = parser.add_argument(new, *old, action=_OldFlag, help=f"{help} ({olds}: the old name)" if help else
-                                 argparse.SUPPRESS, **kwargs)
-    action.old = old
-    return action
-
-
 def metric_arg(flag: str, choices: Tuple[str, ...], prompts: Tuple[str, ...]):
     """The ``type=`` of a ``--metric`` flag: a name among ``choices`` (names of the one metric table,
-    ``_foundation/metric_table``); an old name of one of them (``loss``) works for one release with a stderr
-    line; anything else is one argparse error line naming what is accepted (exit 2)."""
-    from .._foundation.metric_table import renamed_metric
+    ``_foundation/metric_table``); anything else is one argparse error line naming what is accepted (exit 2)."""
 
     def parse(text: str) -> str:
-        new = renamed_metric(text, prompts)
-        if new in choices:
-            print(f"qkcircuits: {flag} {text} is deprecated; use {flag} {new}", file=sys.stderr)
-            return new
         if text not in choices:
             raise argparse.ArgumentTypeError(f"unknown metric {text!r}; use one of {', '.join(choices)}")
         return text

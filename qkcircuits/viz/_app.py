@@ -11,7 +11,7 @@ Routes (nothing else is served; no route takes a path from the user):
 - ``GET /api/info``                 model, grids, heads, default tokens and prompt
 - ``POST /api/head``                JSON ``{"head": "1.0", "tokens": " the| of" or [...], "prompt": "...",
                                     "view": "direct"|"effective"|"contextual"}`` (view optional: default
-                                    contextual past layer 0; "input" is its old name) → the head's panel (same
+                                    contextual past layer 0) → the head's panel (same
                                     data as a report panel)
 
 Bad input (unknown head, too-long prompt, a token that is not one token, malformed JSON: deep nesting, huge
@@ -257,16 +257,13 @@ def create_app(model, *, scores=None, effects=None, diagnostics=None, title: Opt
     @app.post("/api/head")
     def api_head():
         body = parse_body(read_body())
-        unknown = set(body) - {"head", "tokens", "prompt", "view", "input"}
+        unknown = set(body) - {"head", "tokens", "prompt", "view"}
         if unknown:
             raise QKCircuitsError(f"unknown field(s) {', '.join(sorted(unknown))}; accepted: head, tokens, prompt, "
                                   f"view")
-        if "view" in body and "input" in body:
-            raise QKCircuitsError("give 'view' (the new name) or 'input' (the old one), not both")
-        given = "view" if "view" in body else "input"
-        view = body.get(given)
+        view = body.get("view")
         if view is not None and view not in INPUTS:
-            raise QKCircuitsError(f"'{given}' must be one of {', '.join(INPUTS)}, got {view!r}")
+            raise QKCircuitsError(f"'view' must be one of {', '.join(INPUTS)}, got {view!r}")
         spec = body.get("head")
         if not isinstance(spec, str) or not spec.strip():
             raise QKCircuitsError(f"'head' must be a string such as '1.0' or 'L1H0', got {spec!r}")

@@ -32,9 +32,8 @@ from torch import Tensor
 from .._foundation.capture import capture, has_rotary
 from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, model_heads
-from .._weights.circuits import attn_scale, embed_rows, layer_weights, unembed_cols
+from .._weights.qk_ov import attn_scale, embed_rows, layer_weights, unembed_cols
 from .._foundation.lru import LRU
-from .._foundation.renamed import renamed
 from .._weights.contextual import TokenInputs, check_input, head_logits, mid_rank, token_inputs
 
 # Common English tokens that make a QK heatmap readable (those that are one token in the model's vocabulary).
@@ -177,7 +176,7 @@ class ViewContext:
     def embed(self, layer: int, ids: Sequence[int]) -> Tensor:
         with torch.no_grad():
             E = self.model.W_E.detach()[torch.as_tensor(list(ids), device=self.model.W_E.device)]
-            from .._weights.circuits import normalize_rows
+            from .._weights.qk_ov import normalize_rows
             return normalize_rows(self.model, E, "ln1", layer)
 
     def rotary(self, layer: int):
@@ -220,7 +219,6 @@ INPUT_TITLES = {"direct": "direct inputs (token embeddings)",
                 "contextual": "contextual inputs (mean residual at the layer over a corpus)"}
 
 
-@renamed(input="view")
 def qk_grid(ctx: ViewContext, head: Head, ids: Sequence[int], view: Optional[str] = None
             ) -> Float[Tensor, "query key"]:
     """Token-to-token pre-softmax score (no position, no biases): X[q] W_Q W_Kᵀ X[k]ᵀ · scale, with X the
@@ -234,7 +232,6 @@ def qk_grid(ctx: ViewContext, head: Head, ids: Sequence[int], view: Optional[str
         return (q @ k.T * attn_scale(ctx.model, head.layer)).float().cpu()
 
 
-@renamed(input="view")
 def ov_view(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, view: Optional[str] = None
             ) -> Dict[str, object]:
     """For each source token: the ``k`` output tokens whose logits the head's write raises most, and the
@@ -250,7 +247,6 @@ def ov_view(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, view: 
             "note": used.note}
 
 
-@renamed(input="view")
 def ov_top(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, view: Optional[str] = None
            ) -> Tuple[Tensor, Tensor]:
     """(values [n, k], ids [n, k]) of the ``k`` output tokens each source token's OV write raises most

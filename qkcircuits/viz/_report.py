@@ -25,7 +25,6 @@ from .._foundation.errors import QKCircuitsError
 from .._foundation.heads import Head, model_heads, n_kv_heads
 from .._foundation.io import write_atomic
 from .._foundation.progress import progress_bar
-from .._foundation.renamed import renamed
 from .._weights.contextual import INPUTS
 from ._circuit_data import check_against_model, load_circuit, parse_node
 from ._circuit_view import circuit_section
@@ -37,7 +36,6 @@ MAX_HEADS = 60
 CIRCUIT_HEADS = 12      # heads of a circuit that get a panel (its roles first, then its other heads)
 
 
-@renamed(per_score="grid_k", max_heads="k")
 def pick_heads(grid_values: Dict[str, torch.Tensor], grid_k: int, extra: Sequence[Head] = (),
                k: int = MAX_HEADS) -> List[Head]:
     """``extra`` first, then the top ``grid_k`` heads of each grid (by value; by |value| for signed
@@ -55,7 +53,6 @@ def pick_heads(grid_values: Dict[str, torch.Tensor], grid_k: int, extra: Sequenc
     return out
 
 
-@renamed(per_score="grid_k", input="view")
 def report_html(model, *, scores=None, effects=None, diagnostics=None, heads=None, tokens: Optional[Sequence[str]] = None,
                 prompt: Optional[str] = None, grid_k: int = 3, k: int = 5, title: Optional[str] = None,
                 view: Optional[str] = None, progress: bool = True, trace=None, circuit=None, attend=None) -> str:

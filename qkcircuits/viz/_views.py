@@ -17,7 +17,6 @@ from torch import Tensor
 from .._foundation.heads import Head
 from .._analysis.detectors import detectors
 from .._foundation.io import json_number
-from .._foundation.renamed import renamed
 from . import _figures as F
 from ._panels import ViewContext, attention, k_partners, ov_view, positional_profile, qk_grid, token_strings
 
@@ -74,7 +73,6 @@ def grids(model, ctx: ViewContext, scores=None, effects=None, diagnostics=None, 
     return out
 
 
-@renamed(input="view")
 def qk_figure(ctx: ViewContext, head: Head, ids: Sequence[int], view: Optional[str] = None) -> Dict:
     """The head's QK heatmap over the tokens ``ids`` on ``view`` rows (direct, effective, contextual;
     default contextual past layer 0); the title names the view used."""
@@ -82,7 +80,6 @@ def qk_figure(ctx: ViewContext, head: Head, ids: Sequence[int], view: Optional[s
     return F.qk_heatmap(qk_grid(ctx, head, ids, used), token_strings(ctx.model, ids), str(head), used)
 
 
-@renamed(input="view")
 def ov_figure(ctx: ViewContext, head: Head, ids: Sequence[int], k: int = 5, view: Optional[str] = None,
               ov: Optional[Dict] = None) -> Dict:
     """Each token of ``ids`` → the ``k`` output tokens the head's OV raises most (on ``view`` rows), with the
@@ -134,7 +131,6 @@ def head_info(ctx: ViewContext, head: Head, scores=None, effects=None, diagnosti
     return info
 
 
-@renamed(input="view")
 def panel(ctx: ViewContext, head: Head, ids: Sequence[int], prompt: Optional[Sequence[int]] = None,
           pattern: Optional[Tensor] = None, *, scores=None, effects=None, diagnostics=None, k: int = 5,
           view: Optional[str] = None, trace=None) -> Dict:

@@ -32,7 +32,7 @@ _RULES: List[Tuple[str, Callable[[object], bool]]] = []
 WORKS_ON = "multi-head/GQA/MQA attention (GPT-2, GPT-J, GPT-NeoX/Pythia, Llama, Qwen, Gemma, ...) and multi-head latent attention (DeepSeek-V2/V3)"
 
 __all__ = ["AttentionAdapter", "FAMILIES", "LatentAttention", "LayerWeights", "StandardAttention", "adapter",
-           "architecture", "family", "prepare", "register_family"]
+           "architecture", "family", "prepare", "register_family", "unregister_family"]
 
 
 def architecture(model) -> str:
@@ -49,7 +49,7 @@ def register_family(name: str, adapter_class: type, matches: Callable[[object], 
     a model for which ``matches(model)`` is True (asked before the built-in rules; the latest registration first).
     Registering a name again replaces it; the built-in names are refused. Register before ``qk.load``: a model
     remembers its family once detected. docs/architecture.md, "How to add an architecture"; executed by
-    tests/test_arch_recipe.py."""
+    tests/test_recipes.py."""
     if not (isinstance(adapter_class, type) and issubclass(adapter_class, AttentionAdapter)):
         raise QKCircuitsError(f"register_family takes an AttentionAdapter subclass, got {adapter_class!r}")
     if not callable(matches):
@@ -60,6 +60,18 @@ def register_family(name: str, adapter_class: type, matches: Callable[[object], 
     FAMILIES[str(name)] = adapter_class
     _RULES[:] = [(n, r) for n, r in _RULES if n != name]
     _RULES.insert(0, (str(name), matches))
+
+
+def unregister_family(name: str) -> None:
+    """Take a registered family out again (its class and its rule; models loaded after it no longer match it).
+    The built-in families stay; an unknown name is one line naming the registered ones."""
+    if name in BUILT_IN:
+        raise QKCircuitsError(f"family {name!r} is built in and stays")
+    if name not in FAMILIES:
+        added = ", ".join(n for n in FAMILIES if n not in BUILT_IN) or "none"
+        raise QKCircuitsError(f"no registered family {name!r}; registered: {added}")
+    del FAMILIES[name]
+    _RULES[:] = [(n, r) for n, r in _RULES if n != name]
 
 
 def _detect(model) -> str:

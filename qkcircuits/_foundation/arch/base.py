@@ -25,7 +25,7 @@ from ..errors import QKCircuitsError
 from ..rope import RotarySpec
 from .norms import Norm, block_norm, module_eps, read_norm
 from .qkmap import QKMap, ScoreMaps
-from .rotary import layer_rotary
+from .layer_rotary import layer_rotary
 
 
 @dataclass
@@ -158,7 +158,7 @@ class AttentionAdapter:
         return getattr(o, "original_component", None) if o is not None else None
 
     def rotary(self, verify: bool = True) -> Optional[RotarySpec]:
-        """This layer's rotary (``arch/rotary``), None without rotary; NoPE layers give the identity."""
+        """This layer's rotary (``arch/layer_rotary``), None without rotary; NoPE layers give the identity."""
         return layer_rotary(self, verify)
 
     # -- the attribution maps (arch/qkmap): ``_maps`` is each family's ---------------------------------
@@ -210,7 +210,7 @@ class AttentionAdapter:
     # -- a head's circuits and what it computes at given inputs (what _weights asks) ----------------------
     def qk_factors(self, head: int, R: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """Query head ``head``'s QK circuit as factors (A [d_model, k], B [k, d_model], QK = A B: the bias-free
-        bilinear form, ``_weights.circuits.qk``); ``R`` [d_qk, d_qk]: the rotary's R(Δ) between query and key
+        bilinear form, ``_weights.qk_ov.qk``); ``R`` [d_qk, d_qk]: the rotary's R(Δ) between query and key
         (``rope.rotation(spec, [Δ], relative=True)[0]``), applied on the query side: QK(Δ) = W_Q R(Δ) W_Kᵀ."""
         w = self.weights()
         Q, K = w.W_Q[head], w.W_K[head]

@@ -24,7 +24,7 @@ from ..model_cache import recall, remember
 from .base import AttentionAdapter, LayerWeights
 from .norms import Norm, module_eps, read_norm
 from .qkmap import QKMap
-from .rotary import layer_frequencies
+from .layer_rotary import layer_frequencies
 
 QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm")
 # transformers' attention modules that keep no ``scaling`` and apply none (GPT-Neo's softmax(q·k), unscaled),

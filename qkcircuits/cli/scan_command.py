@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from .._foundation.errors import QKCircuitsError
 
-from ._common import (add_model_args, json_arg, load_model, non_negative_int, output_arg, positive_int, renamed_arg,
+from ._common import (add_model_args, json_arg, load_model, non_negative_int, output_arg, positive_int,
                       write_output)
 
 
@@ -32,10 +32,10 @@ def add_parser(sub) -> None:
                                    "duplicate-token-like heads.")
     add_model_args(p)
     p.add_argument("--n-seqs", type=positive_int, default=8, help="sequences of [BOS]+R+R (default 8)")
-    renamed_arg(p, "--seg-len", "--seq-len", type=positive_int, default=None,
-                help="length of the random segment R (default 40, capped by the context and vocabulary)")
+    p.add_argument("--seg-len", type=positive_int, default=None,
+                   help="length of the random segment R (default 40, capped by the context and vocabulary)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the prompt sets (default 0)")
-    renamed_arg(p, "--k", "--top", type=positive_int, default=5, help="heads to list per score (default 5)")
+    p.add_argument("--k", type=positive_int, default=5, help="heads to list per score (default 5)")
     p.add_argument("--text", action="store_true", help="also score previous/duplicate-token heads on natural text")
     p.add_argument("--bos", type=non_negative_int, default=None, help="BOS token id (default: the tokenizer's)")
     p.add_argument("--scores", default=None, metavar="NAMES",

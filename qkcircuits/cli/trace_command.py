@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .._foundation.errors import QKCircuitsError
-from ._common import (add_model_args, head_arg, json_arg, load_model, positive_int, ray_arg, ray_backend, renamed_arg,
+from ._common import (add_model_args, head_arg, json_arg, load_model, positive_int, ray_arg, ray_backend,
                       write_output)
 
 INPUT_WORDS = {"q": "queries", "k": "keys", "v": "values"}
@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
                    help="mean over the prompts per position (default); zero; resample from another prompt")
     p.add_argument("--attribution", action="store_true",
                    help="estimate the edges by gradients (edge attribution) instead of exact path patching")
-    renamed_arg(p, "--k", "--top", type=positive_int, default=3, help="induction heads traced without --receivers (3)")
+    p.add_argument("--k", type=positive_int, default=3, help="induction heads traced without --receivers (3)")
     p.add_argument("--show", type=positive_int, default=3, help="senders listed per receiver input (default 3)")
     json_arg(p, "the result (the trace JSON contract)")
     ray_arg(p, "the scan and the path patching")

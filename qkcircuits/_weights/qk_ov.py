@@ -44,7 +44,7 @@ from .._foundation.arch import LayerWeights, adapter  # noqa: F401  (LayerWeight
 from .._foundation.arch.norms import block_norm, final_norm
 from .._foundation.attention import attention_scale, sliding_window  # noqa: F401  (re-exported: the one scale reader)
 from .._foundation.errors import QKCircuitsError
-from .._foundation.arch.model import positional, rope_type
+from .._foundation.arch.model_facts import positional, rope_type
 from .._foundation.heads import Head, HeadsLike, model_heads
 
 

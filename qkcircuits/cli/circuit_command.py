@@ -83,7 +83,7 @@ def add_parser(sub) -> None:
                    metavar="{" + ",".join(METRICS) + "}",
                    help="the task's own (a registered task declares it: logit-diff for ioi, prob-diff for "
                         "greater-than; logit-diff for a .jsonl), or logit-diff, prob-diff, answer-loss (-log p(answer) "
-                        "at END; 'loss' is its old name), "
+                        "at END), "
                         "or kl (KL(clean || patched) at END, lower is better)")
     p.add_argument("--method", choices=METHODS, default="eap-ig",
                    help="eap-ig (default; integrated gradients on the input embeddings), eap, exact (one patched "

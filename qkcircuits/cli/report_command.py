@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, head_arg, html_arg, load_model, non_negative_int, positive_int, renamed_arg, write_output
+from ._common import add_model_args, head_arg, html_arg, load_model, non_negative_int, positive_int, write_output
 
 
 def add_parser(sub) -> None:
@@ -30,11 +30,11 @@ def add_parser(sub) -> None:
                         "(default: the top head of each labelled score, explained on the scan's repeated prompts)")
     p.add_argument("--no-attend", action="store_true", help="no 'why it attends' sections")
     p.add_argument("--heads", type=head_arg, help="heads to include besides the top ones, e.g. '5.1,L6H9'")
-    renamed_arg(p, "--grid-k", "--per-score", type=non_negative_int, default=3,
-                help="top heads per grid to precompute (default 3)")
-    renamed_arg(p, "--k", "--top-k", type=positive_int, default=5, help="output tokens per source token in the OV view")
-    renamed_arg(p, "--view", "--input", choices=("direct", "effective", "contextual"), default=None,
-                help="token rows of the QK/OV views (default: direct at layer 0, contextual after it)")
+    p.add_argument("--grid-k", type=non_negative_int, default=3,
+                   help="top heads per grid to precompute (default 3)")
+    p.add_argument("--k", type=positive_int, default=5, help="output tokens per source token in the OV view")
+    p.add_argument("--view", choices=("direct", "effective", "contextual"), default=None,
+                   help="token rows of the QK/OV views (default: direct at layer 0, contextual after it)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -73,7 +73,7 @@ def add_result_args(p) -> None:
 def load_inputs(args):
     """(scores, effects, diagnostics) from the JSON files named in ``args`` (None where not given)."""
     from .._analysis.diagnose_result import HeadDiagnostics
-    from .._analysis.results import HeadScores
+    from .._analysis.head_scores import HeadScores
     from .._analysis.sweep import HeadEffects
 
     scores = effects = diagnostics = None

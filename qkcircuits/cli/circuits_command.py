@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, head_arg, json_arg, load_model, positive_int, renamed_arg, write_output
+from ._common import add_model_args, head_arg, json_arg, load_model, positive_int, write_output
 
 
 def add_parser(sub) -> None:
@@ -32,10 +32,10 @@ def add_parser(sub) -> None:
     p.add_argument("--tokens", default=None,
                    help="text whose residual rows feed the offset profile and whose first tokens' full-OV outputs are "
                         "listed (default: natural text when the model has a tokenizer)")
-    renamed_arg(p, "--k", "--top", type=positive_int, default=5, help="partners / output tokens to list (default 5)")
+    p.add_argument("--k", type=positive_int, default=5, help="partners / output tokens to list (default 5)")
     p.add_argument("--offsets", type=positive_int, default=64, help="largest offset in the profile (default 64)")
-    renamed_arg(p, "--view", "--input", choices=("direct", "effective", "contextual"), default=None,
-                help="token rows of the OV view and copying rank (default: direct at layer 0, contextual after)")
+    p.add_argument("--view", choices=("direct", "effective", "contextual"), default=None,
+                   help="token rows of the OV view and copying rank (default: direct at layer 0, contextual after)")
     json_arg(p, "the summary as JSON")
     p.add_argument("--verify", action="store_true",
                    help="also check every head's factored QK/OV against the model's own scores and head outputs "
@@ -49,7 +49,7 @@ def summarize(model, head, text=None, top: int = 5, max_offset: int = 64, input=
     import torch
 
     from .._foundation.capture import has_rotary
-    from .._weights.circuits import attn_scale, circuit_caveats, is_folded
+    from .._weights.qk_ov import attn_scale, circuit_caveats, is_folded
     from .._weights.composition import composition_baseline, k_composition_partners
     from .._weights.contextual import check_input, copying_tokens, head_logits, mid_rank
     from .._weights.copying import copying_scores

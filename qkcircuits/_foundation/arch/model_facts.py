@@ -1,6 +1,6 @@
 """Model-wide architecture facts, asked of the model in one place (the per-layer ones are the adapters').
 
->>> from qkcircuits._foundation.arch import model as M
+>>> from qkcircuits._foundation.arch import model_facts as M
 >>> M.positional(model), M.learned_positions(model), M.n_kv_heads(model), M.parallel_blocks(model)
 ('standard', True, 2, False)
 >>> M.is_model(model), M.is_model("toy-induction")

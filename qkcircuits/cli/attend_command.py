@@ -140,13 +140,13 @@ def run(args: argparse.Namespace) -> int:
     precheck(args)
     scan = None
     if args.scores is not None and not args.no_labels:     # a missing or foreign scan: one line before the model loads
-        from .._analysis.results import HeadScores
-        from .report import _read
+        from .._analysis.head_scores import HeadScores
+        from .report_command import _read
 
         scan = _read(HeadScores, args.scores, "--scores", "a scan JSON from `qkcircuits scan --json`")
     model = load_model(args)
     if scan is not None:                                   # another model's scan: one line naming both
-        from .report import check_same_model
+        from .report_command import check_same_model
 
         check_same_model(model, args, ("--scores", args.scores, scan))
     kw = dict(reading=args.reading, expand=args.expand, k=args.top)

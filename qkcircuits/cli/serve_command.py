@@ -7,7 +7,7 @@ import sys
 
 from .._foundation.errors import QKCircuitsError
 from ._common import add_model_args, load_model, positive_int
-from .report import add_result_args, check_attend, check_same_model, check_trace, load_inputs, read_attend, read_circuit, read_trace
+from .report_command import add_result_args, check_attend, check_same_model, check_trace, load_inputs, read_attend, read_circuit, read_trace
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

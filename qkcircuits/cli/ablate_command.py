@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from .._foundation.errors import QKCircuitsError
 from ._common import (add_model_args, head_arg, json_arg, load_model, non_negative_int, positive_int, ray_arg,
-                      ray_backend, renamed_arg, write_output)
+                      ray_backend, write_output)
 
 METRICS = ("induction-loss", "text-loss")     # the table's token-row names with default prompts (default_tokens)
 
@@ -32,9 +32,9 @@ def add_parser(sub) -> None:
                    help="induction-loss: length of the random segment R of [BOS]+R+R (default 40, capped by context "
                         "and vocabulary)")
     p.add_argument("--seq-len", type=positive_int, default=None,
-                   help="text-loss: tokens per text row (default 40); with induction-loss, the old name of --seg-len")
+                   help="text-loss: tokens per text row (default 40)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random prompts (default 0)")
-    renamed_arg(p, "--k", "--top", type=positive_int, default=10, help="heads listed after --sweep (default 10)")
+    p.add_argument("--k", type=positive_int, default=10, help="heads listed after --sweep (default 10)")
     ray_arg(p, "--sweep")
     json_arg(p, "the result as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -89,15 +89,11 @@ def run_ray(args: argparse.Namespace) -> int:
 
 def prompt_lengths(args: argparse.Namespace) -> dict:
     """``seg_len`` (induction-loss: R) or ``seq_len`` (text-loss: a row) for ``default_tokens``, from
-    ``--seg-len``/``--seq-len``; ``--seq-len`` with induction-loss is the old spelling of ``--seg-len`` (a
-    deprecation line on stderr). The flag that does not apply to the metric is refused."""
+    ``--seg-len``/``--seq-len``. The flag that does not apply to the metric is refused."""
     induction = args.metric.startswith("induction")
     if induction and args.seq_len is not None:
-        if args.seg_len is not None:
-            raise QKCircuitsError("--seq-len is the old name of --seg-len for induction-loss: give only --seg-len")
-        print("qkcircuits: --seq-len with induction-loss is deprecated; use --seg-len (the length of R)",
-              file=sys.stderr)
-        return {"seg_len": args.seq_len}
+        raise QKCircuitsError(f"--seq-len is the length of text-loss rows; --metric {args.metric} takes --seg-len "
+                              f"(the length of R)")
     if not induction and args.seg_len is not None:
         raise QKCircuitsError(f"--seg-len is the repeated segment of induction-loss prompts; --metric {args.metric} "
                               f"rows take --seq-len")
