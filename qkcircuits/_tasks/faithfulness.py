@@ -270,7 +270,7 @@ def node_metric(model, task: Task, heads: Sequence[str], rows_per_shard: Optiona
     forward and, with ``need_clean``, one clean forward.
     Without post-attention norms the node-view forward is a plain one with those heads' z from the corrupt
     run (``runs.node_run``; its corrupt forward keeps only z, [b, p, H, e] per layer); with them (Gemma), the
-    patched run of ``node_mask``. A Ray shard job runs this on its rows (``ray_tasks.node_metric_job``).
+    patched run of ``node_mask``.
     Heads at a position group (``"20.0@END"``, ``"7.1@other"``; the groups are the task's named positions
     and ``other``): every head at every group NOT in ``heads`` gives its corrupt output at that group's positions
     (a head named without a group is kept at every group)."""
@@ -361,8 +361,8 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     patched forward per size and prompt shard, one for the node view, one corrupt forward per shard, and
     one clean forward per shard for m(full) unless the scores measured it on this task and these weights
     (``scores.settings["task_digest"]`` equals ``task.digest(model)``: their m(clean) is taken). Memory: the shard's corrupt record and the patched
-    run's sender outputs, ~3 × [S, rows, pos, d_model]. ``backend`` as in ``edge_scores``: on Ray, every m(C)
-    is summed over prompt shards and f computed once from the sums (``qkcircuits._scale.ray_tasks``).
+    run's sender outputs, ~3 × [S, rows, pos, d_model]. ``backend`` as in ``edge_scores``: the whole curve is one
+    step where the backend runs steps (on Ray: one worker, which loaded the model), on every graph.
     ``bootstrap``: that many resamples of the prompt rows (seeded by ``seed``) give 95 % intervals of each f,
     CPR and CMD from the per-row metrics, with no model run per resample (``bootstrap.py``; the clean rows
     are then run even when the scores measured m(clean)). ``holdout``: a Task of other prompts of the same
@@ -373,12 +373,9 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     from .shards import check_task, shard_rows
 
     check_bootstrap(bootstrap)
-    if backend is not None:
+    if backend is not None:         # one step where the backend runs steps (on Ray: one worker); not split yet
         from .._foundation.backends import as_backend
 
-        sg = getattr(scores, "graph", None)
-        if isinstance(sg, Graph) and (sg.ungrouped or sg.positions):
-            raise QKCircuitsError("the ungrouped and position-aware graphs run in this process only (backend=None)")
         extra = {"bootstrap": bootstrap, "seed": seed} if bootstrap else {}
         if holdout is not None:
             extra["holdout"] = holdout
