@@ -34,6 +34,7 @@ from .._foundation.heads import Head
 from .._foundation.io import json_floats, read_float, read_floats
 from .._foundation.model import model_name
 from .._foundation.shards import Plan, Sharded
+from .metric import Metric
 from .metrics import as_metric, default_tokens, portable
 from .ablate import (ablate, check_method, copies_per_forward, make_replacement, prepare_metric, progress_bar,
                      run_groups)
@@ -140,10 +141,11 @@ def sweep(model, tokens, metric="induction-loss", method: str = "zero", *, refer
 
     ``backend``: ``qk.Local()`` (default) or ``qk.Ray(address=..., workers=...)`` (strings ``"local"``,
     ``"ray"``, ``"local:N"`` or a Ray address also work; ``ray_address``/``workers`` are the older spelling
-    of ``qk.Ray``'s). On Ray, workers each load the model once (a loaded model travels as its spec) and
-    sweep shards of (prompts, layers); ``tokens`` must be ids. On either backend ``tokens`` may be a dict of
-    ``default_tokens`` arguments (``n_seqs``, ``seg_len`` or ``seq_len``, ``seed``): the metric's default prompts. Equal to the local sweep to float rounding
-    (docs/scaling.md); ``timing`` gets ``startup_s``, ``load_s``, ``sweep_s``.
+    of ``qk.Ray``'s). Every backend runs the same shards of (prompts, layers) (``SWEEP``, ``plan_sweep``): on
+    Ray, workers each load the model once (a loaded model travels as its spec), and the result is the local one
+    bit for bit (docs/scaling.md); ``timing`` gets ``startup_s``, ``load_s``, ``sweep_s``. ``tokens`` may be a
+    dict of ``default_tokens`` arguments (``n_seqs``, ``seg_len`` or ``seq_len``, ``seed``): the metric's default
+    prompts, drawn where the model is.
 
     >>> res = qk.sweep(model, tokens, "induction-loss", progress=False)
     >>> res.top(1)[0][0], res.effects.shape
@@ -163,7 +165,7 @@ LAYER_GROUPS = 4        # layer groups per row block: each pays one clean pass, 
 
 def _check_sweep(*, method: str, metric=None, **rest: Any) -> Dict[str, Any]:
     check_method(method)
-    return dict(method=method, metric=portable(metric), **rest)
+    return dict(method=method, metric=portable(metric) if isinstance(metric, Metric) else metric, **rest)
 
 
 def _plan_sweep(model, *, tokens, metric, method: str, reference, per_position: bool, layers, max_batch,
