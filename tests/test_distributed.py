@@ -39,6 +39,15 @@ def ray_local():
         ray.shutdown()
 
 
+@pytest.fixture
+def one_thread():
+    """This process computes with one thread, as each worker does (``qk.Ray(threads=1)``)."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(was)
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     folder = _tiny.llama_dir(tmp_path_factory)
@@ -145,8 +154,6 @@ def test_ray_errors_are_one_line(monkeypatch, llama):
     task = qk.tasks.induction(model, n=2, seg_len=4)
     with pytest.raises(QKCircuitsError, match="unknown edge-score method 'magic'"):
         qk.edge_scores(str(folder), task, "magic", backend=qk.Ray(address="127.0.0.1:9"))
-    with pytest.raises(QKCircuitsError, match="task must be a qk.Task"):
-        qk.node_scores(str(folder), "ioi", "exact", backend=qk.Ray(address="127.0.0.1:9"))
     with pytest.raises(QKCircuitsError, match="unknown receiver input 'x'"):
         qk.path_patch(str(folder), "1.0", into="x", backend=qk.Ray(address="127.0.0.1:9"))
     with pytest.raises(QKCircuitsError, match="unknown ablation method|method must be"):
@@ -266,7 +273,7 @@ def _llama_task(model):
 
 @pytest.mark.parametrize("graph", [{}, {"gqa": "ungrouped"}, {"positions": True}], ids=["grouped", "ungrouped",
                                                                                       "positions"])
-def test_task_scores_and_faithfulness_on_ray_equal_local(graph, llama, ray_local):
+def test_task_scores_and_faithfulness_on_ray_equal_local(graph, llama, ray_local, one_thread):
     """Edge scores (EAP-IG, exact), exact node scores, the faithfulness curve and the core circuit on one Ray pool
     equal the local ones bit for bit, on the grouped, ungrouped and position-aware graphs (tiny Llama-GQA with
     MLPs): the same prompt-row shards, their float64 sums added in the same order."""
@@ -310,14 +317,33 @@ def test_cli_circuit_ray_equals_local(tmp_path, ray_local, capsys):
     from qkcircuits.cli import main
 
     a, b = tmp_path / "local.json", tmp_path / "ray.json"
+    # one thread here as on each worker (--threads: the workers' too): the core's search breaks ties of equal costs
+    # by float order, and a matrix product's rounding may depend on the thread count
     common = ["circuit", "toy-induction", "--task", "induction", "--n", "6", "--method", "exact", "--quiet", "--device",
-              "cpu"]
+              "cpu", "--threads", "1"]
     assert main(common + ["--json", str(a)]) == 0
     assert main(common + ["--ray", "local:2", "--json", str(b)]) == 0
     assert "on Ray, 2 workers" in capsys.readouterr().out
     la, lb = json.loads(a.read_text()), json.loads(b.read_text())
     assert lb.pop("backend")["name"] == "ray" and "backend" not in la
+    assert lb["summary"].pop(0) == la["summary"].pop(0) + "; on Ray, 2 workers"      # the first line says where
     for d in (la, lb):                      # how long each step took: the only numbers that may differ
         d.pop("timing"), d["core"].pop("seconds")
     assert lb == la                                                       # every number, exactly
     assert la["circuit"]["heads"] == ["0.0", "1.0"] and la["core"]["heads"] == ["0.0", "1.0"]
+
+
+def test_cli_circuit_graph_options_on_ray_equal_local(tmp_path, ray_local, capsys):
+    """``--gqa ungrouped --positions`` on Ray (refused before issue 44 ask 1): the local command's JSON."""
+    from qkcircuits.cli import main
+
+    a, b = tmp_path / "local.json", tmp_path / "ray.json"
+    common = ["circuit", "toy-induction", "--task", "induction", "--n", "6", "--method", "eap", "--quiet", "--device",
+              "cpu", "--threads", "1", "--gqa", "ungrouped", "--positions"]
+    assert main(common + ["--json", str(a)]) == 0
+    assert main(common + ["--ray", "local:2", "--json", str(b)]) == 0
+    la, lb = json.loads(a.read_text()), json.loads(b.read_text())
+    assert lb.pop("backend")["name"] == "ray" and la["graph"]["positions"] == ["END", "other"]
+    lb["summary"].pop(0), la["summary"].pop(0)
+    la.pop("timing"), lb.pop("timing")
+    assert lb == la

@@ -233,8 +233,9 @@ def _combine_sweep(plan: Plan, parts: List[Dict[str, Any]], where: Optional[Dict
     effects = -info["sign"] * effects           # ablated − clean → the metric's sign (+ = the head matters)
     timing = {"sweep_s": round(sum(p["seconds"] for p in parts), 3)}
     backend = {"name": "local"}
-    if where:
+    if where:                           # the shards' wall time where they ran in parallel
         timing.update({k: where[k] for k in ("startup_s", "load_s") if k in where})
+        timing["sweep_s"] = where.get("run_s", timing["sweep_s"])
         # per shard: prompt rows, layers, planned cost (block passes x prompts), seconds in the worker
         backend = {**where, "shards": len(parts),
                    "plan": [{"rows": list(s["rows"]), "layers": s["layers"], "cost": c, "seconds": round(p["seconds"], 3)}

@@ -228,12 +228,19 @@ class RayPool(BackendPool):
 
     def each(self, job: str, run: Callable[..., Any], shared: Any, shards: Sequence[Dict[str, Any]],
              costs: Optional[Sequence[float]] = None) -> List[Any]:
-        return self._open().map(run, list(shards), shared, costs=costs, desc=f"{job} (ray)")
+        import time
+
+        t0 = time.perf_counter()
+        parts = self._open().map(run, list(shards), shared, costs=costs, desc=f"{job} (ray)")
+        self._run_s = time.perf_counter() - t0
+        return parts
 
     def where(self) -> Optional[Dict[str, Any]]:
+        """The workers, their retries, start-up and load seconds, and the wall seconds of the last map (``run_s``)."""
         w = self._open()
         return {"name": "ray", "workers": w.size, "threads": w.threads, "retries": w.retries,
-                "startup_s": round(w.timing.get("startup_s", 0.0), 3), "load_s": round(w.timing.get("load_s", 0.0), 3)}
+                "startup_s": round(w.timing.get("startup_s", 0.0), 3), "load_s": round(w.timing.get("load_s", 0.0), 3),
+                "run_s": round(getattr(self, "_run_s", 0.0), 3)}
 
 
 @dataclass(frozen=True)

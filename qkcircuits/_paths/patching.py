@@ -217,7 +217,7 @@ def check_into(into) -> List[str]:
 
 
 def check_request(model, receivers, senders, into, method: str, tokens):
-    """Validate a path-patching request (shared by ``path_patch``, ``edge_attribution`` and the Ray jobs):
+    """Validate a path-patching request (shared by the plan of ``path_patch`` and ``edge_attribution``):
     (receivers, senders or None for all earlier heads, inputs, prompt tokens on the model's device, sender
     layers). Layer-0 receivers are kept with an empty sender set (their effects are NaN: no head precedes
     them); a request whose receivers are ALL in layer 0 fails."""
@@ -369,7 +369,7 @@ def _combine_patch(plan: Plan, parts: List[ShardSums], where: Optional[Dict], *,
     effects, clean = combine(parts, metrics, recv)
     settings = dict(info["settings"])
     if where:
-        settings["backend"] = {**where, "shards": len(parts), "patch_s": round(sum(p.seconds for p in parts), 3),
+        settings["backend"] = {**where, "shards": len(parts), "patch_s": where.get("run_s", round(sum(p.seconds for p in parts), 3)),
                                "plan": [{"rows": list(s["rows"]), "receivers": [str(r) for r in s["receivers"]],
                                          "cost": c, "seconds": round(p.seconds, 3)}
                                         for s, c, p in zip(plan.shards, plan.costs, parts)]}

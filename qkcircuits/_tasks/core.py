@@ -332,7 +332,9 @@ def search(candidates: Sequence[str], fixed: Sequence[str], costs: Dict[str, flo
         tick(1)
         if judge.enough(f2, lo2):
             K, f_K, lo_K, hi_K = trial, f2, lo2, hi2
-            chunks.append(sorted(drop, key=lambda n: -costs.get(n, 0.0)))
+            # from ``order`` (a list), not the set: equal costs keep the ranking's order in every process (a set of
+            # strings iterates in the order of their hashes, which Python seeds per process)
+            chunks.append(sorted(order[:c], key=lambda n: -costs.get(n, 0.0)))
             path.append((list(K), f_K, lo_K))
             step = 2 * c
             # re-estimated where the set now stands: stale estimates near the threshold make many small misses
