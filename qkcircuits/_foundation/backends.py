@@ -62,8 +62,8 @@ class BackendPool:
         """Release it (idempotent: also called after an ``open`` that failed half-way)."""
 
     def run(self, job: str, *, local: Callable[..., Any], **request: Any) -> Any:
-        """Compute ``job`` (``"sweep"``, ``"edge_scores"``, ...; ``Backend.run``'s list) on the held model;
-        ``local(loaded_model, **request)`` is its in-process computation."""
+        """Compute the step ``job`` (``Backend.run``'s list; a split analysis' plan is a step named after it) on the
+        held model: ``local(loaded_model, **request)``, wherever the model is."""
         raise NotImplementedError
 
     def each(self, job: str, run: Callable[..., Any], shared: Any, shards: Sequence[Dict[str, Any]],
