@@ -34,7 +34,6 @@ from .._foundation.heads import Head
 from .._foundation.io import json_floats, read_float, read_floats
 from .._foundation.model import model_name
 from .._foundation.shards import Plan, Sharded
-from .metric import Metric
 from .metrics import as_metric, default_tokens, portable
 from .ablate import (ablate, check_method, copies_per_forward, make_replacement, prepare_metric, progress_bar,
                      run_groups)
@@ -165,7 +164,7 @@ LAYER_GROUPS = 4        # layer groups per row block: each pays one clean pass, 
 
 def _check_sweep(*, method: str, metric=None, **rest: Any) -> Dict[str, Any]:
     check_method(method)
-    return dict(method=method, metric=portable(metric) if isinstance(metric, Metric) else metric, **rest)
+    return dict(method=method, metric=metric, **rest)
 
 
 def _plan_sweep(model, *, tokens, metric, method: str, reference, per_position: bool, layers, max_batch,
@@ -202,7 +201,9 @@ def _sweep_shard(model, shared: Dict[str, Any], scratch: Dict[str, Any], *, rows
 
     t0 = time.perf_counter()
     with torch.no_grad():
-        tokens, metric = prepare_metric(model, shared["tokens"][rows[0]:rows[1]], shared["metric"], where="sweep")
+        # checked on the model's tokens by the plan; a built-in here by name (it pickles), resolved as it was there
+        tokens = shared["tokens"][rows[0]:rows[1]].to(model.W_E.device)
+        metric = as_metric(shared["metric"], accept=("logits",), where="sweep")
         repl = copy(shared["replacement"])
         dev = model.W_E.device
         if repl.method == "resample":                 # row i of the prompts gets row i of the reference
