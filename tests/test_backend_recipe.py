@@ -1,11 +1,13 @@
 """The docs' "How to add a backend" recipe, executed (issue 36 asks 5 and 9).
 
-The backend is the one docs/architecture.md defines: its block is read from the page and run here, unchanged.
-It must serve every command with ONE pool per command (the model loaded once): ``qk.zoo`` (one pool per model),
-the circuit steps in Python (an open pool as ``backend=``), and the ``circuit`` command's own steps (task, edge
+The backend is the one docs/architecture.md defines: its block is read from the page and run here, unchanged. It
+runs steps where its model is and maps a split analysis' shards LAST FIRST (issue 44 ask 1: a backend only maps
+shards). It must serve every command with ONE pool per command (the model loaded once): the split analyses
+(edge and node scores on every graph option, the sweep, path patching), ``qk.zoo`` (one pool per model), the
+circuit steps in Python (an open pool as ``backend=``), and the ``circuit`` command's own steps (task, edge
 scores, core, curve, sign check, ``--edges`` circuit, roles). Ground truth: the local backend (no backend at all,
-and ``qkcircuits circuit`` as the CLI runs it) on the same model and prompts; the results must be EQUAL, number
-for number (the same computation in the same process, only the place that holds the model differs).
+and ``qkcircuits circuit`` as the CLI runs it) on the same model and prompts; the results must be EQUAL, bit for
+bit (the same shards combined by the same function in the same order; only the order they ran in differs).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def recipe():
     page = DOCS.read_text(encoding="utf-8")
     section = page[page.index("### How to add a backend"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    assert "class Recording(qk.Backend)" in code and "def pool(self, model)" in code
+    assert "class Recording(qk.Backend)" in code and "def pool(self, model)" in code and "def each(" in code
     ns = {"qk": qk}
     exec(compile(code, "docs/architecture.md (How to add a backend)", "exec"), ns)
     return ns
@@ -75,7 +77,9 @@ def test_circuit_steps_share_one_pool_and_equal_the_local_backend(recipe, toy_ta
             qk.edge_scores(hand_built, task, backend=p)
         assert "\n" not in str(e.value)
     assert backend.opened == ["toy-induction"] and p.opened == 1
+    # the split analyses' plans are steps named after them; their shards went through each()
     assert backend.ran == ["edge_scores", "node_scores", "faithfulness", "core_circuit"]
+    assert [job for job, _ in backend.mapped] == ["edge_scores", "node_scores"]
     with pytest.raises(QKCircuitsError, match="is closed"):
         qk.edge_scores("toy-induction", task, backend=p)
 
@@ -108,11 +112,47 @@ def test_the_circuit_command_runs_every_step_on_one_pool_of_the_recipe_backend(r
     # task, edge scores, core, curve, the sign check's EAP-IG, the --edges circuit's f, roles: all on the one pool
     assert backend.ran == ["task", "edge_scores", "core_circuit", "faithfulness", "edge_scores",
                            "circuit_faithfulness", "roles"]
+    assert [job for job, _ in backend.mapped] == ["edge_scores", "edge_scores"]
     la, lb = json.loads(a.read_text()), json.loads(b.read_text())
     for d in (la, lb):                      # how long each step took: the only numbers that may differ
         d.pop("timing"), d["core"].pop("seconds")
     assert lb == la
     assert la["core"]["heads"] == ["0.0", "1.0"] and la["circuit"]["n_edges"] <= 4 and "sign_check" in la
+
+
+@pytest.mark.parametrize("graph", [{}, {"gqa": "ungrouped"}, {"positions": True}], ids=["grouped", "ungrouped",
+                                                                                      "positions"])
+def test_the_recipe_maps_shards_last_first_and_equals_local_exactly(recipe, toy_task, graph):
+    """Every split analysis on the recipe's backend (its shards run in reverse order) equals the local one bit for
+    bit: edge scores (EAP-IG and exact) and exact node scores on every graph option, the sweep, path patching."""
+    model, task = toy_task
+    backend = recipe["Recording"]()
+    tokens = qk.repeated_tokens(model, n_seqs=4, seg_len=5, seed=2)
+    kw = dict(rows_per_shard=2, progress=False, **graph)
+    with backend.pool(model) as p:
+        got = {m: qk.edge_scores(model, task, method=m, backend=p, **kw) for m in ("eap-ig", "exact")}
+        nodes = qk.node_scores(model, task, method="exact", backend=p, **kw)
+        sweep = qk.sweep(model, tokens, "induction-loss", "resample", backend=p, progress=False)
+        paths = qk.path_patch(model, "1.0,1.1", tokens=tokens, method="resample", shards=2, backend=p,
+                              progress=False)
+    assert backend.mapped == [("edge_scores", 3), ("edge_scores", 3), ("node_scores", 3), ("sweep", 2),
+                              ("path_patch", 2)]                  # 6 prompts in 3 blocks; 2 layers; 2 row blocks
+    for m, res in got.items():
+        want = qk.edge_scores(model, task, method=m, **kw)
+        assert res.scores.nan_to_num().abs().max() > 1                          # the toy's edges carry the task
+        _same(res.scores, want.scores)
+        if graph.get("positions"):
+            _same(res.position_scores, want.position_scores)
+        assert (res.clean, res.corrupt, res.settings) == (want.clean, want.corrupt, want.settings)
+    assert nodes.scores == qk.node_scores(model, task, method="exact", **kw).scores
+    want = qk.sweep(model, tokens, "induction-loss", "resample", progress=False)
+    _same(sweep.effects, want.effects)
+    assert sweep.baseline == want.baseline and sweep.top(1)[0][0] == qk.Head(1, 0)
+    want = qk.path_patch(model, "1.0,1.1", tokens=tokens, method="resample", shards=2, progress=False)
+    for x in "qkv":
+        _same(paths.effects[x], want.effects[x])
+        _same(paths.clean[x], want.clean[x])
+    assert paths.top(1, receiver="1.0", into="k")[0][0] == qk.Head(0, 0)                        # the toy's key path
 
 
 def test_a_backend_with_only_run_still_works_everywhere(toy_task):

@@ -66,10 +66,3 @@ def test_ungrouped_core_and_mib_on_a_gqa_gguf(tmp_path_factory, tmp_path, capsys
     got = {k: e["score"] for k, e in m["edges"].items() if e["in_graph"]}
     assert len(want) == d["circuit"]["n_edges"] > 0 and got.keys() == want.keys()
     assert all(got[k] == pytest.approx(v, rel=1e-4, abs=1e-6) for k, v in want.items())
-
-
-@pytest.mark.parametrize("argv", [["--positions"], ["--gqa", "ungrouped"]])
-def test_graph_options_are_refused_on_ray_in_one_line(argv, capsys):
-    assert main(["circuit", "toy-induction", "--task", "induction", "--ray", "local:1", *argv, "--quiet"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "run in this process only" in err and len(err.splitlines()) == 1

@@ -123,13 +123,9 @@ def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
 ROOT = Path(qkcircuits.__file__).parent
 GRAPH = import_graph(ROOT, "qkcircuits")
 # The upward imports known and meant to go, each (module, layer it imports by string) with the issue that removes it.
-# Issue 44, ask 1 ("shards once"): ``qk.Ray`` names its jobs as "qkcircuits._scale.…:fn" strings in ``Ray.jobs`` and
-# imports ``_scale.distributed`` by name when a Ray backend runs; when every analysis declares its shards once and
-# the backends only map them, this entry goes (and the test below fails until it does: a stale entry is an error).
-# Its edges also close a circle (backends -> _scale.* -> _tasks/_paths -> backends, 15 modules), so the circle test
-# leaves them out too.
-KNOWN_UPWARD = {("qkcircuits._foundation.backends", "_scale"):
-                "issue 44 ask 1: Ray.jobs and the string import of _scale.distributed go with the shards declared once"}
+# None now: issue 44 ask 1 ("shards once") removed the last one, qk.Ray's table of "qkcircuits._scale.…:fn" job
+# strings and its string import of _scale.distributed (each analysis declares its shards once; backends map them).
+KNOWN_UPWARD: dict = {}
 
 
 def layer(m: str) -> str:
@@ -189,5 +185,7 @@ def test_the_graph_reads_string_imports(tmp_path):
     g = import_graph(pkg, "pkg")
     assert g == {"pkg": {"pkg.c"}, "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.c"}, "pkg.c": {"pkg.a"}}
     assert cycles(g) == [["pkg.a", "pkg.b", "pkg.c"]]
-    # and the package's own string imports are read: Ray's job table names _scale's modules
-    assert {"qkcircuits._scale.ray_tasks", "qkcircuits._scale.distributed"} <= GRAPH["qkcircuits._foundation.backends"]
+    # and the package's own modules name none of _scale's by string below it: backends imports the Ray workers by
+    # statement, from its own layer
+    assert "qkcircuits._foundation.workers" in GRAPH["qkcircuits._foundation.backends"]
+    assert not any(m.startswith("qkcircuits._scale") for m in GRAPH["qkcircuits._foundation.backends"])

@@ -198,19 +198,22 @@ def test_a_new_backend_is_one_subclass(hand_built):
     res = qk.sweep(hand_built, toks, backend=Recording(), progress=False)
     qk.path_patch(hand_built, "1.0", tokens=toks, backend=Recording(), progress=False)
     qk.trace_induction(hand_built, k=1, backend=Recording(), progress=False)
-    assert seen == ["sweep", "path_patch", "trace"] and res.top(1)[0][0] == qk.Head(1, 0)
+    # a backend with only run: each split analysis is one step (its shards run where that step runs); trace's
+    # steps: the scan, the path patching, the K-composition agreement
+    assert seen == ["sweep", "path_patch", "trace_scan", "path_patch", "k_composition"]
+    assert res.top(1)[0][0] == qk.Head(1, 0)
 
 
 def test_no_analysis_module_imports_the_scale_layer():
-    # the lower layers (foundation, weights, analysis, paths) never import _scale: the Ray implementations are
-    # named as strings in qk.Ray.jobs and imported when a Ray backend runs
+    # the lower layers (foundation, weights, analysis, paths) never import _scale: each analysis declares its shards
+    # once and a backend maps them; the Ray workers (_foundation/workers) are imported when a Ray pool opens
     for layer in ("_foundation", "_weights", "_analysis", "_paths"):
         for path in (ROOT / layer).glob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom):
                     assert "_scale" not in (node.module or ""), f"{path.name} imports {node.module}"
     code = ("import sys, qkcircuits as qk; qk.sweep; qk.path_patch; qk.trace_induction; "
-            "bad = [m for m in sys.modules if m.startswith('qkcircuits._scale.ray') or m == 'ray']; "
+            "bad = [m for m in sys.modules if m in ('qkcircuits._foundation.workers', 'ray')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 

@@ -1,5 +1,7 @@
-"""Where an analysis runs: backends that hold a model for the steps of a command (``Backend.pool``), and ONE
-dispatch point per step, ``BackendPool.run(job, local=..., **request)``.
+"""Where an analysis runs: backends that hold a model for the steps of a command (``Backend.pool``). A pool does
+two things: ``run(job, local=..., **request)``, one step on the model (``local(loaded_model, **request)``), and
+``map(sharded, **request)``, an analysis split into shards (``_foundation/shards``: declared ONCE next to each
+analysis), whose shards it maps with ``each``.
 
 >>> qk.Local().name, qk.Ray(address="local:2").name
 ('local', 'ray')
@@ -12,38 +14,40 @@ dispatch point per step, ``BackendPool.run(job, local=..., **request)``.
 >>> p.opened
 1
 
-An analysis (``sweep``, ``path_patch``, ``trace``, ``edge_scores``, ...) hands its request to
-``as_backend(backend).run``: the job's name, the ``model`` (a loaded model or a spec: both work on every
-backend), the function that computes it in this process (``local``) and the request's arguments.
-``Backend.run`` opens a pool for that one step; a command with several steps opens ONE pool
-(``with backend.pool(model) as p``) and runs each step on it (``p.run(job, local=..., **request)``, or
-``backend=p`` in the public functions), so the model is loaded once per command, here or on each Ray worker.
-``Local``'s pool loads a spec once (``qk.load``) and calls ``local``; ``Ray``'s pool starts the workers once
-(each loads the model: a loaded model goes as the spec ``qk.load`` recorded, ``model_spec``) and calls the
-job's Ray implementation, named as ``"module:function"`` in ``Ray.jobs`` and imported only then. So this
-module (the bottom layer) and the analyses import nothing of ``qkcircuits._scale`` and never ``ray``;
-``_scale`` imports the analyses, never the reverse. Adding a backend: subclass ``Backend`` and write ``pool``
-(a ``BackendPool`` with ``open``/``run``/``close``; docs/architecture.md, "How to add a backend").
+An analysis hands its request to its backend: a split one (``sweep``, ``path_patch``, ``edge_scores``,
+``node_scores``) as ``Backend.map(sharded, model, **request)``, a step that is not split (the CLI's task, roles,
+a zoo entry, faithfulness, the core circuit) as ``Backend.run(job, model, local=..., **request)``. Either opens a
+pool for that one step; a command with several steps opens ONE pool (``with backend.pool(model) as p``) and runs
+each step on it (``backend=p`` in the public functions), so the model is loaded once per command, here or on
+each Ray worker. ``Local``'s pool loads a spec once (``qk.load``), runs a step on it and maps shards in order;
+``Ray``'s pool starts the workers once (each loads the model: a loaded model goes as the spec ``qk.load``
+recorded, ``model_spec``), runs a step on one worker and maps shards over all of them (``_foundation/workers``,
+imported when a Ray pool opens; never ``ray`` before). Every backend maps the SAME shards (a plan depends on the
+request and the model, not on the workers) and combines them with the same function in the same order, so
+every backend's result is the local one, bit for bit. Adding a backend: subclass ``Backend`` and write ``pool``
+(a ``BackendPool`` with ``open``/``run``/``each``/``close``; docs/architecture.md, "How to add a backend").
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Dict, Optional
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence
 
 from .errors import QKCircuitsError
+from .shards import Plan, Sharded
 
 
 class BackendPool:
     """What a backend holds for the steps of one command: ``model`` (a loaded model or a spec), loaded ONCE on
     ``open`` (in this process, or on each of its workers) and released on ``close``; ``run(job, local=...,
-    **request)`` computes one step on it. Use it as a context manager; entering an open pool again (an analysis
-    given ``backend=p``) neither reopens nor closes it: the outermost ``with`` does.
+    **request)`` computes one step on it, ``map(sharded, **request)`` one split analysis (written here, once:
+    the plan through ``run``, the shards through ``each``, then ``combine``). Use it as a context manager; entering
+    an open pool again (an analysis given ``backend=p``) neither reopens nor closes it: the outermost ``with`` does.
 
-    A subclass writes ``run`` and, when it holds something, ``open`` / ``close`` (``LocalPool``, ``RayPool``).
-    ``opened`` counts the opens (a test's way to see that one command loaded its model once).
+    A subclass writes ``run``, ``each`` (where ``here`` is None: the default runs the shards in order on ``here``)
+    and, when it holds something, ``open`` / ``close`` (``LocalPool``, ``RayPool``). ``opened`` counts the opens
+    (a test's way to see that one command loaded its model once).
     """
 
     def __init__(self, backend: "Backend", model):
@@ -58,9 +62,32 @@ class BackendPool:
         """Release it (idempotent: also called after an ``open`` that failed half-way)."""
 
     def run(self, job: str, *, local: Callable[..., Any], **request: Any) -> Any:
-        """Compute ``job`` (``"sweep"``, ``"edge_scores"``, ...; ``Backend.run``'s list) on the held model;
-        ``local(loaded_model, **request)`` is its in-process computation."""
+        """Compute the step ``job`` (``Backend.run``'s list; a split analysis' plan is a step named after it) on the
+        held model: ``local(loaded_model, **request)``, wherever the model is."""
         raise NotImplementedError
+
+    def each(self, job: str, run: Callable[..., Any], shared: Any, shards: Sequence[Dict[str, Any]],
+             costs: Optional[Sequence[float]] = None) -> List[Any]:
+        """``run(model, shared, scratch, **shard)`` for every shard, the parts in shard order (``job``: the
+        analysis' name, ``costs``: relative work, for scheduling). The default: in order, in this process, on
+        ``here`` (``scratch`` one dict for them all)."""
+        if self.here is None:
+            raise QKCircuitsError(f"{type(self).__name__} holds no model in this process; write its each() to map "
+                                  f"the shards of {job!r} where its model is")
+        scratch: Dict[str, Any] = {}
+        return [run(self.here, shared, scratch, **s) for s in shards]
+
+    def map(self, sharded: Sharded, **request: Any) -> Any:
+        """The analysis ``sharded`` on this pool: ``check`` here, ``plan`` on the model (a ``run`` step), every
+        shard through ``each``, ``combine`` here (``where()`` says where the shards ran)."""
+        request = sharded.checked(request)
+        plan: Plan = self.run(sharded.name, local=sharded.plan, **request)
+        parts = self.each(sharded.name, sharded.run, plan.shared, plan.shards, plan.costs)
+        return sharded.combine(plan, parts, self.where(), **request)
+
+    def where(self) -> Optional[Dict[str, Any]]:
+        """What a split analysis records of where its shards ran (None: in this process, nothing to say)."""
+        return None
 
     @property
     def here(self):
@@ -110,12 +137,18 @@ class Backend:
         return EachStep(self, model)
 
     def run(self, job: str, model, *, local: Callable[..., Any], **request: Any) -> Any:
-        """Compute ``job`` (``"sweep"``, ``"path_patch"``, ``"trace"``, ``"edge_scores"``, ``"node_scores"``,
-        ``"faithfulness"``, ``"core_circuit"``; the CLI's ``circuit`` adds ``"task"``, ``"circuit_faithfulness"``,
-        ``"roles"``; the zoo ``"zoo_entry"``) for ``model`` (loaded or a spec) on a pool opened for this step
-        alone; ``local(loaded_model, **request)`` is the in-process computation."""
+        """Compute the step ``job`` (``"faithfulness"``, ``"core_circuit"``, ``"trace_scan"``; the CLI's ``circuit``
+        adds ``"task"``, ``"circuit_faithfulness"``, ``"roles"``; the zoo ``"zoo_entry"``; a split analysis' plan
+        is a step named after it) for ``model`` (loaded or a spec) on a pool opened for this step alone;
+        ``local(loaded_model, **request)`` is the computation, wherever the model is."""
         with self.pool(model) as p:
             return p.run(job, local=local, **request)
+
+    def map(self, sharded: Sharded, model, **request: Any) -> Any:
+        """The split analysis ``sharded`` (``"sweep"``, ``"path_patch"``, ``"edge_scores"``, ``"node_scores"``)
+        for ``model`` on a pool opened for it alone (``BackendPool.map``)."""
+        with self.pool(model) as p:
+            return p.map(sharded, **request)
 
 
 class EachStep(BackendPool):
@@ -123,6 +156,10 @@ class EachStep(BackendPool):
 
     def run(self, job: str, *, local: Callable[..., Any], **request: Any) -> Any:
         return self.backend.run(job, self.model, local=local, **request)
+
+    def map(self, sharded: Sharded, **request: Any) -> Any:
+        # the backend has no shards of its own: the whole analysis is one step, run where it runs steps
+        return self.backend.run(sharded.name, self.model, local=sharded.local, **request)
 
 
 class LocalPool(BackendPool):
@@ -157,18 +194,19 @@ class Local(Backend):
 
 
 class RayPool(BackendPool):
-    """Ray workers started once on ``open`` (``qkcircuits._scale.distributed.Pool``: each loads the model once);
-    each step is the job's Ray implementation (``Ray.jobs``) called with ``pool=`` these workers. The driver loads
-    no weights (``here`` is None)."""
+    """Ray workers started once on ``open`` (``_foundation/workers.Pool``: each loads the model once); a step runs
+    on one worker (``Pool.call``), a split analysis' shards on all of them (``Pool.map``: ``shared`` sent once
+    through Ray's object store). The driver loads no weights (``here`` is None)."""
 
-    workers: Any = None            # the started qkcircuits._scale.distributed.Pool
+    workers: Any = None            # the started _foundation.workers.Pool
 
     def open(self) -> None:
+        from .workers import Pool          # ray: only when a Ray pool opens
+
         b = self.backend
         self.spec, load_kwargs = spec_for_workers(self.model)
-        pool_class = getattr(importlib.import_module("qkcircuits._scale.distributed"), "Pool")
-        self.workers = pool_class(self.spec, workers=b.workers, threads=b.threads, address=b.address,
-                                  load_kwargs={**load_kwargs, **b.load_kwargs})
+        self.workers = Pool(self.spec, workers=b.workers, threads=b.threads, address=b.address,
+                            load_kwargs={**load_kwargs, **b.load_kwargs})
         self.workers.start()
 
     def close(self) -> None:
@@ -176,22 +214,44 @@ class RayPool(BackendPool):
             self.workers.close()
             self.workers = None
 
-    def run(self, job: str, *, local: Callable[..., Any], **request: Any) -> Any:
+    def _open(self):
         if self.workers is None:
             raise QKCircuitsError("this pool is closed; run its steps inside `with backend.pool(model) as p:`")
-        self.workers.progress = bool(request.get("progress", True))     # the step's own progress bars
-        return self.backend.job(job)(self.spec, **request, pool=self.workers)
+        return self.workers
+
+    def run(self, job: str, *, local: Callable[..., Any], **request: Any) -> Any:
+        return self._open().call(local, request)
+
+    def map(self, sharded: Sharded, **request: Any) -> Any:
+        self._open().progress = bool(request.get("progress", True))      # the step's own bar over shards
+        return super().map(sharded, **request)
+
+    def each(self, job: str, run: Callable[..., Any], shared: Any, shards: Sequence[Dict[str, Any]],
+             costs: Optional[Sequence[float]] = None) -> List[Any]:
+        import time
+
+        t0 = time.perf_counter()
+        parts = self._open().map(run, list(shards), shared, costs=costs, desc=f"{job} (ray)")
+        self._run_s = time.perf_counter() - t0
+        return parts
+
+    def where(self) -> Optional[Dict[str, Any]]:
+        """The workers, their retries, start-up and load seconds, and the wall seconds of the last map (``run_s``)."""
+        w = self._open()
+        return {"name": "ray", "workers": w.size, "threads": w.threads, "retries": w.retries,
+                "startup_s": round(w.timing.get("startup_s", 0.0), 3), "load_s": round(w.timing.get("load_s", 0.0), 3),
+                "run_s": round(getattr(self, "_run_s", 0.0), 3)}
 
 
 @dataclass(frozen=True)
 class Ray(Backend):
-    """Ray workers that each load the model once (``qkcircuits._scale.distributed.Pool``).
+    """Ray workers that each load the model once (``_foundation/workers.Pool``).
 
     ``address``: None → ``$RAY_ADDRESS`` if set, else a new local instance; ``"local:N"`` a local instance of
     N workers; ``host:port`` / ``ray://host:port`` / ``auto`` a running cluster. ``workers``: how many (default:
     one per GPU, else one per ``threads`` CPUs). ``load_kwargs``: ``qk.load`` options for the workers (for a
-    loaded model they come from how it was loaded). The driver loads no weights. ``run`` starts workers for
-    that one job; ``pool`` starts them once for the steps of a command.
+    loaded model they come from how it was loaded). The driver loads no weights. ``run``/``map`` start workers
+    for that one step; ``pool`` starts them once for the steps of a command.
     """
 
     address: Optional[str] = None
@@ -199,21 +259,6 @@ class Ray(Backend):
     threads: int = 1
     load_kwargs: Dict[str, Any] = field(default_factory=dict)
     name: ClassVar[str] = "ray"
-    # The Ray implementation of each job, imported on first use (module:function, signature
-    # fn(spec, **request, ray_address=, workers=, threads=, load_kwargs=) or fn(spec, **request, pool=)).
-    jobs: ClassVar[Dict[str, str]] = {
-        "sweep": "qkcircuits._scale.ray_sweep:ray_sweep",
-        "path_patch": "qkcircuits._scale.ray_patching:ray_path_patch",
-        "trace": "qkcircuits._scale.ray_patching:ray_trace",
-        "edge_scores": "qkcircuits._scale.ray_tasks:ray_edge_scores",
-        "node_scores": "qkcircuits._scale.ray_tasks:ray_node_scores",
-        "faithfulness": "qkcircuits._scale.ray_tasks:ray_faithfulness",
-        "core_circuit": "qkcircuits._scale.ray_tasks:ray_core_circuit",
-        # the CLI's circuit steps (on a pool only: the task is built by a worker, the driver has no tokenizer)
-        "task": "qkcircuits._scale.ray_tasks:ray_task",
-        "circuit_faithfulness": "qkcircuits._scale.ray_tasks:ray_circuit_faithfulness",
-        "roles": "qkcircuits._scale.ray_tasks:ray_circuit_roles",
-    }
 
     def __post_init__(self) -> None:
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
@@ -223,23 +268,12 @@ class Ray(Backend):
             raise QKCircuitsError(f"Ray address must be a string such as 'host:port' or 'local:2', got "
                                   f"{type(self.address).__name__}")
 
-    def job(self, job: str) -> Callable[..., Any]:
-        """The Ray implementation of ``job`` (imported now)."""
-        if job not in self.jobs:
-            raise QKCircuitsError(f"backend 'ray' cannot run {job!r}; it runs {', '.join(sorted(self.jobs))}")
-        module, _, attr = self.jobs[job].partition(":")
-        return getattr(importlib.import_module(module), attr)
-
     def pool(self, model) -> RayPool:
         return RayPool(self, model)
 
-    def run(self, job: str, model, *, local: Callable[..., Any], **request: Any) -> Any:
-        # one job: its implementation starts workers sized to its work after checking the request (a bad argument
-        # fails before Ray starts), and stops them
-        impl = self.job(job)
-        spec, load_kwargs = spec_for_workers(model)
-        return impl(spec, **request, ray_address=self.address, workers=self.workers, threads=self.threads,
-                    load_kwargs={**load_kwargs, **self.load_kwargs})
+    def map(self, sharded: Sharded, model, **request: Any) -> Any:
+        request = sharded.checked(request)         # a bad argument fails before Ray starts
+        return super().map(sharded, model, **request)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ The split into ``references`` (mean/resample values, computed once over the whol
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from jaxtyping import Int
@@ -53,6 +53,7 @@ from .._foundation.args import check_int, check_model, check_tokens
 from .._foundation.heads import Head, HeadsLike, model_heads
 from .._foundation.io import package_version
 from .._foundation.model import model_name
+from .._foundation.shards import Plan, Sharded
 from .._foundation.sequences import repeated_tokens, segment_length
 from .path_core import (CHUNK_BYTES, CleanCache, MetricLike, Scorer, clean_pass, is_direct_logit,  # noqa: F401
                         post_norm, receiver_run, references, replacement_from_cache, resolve_metric, sender_deltas,
@@ -216,7 +217,7 @@ def check_into(into) -> List[str]:
 
 
 def check_request(model, receivers, senders, into, method: str, tokens):
-    """Validate a path-patching request (shared by ``path_patch``, ``edge_attribution`` and the Ray jobs):
+    """Validate a path-patching request (shared by the plan of ``path_patch`` and ``edge_attribution``):
     (receivers, senders or None for all earlier heads, inputs, prompt tokens on the model's device, sender
     layers). Layer-0 receivers are kept with an empty sender set (their effects are NaN: no head precedes
     them); a request whose receivers are ALL in layer 0 fails."""
@@ -253,54 +254,133 @@ def path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"
     activations (``chunk`` copies; default sized to ~256 MiB of patterns).
 
     ``backend``: ``qk.Local()`` (default) or ``qk.Ray(address=..., workers=...)`` (or the strings of
-    ``as_backend``; ``ray_address``/``workers`` are the older spelling). On Ray each worker loads the model;
-    shards of (prompt rows, receiver layers) run on the workers with the references computed once over all
-    prompts, combined exactly (``qkcircuits._scale.ray_patching``).
+    ``as_backend``; ``ray_address``/``workers`` are the older spelling). The shards (``PATH_PATCH``: ``shards``
+    prompt-row blocks x up to ``RECEIVER_GROUPS`` receiver-layer groups, the references computed once over all
+    prompts) run where the backend runs them (on Ray, each worker loads the model), combined exactly: the same
+    result on every backend.
 
     >>> res = qk.path_patch(model, "1.0", into="k", metric=qk.induction_loss(), progress=False)
     >>> res.metrics["k"], res.top(1, receiver="1.0", into="k")[0][0]
     ('induction-loss', Head(layer=0, head=0))
     """
-    return as_backend(backend, address=ray_address, workers=workers).run(
-        "path_patch", model, local=local_path_patch, receivers=receivers, into=into, senders=senders, method=method,
-        tokens=tokens, metric=metric, per_position=per_position, shards=shards, chunk=chunk, progress=progress)
+    request = dict(receivers=receivers, into=into, senders=senders, method=method, tokens=tokens, metric=metric,
+                   per_position=per_position, shards=shards, chunk=chunk, progress=progress)
+    return as_backend(backend, address=ray_address, workers=workers).map(PATH_PATCH, model, **request)
 
 
-def local_path_patch(model, receivers: HeadsLike, into: Sequence[str] = ("q", "k", "v"),
-                     senders: Optional[HeadsLike] = None, method: str = "mean", tokens=None, metric: MetricLike = None,
-                     *, per_position: bool = True, shards: int = 1, chunk: Optional[int] = None,
-                     progress: bool = True) -> PathEffects:
-    """``path_patch`` in this process on a loaded model (what ``qk.Local`` runs)."""
-    model, tokens = check_model(model), check_tokens(tokens)
+# ------------------------------------------------------------------------------------------ path patching's shards
+# (prompt-row blocks: ``shards`` of them) x (receiver-layer groups: up to RECEIVER_GROUPS), the same plan on every
+# backend; combined exactly (sums and counts add up: ``combine``).
+
+RECEIVER_GROUPS = 4
+
+
+def _check_patch(*, into, metric=None, shards: int = 1, **rest: Any) -> Dict[str, Any]:
+    """The driver's checks (a bad input or metric fails before anything loads or starts); a built-in metric by
+    name (it pickles)."""
+    from .._analysis.metrics import portable
+
     check_int("shards", shards)
-    metrics = {x: resolve_metric(metric, x) for x in check_into(into)}     # a bad metric fails before any forward
+    into = check_into(into)
+    for x in into:
+        resolve_metric(metric, x)
+    return dict(into=into, metric=portable(metric), shards=shards, **rest)
+
+
+def _plan_patch(model, *, receivers, into, senders, method: str, tokens, metric, per_position: bool, shards: int,
+                chunk: Optional[int], progress: bool) -> Plan:
+    """Where the model is: the request checked, the prompts, the references over the WHOLE prompt set (with more
+    than one row block; one block takes them from its own clean pass) and the shards."""
+    model, tokens = check_model(model), check_tokens(tokens)
+    metrics = {x: resolve_metric(metric, x) for x in check_into(into)}
     recv, snd, into, tokens, sender_layers = check_request(model, receivers, senders, into, method, tokens)
     check_metric_tokens(metrics.values(), tokens)
     n_shards = max(1, min(shards, tokens.shape[0]))
-    # One shard: the references come from its own clean pass (same prompts, no extra forward).
     repl = references(model, method, tokens, sender_layers, per_position) if n_shards > 1 else None
+    if repl is not None:
+        repl.z = {k: v.cpu() for k, v in (repl.z or {}).items()}
     H = model.cfg.n_heads
     n_edges = sum(len([s for s in snd if s.layer < r.layer]) if snd is not None else r.layer * H for r in recv)
-    n_layers_recv = len({r.layer for r in recv})
-    bar = None
-    if progress:
-        from .._foundation.progress import progress_bar
-        total = sum(len([s for s in snd if s.layer < R]) if snd is not None else R * H
-                    for R in {r.layer for r in recv}) * len(into) * n_shards
-        bar = progress_bar(total=total, desc="path patching", unit="sender")
     blocks = [(int(r[0]), int(r[-1]) + 1) for r in torch.arange(tokens.shape[0]).chunk(n_shards)]
+    plan, costs = [], []
+    for group in _receiver_groups(recv, H, len(into)):
+        for a, b in blocks:
+            plan.append({"rows": (a, b), "receivers": [r for r in recv if r.layer in group]})
+            costs.append(float((b - a) * sum(R * H * len(into) for R in group)))
+    info = {"name": model_name(model), "receivers": recv, "into": into, "n_layers": model.cfg.n_layers, "n_heads": H,
+            "settings": patch_settings(model, tokens, per_position, reference_label(method), n_edges,
+                                       len({r.layer for r in recv}))}
+    shared = {"tokens": tokens.cpu(), "replacement": repl, "senders": snd, "into": into, "metric": metric,
+              "chunk": chunk, "method": method, "per_position": per_position, "progress": progress}
+    return Plan(shared, plan, info, costs)
+
+
+def _receiver_groups(receivers: Sequence[Head], n_heads: int, n_into: int) -> List[List[int]]:
+    """The receiver layers cut into up to ``RECEIVER_GROUPS`` contiguous groups of about equal cost (a receiver of
+    layer R has R x n_heads senders); each group pays one clean pass of its rows."""
+    layers = sorted({r.layer for r in receivers})
+    n_groups = max(1, min(len(layers), RECEIVER_GROUPS))
+    cost = {R: R * n_heads * n_into for R in layers}
+    groups: List[List[int]] = [[]]
+    acc, total = 0.0, sum(cost.values())
+    for R in layers:
+        if groups[-1] and acc + cost[R] / 2 > total * len(groups) / n_groups and len(groups) < n_groups:
+            groups.append([])
+        groups[-1].append(R)
+        acc += cost[R]
+    return groups
+
+
+def _patch_shard_run(model, shared: Dict, scratch: Dict, *, rows: Tuple[int, int], receivers: List[Head]
+                     ) -> ShardSums:
+    """``patch_shard`` on this model for prompt rows ``rows`` and ``receivers``."""
+    import time
+
+    t0 = time.perf_counter()
+    a, b = rows
+    dev = model.W_E.device
+    tokens = shared["tokens"][a:b].to(dev)
+    repl = shared["replacement"]
+    if repl is not None:
+        repl = shard_replacement(repl, slice(a, b))
+        repl = Replacement(repl.method, repl.per_position, repl.reference, {L: z.to(dev) for L, z in repl.z.items()})
+    H, snd = model.cfg.n_heads, shared["senders"]
+    bar = None
+    if shared["progress"]:
+        from .._foundation.progress import progress_bar
+
+        total = sum(len([s for s in snd if s.layer < R]) if snd is not None else R * H
+                    for R in {r.layer for r in receivers}) * len(shared["into"])
+        bar = progress_bar(total=total, desc="path patching", unit="sender")
     try:
-        parts = [patch_shard(model, tokens[a:b], repl and shard_replacement(repl, slice(a, b)), recv, snd, into, metric,
-                             bar, chunk, rows=(a, b), method=method, per_position=per_position) for a, b in blocks]
+        out = patch_shard(model, tokens, repl, receivers, snd, shared["into"], shared["metric"], bar, shared["chunk"],
+                          rows=(a, b), method=shared["method"], per_position=shared["per_position"])
     finally:
         if bar is not None:
             bar.close()
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _combine_patch(plan: Plan, parts: List[ShardSums], where: Optional[Dict], *, method: str, metric=None,
+                   **_) -> PathEffects:
+    info, recv = plan.info, plan.info["receivers"]
+    metrics = {x: resolve_metric(metric, x) for x in info["into"]}
     effects, clean = combine(parts, metrics, recv)
-    return PathEffects(model=model_name(model), method=method, receivers=recv, into=into,
+    settings = dict(info["settings"])
+    if where:
+        settings["backend"] = {**where, "shards": len(parts), "patch_s": where.get("run_s", round(sum(p.seconds for p in parts), 3)),
+                               "plan": [{"rows": list(s["rows"]), "receivers": [str(r) for r in s["receivers"]],
+                                         "cost": c, "seconds": round(p.seconds, 3)}
+                                        for s, c, p in zip(plan.shards, plan.costs, parts)]}
+    return PathEffects(model=info["name"], method=method, receivers=recv, into=info["into"],
                        metrics={x: m.name for x, m in metrics.items()}, effects=effects, clean=clean, kind="exact",
-                       n_layers=model.cfg.n_layers, n_heads=H, clean_attention=combine_attention(parts, recv),
-                       settings=patch_settings(model, tokens, per_position, reference_label(method), n_edges,
-                                          n_layers_recv))
+                       n_layers=info["n_layers"], n_heads=info["n_heads"], settings=settings,
+                       clean_attention=combine_attention(parts, recv))
+
+
+# Path patching, declared once: the shards every backend maps (``_foundation/shards``)
+PATH_PATCH = Sharded("path_patch", _plan_patch, _patch_shard_run, _combine_patch, _check_patch)
 
 
 def check_metric_tokens(metrics, tokens: Tensor) -> None:

@@ -27,7 +27,7 @@ from .._foundation.stats import spearman
 from .._weights.composition import composition_column
 from .edges import edge_attribution
 from .path_effects import PathEffects
-from .patching import local_path_patch
+from .patching import PATH_PATCH
 
 
 def trace_scores() -> Tuple[str, ...]:
@@ -69,16 +69,53 @@ def trace(model, receivers: Optional[HeadsLike] = None, *, k: int = 3, into: Seq
     ``model``: a loaded model or a spec, on any backend. ``attribution=True`` estimates the edges by
     ``edge_attribution`` instead of exact path patching. ``scores`` (a ``HeadScores``) skips the scan.
     Memory: as ``path_patch`` (or ``edge_attribution``). ``backend``: ``qk.Local()`` (default) or
-    ``qk.Ray(...)`` (strings as ``as_backend``; ``ray_address``/``workers`` the older spelling): on Ray the
-    scan, patching and K-composition run on the workers (``qkcircuits._scale.ray_patching.ray_trace``).
+    ``qk.Ray(...)`` (strings as ``as_backend``; ``ray_address``/``workers`` the older spelling): the steps of
+    ``trace_on`` on one pool of it (on Ray the scan and K-composition on a worker, the patching's shards on all).
     ``load_kwargs``: ``qk.load`` options used where a spec is loaded.
     """
     top = check_int("k", k)
     chosen = as_backend(backend, address=ray_address, workers=workers)
     if load_kwargs:
         chosen = replace(chosen, load_kwargs={**getattr(chosen, "load_kwargs", {}), **load_kwargs})
-    return chosen.run("trace", model, local=local_trace, receivers=receivers, top=top, into=into, method=method,
-                      attribution=attribution, scores=scores, tokens=tokens, progress=progress)
+    with chosen.pool(model) as pool:
+        return trace_on(pool, receivers, top=top, into=into, method=method, attribution=attribution, scores=scores,
+                        tokens=tokens, progress=progress)
+
+
+def trace_on(pool, receivers: Optional[HeadsLike] = None, *, top: int = 3, into: Sequence[str] = ("q", "k", "v"),
+             method: str = "mean", attribution: bool = False, scores=None, tokens=None,
+             progress: bool = True) -> PathEffects:
+    """``trace``'s steps on an open pool (any backend's): the scan and the receivers (a step), the path patching
+    (``PATH_PATCH``'s shards; or, with ``attribution``, ``edge_attribution`` as a step), the K-composition
+    agreement (a step, on the model's weights)."""
+    found = pool.run("trace_scan", local=trace_scan, receivers=receivers, top=top, scores=scores, progress=progress)
+    recv = found["receivers"]
+    if attribution:
+        res = pool.run("edge_attribution", local=_attribution, receivers=recv, into=into, method=method, tokens=tokens)
+    else:
+        res = pool.map(PATH_PATCH, receivers=recv, into=into, senders=None, method=method, tokens=tokens, metric=None,
+                       per_position=True, shards=1, chunk=None, progress=progress)
+    res = replace(res, labels=found["labels"],
+                  k_composition_spearman=pool.run("k_composition", local=k_composition_spearman, res=res))
+    res.settings["receiver_induction"] = found["receiver_induction"]
+    res.settings["scan"] = found["scan"]
+    return res
+
+
+def trace_scan(model, *, receivers: Optional[HeadsLike], top: int, scores=None, progress: bool = True) -> dict:
+    """The step "trace_scan": the scan (or ``scores``, a ``HeadScores`` to reuse), the receivers (default the ``top``
+    induction heads of layer >= 1), the senders' labels and the receivers' induction scores."""
+    if scores is None:
+        scores = scan_for_trace(model, progress)
+    recv = trace_receivers(model, scores, receivers, top)
+    return {"receivers": recv, "labels": {str(h): v for h, v in scores.labels().items()},
+            "receiver_induction": {str(r): float(scores["induction"][r.layer, r.head]) for r in recv},
+            "scan": {k: scores.settings.get(k) for k in ("n_seqs", "seq_len", "seed")}}
+
+
+def _attribution(model, *, receivers, into, method: str, tokens) -> PathEffects:
+    """The step "edge_attribution" (``trace(attribution=True)``)."""
+    return edge_attribution(model, receivers, into=into, method=method, tokens=tokens)
 
 
 def trace_receivers(model, scores, receivers: Optional[HeadsLike], k: int) -> List[Head]:
@@ -92,24 +129,6 @@ def trace_receivers(model, scores, receivers: Optional[HeadsLike], k: int) -> Li
     if not recv:
         raise QKCircuitsError("no receivers: the model has one layer, so no head can read an earlier head")
     return recv
-
-
-def local_trace(model, receivers: Optional[HeadsLike] = None, *, top: int = 3, into: Sequence[str] = ("q", "k", "v"),
-                method: str = "mean", attribution: bool = False, scores=None, tokens=None,
-                progress: bool = True) -> PathEffects:
-    """``trace`` in this process on a loaded model (what ``qk.Local`` runs)."""
-    if scores is None:
-        scores = scan_for_trace(model, progress)
-    recv = trace_receivers(model, scores, receivers, top)
-    if attribution:
-        res = edge_attribution(model, recv, into=into, method=method, tokens=tokens)
-    else:
-        res = local_path_patch(model, recv, into=into, method=method, tokens=tokens, progress=progress)
-    res = replace(res, labels={str(h): v for h, v in scores.labels().items()},
-                  k_composition_spearman=k_composition_spearman(model, res))
-    res.settings["receiver_induction"] = {str(r): float(scores["induction"][r.layer, r.head]) for r in recv}
-    res.settings["scan"] = {k: scores.settings.get(k) for k in ("n_seqs", "seq_len", "seed")}
-    return res
 
 
 def trace_induction(model, k: int = 3, **kwargs) -> PathEffects:

@@ -1,1 +1,3 @@
-"""Scaling out: the Ray backend and the many-model zoo (imported only when asked for). Private: the public API is re-exported by ``qkcircuits``."""
+"""Scaling out: the many-model zoo (one pool per model; on Ray one model per worker). The Ray backend itself is
+``_foundation/backends.Ray`` with its workers in ``_foundation/workers``: every analysis declares its shards once
+(``_foundation/shards``) and a backend maps them. Private: the public API is re-exported by ``qkcircuits``."""

@@ -233,8 +233,8 @@ def task_summary(model, name: str, *, n: int = 32, seed: int = 0, method: str = 
             "roles": dict(sorted(counts.items()))}
 
 
-def zoo_job(model, shared, **kwargs) -> Dict[str, Any]:
-    """The Ray job: the worker holds no model; ``scan_one`` loads this shard's."""
+def zoo_job(model, shared, scratch, **kwargs) -> Dict[str, Any]:
+    """One model on a Ray worker that holds none (a shard of ``Pool.map``): ``scan_one`` loads this shard's."""
     return scan_one(**kwargs)
 
 
@@ -291,12 +291,12 @@ def zoo(specs: Sequence[str], *, backend: BackendLike = "local", ray_address: Op
                 "backend": chosen.name}
     t0 = time.perf_counter()
     if isinstance(chosen, Ray):       # one pool of workers for every model: one model per shard, models in parallel
-        from .distributed import Pool
+        from .._foundation.workers import Pool
 
         with Pool(None, workers=chosen.workers, threads=chosen.threads, max_workers=len(models),
                   address=chosen.address, progress=progress) as pool:
             kwargs["load_kwargs"] = {**load_kwargs, **chosen.load_kwargs}
-            entries = pool.map("qkcircuits._scale.zoo:zoo_job", [{"spec": str(m), **kwargs} for m in models], desc="zoo")
+            entries = pool.map(zoo_job, [{"spec": str(m), **kwargs} for m in models], desc="zoo")
             timing = {"startup_s": pool.timing["startup_s"], "scan_s": pool.timing["run_s"]}
     else:                             # any other backend: one pool per model (loaded once), its steps on it
         from .._foundation.progress import progress_bar

@@ -332,7 +332,9 @@ def search(candidates: Sequence[str], fixed: Sequence[str], costs: Dict[str, flo
         tick(1)
         if judge.enough(f2, lo2):
             K, f_K, lo_K, hi_K = trial, f2, lo2, hi2
-            chunks.append(sorted(drop, key=lambda n: -costs.get(n, 0.0)))
+            # from ``order`` (a list), not the set: equal costs keep the ranking's order in every process (a set of
+            # strings iterates in the order of their hashes, which Python seeds per process)
+            chunks.append(sorted(order[:c], key=lambda n: -costs.get(n, 0.0)))
             path.append((list(K), f_K, lo_K))
             step = 2 * c
             # re-estimated where the set now stands: stale estimates near the threshold make many small misses
@@ -383,8 +385,8 @@ def core_circuit(model, task: Task, scores, *, threshold: Real = THRESHOLD, by: 
     accepted set (module docstring). ``scores``: ``qk.edge_scores`` or ``qk.node_scores`` of ``task``.
     ``mlps=False``: every MLP stays clean and only heads are searched. ``holdout``: a Task of other prompts of the
     same behaviour: the core's f is measured there too (``CoreCircuit.holdout``). ``seed``: the bootstrap's.
-    ``backend`` as in ``edge_scores`` (on Ray, every measured set is summed over prompt shards)."""
-    from .shards import check_task
+    ``backend`` as in ``edge_scores``: the search is one step where the backend runs steps (on Ray: one worker)."""
+    from .row_budget import check_task
 
     check_plain(scores)
     _check_margin(margin)
@@ -444,8 +446,8 @@ def node_scores_of(scores) -> Dict[str, float]:
 def build_core(g: Graph, task: Task, scores, measure, held=None, *, threshold: Real, by: str, mlps: bool,
                prune: bool, margin: str = "interval", seed: int = 0, progress: bool = True,
                settings: Optional[Dict[str, object]] = None) -> CoreCircuit:
-    """The search of ``core_circuit`` on any way of measuring node views (``measure``: ``NodeViews`` here, its Ray
-    twin on prompt shards; ``held``: the same on held-out rows, or None)."""
+    """The search of ``core_circuit`` on any way of measuring node views (``measure``: ``NodeViews``;
+    ``held``: the same on held-out rows, or None)."""
     from tqdm.auto import tqdm
 
     if isinstance(threshold, bool) or not isinstance(threshold, Real) or not 0 < float(threshold) <= 1:

@@ -29,7 +29,7 @@ from .._foundation.errors import QKCircuitsError
 from .faithfulness import _check_graph_of, circuit_metric, node_metric, ratio
 from .graph import Graph, graph
 from .positions import position_groups, position_node_mask, split
-from .shards import check_task, shard_rows
+from .row_budget import check_task, shard_rows
 from .selection import TaskCircuit
 from .task import Task, with_reference
 

@@ -47,18 +47,26 @@ def exact_nodes(model, g: Graph, task: Task, rows: int, copies: int) -> Tuple[Te
     and corrupt metric means."""
     acc = torch.zeros(g.n_groups, g.n_senders, dtype=torch.float64)
     clean = corrupt = 0.0
+    for shard in task.shards(rows):
+        a, c, z = exact_node_sums(model, g, shard, copies)
+        acc += a
+        clean += c
+        corrupt += z
+    return acc, clean / task.n, corrupt / task.n
+
+
+def exact_node_sums(model, g: Graph, shard: Task, copies: int) -> Tuple[Tensor, float, float]:
+    """One shard of ``exact_nodes``: acc [groups, S] summed over its rows, its clean and corrupt metric sums."""
+    acc = torch.zeros(g.n_groups, g.n_senders, dtype=torch.float64)
     full = g.valid[None].expand(g.n_groups, -1, -1)
     nodes = [(gi, s) for gi in range(g.n_groups) for s in range(g.n_senders)]
-    for shard in task.shards(rows):
-        corr = record(model, g, shard, shard.corrupt)
-        pos = group_index(shard, g.positions) if g.positions else None
-        clean_sum = float(patched_run(model, g, shard, corr, g.valid[None]).sum())
-        clean += clean_sum
-        corrupt += float(corr.rows.sum())
-        for start in range(0, len(nodes), copies):
-            gs, ss = (torch.tensor(c) for c in zip(*nodes[start:start + copies]))
-            mask = full[None].repeat(len(ss), 1, 1, 1)
-            mask[torch.arange(len(ss)), gs, ss] = False
-            vals = patched_run(model, g, shard, corr, mask if g.positions else mask[:, 0], positions=pos)
-            acc[gs, ss] += clean_sum - vals.sum(1).double().cpu()
-    return acc, clean / task.n, corrupt / task.n
+    corr = record(model, g, shard, shard.corrupt)
+    pos = group_index(shard, g.positions) if g.positions else None
+    clean_sum = float(patched_run(model, g, shard, corr, g.valid[None]).sum())
+    for start in range(0, len(nodes), copies):
+        gs, ss = (torch.tensor(c) for c in zip(*nodes[start:start + copies]))
+        mask = full[None].repeat(len(ss), 1, 1, 1)
+        mask[torch.arange(len(ss)), gs, ss] = False
+        vals = patched_run(model, g, shard, corr, mask if g.positions else mask[:, 0], positions=pos)
+        acc[gs, ss] += clean_sum - vals.sum(1).double().cpu()
+    return acc, clean_sum, float(corr.rows.sum())

@@ -270,11 +270,11 @@ def node_metric(model, task: Task, heads: Sequence[str], rows_per_shard: Optiona
     forward and, with ``need_clean``, one clean forward.
     Without post-attention norms the node-view forward is a plain one with those heads' z from the corrupt
     run (``runs.node_run``; its corrupt forward keeps only z, [b, p, H, e] per layer); with them (Gemma), the
-    patched run of ``node_mask``. A Ray shard job runs this on its rows (``ray_tasks.node_metric_job``).
+    patched run of ``node_mask``.
     Heads at a position group (``"20.0@END"``, ``"7.1@other"``; the groups are the task's named positions
     and ``other``): every head at every group NOT in ``heads`` gives its corrupt output at that group's positions
     (a head named without a group is kept at every group)."""
-    from .shards import shard_rows
+    from .row_budget import shard_rows
 
     g = graph(model)
     task = with_reference(model, task.to(model.W_E.device))
@@ -361,8 +361,8 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     patched forward per size and prompt shard, one for the node view, one corrupt forward per shard, and
     one clean forward per shard for m(full) unless the scores measured it on this task and these weights
     (``scores.settings["task_digest"]`` equals ``task.digest(model)``: their m(clean) is taken). Memory: the shard's corrupt record and the patched
-    run's sender outputs, ~3 × [S, rows, pos, d_model]. ``backend`` as in ``edge_scores``: on Ray, every m(C)
-    is summed over prompt shards and f computed once from the sums (``qkcircuits._scale.ray_tasks``).
+    run's sender outputs, ~3 × [S, rows, pos, d_model]. ``backend`` as in ``edge_scores``: the whole curve is one
+    step where the backend runs steps (on Ray: one worker, which loaded the model), on every graph.
     ``bootstrap``: that many resamples of the prompt rows (seeded by ``seed``) give 95 % intervals of each f,
     CPR and CMD from the per-row metrics, with no model run per resample (``bootstrap.py``; the clean rows
     are then run even when the scores measured m(clean)). ``holdout``: a Task of other prompts of the same
@@ -370,15 +370,12 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     (``bootstrap`` resamples, 200 when 0; no model run per resample), in ``Faithfulness.holdout`` — the
     numbers to report, since the circuits were not chosen on those rows."""
     from .bootstrap import check_bootstrap
-    from .shards import check_task, shard_rows
+    from .row_budget import check_task, shard_rows
 
     check_bootstrap(bootstrap)
-    if backend is not None:
+    if backend is not None:         # one step where the backend runs steps (on Ray: one worker); not split yet
         from .._foundation.backends import as_backend
 
-        sg = getattr(scores, "graph", None)
-        if isinstance(sg, Graph) and (sg.ungrouped or sg.positions):
-            raise QKCircuitsError("the ungrouped and position-aware graphs run in this process only (backend=None)")
         extra = {"bootstrap": bootstrap, "seed": seed} if bootstrap else {}
         if holdout is not None:
             extra["holdout"] = holdout
@@ -430,7 +427,7 @@ def held_out(model, holdout: Task, circuits: List, sizes: List[float], chosen, g
              seed: int) -> Dict[str, object]:
     """The grid's circuits (and the chosen one's node view) measured on held-out rows, with bootstrap intervals."""
     from .bootstrap import bootstrap_curve
-    from .shards import shard_rows
+    from .row_budget import shard_rows
 
     held = with_reference(model, holdout.to(model.W_E.device))
     rows = shard_rows(model, g, held, buffers=3)

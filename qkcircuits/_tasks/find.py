@@ -10,7 +10,7 @@ toy-induction: task induction, 9 prompts x 20 tokens (6 to choose the circuit on
 >>> back.data == report.data, back.summary == report.summary
 (True, True)
 
-The steps, each ``pool.run(job, local=...)`` on ONE pool of ``backend`` (the model loaded once, here or on each Ray
+The steps, each ``pool.run(job, local=...)`` (or a split analysis given ``backend=pool``) on ONE pool of ``backend`` (the model loaded once, here or on each Ray
 worker): the task (its selection part and held-out part: ``holdout.Source``) and its graph; the edge scores
 (``method``); the core circuit (``core.core_circuit``: chosen on the selection part, judged on the held-out part);
 the faithfulness curve with CPR/CMD (``faithfulness``, judged on the held-out part); where ``method`` is not EAP-IG
@@ -69,18 +69,14 @@ def find_circuit(model, task: Any, *, n: int = 64, seed: int = 0, bos: str = "au
     say = say or ((lambda line: print(line, file=sys.stderr, flush=True)) if progress else (lambda line: None))
     t0 = time.perf_counter() if _started is None else _started
     chosen = as_backend(backend)
-    if not isinstance(task, (str, Path)) and chosen.name == "ray":
-        raise QKCircuitsError("a qk.Task runs in this process only; on Ray give the task by name or as a .jsonl path "
-                              "(the workers build it with their tokenizer)")
-    if chosen.name == "ray" and (gqa != "grouped" or positions):
-        raise QKCircuitsError("gqa='ungrouped' and positions=True run in this process only (not on Ray)")
     if resamples and chosen.name == "ray":
         raise QKCircuitsError("resamples run in this process only (not on Ray)")
     graph_kw = {"gqa": gqa, "positions": positions} if gqa != "grouped" or positions else {}
     with chosen.pool(model) as pool, _quiet_python_warnings():
         prepend = {"auto": None, "yes": True, "no": False}[bos]
-        if isinstance(task, Task):
-            sel, held, g, drawn = task_step_of(pool.here, task, holdout, seed, **graph_kw)
+        if isinstance(task, Task):         # fixed rows: split where the model is (its tokenizer is not needed)
+            sel, held, g, drawn = pool.run("task", local=task_step_of, task=task, holdout=holdout, seed=seed,
+                                           **graph_kw)
         else:
             sel, held, g, drawn = pool.run("task", local=task_step, task=str(task), n=n, seed=seed,
                                            prepend_bos=prepend, metric=metric, holdout=holdout, **graph_kw)
@@ -120,8 +116,8 @@ class _Run:
         self.say(header)                            # the first line: the BOS is said before anything runs
         hold = {"holdout": held} if held is not None else {}
         t1 = time.perf_counter()
-        scores = pool.run("edge_scores", local=edge_scores, task=task, method=method, steps=steps, rule=rule,
-                          progress=progress, **self.graph_kw)
+        scores = edge_scores(pool.model, task, method, steps, rule=rule, progress=progress, backend=pool,
+                             **self.graph_kw)
         t2 = time.perf_counter()
         self.say(f"  clean {task.metric_name} {scores.clean:.4f}, corrupt {scores.corrupt:.4f}")
         done = does_the_task(task, scores.clean, scores.corrupt)
@@ -187,7 +183,7 @@ class _Run:
                         percent=percent, scores=scores, core=the_core, faith=faith, circ=circ, f_circ=f_circ,
                         node_f=node_f, named=named, done=done, roles=roles, stability=stab, sign=sign,
                         warnings=list(self.warned), timing={k: round(v, 2) for k, v in timing.items()},
-                        backend=scores.settings.get("backend") if pool.backend.name == "ray" else None)
+                        backend=pool.where())
 
     def sign_check(self, method: str, task, scores) -> dict:
         """EAP-IG (5 steps, left rule) on the first ``SIGN_ROWS`` prompts against ``scores``' top 100 edges by
@@ -196,8 +192,8 @@ class _Run:
         from .scores import edge_scores
 
         rows = min(SIGN_ROWS, task.n)
-        ref = self.pool.run("edge_scores", local=edge_scores, task=task.rows(slice(0, rows)), method="eap-ig",
-                            steps=5, progress=self.progress, **self.graph_kw)
+        ref = edge_scores(self.pool.model, task.rows(slice(0, rows)), "eap-ig", 5, progress=self.progress,
+                          backend=self.pool, **self.graph_kw)
         found = caveats.sign_disagreement(scores.scores, ref.scores, scores.graph.valid)
         g = scores.graph
         names = {(s, r): f"{g.senders[s]} -> {g.receivers[r][0]} {g.receivers[r][1]}" for s, r, _, _ in found["worst"]}
@@ -208,8 +204,8 @@ class _Run:
 
 
 # ----------------------------------------------------------------------------------------------- the steps
-# The in-process computations of the steps (``local=`` of ``pool.run``; on Ray the same steps are ``qk.Ray.jobs``'
-# "task", "circuit_faithfulness" and "roles", in qkcircuits._scale.ray_tasks).
+# The steps that are not split (``local=`` of ``pool.run``: they run where the model is, in this process or on one
+# Ray worker).
 
 
 def task_step(model, *, task: str, n: int, seed: int, prepend_bos=None, metric: Optional[str] = None,
@@ -224,7 +220,7 @@ def task_step(model, *, task: str, n: int, seed: int, prepend_bos=None, metric: 
     return sel, held, task_graph(model, sel, gqa, positions), source.how
 
 
-def task_step_of(model, task: Task, holdout: Optional[Real], seed: int, gqa: str = "grouped",
+def task_step_of(model, *, task: Task, holdout: Optional[Real], seed: int, gqa: str = "grouped",
                  positions: bool = False):
     """``task_step`` for a ``qk.Task`` given as it is: fixed rows, split as a file's are."""
     from .scores import task_graph

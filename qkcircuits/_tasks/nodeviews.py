@@ -99,7 +99,7 @@ class NodeViews:
     stacked forward of k copies counts k; a backward counts 2). Holds the corrupt record of one shard."""
 
     def __init__(self, model, task: Task, rows_per_shard: Optional[int] = None):
-        from .shards import shard_rows
+        from .row_budget import shard_rows
 
         self.model, self.g = model, graph(model)
         self.task = with_reference(model, task.to(model.W_E.device))

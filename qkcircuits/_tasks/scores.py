@@ -54,13 +54,14 @@ from torch import Tensor
 from .._foundation.result import Result, stamped
 from .._foundation.arch.model_facts import folded
 from .._foundation.errors import QKCircuitsError
+from .._foundation.shards import Plan, Sharded, row_blocks
 from .gradients import gradient_scores, n_runs, points, resolve_rule
 from .graph import Graph, graph, provenance
-from .exact import exact_edges, exact_nodes
+from .exact import exact_edges, exact_node_sums
 from .positions import at, position_groups
 from .record import check_graph, record
 from .runs import z_patchable
-from .shards import DELTA_BYTES, EXACT_BYTES, GRAD_SHARD_BYTES, check_task, shard_rows  # noqa: F401 (re-exported)
+from .row_budget import DELTA_BYTES, EXACT_BYTES, GRAD_SHARD_BYTES, check_task, shard_rows  # noqa: F401 (re-exported)
 from .task import Task, warn_if_not_done, with_reference
 from .ungrouped import check as check_ungrouped
 
@@ -257,64 +258,111 @@ def edge_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ru
     the default for "eap-ig"), "right" (k = 1 … steps: one clean forward fewer; the default of
     "eap-ig-activations", as the authors' code runs it) or "midpoint". ``gqa="ungrouped"``: k/v inputs per query
     head (the EAP-IG authors' and MIB's graph); ``positions=True`` (or a sequence of the task's position names):
-    every edge split by position group (``position_scores``). ``backend``: None (this process), ``qk.Local()``,
-    ``qk.Ray(...)`` or a string as ``qk.as_backend``: on Ray, prompt shards on workers, the sums added (exact to
-    float rounding; ``qkcircuits._scale.ray_tasks``)."""
-    from .._foundation.model import model_name
-
+    every edge split by position group (``position_scores``). ``rows_per_shard``: prompt rows per shard (default:
+    as many as fit the memory budget). ``backend``: None (this process), ``qk.Local()``, ``qk.Ray(...)`` or a
+    string as ``qk.as_backend``: the shards (``EDGE_SCORES``: prompt-row blocks, float64 sums added in order, then
+    divided) run where the backend runs them, every graph option on every backend, the result the local one."""
+    request = dict(task=task, method=method, steps=steps, rule=rule, rows_per_shard=rows_per_shard, copies=copies,
+                   progress=progress, check=check, gqa=gqa, positions=positions)
     if backend is not None:
-        if gqa != "grouped" or positions not in (False, None):
-            raise QKCircuitsError("the ungrouped and position-aware graphs run in this process only (backend=None)")
         from .._foundation.backends import as_backend
 
-        return as_backend(backend).run("edge_scores", model, local=edge_scores, task=task, method=method,
-                                       steps=steps, rule=rule, rows_per_shard=rows_per_shard, copies=copies,
-                                       progress=progress, check=check)
+        return as_backend(backend).map(EDGE_SCORES, model, **request)
+    return EDGE_SCORES.local(model, **request)
 
+
+def _check_edges(*, task, method: str, steps, rule: Optional[str], **rest: Any) -> Dict[str, Any]:
+    """The driver's checks of an edge-scores request (one line each, before anything loads or starts)."""
     check_method(method, steps)
-    rule = resolve_rule(method, rule)
+    if not isinstance(task, Task):
+        raise QKCircuitsError(f"task must be a qk.Task (qk.tasks.ioi / induction / from_jsonl), got "
+                              f"{type(task).__name__}")
+    return dict(task=task, method=method, steps=steps, rule=resolve_rule(method, rule), **rest)
+
+
+class _Words:
+    """What a not-done warning reads of the model (its tokenizer), without the model: the driver has none."""
+
+    def __init__(self, model):
+        self.tokenizer = getattr(model, "tokenizer", None)
+
+
+def _plan_edges(model, *, task: Task, method: str, steps: int, rule: Optional[str], rows_per_shard: Optional[int],
+                copies: int, progress: bool, check: bool, gqa: str, positions: Any) -> Plan:
+    """The plan where the model is: the graph, the task with its reference, rows per shard (``rows_per_shard`` or
+    the memory budget's: the same on every backend), one shard per block of rows."""
+    from .._foundation.model import model_name
+
     check_task(model, task)
     g = task_graph(model, task, gqa, positions)
     task = with_reference(model, task.to(model.W_E.device))
     rows = rows_per_shard or (shard_rows(model, g, task, budget=EXACT_BYTES) if method == "exact"
                               else shard_rows(model, g, task, budget=GRAD_SHARD_BYTES, gradients=True))
+    blocks = row_blocks(task.n, rows)
+    extra = {"n_edges": g.n_edges, "copies": copies if method == "exact" else None, "rule": rule,
+             "alphas": None if method == "exact" else points(method, steps, rule),
+             "gradient_runs": None if method == "exact" else n_runs(g, method, steps, rule)}
+    info = {"graph": g, "n": task.n, "task": task.describe(), "model": model_name(model), "words": _Words(model),
+            "settings": _settings(model, task, rows, extra), "not_done": task.rows(slice(0, 1)).to("cpu")}
+    how = {"method": method, "steps": steps, "rule": rule, "copies": copies, "progress": progress}
+    return Plan({"task": task.to("cpu"), "graph": g, "how": how},
+                [{"rows": ab, "check": check and i == 0} for i, ab in enumerate(blocks)], info,
+                [float(b - a) for a, b in blocks])
+
+
+def _edge_shard(model, shared: Dict[str, Any], scratch: Dict[str, Any], *, rows: Tuple[int, int],
+                check: bool) -> Dict[str, Any]:
+    """One block of prompt rows: its scores summed over its rows ([groups, S, R] float64), its clean and corrupt
+    metric sums. ``scratch``: the gradient buffers, reused by the next shard on this process (``record.reuse``)."""
+    g, how = shared["graph"], shared["how"]
+    method, steps, rule, copies, progress = (how[k] for k in ("method", "steps", "rule", "copies", "progress"))
+    shard = shared["task"].rows(slice(*rows)).to(model.W_E.device)
     acc = torch.zeros(g.n_groups, g.n_senders, g.n_receivers, dtype=torch.float64)
-    sums = {"clean": 0.0, "corrupt": 0.0}
     t0 = time.perf_counter()
-    shards = task.shards(rows)
-    work = len(shards) * (g.n_edges if method == "exact" else 1)
-    bar = _bar(work, f"edge scores ({method})", progress)
-    pool: Dict[str, Tensor] = {}            # the first shard's buffers, reused by the others (runs.reuse)
+    bar = _bar(g.n_edges if method == "exact" else 1, f"edge scores ({method})", progress)
     # the gradient methods need only the heads' Δ = (z_clean − z_corrupt) W_O: the corrupt record keeps z, not the
     # heads' outputs (one head-output pass and a [heads, b, p, d] subtraction fewer), where outputs are linear in z;
     # on activations the record keeps each layer's attention output (which it records with the heads' outputs)
     deltas_from_z = method not in ("exact", "eap-ig-activations") and z_patchable(model, g)
-    for i, shard in enumerate(shards):
-        corr = record(model, g, shard, shard.corrupt, pool=None if method == "exact" else pool,
-                      heads=not deltas_from_z)
-        if check and i == 0:
-            check_graph(model, g, corr, shard.corrupt)
-            check_ungrouped(model, g, shard.corrupt)
-        sums["corrupt"] += float(corr.rows.sum())
-        if method == "exact":
-            sums["clean"] += exact_edges(model, g, shard, corr, acc, copies, bar)
-            continue
-        sums["clean"] += gradient_scores(model, g, shard, corr, acc, method, steps, rule, pool)
-        del corr
+    corr = record(model, g, shard, shard.corrupt, pool=None if method == "exact" else scratch, heads=not deltas_from_z)
+    if check:
+        check_graph(model, g, corr, shard.corrupt)
+        check_ungrouped(model, g, shard.corrupt)
+    corrupt = float(corr.rows.sum())
+    if method == "exact":
+        clean = exact_edges(model, g, shard, corr, acc, copies, bar)
+    else:
+        clean = gradient_scores(model, g, shard, corr, acc, method, steps, rule, scratch)
         bar.update(1)
     bar.close()
-    scores = (acc / task.n).float()
+    return {"acc": acc, "clean": clean, "corrupt": corrupt, "s": time.perf_counter() - t0}
+
+
+def _combine_edges(plan: Plan, parts: List[Dict[str, Any]], where: Optional[Dict[str, Any]], *, method: str,
+                   steps: int, **_: Any) -> EdgeScores:
+    """The shards' sums added in shard order (float64), divided by the number of prompts."""
+    info, g = plan.info, plan.info["graph"]
+    n = info["n"]
+    acc = torch.zeros(g.n_groups, g.n_senders, g.n_receivers, dtype=torch.float64)
+    clean = corrupt = 0.0
+    for p in parts:
+        acc += p["acc"]
+        clean += p["clean"]
+        corrupt += p["corrupt"]
+    scores = (acc / n).float()
     scores[:, ~g.valid] = float("nan")
-    warn_if_not_done(task, sums["clean"] / task.n, sums["corrupt"] / task.n, model=model)
-    extra = {"n_edges": g.n_edges, "copies": copies if method == "exact" else None, "rule": rule,
-             "alphas": None if method == "exact" else points(method, steps, rule),
-             "gradient_runs": None if method == "exact" else n_runs(g, method, steps, rule)}
+    warn_if_not_done(info["not_done"], clean / n, corrupt / n, stacklevel=4, model=info["words"])
     # position-aware: ``scores`` is the sum over the groups (for the gradient methods the plain scores: the Δ·∇
     # sums split by position), summed in float64
-    plain = scores[0] if not g.positions else (acc.sum(0) / task.n).float().masked_fill_(~g.valid, float("nan"))
-    return EdgeScores(g, plain, method, steps if method in STEPPED else 0, sums["clean"] / task.n,
-                      sums["corrupt"] / task.n, task.describe(), model_name(model), _settings(model, task, rows, extra),
-                      {"edge_scores_s": round(time.perf_counter() - t0, 3)}, scores if g.positions else None)
+    plain = scores[0] if not g.positions else (acc.sum(0) / n).float().masked_fill_(~g.valid, float("nan"))
+    settings = dict(info["settings"], **({"backend": {**where, "shards": len(parts)}} if where else {}))
+    return EdgeScores(g, plain, method, steps if method in STEPPED else 0, clean / n, corrupt / n, info["task"],
+                      info["model"], settings, {"edge_scores_s": round(sum(p["s"] for p in parts), 3)},
+                      scores if g.positions else None)
+
+
+# Edge scores, declared once: the shards every backend maps (``_foundation/shards``)
+EDGE_SCORES = Sharded("edge_scores", _plan_edges, _edge_shard, _combine_edges, _check_edges)
 
 
 STEPPED = ("eap-ig", "eap-ig-activations")
@@ -381,32 +429,62 @@ def node_scores(model, task: Task, method: str = "eap-ig", steps: int = 5, *, ru
     ``edge_scores``) or exactly (one patched run per node, every reader of the node reading its corrupt
     output). ``positions=True`` (or the task's position names): one node per sender and position group,
     ``"20.0@END"``, its output corrupted at that group's positions only. ``backend``, ``gqa`` as in
-    ``edge_scores``."""
-    from .._foundation.model import model_name
-
-    if backend is not None:
-        if gqa != "grouped" or positions not in (False, None):
-            raise QKCircuitsError("the ungrouped and position-aware graphs run in this process only (backend=None)")
-        from .._foundation.backends import as_backend
-
-        return as_backend(backend).run("node_scores", model, local=node_scores, task=task, method=method,
-                                       steps=steps, rule=rule, progress=progress, rows_per_shard=rows_per_shard,
-                                       copies=copies)
-
+    ``edge_scores`` (exact: ``NODE_SCORES``' shards, prompt-row blocks)."""
     if method != "exact":
         es = edge_scores(model, task, method, steps, rule=rule, progress=progress, rows_per_shard=rows_per_shard,
-                         gqa=gqa, positions=positions)
+                         gqa=gqa, positions=positions, backend=backend)
         return NodeScores(es.node_scores(), method, es.model, {**es.settings, "clean": es.clean, "corrupt": es.corrupt})
-    check_method(method, steps)
-    resolve_rule(method, rule)
+    request = dict(task=task, method=method, steps=steps, rule=rule, rows_per_shard=rows_per_shard, copies=copies,
+                   progress=progress, check=False, gqa=gqa, positions=positions)
+    if backend is not None:
+        from .._foundation.backends import as_backend
+
+        return as_backend(backend).map(NODE_SCORES, model, **request)
+    return NODE_SCORES.local(model, **request)
+
+
+def _plan_nodes(model, *, task: Task, method: str, steps: int, rule: Optional[str], rows_per_shard: Optional[int],
+                copies: int, progress: bool, check: bool, gqa: str, positions: Any) -> Plan:
+    """Exact node scores' plan: as edge scores' (a node's score does not depend on how k/v are counted)."""
+    from .._foundation.model import model_name
+
     check_task(model, task)
-    g = task_graph(model, task, gqa, positions)       # a node's score does not depend on how k/v are counted
+    g = task_graph(model, task, gqa, positions)
     task = with_reference(model, task.to(model.W_E.device))
     rows = rows_per_shard or shard_rows(model, g, task, budget=EXACT_BYTES)
-    acc, clean, corrupt = exact_nodes(model, g, task, rows, copies)
-    vals = (acc / task.n).tolist()
-    warn_if_not_done(task, clean, corrupt, model=model)
+    blocks = row_blocks(task.n, rows)
+    info = {"graph": g, "n": task.n, "model": model_name(model), "words": _Words(model),
+            "settings": _settings(model, task, rows, {}), "not_done": task.rows(slice(0, 1)).to("cpu")}
+    return Plan({"task": task.to("cpu"), "graph": g, "copies": copies}, [{"rows": ab} for ab in blocks], info,
+                [float(b - a) for a, b in blocks])
+
+
+def _node_shard(model, shared: Dict[str, Any], scratch: Dict[str, Any], *, rows: Tuple[int, int]
+                ) -> Tuple[Tensor, float, float]:
+    """One block of prompt rows: m(clean) − m(node off) summed over its rows per node, clean and corrupt sums."""
+    shard = shared["task"].rows(slice(*rows)).to(model.W_E.device)
+    return exact_node_sums(model, shared["graph"], shard, shared["copies"])
+
+
+def _combine_nodes(plan: Plan, parts: List[Tuple[Tensor, float, float]], where: Optional[Dict[str, Any]],
+                   **_: Any) -> NodeScores:
+    info, g = plan.info, plan.info["graph"]
+    n = info["n"]
+    acc = torch.zeros(g.n_groups, g.n_senders, dtype=torch.float64)
+    clean = corrupt = 0.0
+    for a, c, z in parts:
+        acc += a
+        clean += c
+        corrupt += z
+    clean, corrupt = clean / n, corrupt / n
+    vals = (acc / n).tolist()
+    warn_if_not_done(info["not_done"], clean, corrupt, stacklevel=4, model=info["words"])
     names = (list(g.senders) if not g.positions else
              [at(name, grp) for grp in g.positions for name in g.senders])
-    return NodeScores(dict(zip(names, [v for row in vals for v in row])), "exact", model_name(model),
-                      _settings(model, task, rows, {"clean": clean, "corrupt": corrupt}))
+    settings = dict(info["settings"], clean=clean, corrupt=corrupt,
+                    **({"backend": {**where, "shards": len(parts)}} if where else {}))
+    return NodeScores(dict(zip(names, [v for row in vals for v in row])), "exact", info["model"], settings)
+
+
+# Exact node scores, declared once (``_foundation/shards``)
+NODE_SCORES = Sharded("node_scores", _plan_nodes, _node_shard, _combine_nodes, _check_edges)

@@ -17,8 +17,8 @@ input, score], ...], heads, node_faithfulness, named, ...}, roles {head: {role, 
 roles_of ("core", "circuit" or null: which circuit's heads), warnings [one line each], bos {prepended, mode},
 timing; plus schema, graph, bos_prepended (old readers), bootstrap with ``--bootstrap``. ``--gqa ungrouped`` /
 ``--positions`` score another graph (``graph.gqa`` / ``graph.positions`` in the JSON; a position-aware circuit's
-edges name their group, as ``20.0@END``, and ``circuit.position_nodes`` lists where its nodes act); this process
-only, not with ``--ray``. ``--mib PATH`` writes the edge scores in the MIB circuit track's JSON (the named edge
+edges name their group, as ``20.0@END``, and ``circuit.position_nodes`` lists where its nodes act), with or
+without ``--ray``. ``--mib PATH`` writes the edge scores in the MIB circuit track's JSON (the named edge
 circuit's edges in_graph; the ungrouped graph's k/v per query head one to one; not on the position-aware graph).
 """
 
@@ -162,8 +162,6 @@ def run(args: argparse.Namespace) -> int:
     if args.mib and args.positions:
         raise QKCircuitsError("--mib: MIB's graph has no position groups; drop --positions (--gqa ungrouped is MIB's "
                               "own k/v count)")
-    if args.ray is not None and (args.gqa != "grouped" or args.positions):
-        raise QKCircuitsError("--gqa ungrouped and --positions run in this process only (not with --ray)")
     if args.resamples and args.ray is not None:
         raise QKCircuitsError("--resamples runs in this process only (not with --ray)")
     t0 = time.perf_counter()

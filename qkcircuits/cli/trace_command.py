@@ -47,8 +47,6 @@ def run(args: argparse.Namespace) -> int:
     from .._paths.trace import trace
 
     if args.ray is not None:
-        if args.attribution:
-            raise QKCircuitsError("--ray runs exact path patching; drop --attribution (or drop --ray)")
         # The workers load the model; this process loads no weights (receivers are checked by a worker).
         recv = args.receivers
         try:                           # "L.*" needs n_heads, which only a worker knows: it checks those
@@ -67,11 +65,12 @@ def run(args: argparse.Namespace) -> int:
         raise QKCircuitsError(f"--receivers: {[str(r) for r in recv if r.layer == 0][0]} is in layer 0, which reads "
                               f"no earlier head; name heads of layer 1 or later")
     if args.ray is not None:
-        res = trace(args.model, recv, k=args.k, into=args.into, method=args.method, progress=not args.quiet,
-                    backend=ray_backend(args))
-        b = res.settings["backend"]
-        print(f"  ray: {b['workers']} workers, {b['shards']} shards; start-up {b['startup_s']:.1f} s, load "
-              f"{b['load_s']:.1f} s, scan {b['scan_s']:.1f} s, path patching {b['patch_s']:.1f} s", file=sys.stderr)
+        res = trace(args.model, recv, k=args.k, into=args.into, method=args.method, attribution=args.attribution,
+                    progress=not args.quiet, backend=ray_backend(args))
+        b = res.settings.get("backend")
+        if b:
+            print(f"  ray: {b['workers']} workers, {b['shards']} shards; start-up {b['startup_s']:.1f} s, load "
+                  f"{b['load_s']:.1f} s, path patching {b['patch_s']:.1f} s", file=sys.stderr)
     else:
         res = trace(model, recv, k=args.k, into=args.into, method=args.method, attribution=args.attribution,
                     progress=not args.quiet)

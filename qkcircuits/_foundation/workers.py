@@ -1,31 +1,25 @@
-"""Ray backend: actors that each load the model once and run named jobs on shards of the work.
+"""Ray workers that each load the model once and run shards of any ``Sharded`` analysis (``RayPool``'s machinery).
 
->>> res = qk.sweep("smollm2-135m", tokens, "induction-loss", backend="ray")   # doctest: +SKIP
->>> with Pool("smollm2-135m", workers=2) as pool:                            # doctest: +SKIP
-...     outs = pool.map("qkcircuits._scale.ray_sweep:sweep_shard", shards, shared={"tokens": tokens, ...})
+>>> with Pool("smollm2-135m", workers=2) as pool:                            # doctest: +SKIP (needs Ray)
+...     parts = pool.map(fn, shards, shared={"tokens": tokens})               # fn(model, shared, scratch, **shard)
 
-Imported only when a caller asks for ``backend="ray"`` (``import qkcircuits`` never imports ray).
+Imported only when a caller asks for a Ray backend (``import qkcircuits`` never imports ray). It knows no
+analysis: a shard is ``fn(model, shared, scratch, **shard)`` for a function of an importable module (Ray pickles
+it by reference; ``_foundation/shards``), a whole step ``fn(model, **request)`` on one worker (``Pool.call``).
 
-The pieces, generic on purpose (docs/scaling.md shows how a new job plugs in):
+- ``Worker``: a Ray actor holding ONE loaded model (``qk.load(spec, **load_kwargs)``, loaded once, kept for every
+  shard it runs; ``spec=None``: its functions load their own, the zoo). One GPU per worker where the cluster has
+  GPUs (``gpus_per_worker=k`` with ``device_map="auto"`` for a model spread over k GPUs), else ``threads`` CPU
+  threads.
+- ``Pool``: connects (``connect``), starts the workers, and ``map(fn, shards, shared)`` runs the shards as workers
+  free up (largest first when given costs), puts ``shared`` into Ray's object store ONCE for all shards, shows a
+  bar over shards, and re-runs the shard of a worker that died on a fresh worker: results are kept by shard index
+  and a shard's result is recorded only when it comes back, so nothing is counted twice. ``timing`` holds
+  ``startup_s`` (connect + worker processes up), ``load_s`` (the parallel model loads) and, after ``map``,
+  ``run_s``.
 
-- ``JOBS``: name -> ``fn(model, shared, **shard) -> partial result``, run inside a worker. Register
-  with ``@job("name")``; the function must live in an importable module (workers import it).
-- ``Worker``: a Ray actor holding ONE loaded model (``qk.load(spec, **load_kwargs)``, loaded once,
-  kept for every shard it runs). One GPU per worker where the cluster has GPUs (``gpus_per_worker=k``
-  with ``device_map="auto"`` for a model spread over k GPUs), else ``threads`` CPU threads.
-- ``Pool``: connects (``connect``), starts the workers, and ``map(job, shards, shared)`` runs
-  the shards as workers free up (largest first when given costs), puts ``shared`` (prompts,
-  replacement activations) into Ray's object store ONCE for all shards, shows a tqdm bar over
-  shards, and re-runs the shard of a worker that died on a fresh worker: results are kept by
-  shard index and a shard's result is recorded only when it comes back, so nothing is counted
-  twice. ``timing`` holds ``startup_s`` (connect + worker processes up), ``load_s`` (the parallel
-  model loads) and, after ``map``, ``run_s``.
-- ``qkcircuits._scale.ray_sweep``: the all-heads ablation sweep on a pool, the worked example of a job
-  (``plan_sweep`` cuts shards, the job ``qkcircuits._scale.ray_sweep:sweep_shard`` runs one,
-  ``combine_sweep`` combines them exactly).
-
-The driver (this process) loads no weights: the token prompts, the model's shape and the
-mean/resample replacement are computed by a worker and sent back.
+The driver (this process) loads no weights: what needs the model (a plan, a task built with the tokenizer) runs on
+a worker and comes back.
 """
 
 from __future__ import annotations
@@ -39,34 +33,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .._foundation.errors import QKCircuitsError
+from .errors import QKCircuitsError
 
-JOBS: Dict[str, Callable[..., Any]] = {}
 RAY_HINT = "pip install 'qkcircuits[ray]' (or use the local backend: no backend= / no --ray)"
-
-
-def job(name: str):
-    """Register ``fn(model, shared, **shard)`` as the job ``name`` that workers can run."""
-    def register(fn):
-        JOBS[name] = fn
-        return fn
-    return register
-
-
-def find_job(name: str) -> Callable[..., Any]:
-    """A registered job, or ``"package.module:function"`` (imported in the worker)."""
-    if name in JOBS:
-        return JOBS[name]
-    if ":" in name:
-        import importlib
-
-        module, _, attr = name.partition(":")
-        try:
-            return getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise QKCircuitsError(f"job {name!r} cannot be imported ({e}); pass 'module:function' of an installed "
-                                  f"module") from None
-    raise QKCircuitsError(f"unknown job {name!r}; registered: {', '.join(sorted(JOBS))}, or pass 'module:function'")
 
 
 def import_ray():
@@ -157,7 +126,7 @@ class Worker:
         return {"pid": os.getpid(), "host": socket.gethostname()}
 
     def load(self, spec: Optional[str], load_kwargs: Dict[str, Any]) -> float:
-        from .._foundation.model import load
+        from .model import load
 
         t0 = time.perf_counter()
         if spec is None:             # a worker whose jobs load their own models (the zoo)
@@ -168,9 +137,15 @@ class Worker:
         self.model = load(spec, verbose=False, **kwargs)
         return time.perf_counter() - t0
 
-    def run(self, name: str, shard: Dict[str, Any], shared: Any) -> Any:
-        with torch.no_grad():
-            return find_job(name)(self.model, shared, **shard)
+    def run(self, fn: Callable[..., Any], shard: Dict[str, Any], shared: Any, key: int) -> Any:
+        """One shard: ``fn(model, shared, scratch, **shard)``; ``scratch`` lives for one map (``key``)."""
+        if getattr(self, "_key", None) != key:
+            self._key, self._scratch = key, {}
+        return fn(self.model, shared, self._scratch, **shard)
+
+    def call(self, fn: Callable[..., Any], request: Dict[str, Any]) -> Any:
+        """One whole step on this worker's model: ``fn(model, **request)``."""
+        return fn(self.model, **request)
 
 
 @dataclass
@@ -254,13 +229,22 @@ class Pool:
     def size(self) -> int:
         return len(self._actors)
 
-    def call(self, name: str, shard: Optional[Dict[str, Any]] = None, shared: Any = None) -> Any:
-        """Run one job on one worker (e.g. the prompt set or the replacement, computed once)."""
-        return self.map(name, [shard or {}], shared, progress=False)[0]
+    def call(self, fn: Callable[..., Any], request: Optional[Dict[str, Any]] = None) -> Any:
+        """``fn(model, **request)`` on one worker (a plan, a step that is not split); its errors as they are."""
+        ray = import_ray()
+        from ray.exceptions import RayTaskError
 
-    def map(self, name: str, shards: Sequence[Dict[str, Any]], shared: Any = None, *,
+        try:
+            return ray.get(self._actors[0].call.remote(fn, request or {}))
+        except RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, QKCircuitsError):
+                raise QKCircuitsError(str(cause)) from None
+            raise
+
+    def map(self, fn: Callable[..., Any], shards: Sequence[Dict[str, Any]], shared: Any = None, *,
             costs: Optional[Sequence[float]] = None, progress: Optional[bool] = None, desc: str = "shards") -> List[Any]:
-        """``JOBS[name](model, shared, **shard)`` for every shard, results in shard order.
+        """``fn(model, shared, scratch, **shard)`` for every shard, results in shard order.
 
         Shards go to workers as they free up, largest ``costs`` first. A worker that dies takes
         its shard back to the queue and is replaced by a fresh worker (which loads the model).
@@ -268,6 +252,9 @@ class Pool:
         ray = import_ray()
         from ray.exceptions import RayActorError, RayTaskError
 
+        name = getattr(fn, "__qualname__", str(fn))
+        self._maps = getattr(self, "_maps", 0) + 1
+        key = self._maps
         order = sorted(range(len(shards)), key=lambda i: -(costs[i] if costs else 0))
         queue = deque(order)
         shared_ref = ray.put(shared)                      # sent once, read by every shard
@@ -277,7 +264,7 @@ class Pool:
         show = self.progress if progress is None else progress
         bar = None
         if show:
-            from .._foundation.progress import progress_bar
+            from .progress import progress_bar
 
             bar = progress_bar(total=len(shards), desc=desc, unit="shard")
         t0 = time.perf_counter()
@@ -286,7 +273,7 @@ class Pool:
                 while queue and idle:
                     actor = idle.pop()
                     i = queue.popleft()
-                    ref = actor.run.remote(name, shards[i], shared_ref)
+                    ref = actor.run.remote(fn, shards[i], shared_ref, key)
                     inflight[ref] = (i, actor)
                     self._event("dispatch", job=name, shard=i, pid=self.pids[self._actors.index(actor)])
                 done, _ = ray.wait(list(inflight), num_returns=1)
@@ -332,36 +319,3 @@ class Pool:
     def _event(self, kind: str, **info) -> None:
         if self.on_event is not None:
             self.on_event(kind, info)
-
-
-# ---------------------------------------------------------------------------------------------
-# Jobs every backend needs: the model's shape, prompts, replacement activations.
-
-
-@job("describe")
-def _describe(model, shared) -> Dict[str, Any]:
-    from .._foundation.fingerprint import fingerprint
-    from .._foundation.model import model_name
-
-    return {"name": model_name(model), "fingerprint": fingerprint(model), "n_layers": model.cfg.n_layers,
-            "n_heads": model.cfg.n_heads,
-            "d_model": model.cfg.d_model, "d_vocab": model.cfg.d_vocab,
-            "block_params": sum(p.numel() for p in model.blocks[0].parameters()),
-            "dtype": str(model.W_E.dtype), "device": str(model.W_E.device)}
-
-
-@job("default_tokens")
-def _default_tokens(model, shared, **kwargs) -> torch.Tensor:
-    from .._analysis.metrics import default_tokens
-
-    return default_tokens(model, **kwargs).cpu()
-
-
-@job("replacement")
-def _replacement(model, shared, *, method, layers, reference, per_position):
-    """The mean/resample replacement over the WHOLE prompt set (``shared`` = the tokens), on the CPU."""
-    from .._analysis.ablate import make_replacement
-
-    repl = make_replacement(model, method, layers, reference=reference, tokens=shared, per_position=per_position)
-    repl.z = {k: v.cpu() for k, v in repl.z.items()}
-    return repl
