@@ -59,7 +59,7 @@ def main() -> None:
         (m,), clean, corrupt = circuit_metric(model, task, [node_mask_of(g, core.heads, core.mlps)], rows)
         check = ratio(m, clean, corrupt)
         t = time.perf_counter()
-        roles = core.roles(model, task, scores)
+        roles = qk.roles(model, task, core, scores=scores)
         role_s = time.perf_counter() - t
         print(f"\nmlps={'searched' if mlps else 'clean'}: {len(core.heads)} heads + {len(core.mlps)} MLPs, node f "
               f"{core.node_faithfulness:.3f} (edge-level patched run of its mask: {check:.3f}); {secs:.0f} s, "

@@ -60,6 +60,7 @@ _EXPORTS = {
     "._tasks.faithfulness": "faithfulness",
     "._tasks.graph": "graph",
     "._tasks.registry": "register_task",
+    "._tasks.roles": "roles",
     "._tasks.scores": "edge_scores, node_scores",
     "._tasks.task": "Task",
     # Where analyses run (Ray itself is imported only when a qk.Ray backend runs), and many models at once.

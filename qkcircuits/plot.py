@@ -132,7 +132,7 @@ def reads_from(result, head, k: int = 3) -> Figure:
 def circuit(result, max_edges: int = 300, model=None, roles=None, which: str = "auto") -> Figure:
     """The circuit found over the whole graph (``qkcircuits circuit``): ``result`` is the circuit API's result
     (``qk.faithfulness(...)``: its chosen circuit; ``scores.circuit(...)``; edge scores: their ``.circuit()``), the
-    ``--json`` file's dict, its path or its text; ``roles``: ``circuit.roles(model, task)`` or {head: {role,
+    ``--json`` file's dict, its path or its text; ``roles``: ``qk.roles(model, task, circuit)`` or {head: {role,
     evidence}}, shown in the hover and the legend (the file's own roles otherwise).
 
     ``which``: ``"core"`` (the default when the file has ``core``: its heads and MLPs and the strongest edges between

@@ -111,7 +111,7 @@ def test_every_method_reads_sets_linearly(hand_built):
         f = qk.faithfulness(hand_built, both, scores, sizes=(50, 100), progress=False)
         assert f.curve[100.0] == pytest.approx(1.0, abs=1e-4)              # every edge: the full model
         core = qk.core_circuit(hand_built, both, scores, progress=False)
-        roles = core.roles(hand_built, both, scores, qk=False)
+        roles = qk.roles(hand_built, both, core, scores=scores, qk=False)
         assert set(roles.roles) >= set(core.heads)
     r = qk.attend(hand_built, "1.0", task=both)
     assert r is not None

@@ -352,7 +352,7 @@ def test_roles_carry_the_qk_evidence_of_their_induction_head(hand_built):
     # and the report's roles table; the numbers are qk.attend's own on the same rows
     task = qk.tasks.induction(hand_built, n=4, seg_len=6)
     scores = qk.edge_scores(hand_built, task, method="eap", progress=False)
-    roles = scores.circuit(percent=20).roles(hand_built, task)
+    roles = qk.roles(hand_built, task, scores.circuit(percent=20))
     assert "induction" in roles.roles["1.0"]["evidence"]["labels"]      # (its role: a direct-logit head here)
     ev = roles.roles["1.0"]["qk"]
     assert ev["key"][0][0] == "0.0" and ev["query"][0][0] == "emb" and ev["exact_error"] <= 1e-5
@@ -372,7 +372,7 @@ def test_roles_carry_the_qk_evidence_of_their_induction_head(hand_built):
     assert len(row) == 4 and row[3].startswith("attends from each repeated token to the token after its earlier copy "
                                                "(attention 1.00): query side emb"), row[3]
     assert "key side 0.0 (" in row[3] and "of the total" in row[3]
-    none = scores.circuit(percent=20).roles(hand_built, task, qk=False)
+    none = qk.roles(hand_built, task, scores.circuit(percent=20), qk=False)
     assert "qk" not in none.roles["1.0"]
 
 
@@ -385,7 +385,7 @@ def test_a_refused_attribution_leaves_the_roles_and_says_why(hand_built, monkeyp
 
     monkeypatch.setattr(evidence, "attend_heads", refuse)
     task = qk.tasks.induction(hand_built, n=4, seg_len=6)
-    roles = qk.edge_scores(hand_built, task, method="eap", progress=False).circuit(percent=20).roles(hand_built, task)
+    roles = qk.roles(hand_built, task, qk.edge_scores(hand_built, task, method="eap", progress=False).circuit(percent=20))
     assert "qk" not in roles.roles["1.0"] and roles.roles["1.0"]["role"]
     assert roles.settings["qk_error"] == {"1.0": "QKCircuitsError: head 1.0: the attribution is not exact on this "
                                                  "model (a test's refusal)"}

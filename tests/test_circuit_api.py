@@ -82,7 +82,7 @@ def test_no_function_changes_the_scores_it_is_given(hand_built, toy_task, exact)
         a = qk.faithfulness(hand_built, toy_task, exact, sizes=(10, 50, 100), progress=False)
         b = qk.faithfulness(hand_built, toy_task, exact, sizes=(20, 100), by="abs", progress=False)
         qk.evaluate(hand_built, toy_task, exact.circuit(edges=4))
-        exact.circuit(edges=4).roles(hand_built, toy_task)
+        qk.roles(hand_built, toy_task, exact.circuit(edges=4))
     assert exact.to_dict() == before and "chosen_percent" not in exact.settings
     assert a.chosen_percent == 50.0 and b.chosen_percent == 20.0
     # which call ran last decides nothing: a circuit needs its size
@@ -135,10 +135,10 @@ def test_warnings_and_roles_need_a_model_that_does_the_task(hand_built, toy_task
                                          r"direction"):
         s = qk.edge_scores(hand_built, swapped, method="exact", progress=False)
     c = s.circuit(edges=4, by="abs")
-    r = c.roles(hand_built, swapped)
+    r = qk.roles(hand_built, swapped, c)
     assert r.roles == {} and r.not_named.startswith("the model does not do task")
     assert r.sentences()[0].startswith("no roles named: the model does not do task")
-    assert c.roles(hand_built, swapped, force=True).roles
+    assert qk.roles(hand_built, swapped, c, force=True).roles
     # no grid size below 100 % reaches 0.8: a warning that says so (the signed ranking of the swapped task)
     with pytest.warns(UserWarning, match=r"no grid size below 100% reaches f >= 0.8"):
         f = qk.faithfulness(hand_built, toy_task, exact, sizes=(1, 5, 100), progress=False)

@@ -162,7 +162,7 @@ def test_roles_name_ioi_classes_from_evidence(hand_built):
                  "S2": torch.full((6,), L + 2)}
     task = qk.Task(base.clean, base.corrupt, base.answer, base.wrong, positions=positions, name="ioi-like")
     scores = qk.edge_scores(hand_built, task, method="exact", progress=False)
-    r = scores.circuit(edges=4).roles(hand_built, task)
+    r = qk.roles(hand_built, task, scores.circuit(edges=4))
     ev = r.roles["1.0"]["evidence"]
     assert r.roles["1.0"]["role"] == "name mover" and ev["END->IO"] > 0.99 and ev["direct_share"] > 0.99
     # 0.0 attends to the previous token; its exact edge scores on this task are tiny next to 1.0's, so its

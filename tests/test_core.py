@@ -321,7 +321,7 @@ def test_core_roles_on_the_toy(hand_built):
     # the core's edge form: every edge between its nodes, the embedding and the logits
     # emb -> q/k/v of 0.0 and 1.0 (6), 0.0 -> q/k/v of 1.0 (3), emb, 0.0, 1.0 -> logits (3)
     assert circ.heads == ["0.0", "1.0"] and circ.n_edges == 12
-    r = core.roles(hand_built, task, scores)
+    r = qk.roles(hand_built, task, core, scores=scores)
     assert set(r.roles) == {"0.0", "1.0"} and all(e["in_circuit"] for e in r.roles.values())
     assert r.roles["1.0"]["role"] == "direct-logit head" and r.roles["0.0"]["role"] == "previous-token head"
 

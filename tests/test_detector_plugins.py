@@ -90,7 +90,7 @@ def test_roles_read_a_plugin_detectors_label(hand_built):
         assert ("self-attending head", "self_attention", "self-attending") in detector_roles()
         task = qk.tasks.induction(hand_built, n=4, seg_len=6)
         circuit = qk.edge_scores(hand_built, task, method="eap", progress=False).circuit(percent=100)
-        roles = circuit.roles(hand_built, task, qk=False)
+        roles = qk.roles(hand_built, task, circuit, qk=False)
         for head, r in roles.roles.items():
             assert "self_attention" in r["evidence"]["detectors"]
             assert ("self-attending" in r["evidence"]["labels"]) == (head.endswith(".1"))   # 0.1, 1.1 by construction

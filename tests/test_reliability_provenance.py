@@ -102,7 +102,7 @@ def test_every_result_records_its_model_and_task(hand_built):
         "faithfulness": qk.faithfulness(m, task, scores, sizes=[50, 100], progress=False),
         "core": qk.core_circuit(m, task, scores, progress=False),
         "random": qk.compare_to_random(m, ["1.0"], tokens, n_draws=2),
-        "roles": scores.circuit(percent=50).roles(m, task, force=True, qk=False),
+        "roles": qk.roles(m, task, scores.circuit(percent=50), force=True, qk=False),
     }
     for what, res in results.items():
         assert res.settings.get("fingerprint") == fp, what

@@ -90,7 +90,7 @@ def test_task_circuit_verify_and_kv_results_round_trip(hand_built, tmp_path):
     scores = qk.edge_scores(m, task, method="eap", progress=False)
     faith = qk.faithfulness(m, task, scores, sizes=(50, 100), progress=False)
     circ = scores.circuit(edges=4)
-    roles = circ.roles(m, task)
+    roles = qk.roles(m, task, circ)
     results = [scores, qk.node_scores(m, task, method="eap", progress=False), circ, faith, roles,
                qk.verify_circuits(m), qk.kv_cache(m)]
     for r in results:

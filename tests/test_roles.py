@@ -172,12 +172,33 @@ def test_roles_name_where_a_head_attends_by_the_users_positions():
     model = qk.load("toy-induction", verbose=False)
     seg = 6
     task = qk.tasks.induction(model, n=8, seg_len=seg)
-    r = qk.edge_scores(model, task, method="exact", progress=False).circuit(edges=4).roles(model, task)
+    r = qk.roles(model, task, qk.edge_scores(model, task, method="exact", progress=False).circuit(edges=4))
     assert r.roles["1.0"]["evidence"]["END_attends_most"] == {"where": f"END-{seg - 1}", "rows": 8, "of": 8,
                                                   "counts": {f"END-{seg - 1}": 8}}
     assert r.roles["0.0"]["evidence"]["END_attends_most"]["where"] == "END-1"
     named = qk.Task(task.clean, task.corrupt, task.answer, task.wrong, metric=task.metric,
                     positions={"NEXT": task.positions["END"] - (seg - 1)})
-    r = qk.edge_scores(model, named, method="exact", progress=False).circuit(edges=4).roles(model, named)
+    r = qk.roles(model, named, qk.edge_scores(model, named, method="exact", progress=False).circuit(edges=4))
     assert r.roles["1.0"]["evidence"]["END_attends_most"]["where"] == "NEXT"
     assert r.roles["1.0"]["evidence"]["attn_from_END"]["NEXT"] > 0.9
+
+
+def test_roles_is_a_function_of_the_model_and_its_inputs():
+    """qk.roles takes the circuit (no result computes: TaskCircuit and CoreCircuit have no roles method); a core's
+    roles are its circuit's plus the heads outside it with >= 5 % of the effect, and need its scores."""
+    import qkcircuits as qk
+    from qkcircuits import QKCircuitsError
+
+    model = qk.load("toy-induction", verbose=False)
+    task = qk.tasks.induction(model, n=8, seg_len=6)
+    scores = qk.edge_scores(model, task, method="exact", progress=False)
+    core = qk.core_circuit(model, task, scores, progress=False)
+    assert not hasattr(scores.circuit(edges=4), "roles") and not hasattr(core, "roles")
+    via_core = qk.roles(model, task, core, scores=scores, qk=False)
+    by_hand = qk.roles(model, task, core.circuit(scores), scores.clean, scores.corrupt, also=core.outside(scores),
+                       qk=False)
+    assert via_core.roles == by_hand.roles and set(via_core.roles) >= set(core.heads)
+    with pytest.raises(QKCircuitsError, match=r"need its edge scores: qk.roles\(model, task, core, scores=scores\)"):
+        qk.roles(model, task, core)
+    with pytest.raises(QKCircuitsError, match="share= goes with a core circuit"):
+        qk.roles(model, task, scores.circuit(edges=4), share=0.1)

@@ -94,7 +94,7 @@ def test_register_task_builds_checks_and_never_takes_a_name(hand_built):
             qk.tasks.build_task(hand_built, "repeat", n=3, prepend_bos=True)
         # declared roles name the heads (the rule here: every head)
         scores = qk.edge_scores(hand_built, task, method="eap", progress=False)
-        roles = scores.circuit(percent=100).roles(hand_built, task, qk=False)
+        roles = qk.roles(hand_built, task, scores.circuit(percent=100), qk=False)
         assert roles.roles and {r["role"] for r in roles.roles.values()} == {"copier"}
     finally:
         qk.tasks.unregister_task("repeat")

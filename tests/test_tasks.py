@@ -186,7 +186,7 @@ def test_from_jsonl_named_positions(gpt2, tmp_path):
     scores = qk.edge_scores(gpt2, task, method="eap", progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        r = scores.circuit(percent=50).roles(gpt2, task, force=True)
+        r = qk.roles(gpt2, task, scores.circuit(percent=50), force=True)
     assert all(set(x["evidence"]["attn_from_END"]) == {"END", "S", "S2", "T"} for x in r.roles.values())
 
 

@@ -55,7 +55,7 @@ def test_smollm2_ioi_circuit_carries_the_behaviour_by_5_percent_and_names_its_na
     assert f.settings["by"] == "signed" and f.curve[100.0] == pytest.approx(1.0, abs=1e-6)
     assert f.chosen_percent <= 5 and f.curve[f.chosen_percent] >= 0.8, f.curve
     assert f.node_faithfulness >= 0.8, f.node_faithfulness           # measured 1.49: its heads carry it (and overshoot)
-    roles = f.circuit.roles(smollm2, task, clean=f.clean, corrupt=f.corrupt)
+    roles = qk.roles(smollm2, task, f.circuit, clean=f.clean, corrupt=f.corrupt)
     movers = [h for h, r in roles.roles.items() if r["role"] == "name mover"]
     assert movers and all(h.startswith("23.") for h in movers), roles.by_role()
     # Issue 35's done-when, on the same 16 prompts: the core circuit (the fewest heads and MLPs whose node view
@@ -69,7 +69,7 @@ def test_smollm2_ioi_circuit_carries_the_behaviour_by_5_percent_and_names_its_na
     assert len(core.heads) <= 30 and core.node_faithfulness >= 0.8, (core.heads, core.how)
     (m,), clean, corrupt = circuit_metric(smollm2, task, [node_mask_of(qk.graph(smollm2), core.heads, core.mlps)], 16)
     assert ratio(m, clean, corrupt) == pytest.approx(core.node_faithfulness, abs=1e-3)
-    named = core.roles(smollm2, task, scores)
+    named = qk.roles(smollm2, task, core, scores=scores)
     roles = named.by_role()
     assert all(h.startswith("23.") for h in roles["name mover"]), roles
     assert any(r["role"] == "negative name mover" and not r["in_circuit"] for r in named.roles.values()), roles

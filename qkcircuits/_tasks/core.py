@@ -80,6 +80,27 @@ BOOTSTRAP = 200          # resamples of the rows behind every lower end (the sea
 BATCH = 48               # a set this small has its single nodes measured in one stacked batch, not one by one
 
 
+
+# heads outside a circuit judged beside it (qk.roles' also=, CoreCircuit.outside): at least this share of the effect
+ALSO_SHARE = 0.05
+
+
+def significant_heads(scores, clean: Real, corrupt: Real, share: Real = ALSO_SHARE) -> List[str]:
+    """Heads of ``scores``' graph whose direct effect (head → logits edge score) or node effect (the sum of its
+    outgoing edge scores) is at least ``share`` × |m(clean) − m(corrupt)| in size, either sign; in graph order."""
+    g = scores.graph
+    denom = abs(float(clean) - float(corrupt))
+    if not denom == denom or denom == 0:
+        return []
+    sc = torch.nan_to_num(scores.scores.float(), nan=0.0)
+    out = []
+    for L in range(g.n_layers):
+        for h in range(g.n_heads):
+            s = g.head_sender(L, h)
+            if max(abs(float(sc[s, g.logits_receiver])), abs(float(sc[s].sum()))) >= float(share) * denom:
+                out.append(f"{L}.{h}")
+    return out
+
 @dataclass(frozen=True, repr=False)      # the repr is _text (Result)
 class CoreCircuit(Result):
     """The core circuit: ``heads`` and ``mlps`` kept, their node view's f on the rows they were chosen on
@@ -180,23 +201,11 @@ class CoreCircuit(Result):
         return TaskCircuit(g, mask, scores.scores, "core", None, int(mask.sum()), getattr(scores, "model", ""), "core")
 
     def outside(self, scores, share: Optional[Real] = None) -> List[str]:
-        """Heads not in the core whose direct or node effect reaches ``share`` (default ``roles.ALSO_SHARE``,
-        5 %) of m(clean) − m(corrupt) in size, either sign (``roles.significant_heads``)."""
-        from .roles import ALSO_SHARE, significant_heads
-
+        """Heads not in the core whose direct or node effect reaches ``share`` (default ``ALSO_SHARE``,
+        5 %) of m(clean) − m(corrupt) in size, either sign (``significant_heads``)."""
         keep = set(self.heads)
         return [h for h in significant_heads(scores, scores.clean, scores.corrupt,
                                              ALSO_SHARE if share is None else share) if h not in keep]
-
-    def roles(self, model, task: Task, scores, share: Optional[Real] = None, **kw):
-        """The roles of the core's heads, plus those of ``outside(scores, share)`` (so a negative name mover the
-        core leaves out is named); each entry says ``in_circuit``. ``kw``: ``roles.roles``' own (``clean``,
-        ``corrupt``, ``thresholds``); see ``qkcircuits._tasks.roles``."""
-        from .roles import roles
-
-        kw.setdefault("clean", scores.clean)
-        kw.setdefault("corrupt", scores.corrupt)
-        return roles(model, task, self.circuit(scores), also=self.outside(scores, share), **kw)
 
     def f_text(self) -> str:
         """"node f 0.912 [0.871-0.948] on the 43 selection rows; held-out 0.884 [0.80-0.95] on 21 rows"."""

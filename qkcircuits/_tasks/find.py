@@ -245,7 +245,9 @@ def circuit_faithfulness_step(model, *, task, circuit, graph, progress: bool = T
 
 def roles_step(model, *, task, circuit, clean, corrupt, force: bool = False, also=()):
     """The step "roles": the circuit's heads' roles (``also``: heads outside it judged beside them)."""
-    return circuit.roles(model, task, clean=clean, corrupt=corrupt, force=force, also=list(also))
+    from .roles import roles
+
+    return roles(model, task, circuit, clean=clean, corrupt=corrupt, force=force, also=list(also))
 
 
 # ----------------------------------------------------------------------------------------------- words

@@ -2,7 +2,7 @@
 
 >>> task = qk.tasks.induction(model, n=8, seg_len=6)
 >>> scores = qk.edge_scores(model, task, method="exact", progress=False)
->>> r = scores.circuit(edges=4).roles(model, task)
+>>> r = qk.roles(model, task, scores.circuit(edges=4))
 >>> r.roles["1.0"]["role"], r.roles["0.0"]["role"]
 ('direct-logit head', 'previous-token head')
 
@@ -65,11 +65,11 @@ import torch
 
 from .._foundation.errors import QKCircuitsError
 from .._foundation.result import Result, stamped
+from .core import ALSO_SHARE, CoreCircuit, significant_heads  # noqa: F401 (ALSO_SHARE, significant_heads: re-exported)
 from .role_rules import DETECTORS, IOI_ROLES, PATTERNS, THRESHOLDS, Role, classify, detector_roles, _largest  # noqa: F401
 
 # heads outside a (core) circuit are named too when their direct or node effect reaches this share of
 # m(clean) − m(corrupt), either sign (``significant_heads``): negative name movers are never in a signed circuit
-ALSO_SHARE = 0.05
 IOI_POSITIONS = ("IO", "S1", "S1+1", "S2", "END")
 # IOI classes in the order they are tested, then the two catch-alls (the order ``Roles`` lists them in)
 ORDER = ("name mover", "negative name mover", "direct-logit head", "S-inhibition head", "induction head",
@@ -83,7 +83,7 @@ class Roles(Result):
     file's)."""
 
     SCHEMA = "qkcircuits.roles/1"
-    WHAT = "a roles JSON (circuit.roles(model, task).to_json())"
+    WHAT = "a roles JSON (qk.roles(model, task, circuit).to_json())"
     KEYS = ("roles", "task")
 
     roles: Dict[str, Dict[str, object]]
@@ -235,27 +235,15 @@ def most_text(most: Dict[str, object]) -> str:
     return f"{most['where']} in {most['rows']} of {most['of']} prompts"
 
 
-def significant_heads(scores, clean: Real, corrupt: Real, share: Real = ALSO_SHARE) -> List[str]:
-    """Heads of ``scores``' graph whose direct effect (head → logits edge score) or node effect (the sum of its
-    outgoing edge scores) is at least ``share`` × |m(clean) − m(corrupt)| in size, either sign; in graph order."""
-    g = scores.graph
-    denom = abs(float(clean) - float(corrupt))
-    if not denom == denom or denom == 0:
-        return []
-    sc = torch.nan_to_num(scores.scores.float(), nan=0.0)
-    out = []
-    for L in range(g.n_layers):
-        for h in range(g.n_heads):
-            s = g.head_sender(L, h)
-            if max(abs(float(sc[s, g.logits_receiver])), abs(float(sc[s].sum()))) >= float(share) * denom:
-                out.append(f"{L}.{h}")
-    return out
-
-
 def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[Real] = None,
           thresholds: Optional[Dict[str, float]] = None, also: Sequence[str] = (), force: bool = False,
-          qk: bool = True) -> Roles:
-    """Each head of ``circuit`` with its role and evidence (module docstring). ``clean``/``corrupt``: the
+          qk: bool = True, *, scores=None, share: Optional[Real] = None) -> Roles:
+    """Each head of ``circuit`` with its role and evidence (module docstring): ``qk.roles(model, task, circuit)``.
+
+    ``circuit``: a ``TaskCircuit`` (``scores.circuit(...)``), or a ``CoreCircuit`` (``qk.core_circuit``) with
+    ``scores=`` its edge scores: then the core's heads plus ``core.outside(scores, share)`` (heads outside it with
+    at least ``share``, default 5 %, of the effect, so that a negative name mover the core leaves out is named), and
+    ``clean``/``corrupt`` default to the scores'. ``clean``/``corrupt``: the
     task's metric means (computed with two forwards per 16 rows when not given). ``thresholds`` override
     ``THRESHOLDS``. ``also``: heads outside the circuit judged beside its own (``significant_heads``; the
     circuit's scores must hold their edges, as ``scores.circuit()``'s and the core's do); every entry says
@@ -270,6 +258,17 @@ def roles(model, task, circuit, clean: Optional[Real] = None, corrupt: Optional[
     sentences and the report."""
     from .task import does_the_task, evaluate, not_done_message, with_reference
 
+    if isinstance(circuit, CoreCircuit):
+        if scores is None:
+            raise QKCircuitsError("roles of a core circuit need its edge scores: qk.roles(model, task, core, "
+                                  "scores=scores)")
+        also = list(circuit.outside(scores, share)) + [h for h in also if h not in circuit.heads]
+        clean = scores.clean if clean is None else clean
+        corrupt = scores.corrupt if corrupt is None else corrupt
+        circuit = circuit.circuit(scores)
+    elif share is not None:
+        raise QKCircuitsError("share= goes with a core circuit (the heads outside it judged beside it); for a "
+                              "TaskCircuit pass also=[...]")
     g = circuit.graph
     task = with_reference(model, task)
     if clean is None or corrupt is None:

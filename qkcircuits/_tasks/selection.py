@@ -43,7 +43,6 @@ from .._foundation.errors import QKCircuitsError
 from .graph import Graph
 from .positions import at, prune_positions, split
 from .._foundation.metric_table import direction_of
-from .task import Task
 
 
 def _consumers(g: Graph, r: int) -> List[int]:
@@ -245,12 +244,6 @@ class TaskCircuit(Result):
 
         g, scores, inside, _ = read_mib(path, model, gqa)
         return cls(g, inside, scores, "mib", None, int(inside.sum()), g.model_name, "mib")
-
-    def roles(self, model, task: Task, **kw):
-        """Each head of the circuit with the evidence for its role (see ``qkcircuits._tasks.roles``)."""
-        from .roles import roles
-
-        return roles(model, task, self, **kw)
 
     def _text(self) -> str:
         top = "; ".join(f"{s}->{r} {x} {v:+.3g}" for s, r, x, v in self.edges()[:4])

@@ -173,6 +173,7 @@ def stability(model, source: Source, sel: Task, held: Optional[Task], resamples:
     """The circuit found on ``resamples`` independent draws (module docstring). ``sel``/``held``: the task's
     selection and held-out parts (``Source.parts``); ``first``: draw 0's own {scores, core, roles} when already
     computed (the CLI's main run). ``percent``: the edge circuit's size on every draw."""
+    from .roles import roles as roles_of          # (``roles`` is this function's switch)
     from .scores import edge_scores
 
     if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
@@ -193,7 +194,7 @@ def stability(model, source: Source, sel: Task, held: Optional[Task], resamples:
                                 holdout=held_views, progress=progress)
             rl = None
         if roles and rl is None:
-            rl = core.roles(model, task, sc, qk=False)
+            rl = roles_of(model, task, core, scores=sc, qk=False)
         cores.append(set(core.heads) | set(core.mlps if mlps else []))
         edges.append({(s, rc, x) for s, rc, x, _ in sc.circuit(percent=percent, by=by).edges()})
         role_of.append({h: e.get("role", "-") for h, e in (rl.roles if rl is not None else {}).items()})

@@ -368,7 +368,7 @@ def load_circuit(source: Any, *, need: Sequence[str] = (), roles: Any = None) ->
     edge scores, anything whose ``to_dict()`` is the JSON contract or its ``circuit`` part), the ``--json``
     dict, a path to that file, or its text. ``need``: top-level keys that must be present (e.g. ``("curve",)``
     for the faithfulness figure). ``roles``: {head: {role, evidence}} (or a result whose ``to_dict()`` gives
-    it, e.g. ``circuit.roles(model, task)``), added to the file's. Bad input: one ``QKCircuitsError`` line
+    it, e.g. ``qk.roles(model, task, circuit)``), added to the file's. Bad input: one ``QKCircuitsError`` line
     naming the file and the problem."""
     if roles is not None:
         view = load_circuit(source, need=need)

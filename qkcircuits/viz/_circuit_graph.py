@@ -52,7 +52,7 @@ MIN_WIDTH = 1.0        # px: an edge of the circuit stays visible however small 
 POSITIVE, NEGATIVE = "#d62728", "#1f77b4"
 INPUT_DASH = {"q": "solid", "k": "dash", "v": "dot"}
 INPUT_AT = {"q": 0.4, "k": 0.5, "v": 0.6}          # hover marker along the edge, so q/k/v edges of a pair differ
-# the role names of circuit.roles() (qkcircuits/_tasks/roles.py), lower-cased; short forms for other files
+# the role names of qk.roles() (qkcircuits/_tasks/roles.py), lower-cased; short forms for other files
 ROLE_COLOURS = {"name mover": "#2ca02c", "negative name mover": "#9467bd", "s-inhibition head": "#ff7f0e",
                 "induction head": "#d62728", "previous-token head": "#1f77b4", "duplicate-token head": "#8c564b",
                 "direct-logit head": "#e377c2", "feeds the circuit": "#17becf", "unclassified": "#7f7f7f",
