@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import qkcircuits as qk
+from qkcircuits._foundation.model_cache import forget
 import qkcircuits._analysis.detect as detect
 from qkcircuits._foundation.arch import norms
 from qkcircuits._foundation.arch.norms import block_norm, final_norm, read_once
@@ -36,11 +37,13 @@ def _counting(monkeypatch):
 def test_a_scan_reads_each_norm_module_once_and_scores_as_without_the_memo(llama_raw, monkeypatch):
     kw = dict(n_seqs=3, seg_len=8, prefix_seqs=2, prefix_len=6, ov_tokens=8, progress=False)
     calls = _counting(monkeypatch)
+    forget(llama_raw)                     # nothing remembered of the model: the weight-only scores computed too
     got = qk.scan(llama_raw, **kw)
     n_norms = llama_raw.cfg.n_layers + 1                                   # every ln1 and the final norm
     assert len(calls) == len(set(calls)) == n_norms
     calls.clear()
     monkeypatch.setattr(detect, "read_once", contextlib.nullcontext)      # as before: every use reads again
+    forget(llama_raw)                     # (a second scan would take the weight-only scores from the store)
     plain = qk.scan(llama_raw, **kw)
     assert len(calls) > 2 * n_norms
     assert set(got.scores) == set(plain.scores)

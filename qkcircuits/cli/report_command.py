@@ -176,6 +176,22 @@ def check_same_model(model, args, *results) -> None:
                                   f"--allow-other-model to show it anyway")
 
 
+def inputs_and_model(args):
+    """The result files a report or the app is given, parsed BEFORE the model loads (a bad file fails in a second),
+    then the model, checked to be the one every file was made on: (model, scores, effects, diagnostics, trace,
+    circuit, attend)."""
+    scores, effects, diagnostics = load_inputs(args)
+    trace = read_trace(args)
+    circuit = read_circuit(args)
+    attend = read_attend(args)
+    model = load_model(args)
+    check_same_model(model, args, ("--scores", args.scores, scores), ("--ablation", args.ablation, effects),
+                     ("--diagnostics", args.diagnostics, diagnostics), ("--trace", args.trace, trace),
+                     ("--circuit", args.circuit, circuit),
+                     *(("--attend", f, a) for f, a in zip(args.attend or [], attend or [])))
+    return model, scores, effects, diagnostics, trace, circuit, attend
+
+
 def read_circuit(args):
     """The checked circuit of ``--circuit`` (None when not given): a missing, foreign or damaged file is one line
     naming it, before the model loads."""
@@ -190,15 +206,7 @@ def run(args: argparse.Namespace) -> int:
     from .._analysis.detect import scan
     from ..viz import report_html
 
-    scores, effects, diagnostics = load_inputs(args)
-    trace = read_trace(args)                 # parsed before the model loads: a bad file fails in a second
-    circuit = read_circuit(args)
-    attend = read_attend(args)
-    model = load_model(args)
-    check_same_model(model, args, ("--scores", args.scores, scores), ("--ablation", args.ablation, effects),
-                     ("--diagnostics", args.diagnostics, diagnostics), ("--trace", args.trace, trace),
-                     ("--circuit", args.circuit, circuit),
-                     *(("--attend", f, a) for f, a in zip(args.attend or [], attend or [])))
+    model, scores, effects, diagnostics, trace, circuit, attend = inputs_and_model(args)
     attend = check_attend(attend, model, args)
     if scores is None:
         # eigen_copying comes from the report's own weight-only pass

@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from .._foundation.errors import QKCircuitsError
-from ._common import add_model_args, load_model, positive_int
-from .report_command import add_result_args, check_attend, check_same_model, check_trace, load_inputs, read_attend, read_circuit, read_trace
+from ._common import add_model_args, positive_int
+from .report_command import add_result_args, check_attend, check_trace, inputs_and_model
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -52,15 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.port > 65535:
         raise QKCircuitsError(f"port {args.port} is out of range 1-65535")
-    scores, effects, diagnostics = load_inputs(args)
-    trace = read_trace(args)                 # parsed before the model loads: a bad file fails in a second
-    circuit = read_circuit(args)
-    attend = read_attend(args)
-    model = load_model(args)
-    check_same_model(model, args, ("--scores", args.scores, scores), ("--ablation", args.ablation, effects),
-                     ("--diagnostics", args.diagnostics, diagnostics), ("--trace", args.trace, trace),
-                     ("--circuit", args.circuit, circuit),
-                     *(("--attend", f, a) for f, a in zip(args.attend or [], attend or [])))
+    model, scores, effects, diagnostics, trace, circuit, attend = inputs_and_model(args)
     trace = check_trace(trace, model, args)  # before the scan and before listening
     attend = check_attend(attend, model, args)
     if scores is None and not args.no_scan:
