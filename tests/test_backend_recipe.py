@@ -78,8 +78,8 @@ def test_circuit_steps_share_one_pool_and_equal_the_local_backend(recipe, toy_ta
         assert "\n" not in str(e.value)
     assert backend.opened == ["toy-induction"] and p.opened == 1
     # the split analyses' plans are steps named after them; their shards went through each()
-    assert backend.ran == ["edge_scores", "node_scores", "faithfulness", "core_circuit"]
-    assert [job for job, _ in backend.mapped] == ["edge_scores", "node_scores"]
+    assert backend.ran == ["edge_scores", "node_scores", "faithfulness", "node_view", "core_circuit"]
+    assert [job for job, _ in backend.mapped] == ["edge_scores", "node_scores", "faithfulness"]
     with pytest.raises(QKCircuitsError, match="is closed"):
         qk.edge_scores("toy-induction", task, backend=p)
 
@@ -109,10 +109,11 @@ def test_the_circuit_command_runs_every_step_on_one_pool_of_the_recipe_backend(r
     monkeypatch.setattr(cli_circuit, "backend", lambda args: backend)
     assert main(common + ["--json", str(b)]) == 0
     assert backend.opened == ["toy-induction"]
-    # task, edge scores, core, curve, the sign check's EAP-IG, the --edges circuit's f, roles: all on the one pool
-    assert backend.ran == ["task", "edge_scores", "core_circuit", "faithfulness", "edge_scores",
-                           "circuit_faithfulness", "roles"]
-    assert [job for job, _ in backend.mapped] == ["edge_scores", "edge_scores"]
+    # task, edge scores, core, curve (shards), sign check's EAP-IG, the --edges circuit's f, roles: all on the one pool
+    # (the curve's plan and node view, then the same on the held-out prompts)
+    assert backend.ran == ["task", "edge_scores", "core_circuit", "faithfulness", "node_view", "faithfulness",
+                           "node_view", "edge_scores", "circuit_faithfulness", "roles"]
+    assert [job for job, _ in backend.mapped] == ["edge_scores", "faithfulness", "faithfulness", "edge_scores"]
     la, lb = json.loads(a.read_text()), json.loads(b.read_text())
     for d in (la, lb):                      # how long each step took: the only numbers that may differ
         d.pop("timing"), d["core"].pop("seconds")
@@ -124,19 +125,31 @@ def test_the_circuit_command_runs_every_step_on_one_pool_of_the_recipe_backend(r
                                                                                       "positions"])
 def test_the_recipe_maps_shards_last_first_and_equals_local_exactly(recipe, toy_task, graph):
     """Every split analysis on the recipe's backend (its shards run in reverse order) equals the local one bit for
-    bit: edge scores (EAP-IG and exact) and exact node scores on every graph option, the sweep, path patching."""
+    bit: edge scores (EAP-IG and exact) and exact node scores on every graph option, the sweep, path patching, the
+    faithfulness curve (m(clean) taken from the scores; and with its bootstrap and a held-out part)."""
     model, task = toy_task
     backend = recipe["Recording"]()
     tokens = qk.repeated_tokens(model, n_seqs=4, seg_len=5, seed=2)
     kw = dict(rows_per_shard=2, progress=False, **graph)
+    held = qk.tasks.induction(model, n=4, seg_len=5, seed=3)
+    sizes = (2, 10, 30, 100)
     with backend.pool(model) as p:
         got = {m: qk.edge_scores(model, task, method=m, backend=p, **kw) for m in ("eap-ig", "exact")}
         nodes = qk.node_scores(model, task, method="exact", backend=p, **kw)
         sweep = qk.sweep(model, tokens, "induction-loss", "resample", backend=p, progress=False)
         paths = qk.path_patch(model, "1.0,1.1", tokens=tokens, method="resample", shards=2, backend=p,
                               progress=False)
+        faith = [qk.faithfulness(model, task, got["eap-ig"], sizes, rows_per_shard=2, progress=False, backend=p,
+                                 **more) for more in ({}, {"bootstrap": 20, "holdout": held})]
     assert backend.mapped == [("edge_scores", 3), ("edge_scores", 3), ("node_scores", 3), ("sweep", 2),
-                              ("path_patch", 2)]                  # 6 prompts in 3 blocks; 2 layers; 2 row blocks
+                              ("path_patch", 2), ("faithfulness", 3), ("faithfulness", 3), ("faithfulness", 1)]
+    # 6 prompts in 3 blocks; 2 layers; 2 row blocks; the curve's 3 blocks, the held-out 4 prompts in one
+    for res, more in zip(faith, ({}, {"bootstrap": 20, "holdout": held}), strict=True):
+        want = qk.faithfulness(model, task, got["eap-ig"], sizes, rows_per_shard=2, progress=False, **more)
+        a, b = res.to_dict(), want.to_dict()
+        a.pop("timing"), b.pop("timing")
+        assert a == b and res.metric_values == want.metric_values
+        assert res.curve[100.0] == 1.0 and res.clean > res.corrupt and bool(more) == bool(res.bootstrap)
     for m, res in got.items():
         want = qk.edge_scores(model, task, method=m, **kw)
         assert res.scores.nan_to_num().abs().max() > 1                          # the toy's edges carry the task

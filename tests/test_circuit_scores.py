@@ -366,6 +366,7 @@ def test_node_view_run_equals_the_patched_run_of_its_mask(family, monkeypatch):
     assert f == pytest.approx((float(want.mean()) - m_none) / (m_full - m_none), rel=1e-4, abs=1e-5)
     # the same f from a given m(clean) and the curve's corrupt record (what faithfulness and the CLI pass): the
     # record is read (no corrupt forward of its own) and a given dict is never filled on the one-forward path
+    from qkcircuits._tasks import curve as curve_mod
     from qkcircuits._tasks import faithfulness as circuit_mod
 
     def no_forward(*a, **k):
@@ -373,7 +374,7 @@ def test_node_view_run_equals_the_patched_run_of_its_mask(family, monkeypatch):
 
     with monkeypatch.context() as mp:
         mp.setattr(circuit_mod, "z_record", no_forward)
-        mp.setattr(circuit_mod, "record", no_forward)
+        mp.setattr(curve_mod, "record", no_forward)             # circuit_metric's (Gemma's path)
         assert node_faithfulness(model, task, keep, rows_per_shard=task.n, clean=m_full, records={0: corr}) == \
             pytest.approx(f, rel=1e-5, abs=1e-6)
     # node_metric's parts: clean NaN when not asked for; two-row shards sum to the same m, clean and corrupt

@@ -283,12 +283,14 @@ def test_task_scores_and_faithfulness_on_ray_equal_local(graph, llama, ray_local
     kw = dict(rows_per_shard=2, progress=False, **graph)
     local = {m: qk.edge_scores(model, task, method=m, **kw) for m in ("eap-ig", "exact")}
     nodes = qk.node_scores(model, task, method="exact", **kw)
-    faith = qk.faithfulness(model, task, local["eap-ig"], sizes=(1, 10, 50, 100), progress=False, bootstrap=20)
+    # the curve's circuit metrics in 3 row blocks too (CIRCUIT_METRIC), on Ray over both workers
+    faith = qk.faithfulness(model, task, local["eap-ig"], sizes=(1, 10, 50, 100), rows_per_shard=2, progress=False,
+                            bootstrap=20)
     with qk.Ray(workers=2).pool(model) as p:
         remote = {m: qk.edge_scores(model, task, method=m, backend=p, **kw) for m in local}
         rnodes = qk.node_scores(model, task, method="exact", backend=p, **kw)
-        rfaith = qk.faithfulness(model, task, local["eap-ig"], sizes=(1, 10, 50, 100), progress=False, bootstrap=20,
-                                 backend=p)
+        rfaith = qk.faithfulness(model, task, local["eap-ig"], sizes=(1, 10, 50, 100), rows_per_shard=2,
+                                 progress=False, bootstrap=20, backend=p)
         if not graph.get("positions"):
             core = qk.core_circuit(model, task, local["eap-ig"], progress=False)
             rcore = qk.core_circuit(model, task, local["eap-ig"], progress=False, backend=p)
@@ -312,6 +314,8 @@ def test_task_scores_and_faithfulness_on_ray_equal_local(graph, llama, ray_local
     assert (rfaith.curve, rfaith.cpr, rfaith.cmd, rfaith.bootstrap) == (faith.curve, faith.cpr, faith.cmd,
                                                                           faith.bootstrap)
     assert rfaith.circuit.heads == faith.circuit.heads and rfaith.node_faithfulness == faith.node_faithfulness
+    assert rfaith.metric_values == faith.metric_values
+    assert (rfaith.clean, rfaith.corrupt) == (faith.clean, faith.corrupt)
 
 
 def test_cli_circuit_ray_equals_local(tmp_path, ray_local, capsys):

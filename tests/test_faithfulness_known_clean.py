@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import qkcircuits as qk
+from qkcircuits._tasks import curve as curve_mod
 from qkcircuits._tasks import faithfulness as circuit_mod
 
 from _tiny import llama_dir
@@ -28,7 +29,8 @@ def _clean_runs(monkeypatch):
         calls.append(task.n)
         return real(model, task)
 
-    monkeypatch.setattr(circuit_mod, "clean_rows", counted)
+    monkeypatch.setattr(circuit_mod, "clean_rows", counted)        # the node view's
+    monkeypatch.setattr(curve_mod, "clean_rows", counted)          # the curve's shards' (circuit_metric's)
     return calls
 
 

@@ -15,8 +15,8 @@ analysis), whose shards it maps with ``each``.
 1
 
 An analysis hands its request to its backend: a split one (``sweep``, ``path_patch``, ``edge_scores``,
-``node_scores``) as ``Backend.map(sharded, model, **request)``, a step that is not split (the CLI's task, roles,
-a zoo entry, faithfulness, the core circuit) as ``Backend.run(job, model, local=..., **request)``. Either opens a
+``node_scores``, the faithfulness curve) as ``Backend.map(sharded, model, **request)``, a step that is not split
+(the CLI's task, roles, a zoo entry, faithfulness' node view, the core circuit) as ``Backend.run(job, model, local=..., **request)``. Either opens a
 pool for that one step; a command with several steps opens ONE pool (``with backend.pool(model) as p``) and runs
 each step on it (``backend=p`` in the public functions), so the model is loaded once per command, here or on
 each Ray worker. ``Local``'s pool loads a spec once (``qk.load``), runs a step on it and maps shards in order;
@@ -137,7 +137,7 @@ class Backend:
         return EachStep(self, model)
 
     def run(self, job: str, model, *, local: Callable[..., Any], **request: Any) -> Any:
-        """Compute the step ``job`` (``"faithfulness"``, ``"core_circuit"``, ``"trace_scan"``; the CLI's ``circuit``
+        """Compute the step ``job`` (``"node_view"``, ``"core_circuit"``, ``"trace_scan"``; the CLI's ``circuit``
         adds ``"task"``, ``"circuit_faithfulness"``, ``"roles"``; the zoo ``"zoo_entry"``; a split analysis' plan
         is a step named after it) for ``model`` (loaded or a spec) on a pool opened for this step alone;
         ``local(loaded_model, **request)`` is the computation, wherever the model is."""

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from .._foundation.errors import QKCircuitsError
-from .faithfulness import _check_graph_of, circuit_metric, node_metric, ratio
+from .curve import _check_graph_of, circuit_metric
+from .faithfulness import node_metric, ratio
 from .graph import Graph, graph
 from .positions import position_groups, position_node_mask, split
 from .row_budget import check_task, shard_rows

@@ -30,24 +30,22 @@ from __future__ import annotations
 
 from numbers import Real
 
-import math
 import time
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import torch
 from torch import Tensor
 
 from .._foundation.result import Result
 from .._foundation.errors import QKCircuitsError
 from .graph import Graph, graph, provenance
 from .positions import group_index, position_groups, position_node_mask, split
-from .record import Record, clean_rows, record, reuse
-from .patched import patched_run
+from .record import Record, clean_rows
 from .runs import node_run, z_patchable, z_record
-from .selection import TaskCircuit, select
+from .selection import TaskCircuit
 from .caveats import reached, unreached_message
+from .curve import _check_graph_of, circuit_metric  # noqa: F401 (read from here: evaluation, find, tests)
 from .task import Task, with_reference
 
 SIZES = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
@@ -178,81 +176,6 @@ def node_mask(g: Graph, keep: Sequence[str]) -> Tensor:
     return mask
 
 
-def circuit_metric(model, task: Task, masks: Sequence[Tensor], rows_per_shard: int, progress: bool = False,
-                   need_clean: bool = True, records: Optional[Dict[int, Record]] = None,
-                   known_clean: Optional[float] = None, g: Optional[Graph] = None,
-                   per_row: Optional[Dict[str, Tensor]] = None) -> Tuple[List[float], float, float]:
-    """The metric mean of each circuit mask ([S, R], or [groups, S, R] on a position-aware ``g``; ``g``: the
-    graph the masks are of, default ``qk.graph(model)``) (one patched forward per mask and shard), and clean/corrupt
-    (the corrupt record per shard; clean from a 100 % mask when one is among ``masks``, else one more run,
-    or NaN without ``need_clean``). ``known_clean``: m(clean) already measured on these very rows and
-    weights (``faithfulness`` passes the scores' own when their ``task_digest`` matches): the 100 % mask
-    takes it and no clean rows are run. ``records``: shard index → corrupt record, read when there and
-    filled when given (a caller that runs more circuits on the same shards skips those corrupt forwards;
-    it then holds them). ``per_row``: a dict filled with each row's metric, ``"masks"`` [len(masks), n],
-    ``"clean"`` and ``"corrupt"`` [n] (what a bootstrap over prompts resamples; ``known_clean`` is then not
-    used for the clean rows, which are run)."""
-    g = g or graph(model)
-    task = with_reference(model, task)
-    sums = [0.0] * len(masks)
-    clean = corrupt = 0.0
-    if per_row is not None:
-        known_clean = None
-        need_clean = True
-        rows_of: List[List[Tensor]] = [[] for _ in masks]
-        clean_of: List[Tensor] = []
-        corrupt_of: List[Tensor] = []
-    from .._foundation.progress import progress_bar
-
-    bar = progress_bar(total=len(masks) * ((task.n + rows_per_shard - 1) // rows_per_shard), desc="faithfulness",
-                       enabled=progress)
-    full = next((i for i, m in enumerate(masks) if bool(((m & g.valid) == g.valid).all())), None)
-    pool: Dict[str, Tensor] = {}        # one shard's buffers, reused by the next (runs.reuse)
-    for j, shard in enumerate(task.shards(rows_per_shard)):
-        corr = records[j] if records is not None and j in records else \
-            record(model, g, shard, shard.corrupt, pool=None if records is not None else pool)
-        if records is not None:
-            records[j] = corr
-        corrupt += float(corr.rows.sum())
-        # one sender-output buffer for all the circuits of the shard
-        buf = reuse(pool, "patched", tuple(corr.out.shape), corr.out.dtype, corr.out.device)
-        pos = group_index(shard, g.positions) if g.positions else None
-        full_rows = None
-        for i, m in enumerate(masks):
-            if i == full and known_clean is not None:
-                continue
-            # the full circuit IS the clean run (runs.py): a plain forward, no sender outputs to record
-            rows = (clean_rows(model, shard) if i == full else
-                    patched_run(model, g, shard, corr, m[None], buffer=buf, positions=pos).reshape(-1))
-            sums[i] += float(rows.sum())
-            if i == full:
-                full_rows = rows
-            if per_row is not None:
-                rows_of[i].append(rows.detach().double().cpu())
-            bar.update(1)
-        # m(full): a 100 % mask already measured it
-        if full is None and need_clean and known_clean is None:
-            full_rows = clean_rows(model, shard)
-            clean += float(full_rows.sum())
-        if per_row is not None:
-            clean_of.append(full_rows.detach().double().cpu())
-            corrupt_of.append(corr.rows.detach().double().cpu())
-        del corr, buf
-    if known_clean is not None:
-        clean = float(known_clean) * task.n
-        if full is not None:
-            sums[full] = clean
-    elif full is not None:
-        clean = sums[full]
-    elif not need_clean:
-        clean = float("nan")
-    bar.close()
-    if per_row is not None:
-        per_row["masks"] = torch.stack([torch.cat(r) for r in rows_of]) if masks else torch.zeros(0, task.n)
-        per_row["clean"], per_row["corrupt"] = torch.cat(clean_of), torch.cat(corrupt_of)
-    return [s / task.n for s in sums], clean / task.n, corrupt / task.n
-
-
 def ratio(m: float, clean: float, corrupt: float) -> float:
     """f = (m − m(corrupt)) / (m(clean) − m(corrupt)); NaN when clean and corrupt are equal. The one formula
     every faithfulness number (curve, node view, CLI, Ray) goes through."""
@@ -338,18 +261,6 @@ def node_faithfulness(model, task: Task, heads: Sequence[str], rows_per_shard: O
     return ratio(m, full if clean is None else float(clean), corrupt)
 
 
-def _check_graph_of(model, task: Task, g: Graph) -> None:
-    """The scores' graph is this model's (and, position-aware, this task's positions): one line otherwise."""
-    from dataclasses import replace
-
-    own = graph(model, "ungrouped" if g.ungrouped else "grouped")
-    if replace(own, model_name="") != replace(g, positions=(), model_name=""):
-        raise QKCircuitsError(f"the scores are of another graph ({g!r}) than this model's ({own!r})")
-    missing = [p for p in g.positions[:-1] if p not in task.positions]
-    if missing:
-        raise QKCircuitsError(f"the scores split positions {', '.join(missing)}, which this task does not name")
-
-
 def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by: str = "signed",
                  how: str = "top", threshold: Real = THRESHOLD, rows_per_shard: Optional[int] = None,
                  progress: bool = True, backend: Any = None, bootstrap: int = 0, seed: int = 0,
@@ -361,85 +272,63 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     patched forward per size and prompt shard, one for the node view, one corrupt forward per shard, and
     one clean forward per shard for m(full) unless the scores measured it on this task and these weights
     (``scores.settings["task_digest"]`` equals ``task.digest(model)``: their m(clean) is taken). Memory: the shard's corrupt record and the patched
-    run's sender outputs, ~3 × [S, rows, pos, d_model]. ``backend`` as in ``edge_scores``: the whole curve is one
-    step where the backend runs steps (on Ray: one worker, which loaded the model), on every graph.
+    run's sender outputs, ~3 × [S, rows, pos, d_model]. ``backend`` as in ``edge_scores``: the curve's circuit
+    metrics are the shards ``curve.CIRCUIT_METRIC`` (prompt-row blocks, float sums added in order, divided by n;
+    f computed once from them) on every backend and graph; the node view is one step (``node_view``).
     ``bootstrap``: that many resamples of the prompt rows (seeded by ``seed``) give 95 % intervals of each f,
     CPR and CMD from the per-row metrics, with no model run per resample (``bootstrap.py``; the clean rows
     are then run even when the scores measured m(clean)). ``holdout``: a Task of other prompts of the same
     behaviour: the grid's circuits (chosen on ``task``) are measured there too, with 95 % intervals over its rows
     (``bootstrap`` resamples, 200 when 0; no model run per resample), in ``Faithfulness.holdout`` — the
     numbers to report, since the circuits were not chosen on those rows."""
+    from .._foundation.backends import as_backend
     from .bootstrap import check_bootstrap
-    from .row_budget import check_task, shard_rows
+    from .curve import CIRCUIT_METRIC
 
     check_bootstrap(bootstrap)
-    if backend is not None:         # one step where the backend runs steps (on Ray: one worker); not split yet
-        from .._foundation.backends import as_backend
-
-        extra = {"bootstrap": bootstrap, "seed": seed} if bootstrap else {}
-        if holdout is not None:
-            extra["holdout"] = holdout
-        return as_backend(backend).run("faithfulness", model, local=faithfulness, task=task, scores=scores,
-                                       sizes=sizes, by=by, how=how, threshold=threshold, rows_per_shard=rows_per_shard,
-                                       progress=progress, **extra)
-
     sizes = sorted({float(s) for s in sizes})
     if not sizes or sizes[0] < 0 or sizes[-1] > 100:
         raise QKCircuitsError(f"sizes must be percents in 0-100, got {sizes!r}")
-    check_task(model, task)
-    g = scores.graph if isinstance(getattr(scores, "graph", None), Graph) else graph(model)
-    _check_graph_of(model, task, g)
-    task = with_reference(model, task.to(model.W_E.device))
-    rows = rows_per_shard or shard_rows(model, g, task, buffers=3)
-    t0 = time.perf_counter()
-    circuits = [select(scores, percent=p, by=by, how=how) for p in sizes]
-    # One shard: its corrupt record (held during the curve anyway) serves the node view too. More shards:
-    # each is recorded again there, so that only one shard's record is held at a time.
-    records: Optional[Dict[int, Record]] = {} if rows >= task.n else None
-    # m(clean) was measured by the scores' own clean run when they were computed on this task and these
-    # weights (the digest says so): the 100 % circuit IS that run, so it is not run again
-    known = getattr(scores, "clean", None)
-    digest = getattr(scores, "settings", {}).get("task_digest")
-    known = (float(known) if digest is not None and known is not None and math.isfinite(float(known))
-             and digest == task.digest(model) else None)
-    per_row: Optional[Dict[str, Tensor]] = {} if bootstrap else None
-    values, clean, corrupt = circuit_metric(model, task, [c.mask if c.position_mask is None else c.position_mask
-                                                          for c in circuits], rows, progress, records=records,
-                                            known_clean=known, g=g, per_row=per_row)
-    curve, chosen, circuit = choose(sizes, circuits, values, clean, corrupt, threshold)
-    t1 = time.perf_counter()
-    nf = node_faithfulness(model, task, circuit.heads, rows, clean=clean, records=records)
-    del records
-    out = finish(sizes, circuits, values, clean, corrupt, curve, chosen, circuit, nf, getattr(scores, "model", ""),
-                 {"by": by, "how": how, "threshold": threshold, "rows_per_shard": rows}, t0, t1, per_row, bootstrap,
-                 seed, threshold, task)
-    if holdout is not None:
-        check_task(model, holdout)
-        out = replace(out, holdout=held_out(model, holdout, circuits, sizes, circuit, g, bootstrap or HELD_BOOTSTRAP,
-                                            seed))
+    request = dict(scores=scores, sizes=sizes, by=by, how=how, progress=progress)
+    with as_backend(backend).pool(model) as p:
+        t0 = time.perf_counter()
+        m = p.map(CIRCUIT_METRIC, task=task, rows_per_shard=rows_per_shard, per_row=bool(bootstrap), use_known=True,
+                  **request)
+        circuits, rows = m["circuits"], m["rows"]
+        values, clean, corrupt = m["values"], m["clean"], m["corrupt"]
+        curve, chosen, circuit = choose(sizes, circuits, values, clean, corrupt, threshold)
+        t1 = time.perf_counter()
+        nf = p.run("node_view", local=node_view, task=task, heads=circuit.heads, rows=rows, clean=clean)
+        out = finish(sizes, circuits, values, clean, corrupt, curve, chosen, circuit, nf, getattr(scores, "model", ""),
+                     {"by": by, "how": how, "threshold": threshold, "rows_per_shard": rows}, t0, t1, m["per_row"],
+                     bootstrap, seed, threshold, task)
+        if holdout is not None:
+            h = p.map(CIRCUIT_METRIC, task=holdout, rows_per_shard=None, per_row=True, use_known=False, **request)
+            hnf = p.run("node_view", local=node_view, task=holdout, heads=circuit.heads, rows=h["rows"],
+                        clean=h["clean"])
+            out = replace(out, holdout=held_out(h, sizes, hnf, bootstrap or HELD_BOOTSTRAP, seed))
     return out
+
+
+def node_view(model, *, task: Task, heads: Sequence[str], rows: int, clean: float) -> float:
+    """The step ``node_view``: the node faithfulness of ``heads`` on ``task`` (whole, where the model is)."""
+    task = with_reference(model, task.to(model.W_E.device))
+    return node_faithfulness(model, task, heads, rows, clean=clean)
 
 
 HELD_BOOTSTRAP = 200
 
 
-def held_out(model, holdout: Task, circuits: List, sizes: List[float], chosen, g: Graph, bootstrap: int,
-             seed: int) -> Dict[str, object]:
-    """The grid's circuits (and the chosen one's node view) measured on held-out rows, with bootstrap intervals."""
+def held_out(m: Dict[str, Any], sizes: List[float], nf: float, bootstrap: int, seed: int) -> Dict[str, object]:
+    """The grid's circuits (and the chosen one's node view, ``nf``) measured on held-out rows (``m``: the curve's
+    shards combined on them, with each row's metric), with bootstrap intervals."""
     from .bootstrap import bootstrap_curve
-    from .row_budget import shard_rows
 
-    held = with_reference(model, holdout.to(model.W_E.device))
-    rows = shard_rows(model, g, held, buffers=3)
-    records: Optional[Dict[int, Record]] = {} if rows >= held.n else None
-    per: Dict[str, Tensor] = {}
-    values, clean, corrupt = circuit_metric(model, held, [c.mask if c.position_mask is None else c.position_mask
-                                                          for c in circuits], rows, records=records, g=g, per_row=per)
-    curve = {p: ratio(v, clean, corrupt) for p, v in zip(sizes, values)}
+    clean, corrupt, per = m["clean"], m["corrupt"], m["per_row"]
+    curve = {p: ratio(v, clean, corrupt) for p, v in zip(sizes, m["values"])}
     xs = [p / 100 for p in sizes]
     f = list(curve.values())
-    nf = node_faithfulness(model, held, chosen.heads, rows, clean=clean, records=records)
-    return {"n": held.n, "clean": clean, "corrupt": corrupt, "curve": curve, "cpr": _area(xs, f),
+    return {"n": m["n"], "clean": clean, "corrupt": corrupt, "curve": curve, "cpr": _area(xs, f),
             "cmd": _area(xs, [abs(1 - v) for v in f]), "node_faithfulness": nf,
             "bootstrap": bootstrap_curve(xs, per["masks"], per["clean"], per["corrupt"], bootstrap, seed)}
 

@@ -131,8 +131,9 @@ class _Run:
             the_core = pool.run("core_circuit", local=core_circuit, task=task, scores=scores, by=by,
                                 mlps=core_mlps == "searched", progress=progress, **hold)
         t_core = time.perf_counter()
-        faith = pool.run("faithfulness", local=faithfulness, task=task, scores=scores, by=by, how=how,
-                         progress=progress, **({"bootstrap": bootstrap} if bootstrap else {}), **hold)
+        # the curve's shards mapped on the pool (on Ray: over its workers), its node view one step
+        faith = faithfulness(pool.model, task, scores, by=by, how=how, progress=progress, backend=pool,
+                             bootstrap=bootstrap, **hold)
         t3 = time.perf_counter()
         explicit = edges is not None or percent is not None
         if done and not undefined and not explicit and not faith.reached:
@@ -232,7 +233,8 @@ def task_step_of(model, *, task: Task, holdout: Optional[Real], seed: int, gqa: 
 
 def circuit_faithfulness_step(model, *, task, circuit, graph, progress: bool = True):
     """The step "circuit_faithfulness": (f, node-view f) of one circuit (``edges`` / ``percent``)."""
-    from .faithfulness import circuit_metric, node_faithfulness, ratio
+    from .curve import circuit_metric
+    from .faithfulness import node_faithfulness, ratio
     from .scores import shard_rows
 
     rows = shard_rows(model, graph, task, buffers=3)
