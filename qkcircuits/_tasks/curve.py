@@ -215,4 +215,12 @@ def _combine_curve(plan: Plan, parts: List[Dict[str, Any]], where: Optional[Dict
 
 
 # The faithfulness curve's circuit metrics, declared once (``_foundation/shards``): the shards every backend maps
-CIRCUIT_METRIC = Sharded("faithfulness", _plan_curve, _curve_shard, _combine_curve)
+def _check_curve(*, task, **rest: Any) -> Dict[str, Any]:
+    """The driver's check of a curve request (one line, before anything loads or starts)."""
+    from .row_budget import check_task_type
+
+    check_task_type(task)
+    return dict(task=task, **rest)
+
+
+CIRCUIT_METRIC = Sharded("faithfulness", _plan_curve, _curve_shard, _combine_curve, _check_curve)

@@ -289,6 +289,10 @@ def faithfulness(model, task: Task, scores, sizes: Sequence[Real] = SIZES, *, by
     sizes = sorted({float(s) for s in sizes})
     if not sizes or sizes[0] < 0 or sizes[-1] > 100:
         raise QKCircuitsError(f"sizes must be percents in 0-100, got {sizes!r}")
+    if backend is None:      # this process: a loaded model and a task whose ids fit it, checked before any run
+        from .row_budget import check_task
+
+        check_task(model, task)
     request = dict(scores=scores, sizes=sizes, by=by, how=how, progress=progress)
     with as_backend(backend).pool(model) as p:
         t0 = time.perf_counter()

@@ -37,19 +37,25 @@ def shard_rows(model, g: Graph, task: Task, buffers: int = 2, budget: int = DELT
     return max(1, min(task.n, budget // max(per_row, 1)))
 
 
-def check_task(model, task: object) -> None:          # any value: it says what it takes
-    """``model`` is a loaded model and ``task`` a ``Task`` whose token ids fit it; else one line saying what is
-    taken."""
-    from .._foundation.args import describe, require_model
-
-    require_model(model)
+def check_task_type(task: object) -> None:          # any value: it says what it takes
+    """``task`` is a ``Task``; else one line saying how to build one (no model needed: a driver's check)."""
     if not isinstance(task, Task):
+        from .._foundation.args import describe
         from .registry import task_names
 
         hint = (f"; build it with qk.tasks.build_task(model, {task!r})" if isinstance(task, str) and task in task_names()
                 else "; build one with qk.tasks.build_task(model, NAME) (a registered task: "
                      f"{', '.join(task_names()[:4])}, ...) or qk.tasks.from_jsonl(model, path)")
         raise QKCircuitsError(f"task must be a qk.Task, got {describe(task)}{hint}")
+
+
+def check_task(model, task: object) -> None:          # any value: it says what it takes
+    """``model`` is a loaded model and ``task`` a ``Task`` whose token ids fit it; else one line saying what is
+    taken."""
+    from .._foundation.args import require_model
+
+    require_model(model)
+    check_task_type(task)
     V, n_ctx = model.cfg.d_vocab, model.cfg.n_ctx
     for what, t in (("clean", task.clean), ("corrupt", task.corrupt), ("answer", task.answer), ("wrong", task.wrong)):
         check_vocab(t, V, what)                   # answer / wrong sets: their padding left out
